@@ -1,0 +1,178 @@
+"""Conversation datasets: loading from local files, normalising shapes, reporting bad input.
+
+Accepted shapes (one conversation per record):
+  OpenAI:   {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}]}
+  ShareGPT: {"conversations": [{"from": "system"|"human"|"gpt", "value": "..."}]}
+An optional "id" is kept. Bad records are never fatal here: each becomes a ``BadInput`` that
+names its file and line (jsonl) or row (json/parquet), and the caller decides (report and
+skip, or fail under --strict).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROLE_ALIASES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+    "bot": "assistant",
+}
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+MANIFEST_NAME = "manifest.json"
+
+
+class ConversationFormatError(ValueError):
+    """Raised under --strict for the first bad record."""
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str  # "system" | "user" | "assistant"
+    content: str
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: str
+    messages: tuple[Message, ...]
+    location: str  # "file.jsonl:12" (line) or "file.parquet:row 3"
+
+    def to_messages(self) -> list[dict]:
+        return [{"role": m.role, "content": m.content} for m in self.messages]
+
+    @property
+    def num_assistant_turns(self) -> int:
+        return sum(m.role == "assistant" for m in self.messages)
+
+
+@dataclass(frozen=True)
+class BadInput:
+    location: str
+    kind: str  # malformed_json | missing_role | missing_content | unknown_role | empty_conversation | ends_on_user | no_assistant_turn | over_long_prompt
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.location}: {self.kind}: {self.detail}"
+
+
+@dataclass
+class LoadResult:
+    conversations: list[Conversation] = field(default_factory=list)
+    bad: list[BadInput] = field(default_factory=list)
+
+
+def data_files(source: str | Path) -> list[Path]:
+    """The data files of a source: a file, a folder of them, or a specfoundry regen output."""
+    path = Path(source)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise FileNotFoundError(f"no such file or folder: {path}")
+    manifest = path / MANIFEST_NAME
+    if manifest.is_file():
+        listed = json.loads(manifest.read_text()).get("shards")
+        if listed is not None:  # a regen output: only its completed, listed shards count
+            return [path / s["path"] for s in listed]
+    files = sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.name != MANIFEST_NAME)
+    if not files:
+        raise FileNotFoundError(f"{path} holds no .jsonl, .json or .parquet files")
+    return files
+
+
+def iter_records(path: Path) -> Iterator[tuple[str, dict | None, str | None]]:
+    """Yield (location, record, error) for each record of one file.
+
+    jsonl is read line by line so one malformed line is reported with its number instead of
+    failing the whole file; json arrays and parquet go through `datasets`.
+    """
+    if path.suffix == ".jsonl":
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    yield where, None, f"malformed JSON ({e.msg} at column {e.colno})"
+                    continue
+                if not isinstance(record, dict):
+                    yield where, None, f"expected a JSON object, got {type(record).__name__}"
+                    continue
+                yield where, record, None
+        return
+    import datasets
+
+    fmt = "parquet" if path.suffix == ".parquet" else "json"
+    try:
+        ds = datasets.load_dataset(fmt, data_files=[str(path)], split="train")
+    except Exception as e:  # noqa: BLE001 - datasets raises many types for unreadable files
+        yield f"{path}", None, f"unreadable {fmt} file ({type(e).__name__}: {str(e).splitlines()[0]})"
+        return
+    for i, record in enumerate(ds):
+        yield f"{path}:row {i}", record, None
+
+
+def normalise(record: dict, location: str, default_id: str) -> Conversation | BadInput:
+    """One record in any accepted shape -> Conversation, or the first thing wrong with it."""
+    turns = record.get("messages")
+    if turns is None:
+        turns = record.get("conversations", record.get("conversation"))
+    if turns is None:
+        return BadInput(location, "empty_conversation", "no 'messages' or 'conversations' field")
+    if not isinstance(turns, list) or not turns:
+        return BadInput(location, "empty_conversation", "the conversation has no turns")
+    messages = []
+    for t, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            return BadInput(location, "missing_role", f"turn {t} is not an object")
+        role = turn.get("role", turn.get("from"))
+        content = turn.get("content", turn.get("value"))
+        if role is None:
+            return BadInput(location, "missing_role", f"turn {t} has no 'role' or 'from'")
+        if str(role).lower() not in ROLE_ALIASES:
+            return BadInput(location, "unknown_role", f"turn {t} has unknown role {role!r}")
+        if not isinstance(content, str):
+            return BadInput(location, "missing_content", f"turn {t} has no text content")
+        messages.append(Message(ROLE_ALIASES[str(role).lower()], content))
+    non_system = [m for m in messages if m.role != "system"]
+    if not non_system:
+        return BadInput(location, "empty_conversation", "only a system prompt")
+    if not any(m.role == "assistant" for m in non_system):
+        return BadInput(location, "no_assistant_turn", "no assistant turn to learn from")
+    if non_system[-1].role == "user":
+        return BadInput(location, "ends_on_user", "the last turn is a user turn with no answer")
+    conv_id = str(record.get("id", default_id)) if record.get("id") is not None else default_id
+    return Conversation(conv_id, tuple(messages), location)
+
+
+def load_conversations(source: str | Path, strict: bool = False, limit: int | None = None) -> LoadResult:
+    """Load and normalise every conversation of a source, in a deterministic order.
+
+    With ``strict`` the first bad record raises ConversationFormatError naming its location.
+    """
+    result = LoadResult()
+    for path in data_files(source):
+        for index, (where, record, error) in enumerate(iter_records(path)):
+            if limit is not None and len(result.conversations) >= limit:
+                return result
+            item = (
+                BadInput(where, "malformed_json", error)
+                if record is None
+                else normalise(record, where, default_id=f"{path.stem}-{index}")
+            )
+            if isinstance(item, BadInput):
+                if strict:
+                    raise ConversationFormatError(str(item))
+                result.bad.append(item)
+            else:
+                result.conversations.append(item)
+    return result

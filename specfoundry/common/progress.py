@@ -1,0 +1,31 @@
+"""One progress-bar helper for every long stage (tqdm), silenced by --silent."""
+
+from __future__ import annotations
+
+import time
+
+from tqdm.auto import tqdm
+
+
+class Progress:
+    """A bar over items (conversations, samples, steps) that also shows a token rate."""
+
+    def __init__(self, total: int | None, unit: str, desc: str, silent: bool = False, initial: int = 0):
+        self.bar = tqdm(total=total, unit=unit, desc=desc, disable=silent, initial=initial, dynamic_ncols=True)
+        self.tokens = 0
+        self.start = time.perf_counter()
+
+    def update(self, items: int, tokens: int = 0) -> None:
+        self.tokens += tokens
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tok/s", refresh=False)
+        self.bar.update(items)
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,1 @@
+"""sf-regen: regenerate a conversation dataset's assistant turns with the target itself."""

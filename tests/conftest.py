@@ -1,0 +1,52 @@
+"""Shared fixtures: a fixed seed, the embedded SmolLM2 target, small conversation files."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from specfoundry.common.target import EMBEDDED_DEFAULT, resolve_target
+
+CHAT = [
+    {"id": "c0", "messages": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]},
+    {"id": "c1", "conversations": [
+        {"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "Blue."},
+        {"from": "human", "value": "And another one?"}, {"from": "gpt", "value": "Red."}]},
+    {"id": "c2", "messages": [
+        {"role": "system", "content": "You answer in one sentence."},
+        {"role": "user", "content": "Why is the sky blue?"}, {"role": "assistant", "content": "Scattering."}]},
+    {"id": "c3", "messages": [{"role": "user", "content": "Write a haiku about rain."},
+                              {"role": "assistant", "content": "..."}]},
+    {"id": "c4", "messages": [{"role": "user", "content": "Give me a Python function that adds two numbers."},
+                              {"role": "assistant", "content": "def add(a, b): return a + b"}]},
+    {"id": "c5", "messages": [{"role": "user", "content": "What is the capital of France?"},
+                              {"role": "assistant", "content": "Paris."}]},
+]
+
+
+@pytest.fixture(autouse=True)
+def seed():
+    """Every test starts from the same RNG state."""
+    random.seed(0)
+    torch.manual_seed(0)
+    return 0
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct as a model directory (converted once per machine)."""
+    return resolve_target(EMBEDDED_DEFAULT)
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture
+def chat_file(tmp_path) -> Path:
+    return write_jsonl(tmp_path / "chat.jsonl", CHAT)

@@ -1,0 +1,65 @@
+"""Conversation loading: shapes, bad input reported with its location, nothing good lost."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specfoundry.common.conversations import ConversationFormatError, load_conversations
+
+GOOD_OPENAI = {"id": "g1", "messages": [
+    {"role": "system", "content": "sys"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+GOOD_SHAREGPT = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+
+# (line content, expected kind); the good records sit between the bad ones on purpose.
+BAD_LINES = [
+    ('{"messages": [{"role": "user", "content": "q"', "malformed_json"),
+    (json.dumps({"messages": [{"content": "q"}, {"role": "assistant", "content": "a"}]}), "missing_role"),
+    (json.dumps({"messages": []}), "empty_conversation"),
+    (json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                              {"role": "user", "content": "and?"}]}), "ends_on_user"),
+    (json.dumps({"messages": [{"role": "narrator", "content": "q"}, {"role": "assistant", "content": "a"}]}),
+     "unknown_role"),
+    (json.dumps({"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "a"}]}),
+     "missing_content"),
+    ("[1, 2, 3]", "malformed_json"),
+]
+
+
+def write_mixed(path):
+    lines = [json.dumps(GOOD_OPENAI)]
+    for text, _ in BAD_LINES:
+        lines.append(text)
+        lines.append(json.dumps(GOOD_SHAREGPT))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_every_bad_kind_is_reported_with_its_line_and_good_ones_kept(tmp_path):
+    path = write_mixed(tmp_path / "mixed.jsonl")
+    result = load_conversations(path)
+    assert len(result.conversations) == 1 + len(BAD_LINES)
+    # bad line k sits at line 2 + 2k (line 1 is the first good record)
+    expected = [(f"{path}:{2 + 2 * k}", kind) for k, (_, kind) in enumerate(BAD_LINES)]
+    assert [(b.location, b.kind) for b in result.bad] == expected
+    first = result.conversations[0]
+    assert first.id == "g1" and [m.role for m in first.messages] == ["system", "user", "assistant"]
+    assert [m.role for m in result.conversations[1].messages] == ["user", "assistant"]
+
+
+def test_strict_fails_on_the_first_bad_record(tmp_path):
+    path = write_mixed(tmp_path / "mixed.jsonl")
+    with pytest.raises(ConversationFormatError, match=rf"{path.name}:2: malformed_json"):
+        load_conversations(path, strict=True)
+
+
+def test_folder_of_json_and_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "a.json").write_text(json.dumps([GOOD_OPENAI, GOOD_SHAREGPT]))
+    pq.write_table(pa.Table.from_pylist([GOOD_OPENAI]), tmp_path / "b.parquet")
+    result = load_conversations(tmp_path)
+    assert [c.location.split("/")[-1] for c in result.conversations] == ["a.json:row 0", "a.json:row 1", "b.parquet:row 0"]
+    assert not result.bad

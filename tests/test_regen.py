@@ -1,0 +1,142 @@
+"""sf-regen on the embedded SmolLM2: greedy equality, seeded reproducibility, kill and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from click.testing import CliRunner
+
+from specfoundry.generate.backend import SamplingConfig
+from specfoundry.generate.cli import main as regen_cli
+from specfoundry.generate.hf_backend import HFBackend
+from specfoundry.generate.regen import RegenConfig, run_regen
+from tests.conftest import CHAT, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def backend(smollm2_dir):
+    return HFBackend("smollm2", device="cpu", batch_size=4)
+
+
+def rows(out):
+    return [r for p in sorted((out / "data").glob("*.parquet")) for r in pq.read_table(p).to_pylist()]
+
+
+def test_greedy_regen_equals_model_generate(tmp_path, chat_file, backend):
+    cfg = RegenConfig(output=str(tmp_path / "out"), source=str(chat_file), shard_size=4,
+                      sampling=SamplingConfig(temperature=0.0, max_new_tokens=24))
+    manifest = run_regen(cfg, backend, silent=True)
+    assert manifest["complete"] and manifest["totals"]["conversations_written"] == len(CHAT)
+    model, tok = backend.model, backend.tokenizer
+    checked = 0
+    for row in rows(tmp_path / "out"):
+        history = []
+        turn = 0
+        for m in row["messages"]:
+            if m["role"] == "assistant":
+                ids = torch.tensor([backend.render(history)])
+                ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
+                                     eos_token_id=backend.stop_ids, pad_token_id=backend.pad_id)
+                ref_new = ref[0, ids.shape[1]:].tolist()
+                if ref_new and ref_new[-1] in backend.stop_ids:
+                    ref_new = ref_new[:-1]
+                assert row["gen_token_ids"][turn] == ref_new, f"{row['id']} turn {turn}"
+                assert m["content"] == tok.decode(ref_new)
+                turn += 1
+                checked += 1
+            history.append(m)
+    assert checked == 7  # c1 has two assistant turns
+
+
+def test_sampled_regen_is_reproducible_and_seed_sensitive(tmp_path, chat_file, backend):
+    def run(name, seed):
+        cfg = RegenConfig(output=str(tmp_path / name), source=str(chat_file), shard_size=3,
+                          sampling=SamplingConfig(temperature=0.8, max_new_tokens=16, seed=seed))
+        run_regen(cfg, backend, silent=True)
+        return rows(tmp_path / name)
+
+    a, b, c = run("a", 7), run("b", 7), run("c", 8)
+    assert a == b
+    assert [r["gen_token_ids"] for r in a] != [r["gen_token_ids"] for r in c]
+
+
+def test_synthesised_prompts_are_recorded(tmp_path, backend):
+    cfg = RegenConfig(output=str(tmp_path / "s"), synthesize=3, shard_size=2,
+                      sampling=SamplingConfig(temperature=0.8, max_new_tokens=12, seed=1))
+    # prompts that hit the cap are not finished questions: allow a longer prompt phase
+    manifest = run_regen(cfg, backend, silent=True)
+    assert manifest["synthetic_prompts"] is True
+    t = manifest["totals"]
+    assert t["conversations_in"] + t["synthetic_prompts_empty"] == 3
+    for r in rows(tmp_path / "s"):
+        assert r["id"].startswith("synth-") and r["messages"][0]["role"] == "user" and r["messages"][0]["content"]
+
+
+def test_rerun_with_other_settings_is_refused(tmp_path, chat_file, backend):
+    out = tmp_path / "o"
+    run_regen(RegenConfig(output=str(out), source=str(chat_file), limit=1,
+                          sampling=SamplingConfig(temperature=0.0, max_new_tokens=4)), backend, silent=True)
+    with pytest.raises(ValueError, match="other settings.*sampling"):
+        run_regen(RegenConfig(output=str(out), source=str(chat_file), limit=1,
+                              sampling=SamplingConfig(temperature=0.5, max_new_tokens=4)), backend, silent=True)
+
+
+def test_cli_reports_bad_input_and_keeps_good(tmp_path):
+    src = tmp_path / "mixed.jsonl"
+    src.write_text(json.dumps(CHAT[0]) + "\n{oops\n" + json.dumps({"messages": [{"role": "user", "content": "x"}]})
+                   + "\n" + json.dumps(CHAT[5]) + "\n")
+    result = CliRunner().invoke(regen_cli, [str(src), "-o", str(tmp_path / "out"), "--greedy",
+                                            "--max-new-tokens", "4", "--silent"])
+    assert result.exit_code == 0, result.output
+    assert f"{src}:2: malformed_json" in result.output and f"{src}:3: no_assistant_turn" in result.output
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["bad_input_counts"] == {"malformed_json": 1, "no_assistant_turn": 1}
+    assert [r["id"] for r in rows(tmp_path / "out")] == ["c0", "c5"]
+    strict = CliRunner().invoke(regen_cli, [str(src), "-o", str(tmp_path / "s"), "--strict", "--silent"])
+    assert strict.exit_code != 0 and f"{src}:2: malformed_json" in strict.output
+
+
+def test_over_long_prompt_is_bad_input(tmp_path, backend):
+    src = write_jsonl(tmp_path / "long.jsonl", [
+        CHAT[0], {"messages": [{"role": "user", "content": "word " * 300}, {"role": "assistant", "content": "ok"}]}])
+    cfg = RegenConfig(output=str(tmp_path / "o"), source=str(src), max_prompt_tokens=100,
+                      sampling=SamplingConfig(temperature=0.0, max_new_tokens=4))
+    manifest = run_regen(cfg, backend, silent=True)
+    assert manifest["bad_input_counts"] == {"over_long_prompt": 1}
+    assert manifest["bad_inputs"][0]["location"] == f"{src}:2"
+    assert manifest["totals"]["conversations_written"] == 1
+
+
+def test_sigkill_midway_then_resume_gives_identical_shards(tmp_path):
+    src = write_jsonl(tmp_path / "chat.jsonl", CHAT)
+    args = [sys.executable, "-m", "specfoundry.generate.cli", str(src), "--shard-size", "1",
+            "--max-new-tokens", "20", "--seed", "3", "--silent"]
+    subprocess.run(args + ["-o", str(tmp_path / "whole")], check=True, capture_output=True)
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(args + ["-o", str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline:  # kill once some, but not all, shards are finished
+        manifest = killed / "manifest.json"
+        if manifest.is_file() and len(json.loads(manifest.read_text())["shards"]) >= 2:
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    partial = json.loads((killed / "manifest.json").read_text())
+    assert not partial["complete"] and 2 <= len(partial["shards"]) < len(CHAT)
+
+    subprocess.run(args + ["-o", str(killed)], check=True, capture_output=True)
+    whole_files = sorted(p.name for p in (tmp_path / "whole" / "data").iterdir())
+    assert whole_files == sorted(p.name for p in (killed / "data").iterdir())
+    assert len(whole_files) == len(CHAT)
+    for name in whole_files:
+        assert (killed / "data" / name).read_bytes() == (tmp_path / "whole" / "data" / name).read_bytes(), name
