@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
-import json
+import os
+
+import torch
+
+# Triton kernels run on CPU through Triton's interpreter; it is chosen when the kernel module
+# is imported, so it must be set before any test imports specfoundry.kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import json  # noqa: E402
 import random
 from pathlib import Path
 
-import pytest
-import torch
+import pytest  # noqa: E402
 
 from specfoundry.common.target import EMBEDDED_DEFAULT, resolve_target
 

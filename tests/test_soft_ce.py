@@ -1,0 +1,106 @@
+"""The in-place soft-target cross entropy (Triton) against its torch reference.
+
+On CPU the kernel runs under TRITON_INTERPRET=1 (set in conftest), so shapes stay small; on a
+GPU (`-m gpu`) the same checks run at real shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specfoundry.kernels.soft_ce import soft_ce_reference, soft_target_cross_entropy
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (dtype, atol, rtol). bf16: the interpreter truncates fp32->bf16 stores instead of rounding,
+# so the written gradient may sit one bf16 step (2^-7 relative) from the rounded reference;
+# the tolerance allows that step and no more.
+DTYPES = [(torch.float32, 1e-5, 1e-4), (torch.bfloat16, 1e-3, 2 ** -7)]
+# (N, V, block): chunked with a ragged last chunk, one chunk, many chunks with an odd V
+SHAPES = [(7, 50, 16), (16, 128, None), (33, 1000, 256)]
+
+
+def make_inputs(n, v, dtype, masked_rows=(), p_scale=1.0):
+    logits = (torch.randn(n, v, device=DEVICE) * 3).to(dtype)
+    p = torch.softmax(torch.randn(n, v, device=DEVICE) * 2, dim=-1) * p_scale
+    mask = torch.ones(n, dtype=torch.bool, device=DEVICE)
+    mask[list(masked_rows)] = False
+    return logits, p.to(dtype), mask
+
+
+def reference_grad(logits, p, mask, g, normaliser=None):
+    z = logits.detach().float().requires_grad_(True)
+    loss = soft_ce_reference(z, p.float(), mask, normaliser)
+    (loss * g).backward()
+    return loss.detach(), z.grad
+
+
+def run_kernel(logits, p, mask, g, block, normaliser=None):
+    leaf = logits.detach().clone().requires_grad_(True)
+    buf = leaf * 1  # a non-leaf logits buffer, as an lm_head output would be
+    loss = soft_target_cross_entropy(buf, p, mask, normaliser, impl="triton", block=block)
+    (loss * g).backward()
+    return loss.detach(), buf.detach(), leaf.grad
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("n,v,block", SHAPES)
+@pytest.mark.parametrize("case", ["plain", "masked_rows", "p_not_normalised"])
+def test_loss_and_gradient_match_reference(dtype, atol, rtol, n, v, block, case):
+    masked = (0, n - 1) if case == "masked_rows" else ()
+    logits, p, mask = make_inputs(n, v, dtype, masked, p_scale=0.7 if case == "p_not_normalised" else 1.0)
+    g = torch.rand((), device=DEVICE) * 2 + 0.1  # a random upstream gradient
+    ref_loss, ref_grad = reference_grad(logits, p, mask, g)
+    loss, buf, grad = run_kernel(logits, p, mask, g, block)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(grad.float(), ref_grad, atol=atol * ref_grad.abs().max().item(), rtol=rtol)
+    # the logits buffer itself now holds the gradient (consumed in place)
+    assert torch.equal(buf, grad)
+    for r in masked:
+        assert torch.count_nonzero(grad[r]) == 0
+
+
+def test_fully_masked_batch_gives_zero_loss_and_gradient():
+    logits, p, mask = make_inputs(5, 40, torch.float32, masked_rows=range(5))
+    loss, _, grad = run_kernel(logits, p, mask, torch.tensor(1.0, device=DEVICE), 16)
+    assert loss.item() == 0.0 and torch.count_nonzero(grad) == 0
+
+
+def test_explicit_normaliser_and_weighted_steps():
+    """The trainer's form: sum_s 0.8^s * loss_s, each step's logits consumed separately."""
+    steps = [make_inputs(9, 70, torch.float32, masked_rows=(s,)) for s in range(3)]
+    ref_total = torch.zeros((), device=DEVICE)
+    ref_grads, ours, leaves = [], torch.zeros((), device=DEVICE), []
+    for s, (logits, p, mask) in enumerate(steps):
+        z = logits.clone().requires_grad_(True)
+        ref_total = ref_total + 0.8 ** s * soft_ce_reference(z, p, mask, normaliser=6.0)
+        ref_grads.append(z)
+        leaf = logits.clone().requires_grad_(True)
+        leaves.append(leaf)
+        ours = ours + 0.8 ** s * soft_target_cross_entropy(leaf * 1, p, mask, 6.0, impl="triton", block=32)
+    ref_total.backward()
+    ours.backward()
+    torch.testing.assert_close(ours, ref_total, atol=1e-5, rtol=1e-5)
+    for z, leaf in zip(ref_grads, leaves, strict=True):
+        torch.testing.assert_close(leaf.grad, z.grad, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,atol,rtol", [(torch.float32, 1e-5, 1e-4), (torch.bfloat16, 1e-3, 2 ** -7)])
+@pytest.mark.parametrize("n,v", [(4096, 32000), (1000, 151936), (300, 49152)])
+def test_real_shapes_on_gpu_without_a_second_buffer(dtype, atol, rtol, n, v):
+    logits, p, mask = make_inputs(n, v, dtype, masked_rows=(1, 5))
+    g = torch.tensor(0.731, device=DEVICE)
+    ref_loss, ref_grad = reference_grad(logits, p, mask, g)
+    buf = logits.clone().requires_grad_(True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = soft_target_cross_entropy(buf, p, mask, impl="triton")
+    (loss * g).backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra <= 0.01 * logits.numel() * logits.element_size(), extra
+    torch.testing.assert_close(loss, ref_loss, atol=1e-3, rtol=1e-5)
+    torch.testing.assert_close(buf.grad.float(), ref_grad, atol=atol * ref_grad.abs().max().item(), rtol=rtol)
