@@ -1,0 +1,1 @@
+"""sf-capture: target prefill over conversations, stored as a feature set."""

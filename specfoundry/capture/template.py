@@ -1,0 +1,69 @@
+"""Chat-template rendering with an assistant-only loss mask, derived from the template itself.
+
+The conversation is rendered once with the tokenizer's own template. Each assistant message's
+content is located in that text in order (a cursor moves past each one, so equal texts in two
+turns are not confused), and the end-of-turn marker is whatever token the template puts right
+after the content (ChatML's <|im_end|>, Llama-3's <|eot_id|>, ...): no hand-list of strings.
+Tokens whose characters start inside [content start, end of that token) are trainable. The
+result is checked: decoding the masked tokens must give the assistant texts back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class TemplateMaskError(ValueError):
+    """The template does not render an assistant message verbatim, so no mask can be derived."""
+
+
+@dataclass
+class Rendered:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 on assistant content + its end-of-turn token
+    spans: list[tuple[int, int]]  # character spans of each assistant turn (content + end-of-turn)
+    text: str
+
+
+def render_with_mask(tokenizer, messages: list[dict], max_length: int | None = None) -> Rendered:
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    spans, cursor = [], 0
+    for m in messages:
+        if m["role"] != "assistant":
+            continue
+        start = text.find(m["content"], cursor) if m["content"] else -1
+        if start < 0:
+            raise TemplateMaskError("the chat template does not render an assistant message verbatim")
+        end = start + len(m["content"])
+        # extend by the first token the template emits after the content: the end of turn
+        after = next((o for o in offsets if o[0] >= end and o[1] > o[0]), None)
+        if after is not None and after[0] == end:
+            end = after[1]
+        spans.append((start, end))
+        cursor = end
+    mask = [0] * len(ids)
+    s = 0
+    for t, (a, b) in enumerate(offsets):
+        while s < len(spans) and a >= spans[s][1]:
+            s += 1
+        if s < len(spans) and spans[s][0] <= a < spans[s][1] and b > a:
+            mask[t] = 1
+    if max_length is not None:
+        ids, mask = ids[:max_length], mask[:max_length]
+    return Rendered(ids, mask, spans, text)
+
+
+def masked_texts(tokenizer, rendered: Rendered) -> list[str]:
+    """Decode each contiguous run of masked tokens (one per assistant turn, untruncated)."""
+    runs, current = [], []
+    for tok, m in zip(rendered.input_ids, rendered.loss_mask, strict=True):
+        if m:
+            current.append(tok)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return [tokenizer.decode(r) for r in runs]

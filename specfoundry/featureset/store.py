@@ -1,0 +1,194 @@
+"""Writer and reader of feature-set shards (Zarr v3 or safetensors), ragged over tokens.
+
+A shard holds many samples concatenated along one token axis:
+    offsets      int64  [S + 1]        sample i is tokens offsets[i]:offsets[i+1]
+    input_ids    int32  [N]
+    loss_mask    uint8  [N]
+    aux_hidden   dtype  [N, 3H]        outputs of the three aux layers, concatenated
+    final_hidden dtype  [N, H]         the target's final normed hidden state (lm_head input)
+A shard is written under a hidden temporary name and renamed into place when complete, then
+listed in the manifest with its checksum: a crash never leaves a shard a reader trusts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specfoundry.featureset.manifest import FeatureSetError, read_manifest
+
+FIELDS = ("input_ids", "loss_mask", "aux_hidden", "final_hidden")
+CODECS = ("zarr", "safetensors")
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class Sample:
+    input_ids: torch.Tensor  # [T] int64
+    loss_mask: torch.Tensor  # [T] bool
+    aux_hidden: torch.Tensor  # [T, 3H] storage dtype
+    final_hidden: torch.Tensor  # [T, H] storage dtype
+
+
+def shard_name(index: int, codec: str, rank: int = 0) -> str:
+    suffix = "zarr" if codec == "zarr" else "safetensors"
+    return f"shards/rank{rank:03d}-{index:06d}.{suffix}"
+
+
+def checksum(path: Path) -> str:
+    """sha256 over a file, or over a directory's files (relative names and bytes, sorted)."""
+    h = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for f in files:
+        if f != path:
+            h.update(str(f.relative_to(path)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            while block := fh.read(1 << 20):
+                h.update(block)
+    return h.hexdigest()
+
+
+def to_storage(x: torch.Tensor, dtype: str) -> np.ndarray:
+    """Torch tensor -> numpy in the storage dtype (bf16 as its uint16 bit pattern)."""
+    x = x.to(TORCH_DTYPES[dtype]).contiguous().cpu()
+    return x.view(torch.uint16).numpy() if dtype == "bfloat16" else x.numpy()
+
+
+def from_storage(a: np.ndarray, dtype: str) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
+def write_shard(root: Path, rel: str, samples: list[dict], codec: str, dtype: str) -> str:
+    """Write samples ({input_ids, loss_mask, aux_hidden, final_hidden} tensors) as one shard,
+    atomically; returns the shard's checksum."""
+    lengths = [len(s["input_ids"]) for s in samples]
+    arrays = {
+        "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        "input_ids": torch.cat([s["input_ids"] for s in samples]).to(torch.int32).numpy(),
+        "loss_mask": torch.cat([s["loss_mask"] for s in samples]).to(torch.uint8).numpy(),
+        "aux_hidden": to_storage(torch.cat([s["aux_hidden"] for s in samples]), dtype),
+        "final_hidden": to_storage(torch.cat([s["final_hidden"] for s in samples]), dtype),
+    }
+    final = root / rel
+    tmp = final.parent / f".partial-{final.name}"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+    if codec == "zarr":
+        _write_zarr(tmp, arrays)
+    elif codec == "safetensors":
+        from safetensors.numpy import save_file
+
+        save_file(arrays, str(tmp))
+    else:
+        raise FeatureSetError(f"unknown codec {codec!r}: choose zarr or safetensors")
+    digest = checksum(tmp)
+    os.replace(tmp, final)
+    return digest
+
+
+def _write_zarr(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    import zarr
+    from zarr.codecs import BloscCodec
+
+    group = zarr.open_group(str(path), mode="w", zarr_format=3)
+    for name, a in arrays.items():
+        # rows of 256 tokens per chunk: a sample read touches only the chunks it spans; one
+        # storage shard per array keeps the file count small. Byte shuffle groups the high
+        # (exponent) bytes of bf16 together, which is what compresses.
+        rows = min(256, max(1, a.shape[0]))
+        chunks = (rows,) + a.shape[1:]
+        shards = ((a.shape[0] + rows - 1) // rows * rows,) + a.shape[1:] if a.shape[0] else None
+        codec = BloscCodec(cname="zstd", clevel=3, shuffle="shuffle" if a.itemsize > 1 else "noshuffle",
+                           typesize=a.itemsize)
+        group.create_array(name, shape=a.shape, dtype=a.dtype, chunks=chunks, shards=shards,
+                           compressors=[codec], overwrite=True)
+        if a.size:
+            group[name][...] = a
+
+
+class ShardReader:
+    """Random access to one shard's samples without reading the rest of the shard."""
+
+    def __init__(self, path: Path, codec: str, dtype: str):
+        self.path, self.codec, self.dtype = path, codec, dtype
+        if codec == "zarr":
+            import zarr
+
+            self.group = zarr.open_group(str(path), mode="r")
+            self.offsets = np.asarray(self.group["offsets"][:])
+        else:
+            from safetensors import safe_open
+
+            self.file = safe_open(str(path), framework="numpy")
+            self.offsets = self.file.get_tensor("offsets")
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        if self.codec == "zarr":
+            return self.group[name][start:stop]
+        return self.file.get_slice(name)[start:stop]
+
+    def sample(self, i: int, fields=FIELDS) -> Sample | dict:
+        start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
+        out = {}
+        for name in fields:
+            a = self.rows(name, start, stop)
+            if name == "input_ids":
+                out[name] = torch.from_numpy(a.astype(np.int64))
+            elif name == "loss_mask":
+                out[name] = torch.from_numpy(a.astype(np.bool_))
+            else:
+                out[name] = from_storage(a, self.dtype)
+        return Sample(**out) if tuple(fields) == FIELDS else out
+
+
+class FeatureSet:
+    """A feature set on disk: its manifest and an index over every sample of every shard."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.manifest = read_manifest(self.root)
+        self.codec = self.manifest["codec"]
+        self.dtype = self.manifest["storage_dtype"]
+        self.shards = self.manifest["shards"]
+        self._readers: dict[int, ShardReader] = {}
+        # global sample index -> (shard, index in shard); lengths for length-grouped batching
+        self.index: list[tuple[int, int]] = []
+        self.lengths: list[int] = []
+        for s, entry in enumerate(self.shards):
+            self.index += [(s, i) for i in range(entry["num_samples"])]
+            self.lengths += entry["sample_lengths"]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def reader(self, shard: int) -> ShardReader:
+        if shard not in self._readers:
+            path = self.root / self.shards[shard]["path"]
+            if not path.exists():
+                raise FeatureSetError(f"shard {self.shards[shard]['path']} listed in the manifest is missing")
+            self._readers[shard] = ShardReader(path, self.codec, self.dtype)
+        return self._readers[shard]
+
+    def __getitem__(self, i: int) -> Sample:
+        shard, j = self.index[i]
+        return self.reader(shard).sample(j)
+
+    def token_counts(self) -> torch.Tensor:
+        from safetensors.torch import load_file
+
+        return load_file(str(self.root / "token_counts.safetensors"))["counts"]
+
+    def __getstate__(self):  # loader workers reopen shards themselves
+        state = dict(self.__dict__)
+        state["_readers"] = {}
+        return state
