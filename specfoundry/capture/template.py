@@ -1,8 +1,8 @@
 """Chat-template rendering with an assistant-only loss mask, derived from the template itself.
 
 The conversation is rendered once with the tokenizer's own template. Each assistant message's
-content is located in that text in order (a cursor moves past each one, so equal texts in two
-turns are not confused), and the end-of-turn marker is whatever token the template puts right
+content is located in that text after the template's own rendering of the turns before it and
+its generation prompt (so text in earlier turns is never mistaken for the answer), and the end-of-turn marker is whatever token the template puts right
 after the content (ChatML's <|im_end|>, Llama-3's <|eot_id|>, ...): no hand-list of strings.
 Tokens whose characters start inside [content start, end of that token) are trainable. The
 result is checked: decoding the masked tokens must give the assistant texts back.
@@ -30,9 +30,15 @@ def render_with_mask(tokenizer, messages: list[dict], max_length: int | None = N
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     spans, cursor = [], 0
-    for m in messages:
+    for k, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
+        # The template's own rendering of everything before this turn plus its generation
+        # prompt ends at (or just before) where the content starts: search from there, so text
+        # in earlier user turns is never taken for the answer.
+        prefix = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True, tokenize=False)
+        if text.startswith(prefix):
+            cursor = max(cursor, len(prefix))
         start = text.find(m["content"], cursor) if m["content"] else -1
         if start < 0:
             raise TemplateMaskError("the chat template does not render an assistant message verbatim")

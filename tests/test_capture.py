@@ -1,0 +1,115 @@
+"""sf-capture on SmolLM2: features equal a plain forward, resume, verify, target mismatch."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from specfoundry.capture.cli import main as capture_cli
+from specfoundry.capture.runner import HFCaptureRunner
+from specfoundry.capture.stage import CaptureConfig, run_capture
+from specfoundry.capture.verify import verify_featureset
+from specfoundry.common.target import load_target
+from specfoundry.featureset.manifest import FeatureSetError, check_matches_target
+from specfoundry.featureset.store import FeatureSet
+from tests.conftest import CHAT, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target("smollm2", device="cpu")
+
+
+def test_hooked_features_equal_output_hidden_states_with_mixed_lengths(target):
+    model, tok, _ = target
+    runner = HFCaptureRunner(model, [1, 14, 26])
+    texts = ["Hello there, how are you today?", "Hi", "A somewhat longer sentence about the weather in Paris."]
+    batch = [tok(t)["input_ids"] for t in texts]
+    captured = runner(batch)  # one padded batch
+    for ids, (aux, final) in zip(batch, captured, strict=True):
+        with torch.no_grad():  # each sample alone: no padding at all
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+        hs = out.hidden_states  # [embeddings, layer0 out, ..., layer29 out (normed)]
+        ref_aux = torch.cat([hs[i + 1][0] for i in (1, 14, 26)], dim=-1)
+        torch.testing.assert_close(aux, ref_aux, atol=1e-4, rtol=1e-4)  # fp32, padding must not leak
+        # transformers' last hidden state is the normed one: the lm_head input
+        torch.testing.assert_close(final, hs[-1][0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(final @ model.lm_head.weight.T, out.logits[0], atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("codec", ["zarr", "safetensors"])
+def test_capture_roundtrip_within_bf16_rounding(tmp_path, chat_file, target, codec):
+    model, tok, _ = target
+    cfg = CaptureConfig(source=str(chat_file), output=str(tmp_path / "fs"), shard_size=4, codec=codec)
+    manifest = run_capture(cfg, silent=True)
+    assert manifest["complete"] and manifest["counts"]["samples"] == len(CHAT)
+    fs = FeatureSet(tmp_path / "fs")
+    runner = HFCaptureRunner(model, manifest["aux_layer_ids"])
+    for i in (0, 1, 5):
+        s = fs[i]
+        aux, final = runner([s.input_ids.tolist()])[0]
+        # stored as bf16: one rounding step (2^-8 relative) from the fp32 features
+        torch.testing.assert_close(s.aux_hidden.float(), aux, atol=1e-2, rtol=2 ** -8)
+        torch.testing.assert_close(s.final_hidden.float(), final, atol=1e-2, rtol=2 ** -8)
+    counts = fs.token_counts()
+    assert counts.sum().item() == manifest["counts"]["loss_tokens"] > 0
+    assert verify_featureset(tmp_path / "fs") == []
+
+
+def test_kill_and_resume_gives_identical_checksums(tmp_path):
+    src = write_jsonl(tmp_path / "chat.jsonl", CHAT * 2)
+    args = [sys.executable, "-m", "specfoundry.capture.cli", "run", str(src), "--shard-size", "2", "--silent"]
+    subprocess.run(args + ["-o", str(tmp_path / "whole")], check=True, capture_output=True)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(args + ["-o", str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(list((killed / "shards").glob("*.done.json"))) < 2:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert 2 <= len(list((killed / "shards").glob("*.done.json"))) < 6
+    subprocess.run(args + ["-o", str(killed)], check=True, capture_output=True)
+    a = json.loads((tmp_path / "whole" / "manifest.json").read_text())
+    b = json.loads((killed / "manifest.json").read_text())
+    assert [s["sha256"] for s in a["shards"]] == [s["sha256"] for s in b["shards"]]
+    assert len(a["shards"]) == 6
+    assert (tmp_path / "whole" / "token_counts.safetensors").read_bytes() == (killed / "token_counts.safetensors").read_bytes()
+
+
+def test_verify_names_a_damaged_shard(tmp_path, chat_file):
+    run_capture(CaptureConfig(source=str(chat_file), output=str(tmp_path / "fs"), shard_size=2,
+                              codec="safetensors"), silent=True)
+    victim = tmp_path / "fs" / "shards" / "rank000-000001.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    result = CliRunner().invoke(capture_cli, ["verify", str(tmp_path / "fs")])
+    assert result.exit_code != 0
+    assert "shards/rank000-000001.safetensors: checksum mismatch" in result.output
+    victim.write_bytes(bytes(data[: len(data) // 2]))  # truncated
+    assert "rank000-000001" in verify_featureset(tmp_path / "fs")[0]
+
+
+def test_mismatching_target_is_refused_with_the_reason(tmp_path, chat_file):
+    manifest = run_capture(CaptureConfig(source=str(chat_file), output=str(tmp_path / "fs"), limit=1), silent=True)
+    ok = dict(hidden_size=576, vocab_size=49152, tokenizer_sha256=manifest["tokenizer_sha256"], aux_layer_ids=[1, 14, 26])
+    check_matches_target(manifest, **ok)
+    for change, words in [({"hidden_size": 4096}, "hidden size 576 != target's 4096"),
+                          ({"vocab_size": 128256}, "vocab size 49152 != target's 128256"),
+                          ({"tokenizer_sha256": "0" * 64}, "tokenizer hash"),
+                          ({"aux_layer_ids": [2, 15, 27]}, "aux layer ids [1, 14, 26] != expected [2, 15, 27]")]:
+        with pytest.raises(FeatureSetError, match=words.replace("[", r"\[").replace("]", r"\]")):
+            check_matches_target(manifest, **{**ok, **change})
+
+
+def test_sglang_capture_backend_fails_clearly(tmp_path, chat_file):
+    result = CliRunner().invoke(capture_cli, ["run", str(chat_file), "-o", str(tmp_path / "x"), "--backend", "sglang"])
+    assert result.exit_code != 0 and "sglang capture backend" in result.output

@@ -1,0 +1,62 @@
+"""The assistant-only loss mask, derived from the template, round-trips to the assistant texts
+for templates in the styles of real model families (built locally as template strings)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specfoundry.capture.template import masked_texts, render_with_mask
+from specfoundry.common.target import load_tokenizer
+
+LLAMA3 = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+# Qwen3-like: ChatML with a default system prompt and a reasoning block on assistant turns
+THINKING = (
+    "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a careful assistant.<|im_end|>\n' }}{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n<think>\n\n</think>\n\n' + m['content'] + '<|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CONVERSATION = [
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "2+2 is 4."},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "content": "3+3 is 6. Also, 2+2 is 4."},
+    {"role": "user", "content": "Say 4 again."},
+    {"role": "assistant", "content": "4"},
+]
+
+
+@pytest.fixture(scope="module")
+def base_tokenizer(smollm2_dir):
+    return load_tokenizer(smollm2_dir)
+
+
+@pytest.mark.parametrize("style", ["chatml_smollm2", "llama3_headers", "default_system_and_thinking"])
+def test_masked_tokens_decode_to_assistant_texts(base_tokenizer, style):
+    tok = base_tokenizer
+    eot = "<|im_end|>"
+    if style == "llama3_headers":
+        tok = load_tokenizer(tok.name_or_path)
+        tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+        tok.chat_template = LLAMA3
+        eot = "<|eot_id|>"
+    elif style == "default_system_and_thinking":
+        tok = load_tokenizer(tok.name_or_path)
+        tok.chat_template = THINKING
+    rendered = render_with_mask(tok, CONVERSATION)
+    expected = [m["content"] + eot for m in CONVERSATION if m["role"] == "assistant"]
+    assert masked_texts(tok, rendered) == expected
+    # nothing of the system / user turns or the headers is trainable
+    header_and_user = [t for t, m in zip(rendered.input_ids, rendered.loss_mask, strict=True) if not m]
+    assert "What is 2+2?" in tok.decode(header_and_user)
+
+
+def test_truncation_keeps_the_prefix(base_tokenizer):
+    full = render_with_mask(base_tokenizer, CONVERSATION)
+    cut = render_with_mask(base_tokenizer, CONVERSATION, max_length=20)
+    assert cut.input_ids == full.input_ids[:20] and cut.loss_mask == full.loss_mask[:20]
