@@ -28,7 +28,14 @@ from specfoundry.common.conversations import BadInput, ConversationFormatError, 
 from specfoundry.common.files import atomic_write_json, sha256_file, sha256_text
 from specfoundry.common.progress import Progress
 from specfoundry.common.target import load_target
-from specfoundry.featureset.manifest import MANIFEST, SCHEMA, SCHEMA_VERSION, STORAGE_DTYPES, TOKEN_COUNTS
+from specfoundry.featureset.manifest import (
+    MANIFEST,
+    SCHEMA,
+    SCHEMA_VERSION,
+    STORAGE_DTYPES,
+    TOKEN_COUNTS,
+    tokenizer_hashes,
+)
 from specfoundry.featureset.store import CODECS, checksum, shard_name, write_shard
 
 
@@ -81,11 +88,6 @@ def weight_fingerprint(model_dir: Path) -> str:
             tail = fh.read()
         parts.append(f"{f.name}:{size}:{sha256_text(head.hex())}:{sha256_text(tail.hex())}")
     return sha256_text("\n".join(parts))
-
-
-def tokenizer_hashes(tokenizer) -> tuple[str, str]:
-    vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
-    return sha256_text(vocab), sha256_text(tokenizer.chat_template or "")
 
 
 def prepare_samples(cfg: CaptureConfig, tokenizer) -> tuple[list[dict], list[BadInput], int]:

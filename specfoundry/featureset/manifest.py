@@ -13,6 +13,15 @@ TOKEN_COUNTS = "token_counts.safetensors"
 STORAGE_DTYPES = ("bfloat16", "float16", "float32")
 
 
+def tokenizer_hashes(tokenizer) -> tuple[str, str]:
+    """(vocabulary hash, chat template hash): what identifies a tokenizer in the manifest."""
+    import hashlib
+
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
+    template = tokenizer.chat_template or ""
+    return hashlib.sha256(vocab.encode()).hexdigest(), hashlib.sha256(template.encode()).hexdigest()
+
+
 class FeatureSetError(ValueError):
     """A feature set is missing, damaged, or does not match what it is used with."""
 

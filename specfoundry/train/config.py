@@ -1,0 +1,73 @@
+"""The draft's architecture config, generated from the target's config."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftConfig:
+    """Shape of the EAGLE-3 draft (one decoder layer); fields follow the target's config."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 8192
+    vocab_size: int
+    """The target's vocabulary (token embeddings, t2d)."""
+    draft_vocab_size: int
+    """The draft's lm_head width (d2t)."""
+    target_hidden_size: int
+    """Width of each captured target hidden state (fc takes 3x this)."""
+    aux_layer_ids: tuple[int, ...] = field(default_factory=tuple)
+    hidden_act: str = "silu"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["aux_layer_ids"] = list(self.aux_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DraftConfig:
+        d = dict(d)
+        d["aux_layer_ids"] = tuple(d.get("aux_layer_ids", ()))
+        return cls(**d)
+
+
+def draft_config_from_target(target_config: dict | Path, draft_vocab_size: int, aux_layer_ids,
+                             overrides: dict | None = None) -> DraftConfig:
+    """The draft mirrors the target's attention shape, RoPE and norms (a recipe may override)."""
+    if isinstance(target_config, Path | str):
+        target_config = json.loads((Path(target_config) / "config.json").read_text())
+    c = target_config.get("text_config", target_config)
+    rope = c.get("rope_parameters") or {}
+    rope_theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+    scaling = c.get("rope_scaling")
+    if scaling is None and rope.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    heads = c["num_attention_heads"]
+    d = dict(
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=c.get("num_key_value_heads", heads),
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        rope_scaling=scaling,
+        max_position_embeddings=c.get("max_position_embeddings", 8192),
+        vocab_size=c["vocab_size"],
+        draft_vocab_size=draft_vocab_size,
+        target_hidden_size=c["hidden_size"],
+        aux_layer_ids=tuple(aux_layer_ids),
+        hidden_act=c.get("hidden_act", "silu"),
+    )
+    d.update(overrides or {})
+    return DraftConfig(**d)

@@ -1,0 +1,265 @@
+"""The training loop: Accelerate for devices, mixed precision, accumulation and sharding.
+
+ZeRO-2 is FSDP SHARD_GRAD_OP through Accelerate (chosen over DeepSpeed: no extra dependency or
+JIT build, works with torch.compile and FlexAttention, and Accelerate's FSDP plugin is plain
+PyTorch): parameters stay whole on every rank after the forward, gradients are reduce-scattered
+and the optimizer state is sharded. The same code runs as one CPU process, one GPU, or many GPUs
+under `accelerate launch --config_file recipes/accelerate_zero2.yaml`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from specfoundry.common.progress import Progress
+from specfoundry.common.target import resolve_target
+from specfoundry.featureset.manifest import check_matches_target, tokenizer_hashes
+from specfoundry.featureset.store import FeatureSet
+from specfoundry.train.config import draft_config_from_target
+from specfoundry.train.export import export_draft
+from specfoundry.train.loader import FeatureLoader, split_indices
+from specfoundry.train.model import Eagle3Draft
+from specfoundry.train.teacher import target_embeddings, target_lm_head
+from specfoundry.train.ttt import Batch, TTTModule, summarise
+from specfoundry.train.vocab import choose_draft_vocab, vocab_maps
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Settings of one sf-train run (the resolved config is written next to the checkpoints)."""
+
+    featureset: str
+    output: str
+    target: str = "smollm2"
+    draft_vocab_size: int = 32000
+    ttt_length: int = 7
+    loss_decay: float = 0.8
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    max_steps: int = 1000
+    epochs: float | None = None
+    """If set, train this many passes over the data instead of max_steps."""
+    max_tokens: int = 8192
+    """Padded tokens per micro-batch per rank."""
+    max_length: int | None = None
+    grad_accum: int = 1
+    clip_grad: float = 0.5
+    seed: int = 0
+    eval_fraction: float = 0.05
+    eval_every: int = 200
+    save_every: int = 500
+    keep_last: int = 2
+    attention: str = "auto"
+    """auto (flex on CUDA, SDPA dense mask on CPU), flex, sdpa, or eager (original EAGLE-3)."""
+    loss: str = "auto"
+    """auto (Triton in-place on CUDA), triton, or reference (plain torch)."""
+    num_workers: int = 2
+    init_from: str | None = None
+    """An exported draft to fine-tune (keeps its vocabulary map)."""
+    tensorboard: bool = False
+    log_every: int = 10
+
+
+class NullTracker:
+    def log(self, values: dict, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TensorboardTracker:
+    def __init__(self, logdir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(logdir))
+
+    def log(self, values: dict, step: int) -> None:
+        for k, v in values.items():
+            self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def lr_lambda(warmup: int, total: int):
+    """Linear warmup, then cosine decay to 10% of the peak."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def build_draft(cfg: TrainConfig, fs: FeatureSet, target_dir: Path):
+    manifest = fs.manifest
+    if cfg.init_from:
+        from specfoundry.train.export import load_export
+
+        dcfg, tensors = load_export(cfg.init_from)
+        model = Eagle3Draft(dcfg)
+        model.load_state_dict(tensors, strict=False)
+    else:
+        counts = fs.token_counts()
+        draft_ids = choose_draft_vocab(counts, min(cfg.draft_vocab_size, counts.numel()))
+        dcfg = draft_config_from_target(target_dir, len(draft_ids), manifest["aux_layer_ids"])
+        model = Eagle3Draft(dcfg)
+        d2t, t2d = vocab_maps(draft_ids, dcfg.vocab_size)
+        model.d2t.copy_(d2t)
+        model.t2d.copy_(t2d)
+    model.embed_tokens.weight.data.copy_(target_embeddings(target_dir).float())
+    return model, dcfg
+
+
+def checkpoint_dirs(out: Path) -> list[Path]:
+    return sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+
+
+def train(cfg: TrainConfig, silent: bool = False) -> dict:
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    accel = Accelerator(gradient_accumulation_steps=cfg.grad_accum,
+                        mixed_precision="bf16" if torch.cuda.is_available() else "no")
+    set_seed(cfg.seed)
+    out = Path(cfg.output)
+    target_dir = resolve_target(cfg.target)
+    fs = FeatureSet(cfg.featureset)
+    tcfg = json.loads((target_dir / "config.json").read_text())
+    from specfoundry.common.target import load_tokenizer
+
+    check_matches_target(fs.manifest, hidden_size=tcfg.get("text_config", tcfg)["hidden_size"],
+                         vocab_size=tcfg.get("text_config", tcfg)["vocab_size"],
+                         tokenizer_sha256=tokenizer_hashes(load_tokenizer(target_dir))[0],
+                         source=f"feature set {cfg.featureset}")
+    draft, dcfg = build_draft(cfg, fs, target_dir)
+    dtype = torch.bfloat16 if accel.device.type == "cuda" else torch.float32
+    model = TTTModule(draft, target_lm_head(target_dir).to(dtype))
+
+    train_idx, eval_idx = split_indices(len(fs), cfg.eval_fraction, cfg.seed)
+    loader = FeatureLoader(fs, train_idx, max_tokens=cfg.max_tokens, seed=cfg.seed, rank=accel.process_index,
+                           world=accel.num_processes, num_workers=cfg.num_workers, max_length=cfg.max_length)
+    per_epoch = max(1, loader.batches_per_epoch() // cfg.grad_accum)
+    total_steps = int(math.ceil(cfg.epochs * per_epoch)) if cfg.epochs else cfg.max_steps
+    optimizer = torch.optim.AdamW(draft.trainable_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, total_steps))
+    model, optimizer, scheduler = accel.prepare(model, optimizer, scheduler)
+    raw = accel.unwrap_model(model)
+    if accel.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+        (out / "draft_config.json").write_text(json.dumps(dcfg.to_dict(), indent=2) + "\n")
+
+    step = 0
+    existing = checkpoint_dirs(out)
+    if existing:  # resume from the newest checkpoint: weights, optimizer, scheduler, RNG, loader
+        accel.load_state(str(existing[-1]))
+        state = json.loads((existing[-1] / "trainer_state.json").read_text())
+        step = state["step"]
+        loader.load_state_dict(state["loader"][accel.process_index])
+
+    tracker = TensorboardTracker(out / "tensorboard") if cfg.tensorboard and accel.is_main_process else NullTracker()
+    history = []
+    data = iter(loader)
+
+    def run_batch(batch: Batch, grad: bool):
+        batch = batch.to(accel.device, dtype)
+        with accel.autocast():
+            return (model if grad else raw)(batch, ttt_length=cfg.ttt_length, decay=cfg.loss_decay,
+                                            attention=cfg.attention, loss_impl=cfg.loss)
+
+    with Progress(total_steps, "step", "sf-train", silent or not accel.is_main_process, initial=step) as progress:
+        while step < total_steps:
+            model.train()
+            step_metrics, tokens = [], 0
+            for _ in range(cfg.grad_accum):
+                batch = next(data)
+                tokens += sum(batch.lengths)
+                with accel.accumulate(model):
+                    loss, metrics = run_batch(batch, grad=True)
+                    accel.backward(loss)
+                    if accel.sync_gradients and cfg.clip_grad:
+                        accel.clip_grad_norm_(model.parameters(), cfg.clip_grad)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                step_metrics.append(metrics)
+            step += 1
+            summary = summarise(merge_metrics(step_metrics, accel))
+            summary["lr"] = scheduler.get_last_lr()[0]
+            history.append({"step": step, **summary})
+            tracker.log({f"train/{k}": v for k, v in summary.items()}, step)
+            progress.update(1, tokens * accel.num_processes)
+            if step % cfg.log_every == 0 and accel.is_main_process and not silent:
+                progress.bar.write(f"step {step}: loss_0 {summary['loss_0']:.3f} acc_0 {summary['acc_0']:.3f} "
+                                   f"sim_accept_len {summary['sim_accept_len']:.2f}")
+            if eval_idx and (step % cfg.eval_every == 0 or step == total_steps):
+                ev = evaluate(raw, fs, eval_idx, cfg, accel, run_batch)
+                history[-1].update({f"eval_{k}": v for k, v in ev.items()})
+                tracker.log({f"eval/{k}": v for k, v in ev.items()}, step)
+            if step % cfg.save_every == 0 or step == total_steps:
+                save_checkpoint(accel, out, step, loader, cfg.keep_last)
+    tracker.close()
+    if accel.is_main_process:
+        state = accel.get_state_dict(model) if accel.num_processes > 1 else raw.state_dict()
+        export_draft({k.removeprefix("draft."): v for k, v in state.items() if k.startswith("draft.")}, dcfg,
+                     out / "export")
+        (out / "history.json").write_text(json.dumps(history, indent=1) + "\n")
+    accel.wait_for_everyone()
+    return {"steps": step, "history": history, "export": str(out / "export")}
+
+
+def merge_metrics(per_micro: list[list[dict]], accel) -> list[dict]:
+    """Sum hits/valid over micro-batches and ranks; average losses."""
+    merged = []
+    for s in range(min(len(m) for m in per_micro)):
+        hits = sum(m[s]["hits"] for m in per_micro)
+        valid = sum(m[s]["valid"] for m in per_micro)
+        loss = sum(m[s]["loss"] for m in per_micro) / len(per_micro)
+        stacked = torch.stack([hits.float(), valid.float(), loss.float()])
+        if accel.num_processes > 1:
+            stacked = accel.reduce(stacked, reduction="sum")
+            stacked[2] /= accel.num_processes
+        merged.append({"hits": stacked[0], "valid": stacked[1], "loss": stacked[2]})
+    return merged
+
+
+@torch.no_grad()
+def evaluate(model, fs, eval_idx, cfg, accel, run_batch) -> dict:
+    model.eval()
+    loader = FeatureLoader(fs, eval_idx, max_tokens=cfg.max_tokens, seed=cfg.seed, rank=accel.process_index,
+                           world=accel.num_processes, num_workers=0, max_length=cfg.max_length)
+    n = loader.batches_per_epoch()
+    per_micro = []
+    for _, batch in zip(range(n), loader, strict=False):
+        _, metrics = run_batch(batch, grad=False)
+        per_micro.append(metrics)
+    return summarise(merge_metrics(per_micro, accel)) if per_micro else {}
+
+
+def save_checkpoint(accel, out: Path, step: int, loader: FeatureLoader, keep_last: int) -> None:
+    path = out / "checkpoints" / f"step-{step:07d}"
+    accel.save_state(str(path))
+    states = [None] * accel.num_processes
+    if accel.num_processes > 1:
+        import torch.distributed as dist
+
+        dist.all_gather_object(states, loader.state_dict())
+    else:
+        states = [loader.state_dict()]
+    if accel.is_main_process:
+        (path / "trainer_state.json").write_text(json.dumps({"step": step, "loader": states}) + "\n")
+        for old in checkpoint_dirs(out)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    accel.wait_for_everyone()

@@ -1,0 +1,118 @@
+"""The EAGLE-3 draft exactly as SGLang serves it (`LlamaForCausalLMEagle3`), pure math.
+
+    h0        = fc(aux)                          aux: [B, T, 3*Ht] target layers (step 0 only)
+    x         = cat(input_norm(embed(ids)), hidden_norm(h))       [B, T, 2H]
+    r1        = o_proj(attention(q/k/v_proj(x))) + h              residual is the incoming hidden
+    r2        = mlp(post_attention_norm(r1)) + r1                 SwiGLU
+    logits    = lm_head(norm(r2))                                 [B, T, Vd]
+r2 (the pre-norm state) is what the next draft step receives as its hidden input.
+Parallelism, checkpoints and compile live elsewhere (train/loop.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from specfoundry.kernels.tree_attention import eager_tree_attention, tree_attention
+from specfoundry.train.config import DraftConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Eagle3Attention(nn.Module):
+    """q/k/v read the 2H-wide concat; GQA; RoPE as the target's."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(2 * h, self.nh * hd, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.nkv * hd, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.nkv * hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * hd, h, bias=False)
+
+    def forward(self, x, cos, sin, cache: list, lengths, step: int, attention: str) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
+        k = self.k_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
+        v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if attention == "causal":  # inference over one chain (sf-eval): plain causal attention
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.nh != self.nkv)
+        else:
+            cache.append((k, v))
+            keys = torch.cat([c[0] for c in cache], dim=2)  # [B, nkv, T*(step+1), hd]
+            values = torch.cat([c[1] for c in cache], dim=2)
+            if attention == "eager":
+                out = eager_tree_attention(q, keys, values, lengths, step)
+            else:
+                out = tree_attention(q, keys, values, lengths, step,
+                                     backend={"flex": "flex", "sdpa": "sdpa"}.get(attention, "auto"))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.hd))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = Eagle3Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = nn.ModuleDict({
+            "gate_proj": nn.Linear(h, cfg.intermediate_size, bias=False),
+            "up_proj": nn.Linear(h, cfg.intermediate_size, bias=False),
+            "down_proj": nn.Linear(cfg.intermediate_size, h, bias=False),
+        })
+
+    def forward(self, embeds, hidden, cos, sin, cache, lengths, step, attention):
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        r1 = self.self_attn(x, cos, sin, cache, lengths, step, attention) + hidden
+        y = self.post_attention_layernorm(r1)
+        mlp = self.mlp["down_proj"](F.silu(self.mlp["gate_proj"](y)) * self.mlp["up_proj"](y))
+        return mlp + r1  # [B, T, H] pre-norm state
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
+        self.embed_tokens.weight.requires_grad_(False)  # copied from the target, frozen
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, h, bias=False)
+        self.midlayer = Eagle3DecoderLayer(cfg)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        rope = LlamaConfig(hidden_size=h, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+                           rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
+                           max_position_embeddings=cfg.max_position_embeddings)
+        self.rotary = LlamaRotaryEmbedding(rope)
+
+    def step(self, input_ids, hidden, positions, cache: list, lengths, step: int, attention: str = "auto"):
+        """One draft step. input_ids, positions: [B, T]; hidden: [B, T, H] (fc(aux) at step 0,
+        else the previous step's pre-norm state). Returns (pre-norm [B, T, H], normed [B, T, H])."""
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rotary(hidden, positions)
+        pre = self.midlayer(embeds, hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), cache, lengths, step, attention)
+        return pre, self.norm(pre)
+
+    def trainable_parameters(self):
+        return [p for p in self.parameters() if p.requires_grad]

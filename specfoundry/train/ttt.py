@@ -1,0 +1,111 @@
+"""Training-Time Test: k draft steps unrolled in one forward, each on the previous one's output.
+
+With target tokens x_0..x_{n-1}, its final hidden states h_j (h_j predicts x_{j+1}) and aux
+features a_j, the draft at step s and index i:
+    token input   x_{i+1+s}
+    hidden input  fc(a_i) at s = 0, else the draft's own pre-norm state of step s-1 at i
+    position      i + s
+    teacher       p(h_{i+1+s}) restricted to the draft vocab (it predicts x_{i+2+s})
+    valid         x_{i+2+s} is an assistant token, i+2+s < n, teacher argmax in the draft vocab
+Keys of every step stay in the cache; the tree mask lets (s, i) see the prefix j <= i of step 0
+and its own branch (t, i) for t < s. loss = sum_s 0.8^s * loss_s, each the mean over valid
+positions of the soft-target CE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specfoundry.kernels.soft_ce import soft_target_cross_entropy
+from specfoundry.train.model import Eagle3Draft
+from specfoundry.train.teacher import teacher_targets
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, T] int64, right-padded
+    loss_mask: torch.Tensor  # [B, T] bool
+    aux_hidden: torch.Tensor  # [B, T, 3H]
+    final_hidden: torch.Tensor  # [B, T, H]
+    lengths: list[int]
+
+    def to(self, device, dtype=None) -> Batch:
+        return Batch(self.input_ids.to(device), self.loss_mask.to(device),
+                     self.aux_hidden.to(device, dtype), self.final_hidden.to(device, dtype), self.lengths)
+
+
+def shift(x: torch.Tensor, by: int, width: int) -> torch.Tensor:
+    """x[:, by : by + width] along dim 1, zero-padded past the end."""
+    out = x[:, by : by + width]
+    if out.shape[1] < width:
+        pad = [0, 0] * (x.dim() - 2) + [0, width - out.shape[1]]
+        out = F.pad(out, pad)
+    return out
+
+
+def ttt_loss(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, draft_ids: torch.Tensor, *,
+             ttt_length: int = 7, decay: float = 0.8, attention: str = "auto", loss_impl: str = "auto",
+             teacher_chunk: int = 1024):
+    """Returns (total loss, per-step metrics [{loss, acc, valid}])."""
+    bsz, seq = batch.input_ids.shape
+    h = batch.final_hidden.shape[-1]
+    p_all, ok_all, tgt_all = teacher_targets(batch.final_hidden.reshape(-1, h), lm_head, draft_ids, model.t2d,
+                                             chunk=teacher_chunk, out_dtype=batch.final_hidden.dtype)
+    vd = p_all.shape[-1]
+    p_all = p_all.view(bsz, seq, vd)
+    ok_all, tgt_all = ok_all.view(bsz, seq), tgt_all.view(bsz, seq)
+    lengths = torch.tensor(batch.lengths, device=batch.input_ids.device)
+    index = torch.arange(seq, device=batch.input_ids.device)
+    hidden = model.fc(batch.aux_hidden)  # [B, T, H]
+    cache: list = []
+    total = torch.zeros((), device=hidden.device, dtype=torch.float32)
+    metrics = []
+    for s in range(ttt_length):
+        ids = shift(batch.input_ids, 1 + s, seq)
+        positions = (index + s).expand(bsz, seq)
+        hidden, normed = model.step(ids, hidden, positions, cache, batch.lengths, s, attention)
+        rows = seq - 1 - s  # rows i with a teacher at i+1+s; the rest are never valid
+        if rows <= 0:
+            break
+        valid = (shift(batch.loss_mask, 2 + s, rows) & ok_all[:, 1 + s :]
+                 & (index[:rows] + 2 + s < lengths[:, None]))  # [B, rows]
+        logits = model.lm_head(normed[:, :rows])  # [B, rows, Vd], consumed by the loss
+        target_p = p_all[:, 1 + s :]
+        n_valid = valid.sum()
+        with torch.no_grad():
+            hit = (logits.argmax(-1) == tgt_all[:, 1 + s :]) & valid
+        loss_s = soft_target_cross_entropy(logits.reshape(-1, vd), target_p.reshape(-1, vd), valid.reshape(-1),
+                                           normaliser=n_valid.clamp(min=1).float(), impl=loss_impl)
+        total = total + decay ** s * loss_s
+        metrics.append({"loss": loss_s.detach(), "hits": hit.sum(), "valid": n_valid})
+    return total, metrics
+
+
+class TTTModule(torch.nn.Module):
+    """Wraps the draft so that the whole TTT unroll is one forward: DDP/FSDP wrappers see every
+    parameter use inside their forward. The teacher head is a frozen buffer, not a parameter."""
+
+    def __init__(self, draft: Eagle3Draft, lm_head: torch.Tensor):
+        super().__init__()
+        self.draft = draft
+        self.register_buffer("lm_head", lm_head, persistent=False)
+
+    def forward(self, batch: Batch, **kw):
+        draft_ids = self.draft.d2t + torch.arange(len(self.draft.d2t), device=self.draft.d2t.device)
+        return ttt_loss(self.draft, batch, self.lm_head, draft_ids, **kw)
+
+
+def summarise(metrics: list[dict]) -> dict:
+    """Per-step loss / accuracy and the simulated acceptance length sum_s prod_{i<=s} acc_i."""
+    out, run, tau = {}, 1.0, 0.0
+    for s, m in enumerate(metrics):
+        acc = (m["hits"].float() / m["valid"].clamp(min=1)).item()
+        out[f"loss_{s}"] = m["loss"].item()
+        out[f"acc_{s}"] = acc
+        run *= acc
+        tau += run
+    out["sim_accept_len"] = tau
+    return out
