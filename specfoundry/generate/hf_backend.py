@@ -20,15 +20,21 @@ def end_of_turn_ids(model, tokenizer) -> list[int]:
 class HFBackend:
     name = "hf"
 
-    def __init__(self, target: str, device: str | None = None, batch_size: int = 32):
-        self.model, self.tokenizer, self.target = load_target(target, device=device)
+    def __init__(self, target: str | None, device: str | None = None, batch_size: int = 32, *, model=None,
+                 tokenizer=None):
+        """Load `target`, or wrap an already loaded (model, tokenizer) when target is None."""
+        if target is None:
+            self.model, self.tokenizer, self.target = model, tokenizer, None
+        else:
+            self.model, self.tokenizer, self.target = load_target(target, device=device)
         self.device = next(self.model.parameters()).device
         self.batch_size = batch_size
         self.stop_ids = end_of_turn_ids(self.model, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
 
     def identity(self) -> dict:
-        return {"backend": self.name, **self.target.to_dict(), "dtype": str(self.model.dtype)}
+        target = self.target.to_dict() if self.target else {"name": str(self.model.config.name_or_path)}
+        return {"backend": self.name, **target, "dtype": str(self.model.dtype)}
 
     def render(self, messages: list[dict]) -> list[int]:
         """Token ids of the chat template up to the start of the next assistant turn."""

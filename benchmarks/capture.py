@@ -1,0 +1,123 @@
+"""sf-capture throughput on one GPU: an 8B-shaped Llama (random weights: throughput does not
+depend on them) at sequence length 4096, three ways over the same batches in one process:
+
+    bare     base-model prefill, nothing captured or written
+    ours     the capture runner (hooks on 3 layers + final hidden) + background shard writer
+    naive    model(..., output_hidden_states=True): every layer's states and full logits
+
+    python benchmarks/capture.py [--batches 6] [--batch-size 2]
+
+MFU = 2 * params * tokens / time over the 790 TFLOP/s bf16 matmul rate (attention FLOPs are
+not counted, so this understates the work at 4096 tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import MATMUL_TFLOPS, print_table, write_result  # noqa: E402
+from specfoundry.capture.runner import HFCaptureRunner, default_aux_layers  # noqa: E402
+from specfoundry.featureset.store import shard_name, write_shard  # noqa: E402
+
+
+def llama8b(layers: int = 32):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model = model.to_empty(device="cuda")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+    model.model.rotary_emb.__init__(cfg, device="cuda")  # buffers lost on meta
+    return model.eval().requires_grad_(False)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, default=6, help="Timed batches per variant (after one warm-up).")
+    ap.add_argument("--batch-size", type=int, default=2, help="Sequences per batch.")
+    ap.add_argument("--seq", type=int, default=4096, help="Tokens per sequence.")
+    args = ap.parse_args()
+    model = llama8b()
+    params = sum(p.numel() for p in model.parameters())
+    g = torch.Generator().manual_seed(0)
+    batches = [[torch.randint(0, 128256, (args.seq,), generator=g).tolist() for _ in range(args.batch_size)]
+               for _ in range(args.batches + 1)]
+    tokens = args.batches * args.batch_size * args.seq
+    rows = []
+
+    def measure(name, fn, extra=None):
+        fn(batches[0])
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        t = time.perf_counter()
+        for b in batches[1:]:
+            fn(b)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+        if extra:
+            extra()
+        dt = time.perf_counter() - t  # include draining the writer
+        row = {"variant": name, "tokens_per_s": tokens / dt, "MFU_%": 100 * 2 * params * tokens / dt / 1e12 / MATMUL_TFLOPS,
+               "peak_GiB_above_weights": (torch.cuda.max_memory_allocated() - base) / 2**30}
+        rows.append(row)
+        return row
+
+    def ids_of(batch):
+        return torch.tensor(batch, device="cuda")
+
+    with torch.inference_mode():
+        measure("bare prefill", lambda b: model.model(input_ids=ids_of(b), use_cache=False))
+        measure("naive output_hidden_states + logits",
+                lambda b: model(input_ids=ids_of(b), output_hidden_states=True, use_cache=False))
+    runner = HFCaptureRunner(model, default_aux_layers(32))
+    with tempfile.TemporaryDirectory() as d:
+        jobs: queue.Queue = queue.Queue(maxsize=2)
+        written = {"bytes": 0}
+
+        def writer():
+            k = 0
+            while (job := jobs.get()) is not None:
+                rows_ = [{"input_ids": torch.tensor(ids), "loss_mask": torch.ones(len(ids), dtype=torch.bool),
+                          "aux_hidden": aux, "final_hidden": fin} for ids, (aux, fin) in job]
+                write_shard(Path(d), shard_name(k, "safetensors"), rows_, "safetensors", "bfloat16")
+                written["bytes"] += (Path(d) / shard_name(k, "safetensors")).stat().st_size
+                k += 1
+
+        thread = threading.Thread(target=writer)
+        thread.start()
+
+        def capture(b):
+            jobs.put(list(zip(b, runner(b), strict=True)))
+
+        def drain():
+            jobs.put(None)
+            thread.join()
+
+        row = measure("ours: capture 3 layers + final, written to disk", capture, drain)
+        row["disk_MB_per_s"] = written["bytes"] * args.batches / (args.batches + 1) / 1e6 / (tokens / row["tokens_per_s"])
+    bare = rows[0]["tokens_per_s"]
+    for r in rows:
+        r["vs_bare_%"] = 100 * r["tokens_per_s"] / bare
+    print_table(rows, ["variant", "tokens_per_s", "vs_bare_%", "MFU_%", "peak_GiB_above_weights", "disk_MB_per_s"])
+    print(write_result("capture", rows, {"params": params, "seq": args.seq, "batch_size": args.batch_size}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Shared benchmark helpers: CUDA-event timing after warm-up, peak memory, JSON results."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+MATMUL_TFLOPS = 790.0  # bf16 8192^3 matmul measured on the device's H200 (KINDS.md)
+COPY_TBPS = 4.3  # device-to-device copy, bytes read + written (KINDS.md)
+
+
+def cuda_time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
+    """Median of `iters` CUDA-event timings of fn() after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_memory_gib(fn) -> float:
+    """Peak allocated memory during one fn() call, above what was allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def wall(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def machine() -> dict:
+    info = {"python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform()}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["gpus"] = torch.cuda.device_count()
+    return info
+
+
+def write_result(name: str, rows: list[dict], extra: dict | None = None) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    payload = {"benchmark": name, "command": " ".join(sys.argv), "machine": machine(),
+               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows, **(extra or {})}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in columns}
+    print(" | ".join(c.ljust(widths[c]) for c in columns))
+    print("-+-".join("-" * widths[c] for c in columns))
+    for r in rows:
+        print(" | ".join(fmt(r.get(c)).ljust(widths[c]) for c in columns))
+
+
+def fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+    return "" if v is None else str(v)

@@ -1,0 +1,172 @@
+"""Kernel benchmarks on one GPU: TTT attention block and the in-place soft-target loss.
+
+    python benchmarks/kernels.py [--quick]
+
+Attention: the draft's attention block at the Llama-3.1-8B draft shape (input 2H = 8192,
+32 query heads, 8 KV heads, head_dim 128, RoPE), batch 1, TTT length 7, all 7 steps forward +
+backward. Ours (FlexAttention BlockMask) against (a) the original EAGLE-3 eager formulation and
+(b) SDPA with the dense mask. The attention core alone is timed too and counted in useful
+FLOPs: pairs(s) = T(T+1)/2 + s*T visible (query, key) pairs at step s; forward 4*pairs*nh*hd
+(QK^T and PV), backward 10*pairs*nh*hd (dV, dP, dQ, dK and the recomputed QK^T).
+Loss: [N, 32000] logits, fp32 and bf16, forward + backward, one call and the 7-step weighted
+form; bytes = N*V*(3*e_z + 2*e_p) (forward reads z, p; backward reads z, p and writes z).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import (  # noqa: E402
+    COPY_TBPS,
+    MATMUL_TFLOPS,
+    cuda_time_ms,
+    peak_memory_gib,
+    print_table,
+    write_result,
+)
+from specfoundry.kernels.soft_ce import soft_ce_reference, soft_target_cross_entropy  # noqa: E402
+from specfoundry.kernels.tree_attention import eager_tree_attention, tree_attention  # noqa: E402
+from specfoundry.train.config import DraftConfig  # noqa: E402
+from specfoundry.train.model import Eagle3Attention, Eagle3Draft  # noqa: E402
+
+LLAMA8B_DRAFT = DraftConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                            head_dim=128, rope_theta=500000.0, max_position_embeddings=131072, vocab_size=128256,
+                            draft_vocab_size=32000, target_hidden_size=4096, aux_layer_ids=(1, 15, 28))
+STEPS = 7
+
+
+def attention_block_run(attn: Eagle3Attention, rotary, xs, grads, impl: str):
+    t = xs[0].shape[1]
+    cache = []
+    outs = []
+    for s in range(STEPS):
+        pos = (torch.arange(t, device="cuda") + s)[None]
+        cos, sin = rotary(xs[s], pos)
+        outs.append(attn(xs[s], cos.to(xs[s].dtype), sin.to(xs[s].dtype), cache, [t], s, impl))
+    loss = sum((o * g).sum() for o, g in zip(outs, grads, strict=True))
+    loss.backward()
+
+
+def core_run(qs, ks, vs, impl):
+    t = qs[0].shape[2]
+    outs = []
+    for s in range(STEPS):
+        k = torch.cat(ks[: s + 1], dim=2)
+        v = torch.cat(vs[: s + 1], dim=2)
+        if impl == "eager":
+            outs.append(eager_tree_attention(qs[s], k, v, [t], s))
+        else:
+            outs.append(tree_attention(qs[s], k, v, [t], s, backend=impl))
+    sum(o.float().sum() for o in outs).backward()
+
+
+def core_flops(t: int, nh: int = 32, hd: int = 128) -> float:
+    pairs = sum(t * (t + 1) / 2 + s * t for s in range(STEPS))
+    return 14 * pairs * nh * hd
+
+
+def bench_attention(seqs: list[int]) -> list[dict]:
+    torch.manual_seed(0)
+    model = Eagle3Draft(LLAMA8B_DRAFT)
+    attn = model.midlayer.self_attn.cuda().to(torch.bfloat16)
+    rotary = model.rotary.cuda()
+    rows = []
+    for t in seqs:
+        xs = [torch.randn(1, t, 8192, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(STEPS)]
+        grads = [torch.randn(1, t, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(STEPS)]
+        qs = [torch.randn(1, 32, t, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(STEPS)]
+        ks = [torch.randn(1, 8, t, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(STEPS)]
+        vs = [torch.randn(1, 8, t, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(STEPS)]
+        for impl, name in (("flex", "ours (flex BlockMask)"), ("eager", "(a) eager EAGLE-3"), ("sdpa", "(b) SDPA dense mask")):
+            row = {"what": "attention block", "T": t, "impl": name}
+            try:
+                block = functools.partial(attention_block_run, attn, rotary, xs, grads, impl)
+                core = functools.partial(core_run, qs, ks, vs, impl)
+                row["first_call_s"] = wall(block)  # compile + mask build, reported apart
+                row["ms"] = cuda_time_ms(block, 2, 5)
+                row["peak_GiB"] = peak_memory_gib(block)
+                core_ms = cuda_time_ms(core, 2, 5)
+                row["core_ms"] = core_ms
+                row["core_TFLOPs"] = core_flops(t) / core_ms / 1e9
+                row["core_%_of_matmul"] = 100 * row["core_TFLOPs"] / MATMUL_TFLOPS
+            except torch.cuda.OutOfMemoryError:
+                row["ms"] = "OOM"
+            for x in xs + qs + ks + vs:
+                x.grad = None
+            torch.cuda.empty_cache()
+            rows.append(row)
+        ours = next(r for r in rows if r["T"] == t and r["impl"].startswith("ours"))
+        eager = next(r for r in rows if r["T"] == t and r["impl"].startswith("(a)"))
+        if isinstance(eager.get("ms"), float) and isinstance(ours.get("ms"), float):
+            ours["speedup_vs_eager"] = eager["ms"] / ours["ms"]
+            ours["mem_saving_vs_eager_%"] = 100 * (1 - ours["peak_GiB"] / eager["peak_GiB"])
+    return rows
+
+
+def bench_loss(shapes: list[tuple[int, int]]) -> list[dict]:
+    rows = []
+    compiled = torch.compile(soft_ce_reference)
+    for n, v in shapes:
+        for dtype in (torch.float32, torch.bfloat16):
+            e = torch.finfo(dtype).bits // 8
+            for steps in (1, STEPS):
+                zs = [torch.randn(n, v, device="cuda", dtype=dtype, requires_grad=True) for _ in range(steps)]
+                ps = [torch.softmax(torch.randn(n, v, device="cuda"), -1).to(dtype) for _ in range(steps)]
+                mask = torch.rand(n, device="cuda") > 0.1
+                norm = mask.sum().float()
+
+                def run(fn, zs=zs, ps=ps, mask=mask, norm=norm):
+                    for z in zs:
+                        z.grad = None
+                    total = sum(0.8 ** s * fn(z, p, mask, norm) for s, (z, p) in enumerate(zip(zs, ps, strict=True)))
+                    total.backward()
+
+                variants = {
+                    "ours (triton in place)": lambda z, p, m, nn: soft_target_cross_entropy(z, p, m, nn, impl="triton"),
+                    "torch reference": soft_ce_reference,
+                    "torch.compile reference": compiled,
+                }
+                logits_gib = n * v * e * steps / 2**30
+                for name, fn in variants.items():
+                    row = {"what": "soft CE", "N": n, "V": v, "dtype": str(dtype).split(".")[1], "steps": steps,
+                           "impl": name}
+                    try:
+                        row["ms"] = cuda_time_ms(lambda fn=fn: run(fn), 3, 10)
+                        row["extra_GiB"] = peak_memory_gib(lambda fn=fn: run(fn))
+                        row["extra_%_of_logits"] = 100 * row["extra_GiB"] / logits_gib
+                        row["TB/s"] = n * v * (3 * e + 2 * e) * steps / (row["ms"] * 1e-3) / 1e12
+                        row["%_of_copy_bw"] = 100 * row["TB/s"] / COPY_TBPS
+                    except torch.cuda.OutOfMemoryError:
+                        row["ms"] = "OOM"
+                    torch.cuda.empty_cache()
+                    rows.append(row)
+                ours, comp = rows[-3], rows[-1]
+                if isinstance(ours.get("ms"), float) and isinstance(comp.get("ms"), float):
+                    ours["time_vs_compiled"] = ours["ms"] / comp["ms"]
+                del zs, ps
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="Smaller sizes (a smoke run).")
+    args = ap.parse_args()
+    seqs = [1024] if args.quick else [2048, 4096, 8192]
+    shapes = [(1024, 32000)] if args.quick else [(4096, 32000), (16384, 32000)]
+    att = bench_attention(seqs)
+    print_table(att, ["T", "impl", "ms", "peak_GiB", "first_call_s", "speedup_vs_eager", "mem_saving_vs_eager_%",
+                      "core_ms", "core_TFLOPs", "core_%_of_matmul"])
+    loss = bench_loss(shapes)
+    print_table(loss, ["N", "dtype", "steps", "impl", "ms", "extra_GiB", "extra_%_of_logits", "TB/s", "%_of_copy_bw",
+                       "time_vs_compiled"])
+    print(write_result("kernels" + ("_quick" if args.quick else ""), att + loss))
+
+
+if __name__ == "__main__":
+    main()
