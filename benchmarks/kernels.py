@@ -28,6 +28,7 @@ from benchmarks.common import (  # noqa: E402
     cuda_time_ms,
     peak_memory_gib,
     print_table,
+    wall,
     write_result,
 )
 from specfoundry.kernels.soft_ce import soft_ce_reference, soft_target_cross_entropy  # noqa: E402
