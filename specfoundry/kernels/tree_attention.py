@@ -84,6 +84,9 @@ _compiled_flex = None
 def _flex():
     global _compiled_flex
     if _compiled_flex is None:
+        # every (T, step) pair is its own static shape: 7 per sequence length, more than
+        # dynamo's default of 8 recompiles allows before it silently falls back to eager
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex
 
