@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the repo root replaces this script's folder on the path: transformers imports a package
+# named "kernels" if it can find one, and this folder holds kernels.py
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 from benchmarks.common import MATMUL_TFLOPS, print_table, write_result  # noqa: E402
 from specfoundry.capture.runner import HFCaptureRunner, default_aux_layers  # noqa: E402
 from specfoundry.featureset.store import shard_name, write_shard  # noqa: E402

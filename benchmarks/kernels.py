@@ -21,7 +21,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the repo root replaces this script's folder on the path: transformers imports a package
+# named "kernels" if it can find one, and this folder holds kernels.py
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 from benchmarks.common import (  # noqa: E402
     COPY_TBPS,
     MATMUL_TFLOPS,

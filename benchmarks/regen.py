@@ -18,7 +18,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the repo root replaces this script's folder on the path: transformers imports a package
+# named "kernels" if it can find one, and this folder holds kernels.py
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 from benchmarks.common import print_table, write_result  # noqa: E402
 from specfoundry.generate.backend import SamplingConfig  # noqa: E402
 from specfoundry.generate.hf_backend import HFBackend  # noqa: E402
