@@ -1,13 +1,24 @@
 #!/usr/bin/env bash
-# The whole specfoundry pipeline on the embedded default target (SmolLM2-135M-Instruct, CPU).
-# Each stage is a separate command that reads the previous stage's output folder, so on your own
-# data and model you run the same commands with --target /path/to/model and your own dataset.
+# The specfoundry pipeline on the embedded default target (SmolLM2-135M-Instruct, CPU).
+# Each stage is a separate command reading the previous stage's folder: on your own data and
+# model, run the same commands with --target /path/to/model and your dataset in place of
+# --synthesize. Every stage resumes when rerun with the same command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
 RUN=${RUN:-runs/smollm2}
 mkdir -p "$RUN"
 
-# 1. Regenerate: synthesise user prompts from the target (no dataset needed) and answer them
-#    with the target at temperature 0.8, so the draft later learns the target's own text.
-sf-regen --synthesize "${N_PROMPTS:-64}" --max-new-tokens 128 --batch-size 16 --shard-size 32 -o "$RUN/regen"
+# 1. Regenerate: synthesise user prompts from the target itself (no dataset needed) and answer
+#    them at temperature 0.8, so the draft learns the target's own text.
+sf-regen --synthesize "${N_PROMPTS:-96}" --max-new-tokens 160 --batch-size 16 --shard-size 32 -o "$RUN/regen"
+
+# 2. Capture: chat template + assistant-only loss mask, target prefill, hidden states of layers
+#    [1, 14, 26] and the final norm, stored as a Zarr v3 feature set; then check it.
+sf-capture run "$RUN/regen" -o "$RUN/features" --max-length 1024 --shard-size 64
+sf-capture verify "$RUN/features"
+
+# 3. Train the EAGLE-3 draft with Training-Time Test and export it for SGLang.
+sf-train --recipe recipes/smollm2-cpu.yaml --featureset "$RUN/features" --output "$RUN/train" \
+  --epochs "${EPOCHS:-6}"
+echo "exported draft: $RUN/train/export (sf-eval, real speculative decoding, is not built yet)"

@@ -5,9 +5,11 @@ from __future__ import annotations
 import click
 import pytest
 
+from specfoundry.capture.cli import main as capture_main
 from specfoundry.generate.cli import main as regen_main
+from specfoundry.train.cli import main as train_main
 
-COMMANDS = {"sf-regen": regen_main}
+COMMANDS = {"sf-regen": regen_main, "sf-capture": capture_main, "sf-train": train_main}
 
 
 def walk(cmd: click.Command, path: str):
