@@ -25,7 +25,7 @@ from specfoundry import __version__
 from specfoundry.capture.runner import HFCaptureRunner, default_aux_layers
 from specfoundry.capture.template import TemplateMaskError, render_with_mask
 from specfoundry.common.conversations import BadInput, ConversationFormatError, load_conversations
-from specfoundry.common.files import atomic_write_json, sha256_file, sha256_text
+from specfoundry.common.files import atomic_write_json, sha256_text
 from specfoundry.common.progress import Progress
 from specfoundry.common.target import load_target
 from specfoundry.featureset.manifest import (
@@ -279,5 +279,3 @@ def write_one(root: Path, shard: int, part: list[dict], outputs: list, cfg: Capt
         "token_counts": {str(k): v for k, v in sorted(counts.items())},
     })
 
-
-__all__ = ["CaptureConfig", "CaptureError", "run_capture", "sha256_file"]

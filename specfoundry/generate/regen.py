@@ -14,7 +14,9 @@ skips listed shards whose checksum matches. Every generation call derives its se
 from __future__ import annotations
 
 import io
+import json
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -260,7 +262,7 @@ class Regenerator:
             "seed": cfg.sampling.seed,
             "settings": cfg.settings(),
             "num_shards": num_shards,
-            "bad_input_counts": _count_kinds(bad),
+            "bad_input_counts": dict(Counter(b.kind for b in bad)),
             "bad_inputs": [asdict(b) for b in bad],
             "shards": [],
             "complete": False,
@@ -268,8 +270,6 @@ class Regenerator:
 
     def finished_shards(self, manifest_path: Path) -> list[dict]:
         """Shards of an earlier run into this folder that can be kept (same settings, intact)."""
-        import json
-
         if not manifest_path.is_file():
             return []
         old = json.loads(manifest_path.read_text())
@@ -311,25 +311,13 @@ class Regenerator:
                 entry = {"index": shard, "path": rel, "sha256": sha256_file(self.out / rel), "counts": asdict(counts)}
                 manifest["shards"] = sorted(manifest["shards"] + [entry], key=lambda s: s["index"])
                 atomic_write_json(manifest_path, manifest)
-        manifest["totals"] = _sum_counts([s["counts"] for s in manifest["shards"]])
+        totals = Counter()
+        for s in manifest["shards"]:
+            totals.update(s["counts"])  # update(), unlike +, keeps the zero counts
+        manifest["totals"] = dict(totals)
         manifest["complete"] = True
         atomic_write_json(manifest_path, manifest)
         return manifest
-
-
-def _count_kinds(bad: list[BadInput]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for b in bad:
-        out[b.kind] = out.get(b.kind, 0) + 1
-    return out
-
-
-def _sum_counts(all_counts: list[dict]) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for c in all_counts:
-        for k, v in c.items():
-            total[k] = total.get(k, 0) + v
-    return total
 
 
 def run_regen(cfg: RegenConfig, backend: Backend, silent: bool = False) -> dict:

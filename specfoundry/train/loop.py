@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from specfoundry.common.progress import Progress
-from specfoundry.common.target import resolve_target
+from specfoundry.common.target import load_tokenizer, resolve_target, target_identity
 from specfoundry.featureset.manifest import check_matches_target, tokenizer_hashes
 from specfoundry.featureset.store import FeatureSet
 from specfoundry.train.config import draft_config_from_target
@@ -135,11 +135,8 @@ def train(cfg: TrainConfig, silent: bool = False) -> dict:
     out = Path(cfg.output)
     target_dir = resolve_target(cfg.target)
     fs = FeatureSet(cfg.featureset)
-    tcfg = json.loads((target_dir / "config.json").read_text())
-    from specfoundry.common.target import load_tokenizer
-
-    check_matches_target(fs.manifest, hidden_size=tcfg.get("text_config", tcfg)["hidden_size"],
-                         vocab_size=tcfg.get("text_config", tcfg)["vocab_size"],
+    identity = target_identity(cfg.target, target_dir)
+    check_matches_target(fs.manifest, hidden_size=identity.hidden_size, vocab_size=identity.vocab_size,
                          tokenizer_sha256=tokenizer_hashes(load_tokenizer(target_dir))[0],
                          source=f"feature set {cfg.featureset}")
     draft, dcfg = build_draft(cfg, fs, target_dir)

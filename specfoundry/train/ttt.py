@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from specfoundry.kernels.soft_ce import soft_target_cross_entropy
 from specfoundry.train.model import Eagle3Draft
 from specfoundry.train.teacher import teacher_targets
+from specfoundry.train.vocab import draft_ids_from_d2t
 
 
 @dataclass
@@ -94,8 +95,7 @@ class TTTModule(torch.nn.Module):
         self.register_buffer("lm_head", lm_head, persistent=False)
 
     def forward(self, batch: Batch, **kw):
-        draft_ids = self.draft.d2t + torch.arange(len(self.draft.d2t), device=self.draft.d2t.device)
-        return ttt_loss(self.draft, batch, self.lm_head, draft_ids, **kw)
+        return ttt_loss(self.draft, batch, self.lm_head, draft_ids_from_d2t(self.draft.d2t), **kw)
 
 
 def summarise(metrics: list[dict]) -> dict:
