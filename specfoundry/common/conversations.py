@@ -56,7 +56,7 @@ class Conversation:
 @dataclass(frozen=True)
 class BadInput:
     location: str
-    kind: str  # malformed_json | missing_role | missing_content | unknown_role | empty_conversation | ends_on_user | no_assistant_turn | over_long_prompt
+    kind: str  # malformed_json | missing_role | missing_content | unknown_role | empty_conversation | ends_on_user | no_assistant_turn | over_long_prompt | no_user_turn
     detail: str
 
     def __str__(self) -> str:
@@ -121,8 +121,11 @@ def iter_records(path: Path) -> Iterator[tuple[str, dict | None, str | None]]:
         yield f"{path}:row {i}", record, None
 
 
-def normalise(record: dict, location: str, default_id: str) -> Conversation | BadInput:
-    """One record in any accepted shape -> Conversation, or the first thing wrong with it."""
+def normalise(record: dict, location: str, default_id: str, prompt_only: bool = False) -> Conversation | BadInput:
+    """One record in any accepted shape -> Conversation, or the first thing wrong with it.
+
+    prompt_only: the record is a prompt to answer (sf-eval): it must end on a user turn, and
+    a trailing assistant turn (a reference answer) is dropped."""
     turns = record.get("messages")
     if turns is None:
         turns = record.get("conversations", record.get("conversation"))
@@ -146,6 +149,12 @@ def normalise(record: dict, location: str, default_id: str) -> Conversation | Ba
     non_system = [m for m in messages if m.role != "system"]
     if not non_system:
         return BadInput(location, "empty_conversation", "only a system prompt")
+    if prompt_only:
+        if non_system[-1].role == "assistant":
+            messages = messages[:-1]
+        if messages[-1].role != "user":
+            return BadInput(location, "no_user_turn", "a prompt must end on a user turn")
+        return Conversation(str(record.get("id") or default_id), tuple(messages), location)
     if not any(m.role == "assistant" for m in non_system):
         return BadInput(location, "no_assistant_turn", "no assistant turn to learn from")
     if non_system[-1].role == "user":
@@ -154,10 +163,12 @@ def normalise(record: dict, location: str, default_id: str) -> Conversation | Ba
     return Conversation(conv_id, tuple(messages), location)
 
 
-def load_conversations(source: str | Path, strict: bool = False, limit: int | None = None) -> LoadResult:
+def load_conversations(source: str | Path, strict: bool = False, limit: int | None = None,
+                       prompt_only: bool = False) -> LoadResult:
     """Load and normalise every conversation of a source, in a deterministic order.
 
-    With ``strict`` the first bad record raises ConversationFormatError naming its location.
+    With ``strict`` the first bad record raises ConversationFormatError naming its location;
+    with ``prompt_only`` records are prompts (see normalise).
     """
     result = LoadResult()
     for path in data_files(source):
@@ -167,7 +178,7 @@ def load_conversations(source: str | Path, strict: bool = False, limit: int | No
             item = (
                 BadInput(where, "malformed_json", error)
                 if record is None
-                else normalise(record, where, default_id=f"{path.stem}-{index}")
+                else normalise(record, where, default_id=f"{path.stem}-{index}", prompt_only=prompt_only)
             )
             if isinstance(item, BadInput):
                 if strict:

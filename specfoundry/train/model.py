@@ -34,6 +34,37 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class KVCache:
+    """The draft's keys/values for decoding one sequence at a time (sf-eval).
+
+    A chain of proposals is appended and then cropped back to the accepted prefix, so every
+    cached key is a real token with real target features, as in training's step-0 block.
+    """
+
+    def __init__(self):
+        self.keys: torch.Tensor | None = None  # [B, nkv, L, hd]
+        self.values: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
+        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
+        return self.keys, self.values
+
+    def mask_for(self, new: int, device) -> torch.Tensor:
+        """[new, L] bool: every cached key, and the new tokens causally among themselves."""
+        past = len(self) - new
+        j = torch.arange(len(self), device=device)
+        i = torch.arange(new, device=device)[:, None]
+        return j[None, :] <= past + i
+
+    def crop(self, length: int) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+
+
 class Eagle3Attention(nn.Module):
     """q/k/v read the 2H-wide concat; GQA; RoPE as the target's."""
 
@@ -46,14 +77,17 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * h, self.nkv * hd, bias=False)
         self.o_proj = nn.Linear(self.nh * hd, h, bias=False)
 
-    def forward(self, x, cos, sin, cache: list, lengths, step: int, attention: str) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: list | KVCache, lengths, step: int, attention: str) -> torch.Tensor:
+        """cache: the TTT list of earlier steps' (k, v) in training, or a KVCache when decoding."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
         k = self.k_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
         v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if attention == "causal":  # inference over one chain (sf-eval): plain causal attention
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.nh != self.nkv)
+        if isinstance(cache, KVCache):  # inference (sf-eval): new tokens after a cached prefix
+            keys, values = cache.append(k, v)  # [B, nkv, L+T, hd]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=cache.mask_for(t, q.device),
+                                                 enable_gqa=self.nh != self.nkv)
         else:
             cache.append((k, v))
             keys = torch.cat([c[0] for c in cache], dim=2)  # [B, nkv, T*(step+1), hd]

@@ -1,0 +1,1 @@
+"""sf-eval: acceptance length by real speculative decoding against the target, and the gate."""

@@ -1,0 +1,214 @@
+"""sf-eval run: acceptance length of a draft on prompt sets, by real speculative decoding.
+
+For each prompt set it reports the acceptance length (mean tokens per target verify forward,
+counting the target's own token), the acceptance rate at each draft position (the chance that
+draft token j is accepted given that tokens 1..j-1 were), draft and target time per round, and
+tokens/s with and without the draft. In greedy mode it also checks that every output equals the
+target's own greedy output (the baseline run), token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from dataclasses import asdict, dataclass
+from importlib.resources import files
+from pathlib import Path
+
+import torch
+
+from specfoundry.common.conversations import load_conversations
+from specfoundry.common.progress import Progress
+from specfoundry.common.target import default_dtype, load_target, pick_device, resolve_target
+from specfoundry.eval.draft import load_draft, untrained_like
+from specfoundry.eval.speculative import (DecodeResult, DraftRunner, Sampler, TargetRunner, speculative_generate,
+                                          target_generate)
+
+BUILTIN_SETS = ("chat", "code", "math", "multiturn")
+
+
+class EvalError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    draft: str
+    target: str = "smollm2"
+    prompt_sets: tuple[str, ...] = BUILTIN_SETS
+    k: int = 4
+    temperature: float = 0.0
+    max_new_tokens: int = 128
+    limit: int | None = None
+    seed: int = 0
+    baseline: bool = True
+    compare_untrained: bool = False
+    device: str | None = None
+    output: str | None = None
+
+
+def prompt_source(name: str) -> Path:
+    """A built-in set's file (held out: never used for training), or a user's dataset file."""
+    if name in BUILTIN_SETS:
+        return Path(str(files("specfoundry.eval") / "prompts" / f"{name}.jsonl"))
+    path = Path(name)
+    if not path.exists():
+        raise EvalError(f"prompt set {name!r} is neither a built-in set {list(BUILTIN_SETS)} nor an existing file")
+    return path
+
+
+def load_prompts(name: str, tokenizer, limit: int | None = None) -> list[tuple[str, list[int]]]:
+    """[(id, prompt token ids)] rendered with the target's chat template and generation prompt."""
+    loaded = load_conversations(prompt_source(name), limit=limit, prompt_only=True)
+    if loaded.bad:
+        raise EvalError(f"bad prompt: {loaded.bad[0]}")
+    if not loaded.conversations:
+        raise EvalError(f"prompt set {name!r} has no prompts")
+    out = []
+    for conv in loaded.conversations:
+        ids = tokenizer.apply_chat_template(conv.to_messages(), add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        out.append((conv.id, list(ids)))
+    return out
+
+
+def summarise_set(results: list[DecodeResult], k: int) -> dict:
+    accepted = [a for r in results for a in r.accepted]
+    rounds = len(accepted)
+    reached = [sum(a >= j for a in accepted) for j in range(k)]  # rounds whose draft j+1 was verified
+    kept = [sum(a >= j + 1 for a in accepted) for j in range(k)]
+    tokens = sum(len(r.tokens) for r in results)
+    seconds = sum(r.total_s for r in results)
+    return {
+        "prompts": len(results),
+        "rounds": rounds,
+        "tokens": tokens,
+        "accept_length": (sum(accepted) + rounds) / max(rounds, 1),
+        "accept_rate_by_position": [kept[j] / reached[j] if reached[j] else None for j in range(k)],
+        "draft_ms_per_round": 1e3 * sum(r.draft_s for r in results) / max(rounds, 1),
+        "target_ms_per_round": 1e3 * sum(r.target_s for r in results) / max(rounds, 1),
+        "tokens_per_s": tokens / max(seconds, 1e-9),
+    }
+
+
+def decode_set(target: TargetRunner, draft: DraftRunner | None, prompts, cfg: EvalConfig, eos: set[int],
+               desc: str) -> list[DecodeResult]:
+    sampler = Sampler(cfg.temperature, torch.Generator(device=target.device).manual_seed(cfg.seed))
+    results = []
+    with Progress(len(prompts), "prompt", desc) as progress:
+        for _, ids in prompts:
+            if draft is None:
+                r = target_generate(target, ids, max_new_tokens=cfg.max_new_tokens, eos=eos, sampler=sampler)
+            else:
+                r = speculative_generate(target, draft, ids, k=cfg.k, max_new_tokens=cfg.max_new_tokens, eos=eos,
+                                         sampler=sampler)
+            results.append(r)
+            progress.update(1, len(r.tokens))
+    return results
+
+
+def run_eval(cfg: EvalConfig) -> dict:
+    if cfg.k < 1:
+        raise EvalError(f"k must be at least 1, got {cfg.k}")
+    device = pick_device(cfg.device)
+    dtype = default_dtype(device)
+    model, tokenizer, identity = load_target(cfg.target, device=str(device), dtype=dtype)
+    draft = load_draft(cfg.draft, resolve_target(cfg.target), device, dtype)
+    if draft.cfg.vocab_size != identity.vocab_size:
+        raise EvalError(f"draft {cfg.draft} has vocab {draft.cfg.vocab_size}, target {cfg.target} {identity.vocab_size}")
+    aux = list(draft.cfg.aux_layer_ids)
+    target = TargetRunner(model, aux)
+    eos = {t for t in [tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)]
+           for t in (t if isinstance(t, list) else [t]) if t is not None}
+    drafts = {"trained": DraftRunner(draft)}
+    if cfg.compare_untrained:
+        drafts["untrained"] = DraftRunner(untrained_like(draft, cfg.seed))
+    report = {"config": asdict(cfg), "convention": "accept_length = mean tokens per target verify forward, "
+              "counting the target's own token (k+1 at most); the prompt's first token is not counted",
+              "aux_layer_ids": aux, "device": str(device), "dtype": str(dtype), "sets": {}}
+    for name in cfg.prompt_sets:
+        prompts = load_prompts(name, tokenizer, cfg.limit)
+        entry = {}
+        base = None
+        if cfg.baseline:
+            base = decode_set(target, None, prompts, cfg, eos, f"{name}: target alone")
+            entry["target_alone_tokens_per_s"] = sum(len(r.tokens) for r in base) / sum(r.total_s for r in base)
+        for label, runner in drafts.items():
+            results = decode_set(target, runner, prompts, cfg, eos, f"{name}: {label} draft k={cfg.k}")
+            entry[label] = summarise_set(results, cfg.k)
+            if base is not None:
+                entry[label]["speedup"] = entry[label]["tokens_per_s"] / entry["target_alone_tokens_per_s"]
+                if cfg.temperature <= 0:
+                    same = sum(r.tokens == b.tokens for r, b in zip(results, base, strict=True))
+                    entry[label]["identical_to_target"] = f"{same}/{len(results)}"
+                    if same != len(results):
+                        bad = next(p[0] for p, r, b in zip(prompts, results, base, strict=True) if r.tokens != b.tokens)
+                        print(f"warning: greedy speculative output differs from the target's own on {bad} "
+                              "(numerical near-ties can do this in bf16)", file=sys.stderr)
+        report["sets"][name] = entry
+    report["environment"] = {"python": platform.python_version(), "torch": torch.__version__,
+                             "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None}
+    target.remove_hooks()
+    if cfg.output:
+        write_report(report, Path(cfg.output))
+    return report
+
+
+def format_table(report: dict) -> str:
+    k = report["config"]["k"]
+    head = (f"{'set':<10} {'draft':<9} {'accept len':>10} " + " ".join(f"{'p' + str(j + 1):>5}" for j in range(k))
+            + f" {'draft ms':>9} {'target ms':>9} {'tok/s':>8} {'alone':>8} {'speedup':>7} {'greedy==target':>14}")
+    lines = [head, "-" * len(head)]
+    for name, entry in report["sets"].items():
+        for label in ("trained", "untrained"):
+            s = entry.get(label)
+            if s is None:
+                continue
+            rates = " ".join(f"{r:5.2f}" if r is not None else "    -" for r in s["accept_rate_by_position"])
+            alone = entry.get("target_alone_tokens_per_s")
+            lines.append(f"{name:<10} {label:<9} {s['accept_length']:>10.2f} {rates} {s['draft_ms_per_round']:>9.1f} "
+                         f"{s['target_ms_per_round']:>9.1f} {s['tokens_per_s']:>8.1f} "
+                         f"{alone if alone is not None else float('nan'):>8.1f} {s.get('speedup', float('nan')):>7.2f} "
+                         f"{s.get('identical_to_target', '-'):>14}")
+    lines.append(report["convention"])
+    return "\n".join(lines)
+
+
+def write_report(report: dict, out: Path) -> None:
+    from specfoundry.common.files import atomic_write_json
+
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "eval.json", report)
+    (out / "eval.txt").write_text(format_table(report) + "\n")
+    plot_acceptance(report, out / "acceptance.png")
+
+
+def plot_acceptance(report: dict, path: Path) -> bool:
+    """Acceptance rate by draft position, one line per set (and draft). Needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'specfoundry[plot]')", file=sys.stderr)
+        return False
+    k = report["config"]["k"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, entry in report["sets"].items():
+        for label, style in (("trained", "-o"), ("untrained", ":x")):
+            if label in entry:
+                rates = [r if r is not None else float("nan") for r in entry[label]["accept_rate_by_position"]]
+                ax.plot(range(1, k + 1), rates, style,
+                        label=f"{name} ({label}, accept len {entry[label]['accept_length']:.2f})")
+    ax.set_xlabel("draft position j")
+    ax.set_ylabel("P(draft j accepted | 1..j-1 accepted)")
+    ax.set_ylim(0, 1)
+    ax.set_xticks(range(1, k + 1))
+    ax.legend(fontsize=7)
+    ax.set_title(f"acceptance by position, k={k}, T={report['config']['temperature']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,0 +1,208 @@
+"""sf-eval gate: a training-serving consistency check on one overfitted conversation.
+
+Through the same library calls as the public commands it answers one prompt greedily with the
+target (sf-regen --greedy), captures it (sf-capture), trains a draft on it alone for a bounded
+number of steps (sf-train) and exports it. A draft that has memorised the target's own greedy
+answer must then be accepted almost every time when sf-eval decodes that prompt. When it is
+not, the checks below say which stage disagrees, in this order (the first failure is named):
+
+    vocab map    the export's d2t/t2d are the vocabulary chosen from the feature set's counts
+    export       every tensor SGLang expects is there and equals the trained checkpoint's
+    features     sf-eval hooks the feature set's layers, and its target features match the set
+    positions    the draft's logits through sf-eval's cached decoding equal the training forward
+    fit          the draft predicts the conversation's tokens from its features (teacher-forced)
+    decode       greedy speculative decoding of the prompt: acceptance length >= the bar
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specfoundry.common.conversations import load_conversations
+from specfoundry.common.target import default_dtype, load_target, pick_device, resolve_target
+from specfoundry.eval.draft import find_draft_files, load_draft
+from specfoundry.eval.speculative import DraftRunner, Sampler, TargetRunner, speculative_generate
+from specfoundry.featureset.store import FeatureSet
+from specfoundry.train.export import validate
+from specfoundry.train.vocab import choose_draft_vocab, draft_ids_from_d2t
+
+DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
+
+
+@dataclass(frozen=True, kw_only=True)
+class GateConfig:
+    workdir: str
+    target: str = "smollm2"
+    prompt: str = DEFAULT_PROMPT
+    answer_tokens: int = 96
+    k: int = 4
+    steps: int = 200
+    lr: float = 3e-3
+    draft_vocab_size: int = 1024
+    min_accept_length: float | None = None
+    """Bar for the decode check; default 0.8 * (k + 1)."""
+    device: str | None = None
+
+    @property
+    def bar(self) -> float:
+        return self.min_accept_length if self.min_accept_length is not None else 0.8 * (self.k + 1)
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+def build(cfg: GateConfig, silent: bool = True) -> Path:
+    """Regen, capture and train the one-conversation run; every stage resumes. Returns the export."""
+    from specfoundry.capture.stage import CaptureConfig, run_capture
+    from specfoundry.generate.backend import SamplingConfig
+    from specfoundry.generate.hf_backend import HFBackend
+    from specfoundry.generate.regen import RegenConfig, run_regen
+    from specfoundry.train.loop import TrainConfig, train
+
+    work = Path(cfg.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    source = work / "prompt.jsonl"
+    # the answer here is a placeholder: sf-regen replaces it with the target's greedy answer
+    source.write_text(json.dumps({"id": "gate", "messages": [{"role": "user", "content": cfg.prompt},
+                                                             {"role": "assistant", "content": "-"}]}) + "\n")
+    run_regen(RegenConfig(output=str(work / "regen"), source=str(source), target=cfg.target, batch_size=1,
+                          shard_size=1, sampling=SamplingConfig(temperature=0.0, max_new_tokens=cfg.answer_tokens)),
+              HFBackend(cfg.target, device=cfg.device, batch_size=1), silent=silent)
+    run_capture(CaptureConfig(source=str(work / "regen"), output=str(work / "features"), target=cfg.target,
+                              shard_size=1, device=cfg.device), silent=silent)
+    on_gpu = pick_device(cfg.device).type == "cuda"
+    result = train(TrainConfig(featureset=str(work / "features"), output=str(work / "train"), target=cfg.target,
+                               draft_vocab_size=cfg.draft_vocab_size, ttt_length=cfg.k, lr=cfg.lr, warmup_steps=10,
+                               max_steps=cfg.steps, eval_fraction=0.0, save_every=cfg.steps, keep_last=1,
+                               num_workers=0, loss="auto" if on_gpu else "reference", log_every=10**9), silent=silent)
+    return Path(result["export"])
+
+
+def check_vocab_map(cfg_draft, tensors: dict, fs: FeatureSet) -> Check:
+    expected = choose_draft_vocab(fs.token_counts(), cfg_draft.draft_vocab_size)
+    mapped = draft_ids_from_d2t(tensors["d2t"].long())
+    wrong = int((mapped != expected).sum())
+    t2d_ok = torch.equal(tensors["t2d"].nonzero().flatten(), expected)
+    if wrong or not t2d_ok:
+        return Check("vocab map", False, f"the export's d2t sends {wrong} of {len(expected)} draft ids to other target "
+                     f"tokens than the feature set's vocabulary{'' if t2d_ok else ', and its t2d marks other tokens'}")
+    return Check("vocab map", True, f"d2t/t2d equal the feature set's {len(expected)}-token vocabulary")
+
+
+def check_export(export: Path, cfg_draft, tensors: dict, run_dir: Path) -> Check:
+    try:
+        validate(tensors, cfg_draft)
+    except ValueError as e:
+        return Check("export", False, str(e))
+    ckpts = sorted((run_dir / "checkpoints").glob("step-*"))
+    if not ckpts:
+        return Check("export", False, f"no checkpoint in {run_dir} to compare the export with")
+    _, trained = find_draft_files(ckpts[-1])
+    for name, t in tensors.items():
+        ref = trained.get(name)
+        if ref is None or not torch.allclose(t.float(), ref.to(t.dtype).float()):
+            return Check("export", False, f"export tensor {name} is not the trained checkpoint's {ckpts[-1].name} "
+                         "(renamed, transposed or from another run)")
+    return Check("export", True, f"{len(tensors)} tensors with SGLang's names equal {ckpts[-1].name}")
+
+
+def check_features(target: TargetRunner, fs: FeatureSet, sample) -> Check:
+    held = list(fs.manifest["aux_layer_ids"])
+    if target.aux_layers != held:
+        return Check("features", False, f"sf-eval reads the target's layers {target.aux_layers} (the draft's config) "
+                     f"but the feature set holds layers {held}")
+    target.reset()
+    _, aux, final = target.forward(sample.input_ids.tolist(), want_hidden=True)
+    worst = 0.0
+    for name, got, stored in (("aux", aux, sample.aux_hidden), ("final", final, sample.final_hidden)):
+        err = ((got.float().cpu() - stored.float()).abs().max() / stored.float().abs().max().clamp(min=1e-6)).item()
+        worst = max(worst, err)
+        if err > 0.03:  # stored in bf16 (2^-8 relative) and maybe by another dtype/kernel: allow a little more
+            return Check("features", False, f"the target's {name} hidden states now differ from the feature set's by "
+                         f"{err:.3f} (relative to the largest): another model, layers or chat template?")
+    return Check("features", True, f"layers {held}; stored features match the target's (max rel err {worst:.4f})")
+
+
+def teacher_forced_logits(draft: DraftRunner, sample) -> torch.Tensor:
+    """Step-0 logits [n-1, Vd] for the whole sample through sf-eval's cached path."""
+    draft.reset()
+    ids = sample.input_ids.tolist()
+    device = draft.draft.fc.weight.device
+    return draft.extend(ids[1:], sample.aux_hidden[:-1].to(device))
+
+
+def check_positions(draft: DraftRunner, sample, cached: torch.Tensor) -> Check:
+    model = draft.draft
+    device, dtype = model.fc.weight.device, model.fc.weight.dtype
+    n = len(sample.input_ids)
+    with torch.inference_mode():
+        ids = sample.input_ids[1:].to(device)[None]  # training's step 0: token x_{i+1} at position i
+        hidden = model.fc(sample.aux_hidden[:-1].to(device, dtype)[None])
+        _, normed = model.step(ids, hidden, torch.arange(n - 1, device=device)[None], [], [n - 1], 0, "sdpa")
+        training = model.lm_head(normed)[0].float()
+    err = ((training - cached).abs().max() / training.abs().max()).item()
+    if err > 1e-2:
+        return Check("positions", False, f"the draft's logits through sf-eval's cached decoding differ from the "
+                     f"training forward on the same features (max rel diff {err:.3g}): positions or cache disagree")
+    return Check("positions", True, f"cached decoding equals the training forward (max rel diff {err:.2g})")
+
+
+def check_fit(draft: DraftRunner, sample, cached: torch.Tensor, history: list[dict]) -> Check:
+    # row i predicts x_{i+2}; it counts where x_{i+2} is an assistant token
+    predicted = draft.draft_to_target[cached.argmax(-1)][:-1].cpu()
+    truth = sample.input_ids[2:]
+    mask = sample.loss_mask[2:].bool()
+    acc = (predicted[mask] == truth[mask]).float().mean().item()
+    train_acc = history[-1].get("acc_0") if history else None
+    if acc < 0.9:
+        return Check("fit", False, f"the draft predicts only {acc:.0%} of the answer's tokens from the stored features "
+                     f"(training reported acc_0 {train_acc}); train longer (--steps) or with another --lr")
+    return Check("fit", True, f"teacher-forced accuracy {acc:.0%} (training acc_0 {train_acc})")
+
+
+def run_checks(cfg: GateConfig, export: Path) -> list[Check]:
+    work = Path(cfg.workdir)
+    device = pick_device(cfg.device)
+    dtype = default_dtype(device)
+    fs = FeatureSet(work / "features")
+    sample = fs[0]
+    cfg_draft, tensors = find_draft_files(export)
+    checks = [check_vocab_map(cfg_draft, tensors, fs), check_export(export, cfg_draft, tensors, work / "train")]
+    model, tokenizer, _ = load_target(cfg.target, device=str(device), dtype=dtype)
+    target = TargetRunner(model, list(cfg_draft.aux_layer_ids))
+    checks.append(check_features(target, fs, sample))
+    runner = DraftRunner(load_draft(export, resolve_target(cfg.target), device, dtype))
+    cached = teacher_forced_logits(runner, sample)
+    checks.append(check_positions(runner, sample, cached))
+    history_path = work / "train" / "history.json"
+    history = json.loads(history_path.read_text()) if history_path.exists() else []
+    checks.append(check_fit(runner, sample, cached, history))
+    conv = load_conversations(work / "regen").conversations[0].to_messages()
+    prompt = tokenizer.apply_chat_template(conv[:-1], add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    answer = int(sample.loss_mask.sum())
+    result = speculative_generate(target, runner, prompt, k=cfg.k, max_new_tokens=answer,
+                                  eos={tokenizer.eos_token_id}, sampler=Sampler())
+    length = (sum(result.accepted) + result.rounds) / max(result.rounds, 1)
+    ok = length >= cfg.bar
+    checks.append(Check("decode", ok, f"acceptance length {length:.2f} at k={cfg.k} over {result.rounds} rounds "
+                        f"({'>=' if ok else '<'} the bar {cfg.bar:.2f})"
+                        + ("" if ok else ": every earlier check agrees, so the chained draft steps (positions past "
+                           "the first, the draft's own hidden state) disagree with training")))
+    target.remove_hooks()
+    return checks
+
+
+def verdict(checks: list[Check]) -> tuple[bool, str]:
+    failed = [c for c in checks if not c.ok]
+    if not failed:
+        return True, "gate passed: " + next(c.detail for c in checks if c.name == "decode")
+    return False, f"gate failed at {failed[0].name}: {failed[0].detail}"

@@ -1,0 +1,262 @@
+"""Real speculative decoding with an EAGLE-3 draft against a transformers target (one sequence).
+
+Notation: the committed text is t_0..t_{m-1}; t_{m-1} is the newest token, which the target has
+not read yet. Invariants at the start of a round:
+    target KV cache   positions 0..m-2
+    draft KV cache    positions 0..m-2; entry i holds (token t_{i+1}, fc(a_i)), a_i = the target's
+                      aux features at i (exactly training's step-0 inputs)
+    draft output      at m-2: its pre-norm state and logits, which predict t_m
+A round:
+    1. propose  d_1 = pick(draft logits at m-2); for j = 2..k the draft reads (d_{j-1}, its own
+                pre-norm state) at position m-2+(j-1) and proposes d_j (training's step j-1);
+                then its cache is cropped back to m-1 entries.
+    2. verify   the target reads [t_{m-1}, d_1..d_k] at positions m-1..m-1+k in one forward;
+                row r of its logits predicts the token after position m-1+r.
+    3. accept   greedy: the longest prefix with d_j == argmax(row j-1); sampling: d_j is kept
+                with probability min(1, p_j(d_j) / q_j(d_j)), a rejection samples from
+                norm(max(0, p_j - q_j)) (Leviathan et al. 2023; the output is distributed as the
+                target's own samples). After a accepted drafts the target adds its own token
+                (from row a, the "bonus"), so a round yields a+1 tokens.
+    4. commit   crop the target cache to m+a entries; the draft reads the a+1 new (token,
+                aux feature) pairs at positions m-1..m-1+a, restoring the invariants.
+Acceptance length = mean over rounds of (a+1): tokens per target verify forward, counting the
+target's own token. The first token (from the prompt's prefill) is not part of any round.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specfoundry.capture.runner import decoder_layers
+from specfoundry.train.model import Eagle3Draft, KVCache
+from specfoundry.train.vocab import draft_ids_from_d2t
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class TargetRunner:
+    """The target with a KV cache; forward hooks keep the aux layers' outputs of each call."""
+
+    def __init__(self, model, aux_layers: list[int]):
+        from transformers import DynamicCache
+
+        self.model = model
+        _, layers = decoder_layers(model)
+        bad = [i for i in aux_layers if not 0 <= i < len(layers)]
+        if bad:
+            raise ValueError(f"aux layer ids {bad} are outside the target's {len(layers)} layers")
+        self.aux_layers = list(aux_layers)
+        self.captured: dict[int, torch.Tensor] = {}
+        self.hooks = [layers[i].register_forward_hook(self._hook(i)) for i in self.aux_layers]
+        self.device = next(model.parameters()).device
+        self.cache_cls = DynamicCache
+        self.cache = None
+
+    def _hook(self, index: int):
+        def keep_output(module, args, output):
+            self.captured[index] = output[0] if isinstance(output, tuple) else output
+
+        return keep_output
+
+    def remove_hooks(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+    def reset(self) -> None:
+        self.cache = self.cache_cls(config=self.model.config)
+
+    def __len__(self) -> int:
+        return 0 if self.cache is None else self.cache.get_seq_length()
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], want_hidden: bool = False):
+        """Read `ids` after the cache. Returns logits [T, V] (fp32), aux [T, 3H] and, if asked,
+        the final normed hidden state [T, H]."""
+        start = len(self)
+        x = torch.tensor([ids], device=self.device)
+        positions = torch.arange(start, start + len(ids), device=self.device)[None]
+        out = self.model(input_ids=x, past_key_values=self.cache, position_ids=positions, use_cache=True,
+                         output_hidden_states=want_hidden)
+        self.cache = out.past_key_values
+        aux = torch.cat([self.captured[i] for i in self.aux_layers], dim=-1)[0]  # [T, 3H]
+        self.captured.clear()
+        final = out.hidden_states[-1][0] if want_hidden else None
+        return out.logits[0].float(), aux, final
+
+    def crop(self, length: int) -> None:
+        # A negative argument removes that many tokens in every transformers version we support
+        # (a positive one means an absolute length in some and is refused in others).
+        remove = len(self) - length
+        if remove:
+            self.cache.crop(-remove)
+
+
+class DraftRunner:
+    """The draft with its own KV cache, following the invariants in the module docstring."""
+
+    def __init__(self, draft: Eagle3Draft):
+        self.draft = draft
+        self.draft_to_target = draft_ids_from_d2t(draft.d2t)  # [Vd]
+        self.cache = KVCache()
+        self.pre: torch.Tensor | None = None  # [1, 1, H] pre-norm state at the newest position
+        self.logits: torch.Tensor | None = None  # [Vd] logits at the newest position
+
+    def reset(self) -> None:
+        self.cache = KVCache()
+
+    def _run(self, ids: list[int], hidden: torch.Tensor, start: int):
+        device = hidden.device
+        x = torch.tensor([ids], device=device)
+        positions = torch.arange(start, start + len(ids), device=device)[None]
+        pre, normed = self.draft.step(x, hidden, positions, self.cache, None, 0)
+        return pre, self.draft.lm_head(normed)[0].float()  # [1, T, H], [T, Vd]
+
+    @torch.inference_mode()
+    def extend(self, tokens: list[int], aux: torch.Tensor) -> torch.Tensor:
+        """Read (token t_{i+1}, aux a_i) for the next len(tokens) positions. Returns all their
+        logits [T, Vd] (the last row predicts the next token)."""
+        dtype = self.draft.fc.weight.dtype
+        hidden = self.draft.fc(aux.to(dtype)[None])  # [1, T, H]
+        pre, logits = self._run(tokens, hidden, len(self.cache))
+        self.pre, self.logits = pre[:, -1:], logits[-1]
+        return logits
+
+    @torch.inference_mode()
+    def propose(self, k: int, pick) -> tuple[list[int], list[torch.Tensor]]:
+        """k tokens (target ids) chained on the draft's own states, and each one's draft
+        logits [Vd]. The cache is left as it was found."""
+        base = len(self.cache)
+        logits, pre = self.logits, self.pre
+        tokens, all_logits = [], []
+        for j in range(k):
+            d = int(self.draft_to_target[pick(logits)])
+            tokens.append(d)
+            all_logits.append(logits)
+            if j + 1 < k:
+                # training's step j+1: own token, own pre-norm state, position (m-2) + (j+1)
+                pre, out = self._run([d], pre, base - 1 + j + 1)
+                logits = out[-1]
+        self.cache.crop(base)
+        return tokens, all_logits
+
+    def crop(self, length: int) -> None:
+        self.cache.crop(length)
+
+
+@dataclass
+class Sampler:
+    """Greedy when temperature == 0, else sampling at that temperature from a seeded generator."""
+
+    temperature: float = 0.0
+    generator: torch.Generator | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits.float() / self.temperature, dim=-1)
+
+    def sample(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def pick(self, logits: torch.Tensor) -> int:
+        return int(logits.argmax()) if self.greedy else self.sample(self.probs(logits))
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]  # generated tokens (the prompt excluded), cut after the first eos
+    accepted: list[int] = field(default_factory=list)  # drafts accepted per round
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+
+def finish(tokens: list[int], eos: set[int], max_new_tokens: int) -> tuple[list[int], bool]:
+    """Cut at max_new_tokens and after the first eos; say whether generation is over."""
+    for i, t in enumerate(tokens[:max_new_tokens]):
+        if t in eos:
+            return tokens[: i + 1], True
+    return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
+
+
+def accept(drafts: list[int], draft_logits: list[torch.Tensor], target_logits: torch.Tensor,
+           draft_to_target: torch.Tensor, sampler: Sampler) -> tuple[int, int]:
+    """Verify k drafts against target_logits [k+1, V]. Returns (accepted count a, the target's
+    own token after them)."""
+    if sampler.greedy:
+        target_choice = target_logits.argmax(-1).tolist()  # [k+1]
+        a = 0
+        while a < len(drafts) and drafts[a] == target_choice[a]:
+            a += 1
+        return a, target_choice[a]
+    for j, d in enumerate(drafts):
+        p = sampler.probs(target_logits[j])  # [V]
+        q = torch.zeros_like(p)
+        q[draft_to_target] = sampler.probs(draft_logits[j])  # the draft's distribution over target ids
+        u = torch.rand((), generator=sampler.generator, device=p.device)
+        if u * q[d] < p[d]:  # accept with probability min(1, p/q)
+            continue
+        residual = (p - q).clamp(min=0)
+        return j, sampler.sample(residual / residual.sum())
+    return len(drafts), sampler.sample(sampler.probs(target_logits[-1]))
+
+
+def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *, k: int,
+                         max_new_tokens: int, eos: set[int], sampler: Sampler) -> DecodeResult:
+    device = target.device
+    t0 = time.perf_counter()
+    target.reset()
+    draft.reset()
+    logits, aux, _ = target.forward(prompt)
+    tokens = [sampler.pick(logits[-1])]
+    result = DecodeResult(tokens)
+    draft.extend(prompt[1:] + tokens, aux)
+    tokens, done = finish(tokens, eos, max_new_tokens)
+    while not done:
+        sync(device)
+        a0 = time.perf_counter()
+        drafts, draft_logits = draft.propose(k, sampler.pick)
+        sync(device)
+        a1 = time.perf_counter()
+        logits, aux, _ = target.forward([tokens[-1]] + drafts)  # [k+1, V]
+        a, bonus = accept(drafts, draft_logits, logits, draft.draft_to_target, sampler)
+        target.crop(len(target) - k + a)  # keep t_{m-1} and the a accepted drafts
+        sync(device)
+        a2 = time.perf_counter()
+        new = drafts[:a] + [bonus]
+        draft.extend(new, aux[: a + 1])
+        sync(device)
+        result.draft_s += (a1 - a0) + (time.perf_counter() - a2)
+        result.target_s += a2 - a1
+        result.accepted.append(a)
+        tokens, done = finish(tokens + new, eos, max_new_tokens)
+    result.tokens = tokens
+    result.total_s = time.perf_counter() - t0
+    return result
+
+
+def target_generate(target: TargetRunner, prompt: list[int], *, max_new_tokens: int, eos: set[int],
+                    sampler: Sampler) -> DecodeResult:
+    """The target alone, one token per forward with the same KV cache: the speed baseline."""
+    t0 = time.perf_counter()
+    target.reset()
+    logits, _, _ = target.forward(prompt)
+    tokens = [sampler.pick(logits[-1])]
+    tokens, done = finish(tokens, eos, max_new_tokens)
+    while not done:
+        logits, _, _ = target.forward([tokens[-1]])
+        tokens, done = finish(tokens + [sampler.pick(logits[-1])], eos, max_new_tokens)
+    sync(target.device)
+    return DecodeResult(tokens, total_s=time.perf_counter() - t0, target_s=time.perf_counter() - t0)
