@@ -21,4 +21,16 @@ sf-capture verify "$RUN/features"
 # 3. Train the EAGLE-3 draft with Training-Time Test and export it for SGLang.
 sf-train --recipe recipes/smollm2-cpu.yaml --featureset "$RUN/features" --output "$RUN/train" \
   --epochs "${EPOCHS:-6}"
-echo "exported draft: $RUN/train/export (sf-eval, real speculative decoding, is not built yet)"
+
+# 4. Evaluate by real speculative decoding on held-out prompts (never trained on): the draft
+#    proposes k=4 tokens, the target verifies them in one forward. The untrained draft (same
+#    config and vocabulary, fresh weights) is the floor it must beat.
+sf-eval run "$RUN/train" --prompts "${EVAL_SETS:-chat}" --limit "${EVAL_PROMPTS:-6}" -k 4 \
+  --max-new-tokens "${EVAL_TOKENS:-64}" --compare-untrained -o "$RUN/eval"
+python - "$RUN/eval/eval.json" <<'PY'
+import json, sys
+report = json.load(open(sys.argv[1]))
+for name, s in report["sets"].items():
+    print(f"acceptance length on {name} (k=4): trained {s['trained']['accept_length']:.2f}, "
+          f"untrained {s['untrained']['accept_length']:.2f}")
+PY

@@ -58,3 +58,13 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 @pytest.fixture
 def chat_file(tmp_path) -> Path:
     return write_jsonl(tmp_path / "chat.jsonl", CHAT)
+
+
+@pytest.fixture(scope="session")
+def gate_run(tmp_path_factory, smollm2_dir):
+    """The gate's one-conversation run on SmolLM2 (regen, capture, train, export), built once:
+    an overfitted draft that the eval and gate tests decode with."""
+    from specfoundry.eval.gate import GateConfig, build
+
+    cfg = GateConfig(workdir=str(tmp_path_factory.mktemp("gate")), steps=120, device="cpu")
+    return cfg, build(cfg)

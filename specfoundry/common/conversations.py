@@ -152,7 +152,7 @@ def normalise(record: dict, location: str, default_id: str, prompt_only: bool = 
     if prompt_only:
         if non_system[-1].role == "assistant":
             messages = messages[:-1]
-        if messages[-1].role != "user":
+        if not messages or messages[-1].role != "user":
             return BadInput(location, "no_user_turn", "a prompt must end on a user turn")
         return Conversation(str(record.get("id") or default_id), tuple(messages), location)
     if not any(m.role == "assistant" for m in non_system):

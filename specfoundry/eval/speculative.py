@@ -25,6 +25,7 @@ target's own token. The first token (from the prompt's prefill) is not part of a
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -57,6 +58,9 @@ class TargetRunner:
         self.device = next(model.parameters()).device
         self.cache_cls = DynamicCache
         self.cache = None
+        # newer transformers name the cache argument `cache` (and warn on the old name)
+        params = inspect.signature(model.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
 
     def _hook(self, index: int):
         def keep_output(module, args, output):
@@ -81,9 +85,9 @@ class TargetRunner:
         start = len(self)
         x = torch.tensor([ids], device=self.device)
         positions = torch.arange(start, start + len(ids), device=self.device)[None]
-        out = self.model(input_ids=x, past_key_values=self.cache, position_ids=positions, use_cache=True,
-                         output_hidden_states=want_hidden)
-        self.cache = out.past_key_values
+        out = self.model(input_ids=x, position_ids=positions, use_cache=True, output_hidden_states=want_hidden,
+                         **{self.cache_arg: self.cache})
+        self.cache = getattr(out, "cache", None) or out.past_key_values
         aux = torch.cat([self.captured[i] for i in self.aux_layers], dim=-1)[0]  # [T, 3H]
         self.captured.clear()
         final = out.hidden_states[-1][0] if want_hidden else None

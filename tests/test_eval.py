@@ -1,0 +1,159 @@
+"""sf-eval: speculative decoding reproduces the target exactly (greedy) and in distribution
+(sampling); the report has what users need."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specfoundry.common.target import load_target
+from specfoundry.eval.draft import load_draft, untrained_like
+from specfoundry.eval.evaluate import BUILTIN_SETS, EvalConfig, EvalError, load_prompts, run_eval
+from specfoundry.eval.speculative import DraftRunner, Sampler, TargetRunner, speculative_generate
+from specfoundry.train.config import draft_config_from_target
+from specfoundry.train.model import Eagle3Draft
+from specfoundry.train.vocab import vocab_maps
+
+
+def greedy_equality(export, smollm2_dir, limit, max_new_tokens):
+    model, tokenizer, _ = load_target("smollm2", device="cpu", dtype=torch.float32)
+    target = TargetRunner(model, [1, 14, 26])
+    draft = DraftRunner(load_draft(export, smollm2_dir, torch.device("cpu"), torch.float32))
+    accepted, compared = [], 0
+    for name in BUILTIN_SETS:
+        for pid, ids in load_prompts(name, tokenizer, limit):
+            out = speculative_generate(target, draft, ids, k=4, max_new_tokens=max_new_tokens,
+                                       eos={tokenizer.eos_token_id}, sampler=Sampler())
+            # the reference is transformers' own greedy generate, independent of our runner
+            ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=max_new_tokens, do_sample=False)[0, len(ids):].tolist()
+            assert out.tokens == ref, f"{pid}: speculative output differs from the target's greedy output"
+            accepted += out.accepted
+            compared += 1
+    # the draft must really have been accepted sometimes (and rejected), or the test shows little
+    assert 0 < sum(accepted) < 4 * len(accepted), accepted
+    return compared
+
+
+def test_greedy_speculative_equals_target_generate(gate_run, smollm2_dir):
+    _, export = gate_run
+    assert greedy_equality(export, smollm2_dir, limit=2, max_new_tokens=24) == 2 * len(BUILTIN_SETS)
+
+
+@pytest.mark.slow
+def test_greedy_speculative_equals_target_generate_all_held_out_prompts(gate_run, smollm2_dir):
+    _, export = gate_run
+    assert greedy_equality(export, smollm2_dir, limit=None, max_new_tokens=64) == 60
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """The 0.999 quantile of chi-square(df), Wilson-Hilferty approximation (no scipy)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def tiny_pair(vocab=6, seed=0):
+    """A random 4-layer target over a 6-token vocabulary and a random draft, both sharp enough
+    that the draft often disagrees with the target (so rejections happen)."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    target = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(60)
+    dcfg = draft_config_from_target(cfg.to_dict(), vocab - 1, [0, 1, 2])
+    draft = Eagle3Draft(dcfg)
+    d2t, t2d = vocab_maps(torch.arange(1, vocab), vocab)  # token 0 is outside the draft's vocabulary
+    draft.d2t.copy_(d2t)
+    draft.t2d.copy_(t2d)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(40)
+        draft.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+    return target, draft.eval()
+
+
+def exact_two_token_distribution(model, prompt, temperature):
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1] / temperature, -1)
+        rows = []
+        for t in range(len(p1)):
+            p2 = torch.softmax(model(torch.tensor([prompt + [t]])).logits[0, -1] / temperature, -1)
+            rows.append(p1[t] * p2)
+    return torch.stack(rows).flatten().double()  # [V*V], index t1*V + t2
+
+
+def test_sampling_output_is_distributed_as_the_target():
+    vocab, prompt, temperature, n = 6, [1, 2, 3], 1.0, 2000
+    model, draft_model = tiny_pair(vocab)
+    target, draft = TargetRunner(model, [0, 1, 2]), DraftRunner(draft_model)
+    sampler = Sampler(temperature, torch.Generator().manual_seed(0))
+    counts = torch.zeros(vocab * vocab, dtype=torch.float64)
+    rejected = 0
+    for _ in range(n):
+        out = speculative_generate(target, draft, prompt, k=3, max_new_tokens=2, eos=set(), sampler=sampler)
+        counts[out.tokens[0] * vocab + out.tokens[1]] += 1
+        rejected += out.accepted[0] < 3
+    assert rejected > n // 10, "the draft should disagree with the target often enough to test rejection"
+    p = exact_two_token_distribution(model, prompt, temperature)
+    keep = p * n >= 5  # chi-square needs expected counts >= 5; pool the rest into one cell
+    expected = torch.cat([p[keep] * n, (p[~keep] * n).sum()[None]])
+    observed = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    stat = (((observed - expected) ** 2) / expected.clamp(min=1e-9)).sum().item()
+    df = int(keep.sum())  # cells - 1, with the pooled cell
+    assert stat < chi2_critical(df), f"chi2 {stat:.1f} > {chi2_critical(df):.1f} (df {df})"
+    # power: the same samples are clearly not distributed as the draft's own proposals would be
+    q1 = torch.zeros(vocab)
+    with torch.no_grad():
+        draft.reset()
+        _, aux, _ = target.reset() or target.forward(prompt)
+        q1[draft.draft_to_target] = torch.softmax(draft.extend(prompt[1:] + [0], aux)[-1] / temperature, -1)
+    p1_obs = counts.view(vocab, vocab).sum(1)
+    stat_draft = ((p1_obs - q1.double() * n) ** 2 / (q1.double() * n).clamp(min=1e-9)).sum().item()
+    assert stat_draft > chi2_critical(vocab - 1)
+
+
+def test_eval_report_and_untrained_floor(gate_run, tmp_path):
+    cfg, export = gate_run
+    out = tmp_path / "eval"
+    # the gate's regen output as a dataset file: its prompt is the one the draft has overfitted
+    own = str(Path(cfg.workdir) / "regen")
+    report = run_eval(EvalConfig(draft=str(export), prompt_sets=(own, "chat"), limit=1, k=4, max_new_tokens=20,
+                                 compare_untrained=True, device="cpu", output=str(out)))
+    for entry in report["sets"].values():
+        for label in ("trained", "untrained"):
+            s = entry[label]
+            assert 1.0 <= s["accept_length"] <= 5.0 and len(s["accept_rate_by_position"]) == 4
+            assert s["identical_to_target"] == "1/1"
+    seen = report["sets"][own]
+    assert seen["trained"]["accept_length"] >= 4.0 > 1.5 > seen["untrained"]["accept_length"]
+    assert json.loads((out / "eval.json").read_text())["sets"]["chat"]["trained"]["rounds"] > 0
+    assert (out / "acceptance.png").stat().st_size > 1000 and "accept len" in (out / "eval.txt").read_text()
+
+
+def test_untrained_draft_keeps_the_vocabulary(gate_run, smollm2_dir):
+    _, export = gate_run
+    draft = load_draft(export, smollm2_dir, torch.device("cpu"), torch.float32)
+    fresh = untrained_like(draft)
+    assert torch.equal(fresh.d2t, draft.d2t) and not torch.equal(fresh.fc.weight, draft.fc.weight)
+
+
+def test_bad_prompt_set_and_draft_fail_clearly(tmp_path, smollm2_dir):
+    from specfoundry.common.target import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    with pytest.raises(EvalError, match="neither a built-in set"):
+        load_prompts("nonexistent-set", tok)
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [{"role": "assistant", "content": "x"}]}\n')
+    with pytest.raises(EvalError, match=r"p.jsonl:2.*no_user_turn"):
+        load_prompts(str(bad), tok)
+    from click.testing import CliRunner
+
+    from specfoundry.eval.cli import main
+
+    result = CliRunner().invoke(main, ["run", str(tmp_path), "--prompts", "chat"])
+    assert result.exit_code != 0 and "is not an exported draft" in str(result.output) + str(result.exception)
