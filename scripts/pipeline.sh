@@ -11,7 +11,7 @@ mkdir -p "$RUN"
 
 # 1. Regenerate: synthesise user prompts from the target itself (no dataset needed) and answer
 #    them at temperature 0.8, so the draft learns the target's own text.
-sf-regen --synthesize "${N_PROMPTS:-48}" --max-new-tokens 128 --batch-size 16 --shard-size 32 -o "$RUN/regen"
+sf-regen --synthesize "${N_PROMPTS:-40}" --max-new-tokens 96 --batch-size 40 --shard-size 40 -o "$RUN/regen"
 
 # 2. Capture: chat template + assistant-only loss mask, target prefill, hidden states of layers
 #    [1, 14, 26] and the final norm, stored as a Zarr v3 feature set; then check it.

@@ -91,7 +91,8 @@ def iter_records(path: Path) -> Iterator[tuple[str, dict | None, str | None]]:
     """Yield (location, record, error) for each record of one file.
 
     jsonl is read line by line so one malformed line is reported with its number instead of
-    failing the whole file; json arrays and parquet go through `datasets`.
+    failing the whole file; parquet is streamed by row group with pyarrow (no cache copy of the
+    data, unlike `datasets`); json arrays go through `datasets`.
     """
     if path.suffix == ".jsonl":
         with path.open(encoding="utf-8") as f:
@@ -109,9 +110,22 @@ def iter_records(path: Path) -> Iterator[tuple[str, dict | None, str | None]]:
                     continue
                 yield where, record, None
         return
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
+            row = 0
+            for batch in batches:
+                for record in batch.to_pylist():
+                    yield f"{path}:row {row}", record, None
+                    row += 1
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for damaged files
+            yield f"{path}", None, f"unreadable parquet file ({type(e).__name__}: {str(e).splitlines()[0]})"
+        return
     import datasets
 
-    fmt = "parquet" if path.suffix == ".parquet" else "json"
+    fmt = "json"
     try:
         ds = datasets.load_dataset(fmt, data_files=[str(path)], split="train")
     except Exception as e:  # noqa: BLE001 - datasets raises many types for unreadable files

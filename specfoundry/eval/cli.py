@@ -36,14 +36,17 @@ def main():
 @click.option("--compare-untrained", is_flag=True,
               help="Also evaluate a freshly initialised draft with the same config and vocabulary (the floor).")
 @click.option("--device", default=None, help="Torch device (default cuda if available, else cpu).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None,
+              help="Target and draft dtype [default: bfloat16 on GPU, float32 on CPU]; float32 keeps greedy "
+                   "decoding exactly reproducible across batch shapes.")
 @click.option("-o", "--output", default=None, help="Folder for eval.json, eval.txt and acceptance.png.")
 def run(draft, target, prompts, k, temperature, max_new_tokens, limit, seed, baseline, compare_untrained, device,
-        output):
+        dtype, output):
     """Decode each prompt with DRAFT (an exported folder, an sf-train run folder, or one of its
     checkpoints/step-N) proposing and the target verifying, and report acceptance length."""
     cfg = EvalConfig(draft=draft, target=target, prompt_sets=tuple(p for p in prompts.split(",") if p), k=k,
                      temperature=temperature, max_new_tokens=max_new_tokens, limit=limit, seed=seed,
-                     baseline=baseline, compare_untrained=compare_untrained, device=device, output=output)
+                     baseline=baseline, compare_untrained=compare_untrained, device=device, dtype=dtype, output=output)
     try:
         report = run_eval(cfg)
     except (EvalError, DraftLoadError, FileNotFoundError) as e:

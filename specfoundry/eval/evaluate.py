@@ -45,6 +45,9 @@ class EvalConfig:
     baseline: bool = True
     compare_untrained: bool = False
     device: str | None = None
+    dtype: str | None = None
+    """float32 or bfloat16; default bf16 on GPU, fp32 on CPU. fp32 makes greedy decoding exactly
+    reproducible across the different batch shapes of verification and plain decoding."""
     output: str | None = None
 
 
@@ -112,7 +115,7 @@ def run_eval(cfg: EvalConfig) -> dict:
     if cfg.k < 1:
         raise EvalError(f"k must be at least 1, got {cfg.k}")
     device = pick_device(cfg.device)
-    dtype = default_dtype(device)
+    dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(device)
     model, tokenizer, identity = load_target(cfg.target, device=str(device), dtype=dtype)
     draft = load_draft(cfg.draft, resolve_target(cfg.target), device, dtype)
     if draft.cfg.vocab_size != identity.vocab_size:
