@@ -6,10 +6,11 @@ import click
 import pytest
 
 from specfoundry.capture.cli import main as capture_main
+from specfoundry.eval.cli import main as eval_main
 from specfoundry.generate.cli import main as regen_main
 from specfoundry.train.cli import main as train_main
 
-COMMANDS = {"sf-regen": regen_main, "sf-capture": capture_main, "sf-train": train_main}
+COMMANDS = {"sf-regen": regen_main, "sf-capture": capture_main, "sf-train": train_main, "sf-eval": eval_main}
 
 
 def walk(cmd: click.Command, path: str):
