@@ -20,7 +20,7 @@ sf-capture verify "$RUN/features"
 
 # 3. Train the EAGLE-3 draft with Training-Time Test and export it for SGLang.
 sf-train --recipe recipes/smollm2-cpu.yaml --featureset "$RUN/features" --output "$RUN/train" \
-  --epochs "${EPOCHS:-6}"
+  --epochs "${EPOCHS:-10}"
 
 # 4. Evaluate by real speculative decoding on held-out prompts (never trained on): the draft
 #    proposes k=4 tokens, the target verifies them in one forward. The untrained draft (same
