@@ -129,7 +129,9 @@ def train(cfg: TrainConfig, silent: bool = False) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    accel = Accelerator(gradient_accumulation_steps=cfg.grad_accum,
+    # cpu=True on a machine without CUDA: without it Accelerate does not set up gloo under
+    # torchrun and every process would silently train the whole set on its own.
+    accel = Accelerator(gradient_accumulation_steps=cfg.grad_accum, cpu=not torch.cuda.is_available(),
                         mixed_precision="bf16" if torch.cuda.is_available() else "no")
     set_seed(cfg.seed)
     out = Path(cfg.output)
@@ -151,7 +153,10 @@ def train(cfg: TrainConfig, silent: bool = False) -> dict:
     optimizer = torch.optim.AdamW(draft.trainable_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, total_steps))
-    model, optimizer, scheduler = accel.prepare(model, optimizer, scheduler)
+    # The scheduler is not prepared: Accelerate would step it num_processes times per step (it
+    # assumes a per-process dataloader length), but total_steps already counts optimizer steps.
+    model, optimizer = accel.prepare(model, optimizer)
+    accel.register_for_checkpointing(scheduler)
     raw = accel.unwrap_model(model)
     if accel.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
@@ -189,7 +194,8 @@ def train(cfg: TrainConfig, silent: bool = False) -> dict:
                     if accel.sync_gradients and cfg.clip_grad:
                         accel.clip_grad_norm_(model.parameters(), cfg.clip_grad)
                     optimizer.step()
-                    scheduler.step()
+                    if accel.sync_gradients:
+                        scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
                 step_metrics.append(metrics)
             step += 1
