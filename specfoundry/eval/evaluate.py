@@ -9,7 +9,6 @@ target's own greedy output (the baseline run), token for token.
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 from dataclasses import asdict, dataclass
@@ -19,11 +18,18 @@ from pathlib import Path
 import torch
 
 from specfoundry.common.conversations import load_conversations
+from specfoundry.common.files import atomic_write_json
 from specfoundry.common.progress import Progress
 from specfoundry.common.target import default_dtype, load_target, pick_device, resolve_target
 from specfoundry.eval.draft import load_draft, untrained_like
-from specfoundry.eval.speculative import (DecodeResult, DraftRunner, Sampler, TargetRunner, speculative_generate,
-                                          target_generate)
+from specfoundry.eval.speculative import (
+    DecodeResult,
+    DraftRunner,
+    Sampler,
+    TargetRunner,
+    speculative_generate,
+    target_generate,
+)
 
 BUILTIN_SETS = ("chat", "code", "math", "multiturn")
 
@@ -179,8 +185,6 @@ def format_table(report: dict) -> str:
 
 
 def write_report(report: dict, out: Path) -> None:
-    from specfoundry.common.files import atomic_write_json
-
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "eval.json", report)
     (out / "eval.txt").write_text(format_table(report) + "\n")
