@@ -155,6 +155,7 @@ def train(cfg: TrainConfig, silent: bool = False) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, total_steps))
     # The scheduler is not prepared: Accelerate would step it num_processes times per step (it
     # assumes a per-process dataloader length), but total_steps already counts optimizer steps.
+    param_bytes = sum(p.numel() * p.element_size() for p in draft.trainable_parameters())  # before sharding
     model, optimizer = accel.prepare(model, optimizer)
     accel.register_for_checkpointing(scheduler)
     raw = accel.unwrap_model(model)
@@ -214,13 +215,28 @@ def train(cfg: TrainConfig, silent: bool = False) -> dict:
             if step % cfg.save_every == 0 or step == total_steps:
                 save_checkpoint(accel, out, step, loader, cfg.keep_last)
     tracker.close()
+    # ZeRO-2 evidence: each rank's optimizer state (Adam moments) should be ~1/world of the whole
+    state_bytes = torch.tensor([optimizer_state_bytes(optimizer)], device=accel.device)
+    per_rank = accel.gather(state_bytes).tolist()
+    # a collective under FSDP (the full state dict is gathered): every rank must call it
+    state = accel.get_state_dict(model) if accel.num_processes > 1 else raw.state_dict()
     if accel.is_main_process:
-        state = accel.get_state_dict(model) if accel.num_processes > 1 else raw.state_dict()
+        (out / "train_summary.json").write_text(json.dumps({
+            "steps": step, "world_size": accel.num_processes, "distributed_type": str(accel.distributed_type),
+            "optimizer_state_bytes_per_rank": per_rank,
+            "trainable_parameter_bytes": param_bytes,
+        }, indent=1) + "\n")
         export_draft({k.removeprefix("draft."): v for k, v in state.items() if k.startswith("draft.")}, dcfg,
                      out / "export")
         (out / "history.json").write_text(json.dumps(history, indent=1) + "\n")
     accel.wait_for_everyone()
     return {"steps": step, "history": history, "export": str(out / "export")}
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of tensors this rank keeps in the optimizer state."""
+    return sum(t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
+               if torch.is_tensor(t) and t.dim() > 0)
 
 
 def merge_metrics(per_micro: list[list[dict]], accel) -> list[dict]:
