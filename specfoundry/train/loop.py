@@ -126,13 +126,16 @@ def checkpoint_dirs(out: Path) -> list[Path]:
 
 
 def train(cfg: TrainConfig, silent: bool = False) -> dict:
-    from accelerate import Accelerator
+    from accelerate import Accelerator, DistributedDataParallelKwargs
     from accelerate.utils import set_seed
 
     # cpu=True on a machine without CUDA: without it Accelerate does not set up gloo under
     # torchrun and every process would silently train the whole set on its own.
+    # Every buffer (frozen embeddings, vocab maps, teacher head) is constant: DDP need not
+    # broadcast them at each forward.
     accel = Accelerator(gradient_accumulation_steps=cfg.grad_accum, cpu=not torch.cuda.is_available(),
-                        mixed_precision="bf16" if torch.cuda.is_available() else "no")
+                        mixed_precision="bf16" if torch.cuda.is_available() else "no",
+                        kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
     set_seed(cfg.seed)
     out = Path(cfg.output)
     target_dir = resolve_target(cfg.target)

@@ -122,13 +122,26 @@ class Eagle3DecoderLayer(nn.Module):
         return mlp + r1  # [B, T, H] pre-norm state
 
 
+class FrozenEmbedding(nn.Module):
+    """The target's token embeddings, frozen. A buffer, not a parameter, so that FSDP/ZeRO never
+    puts it into the sharded flat parameter: there it filled whole ranks' shares (it is half of
+    an 8B draft's weights) and left the Adam state of the trainable weights on the others."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        # N(0, 1) as nn.Embedding initialises (same values, same RNG use) until the target's are copied in
+        self.register_buffer("weight", nn.init.normal_(torch.empty(vocab_size, hidden_size)))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class Eagle3Draft(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.cfg = cfg
         h = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
-        self.embed_tokens.weight.requires_grad_(False)  # copied from the target, frozen
+        self.embed_tokens = FrozenEmbedding(cfg.vocab_size, h)  # copied from the target
         self.fc = nn.Linear(3 * cfg.target_hidden_size, h, bias=False)
         self.midlayer = Eagle3DecoderLayer(cfg)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
