@@ -156,6 +156,15 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
+def end_of_turn_ids(model, tokenizer) -> list[int]:
+    """Every token id that ends an assistant turn (generation config's eos plus the tokenizer's)."""
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
 def load_target(target: str, device: str | None = None, dtype: torch.dtype | None = None):
     """Load (model, tokenizer, identity) for inference; the model is frozen and in eval mode."""
     from transformers import AutoModelForCausalLM

@@ -20,7 +20,7 @@ import torch
 from specfoundry.common.conversations import load_conversations
 from specfoundry.common.files import atomic_write_json
 from specfoundry.common.progress import Progress
-from specfoundry.common.target import default_dtype, load_target, pick_device, resolve_target
+from specfoundry.common.target import default_dtype, end_of_turn_ids, load_target, pick_device, resolve_target
 from specfoundry.eval.draft import load_draft, untrained_like
 from specfoundry.eval.speculative import (
     DecodeResult,
@@ -74,12 +74,13 @@ def load_prompts(name: str, tokenizer, limit: int | None = None) -> list[tuple[s
         raise EvalError(f"bad prompt: {loaded.bad[0]}")
     if not loaded.conversations:
         raise EvalError(f"prompt set {name!r} has no prompts")
-    out = []
-    for conv in loaded.conversations:
-        ids = tokenizer.apply_chat_template(conv.to_messages(), add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        out.append((conv.id, list(ids)))
-    return out
+    return [(conv.id, prompt_ids(tokenizer, conv.to_messages())) for conv in loaded.conversations]
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat template up to the assistant's generation prompt, as token ids."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # some versions return a BatchEncoding
 
 
 def summarise_set(results: list[DecodeResult], k: int) -> dict:
@@ -128,8 +129,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         raise EvalError(f"draft {cfg.draft} has vocab {draft.cfg.vocab_size}, target {cfg.target} {identity.vocab_size}")
     aux = list(draft.cfg.aux_layer_ids)
     target = TargetRunner(model, aux)
-    eos = {t for t in [tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)]
-           for t in (t if isinstance(t, list) else [t]) if t is not None}
+    eos = set(end_of_turn_ids(model, tokenizer))
     drafts = {"trained": DraftRunner(draft)}
     if cfg.compare_untrained:
         drafts["untrained"] = DraftRunner(untrained_like(draft, cfg.seed))

@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 
 from specfoundry.common.conversations import load_conversations
-from specfoundry.common.target import default_dtype, load_target, pick_device, resolve_target
+from specfoundry.common.target import default_dtype, end_of_turn_ids, load_target, pick_device, resolve_target
 from specfoundry.eval.draft import find_draft_files, load_draft
+from specfoundry.eval.evaluate import prompt_ids
 from specfoundry.eval.speculative import DraftRunner, Sampler, TargetRunner, speculative_generate
 from specfoundry.featureset.store import FeatureSet
 from specfoundry.train.export import validate
@@ -186,12 +187,10 @@ def run_checks(cfg: GateConfig, export: Path) -> list[Check]:
     history = json.loads(history_path.read_text()) if history_path.exists() else []
     checks.append(check_fit(runner, sample, cached, history))
     conv = load_conversations(work / "regen").conversations[0].to_messages()
-    prompt = tokenizer.apply_chat_template(conv[:-1], add_generation_prompt=True, tokenize=True)
-    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     answer = int(sample.loss_mask.sum())
-    result = speculative_generate(target, runner, prompt, k=cfg.k, max_new_tokens=answer,
-                                  eos={tokenizer.eos_token_id}, sampler=Sampler())
-    length = (sum(result.accepted) + result.rounds) / max(result.rounds, 1)
+    result = speculative_generate(target, runner, prompt_ids(tokenizer, conv[:-1]), k=cfg.k, max_new_tokens=answer,
+                                  eos=set(end_of_turn_ids(model, tokenizer)), sampler=Sampler())
+    length = result.accept_length
     ok = length >= cfg.bar
     checks.append(Check("decode", ok, f"acceptance length {length:.2f} at k={cfg.k} over {result.rounds} rounds "
                         f"({'>=' if ok else '<'} the bar {cfg.bar:.2f})"

@@ -186,6 +186,11 @@ class DecodeResult:
     def rounds(self) -> int:
         return len(self.accepted)
 
+    @property
+    def accept_length(self) -> float:
+        """Tokens per target verify forward, the target's own token included."""
+        return (sum(self.accepted) + self.rounds) / max(self.rounds, 1)
+
 
 def finish(tokens: list[int], eos: set[int], max_new_tokens: int) -> tuple[list[int], bool]:
     """Cut at max_new_tokens and after the first eos; say whether generation is over."""

@@ -4,17 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from specfoundry.common.target import load_target
+from specfoundry.common.target import end_of_turn_ids, load_target
 from specfoundry.generate.backend import Generation, SamplingConfig
-
-
-def end_of_turn_ids(model, tokenizer) -> list[int]:
-    """Every token id that ends an assistant turn (generation config's eos plus the tokenizer's)."""
-    ids = model.generation_config.eos_token_id
-    ids = [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return ids
 
 
 class HFBackend:
