@@ -80,6 +80,20 @@ def test_synthesised_prompts_are_recorded(tmp_path, backend):
         assert r["id"].startswith("synth-") and r["messages"][0]["role"] == "user" and r["messages"][0]["content"]
 
 
+def test_greedy_answers_still_get_sampled_prompts(tmp_path, backend):
+    # greedy prompts from the same Magpie prefix would all be one text: prompts stay sampled
+    cfg = RegenConfig(output=str(tmp_path / "g"), synthesize=4, shard_size=4,
+                      sampling=SamplingConfig(temperature=0.0, max_new_tokens=24, seed=2))
+    assert cfg.prompt_sampling().temperature == 1.0
+    prompts = [backend.complete("x", 1, cfg.prompt_sampling(), seed)[0].token_ids for seed in (1, 2)]
+    assert prompts[0] != prompts[1]
+    run_regen(cfg, backend, silent=True)
+    users = [r["messages"][0]["content"] for r in rows(tmp_path / "g")]
+    assert len(set(users)) == len(users) >= 2
+    with pytest.raises(ValueError, match="prompt-temperature"):
+        RegenConfig(output="x", synthesize=1, prompt_temperature=0.0).prompt_sampling()
+
+
 def test_rerun_with_other_settings_is_refused(tmp_path, chat_file, backend):
     out = tmp_path / "o"
     run_regen(RegenConfig(output=str(out), source=str(chat_file), limit=1,

@@ -21,6 +21,8 @@ from specfoundry.generate.regen import RegenConfig, RegenError, run_regen
               help="hf: transformers in this process; openai: an OpenAI-compatible server; sglang: offline sglang.Engine.")
 @click.option("--synthesize", type=int, default=0,
               help="No dataset: synthesise this many user prompts from the target (Magpie) instead of reading SOURCE.")
+@click.option("--prompt-temperature", type=float, default=None,
+              help="Temperature of synthesised prompts [default: --temperature, or 1.0 with --greedy].")
 @click.option("--temperature", type=float, default=0.8, help="Sampling temperature (0.8 as in the SpecForge paper).")
 @click.option("--greedy", is_flag=True, help="Greedy decoding (same as --temperature 0).")
 @click.option("--top-p", type=float, default=1.0, help="Nucleus sampling mass (1 = off).")
@@ -42,7 +44,7 @@ from specfoundry.generate.regen import RegenConfig, RegenError, run_regen
 @click.option("--concurrency", type=int, default=16, help="Requests in flight at once (openai backend).")
 @click.option("--retries", type=int, default=4, help="Retries per request with exponential backoff (openai backend).")
 @click.option("--silent", is_flag=True, help="No progress bar.")
-def main(source, output, target, backend, synthesize, temperature, greedy, top_p, top_k, max_new_tokens, seed,
+def main(source, output, target, backend, synthesize, prompt_temperature, temperature, greedy, top_p, top_k, max_new_tokens, seed,
          batch_size, shard_size, max_prompt_tokens, on_empty, on_truncated, strict, limit, device, openai_url,
          openai_model, concurrency, retries, silent):
     """Regenerate the assistant turns of SOURCE (a jsonl/json/parquet file or a folder of them,
@@ -52,7 +54,8 @@ def main(source, output, target, backend, synthesize, temperature, greedy, top_p
     goes on (use --strict to stop instead)."""
     sampling = SamplingConfig(temperature=0.0 if greedy else temperature, top_p=top_p, top_k=top_k,
                               max_new_tokens=max_new_tokens, seed=seed)
-    cfg = RegenConfig(output=output, source=source, synthesize=synthesize, target=target, backend=backend,
+    cfg = RegenConfig(output=output, source=source, synthesize=synthesize, prompt_temperature=prompt_temperature,
+                      target=target, backend=backend,
                       sampling=sampling, batch_size=batch_size, shard_size=shard_size,
                       max_prompt_tokens=max_prompt_tokens, on_empty=on_empty, on_truncated=on_truncated,
                       strict=strict, limit=limit)

@@ -17,7 +17,7 @@ import io
 import json
 import math
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -72,6 +72,9 @@ class RegenConfig:
     """Conversation file or folder; None when prompts are synthesised."""
     synthesize: int = 0
     """Number of user prompts to synthesise from the target when there is no source."""
+    prompt_temperature: float | None = None
+    """Temperature for synthesised prompts; None: the answers' temperature, or 1.0 when the
+    answers are greedy (greedy prompts would all be the same text)."""
     target: str = "smollm2"
     """Local model directory or 'smollm2' (the embedded default)."""
     backend: str = "hf"
@@ -89,6 +92,15 @@ class RegenConfig:
     """Fail on the first bad input instead of reporting and skipping it."""
     limit: int | None = None
     """Use only the first N good conversations."""
+
+    def prompt_sampling(self) -> SamplingConfig:
+        """How synthesised user prompts are sampled: always at a temperature above 0."""
+        temperature = self.prompt_temperature
+        if temperature is None:
+            temperature = 1.0 if self.sampling.greedy else self.sampling.temperature
+        if temperature <= 0:
+            raise RegenError("--prompt-temperature must be > 0: greedy prompts would all be the same text")
+        return replace(self.sampling, temperature=temperature)
 
     def settings(self) -> dict:
         """What must match for a rerun to resume into an existing output folder."""
@@ -197,7 +209,7 @@ class Regenerator:
         if self.backend.tokenizer is None:
             raise RegenError("--synthesize needs the target's tokenizer (pass --target)")
         prefix = user_turn_prefix(self.backend.tokenizer)
-        gens = self.backend.complete(prefix, n, cfg.sampling, derive_seed(cfg.sampling.seed, shard, SYNTH_PHASE))
+        gens = self.backend.complete(prefix, n, cfg.prompt_sampling(), derive_seed(cfg.sampling.seed, shard, SYNTH_PHASE))
         convs = []
         for i, g in enumerate(gens):
             text = g.text.strip()
