@@ -2,7 +2,8 @@
 depend on them) at sequence length 4096, three ways over the same batches in one process:
 
     bare     base-model prefill, nothing captured or written
-    ours     the capture runner (hooks on 3 layers + final hidden) + background shard writer
+    ours     the capture runner (hooks on 3 layers + final hidden, device-to-host copy on a side
+             stream overlapping the next batch) + background shard writer, to disk and to RAM
     naive    model(..., output_hidden_states=True): every layer's states and full logits
 
     python benchmarks/capture.py [--batches 6] [--batch-size 2]
@@ -14,7 +15,9 @@ not counted, so this understates the work at 4096 tokens).
 from __future__ import annotations
 
 import argparse
+import os
 import queue
+import shutil
 import sys
 import tempfile
 import threading
@@ -49,6 +52,19 @@ def llama8b(layers: int = 32):
     return model.eval().requires_grad_(False)
 
 
+def disk_write_speed() -> float:
+    """The working disk's sequential write speed in MB/s (1 GiB, fsync'd)."""
+    with tempfile.TemporaryDirectory() as d:
+        probe = Path(d) / "probe.bin"
+        block = torch.empty(1 << 30, dtype=torch.uint8).numpy()
+        t = time.perf_counter()
+        with open(probe, "wb") as f:
+            f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        return (1 << 30) / 1e6 / (time.perf_counter() - t)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, default=6, help="Timed batches per variant (after one warm-up).")
@@ -63,70 +79,68 @@ def main():
     tokens = args.batches * args.batch_size * args.seq
     rows = []
 
-    def measure(name, fn, extra=None):
-        fn(batches[0])
+    def measure(name, run_all, extra=None):
+        """run_all(list of batches) runs them all; one warm-up batch first, untimed."""
+        run_all(batches[:1])
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         t = time.perf_counter()
-        for b in batches[1:]:
-            fn(b)
+        run_all(batches[1:])
         torch.cuda.synchronize()
-        dt = time.perf_counter() - t
         if extra:
             extra()
-        dt = time.perf_counter() - t  # include draining the writer
+        dt = time.perf_counter() - t  # includes draining the writer
         row = {"variant": name, "tokens_per_s": tokens / dt, "MFU_%": 100 * 2 * params * tokens / dt / 1e12 / MATMUL_TFLOPS,
                "peak_GiB_above_weights": (torch.cuda.max_memory_allocated() - base) / 2**30}
         rows.append(row)
         return row
 
+    def each(fn):
+        return lambda bs: [fn(b) for b in bs]
+
     def ids_of(batch):
         return torch.tensor(batch, device="cuda")
 
     with torch.inference_mode():
-        measure("bare prefill", lambda b: model.model(input_ids=ids_of(b), use_cache=False))
+        measure("bare prefill", each(lambda b: model.model(input_ids=ids_of(b), use_cache=False)))
         measure("naive output_hidden_states + logits",
-                lambda b: model(input_ids=ids_of(b), output_hidden_states=True, use_cache=False))
+                each(lambda b: model(input_ids=ids_of(b), output_hidden_states=True, use_cache=False)))
     runner = HFCaptureRunner(model, default_aux_layers(32))
-    with torch.inference_mode():  # where the time goes: the hooks and copies alone, nothing written
-        measure("capture runner only (hooks + copy to host), not written", runner)
-    with tempfile.TemporaryDirectory() as d:
-        probe = Path(d) / "probe.bin"  # the disk's own sequential write speed, fsync'd
-        block = torch.empty(1 << 30, dtype=torch.uint8).numpy()
-        t = time.perf_counter()
-        with open(probe, "wb") as f:
-            f.write(block)
-            f.flush()
-            import os
+    # where the time goes: hooks and copies alone, nothing written; then written to the disk and
+    # to RAM (/dev/shm), which tells our pipeline's limit apart from the disk's
+    measure("capture runner only (hooks + async copy to host), not written", lambda bs: list(runner.capture_all(bs)))
+    disk_mb_s = disk_write_speed()
+    need = 2 * tokens * 4 * model.config.hidden_size * 2  # bf16 features of every batch, with margin
+    targets = [("disk", None)]
+    if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > need:
+        targets.append(("RAM (/dev/shm)", "/dev/shm"))
+    else:
+        print("/dev/shm is missing or too small: the RAM variant is left out")
+    for label, where in targets:
+        with tempfile.TemporaryDirectory(dir=where) as d:
+            written = {"bytes": 0}
 
-            os.fsync(f.fileno())
-        disk_mb_s = (1 << 30) / 1e6 / (time.perf_counter() - t)
-        probe.unlink()
-        jobs: queue.Queue = queue.Queue(maxsize=2)
-        written = {"bytes": 0}
+            def write_all(bs, d=Path(d), written=written):
+                jobs: queue.Queue = queue.Queue(maxsize=2)
 
-        def writer():
-            k = 0
-            while (job := jobs.get()) is not None:
-                rows_ = [{"input_ids": torch.tensor(ids), "loss_mask": torch.ones(len(ids), dtype=torch.bool),
-                          "aux_hidden": aux, "final_hidden": fin} for ids, (aux, fin) in job]
-                write_shard(Path(d), shard_name(k, "safetensors"), rows_, "safetensors", "bfloat16")
-                written["bytes"] += (Path(d) / shard_name(k, "safetensors")).stat().st_size
-                k += 1
+                def writer():
+                    while (job := jobs.get()) is not None:
+                        k, pairs = job
+                        rows_ = [{"input_ids": torch.tensor(ids), "loss_mask": torch.ones(len(ids), dtype=torch.bool),
+                                  "aux_hidden": aux, "final_hidden": fin} for ids, (aux, fin) in pairs]
+                        write_shard(d, shard_name(k, "safetensors"), rows_, "safetensors", "bfloat16")
+                        written["bytes"] += (d / shard_name(k, "safetensors")).stat().st_size
 
-        thread = threading.Thread(target=writer)
-        thread.start()
+                thread = threading.Thread(target=writer)
+                thread.start()
+                for k, (b, feats) in enumerate(zip(bs, runner.capture_all(bs), strict=True)):
+                    jobs.put((k, list(zip(b, feats, strict=True))))
+                jobs.put(None)
+                thread.join()
 
-        def capture(b):
-            jobs.put(list(zip(b, runner(b), strict=True)))
-
-        def drain():
-            jobs.put(None)
-            thread.join()
-
-        row = measure("ours: capture 3 layers + final, written to disk", capture, drain)
-        row["disk_MB_per_s"] = written["bytes"] * args.batches / (args.batches + 1) / 1e6 / (tokens / row["tokens_per_s"])
+            row = measure(f"ours: capture 3 layers + final, written to {label}", write_all)
+            row["disk_MB_per_s"] = written["bytes"] * args.batches / (args.batches + 1) / 1e6 / (tokens / row["tokens_per_s"])
     bare = rows[0]["tokens_per_s"]
     for r in rows:
         r["vs_bare_%"] = 100 * r["tokens_per_s"] / bare

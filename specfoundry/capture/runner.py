@@ -7,6 +7,8 @@ aux layers' outputs as they are produced, so all layers' hidden states are never
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 
 
@@ -23,7 +25,37 @@ def decoder_layers(model):
     return base, layers
 
 
+class PendingCapture:
+    """One submitted batch: its features are on their way to a pinned host buffer."""
+
+    def __init__(self, lengths: list[int], staging: torch.Tensor, done, hidden: int):
+        self.lengths = lengths
+        self.staging = staging  # [sum(lengths), 4H] host (pinned on GPU); reused after result()
+        self.done = done  # a CUDA event when the copy is asynchronous, else None
+        self.hidden = hidden
+
+    def result(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per sample (aux [T, 3H], final [T, H]), in memory of their own."""
+        if self.done is not None:
+            self.done.synchronize()
+        out, start = [], 0
+        for n in self.lengths:
+            rows = self.staging[start : start + n]  # [T, 4H]
+            out.append((rows[:, : 3 * self.hidden].clone(), rows[:, 3 * self.hidden :].clone()))
+            start += n
+        return out
+
+
 class HFCaptureRunner:
+    """Prefill batches and hand back the captured features.
+
+    On a GPU the device-to-host copy of batch i runs on a side stream into a pinned buffer
+    while batch i+1 computes (`capture_all` keeps one batch in flight), so the prefill does not
+    wait for the copy; two staging buffers alternate.
+    """
+
+    STAGING_SLOTS = 2
+
     def __init__(self, model, aux_layers: list[int]):
         self.model = model
         self.base, layers = decoder_layers(model)
@@ -35,6 +67,11 @@ class HFCaptureRunner:
         for i in self.aux_layers:
             layers[i].register_forward_hook(self._hook(i))
         self.device = next(model.parameters()).device
+        self.hidden = model.config.hidden_size
+        self.cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.staging: list[torch.Tensor | None] = [None] * self.STAGING_SLOTS
+        self.submitted = 0
 
     def _hook(self, index: int):
         def keep_output(module, args, output):
@@ -43,18 +80,52 @@ class HFCaptureRunner:
         return keep_output
 
     @torch.inference_mode()
-    def __call__(self, batch: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Prefill a batch of token lists (right-padded: causal attention keeps padding out of
-        every real token's features). Returns per sample (aux [T, 3H], final [T, H]) on CPU."""
-        width = max(len(x) for x in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        attention = torch.zeros(len(batch), width, dtype=torch.long)
+    def submit(self, batch: list[list[int]]) -> PendingCapture:
+        """Start the prefill of a batch of token lists. The batch is right-padded and no
+        attention mask is passed: under causal attention no real token sees the padding after
+        it, and positions count from 0 as without padding, so padded rows' real tokens get the
+        features they would get alone (and the fused causal attention kernels stay usable)."""
+        lengths = [len(x) for x in batch]
+        width = max(lengths)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)  # [B, T]
         for r, x in enumerate(batch):
             ids[r, : len(x)] = torch.tensor(x)
-            attention[r, : len(x)] = 1
         self.captured.clear()
-        out = self.base(input_ids=ids.to(self.device), attention_mask=attention.to(self.device), use_cache=False)
-        final = out.last_hidden_state  # [B, T, H]
-        aux = torch.cat([self.captured[i] for i in self.aux_layers], dim=-1)  # [B, T, 3H]
+        out = self.base(input_ids=ids.to(self.device, non_blocking=True), use_cache=False)
+        # [B, T, 4H]: aux layers low, mid, high, then the final normed state
+        feats = torch.cat([self.captured[i] for i in self.aux_layers] + [out.last_hidden_state], dim=-1)
         self.captured.clear()
-        return [(aux[r, : len(x)].cpu(), final[r, : len(x)].cpu()) for r, x in enumerate(batch)]
+        packed = torch.cat([feats[r, :n] for r, n in enumerate(lengths)])  # [sum(lengths), 4H], no padding
+        slot = self.submitted % self.STAGING_SLOTS
+        self.submitted += 1
+        staging = self.staging[slot]
+        if staging is None or staging.numel() < packed.numel():
+            staging = torch.empty(packed.numel(), dtype=packed.dtype, pin_memory=self.cuda)
+            self.staging[slot] = staging
+        staging = staging[: packed.numel()].view(packed.shape)
+        if not self.cuda:
+            staging.copy_(packed)
+            return PendingCapture(lengths, staging, None, self.hidden)
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            staging.copy_(packed, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        packed.record_stream(self.copy_stream)  # the allocator must not reuse it before the copy ends
+        return PendingCapture(lengths, staging, done, self.hidden)
+
+    def capture_all(self, batches: Iterable[list[list[int]]]) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Results of each batch in order, with the next batch already computing on the GPU
+        while one is copied out (at most STAGING_SLOTS batches in flight)."""
+        pending = None
+        for batch in batches:
+            following = self.submit(batch)
+            if pending is not None:
+                yield pending.result()
+            pending = following
+        if pending is not None:
+            yield pending.result()
+
+    def __call__(self, batch: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Prefill one batch and wait for it: per sample (aux [T, 3H], final [T, H]) on CPU."""
+        return self.submit(batch).result()

@@ -231,16 +231,25 @@ def run_capture(cfg: CaptureConfig, rank: int = 0, world: int = 1, silent: bool 
     thread.start()
     total = sum(min(cfg.shard_size, len(samples) - s * cfg.shard_size) for s in mine)
     with Progress(total, "sample", f"sf-capture[{rank}]", silent, initial=done_samples) as progress:
+        # every batch of every shard still to do, in order; the runner keeps one batch computing
+        # while the previous one is copied out, across shard boundaries too
+        jobs = []
         for s in todo:
             part = samples[s * cfg.shard_size : (s + 1) * cfg.shard_size]
-            outputs: list = [None] * len(part)
-            for batch in length_batches([len(x["input_ids"]) for x in part], cfg.max_batch_tokens):
-                for i, (aux, final) in zip(batch, runner([part[i]["input_ids"] for i in batch]), strict=True):
-                    outputs[i] = (aux, final)
-                progress.update(len(batch), sum(len(part[i]["input_ids"]) for i in batch))
-            if errors:
-                break
-            writes.put((s, part, outputs))
+            batches = length_batches([len(x["input_ids"]) for x in part], cfg.max_batch_tokens)
+            jobs += [(s, part, batch, k == len(batches) - 1) for k, batch in enumerate(batches)]
+        results = runner.capture_all([part[i]["input_ids"] for i in batch] for _, part, batch, _ in jobs)
+        outputs: list = []
+        for (s, part, batch, last), features in zip(jobs, results, strict=True):
+            outputs = outputs or [None] * len(part)
+            for i, aux_final in zip(batch, features, strict=True):
+                outputs[i] = aux_final
+            progress.update(len(batch), sum(len(part[i]["input_ids"]) for i in batch))
+            if last:
+                if errors:
+                    break
+                writes.put((s, part, outputs))
+                outputs = []
     writes.put(None)
     thread.join()
     if errors:
