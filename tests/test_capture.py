@@ -45,6 +45,32 @@ def test_hooked_features_equal_output_hidden_states_with_mixed_lengths(target):
         torch.testing.assert_close(final @ model.lm_head.weight.T, out.logits[0], atol=1e-3, rtol=1e-4)
 
 
+@pytest.mark.gpu
+def test_pipelined_gpu_capture_equals_each_sample_alone():
+    """capture_all copies batch i out on a side stream while batch i+1 computes, reusing two
+    pinned buffers: every sample's features must still be its own (fp32, so exact up to
+    kernel differences between batch shapes)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).cuda().eval()
+    runner = HFCaptureRunner(model, [1, 2, 4])
+    g = torch.Generator().manual_seed(1)
+    lengths = [[300, 17, 128], [5], [511, 64], [90, 90, 3, 250], [1000]]  # five batches, odd widths
+    batches = [[torch.randint(0, 1000, (n,), generator=g).tolist() for n in b] for b in lengths]
+    results = list(runner.capture_all(batches))
+    assert [[a.shape[0] for a, _ in r] for r in results] == lengths
+    for batch, result in zip(batches, results, strict=True):
+        for ids, (aux, final) in zip(batch, result, strict=True):
+            with torch.no_grad():
+                hs = model(torch.tensor([ids], device="cuda"), output_hidden_states=True).hidden_states
+            ref_aux = torch.cat([hs[i + 1][0] for i in (1, 2, 4)], dim=-1).cpu()
+            torch.testing.assert_close(aux, ref_aux, atol=2e-4, rtol=1e-4)
+            torch.testing.assert_close(final, hs[-1][0].cpu(), atol=2e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("codec", ["zarr", "safetensors"])
 def test_capture_roundtrip_within_bf16_rounding(tmp_path, chat_file, target, codec):
     model, tok, _ = target
