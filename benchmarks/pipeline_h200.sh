@@ -4,6 +4,8 @@
 # without the draft. Stages are arguments, run in order; each resumes when run again:
 #   bash benchmarks/pipeline_h200.sh target regen     # GGUF=path/to/SmolLM2.gguf for `target`
 #   bash benchmarks/pipeline_h200.sh capture train eval
+# Extra options per stage: REGEN_FLAGS (e.g. "--greedy"), TRAIN_FLAGS (sf-train overrides),
+# EVAL_SETS (default chat,code,math,multiturn), EVAL_LIMIT (prompts per set), EVAL_NAME.
 # Work goes to $WORK (default ~/sfrun); logs and results to $OUT (default $WORK/out).
 # It runs from the source tree without installing (the device image has torch and transformers).
 set -euo pipefail
@@ -35,17 +37,18 @@ for s in "$@"; do
     target) stage target python3 -c "from pathlib import Path; from specfoundry.common.target import *
 convert_gguf(Path('${GGUF:?set GGUF}'), cache_root() / EMBEDDED_DIR_NAME)" ;;
     regen) stage regen sf generate --synthesize "${N:-6000}" --max-new-tokens "${TOKENS:-256}" \
-             --batch-size "${BATCH:-512}" --shard-size 512 -o "$WORK/regen"
+             --batch-size "${BATCH:-512}" --shard-size "${BATCH:-512}" ${REGEN_FLAGS:-} -o "$WORK/regen"
            python3 -c "import json; m = json.load(open('$WORK/regen/manifest.json')); print({k: v for k, v in m.items() if k != 'shards'})" | tee "$OUT/regen_manifest.txt" ;;
     capture) stage capture sf capture run "$WORK/regen" -o "$WORK/features" --codec safetensors --max-length 2048 \
                --shard-size 512 --max-batch-tokens 65536
              du -sh "$WORK/features" | tee "$OUT/features_size.txt" ;;
     train) stage train sf train --recipe recipes/smollm2-h200.yaml --featureset "$WORK/features" \
-             --output "$WORK/train" ${EPOCHS:+--epochs $EPOCHS}
+             --output "$WORK/train" ${EPOCHS:+--epochs $EPOCHS} ${TRAIN_FLAGS:-}
            cp "$WORK/train/history.json" "$WORK/train/train_config.json" "$OUT/" ;;
-    eval) stage eval sf eval run "$WORK/train" --prompts chat,code,math,multiturn -k "${K:-7}" \
-            --max-new-tokens "${EVAL_TOKENS:-96}" ${EVAL_LIMIT:+--limit $EVAL_LIMIT} --dtype float32 -o "$OUT/eval"
-          cat "$OUT/eval/eval.txt" ;;
+    eval) name=${EVAL_NAME:-eval}
+          stage "$name" sf eval run "$WORK/train" --prompts "${EVAL_SETS:-chat,code,math,multiturn}" -k "${K:-7}" \
+            --max-new-tokens "${EVAL_TOKENS:-96}" ${EVAL_LIMIT:+--limit $EVAL_LIMIT} --dtype float32 -o "$OUT/$name"
+          cat "$OUT/$name/eval.txt" ;;
     gate) stage gate sf eval gate -w "$WORK/gate" ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
