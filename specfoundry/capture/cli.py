@@ -38,9 +38,11 @@ def main():
 @click.option("--strict", is_flag=True, help="Fail on the first bad conversation instead of skipping it.")
 @click.option("--limit", type=int, default=None, help="Capture only the first N samples.")
 @click.option("--device", default=None, help="Torch device (default cuda if available, else cpu).")
+@click.option("--writers", type=int, default=2,
+              help="Threads writing finished shards in the background (each waiting shard is held in memory).")
 @click.option("--silent", is_flag=True, help="No progress bar.")
 def run(source, output, target, backend, aux_layers, max_length, shard_size, max_batch_tokens, codec,
-        storage_dtype, strict, limit, device, silent):
+        storage_dtype, strict, limit, device, writers, silent):
     """Render SOURCE (conversations or an sf-regen output) with the target's chat template,
     compute the assistant-only loss mask, prefill the target and store its features.
 
@@ -55,7 +57,8 @@ def run(source, output, target, backend, aux_layers, max_length, shard_size, max
     layers = tuple(int(x) for x in aux_layers.split(",")) if aux_layers else None
     cfg = CaptureConfig(source=source, output=output, target=target, backend=backend, aux_layers=layers,
                         max_length=max_length, shard_size=shard_size, max_batch_tokens=max_batch_tokens,
-                        codec=codec, storage_dtype=storage_dtype, strict=strict, limit=limit, device=device)
+                        codec=codec, storage_dtype=storage_dtype, strict=strict, limit=limit, device=device,
+                        writers=writers)
     try:
         manifest = run_capture(cfg, rank=rank, world=world, silent=silent)
     except (CaptureError, FeatureSetError, ValueError) as e:

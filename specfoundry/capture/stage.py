@@ -67,10 +67,13 @@ class CaptureConfig:
     strict: bool = False
     limit: int | None = None
     device: str | None = None
+    writers: int = 2
+    """Background threads writing finished shards (more keep up with a fast GPU; each shard
+    waiting to be written holds its features in memory)."""
 
     def settings(self) -> dict:
         d = asdict(self)
-        for k in ("output", "device"):
+        for k in ("output", "device", "writers"):  # where and how fast, not what is written
             d.pop(k)
         d["aux_layers"] = list(self.aux_layers) if self.aux_layers is not None else None
         return d
@@ -217,43 +220,31 @@ def run_capture(cfg: CaptureConfig, rank: int = 0, world: int = 1, silent: bool 
     todo = [s for s in mine if finished_entry(root, shard_name(s, cfg.codec)) is None]
     done_samples = sum(min(cfg.shard_size, len(samples) - s * cfg.shard_size) for s in mine if s not in todo)
 
-    writes: queue.Queue = queue.Queue(maxsize=2)
-    errors: list[BaseException] = []
-
-    def writer():
-        while (job := writes.get()) is not None:
-            try:
-                write_one(root, *job, cfg)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
-                errors.append(e)
-
-    thread = threading.Thread(target=writer, daemon=True)
-    thread.start()
+    writer = BackgroundWriter(lambda s, part, outputs: write_one(root, s, part, outputs, cfg), cfg.writers)
     total = sum(min(cfg.shard_size, len(samples) - s * cfg.shard_size) for s in mine)
-    with Progress(total, "sample", f"sf-capture[{rank}]", silent, initial=done_samples) as progress:
-        # every batch of every shard still to do, in order; the runner keeps one batch computing
-        # while the previous one is copied out, across shard boundaries too
-        jobs = []
-        for s in todo:
-            part = samples[s * cfg.shard_size : (s + 1) * cfg.shard_size]
-            batches = length_batches([len(x["input_ids"]) for x in part], cfg.max_batch_tokens)
-            jobs += [(s, part, batch, k == len(batches) - 1) for k, batch in enumerate(batches)]
-        results = runner.capture_all([part[i]["input_ids"] for i in batch] for _, part, batch, _ in jobs)
-        outputs: list = []
-        for (s, part, batch, last), features in zip(jobs, results, strict=True):
-            outputs = outputs or [None] * len(part)
-            for i, aux_final in zip(batch, features, strict=True):
-                outputs[i] = aux_final
-            progress.update(len(batch), sum(len(part[i]["input_ids"]) for i in batch))
-            if last:
-                if errors:
-                    break
-                writes.put((s, part, outputs))
-                outputs = []
-    writes.put(None)
-    thread.join()
-    if errors:
-        raise errors[0]
+    try:
+        with Progress(total, "sample", f"sf-capture[{rank}]", silent, initial=done_samples) as progress:
+            # every batch of every shard still to do, in order; the runner keeps one batch
+            # computing while the previous one is copied out, across shard boundaries too
+            jobs = []
+            for s in todo:
+                part = samples[s * cfg.shard_size : (s + 1) * cfg.shard_size]
+                batches = length_batches([len(x["input_ids"]) for x in part], cfg.max_batch_tokens)
+                jobs += [(s, part, batch, k == len(batches) - 1) for k, batch in enumerate(batches)]
+            results = runner.capture_all([part[i]["input_ids"] for i in batch] for _, part, batch, _ in jobs)
+            outputs: list = []
+            for (s, part, batch, last), features in zip(jobs, results, strict=True):
+                outputs = outputs or [None] * len(part)
+                for i, aux_final in zip(batch, features, strict=True):
+                    outputs[i] = aux_final
+                progress.update(len(batch), sum(len(part[i]["input_ids"]) for i in batch))
+                if last:
+                    writer.put(s, part, outputs)
+                    outputs = []
+    except BaseException:
+        writer.close(quiet=True)
+        raise
+    writer.close()
     if world > 1:  # every rank's shards must be marked before rank 0 lists them
         import torch.distributed as dist
 
@@ -262,6 +253,43 @@ def run_capture(cfg: CaptureConfig, rank: int = 0, world: int = 1, silent: bool 
         if rank != 0:
             return base
     return build_manifest(root, base, num_shards, identity.vocab_size)
+
+
+class BackgroundWriter:
+    """Runs fn(*job) for queued jobs on `threads` daemon threads, so shards are written while
+    the GPU goes on. The queue holds at most `threads` waiting jobs (each a shard's features in
+    memory); put() blocks when it is full. The first error is raised by put() or close()."""
+
+    def __init__(self, fn, threads: int):
+        self.fn = fn
+        self.jobs: queue.Queue = queue.Queue(maxsize=max(1, threads))
+        self.errors: list[BaseException] = []
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(max(1, threads))]
+        for t in self.threads:
+            t.start()
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            if self.errors:
+                continue  # drain: after a failure nothing more is written
+            try:
+                self.fn(*job)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                self.errors.append(e)
+
+    def put(self, *job) -> None:
+        if self.errors:
+            raise self.errors[0]
+        self.jobs.put(job)
+
+    def close(self, quiet: bool = False) -> None:
+        """Wait for every queued job; raise the first error unless quiet."""
+        for _ in self.threads:
+            self.jobs.put(None)
+        for t in self.threads:
+            t.join()
+        if self.errors and not quiet:
+            raise self.errors[0]
 
 
 def write_one(root: Path, shard: int, part: list[dict], outputs: list, cfg: CaptureConfig) -> None:

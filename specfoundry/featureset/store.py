@@ -83,12 +83,16 @@ def write_shard(root: Path, rel: str, samples: list[dict], codec: str, dtype: st
     if codec == "zarr":
         _write_zarr(tmp, arrays)
     elif codec == "safetensors":
-        from safetensors.numpy import save_file
+        from safetensors.numpy import save
 
-        save_file(arrays, str(tmp))
+        data = save(arrays)
+        digest = hashlib.sha256(data).hexdigest()  # = checksum(tmp), without reading the file back
+        with open(tmp, "wb") as fh:
+            fh.write(data)
     else:
         raise FeatureSetError(f"unknown codec {codec!r}: choose zarr or safetensors")
-    digest = checksum(tmp)
+    if codec == "zarr":
+        digest = checksum(tmp)
     os.replace(tmp, final)
     return digest
 
