@@ -13,8 +13,10 @@ listed in the manifest with its checksum: a crash never leaves a shard a reader 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,32 +71,67 @@ def write_shard(root: Path, rel: str, samples: list[dict], codec: str, dtype: st
     """Write samples ({input_ids, loss_mask, aux_hidden, final_hidden} tensors) as one shard,
     atomically; returns the shard's checksum."""
     lengths = [len(s["input_ids"]) for s in samples]
-    arrays = {
-        "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-        "input_ids": torch.cat([s["input_ids"] for s in samples]).to(torch.int32).numpy(),
-        "loss_mask": torch.cat([s["loss_mask"] for s in samples]).to(torch.uint8).numpy(),
-        "aux_hidden": to_storage(torch.cat([s["aux_hidden"] for s in samples]), dtype),
-        "final_hidden": to_storage(torch.cat([s["final_hidden"] for s in samples]), dtype),
+    # each array as the per-sample blocks that, stacked along dim 0, make the shard's array
+    blocks = {
+        "offsets": [np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)],
+        "input_ids": [s["input_ids"].to(torch.int32).numpy() for s in samples],
+        "loss_mask": [s["loss_mask"].to(torch.uint8).numpy() for s in samples],
+        "aux_hidden": [to_storage(s["aux_hidden"], dtype) for s in samples],
+        "final_hidden": [to_storage(s["final_hidden"], dtype) for s in samples],
     }
     final = root / rel
     tmp = final.parent / f".partial-{final.name}"
     final.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
     if codec == "zarr":
-        _write_zarr(tmp, arrays)
+        _write_zarr(tmp, {name: np.concatenate(b) for name, b in blocks.items()})
+        digest = checksum(tmp)
     elif codec == "safetensors":
-        from safetensors.numpy import save
-
-        data = save(arrays)
-        digest = hashlib.sha256(data).hexdigest()  # = checksum(tmp), without reading the file back
-        with open(tmp, "wb") as fh:
-            fh.write(data)
+        digest = write_safetensors(tmp, blocks)
     else:
         raise FeatureSetError(f"unknown codec {codec!r}: choose zarr or safetensors")
-    if codec == "zarr":
-        digest = checksum(tmp)
     os.replace(tmp, final)
     return digest
+
+
+SAFETENSORS_DTYPES = {"int64": "I64", "int32": "I32", "uint8": "U8", "uint16": "U16", "float16": "F16",
+                      "float32": "F32"}
+
+
+def write_safetensors(path: Path, blocks: dict[str, list[np.ndarray]]) -> str:
+    """Write a safetensors file whose tensor `name` is np.concatenate(blocks[name]), streaming
+    every block straight to the file and into a sha256: no concatenated copy is made and the
+    file is not read back. Returns the file's sha256 (= checksum(path)).
+
+    The format: an 8-byte little-endian header length, a JSON header {name: {dtype, shape,
+    data_offsets}} padded with spaces to a multiple of 8, then the tensors' bytes back to back
+    in header order. hashlib and file writes release the GIL on large buffers, so several
+    writer threads run in parallel."""
+    header, start = {}, 0
+    for name, parts in blocks.items():
+        first = parts[0]
+        if any(p.dtype != first.dtype or p.shape[1:] != first.shape[1:] for p in parts):
+            raise FeatureSetError(f"{path}: blocks of {name!r} differ in dtype or trailing shape")
+        nbytes = sum(p.nbytes for p in parts)
+        header[name] = {"dtype": SAFETENSORS_DTYPES[first.dtype.name],
+                        "shape": [sum(p.shape[0] for p in parts), *first.shape[1:]],
+                        "data_offsets": [start, start + nbytes]}
+        start += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    h = hashlib.sha256()
+    with open(path, "wb") as fh:
+        for piece in (struct.pack("<Q", len(text)), text):
+            h.update(piece)
+            fh.write(piece)
+        for parts in blocks.values():
+            for p in parts:
+                if not p.nbytes:
+                    continue  # an empty block adds nothing (and memoryview cannot cast it)
+                view = memoryview(np.ascontiguousarray(p)).cast("B")
+                h.update(view)
+                fh.write(view)
+    return h.hexdigest()
 
 
 def _write_zarr(path: Path, arrays: dict[str, np.ndarray]) -> None:
