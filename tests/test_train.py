@@ -22,24 +22,24 @@ TINY = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, 
                    vocab_size=97, draft_vocab_size=40, target_hidden_size=24, aux_layer_ids=(1, 2, 3))
 
 
-def tiny_setup(seed=0, lengths=(11, 7)):
+def tiny_setup(seed=0, lengths=(11, 7), cfg=TINY, device="cpu", teacher_scale=1.0):
     torch.manual_seed(seed)
-    model = Eagle3Draft(TINY)
-    counts = torch.randint(0, 50, (TINY.vocab_size,))
-    d2t, t2d = vocab_maps(choose_draft_vocab(counts, TINY.draft_vocab_size), TINY.vocab_size)
+    model = Eagle3Draft(cfg)
+    counts = torch.randint(0, 50, (cfg.vocab_size,))
+    d2t, t2d = vocab_maps(choose_draft_vocab(counts, cfg.draft_vocab_size), cfg.vocab_size)
     model.d2t.copy_(d2t)
     model.t2d.copy_(t2d)
     b, t = len(lengths), max(lengths)
-    ids = torch.randint(0, TINY.vocab_size, (b, t))
+    ids = torch.randint(0, cfg.vocab_size, (b, t))
     mask = torch.rand(b, t) > 0.3
     for r, n in enumerate(lengths):
         mask[r, n:] = False
-    batch = Batch(ids, mask, torch.randn(b, t, 3 * TINY.target_hidden_size), torch.randn(b, t, TINY.target_hidden_size),
+    batch = Batch(ids, mask, torch.randn(b, t, 3 * cfg.target_hidden_size), torch.randn(b, t, cfg.target_hidden_size),
                   list(lengths))
     # a teacher head whose argmax mostly lands in the draft vocab
-    lm_head = torch.randn(TINY.vocab_size, TINY.target_hidden_size)
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size) * teacher_scale
     lm_head[~t2d] *= 0.1
-    return model, batch, lm_head, d2t + torch.arange(len(d2t))
+    return model.to(device), batch.to(device, torch.float32), lm_head.to(device), (d2t + torch.arange(len(d2t))).to(device)
 
 
 def grads_of(model, batch, lm_head, draft_ids, attention, loss_impl):
@@ -67,6 +67,34 @@ def test_kernel_paths_equal_plain_torch():
     assert ref_grads.keys() == grads.keys() and len(grads) == 13
     for name in ref_grads:  # fp32 throughout; differences are summation order only
         torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.gpu
+def test_kernel_paths_equal_plain_torch_on_gpu_at_the_8b_draft_shape():
+    """FlexAttention BlockMask + Triton loss vs eager attention + reference loss, fp32, at the
+    Llama-3.1-8B draft shape (H 4096, 32/8 heads, intermediate 14336, vocab 128256 -> 32000),
+    TTT 7, two samples of 1024 and 700 tokens. Triton's fp32 dots use TF32 (10-bit mantissa)
+    where cuBLAS does not, so the bounds are relative to each tensor's scale."""
+    from benchmarks.kernels import LLAMA8B_DRAFT
+
+    model, batch, lm_head, draft_ids = tiny_setup(lengths=(1024, 700), cfg=LLAMA8B_DRAFT, device="cuda",
+                                                  teacher_scale=LLAMA8B_DRAFT.hidden_size ** -0.5)
+
+    def run(attention, loss_impl):
+        model.zero_grad()
+        loss, _ = ttt_loss(model, batch, lm_head, draft_ids, ttt_length=7, attention=attention, loss_impl=loss_impl)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    ref_loss, ref_grads = run("eager", "reference")
+    loss, grads = run("flex", "triton")
+    worst = {n: ((grads[n] - g).abs().max() / g.abs().max()).item() for n, g in ref_grads.items()}
+    print("loss", loss.item(), ref_loss.item(), "worst relative grad error", max(worst.values()), worst)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-3, atol=0)
+    for name, ref in ref_grads.items():
+        scale = ref.abs().max().item()
+        assert scale > 0, name
+        torch.testing.assert_close(grads[name], ref, rtol=1e-2, atol=1e-2 * scale, msg=name)
 
 
 def test_two_steps_match_recorded_losses():
