@@ -257,12 +257,13 @@ def run_capture(cfg: CaptureConfig, rank: int = 0, world: int = 1, silent: bool 
 
 class BackgroundWriter:
     """Runs fn(*job) for queued jobs on `threads` daemon threads, so shards are written while
-    the GPU goes on. The queue holds at most `threads` waiting jobs (each a shard's features in
-    memory); put() blocks when it is full. The first error is raised by put() or close()."""
+    the GPU goes on. One job waits at most (put() blocks while one does): a shard's features
+    are in memory from capture until written, so at most threads + 2 shards are held (being
+    written, waiting, being captured). The first error is raised by put() or close()."""
 
     def __init__(self, fn, threads: int):
         self.fn = fn
-        self.jobs: queue.Queue = queue.Queue(maxsize=max(1, threads))
+        self.jobs: queue.Queue = queue.Queue(maxsize=1)
         self.errors: list[BaseException] = []
         self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(max(1, threads))]
         for t in self.threads:
