@@ -25,6 +25,40 @@ def decoder_layers(model):
     return base, layers
 
 
+class AuxLayerTap:
+    """Forward hooks on chosen decoder layers that keep each layer's output of the latest
+    forward, for the capture runner and for sf-eval's target alike."""
+
+    def __init__(self, model, aux_layers: list[int]):
+        _, layers = decoder_layers(model)
+        bad = [i for i in aux_layers if not 0 <= i < len(layers)]
+        if bad:
+            raise ValueError(f"aux layer ids {bad} are outside the target's {len(layers)} layers")
+        self.aux_layers = list(aux_layers)
+        self.captured: dict[int, torch.Tensor] = {}
+        self.hooks = [layers[i].register_forward_hook(self._keep(i)) for i in self.aux_layers]
+
+    def _keep(self, index: int):
+        def keep_output(module, args, output):
+            self.captured[index] = output[0] if isinstance(output, tuple) else output
+
+        return keep_output
+
+    def clear(self) -> None:
+        self.captured.clear()
+
+    def take(self, *extra: torch.Tensor) -> torch.Tensor:
+        """The kept outputs [..., 3H] in aux-layer order (then `extra`), concatenated on the last
+        dim; forgets them."""
+        out = torch.cat([self.captured[i] for i in self.aux_layers] + list(extra), dim=-1)
+        self.captured.clear()
+        return out
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
 class PendingCapture:
     """One submitted batch: its features are on their way to a pinned host buffer."""
 
@@ -58,26 +92,15 @@ class HFCaptureRunner:
 
     def __init__(self, model, aux_layers: list[int]):
         self.model = model
-        self.base, layers = decoder_layers(model)
-        bad = [i for i in aux_layers if not 0 <= i < len(layers)]
-        if bad:
-            raise ValueError(f"aux layer ids {bad} are outside the target's {len(layers)} layers")
-        self.aux_layers = list(aux_layers)
-        self.captured: dict[int, torch.Tensor] = {}
-        for i in self.aux_layers:
-            layers[i].register_forward_hook(self._hook(i))
+        self.base, _ = decoder_layers(model)
+        self.tap = AuxLayerTap(model, aux_layers)
+        self.aux_layers = self.tap.aux_layers
         self.device = next(model.parameters()).device
         self.hidden = model.config.hidden_size
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.staging: list[torch.Tensor | None] = [None] * self.STAGING_SLOTS
         self.submitted = 0
-
-    def _hook(self, index: int):
-        def keep_output(module, args, output):
-            self.captured[index] = output[0] if isinstance(output, tuple) else output
-
-        return keep_output
 
     @torch.inference_mode()
     def submit(self, batch: list[list[int]]) -> PendingCapture:
@@ -90,11 +113,9 @@ class HFCaptureRunner:
         ids = torch.zeros(len(batch), width, dtype=torch.long)  # [B, T]
         for r, x in enumerate(batch):
             ids[r, : len(x)] = torch.tensor(x)
-        self.captured.clear()
+        self.tap.clear()
         out = self.base(input_ids=ids.to(self.device, non_blocking=True), use_cache=False)
-        # [B, T, 4H]: aux layers low, mid, high, then the final normed state
-        feats = torch.cat([self.captured[i] for i in self.aux_layers] + [out.last_hidden_state], dim=-1)
-        self.captured.clear()
+        feats = self.tap.take(out.last_hidden_state)  # [B, T, 4H]: aux low, mid, high, final normed
         packed = torch.cat([feats[r, :n] for r, n in enumerate(lengths)])  # [sum(lengths), 4H], no padding
         slot = self.submitted % self.STAGING_SLOTS
         self.submitted += 1

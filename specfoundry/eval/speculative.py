@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specfoundry.capture.runner import decoder_layers
+from specfoundry.capture.runner import AuxLayerTap
 from specfoundry.train.model import Eagle3Draft, KVCache
 from specfoundry.train.vocab import draft_ids_from_d2t
 
@@ -48,13 +48,8 @@ class TargetRunner:
         from transformers import DynamicCache
 
         self.model = model
-        _, layers = decoder_layers(model)
-        bad = [i for i in aux_layers if not 0 <= i < len(layers)]
-        if bad:
-            raise ValueError(f"aux layer ids {bad} are outside the target's {len(layers)} layers")
-        self.aux_layers = list(aux_layers)
-        self.captured: dict[int, torch.Tensor] = {}
-        self.hooks = [layers[i].register_forward_hook(self._hook(i)) for i in self.aux_layers]
+        self.tap = AuxLayerTap(model, aux_layers)
+        self.aux_layers = self.tap.aux_layers
         self.device = next(model.parameters()).device
         self.cache_cls = DynamicCache
         self.cache = None
@@ -62,15 +57,8 @@ class TargetRunner:
         params = inspect.signature(model.forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
 
-    def _hook(self, index: int):
-        def keep_output(module, args, output):
-            self.captured[index] = output[0] if isinstance(output, tuple) else output
-
-        return keep_output
-
     def remove_hooks(self) -> None:
-        for h in self.hooks:
-            h.remove()
+        self.tap.remove()
 
     def reset(self) -> None:
         self.cache = self.cache_cls(config=self.model.config)
@@ -88,8 +76,7 @@ class TargetRunner:
         out = self.model(input_ids=x, position_ids=positions, use_cache=True, output_hidden_states=want_hidden,
                          **{self.cache_arg: self.cache})
         self.cache = getattr(out, "cache", None) or out.past_key_values
-        aux = torch.cat([self.captured[i] for i in self.aux_layers], dim=-1)[0]  # [T, 3H]
-        self.captured.clear()
+        aux = self.tap.take()[0]  # [T, 3H]
         final = out.hidden_states[-1][0] if want_hidden else None
         return out.logits[0].float(), aux, final
 
