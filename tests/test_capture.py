@@ -110,6 +110,28 @@ def test_kill_and_resume_gives_identical_checksums(tmp_path):
     assert (tmp_path / "whole" / "token_counts.safetensors").read_bytes() == (killed / "token_counts.safetensors").read_bytes()
 
 
+def test_two_processes_write_the_same_feature_set_as_one(tmp_path):
+    """torchrun, 2 CPU processes (gloo): rank r captures shards r, r+2, ... into one folder and
+    rank 0 lists them after a barrier. Shard contents do not depend on who wrote them, so the
+    manifest's shards and the token counts equal a single process's byte for byte."""
+    src = write_jsonl(tmp_path / "chat.jsonl", CHAT)
+    args = ["run", str(src), "--shard-size", "2", "--silent", "--codec", "safetensors"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    subprocess.run([sys.executable, "-m", "specfoundry.capture.cli", *args, "-o", str(tmp_path / "one")],
+                   check=True, capture_output=True, env=env)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          "29541", "-m", "specfoundry.capture.cli", *args, "-o", str(tmp_path / "two")],
+                         capture_output=True, text=True, env=env)
+    assert two.returncode == 0, two.stderr[-2000:]
+    a = json.loads((tmp_path / "one" / "manifest.json").read_text())
+    b = json.loads((tmp_path / "two" / "manifest.json").read_text())
+    assert b["complete"] and len(b["shards"]) == 3 and a["counts"] == b["counts"]
+    assert [(s["path"], s["sha256"]) for s in a["shards"]] == [(s["path"], s["sha256"]) for s in b["shards"]]
+    one_counts = (tmp_path / "one" / "token_counts.safetensors").read_bytes()
+    assert one_counts == (tmp_path / "two" / "token_counts.safetensors").read_bytes()
+    assert verify_featureset(tmp_path / "two") == []
+
+
 def test_verify_names_a_damaged_shard(tmp_path, chat_file):
     run_capture(CaptureConfig(source=str(chat_file), output=str(tmp_path / "fs"), shard_size=2,
                               codec="safetensors"), silent=True)

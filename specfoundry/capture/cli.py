@@ -49,11 +49,12 @@ def run(source, output, target, backend, aux_layers, max_length, shard_size, max
 
     Under `accelerate launch`/`torchrun` each process takes its share of the shards."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if world > 1 and device is None and "LOCAL_RANK" in os.environ:
-        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
     if world > 1:
+        import torch
         import torch.distributed as dist
 
+        if device is None and torch.cuda.is_available():  # one GPU per process
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         dist.init_process_group("nccl" if device and device.startswith("cuda") else "gloo")
     layers = tuple(int(x) for x in aux_layers.split(",")) if aux_layers else None
     cfg = CaptureConfig(source=source, output=output, target=target, backend=backend, aux_layers=layers,
