@@ -30,7 +30,7 @@ import torch
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # see train_step.py: keep "kernels" unshadowed
 from benchmarks.common import MATMUL_TFLOPS, print_table, write_result  # noqa: E402
 from benchmarks.kernels import LLAMA8B_DRAFT  # noqa: E402
-from benchmarks.train_step import flops_per_token, write_random_featureset  # noqa: E402
+from benchmarks.train_step import flops_per_token, llama8b_ttt_module, time_steps, write_random_featureset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,21 +42,11 @@ def worker(featureset: str, steps: int, ttt: int, out: str) -> None:
     from specfoundry.featureset.store import FeatureSet
     from specfoundry.train.loader import FeatureLoader
     from specfoundry.train.loop import optimizer_state_bytes
-    from specfoundry.train.model import Eagle3Draft
-    from specfoundry.train.ttt import TTTModule
-    from specfoundry.train.vocab import vocab_maps
 
     accel = Accelerator(mixed_precision="bf16", kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
-    cfg = LLAMA8B_DRAFT
-    torch.manual_seed(0)
-    draft = Eagle3Draft(cfg)
-    d2t, t2d = vocab_maps(torch.arange(0, cfg.vocab_size, 4)[: cfg.draft_vocab_size], cfg.vocab_size)
-    draft.d2t.copy_(d2t)
-    draft.t2d.copy_(t2d)
-    lm_head = (torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02).to(torch.bfloat16)
-    model = TTTModule(draft, lm_head)
-    trainable = sum(p.numel() for p in draft.trainable_parameters())
-    opt = torch.optim.AdamW(draft.trainable_parameters(), lr=1e-4)
+    model = llama8b_ttt_module()
+    trainable = sum(p.numel() for p in model.draft.trainable_parameters())
+    opt = torch.optim.AdamW(model.draft.trainable_parameters(), lr=1e-4)
     model, opt = accel.prepare(model, opt)
     fs = FeatureSet(featureset)
     t = fs[0].input_ids.numel()  # every sample has the same length
@@ -71,17 +61,7 @@ def worker(featureset: str, steps: int, ttt: int, out: str) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(2):
-        step()  # compile, mask, allocator, NCCL communicators
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    ms = torch.tensor([start.elapsed_time(end) / steps], device=accel.device)
+    ms = torch.tensor([time_steps(step, steps)], device=accel.device)
     stats = torch.tensor([[ms.item(), float(optimizer_state_bytes(opt)), torch.cuda.max_memory_allocated() / 2**30]],
                          device=accel.device)
     gathered = accel.gather(stats).cpu().tolist()  # [W, 3]

@@ -63,7 +63,9 @@ def write_random_featureset(root: Path, n: int, t: int, cfg) -> FeatureSet:
     return FeatureSet(root)
 
 
-def run(impl: str, fs: FeatureSet, t: int, steps: int, ttt: int) -> dict:
+def llama8b_ttt_module() -> TTTModule:
+    """The 8B-shaped draft (random weights, every 4th token in the draft vocab) with a random
+    bf16 teacher head, on the CPU: the caller moves or wraps it."""
     cfg = LLAMA8B_DRAFT
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
@@ -71,8 +73,29 @@ def run(impl: str, fs: FeatureSet, t: int, steps: int, ttt: int) -> dict:
     draft.d2t.copy_(d2t)
     draft.t2d.copy_(t2d)
     lm_head = (torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02).to(torch.bfloat16)
-    model = TTTModule(draft, lm_head).cuda()
-    opt = torch.optim.AdamW(draft.trainable_parameters(), lr=1e-4, fused=True)
+    return TTTModule(draft, lm_head)
+
+
+def time_steps(step, steps: int, warmup: int = 2) -> float:
+    """ms per step(), by CUDA events over `steps` calls after `warmup` untimed ones (compile,
+    mask build, allocator, communicators); the peak-memory counter is reset after the warm-up."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def run(impl: str, fs: FeatureSet, t: int, steps: int, ttt: int) -> dict:
+    cfg = LLAMA8B_DRAFT
+    model = llama8b_ttt_module().cuda()
+    opt = torch.optim.AdamW(model.draft.trainable_parameters(), lr=1e-4, fused=True)
     attention, loss_impl = ("flex", "triton") if impl == "ours" else ("eager", "reference")
     loader = iter(FeatureLoader(fs, list(range(len(fs))), max_tokens=t, seed=0, num_workers=2))
 
@@ -86,17 +109,7 @@ def run(impl: str, fs: FeatureSet, t: int, steps: int, ttt: int) -> dict:
 
     row = {"impl": impl + (" (flex + triton)" if impl == "ours" else " (eager + reference)"), "T": t, "ttt": ttt}
     try:
-        for _ in range(2):
-            step()  # warm-up: compile, mask build, allocator
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            step()
-        end.record()
-        torch.cuda.synchronize()
-        ms = start.elapsed_time(end) / steps
+        ms = time_steps(step, steps)
         row.update(ms_per_step=ms, tokens_per_s=t / (ms * 1e-3), peak_GiB=torch.cuda.max_memory_allocated() / 2**30)
         row["TFLOPs"] = flops_per_token(cfg, t, ttt) * t / (ms * 1e-3) / 1e12
         row["MFU_%"] = 100 * row["TFLOPs"] / MATMUL_TFLOPS
