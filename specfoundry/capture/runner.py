@@ -64,8 +64,8 @@ class PendingCapture:
 
     def __init__(self, lengths: list[int], staging: torch.Tensor, done, hidden: int):
         self.lengths = lengths
-        self.staging = staging  # [sum(lengths), 4H] host (pinned on GPU); reused after result()
-        self.done = done  # a CUDA event when the copy is asynchronous, else None
+        self.staging = staging  # [sum(lengths), 4H] in host memory (a pinned staging buffer on GPU)
+        self.done = done  # the copy's CUDA event on GPU, else None
         self.hidden = hidden
 
     def result(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -107,7 +107,9 @@ class HFCaptureRunner:
         """Start the prefill of a batch of token lists. The batch is right-padded and no
         attention mask is passed: under causal attention no real token sees the padding after
         it, and positions count from 0 as without padding, so padded rows' real tokens get the
-        features they would get alone (and the fused causal attention kernels stay usable)."""
+        features they would get alone (and the fused causal attention kernels stay usable).
+        A staging buffer is reused after STAGING_SLOTS further submits: take each result()
+        in order before then (capture_all does)."""
         lengths = [len(x) for x in batch]
         width = max(lengths)
         ids = torch.zeros(len(batch), width, dtype=torch.long)  # [B, T]
@@ -117,16 +119,15 @@ class HFCaptureRunner:
         out = self.base(input_ids=ids.to(self.device, non_blocking=True), use_cache=False)
         feats = self.tap.take(out.last_hidden_state)  # [B, T, 4H]: aux low, mid, high, final normed
         packed = torch.cat([feats[r, :n] for r, n in enumerate(lengths)])  # [sum(lengths), 4H], no padding
+        if not self.cuda:
+            return PendingCapture(lengths, packed, None, self.hidden)  # already in host memory
         slot = self.submitted % self.STAGING_SLOTS
         self.submitted += 1
         staging = self.staging[slot]
         if staging is None or staging.numel() < packed.numel():
-            staging = torch.empty(packed.numel(), dtype=packed.dtype, pin_memory=self.cuda)
+            staging = torch.empty(packed.numel(), dtype=packed.dtype, pin_memory=True)
             self.staging[slot] = staging
         staging = staging[: packed.numel()].view(packed.shape)
-        if not self.cuda:
-            staging.copy_(packed)
-            return PendingCapture(lengths, staging, None, self.hidden)
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
             staging.copy_(packed, non_blocking=True)
