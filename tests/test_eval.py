@@ -15,20 +15,26 @@ from specfoundry.common.target import load_target
 from specfoundry.eval.draft import load_draft, untrained_like
 from specfoundry.eval.evaluate import BUILTIN_SETS, EvalConfig, EvalError, load_prompts, run_eval
 from specfoundry.eval.speculative import DraftRunner, Sampler, TargetRunner, speculative_generate
+from specfoundry.eval.tree import propose_tree, tree_generate
 from specfoundry.train.config import draft_config_from_target
 from specfoundry.train.model import Eagle3Draft
 from specfoundry.train.vocab import vocab_maps
 
 
-def greedy_equality(export, smollm2_dir, limit, max_new_tokens):
+def greedy_equality(export, smollm2_dir, limit, max_new_tokens, tree=None):
+    """Speculative (chain k=4, or the tree) output == transformers' greedy generate."""
     model, tokenizer, _ = load_target("smollm2", device="cpu", dtype=torch.float32)
     target = TargetRunner(model, [1, 14, 26])
     draft = DraftRunner(load_draft(export, smollm2_dir, torch.device("cpu"), torch.float32))
     accepted, compared = [], 0
     for name in BUILTIN_SETS:
         for pid, ids in load_prompts(name, tokenizer, limit):
-            out = speculative_generate(target, draft, ids, k=4, max_new_tokens=max_new_tokens,
-                                       eos={tokenizer.eos_token_id}, sampler=Sampler())
+            if tree:
+                out = tree_generate(target, draft, ids, branching=tree, max_new_tokens=max_new_tokens,
+                                    eos={tokenizer.eos_token_id})
+            else:
+                out = speculative_generate(target, draft, ids, k=4, max_new_tokens=max_new_tokens,
+                                           eos={tokenizer.eos_token_id}, sampler=Sampler())
             # the reference is transformers' own greedy generate, independent of our runner
             ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                  max_new_tokens=max_new_tokens, do_sample=False)[0, len(ids):].tolist()
@@ -37,18 +43,86 @@ def greedy_equality(export, smollm2_dir, limit, max_new_tokens):
             compared += 1
     # the draft must really have been accepted sometimes (and rejected), or the test shows little
     assert 0 < sum(accepted) < 4 * len(accepted), accepted
-    return compared
+    return compared, accepted
 
 
 def test_greedy_speculative_equals_target_generate(gate_run, smollm2_dir):
     _, export = gate_run
-    assert greedy_equality(export, smollm2_dir, limit=2, max_new_tokens=24) == 2 * len(BUILTIN_SETS)
+    assert greedy_equality(export, smollm2_dir, limit=2, max_new_tokens=24)[0] == 2 * len(BUILTIN_SETS)
+
+
+def test_tree_decoding_equals_target_generate_and_accepts_more(gate_run, smollm2_dir):
+    _, export = gate_run
+    n, chain = greedy_equality(export, smollm2_dir, limit=1, max_new_tokens=24)
+    n_tree, tree = greedy_equality(export, smollm2_dir, limit=1, max_new_tokens=24, tree=(3, 2, 2, 1))
+    assert n == n_tree == len(BUILTIN_SETS)
+    # the tree holds the chain as its top-1 branch: more tokens per target forward
+    assert (sum(tree) + len(tree)) / len(tree) > (sum(chain) + len(chain)) / len(chain), (tree, chain)
 
 
 @pytest.mark.slow
 def test_greedy_speculative_equals_target_generate_all_held_out_prompts(gate_run, smollm2_dir):
     _, export = gate_run
-    assert greedy_equality(export, smollm2_dir, limit=None, max_new_tokens=64) == 60
+    assert greedy_equality(export, smollm2_dir, limit=None, max_new_tokens=64)[0] == 60
+
+
+def true_greedy(model, prompt, n):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("branching", [(1, 1, 1), (2,), (3, 2), (5, 1, 1, 1), (3, 3, 3)])
+def test_tree_decoding_on_a_tiny_target_is_exact(branching):
+    """A random 6-token target, where a random draft is often right: the tree's output is the
+    target's greedy output, branches beyond the top-1 get accepted, and a tree of branching 1
+    is exactly the chain of the same depth."""
+    model, draft_model = tiny_pair()
+    target, draft = TargetRunner(model, [0, 1, 2]), DraftRunner(draft_model)
+    tree_total, chain_total = 0, 0
+    for prompt in ([1, 2, 3], [4, 0, 5, 2, 2], [3]):
+        out = tree_generate(target, draft, prompt, branching=branching, max_new_tokens=30, eos=set())
+        chain = speculative_generate(target, draft, prompt, k=len(branching), max_new_tokens=30, eos=set(),
+                                     sampler=Sampler())
+        assert out.tokens == true_greedy(model, prompt, 30) == chain.tokens
+        if max(branching) == 1:
+            assert out.accepted == chain.accepted
+        tree_total += sum(out.accepted)
+        chain_total += sum(chain.accepted)
+    assert tree_total >= chain_total
+    if max(branching) > 1:
+        assert tree_total > chain_total
+
+
+def test_draft_tree_nodes_are_the_chain_along_their_branch():
+    """Each node's children are the top-k of the draft run as a chain along the node's branch:
+    siblings and cousins are invisible, positions and hidden inputs are the chain's."""
+    model, draft_model = tiny_pair()
+    target, draft = TargetRunner(model, [0, 1, 2]), DraftRunner(draft_model)
+    prompt = [1, 2, 3, 4]
+    target.reset()
+    draft.reset()
+    logits, aux, _ = target.forward(prompt)
+    draft.extend(prompt[1:] + [int(logits[-1].argmax())], aux)
+    branching = (3, 2, 2)
+    tree = propose_tree(draft, branching)
+    assert len(tree) == 3 + 6 + 12 and len(draft.cache) == len(prompt)
+    target_to_draft = {int(t): d for d, t in enumerate(draft.draft_to_target)}
+    children = tree.children()
+    for node in range(len(tree)):
+        if tree.depths[node] == len(branching):
+            continue
+        branch = [node]
+        while tree.parents[branch[0]] >= 0:
+            branch.insert(0, tree.parents[branch[0]])
+        base, pre = len(draft.cache), draft.pre
+        for depth, n in enumerate(branch, start=1):
+            pre, out = draft.run([tree.tokens[n]], pre, [base - 1 + depth])
+        draft.cache.crop(base)
+        want = out[-1].topk(branching[len(branch)]).indices.tolist()
+        assert [target_to_draft[tree.tokens[c]] for c in children[node]] == want, node
 
 
 def chi2_critical(df: int, z: float = 3.09) -> float:
@@ -157,3 +231,7 @@ def test_bad_prompt_set_and_draft_fail_clearly(tmp_path, smollm2_dir):
 
     result = CliRunner().invoke(main, ["run", str(tmp_path), "--prompts", "chat"])
     assert result.exit_code != 0 and "is not an exported draft" in str(result.output) + str(result.exception)
+    with pytest.raises(EvalError, match="verifies greedily"):
+        run_eval(EvalConfig(draft=str(tmp_path), tree=(2, 2), temperature=0.7))
+    result = CliRunner().invoke(main, ["run", str(tmp_path), "--tree", "4,x"])
+    assert result.exit_code != 0 and "comma-separated integers" in str(result.output) + str(result.exception)

@@ -10,6 +10,7 @@ from specfoundry.common.target import EMBEDDED_DEFAULT
 from specfoundry.eval.draft import DraftLoadError
 from specfoundry.eval.evaluate import BUILTIN_SETS, EvalConfig, EvalError, format_table, run_eval
 from specfoundry.eval.gate import DEFAULT_PROMPT, GateConfig, build, run_checks, verdict
+from specfoundry.eval.tree import parse_branching
 
 CTX = {"help_option_names": ["-h", "--help"], "show_default": True}
 
@@ -26,6 +27,9 @@ def main():
               help=f"Comma-separated prompt sets: built-in held-out sets ({', '.join(BUILTIN_SETS)}) or dataset "
                    "files (jsonl/json/parquet; a trailing assistant turn is dropped).")
 @click.option("-k", "--k", "k", type=int, default=4, help="Draft tokens proposed per round (chain).")
+@click.option("--tree", default=None,
+              help="Draft a token tree instead of a chain: top-k branching per depth, e.g. 4,2,2,1 (depth 4, "
+                   "44 nodes, all verified in one target forward). Greedy only; its depth replaces -k.")
 @click.option("--temperature", type=float, default=0.0,
               help="0: greedy verification. >0: sampling with the rejection rule (output distributed as the target's).")
 @click.option("--max-new-tokens", type=int, default=128, help="Tokens generated per prompt (stops earlier at eos).")
@@ -40,11 +44,16 @@ def main():
               help="Target and draft dtype [default: bfloat16 on GPU, float32 on CPU]; float32 keeps greedy "
                    "decoding exactly reproducible across batch shapes.")
 @click.option("-o", "--output", default=None, help="Folder for eval.json, eval.txt and acceptance.png.")
-def run(draft, target, prompts, k, temperature, max_new_tokens, limit, seed, baseline, compare_untrained, device,
+def run(draft, target, prompts, k, tree, temperature, max_new_tokens, limit, seed, baseline, compare_untrained, device,
         dtype, output):
     """Decode each prompt with DRAFT (an exported folder, an sf-train run folder, or one of its
     checkpoints/step-N) proposing and the target verifying, and report acceptance length."""
+    try:
+        branching = parse_branching(tree) if tree else None
+    except ValueError as e:
+        sys.exit(f"sf-eval: {e}")
     cfg = EvalConfig(draft=draft, target=target, prompt_sets=tuple(p for p in prompts.split(",") if p), k=k,
+                     tree=branching,
                      temperature=temperature, max_new_tokens=max_new_tokens, limit=limit, seed=seed,
                      baseline=baseline, compare_untrained=compare_untrained, device=device, dtype=dtype, output=output)
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import platform
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib.resources import files
 from pathlib import Path
 
@@ -30,6 +30,7 @@ from specfoundry.eval.speculative import (
     speculative_generate,
     target_generate,
 )
+from specfoundry.eval.tree import tree_generate
 
 BUILTIN_SETS = ("chat", "code", "math", "multiturn")
 
@@ -44,6 +45,8 @@ class EvalConfig:
     target: str = "smollm2"
     prompt_sets: tuple[str, ...] = BUILTIN_SETS
     k: int = 4
+    tree: tuple[int, ...] | None = None
+    """Branching per depth of a draft tree (greedy only), e.g. (4, 2, 2, 1); its depth is k."""
     temperature: float = 0.0
     max_new_tokens: int = 128
     limit: int | None = None
@@ -102,6 +105,10 @@ def summarise_set(results: list[DecodeResult], k: int) -> dict:
     }
 
 
+def shape_name(cfg: EvalConfig) -> str:
+    return f"tree {','.join(map(str, cfg.tree))}" if cfg.tree else f"k={cfg.k}"
+
+
 def decode_set(target: TargetRunner, draft: DraftRunner | None, prompts, cfg: EvalConfig, eos: set[int],
                desc: str) -> list[DecodeResult]:
     sampler = Sampler(cfg.temperature, torch.Generator(device=target.device).manual_seed(cfg.seed))
@@ -110,6 +117,8 @@ def decode_set(target: TargetRunner, draft: DraftRunner | None, prompts, cfg: Ev
         for _, ids in prompts:
             if draft is None:
                 r = target_generate(target, ids, max_new_tokens=cfg.max_new_tokens, eos=eos, sampler=sampler)
+            elif cfg.tree:
+                r = tree_generate(target, draft, ids, branching=cfg.tree, max_new_tokens=cfg.max_new_tokens, eos=eos)
             else:
                 r = speculative_generate(target, draft, ids, k=cfg.k, max_new_tokens=cfg.max_new_tokens, eos=eos,
                                          sampler=sampler)
@@ -119,6 +128,12 @@ def decode_set(target: TargetRunner, draft: DraftRunner | None, prompts, cfg: Ev
 
 
 def run_eval(cfg: EvalConfig) -> dict:
+    if cfg.tree:
+        if cfg.temperature > 0:
+            raise EvalError("--tree verifies greedily; use the chain (-k) with --temperature > 0")
+        if min(cfg.tree) < 1:
+            raise EvalError(f"tree branching must be >= 1 at every depth, got {cfg.tree}")
+        cfg = replace(cfg, k=len(cfg.tree))
     if cfg.k < 1:
         raise EvalError(f"k must be at least 1, got {cfg.k}")
     device = pick_device(cfg.device)
@@ -144,7 +159,7 @@ def run_eval(cfg: EvalConfig) -> dict:
             base = decode_set(target, None, prompts, cfg, eos, f"{name}: target alone")
             entry["target_alone_tokens_per_s"] = sum(len(r.tokens) for r in base) / sum(r.total_s for r in base)
         for label, runner in drafts.items():
-            results = decode_set(target, runner, prompts, cfg, eos, f"{name}: {label} draft k={cfg.k}")
+            results = decode_set(target, runner, prompts, cfg, eos, f"{name}: {label} draft {shape_name(cfg)}")
             entry[label] = summarise_set(results, cfg.k)
             if base is not None:
                 entry[label]["speedup"] = entry[label]["tokens_per_s"] / entry["target_alone_tokens_per_s"]
@@ -214,7 +229,9 @@ def plot_acceptance(report: dict, path: Path) -> bool:
     ax.set_ylim(0, 1)
     ax.set_xticks(range(1, k + 1))
     ax.legend(fontsize=7)
-    ax.set_title(f"acceptance by position, k={k}, T={report['config']['temperature']}")
+    tree = report["config"].get("tree")
+    shape = f"tree {','.join(map(str, tree))}" if tree else f"k={k}"
+    ax.set_title(f"acceptance by position, {shape}, T={report['config']['temperature']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -67,14 +67,23 @@ class TargetRunner:
         return 0 if self.cache is None else self.cache.get_seq_length()
 
     @torch.inference_mode()
-    def forward(self, ids: list[int], want_hidden: bool = False):
+    def forward(self, ids: list[int], want_hidden: bool = False, positions: list[int] | None = None,
+                mask: torch.Tensor | None = None):
         """Read `ids` after the cache. Returns logits [T, V] (fp32), aux [T, 3H] and, if asked,
-        the final normed hidden state [T, H]."""
+        the final normed hidden state [T, H]. By default the tokens follow the cache causally;
+        a token tree passes its own `positions` and `mask` ([T, cache + T] bool, True = may
+        attend), which goes to the model as a ready 4D additive mask."""
         start = len(self)
         x = torch.tensor([ids], device=self.device)
-        positions = torch.arange(start, start + len(ids), device=self.device)[None]
-        out = self.model(input_ids=x, position_ids=positions, use_cache=True, output_hidden_states=want_hidden,
-                         **{self.cache_arg: self.cache})
+        if positions is None:
+            positions = list(range(start, start + len(ids)))
+        extra = {}
+        if mask is not None:
+            dtype = self.model.dtype
+            additive = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+            extra["attention_mask"] = additive[None, None].to(self.device)  # [1, 1, T, cache + T]
+        out = self.model(input_ids=x, position_ids=torch.tensor([positions], device=self.device), use_cache=True,
+                         output_hidden_states=want_hidden, **{self.cache_arg: self.cache}, **extra)
         self.cache = getattr(out, "cache", None) or out.past_key_values
         aux = self.tap.take()[0]  # [T, 3H]
         final = out.hidden_states[-1][0] if want_hidden else None
@@ -101,11 +110,12 @@ class DraftRunner:
     def reset(self) -> None:
         self.cache = KVCache()
 
-    def _run(self, ids: list[int], hidden: torch.Tensor, start: int):
+    def run(self, ids: list[int], hidden: torch.Tensor, positions: list[int]):
+        """Read tokens `ids` with hidden inputs [1, T, H] at `positions` after the cache."""
         device = hidden.device
         x = torch.tensor([ids], device=device)
-        positions = torch.arange(start, start + len(ids), device=device)[None]
-        pre, normed = self.draft.step(x, hidden, positions, self.cache, None, 0)
+        pos = torch.tensor([positions], device=device)
+        pre, normed = self.draft.step(x, hidden, pos, self.cache, None, 0)
         return pre, self.draft.lm_head(normed)[0].float()  # [1, T, H], [T, Vd]
 
     @torch.inference_mode()
@@ -114,7 +124,8 @@ class DraftRunner:
         logits [T, Vd] (the last row predicts the next token)."""
         dtype = self.draft.fc.weight.dtype
         hidden = self.draft.fc(aux.to(dtype)[None])  # [1, T, H]
-        pre, logits = self._run(tokens, hidden, len(self.cache))
+        start = len(self.cache)
+        pre, logits = self.run(tokens, hidden, list(range(start, start + len(tokens))))
         self.pre, self.logits = pre[:, -1:], logits[-1]
         return logits
 
@@ -131,7 +142,7 @@ class DraftRunner:
             all_logits.append(logits)
             if j + 1 < k:
                 # training's step j+1: own token, own pre-norm state, position (m-2) + (j+1)
-                pre, out = self._run([d], pre, base - 1 + j + 1)
+                pre, out = self.run([d], pre, [base - 1 + j + 1])
                 logits = out[-1]
         self.cache.crop(base)
         return tokens, all_logits

@@ -44,6 +44,7 @@ class KVCache:
     def __init__(self):
         self.keys: torch.Tensor | None = None  # [B, nkv, L, hd]
         self.values: torch.Tensor | None = None
+        self.next_mask: torch.Tensor | None = None  # [new, L] bool for the next append only (trees)
 
     def __len__(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
@@ -54,7 +55,12 @@ class KVCache:
         return self.keys, self.values
 
     def mask_for(self, new: int, device) -> torch.Tensor:
-        """[new, L] bool: every cached key, and the new tokens causally among themselves."""
+        """[new, L] bool: every cached key, and the new tokens causally among themselves; or the
+        mask set in `next_mask` (a token tree's nodes see only their ancestors), used once."""
+        if self.next_mask is not None:
+            mask, self.next_mask = self.next_mask, None
+            assert mask.shape == (new, len(self)), (mask.shape, new, len(self))
+            return mask
         past = len(self) - new
         j = torch.arange(len(self), device=device)
         i = torch.arange(new, device=device)[:, None]

@@ -1,0 +1,168 @@
+"""Tree drafting (greedy): the draft proposes a token tree, the target verifies all of it in one
+forward, and the longest branch the target agrees with is accepted.
+
+The tree has a fixed branching per depth, e.g. (4, 2, 2, 1): the 4 most likely first tokens,
+the 2 most likely continuations of each, and so on (4 + 8 + 16 + 16 = 44 nodes, depth 4). Its
+top-1 branch is exactly the chain `propose` would draft, so a tree accepts at least as much as
+the chain of the same depth, for one target forward over more tokens.
+
+Nodes are numbered breadth first. A node sees the committed text and its own ancestors, never
+its siblings or cousins: the draft expands one depth per forward under that mask, and the
+target verifies every node under it (a 4D attention mask), each at position (root) + depth.
+
+Target cache bookkeeping: the verify input is [pending..., tree nodes], where `pending` are
+committed tokens the target has not read yet (the newest token, and after an accepted branch
+its nodes too, because an accepted branch is not contiguous in the input). After the verify the
+cache is cropped to the pending tokens; the accepted nodes are read again in the next round's
+forward, a few tokens among the tree's many. Greedy only: with sampling, tree verification
+needs the multi-candidate rejection rule, which is not implemented.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specfoundry.eval.speculative import DecodeResult, DraftRunner, TargetRunner, finish, sync
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int]  # target ids, breadth first
+    parents: list[int]  # parent node per node; -1 for the root's children
+    depths: list[int]  # 1 for the root's children
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def sees(self) -> torch.Tensor:
+        """[N, N] bool: node i may attend to node j (j is i or one of its ancestors)."""
+        n = len(self)
+        mask = torch.eye(n, dtype=torch.bool)
+        for i in range(n):
+            p = self.parents[i]
+            if p >= 0:
+                mask[i] |= mask[p]  # breadth first: the parent's row is complete already
+        return mask
+
+    def children(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {-1: []}
+        for i, p in enumerate(self.parents):
+            out.setdefault(p, []).append(i)
+            out.setdefault(i, [])
+        return out
+
+
+def parse_branching(text: str) -> tuple[int, ...]:
+    """'4,2,2,1' -> (4, 2, 2, 1); each at least 1."""
+    try:
+        branching = tuple(int(x) for x in text.split(","))
+    except ValueError as e:
+        raise ValueError(f"tree branching must be comma-separated integers, got {text!r}") from e
+    if not branching or min(branching) < 1:
+        raise ValueError(f"tree branching needs at least one depth, each >= 1, got {text!r}")
+    return branching
+
+
+@torch.inference_mode()
+def propose_tree(draft: DraftRunner, branching: tuple[int, ...]) -> DraftTree:
+    """Expand the tree one depth per draft forward from the draft's newest state (which
+    predicts the first token); the draft's cache is left as it was found."""
+    base = len(draft.cache)
+    tree = DraftTree([], [], [])
+    frontier = [(-1, draft.logits, draft.pre)]  # (node, logits [Vd], pre-norm [1, 1, H])
+    for depth, width in enumerate(branching, start=1):
+        new, hiddens = [], []
+        for parent, logits, pre in frontier:
+            for d in logits.topk(min(width, logits.numel())).indices.tolist():
+                new.append(len(tree))
+                tree.tokens.append(int(draft.draft_to_target[d]))
+                tree.parents.append(parent)
+                tree.depths.append(depth)
+                hiddens.append(pre)
+        if depth == len(branching):
+            break  # the deepest nodes need no draft forward of their own
+        # the new nodes read (own token, parent's pre-norm state) at position (root) + depth - 1,
+        # as training's step `depth`; each sees the committed cache and its ancestors
+        sees = tree.sees()
+        mask = torch.cat([torch.ones(len(new), base, dtype=torch.bool), sees[new][:, : len(tree)]], dim=1)
+        device = draft.pre.device
+        draft.cache.next_mask = mask.to(device)
+        pre, logits = draft.run([tree.tokens[n] for n in new], torch.cat(hiddens, dim=1),
+                                [base - 1 + depth] * len(new))
+        frontier = [(n, logits[i], pre[:, i : i + 1]) for i, n in enumerate(new)]
+    draft.cache.crop(base)
+    return tree
+
+
+def accept_tree(tree: DraftTree, choice: list[int], root_row: int) -> tuple[list[int], int]:
+    """Greedy walk: from the root, follow the child whose token is the target's choice at the
+    current node. choice[r] is the target's argmax at input row r; node n is row root_row+1+n.
+    Returns (accepted nodes, the target's own token after them)."""
+    children = tree.children()
+    path, node, row = [], -1, root_row
+    while True:
+        y = choice[row]
+        match = next((c for c in children[node] if tree.tokens[c] == y), None)
+        if match is None:
+            return path, y
+        path.append(match)
+        node, row = match, root_row + 1 + match
+
+
+def verify_mask(tree: DraftTree, cached: int, pending: int) -> torch.Tensor:
+    """[pending + N, cached + pending + N] bool: pending tokens causally, every tree node after
+    all pending tokens and its ancestors."""
+    n = len(tree)
+    rows = pending + n
+    mask = torch.zeros(rows, cached + rows, dtype=torch.bool)
+    mask[:, :cached] = True
+    mask[:pending, cached : cached + pending] = torch.tril(torch.ones(pending, pending, dtype=torch.bool))
+    mask[pending:, cached : cached + pending] = True
+    mask[pending:, cached + pending :] = tree.sees()
+    return mask
+
+
+def tree_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *, branching: tuple[int, ...],
+                  max_new_tokens: int, eos: set[int]) -> DecodeResult:
+    """Greedy speculative decoding with a draft tree: the output equals the target's own greedy
+    decoding; accepted[i] counts the tree nodes accepted in round i."""
+    device = target.device
+    t0 = time.perf_counter()
+    target.reset()
+    draft.reset()
+    logits, aux, _ = target.forward(prompt)
+    tokens = [int(logits[-1].argmax())]
+    result = DecodeResult(tokens)
+    draft.extend(prompt[1:] + tokens, aux)
+    pending = list(tokens)  # committed, not yet read by the target; the last is the tree's root
+    tokens, done = finish(tokens, eos, max_new_tokens)
+    while not done:
+        sync(device)
+        a0 = time.perf_counter()
+        tree = propose_tree(draft, branching)
+        sync(device)
+        a1 = time.perf_counter()
+        cached, p = len(target), len(pending)
+        positions = list(range(cached, cached + p)) + [cached + p - 1 + d for d in tree.depths]
+        logits, aux, _ = target.forward(pending + tree.tokens, positions=positions,
+                                        mask=verify_mask(tree, cached, p))
+        path, bonus = accept_tree(tree, logits.argmax(-1).tolist(), root_row=p - 1)
+        target.crop(cached + p)  # keep the pending tokens; the tree's entries go
+        sync(device)
+        a2 = time.perf_counter()
+        new = [tree.tokens[n] for n in path] + [bonus]
+        # (token t_{i+1}, aux a_i) pairs: the root's and the accepted nodes' features, computed
+        # in this forward with exactly the committed text as their context
+        draft.extend(new, aux[[p - 1] + [p + n for n in path]])
+        sync(device)
+        result.draft_s += (a1 - a0) + (time.perf_counter() - a2)
+        result.target_s += a2 - a1
+        result.accepted.append(len(path))
+        pending = new
+        tokens, done = finish(tokens + new, eos, max_new_tokens)
+    result.tokens = tokens
+    result.total_s = time.perf_counter() - t0
+    return result
