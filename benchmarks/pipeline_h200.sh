@@ -5,7 +5,8 @@
 #   bash benchmarks/pipeline_h200.sh target regen     # GGUF=path/to/SmolLM2.gguf for `target`
 #   bash benchmarks/pipeline_h200.sh capture train eval
 # Extra options per stage: REGEN_FLAGS (e.g. "--greedy"), TRAIN_FLAGS (sf-train overrides),
-# EVAL_SETS (default chat,code,math,multiturn), EVAL_LIMIT (prompts per set), EVAL_NAME.
+# EVAL_SETS (default chat,code,math,multiturn), EVAL_LIMIT (prompts per set), EVAL_NAME,
+# EVAL_FLAGS (e.g. "--tree 4,2,2,1").
 # Work goes to $WORK (default ~/sfrun); logs and results to $OUT (default $WORK/out).
 # It runs from the source tree without installing (the device image has torch and transformers).
 set -euo pipefail
@@ -47,7 +48,7 @@ convert_gguf(Path('${GGUF:?set GGUF}'), cache_root() / EMBEDDED_DIR_NAME)" ;;
            cp "$WORK/train/history.json" "$WORK/train/train_config.json" "$OUT/" ;;
     eval) name=${EVAL_NAME:-eval}
           stage "$name" sf eval run "$WORK/train" --prompts "${EVAL_SETS:-chat,code,math,multiturn}" -k "${K:-7}" \
-            --max-new-tokens "${EVAL_TOKENS:-96}" ${EVAL_LIMIT:+--limit $EVAL_LIMIT} --dtype float32 -o "$OUT/$name"
+            --max-new-tokens "${EVAL_TOKENS:-96}" ${EVAL_LIMIT:+--limit $EVAL_LIMIT} --dtype float32 ${EVAL_FLAGS:-} -o "$OUT/$name"
           cat "$OUT/$name/eval.txt" ;;
     gate) stage gate sf eval gate -w "$WORK/gate" ;;
     *) echo "unknown stage $s"; exit 2 ;;
