@@ -30,7 +30,7 @@ from specfoundry.eval.speculative import (
     speculative_generate,
     target_generate,
 )
-from specfoundry.eval.tree import tree_generate
+from specfoundry.eval.tree import check_branching, shape_name, tree_generate
 
 BUILTIN_SETS = ("chat", "code", "math", "multiturn")
 
@@ -105,10 +105,6 @@ def summarise_set(results: list[DecodeResult], k: int) -> dict:
     }
 
 
-def shape_name(cfg: EvalConfig) -> str:
-    return f"tree {','.join(map(str, cfg.tree))}" if cfg.tree else f"k={cfg.k}"
-
-
 def decode_set(target: TargetRunner, draft: DraftRunner | None, prompts, cfg: EvalConfig, eos: set[int],
                desc: str) -> list[DecodeResult]:
     sampler = Sampler(cfg.temperature, torch.Generator(device=target.device).manual_seed(cfg.seed))
@@ -131,8 +127,10 @@ def run_eval(cfg: EvalConfig) -> dict:
     if cfg.tree:
         if cfg.temperature > 0:
             raise EvalError("--tree verifies greedily; use the chain (-k) with --temperature > 0")
-        if min(cfg.tree) < 1:
-            raise EvalError(f"tree branching must be >= 1 at every depth, got {cfg.tree}")
+        try:
+            check_branching(cfg.tree)
+        except ValueError as e:
+            raise EvalError(str(e)) from e
         cfg = replace(cfg, k=len(cfg.tree))
     if cfg.k < 1:
         raise EvalError(f"k must be at least 1, got {cfg.k}")
@@ -159,7 +157,7 @@ def run_eval(cfg: EvalConfig) -> dict:
             base = decode_set(target, None, prompts, cfg, eos, f"{name}: target alone")
             entry["target_alone_tokens_per_s"] = sum(len(r.tokens) for r in base) / sum(r.total_s for r in base)
         for label, runner in drafts.items():
-            results = decode_set(target, runner, prompts, cfg, eos, f"{name}: {label} draft {shape_name(cfg)}")
+            results = decode_set(target, runner, prompts, cfg, eos, f"{name}: {label} draft {shape_name(cfg.k, cfg.tree)}")
             entry[label] = summarise_set(results, cfg.k)
             if base is not None:
                 entry[label]["speedup"] = entry[label]["tokens_per_s"] / entry["target_alone_tokens_per_s"]
@@ -229,8 +227,7 @@ def plot_acceptance(report: dict, path: Path) -> bool:
     ax.set_ylim(0, 1)
     ax.set_xticks(range(1, k + 1))
     ax.legend(fontsize=7)
-    tree = report["config"].get("tree")
-    shape = f"tree {','.join(map(str, tree))}" if tree else f"k={k}"
+    shape = shape_name(k, report["config"].get("tree"))
     ax.set_title(f"acceptance by position, {shape}, T={report['config']['temperature']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -61,9 +61,18 @@ def parse_branching(text: str) -> tuple[int, ...]:
         branching = tuple(int(x) for x in text.split(","))
     except ValueError as e:
         raise ValueError(f"tree branching must be comma-separated integers, got {text!r}") from e
-    if not branching or min(branching) < 1:
-        raise ValueError(f"tree branching needs at least one depth, each >= 1, got {text!r}")
+    check_branching(branching)
     return branching
+
+
+def check_branching(branching: tuple[int, ...]) -> None:
+    if not branching or min(branching) < 1:
+        raise ValueError(f"tree branching needs at least one depth, each >= 1, got {','.join(map(str, branching))!r}")
+
+
+def shape_name(k: int, tree: tuple[int, ...] | None) -> str:
+    """How a report names the draft's shape: 'tree 4,2,2,1' or 'k=4'."""
+    return f"tree {','.join(map(str, tree))}" if tree else f"k={k}"
 
 
 @torch.inference_mode()
