@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pyarrow.parquet as pq
 import pytest
@@ -80,12 +81,42 @@ def test_synthesised_prompts_are_recorded(tmp_path, backend):
         assert r["id"].startswith("synth-") and r["messages"][0]["role"] == "user" and r["messages"][0]["content"]
 
 
+def test_synthesised_prompts_begin_with_their_openings(tmp_path, backend):
+    # prompt i is seeded with opening i mod len and the target writes the rest of the request
+    starters = ("Why", "Write a", "Compare")
+    cfg = RegenConfig(output=str(tmp_path / "o"), synthesize=6, shard_size=4, prompt_starters=starters,
+                      sampling=SamplingConfig(temperature=0.8, max_new_tokens=40, seed=3))
+    run_regen(cfg, backend, silent=True)
+    written = {int(r["id"].split("-")[1]): r["messages"][0]["content"] for r in rows(tmp_path / "o")}
+    assert len(written) >= 3
+    for i, text in written.items():
+        assert text.startswith(starters[i % 3]) and len(text) > len(starters[i % 3])
+    # the openings are part of the settings: another list does not resume into this folder
+    with pytest.raises(ValueError, match="prompt_starters"):
+        run_regen(replace(cfg, prompt_starters=("How",)), backend, silent=True)
+
+
+def test_prompt_starters_option(tmp_path):
+    from specfoundry.generate.synth import DEFAULT_STARTERS, read_starters
+
+    assert read_starters("default") == DEFAULT_STARTERS and read_starters("none") == ()
+    f = tmp_path / "openings.txt"
+    f.write_text("Why\n\n  Explain \n")
+    assert read_starters(str(f)) == ("Why", "Explain")
+    f.write_text("\n")
+    with pytest.raises(ValueError, match="no openings"):
+        read_starters(str(f))
+    result = CliRunner().invoke(regen_cli, ["--synthesize", "1", "--prompt-starters", str(tmp_path / "missing"),
+                                            "-o", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "neither 'default', 'none' nor a file" in result.output
+
+
 def test_greedy_answers_still_get_sampled_prompts(tmp_path, backend):
     # greedy prompts from the same Magpie prefix would all be one text: prompts stay sampled
     cfg = RegenConfig(output=str(tmp_path / "g"), synthesize=4, shard_size=4,
                       sampling=SamplingConfig(temperature=0.0, max_new_tokens=24, seed=2))
     assert cfg.prompt_sampling().temperature == 1.0
-    prompts = [backend.complete("x", 1, cfg.prompt_sampling(), seed)[0].token_ids for seed in (1, 2)]
+    prompts = [backend.complete(["x"], cfg.prompt_sampling(), seed)[0].token_ids for seed in (1, 2)]
     assert prompts[0] != prompts[1]
     run_regen(cfg, backend, silent=True)
     users = [r["messages"][0]["content"] for r in rows(tmp_path / "g")]

@@ -42,8 +42,8 @@ class Backend(Protocol):
     def chat(self, prompts: list[list[dict]], sampling: SamplingConfig, seed: int) -> list[Generation]:
         """Generate the next assistant turn for each message list."""
 
-    def complete(self, prefix: str, n: int, sampling: SamplingConfig, seed: int) -> list[Generation]:
-        """Sample n raw continuations of a text prefix (used to synthesise user prompts)."""
+    def complete(self, prefixes: list[str], sampling: SamplingConfig, seed: int) -> list[Generation]:
+        """Sample one raw continuation of each text prefix (used to synthesise user prompts)."""
 
     def identity(self) -> dict:
         """What to record in the manifest about the model behind this backend."""

@@ -9,6 +9,7 @@ import click
 from specfoundry.common.target import EMBEDDED_DEFAULT
 from specfoundry.generate.backend import SamplingConfig, make_backend
 from specfoundry.generate.regen import RegenConfig, RegenError, run_regen
+from specfoundry.generate.synth import DEFAULT_STARTERS, read_starters
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -23,6 +24,10 @@ from specfoundry.generate.regen import RegenConfig, RegenError, run_regen
               help="No dataset: synthesise this many user prompts from the target (Magpie) instead of reading SOURCE.")
 @click.option("--prompt-temperature", type=float, default=None,
               help="Temperature of synthesised prompts [default: --temperature, or 1.0 with --greedy].")
+@click.option("--prompt-starters", default="default",
+              help=f"Seed each synthesised prompt with an opening that the target continues, so the prompts cover "
+                   f"many kinds of request: 'default' ({len(DEFAULT_STARTERS)} built-in openings such as 'Why', "
+                   f"'Explain', 'Write a', 'Compare'), 'none' (plain Magpie), or a text file with one opening per line.")
 @click.option("--temperature", type=float, default=0.8, help="Sampling temperature (0.8 as in the SpecForge paper).")
 @click.option("--greedy", is_flag=True, help="Greedy decoding (same as --temperature 0).")
 @click.option("--top-p", type=float, default=1.0, help="Nucleus sampling mass (1 = off).")
@@ -44,7 +49,7 @@ from specfoundry.generate.regen import RegenConfig, RegenError, run_regen
 @click.option("--concurrency", type=int, default=16, help="Requests in flight at once (openai backend).")
 @click.option("--retries", type=int, default=4, help="Retries per request with exponential backoff (openai backend).")
 @click.option("--silent", is_flag=True, help="No progress bar.")
-def main(source, output, target, backend, synthesize, prompt_temperature, temperature, greedy, top_p, top_k, max_new_tokens, seed,
+def main(source, output, target, backend, synthesize, prompt_temperature, prompt_starters, temperature, greedy, top_p, top_k, max_new_tokens, seed,
          batch_size, shard_size, max_prompt_tokens, on_empty, on_truncated, strict, limit, device, openai_url,
          openai_model, concurrency, retries, silent):
     """Regenerate the assistant turns of SOURCE (a jsonl/json/parquet file or a folder of them,
@@ -54,8 +59,12 @@ def main(source, output, target, backend, synthesize, prompt_temperature, temper
     goes on (use --strict to stop instead)."""
     sampling = SamplingConfig(temperature=0.0 if greedy else temperature, top_p=top_p, top_k=top_k,
                               max_new_tokens=max_new_tokens, seed=seed)
+    try:
+        starters = read_starters(prompt_starters)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from e
     cfg = RegenConfig(output=output, source=source, synthesize=synthesize, prompt_temperature=prompt_temperature,
-                      target=target, backend=backend,
+                      prompt_starters=starters, target=target, backend=backend,
                       sampling=sampling, batch_size=batch_size, shard_size=shard_size,
                       max_prompt_tokens=max_prompt_tokens, on_empty=on_empty, on_truncated=on_truncated,
                       strict=strict, limit=limit)

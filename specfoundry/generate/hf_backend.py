@@ -35,9 +35,9 @@ class HFBackend:
     def chat(self, prompts: list[list[dict]], sampling: SamplingConfig, seed: int) -> list[Generation]:
         return self.generate_ids([self.render(m) for m in prompts], sampling, seed)
 
-    def complete(self, prefix: str, n: int, sampling: SamplingConfig, seed: int) -> list[Generation]:
-        ids = self.tokenizer(prefix, add_special_tokens=False)["input_ids"]
-        return self.generate_ids([ids] * n, sampling, seed)
+    def complete(self, prefixes: list[str], sampling: SamplingConfig, seed: int) -> list[Generation]:
+        return self.generate_ids([self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prefixes],
+                                 sampling, seed)
 
     @torch.inference_mode()
     def generate_ids(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int) -> list[Generation]:

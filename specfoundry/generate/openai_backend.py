@@ -94,6 +94,6 @@ class OpenAIBackend:
         bodies = [{**self.payload(sampling, seed + i), "messages": m} for i, m in enumerate(prompts)]
         return asyncio.run(self.run_all("/chat/completions", bodies, lambda c: c["message"]["content"] or ""))
 
-    def complete(self, prefix: str, n: int, sampling: SamplingConfig, seed: int) -> list[Generation]:
-        bodies = [{**self.payload(sampling, seed + i), "prompt": prefix} for i in range(n)]
+    def complete(self, prefixes: list[str], sampling: SamplingConfig, seed: int) -> list[Generation]:
+        bodies = [{**self.payload(sampling, seed + i), "prompt": p} for i, p in enumerate(prefixes)]
         return asyncio.run(self.run_all("/completions", bodies, lambda c: c.get("text") or ""))

@@ -34,7 +34,7 @@ from specfoundry.common.conversations import (
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json, sha256_file
 from specfoundry.common.progress import Progress
 from specfoundry.generate.backend import Backend, SamplingConfig, derive_seed
-from specfoundry.generate.synth import user_turn_prefix
+from specfoundry.generate.synth import DEFAULT_STARTERS, starter_for, user_turn_prefix
 
 FORMAT = "specfoundry.regen"
 FORMAT_VERSION = 1
@@ -75,6 +75,8 @@ class RegenConfig:
     prompt_temperature: float | None = None
     """Temperature for synthesised prompts; None: the answers' temperature, or 1.0 when the
     answers are greedy (greedy prompts would all be the same text)."""
+    prompt_starters: tuple[str, ...] = DEFAULT_STARTERS
+    """Openings that seed synthesised prompts (prompt i gets opening i mod len); () for plain Magpie."""
     target: str = "smollm2"
     """Local model directory or 'smollm2' (the embedded default)."""
     backend: str = "hf"
@@ -106,6 +108,7 @@ class RegenConfig:
         """What must match for a rerun to resume into an existing output folder."""
         d = asdict(self)
         d.pop("output")
+        d["prompt_starters"] = list(self.prompt_starters) if self.synthesize else []  # as JSON reads it back
         return d
 
 
@@ -209,11 +212,14 @@ class Regenerator:
         if self.backend.tokenizer is None:
             raise RegenError("--synthesize needs the target's tokenizer (pass --target)")
         prefix = user_turn_prefix(self.backend.tokenizer)
-        gens = self.backend.complete(prefix, n, cfg.prompt_sampling(), derive_seed(cfg.sampling.seed, shard, SYNTH_PHASE))
+        starters = [starter_for(cfg.prompt_starters, first + i) for i in range(n)]
+        gens = self.backend.complete([prefix + s for s in starters], cfg.prompt_sampling(),
+                                     derive_seed(cfg.sampling.seed, shard, SYNTH_PHASE))
         convs = []
         for i, g in enumerate(gens):
-            text = g.text.strip()
-            if g.finish_reason != "stop" or not text:
+            # the opening and its continuation are one text: no space is added or removed between them
+            text = (starters[i] + g.text).strip()
+            if g.finish_reason != "stop" or not g.text.strip():
                 counts.synthetic_prompts_empty += 1  # an unfinished or empty question is no prompt
                 continue
             messages = (Message("user", text), Message("assistant", ""))

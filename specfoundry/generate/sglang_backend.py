@@ -52,5 +52,5 @@ class SGLangBackend:
         texts = [self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in prompts]
         return self.generate_text(texts, sampling, seed)
 
-    def complete(self, prefix: str, n: int, sampling: SamplingConfig, seed: int) -> list[Generation]:
-        return self.generate_text([prefix] * n, sampling, seed)
+    def complete(self, prefixes: list[str], sampling: SamplingConfig, seed: int) -> list[Generation]:
+        return self.generate_text(prefixes, sampling, seed)
