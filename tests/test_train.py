@@ -10,9 +10,11 @@ import torch
 from safetensors.torch import load_file
 
 from specfoundry.capture.stage import CaptureConfig, run_capture
+from specfoundry.featureset.store import Sample
 from specfoundry.train.config import DraftConfig
 from specfoundry.train.export import expected_tensors, export_draft, validate
-from specfoundry.train.loop import TrainConfig, train
+from specfoundry.train.loader import BatchDataset, plan_batches
+from specfoundry.train.loop import TrainConfig, resolved_pad_multiple, train
 from specfoundry.train.model import Eagle3Draft
 from specfoundry.train.ttt import Batch, ttt_loss
 from specfoundry.train.vocab import choose_draft_vocab, vocab_maps
@@ -67,6 +69,48 @@ def test_kernel_paths_equal_plain_torch():
     assert ref_grads.keys() == grads.keys() and len(grads) == 13
     for name in ref_grads:  # fp32 throughout; differences are summation order only
         torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_padding_a_batch_wider_changes_neither_loss_nor_gradients(attention):
+    """Width rounding (pad_multiple) only appends padding columns: every mask keeps them out."""
+    model, batch, lm_head, draft_ids = tiny_setup(lengths=(11, 7))
+    loss, grads = grads_of(model, batch, lm_head, draft_ids, attention, "reference")
+    extra = 16 - batch.input_ids.shape[1]  # [B, 11] -> [B, 16]
+    wide = Batch(torch.nn.functional.pad(batch.input_ids, (0, extra), value=5),
+                 torch.nn.functional.pad(batch.loss_mask, (0, extra), value=True),  # even a wrong mask there is ignored
+                 torch.nn.functional.pad(batch.aux_hidden, (0, 0, 0, extra), value=3.0),
+                 torch.nn.functional.pad(batch.final_hidden, (0, 0, 0, extra), value=3.0), batch.lengths)
+    wide_loss, wide_grads = grads_of(model, wide, lm_head, draft_ids, attention, "reference")
+    torch.testing.assert_close(wide_loss, loss, atol=1e-6, rtol=1e-5)
+    for name in grads:
+        torch.testing.assert_close(wide_grads[name], grads[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_batch_widths_are_rounded_to_the_pad_multiple_within_the_token_budget():
+    gen = torch.Generator().manual_seed(0)
+    lengths = {i: int(n) for i, n in enumerate(torch.randint(5, 700, (300,), generator=gen))}
+    exact = plan_batches(lengths, list(lengths), 2048, epoch=0, seed=0, rank=0, world=1)
+    padded = plan_batches(lengths, list(lengths), 2048, epoch=0, seed=0, rank=0, world=1, pad_multiple=128)
+    assert sorted(i for b in padded for i in b) == sorted(lengths)  # every sample once
+    widths = {-(-max(lengths[i] for i in b) // 128) * 128 for b in padded}
+    assert widths <= {128 * k for k in range(1, 7)}  # 6 widths instead of one per length
+    assert len({max(lengths[i] for i in b) for b in exact}) > 3 * len(widths)
+    for b in padded:
+        assert len(b) * -(-max(lengths[i] for i in b) // 128) * 128 <= 2048
+
+    class Fake:  # a feature set of the planned lengths
+        def __getitem__(self, i):
+            n = lengths[i]
+            return Sample(torch.arange(n), torch.ones(n, dtype=torch.bool), torch.ones(n, 6), torch.ones(n, 2))
+
+    batch = BatchDataset(Fake(), padded, max_length=None, pad_multiple=128)[0]
+    assert batch.input_ids.shape[1] % 128 == 0 and batch.input_ids.shape[1] < max(batch.lengths) + 128
+    assert not batch.loss_mask[:, max(batch.lengths):].any()
+    cfg = TrainConfig(featureset="f", output="o")
+    assert resolved_pad_multiple(cfg, torch.device("cpu")) == 1
+    assert resolved_pad_multiple(cfg, torch.device("cuda")) == 128
+    assert resolved_pad_multiple(TrainConfig(featureset="f", output="o", pad_multiple=64), torch.device("cuda")) == 64
 
 
 @pytest.mark.gpu

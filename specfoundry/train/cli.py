@@ -28,6 +28,8 @@ OPTION_HELP = {
     "epochs": "Passes over the training split (overrides --max-steps).",
     "max_tokens": "Padded tokens per micro-batch per rank (length-grouped batches).",
     "max_length": "Truncate samples to this many tokens.",
+    "pad_multiple": "Round batch widths up to a multiple of this, so compiled kernels see few shapes "
+                    "[default: 128 with FlexAttention, else 1].",
     "grad_accum": "Micro-batches per optimizer step.",
     "clip_grad": "Gradient-norm clip (0 = off).",
     "seed": "Seed of data order, split and init.",

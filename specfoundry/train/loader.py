@@ -2,8 +2,10 @@
 
 Samples are read by background DataLoader workers straight from the shards (never the whole
 set in memory). Per epoch, a seeded shuffle is cut into windows of 64 batches; inside a window
-samples are sorted by length and packed up to a token budget (little padding); the batch order
-is shuffled again, and rank r takes batches r, r+W, ... (the tail that does not divide evenly is
+samples are sorted by length and packed up to a token budget (little padding); a batch's width is
+rounded up to a multiple of `pad_multiple`, so compiled kernels (FlexAttention under
+torch.compile specialises on every shape) see a few widths instead of one per sample length; the
+padded width is what counts against the budget. The batch order is shuffled again, and rank r takes batches r, r+W, ... (the tail that does not divide evenly is
 dropped so every rank steps together). The state (epoch, batches consumed) resumes exactly.
 """
 
@@ -27,8 +29,13 @@ def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[list[int], l
     return sorted(order[n_eval:]), sorted(order[:n_eval])
 
 
+def padded_width(length: int, multiple: int) -> int:
+    """length rounded up to a multiple of `multiple` (1: unchanged)."""
+    return -(-length // multiple) * multiple
+
+
 def plan_batches(lengths: dict[int, int], indices: list[int], max_tokens: int, epoch: int, seed: int,
-                 rank: int, world: int, max_length: int | None = None) -> list[list[int]]:
+                 rank: int, world: int, max_length: int | None = None, pad_multiple: int = 1) -> list[list[int]]:
     rng = random.Random(seed * 1_000_003 + epoch)
     order = list(indices)
     rng.shuffle(order)
@@ -38,7 +45,7 @@ def plan_batches(lengths: dict[int, int], indices: list[int], max_tokens: int, e
         part = sorted(order[start : start + window], key=lambda i: (lengths[i], i))
         current, width = [], 0
         for i in part:
-            w = min(lengths[i], max_length) if max_length else lengths[i]
+            w = padded_width(min(lengths[i], max_length) if max_length else lengths[i], pad_multiple)
             if current and max(width, w) * (len(current) + 1) > max_tokens:
                 batches.append(current)
                 current, width = [], 0
@@ -54,8 +61,9 @@ def plan_batches(lengths: dict[int, int], indices: list[int], max_tokens: int, e
 class BatchDataset(Dataset):
     """Item k is batch k of a plan: reads and pads its samples (runs in loader workers)."""
 
-    def __init__(self, featureset: FeatureSet, batches: list[list[int]], max_length: int | None):
-        self.fs, self.batches, self.max_length = featureset, batches, max_length
+    def __init__(self, featureset: FeatureSet, batches: list[list[int]], max_length: int | None,
+                 pad_multiple: int = 1):
+        self.fs, self.batches, self.max_length, self.pad_multiple = featureset, batches, max_length, pad_multiple
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -64,7 +72,7 @@ class BatchDataset(Dataset):
         samples = [self.fs[i] for i in self.batches[k]]
         cut = self.max_length or max(len(s.input_ids) for s in samples)
         lengths = [min(len(s.input_ids), cut) for s in samples]
-        width = max(lengths)
+        width = padded_width(max(lengths), self.pad_multiple)  # the rows past `lengths` are padding
         b, h3, h = len(samples), samples[0].aux_hidden.shape[-1], samples[0].final_hidden.shape[-1]
         dtype = samples[0].aux_hidden.dtype
         ids = torch.zeros(b, width, dtype=torch.int64)
@@ -85,24 +93,26 @@ class LoaderState:
 
 class FeatureLoader:
     def __init__(self, featureset: FeatureSet, indices: list[int], *, max_tokens: int, seed: int, rank: int = 0,
-                 world: int = 1, num_workers: int = 2, max_length: int | None = None):
+                 world: int = 1, num_workers: int = 2, max_length: int | None = None, pad_multiple: int = 1):
         self.fs, self.indices = featureset, indices
         self.lengths = {i: featureset.lengths[i] for i in indices}
         self.max_tokens, self.seed, self.rank, self.world = max_tokens, seed, rank, world
-        self.num_workers, self.max_length = num_workers, max_length
+        self.num_workers, self.max_length, self.pad_multiple = num_workers, max_length, pad_multiple
         self.state = LoaderState()
 
     def batches_per_epoch(self) -> int:
-        return len(plan_batches(self.lengths, self.indices, self.max_tokens, 0, self.seed, self.rank, self.world,
-                                self.max_length))
+        return len(self.plan(0))
+
+    def plan(self, epoch: int) -> list[list[int]]:
+        return plan_batches(self.lengths, self.indices, self.max_tokens, epoch, self.seed, self.rank, self.world,
+                            self.max_length, self.pad_multiple)
 
     def __iter__(self):
         """Yields batches forever, epoch after epoch, from the saved position on."""
         while True:
-            plan = plan_batches(self.lengths, self.indices, self.max_tokens, self.state.epoch, self.seed,
-                                self.rank, self.world, self.max_length)
-            remaining = plan[self.state.position :]
-            loader = DataLoader(BatchDataset(self.fs, remaining, self.max_length), batch_size=None, shuffle=False,
+            remaining = self.plan(self.state.epoch)[self.state.position :]
+            loader = DataLoader(BatchDataset(self.fs, remaining, self.max_length, self.pad_multiple), batch_size=None,
+                                shuffle=False,
                                 num_workers=self.num_workers if remaining else 0,
                                 prefetch_factor=4 if self.num_workers and remaining else None,
                                 persistent_workers=False)

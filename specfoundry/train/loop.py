@@ -49,6 +49,9 @@ class TrainConfig:
     max_tokens: int = 8192
     """Padded tokens per micro-batch per rank."""
     max_length: int | None = None
+    pad_multiple: int | None = None
+    """Round batch widths up to a multiple of this; None: 128 (FlexAttention's block) when the
+    attention is compiled FlexAttention, else 1 (no rounding)."""
     grad_accum: int = 1
     clip_grad: float = 0.5
     seed: int = 0
@@ -65,6 +68,17 @@ class TrainConfig:
     """An exported draft to fine-tune (keeps its vocabulary map)."""
     tensorboard: bool = False
     log_every: int = 10
+
+
+def resolved_pad_multiple(cfg: TrainConfig, device: torch.device) -> int:
+    """Batch width rounding: compiled FlexAttention recompiles for every new shape, so its
+    batches are padded to its 128-token block; the dense paths take any width."""
+    if cfg.pad_multiple is not None:
+        if cfg.pad_multiple < 1:
+            raise ValueError(f"--pad-multiple must be >= 1, got {cfg.pad_multiple}")
+        return cfg.pad_multiple
+    flex = cfg.attention == "flex" or (cfg.attention == "auto" and device.type == "cuda")
+    return 128 if flex else 1
 
 
 class NullTracker:
@@ -149,8 +163,10 @@ def train(cfg: TrainConfig, silent: bool = False) -> dict:
     model = TTTModule(draft, target_lm_head(target_dir).to(dtype))
 
     train_idx, eval_idx = split_indices(len(fs), cfg.eval_fraction, cfg.seed)
+    pad = resolved_pad_multiple(cfg, accel.device)
     loader = FeatureLoader(fs, train_idx, max_tokens=cfg.max_tokens, seed=cfg.seed, rank=accel.process_index,
-                           world=accel.num_processes, num_workers=cfg.num_workers, max_length=cfg.max_length)
+                           world=accel.num_processes, num_workers=cfg.num_workers, max_length=cfg.max_length,
+                           pad_multiple=pad)
     per_epoch = max(1, loader.batches_per_epoch() // cfg.grad_accum)
     total_steps = int(math.ceil(cfg.epochs * per_epoch)) if cfg.epochs else cfg.max_steps
     optimizer = torch.optim.AdamW(draft.trainable_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
@@ -261,7 +277,8 @@ def merge_metrics(per_micro: list[list[dict]], accel) -> list[dict]:
 def evaluate(model, fs, eval_idx, cfg, accel, run_batch) -> dict:
     model.eval()
     loader = FeatureLoader(fs, eval_idx, max_tokens=cfg.max_tokens, seed=cfg.seed, rank=accel.process_index,
-                           world=accel.num_processes, num_workers=0, max_length=cfg.max_length)
+                           world=accel.num_processes, num_workers=0, max_length=cfg.max_length,
+                           pad_multiple=resolved_pad_multiple(cfg, accel.device))
     n = loader.batches_per_epoch()
     per_micro = []
     for _, batch in zip(range(n), loader, strict=False):
