@@ -103,6 +103,7 @@ class DraftRunner:
     def __init__(self, draft: Eagle3Draft):
         self.draft = draft
         self.draft_to_target = draft_ids_from_d2t(draft.d2t)  # [Vd]
+        self.target_ids: list[int] = self.draft_to_target.tolist()  # the same on the host: no sync per lookup
         self.cache = KVCache()
         self.pre: torch.Tensor | None = None  # [1, 1, H] pre-norm state at the newest position
         self.logits: torch.Tensor | None = None  # [Vd] logits at the newest position
@@ -137,7 +138,7 @@ class DraftRunner:
         logits, pre = self.logits, self.pre
         tokens, all_logits = [], []
         for j in range(k):
-            d = int(self.draft_to_target[pick(logits)])
+            d = self.target_ids[int(pick(logits))]
             tokens.append(d)
             all_logits.append(logits)
             if j + 1 < k:

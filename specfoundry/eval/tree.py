@@ -78,30 +78,33 @@ def shape_name(k: int, tree: tuple[int, ...] | None) -> str:
 @torch.inference_mode()
 def propose_tree(draft: DraftRunner, branching: tuple[int, ...]) -> DraftTree:
     """Expand the tree one depth per draft forward from the draft's newest state (which
-    predicts the first token); the draft's cache is left as it was found."""
+    predicts the first token); the draft's cache is left as it was found. Each depth takes one
+    top-k over all its parents at once and one copy of the chosen ids to the host (not one small
+    device sync per node, which costs more than the draft forward itself on a GPU)."""
     base = len(draft.cache)
     tree = DraftTree([], [], [])
-    frontier = [(-1, draft.logits, draft.pre)]  # (node, logits [Vd], pre-norm [1, 1, H])
+    parents = [-1]
+    logits, pre = draft.logits[None], draft.pre  # [F, Vd] and [1, F, H] of the frontier's F parents
     for depth, width in enumerate(branching, start=1):
-        new, hiddens = [], []
-        for parent, logits, pre in frontier:
-            for d in logits.topk(min(width, logits.numel())).indices.tolist():
+        chosen = logits.topk(min(width, logits.shape[-1]), dim=-1).indices.tolist()  # [F][width] draft ids
+        new, rows = [], []
+        for row, (parent, ids) in enumerate(zip(parents, chosen, strict=True)):
+            for d in ids:
                 new.append(len(tree))
-                tree.tokens.append(int(draft.draft_to_target[d]))
+                rows.append(row)
+                tree.tokens.append(draft.target_ids[d])
                 tree.parents.append(parent)
                 tree.depths.append(depth)
-                hiddens.append(pre)
         if depth == len(branching):
             break  # the deepest nodes need no draft forward of their own
         # the new nodes read (own token, parent's pre-norm state) at position (root) + depth - 1,
         # as training's step `depth`; each sees the committed cache and its ancestors
         sees = tree.sees()
         mask = torch.cat([torch.ones(len(new), base, dtype=torch.bool), sees[new][:, : len(tree)]], dim=1)
-        device = draft.pre.device
-        draft.cache.next_mask = mask.to(device)
-        pre, logits = draft.run([tree.tokens[n] for n in new], torch.cat(hiddens, dim=1),
-                                [base - 1 + depth] * len(new))
-        frontier = [(n, logits[i], pre[:, i : i + 1]) for i, n in enumerate(new)]
+        draft.cache.next_mask = mask.to(pre.device)
+        hidden = pre[:, torch.tensor(rows, device=pre.device)]  # [1, N, H]: each node's parent state
+        pre, logits = draft.run([tree.tokens[n] for n in new], hidden, [base - 1 + depth] * len(new))
+        parents = new
     draft.cache.crop(base)
     return tree
 
