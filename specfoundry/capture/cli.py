@@ -40,7 +40,7 @@ def main():
 @click.option("--strict", is_flag=True, help="Fail on the first bad conversation instead of skipping it.")
 @click.option("--limit", type=int, default=None, help="Capture only the first N samples.")
 @click.option("--device", default=None, help="Torch device (default cuda if available, else cpu).")
-@click.option("--writers", type=int, default=None, show_default=False,
+@click.option("--writers", type=click.IntRange(min=1), default=None, show_default=False,
               help="Threads writing finished shards in the background [default: min(4, CPU cores)]. "
                    "Up to writers + 2 shards are held in memory at once.")
 @click.option("--silent", is_flag=True, help="No progress bar.")
@@ -62,7 +62,7 @@ def run(source, output, target, backend, aux_layers, max_length, shard_size, max
     cfg = CaptureConfig(source=source, output=output, target=target, backend=backend, aux_layers=layers,
                         max_length=max_length, shard_size=shard_size, max_batch_tokens=max_batch_tokens,
                         codec=codec, storage_dtype=storage_dtype, strict=strict, limit=limit, device=device,
-                        writers=writers or min(4, os.cpu_count() or 1))
+                        **({} if writers is None else {"writers": writers}))
     try:
         manifest = run_capture(cfg, rank=rank, world=world, silent=silent)
     except (CaptureError, FeatureSetError, ValueError) as e:

@@ -16,7 +16,7 @@ import os
 import queue
 import threading
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -67,7 +67,7 @@ class CaptureConfig:
     strict: bool = False
     limit: int | None = None
     device: str | None = None
-    writers: int = 2
+    writers: int = field(default_factory=lambda: min(4, os.cpu_count() or 1))
     """Background threads writing finished shards (more keep up with a fast GPU; each shard
     waiting to be written holds its features in memory)."""
 
