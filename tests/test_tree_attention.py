@@ -114,3 +114,24 @@ def test_flex_matches_sdpa_on_gpu(seq_len, step, lengths):
     for a, e in zip(g, r, strict=True):
         err = (a.float() - e).norm() / e.norm()
         assert err < 1e-2, err  # relative error of bf16 operands, per METHOD.md: 1e-3..1e-2
+
+
+def test_too_many_flex_shapes_is_a_clear_error_not_a_silent_eager_fallback(monkeypatch):
+    """Past dynamo's recompile limit flex_attention would run eagerly (the full score matrix):
+    tree_attention fails at once and says how to bound the shapes instead. CPU runs the
+    compiled forward, which is enough to meet the limit."""
+    from specfoundry.kernels import tree_attention as ta
+
+    ta._flex()  # sets the limits training runs with; then lower the one that counts here
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "cache_size_limit", 1)
+    # widths of whole 128-blocks, as sf-train pads them (torch 2.13's compiled CPU flex gets
+    # some rows wrong below one block, T=8; eager flex and the GPU are right there)
+    q = torch.randn(1, 2, 128, 16)
+    with torch.no_grad():
+        out = tree_attention(q, q, q, [100], 0, backend="flex")
+        torch.testing.assert_close(out, tree_attention(q, q, q, [100], 0, backend="sdpa"), atol=1e-5, rtol=1e-5)
+        wider = torch.randn(1, 2, 256, 16)
+        with pytest.raises(ta.TooManyShapesError, match=r"pad-multiple .*--attention sdpa"):
+            tree_attention(wider, wider, wider, [200], 0, backend="flex")
+    torch._dynamo.reset()

@@ -79,16 +79,28 @@ def dense_ttt_mask(lengths, seq_len: int, step: int, device) -> torch.Tensor:
 
 
 _compiled_flex = None
+RECOMPILE_LIMIT = 1024
+"""Compiled shapes allowed: every (rows, width, step) triple is its own static shape, 7 per
+batch shape; sf-train's width rounding (--pad-multiple) keeps the shapes far below this."""
 
 
 def _flex():
     global _compiled_flex
     if _compiled_flex is None:
-        # every (T, step) pair is its own static shape: 7 per sequence length, more than
-        # dynamo's default of 8 recompiles allows before it silently falls back to eager
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+        # past dynamo's recompile limit (8 by default) flex_attention would silently run eagerly,
+        # materialising the [T, T*(s+1)] scores: out of memory hours into a run at real shapes.
+        # Raise the limits and make reaching them an error (tree_attention says what to do).
+        config = torch._dynamo.config
+        config.cache_size_limit = max(config.cache_size_limit, RECOMPILE_LIMIT)
+        config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, 4 * RECOMPILE_LIMIT)
+        if hasattr(config, "fail_on_recompile_limit_hit"):
+            config.fail_on_recompile_limit_hit = True
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex
+
+
+class TooManyShapesError(RuntimeError):
+    """Compiled FlexAttention met more batch shapes than the recompile limit allows."""
 
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths, step: int,
@@ -106,7 +118,17 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         backend = "flex" if q.is_cuda else "sdpa"
     if backend == "flex":
         mask = ttt_block_mask(lengths, seq_len, step, q.device)
-        return _flex()(q, k_cache, v_cache, block_mask=mask, scale=scale, enable_gqa=gqa)
+        compiled = _flex()
+        try:
+            return compiled(q, k_cache, v_cache, block_mask=mask, scale=scale, enable_gqa=gqa)
+        except Exception as e:
+            if type(e).__name__ != "FailOnRecompileLimitHit":
+                raise
+            raise TooManyShapesError(
+                f"compiled FlexAttention reached torch._dynamo's recompile limit "
+                f"({torch._dynamo.config.cache_size_limit}) at batch shape {tuple(q.shape[:3])}, TTT step {step}: "
+                "each new (rows, width, step) compiles anew; round widths coarser (sf-train --pad-multiple 256) "
+                "or use --attention sdpa") from e
     mask = dense_ttt_mask(lengths, seq_len, step, q.device)
     return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
