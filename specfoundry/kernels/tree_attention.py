@@ -91,12 +91,21 @@ def _flex():
         # materialising the [T, T*(s+1)] scores: out of memory hours into a run at real shapes.
         # Raise the limits and make reaching them an error (tree_attention says what to do).
         config = torch._dynamo.config
-        config.cache_size_limit = max(config.cache_size_limit, RECOMPILE_LIMIT)
-        config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, 4 * RECOMPILE_LIMIT)
+        # (torch renamed these: the old names are aliases in 2.11-2.13; set whichever exists)
+        raise_config(config, ("recompile_limit", "cache_size_limit"), RECOMPILE_LIMIT)
+        raise_config(config, ("accumulated_recompile_limit", "accumulated_cache_size_limit"), 4 * RECOMPILE_LIMIT)
         if hasattr(config, "fail_on_recompile_limit_hit"):
             config.fail_on_recompile_limit_hit = True
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex
+
+
+def raise_config(config, names: tuple[str, ...], value: int) -> None:
+    """Raise the first of `names` that config has to at least value."""
+    for name in names:
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), value))
+            return
 
 
 class TooManyShapesError(RuntimeError):
@@ -126,7 +135,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                 raise
             raise TooManyShapesError(
                 f"compiled FlexAttention reached torch._dynamo's recompile limit "
-                f"({torch._dynamo.config.cache_size_limit}) at batch shape {tuple(q.shape[:3])}, TTT step {step}: "
+                f"({RECOMPILE_LIMIT} or as set) at batch shape {tuple(q.shape[:3])}, TTT step {step}: "
                 "each new (rows, width, step) compiles anew; round widths coarser (sf-train --pad-multiple 256) "
                 "or use --attention sdpa") from e
     mask = dense_ttt_mask(lengths, seq_len, step, q.device)
