@@ -135,7 +135,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                 raise
             raise TooManyShapesError(
                 f"compiled FlexAttention reached torch._dynamo's recompile limit "
-                f"({RECOMPILE_LIMIT} or as set) at batch shape {tuple(q.shape[:3])}, TTT step {step}: "
+                f"({getattr(torch._dynamo.config, 'cache_size_limit', RECOMPILE_LIMIT)}) at batch shape {tuple(q.shape[:3])}, TTT step {step}: "
                 "each new (rows, width, step) compiles anew; round widths coarser (sf-train --pad-multiple 256) "
                 "or use --attention sdpa") from e
     mask = dense_ttt_mask(lengths, seq_len, step, q.device)
