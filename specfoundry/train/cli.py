@@ -11,6 +11,7 @@ import click
 import yaml
 
 from specfoundry.featureset.manifest import FeatureSetError
+from specfoundry.kernels.tree_attention import TooManyShapesError
 from specfoundry.train.loop import TrainConfig, train
 
 # one option per TrainConfig field; help comes from the field docstrings where they exist
@@ -93,7 +94,7 @@ def main(recipe, silent, **options):
     cfg = resolve(recipe, options)
     try:
         result = train(cfg, silent=silent)
-    except (FeatureSetError, ValueError, FileNotFoundError) as e:
+    except (FeatureSetError, ValueError, FileNotFoundError, TooManyShapesError) as e:
         raise click.ClickException(str(e)) from e
     last = result["history"][-1] if result["history"] else {}
     click.echo(f"trained {result['steps']} steps; exported to {result['export']}; "
