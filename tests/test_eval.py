@@ -96,6 +96,22 @@ def test_tree_decoding_on_a_tiny_target_is_exact(branching):
         assert tree_total > chain_total
 
 
+@pytest.mark.gpu
+def test_tree_decoding_on_a_tiny_target_is_exact_on_gpu():
+    """The tree path on CUDA (batched top-k per depth, masks moved to the device): output equal to
+    the target's own greedy decoding, on the same tiny pair as above."""
+    model, draft_model = tiny_pair()
+    model, draft_model = model.cuda(), draft_model.cuda()
+    target, draft = TargetRunner(model, [0, 1, 2]), DraftRunner(draft_model)
+    for prompt in ([1, 2, 3], [4, 0, 5, 2, 2], [3]):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(30):
+                ids.append(int(model(torch.tensor([ids], device="cuda")).logits[0, -1].argmax()))
+        out = tree_generate(target, draft, prompt, branching=(3, 2, 1), max_new_tokens=30, eos=set())
+        assert out.tokens == ids[len(prompt):]
+
+
 def test_draft_tree_nodes_are_the_chain_along_their_branch():
     """Each node's children are the top-k of the draft run as a chain along the node's branch:
     siblings and cousins are invisible, positions and hidden inputs are the chain's."""
