@@ -71,6 +71,22 @@ def test_kernel_paths_equal_plain_torch():
         torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_dummy_rows_change_neither_loss_nor_gradients():
+    """The one-token rows that fill a bucket's last batch up to its shape add nothing."""
+    model, batch, lm_head, draft_ids = tiny_setup(lengths=(11, 7))
+    loss, grads = grads_of(model, batch, lm_head, draft_ids, "sdpa", "reference")
+    t, h = batch.input_ids.shape[1], batch.final_hidden.shape[-1]
+    filled = Batch(torch.cat([batch.input_ids, torch.zeros(2, t, dtype=torch.int64)]),
+                   torch.cat([batch.loss_mask, torch.zeros(2, t, dtype=torch.bool)]),
+                   torch.cat([batch.aux_hidden, torch.zeros(2, t, 3 * h)]),
+                   torch.cat([batch.final_hidden, torch.zeros(2, t, h)]), batch.lengths + [1, 1])
+    filled_loss, filled_grads = grads_of(model, filled, lm_head, draft_ids, "sdpa", "reference")
+    torch.testing.assert_close(filled_loss, loss, atol=1e-6, rtol=1e-5)
+    for name in grads:
+        assert torch.isfinite(filled_grads[name]).all(), name
+        torch.testing.assert_close(filled_grads[name], grads[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_padding_a_batch_wider_changes_neither_loss_nor_gradients(attention):
     """Width rounding (pad_multiple) only appends padding columns: every mask keeps them out."""
@@ -107,6 +123,22 @@ def test_batch_widths_are_rounded_to_the_pad_multiple_within_the_token_budget():
     batch = BatchDataset(Fake(), padded, max_length=None, pad_multiple=128)[0]
     assert batch.input_ids.shape[1] % 128 == 0 and batch.input_ids.shape[1] < max(batch.lengths) + 128
     assert not batch.loss_mask[:, max(batch.lengths):].any()
+    # one shape per width: every batch has 2048 // width rows, but for the last of each width,
+    # which the dataset fills up with one-token dummy rows that have nothing to learn
+    by_width = {}
+    for b in padded:
+        by_width.setdefault(-(-max(lengths[i] for i in b) // 128) * 128, []).append(len(b))
+    for w, sizes in by_width.items():
+        assert sum(n != 2048 // w for n in sizes) <= 1 and all(n <= 2048 // w for n in sizes), (w, sizes)
+    dataset = BatchDataset(Fake(), padded, max_length=None, pad_multiple=128, max_tokens=2048)
+    shapes = set()
+    for k, b in enumerate(padded):
+        batch = dataset[k]
+        shapes.add(tuple(batch.input_ids.shape))
+        assert batch.lengths[: len(b)] == [lengths[i] for i in b] and batch.lengths[len(b):] == [1] * (
+            batch.input_ids.shape[0] - len(b))
+        assert not batch.loss_mask[len(b):].any()
+    assert len(shapes) == len(by_width)
     cfg = TrainConfig(featureset="f", output="o")
     assert resolved_pad_multiple(cfg, torch.device("cpu")) == 1
     assert resolved_pad_multiple(cfg, torch.device("cuda")) == 128

@@ -1,11 +1,13 @@
 """Disk-backed, length-grouped, rank-split, resumable batches over a feature set.
 
 Samples are read by background DataLoader workers straight from the shards (never the whole
-set in memory). Per epoch, a seeded shuffle is cut into windows of 64 batches; inside a window
-samples are sorted by length and packed up to a token budget (little padding); a batch's width is
-rounded up to a multiple of `pad_multiple`, so compiled kernels (FlexAttention under
-torch.compile specialises on every shape) see a few widths instead of one per sample length; the
-padded width is what counts against the budget. The batch order is shuffled again, and rank r takes batches r, r+W, ... (the tail that does not divide evenly is
+set in memory). Per epoch, a seeded shuffle is batched one of two ways:
+- pad_multiple 1 (the dense attention paths): windows of 64 batches, sorted by length inside and
+  packed up to a token budget, for the least padding at any (rows, width);
+- pad_multiple > 1 (compiled FlexAttention, which compiles anew for every input shape, 16-86 s
+  each on an H200): widths rounded up to the multiple and max_tokens // width rows in every
+  batch, so there is one shape per width bucket, compiled once.
+The batch order is shuffled again, and rank r takes batches r, r+W, ... (the tail that does not divide evenly is
 dropped so every rank steps together). The state (epoch, batches consumed) resumes exactly.
 """
 
@@ -34,18 +36,36 @@ def padded_width(length: int, multiple: int) -> int:
     return -(-length // multiple) * multiple
 
 
+def rows_for_width(width: int, max_tokens: int) -> int:
+    """Rows of a full batch of this padded width (at least one, for samples over the budget)."""
+    return max(1, max_tokens // width)
+
+
 def plan_batches(lengths: dict[int, int], indices: list[int], max_tokens: int, epoch: int, seed: int,
                  rank: int, world: int, max_length: int | None = None, pad_multiple: int = 1) -> list[list[int]]:
     rng = random.Random(seed * 1_000_003 + epoch)
     order = list(indices)
     rng.shuffle(order)
+    if pad_multiple > 1:
+        batches = fixed_shape_batches(order, lengths, max_tokens, max_length, pad_multiple)
+    else:
+        batches = length_sorted_batches(order, lengths, max_tokens, max_length)
+    rng.shuffle(batches)
+    usable = len(batches) // world * world
+    return batches[:usable][rank::world]
+
+
+def length_sorted_batches(order: list[int], lengths: dict[int, int], max_tokens: int,
+                          max_length: int | None) -> list[list[int]]:
+    """Windows of ~64 batches of the shuffled order, sorted by length inside, packed greedily
+    up to the token budget: the least padding, any (rows, width)."""
     window = max(1, 64 * max(1, max_tokens // max(1, int(sum(lengths[i] for i in order) / max(1, len(order))))))
     batches = []
     for start in range(0, len(order), window):
         part = sorted(order[start : start + window], key=lambda i: (lengths[i], i))
         current, width = [], 0
         for i in part:
-            w = padded_width(min(lengths[i], max_length) if max_length else lengths[i], pad_multiple)
+            w = min(lengths[i], max_length) if max_length else lengths[i]
             if current and max(width, w) * (len(current) + 1) > max_tokens:
                 batches.append(current)
                 current, width = [], 0
@@ -53,17 +73,35 @@ def plan_batches(lengths: dict[int, int], indices: list[int], max_tokens: int, e
             width = max(width, w)
         if current:
             batches.append(current)
-    rng.shuffle(batches)
-    usable = len(batches) // world * world
-    return batches[:usable][rank::world]
+    return batches
+
+
+def fixed_shape_batches(order: list[int], lengths: dict[int, int], max_tokens: int, max_length: int | None,
+                        multiple: int) -> list[list[int]]:
+    """Every batch of padded width w has rows_for_width(w) rows, so there is one batch shape per
+    width bucket (compiled kernels compile each once): samples fall, in the shuffled order,
+    into the bucket of their width rounded up to `multiple`, and a bucket that fills becomes a
+    batch. Only the last, partial batch of each bucket is short; BatchDataset fills it up with
+    dummy rows. Padding stays under `multiple` tokens per row."""
+    batches, pending = [], {}
+    for i in order:
+        w = padded_width(min(lengths[i], max_length) if max_length else lengths[i], multiple)
+        bucket = pending.setdefault(w, [])
+        bucket.append(i)
+        if len(bucket) == rows_for_width(w, max_tokens):
+            batches.append(bucket)
+            pending[w] = []
+    batches.extend(bucket for _, bucket in sorted(pending.items()) if bucket)
+    return batches
 
 
 class BatchDataset(Dataset):
     """Item k is batch k of a plan: reads and pads its samples (runs in loader workers)."""
 
     def __init__(self, featureset: FeatureSet, batches: list[list[int]], max_length: int | None,
-                 pad_multiple: int = 1):
+                 pad_multiple: int = 1, max_tokens: int | None = None):
         self.fs, self.batches, self.max_length, self.pad_multiple = featureset, batches, max_length, pad_multiple
+        self.max_tokens = max_tokens
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -73,13 +111,18 @@ class BatchDataset(Dataset):
         cut = self.max_length or max(len(s.input_ids) for s in samples)
         lengths = [min(len(s.input_ids), cut) for s in samples]
         width = padded_width(max(lengths), self.pad_multiple)  # the rows past `lengths` are padding
-        b, h3, h = len(samples), samples[0].aux_hidden.shape[-1], samples[0].final_hidden.shape[-1]
+        if self.pad_multiple > 1 and self.max_tokens:
+            # a bucket's last, short batch gets dummy rows up to its bucket's shape: one real-looking
+            # token each (an empty row would give NaN attention) with nothing to learn
+            dummies = rows_for_width(width, self.max_tokens) - len(samples)
+            lengths += [1] * dummies
+        b, h3, h = len(lengths), samples[0].aux_hidden.shape[-1], samples[0].final_hidden.shape[-1]
         dtype = samples[0].aux_hidden.dtype
         ids = torch.zeros(b, width, dtype=torch.int64)
         mask = torch.zeros(b, width, dtype=torch.bool)
         aux = torch.zeros(b, width, h3, dtype=dtype)
         final = torch.zeros(b, width, h, dtype=dtype)
-        for r, (s, n) in enumerate(zip(samples, lengths, strict=True)):
+        for r, (s, n) in enumerate(zip(samples, lengths[: len(samples)], strict=True)):
             ids[r, :n], mask[r, :n] = s.input_ids[:n], s.loss_mask[:n]
             aux[r, :n], final[r, :n] = s.aux_hidden[:n], s.final_hidden[:n]
         return Batch(ids, mask, aux, final, lengths)
@@ -111,7 +154,8 @@ class FeatureLoader:
         """Yields batches forever, epoch after epoch, from the saved position on."""
         while True:
             remaining = self.plan(self.state.epoch)[self.state.position :]
-            loader = DataLoader(BatchDataset(self.fs, remaining, self.max_length, self.pad_multiple), batch_size=None,
+            loader = DataLoader(BatchDataset(self.fs, remaining, self.max_length, self.pad_multiple, self.max_tokens),
+                                batch_size=None,
                                 shuffle=False,
                                 num_workers=self.num_workers if remaining else 0,
                                 prefetch_factor=4 if self.num_workers and remaining else None,
