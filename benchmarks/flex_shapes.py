@@ -36,12 +36,11 @@ import torch
 # named `benchmarks` otherwise shadowed by ours
 sys.path[0] = str(Path(__file__).resolve().parent.parent)
 from benchmarks.common import print_table, write_result  # noqa: E402
+from benchmarks.train_step import random_ttt_module  # noqa: E402
 from specfoundry.kernels import tree_attention as ta  # noqa: E402
 from specfoundry.train.config import DraftConfig  # noqa: E402
 from specfoundry.train.loader import padded_width, plan_batches  # noqa: E402
-from specfoundry.train.model import Eagle3Draft  # noqa: E402
-from specfoundry.train.ttt import Batch, TTTModule  # noqa: E402
-from specfoundry.train.vocab import vocab_maps  # noqa: E402
+from specfoundry.train.ttt import Batch  # noqa: E402
 
 SMOL_DRAFT = DraftConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                          head_dim=64, vocab_size=49152, draft_vocab_size=16000, target_hidden_size=576,
@@ -72,16 +71,6 @@ def to_batch(lengths: list[int], pad: int, cfg: DraftConfig) -> Batch:
     return Batch(ids, mask, aux.contiguous(), final.contiguous(), lengths)
 
 
-def model_for(cfg: DraftConfig) -> TTTModule:
-    torch.manual_seed(0)
-    draft = Eagle3Draft(cfg)
-    d2t, t2d = vocab_maps(torch.arange(0, cfg.vocab_size, 3)[: cfg.draft_vocab_size], cfg.vocab_size)
-    draft.d2t.copy_(d2t)
-    draft.t2d.copy_(t2d)
-    lm_head = (torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.05).to(torch.bfloat16)
-    return TTTModule(draft, lm_head).cuda()
-
-
 def tensor_width_mask_mod(lengths: torch.Tensor, seq_len: int):
     """ttt_mask_mod with T as a 0-d tensor: no guard on its value (variant dynT)."""
     width = torch.tensor(seq_len, dtype=torch.int32, device=lengths.device)
@@ -103,7 +92,7 @@ def run_variant(name: str, attention: str, pad: int, dynamic: bool, args, tensor
     if attention == "flex":
         ta._flex()  # raises the recompile limit as training does
         ta._compiled_flex = torch.compile(ta.flex_attention, dynamic=dynamic)
-    model = model_for(SMOL_DRAFT)
+    model = random_ttt_module(SMOL_DRAFT, vocab_stride=3, head_scale=0.05).cuda()
     shapes = make_batches(args.batches, args.max_tokens)
     batches = [to_batch(s, pad, SMOL_DRAFT) for s in shapes]
 

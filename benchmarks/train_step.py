@@ -63,17 +63,22 @@ def write_random_featureset(root: Path, n: int, t: int, cfg) -> FeatureSet:
     return FeatureSet(root)
 
 
-def llama8b_ttt_module() -> TTTModule:
-    """The 8B-shaped draft (random weights, every 4th token in the draft vocab) with a random
-    bf16 teacher head, on the CPU: the caller moves or wraps it."""
-    cfg = LLAMA8B_DRAFT
+def random_ttt_module(cfg, vocab_stride: int, head_scale: float) -> TTTModule:
+    """A draft of shape `cfg` with random weights (seed 0), every `vocab_stride`-th target token
+    in its vocabulary, and a random bf16 teacher head of scale `head_scale`, on the CPU: the
+    caller moves or wraps it."""
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
-    d2t, t2d = vocab_maps(torch.arange(0, cfg.vocab_size, 4)[: cfg.draft_vocab_size], cfg.vocab_size)
+    d2t, t2d = vocab_maps(torch.arange(0, cfg.vocab_size, vocab_stride)[: cfg.draft_vocab_size], cfg.vocab_size)
     draft.d2t.copy_(d2t)
     draft.t2d.copy_(t2d)
-    lm_head = (torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02).to(torch.bfloat16)
+    lm_head = (torch.randn(cfg.vocab_size, cfg.hidden_size) * head_scale).to(torch.bfloat16)
     return TTTModule(draft, lm_head)
+
+
+def llama8b_ttt_module() -> TTTModule:
+    """The 8B-shaped draft (every 4th token in the draft vocab, teacher head scale 0.02)."""
+    return random_ttt_module(LLAMA8B_DRAFT, vocab_stride=4, head_scale=0.02)
 
 
 def time_steps(step, steps: int, warmup: int = 2) -> float:
