@@ -108,6 +108,11 @@ def raise_config(config, names: tuple[str, ...], value: int) -> None:
             return
 
 
+# what dynamo raises at the limit with fail_on_recompile_limit_hit (() catches nothing on a
+# torch without it)
+RECOMPILE_LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
+
+
 class TooManyShapesError(RuntimeError):
     """Compiled FlexAttention met more batch shapes than the recompile limit allows."""
 
@@ -130,9 +135,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         compiled = _flex()
         try:
             return compiled(q, k_cache, v_cache, block_mask=mask, scale=scale, enable_gqa=gqa)
-        except Exception as e:
-            if type(e).__name__ != "FailOnRecompileLimitHit":
-                raise
+        except RECOMPILE_LIMIT_HIT as e:
             raise TooManyShapesError(
                 f"compiled FlexAttention reached torch._dynamo's recompile limit "
                 f"({getattr(torch._dynamo.config, 'cache_size_limit', RECOMPILE_LIMIT)}) at batch shape {tuple(q.shape[:3])}, TTT step {step}: "

@@ -7,8 +7,9 @@ set in memory). Per epoch, a seeded shuffle is batched one of two ways:
 - pad_multiple > 1 (compiled FlexAttention, which compiles anew for every input shape, 16-86 s
   each on an H200): widths rounded up to the multiple and max_tokens // width rows in every
   batch, so there is one shape per width bucket, compiled once.
-The batch order is shuffled again, and rank r takes batches r, r+W, ... (the tail that does not divide evenly is
-dropped so every rank steps together). The state (epoch, batches consumed) resumes exactly.
+The batch order is shuffled again, and rank r takes batches r, r+W, ... (the tail that does
+not divide evenly is dropped so every rank steps together). The state (epoch, batches
+consumed) resumes exactly.
 """
 
 from __future__ import annotations
@@ -154,9 +155,8 @@ class FeatureLoader:
         """Yields batches forever, epoch after epoch, from the saved position on."""
         while True:
             remaining = self.plan(self.state.epoch)[self.state.position :]
-            loader = DataLoader(BatchDataset(self.fs, remaining, self.max_length, self.pad_multiple, self.max_tokens),
-                                batch_size=None,
-                                shuffle=False,
+            dataset = BatchDataset(self.fs, remaining, self.max_length, self.pad_multiple, self.max_tokens)
+            loader = DataLoader(dataset, batch_size=None, shuffle=False,
                                 num_workers=self.num_workers if remaining else 0,
                                 prefetch_factor=4 if self.num_workers and remaining else None,
                                 persistent_workers=False)
