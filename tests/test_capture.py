@@ -35,6 +35,7 @@ def test_hooked_features_equal_output_hidden_states_with_mixed_lengths(target):
     batch = [tok(t)["input_ids"] for t in texts]
     captured = runner(batch)  # one padded batch
     for ids, (aux, final) in zip(batch, captured, strict=True):
+        assert aux.is_contiguous() and final.is_contiguous()  # the writers stream them without a copy
         with torch.no_grad():  # each sample alone: no padding at all
             out = model(torch.tensor([ids]), output_hidden_states=True)
         hs = out.hidden_states  # [embeddings, layer0 out, ..., layer29 out (normed)]
@@ -47,9 +48,9 @@ def test_hooked_features_equal_output_hidden_states_with_mixed_lengths(target):
 
 @pytest.mark.gpu
 def test_pipelined_gpu_capture_equals_each_sample_alone():
-    """capture_all copies batch i out on a side stream while batch i+1 computes, reusing two
-    pinned buffers: every sample's features must still be its own (fp32, so exact up to
-    kernel differences between batch shapes)."""
+    """capture_all copies batch i out on a side stream while batch i+1 computes, into pinned
+    buffers that the caching host allocator recycles: every sample's features must still be its
+    own after later batches ran (fp32, so exact up to kernel differences between batch shapes)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
