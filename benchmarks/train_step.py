@@ -1,12 +1,14 @@
 """sf-train step throughput on one GPU at the Llama-3.1-8B draft shape, features from disk.
 
-    python benchmarks/train_step.py [--seq 4096] [--steps 8]
+    python benchmarks/train_step.py [--seq 4096] [--steps 8] [--profile]
 
 Shape: H 4096, 32 heads, 8 KV heads, head_dim 128, intermediate 14336, target vocab 128256,
 draft vocab 32000, T = 4096, TTT 7, batch 1. Random features are written to a safetensors
 feature-set shard first and read back through the training loader (background workers).
-Ours (FlexAttention BlockMask + in-place Triton loss) and the plain torch path (eager EAGLE-3
-attention + reference loss) run the same loop: teacher, 7-step TTT forward, backward, AdamW.
+Ours (FlexAttention BlockMask + in-place Triton loss + compiled elementwise chains), ours with
+the elementwise chains eager, and the plain torch path (eager EAGLE-3 attention + reference
+loss) run the same loop: teacher, 7-step TTT forward, backward, AdamW. --profile also prints
+where ours spends its GPU time (torch.profiler, CUDA kernels by total time).
 
 FLOPs per token (written out so the MFU can be checked), with A = 2*H*H*... per layer:
     fc        2 * 3H * H                              (step 0 only)
@@ -76,9 +78,11 @@ def random_ttt_module(cfg, vocab_stride: int, head_scale: float) -> TTTModule:
     return TTTModule(draft, lm_head)
 
 
-def llama8b_ttt_module() -> TTTModule:
+def llama8b_ttt_module(fuse_elementwise: bool = True) -> TTTModule:
     """The 8B-shaped draft (every 4th token in the draft vocab, teacher head scale 0.02)."""
-    return random_ttt_module(LLAMA8B_DRAFT, vocab_stride=4, head_scale=0.02)
+    module = random_ttt_module(LLAMA8B_DRAFT, vocab_stride=4, head_scale=0.02)
+    module.draft.fuse_elementwise(fuse_elementwise)
+    return module
 
 
 def time_steps(step, steps: int, warmup: int = 2) -> float:
@@ -97,11 +101,29 @@ def time_steps(step, steps: int, warmup: int = 2) -> float:
     return start.elapsed_time(end) / steps
 
 
-def run(impl: str, fs: FeatureSet, t: int, steps: int, ttt: int) -> dict:
+IMPLS = {  # name: (attention, loss, compiled elementwise chains)
+    "ours (flex + triton + fused elementwise)": ("flex", "triton", True),
+    "ours, eager elementwise": ("flex", "triton", False),
+    "plain (eager + reference)": ("eager", "reference", False),
+}
+
+
+def profile_table(step, steps: int = 2) -> str:
+    """CUDA kernels by total GPU time over `steps` steps (after the caller's warm-up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90)
+
+
+def run(impl: str, fs: FeatureSet, t: int, steps: int, ttt: int, profile: bool = False) -> dict:
     cfg = LLAMA8B_DRAFT
-    model = llama8b_ttt_module().cuda()
+    attention, loss_impl, fused = IMPLS[impl]
+    model = llama8b_ttt_module(fused).cuda()
     opt = torch.optim.AdamW(model.draft.trainable_parameters(), lr=1e-4, fused=True)
-    attention, loss_impl = ("flex", "triton") if impl == "ours" else ("eager", "reference")
     loader = iter(FeatureLoader(fs, list(range(len(fs))), max_tokens=t, seed=0, num_workers=2))
 
     def step():
@@ -112,9 +134,11 @@ def run(impl: str, fs: FeatureSet, t: int, steps: int, ttt: int) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    row = {"impl": impl + (" (flex + triton)" if impl == "ours" else " (eager + reference)"), "T": t, "ttt": ttt}
+    row = {"impl": impl, "T": t, "ttt": ttt}
     try:
         ms = time_steps(step, steps)
+        if profile:
+            print(f"== where {impl} spends its GPU time ({2} steps) ==\n{profile_table(step)}", flush=True)
         row.update(ms_per_step=ms, tokens_per_s=t / (ms * 1e-3), peak_GiB=torch.cuda.max_memory_allocated() / 2**30)
         row["TFLOPs"] = flops_per_token(cfg, t, ttt) * t / (ms * 1e-3) / 1e12
         row["MFU_%"] = 100 * row["TFLOPs"] / MATMUL_TFLOPS
@@ -128,12 +152,17 @@ def main():
     ap.add_argument("--seq", type=int, default=4096, help="Tokens per sample.")
     ap.add_argument("--steps", type=int, default=8, help="Timed steps after 2 warm-up steps.")
     ap.add_argument("--ttt", type=int, default=7, help="TTT length.")
+    ap.add_argument("--profile", action="store_true", help="Also print the top CUDA kernels of ours.")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        fs = write_random_featureset(Path(d), args.steps + 4, args.seq, LLAMA8B_DRAFT)
-        rows = [run("ours", fs, args.seq, args.steps, args.ttt), run("plain", fs, args.seq, args.steps, args.ttt)]
-    if isinstance(rows[1].get("ms_per_step"), float) and isinstance(rows[0].get("ms_per_step"), float):
-        rows[0]["speedup_vs_plain"] = rows[1]["ms_per_step"] / rows[0]["ms_per_step"]
+        # every run reads steps + warm-up (+ profiled) samples
+        fs = write_random_featureset(Path(d), args.steps + 6, args.seq, LLAMA8B_DRAFT)
+        rows = [run(impl, fs, args.seq, args.steps, args.ttt, profile=args.profile and k == 0)
+                for k, impl in enumerate(IMPLS)]
+    plain = rows[-1].get("ms_per_step")
+    for row in rows[:-1]:
+        if isinstance(plain, float) and isinstance(row.get("ms_per_step"), float):
+            row["speedup_vs_plain"] = plain / row["ms_per_step"]
     print_table(rows, ["impl", "T", "ttt", "ms_per_step", "tokens_per_s", "TFLOPs", "MFU_%", "peak_GiB", "speedup_vs_plain"])
     print(write_result("train_step", rows, {"flops_per_token": flops_per_token(LLAMA8B_DRAFT, args.seq, args.ttt)}))
 

@@ -36,10 +36,13 @@ def reference_grad(logits, p, mask, g, normaliser=None):
     return loss.detach(), z.grad
 
 
-def run_kernel(logits, p, mask, g, block, normaliser=None):
+def run_kernel(logits, p, mask, g, block, normaliser=None, grad_scale=None):
+    """The kernel's loss, its logits buffer after backward, and the gradient that reached the
+    leaf. grad_scale: the upstream gradient announced to the forward (default g, exact path)."""
     leaf = logits.detach().clone().requires_grad_(True)
     buf = leaf * 1  # a non-leaf logits buffer, as an lm_head output would be
-    loss = soft_target_cross_entropy(buf, p, mask, normaliser, impl="triton", block=block)
+    announced = float(g) if grad_scale is None else grad_scale
+    loss = soft_target_cross_entropy(buf, p, mask, normaliser, impl="triton", block=block, grad_scale=announced)
     (loss * g).backward()
     return loss.detach(), buf.detach(), leaf.grad
 
@@ -61,6 +64,39 @@ def test_loss_and_gradient_match_reference(dtype, atol, rtol, n, v, block, case)
         assert torch.count_nonzero(grad[r]) == 0
 
 
+# a second rounding (written, then scaled): bf16 may sit two steps from the reference (and two
+# truncation steps under the interpreter); fp32 stays tight
+RESCALED_DTYPES = [(torch.float32, 1e-5, 1e-4), (torch.bfloat16, 2e-3, 2 ** -5)]
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", RESCALED_DTYPES)
+@pytest.mark.parametrize("announced", [1.0, 0.37])
+def test_an_upstream_gradient_other_than_announced_is_rescaled(dtype, atol, rtol, announced):
+    n, v, block = 33, 1000, 256
+    logits, p, mask = make_inputs(n, v, dtype, masked_rows=(3,))
+    g = torch.tensor(1.9, device=DEVICE)
+    ref_loss, ref_grad = reference_grad(logits, p, mask, g)
+    loss, buf, grad = run_kernel(logits, p, mask, g, block, grad_scale=announced)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(grad.float(), ref_grad, atol=atol * ref_grad.abs().max().item(), rtol=rtol)
+    assert torch.equal(buf, grad) and torch.count_nonzero(grad[3]) == 0
+
+
+def test_forward_writes_the_gradient_and_evaluation_leaves_logits_alone():
+    """With a gradient wanted, the forward already leaves dL/dz (for the announced upstream
+    gradient) in the buffer; under no_grad the logits are only read."""
+    logits, p, mask = make_inputs(9, 70, torch.float32)
+    _, ref_grad = reference_grad(logits, p, mask, torch.tensor(0.5, device=DEVICE))
+    buf = logits.clone().requires_grad_(True) * 1
+    soft_target_cross_entropy(buf, p, mask, impl="triton", block=32, grad_scale=0.5)
+    torch.testing.assert_close(buf.detach(), ref_grad, atol=1e-6, rtol=1e-4)
+    kept = logits.clone()
+    with torch.no_grad():
+        loss = soft_target_cross_entropy(kept, p, mask, impl="triton", block=32)
+    assert torch.equal(kept, logits)
+    torch.testing.assert_close(loss, soft_ce_reference(logits, p, mask), atol=1e-5, rtol=1e-5)
+
+
 def test_fully_masked_batch_gives_zero_loss_and_gradient():
     logits, p, mask = make_inputs(5, 40, torch.float32, masked_rows=range(5))
     loss, _, grad = run_kernel(logits, p, mask, torch.tensor(1.0, device=DEVICE), 16)
@@ -78,7 +114,8 @@ def test_explicit_normaliser_and_weighted_steps():
         ref_grads.append(z)
         leaf = logits.clone().requires_grad_(True)
         leaves.append(leaf)
-        ours = ours + 0.8 ** s * soft_target_cross_entropy(leaf * 1, p, mask, 6.0, impl="triton", block=32)
+        ours = ours + 0.8 ** s * soft_target_cross_entropy(leaf * 1, p, mask, 6.0, impl="triton", block=32,
+                                                           grad_scale=0.8 ** s)
     ref_total.backward()
     ours.backward()
     torch.testing.assert_close(ours, ref_total, atol=1e-5, rtol=1e-5)

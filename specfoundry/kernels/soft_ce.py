@@ -1,4 +1,4 @@
-"""Masked soft-target cross entropy whose backward writes the gradient into the logits buffer.
+"""Masked soft-target cross entropy whose gradient is written into the logits buffer itself.
 
 For logits z [N, V], a target distribution p [N, V] (rows need not sum to 1) and a row mask
 m [N], the loss is
@@ -13,15 +13,25 @@ Math per row (dropping r). With lse = log sum_v exp(z_v) and s = sum_v p_v:
     dl/dz_v = s * softmax(z)_v - p_v
 so with the upstream gradient g: dL/dz_v = g * m / normaliser * (s * exp(z_v - lse) - p_v).
 
-Forward (one program per row, V in chunks): an online max / sum-exp gives lse without storing
-exp(z) (m' = max(m, max chunk); d = d * exp(m - m') + sum exp(chunk - m')), while s and sum p*z
-accumulate alongside; it stores l, lse and s per row ([N] fp32 each).
-Backward: reads z and p again chunk by chunk and overwrites z with dL/dz in its own dtype. No
+One kernel does the forward and, when the logits need a gradient, the gradient too, for the
+upstream gradient g0 = `grad_scale` that the caller announces (the trainer's loss weight 0.8^s
+over the accumulation steps). Per row (persistent programs, each taking rows pid, pid+G, ...):
+  pass 1 reads z and p in chunks: an online max / sum-exp gives lse without storing exp(z)
+         (m' = max(m, max chunk); d = d * exp(m - m') + sum exp(chunk - m')), while s and
+         sum p*z accumulate alongside; it stores l (a [N] fp32 vector).
+  pass 2 reads z and p again and overwrites z with g0 * m / normaliser * (s * exp(z - lse) - p)
+         in z's own dtype.
+G is about one row per SM, so the rows in flight (G * V * (bytes of z + p)) stay in L2 and pass 2
+mostly reads from L2: DRAM sees z and p once plus one write of z, where a separate backward
+kernel would read both again (5 passes over [N, V] instead of 3).
+Backward: the buffer holds dL/dz for g0; for the actual g it is scaled in place by g / g0, a
+pass that is skipped inside the kernel (no host sync) when g / g0 is 1 to within 1e-6. No
 second [N, V] buffer is ever allocated (the SpecForge paper's Algorithm 3).
 
-THE LOGITS BUFFER IS CONSUMED: after backward, the tensor passed as `logits` holds the
-gradient, not the logits. Read anything you need from it (argmax, accuracy) before backward.
-Accumulation is fp32 for fp32 and bf16 logits alike.
+THE LOGITS BUFFER IS CONSUMED, BY THE FORWARD: once the loss is computed, the tensor passed as
+`logits` holds the gradient, not the logits. Read anything you need from it (argmax, accuracy)
+before calling. Accumulation is fp32 for fp32 and bf16 logits alike. With bf16 logits and
+g != g0 the gradient is rounded twice (written, then scaled): at most one more bf16 step.
 """
 
 from __future__ import annotations
@@ -54,11 +64,21 @@ def _normaliser(mask: torch.Tensor, normaliser) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _soft_ce_forward_kernel(z_ptr, p_ptr, mask_ptr, loss_ptr, lse_ptr, psum_ptr,
-                                z_stride, p_stride, V: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        z_row = z_ptr + row * z_stride
-        p_row = p_ptr + row * p_stride
+    def _soft_ce_kernel(z_ptr, p_ptr, mask_ptr, coef_ptr, loss_ptr, n_rows, z_stride, p_stride,
+                        V: tl.constexpr, BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr):
+        """Rows pid, pid + G, ...: the row loss, then (WRITE_GRAD) dL/dz over z in place."""
+        coef0 = tl.load(coef_ptr)  # g0 / normaliser
+        row = tl.program_id(0)
+        while row < n_rows:
+            _soft_ce_row(z_ptr, p_ptr, mask_ptr, loss_ptr, coef0, row, z_stride, p_stride, V, BLOCK, WRITE_GRAD)
+            row += tl.num_programs(0)
+
+    @triton.jit
+    def _soft_ce_row(z_ptr, p_ptr, mask_ptr, loss_ptr, coef0, row, z_stride, p_stride,
+                     V: tl.constexpr, BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr):
+        """One row: pass 1 (its loss), then (WRITE_GRAD) pass 2 (its gradient over z)."""
+        z_row = z_ptr + row.to(tl.int64) * z_stride
+        p_row = p_ptr + row.to(tl.int64) * p_stride
         m = tl.full([], float("-inf"), tl.float32)  # running max
         d = tl.zeros([], tl.float32)  # running sum of exp(z - m)
         s = tl.zeros([], tl.float32)  # sum p
@@ -76,64 +96,74 @@ if triton is not None:
         lse = m + tl.log(d)
         keep = tl.load(mask_ptr + row)
         tl.store(loss_ptr + row, keep * (s * lse - spz))
-        tl.store(lse_ptr + row, lse)
-        tl.store(psum_ptr + row, s)
+        if WRITE_GRAD:
+            coef = coef0 * keep  # a masked row gets 0 * (finite) = 0 everywhere
+            for start in range(0, V, BLOCK):  # the same chunks again, now mostly from L2
+                cols = start + tl.arange(0, BLOCK)
+                inside = cols < V
+                z = tl.load(z_row + cols, mask=inside, other=0.0).to(tl.float32)
+                p = tl.load(p_row + cols, mask=inside, other=0.0).to(tl.float32)
+                grad = coef * (s * tl.exp(z - lse) - p)
+                tl.store(z_row + cols, grad.to(z_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
-    def _soft_ce_backward_kernel(z_ptr, p_ptr, mask_ptr, lse_ptr, psum_ptr, scale_ptr,
-                                 z_stride, p_stride, V: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        z_row = z_ptr + row * z_stride
-        p_row = p_ptr + row * p_stride
-        # g * m_r / normaliser; a masked row gets 0 * (finite) = 0 everywhere
-        coef = tl.load(scale_ptr) * tl.load(mask_ptr + row)
-        lse = tl.load(lse_ptr + row)
-        s = tl.load(psum_ptr + row)
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            inside = cols < V
-            z = tl.load(z_row + cols, mask=inside, other=0.0).to(tl.float32)
-            p = tl.load(p_row + cols, mask=inside, other=0.0).to(tl.float32)
-            grad = coef * (s * tl.exp(z - lse) - p)
-            tl.store(z_row + cols, grad.to(z_ptr.dtype.element_ty), mask=inside)
+    def _rescale_kernel(z_ptr, ratio_ptr, n_rows, z_stride, V: tl.constexpr, BLOCK: tl.constexpr):
+        """z *= g / g0 over every row, unless the ratio is 1 (then nothing is read or written)."""
+        ratio = tl.load(ratio_ptr)
+        if tl.abs(ratio - 1.0) > 1e-6:
+            row = tl.program_id(0)
+            while row < n_rows:
+                z_row = z_ptr + row.to(tl.int64) * z_stride
+                for start in range(0, V, BLOCK):
+                    cols = start + tl.arange(0, BLOCK)
+                    inside = cols < V
+                    z = tl.load(z_row + cols, mask=inside, other=0.0).to(tl.float32)
+                    tl.store(z_row + cols, (z * ratio).to(z_ptr.dtype.element_ty), mask=inside)
+                row += tl.num_programs(0)
 
 
-def _launch_config(V: int, block: int | None) -> tuple[int, int]:
+def _launch_config(n: int, V: int, block: int | None, device: torch.device) -> tuple[tuple[int], int, int]:
+    """(grid, BLOCK, num_warps): one persistent program per SM (see the module docstring)."""
     block = block or min(triton.next_power_of_2(V), 8192)
-    return block, (16 if block >= 8192 else 8 if block >= 2048 else 4)
+    warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
+    # under the interpreter 5 programs, so that the tests take the rows-per-program loop too
+    programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 5
+    programs = max(1, min(n, programs))
+    return (programs,), block, warps
 
 
 class SoftTargetCrossEntropy(torch.autograd.Function):
     """autograd.Function over the two kernels; see the module docstring (logits are consumed)."""
 
     @staticmethod
-    def forward(ctx, logits, target, mask, normaliser, block=None):
+    def forward(ctx, logits, target, mask, normaliser, block=None, grad_scale=1.0, write_grad=True):
         assert logits.shape == target.shape and logits.dim() == 2, (logits.shape, target.shape)
         assert logits.stride(-1) == 1 and target.stride(-1) == 1, "last dim must be contiguous"
         n, v = logits.shape
         maskf = mask.to(torch.float32).contiguous()  # [N]
         row_loss = torch.empty(n, dtype=torch.float32, device=logits.device)
-        lse = torch.empty_like(row_loss)
-        psum = torch.empty_like(row_loss)
-        blk, warps = _launch_config(v, block)
-        if n:
-            _soft_ce_forward_kernel[(n,)](logits, target, maskf, row_loss, lse, psum,
-                                          logits.stride(0), target.stride(0), v, BLOCK=blk, num_warps=warps)
         norm = _normaliser(mask, normaliser)
-        ctx.save_for_backward(logits, target, maskf, lse, psum, norm)
-        ctx.block = block
+        coef = (grad_scale / norm).reshape(1)  # g0 / normaliser, on device: no sync
+        grid, blk, warps = _launch_config(n, v, block, logits.device)
+        if n:
+            _soft_ce_kernel[grid](logits, target, maskf, coef, row_loss, n, logits.stride(0), target.stride(0), v,
+                                  BLOCK=blk, WRITE_GRAD=write_grad, num_warps=warps)
+        ctx.save_for_backward(logits)
+        ctx.block, ctx.grad_scale, ctx.wrote_grad = block, grad_scale, write_grad
         return row_loss.sum() / norm
 
     @staticmethod
     def backward(ctx, grad_output):
-        logits, target, maskf, lse, psum, norm = ctx.saved_tensors
-        n, v = logits.shape
-        scale = (grad_output.float() / norm).reshape(1)  # stays on device: no sync
-        blk, warps = _launch_config(v, ctx.block)
+        (grad,) = ctx.saved_tensors  # the logits buffer, holding dL/dz for grad_scale
+        if not ctx.wrote_grad:
+            raise RuntimeError("soft_target_cross_entropy: backward through a loss computed with "
+                               "write_grad=False")
+        n, v = grad.shape
+        ratio = (grad_output.float() / ctx.grad_scale).reshape(1)  # stays on device: no sync
+        grid, blk, warps = _launch_config(n, v, ctx.block, grad.device)
         if n:
-            _soft_ce_backward_kernel[(n,)](logits, target, maskf, lse, psum, scale,
-                                           logits.stride(0), target.stride(0), v, BLOCK=blk, num_warps=warps)
-        return logits, None, None, None, None
+            _rescale_kernel[grid](grad, ratio, n, grad.stride(0), v, BLOCK=blk, num_warps=warps)
+        return grad, None, None, None, None, None, None
 
 
 def triton_available(device: torch.device) -> bool:
@@ -145,13 +175,16 @@ def triton_available(device: torch.device) -> bool:
 
 def soft_target_cross_entropy(logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,
                               normaliser: torch.Tensor | float | None = None, impl: str = "auto",
-                              block: int | None = None) -> torch.Tensor:
-    """The masked soft-target CE. impl: "triton" (in place, consumes logits), "reference", or
-    "auto" (triton where it can run, else reference)."""
+                              block: int | None = None, grad_scale: float = 1.0) -> torch.Tensor:
+    """The masked soft-target CE. impl: "triton" (in place: the forward consumes logits),
+    "reference", or "auto" (triton where it can run, else reference). grad_scale: the upstream
+    gradient the caller expects to send back into this loss (e.g. its weight in a sum); any
+    other is still right, at the cost of one more pass over the logits."""
     if impl == "auto":
         impl = "triton" if triton_available(logits.device) else "reference"
     if impl == "reference":
         return soft_ce_reference(logits, target, mask, normaliser)
     if impl != "triton":
         raise ValueError(f"unknown loss impl {impl!r}: choose triton, reference or auto")
-    return SoftTargetCrossEntropy.apply(logits, target, mask, normaliser, block)
+    write_grad = logits.requires_grad and torch.is_grad_enabled()  # no gradient pass in evaluation
+    return SoftTargetCrossEntropy.apply(logits, target, mask, normaliser, block, float(grad_scale), write_grad)

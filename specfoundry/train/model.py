@@ -6,10 +6,15 @@
     r2        = mlp(post_attention_norm(r1)) + r1                 SwiGLU
     logits    = lm_head(norm(r2))                                 [B, T, Vd]
 r2 (the pre-norm state) is what the next draft step receives as its hidden input.
-Parallelism, checkpoints and compile live elsewhere (train/loop.py).
+Parallelism and checkpoints live elsewhere (train/loop.py). With `fuse_elementwise(True)` (the
+trainer on a GPU) the chains of small elementwise ops (RMSNorm, SwiGLU, RoPE) run through
+torch.compile, which fuses each chain and its backward into a kernel or two: in eager mode they
+are ~8 memory passes each over [T, H..I] activations, per TTT step, forward and backward.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn as nn
@@ -21,17 +26,49 @@ from specfoundry.kernels.tree_attention import eager_tree_attention, tree_attent
 from specfoundry.train.config import DraftConfig
 
 
-class RMSNorm(nn.Module):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x), in fp32, rounded once to x's dtype (as SGLang's fused kernel does;
+    an fp32 master weight under autocast would otherwise make the output fp32)."""
+    xf = x.float()
+    return (weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def compiled_on_cuda(fn):
+    """fn(*args), through torch.compile when the first argument is on a GPU (compiled lazily,
+    on first use; shapes that change become dynamic after the second), else plain."""
+    compiled = torch.compile(fn)
+
+    @functools.wraps(fn)
+    def call(*args):
+        return compiled(*args) if args[0].is_cuda else fn(*args)
+
+    return call
+
+
+FUSED = {fn: compiled_on_cuda(fn) for fn in (rms_norm, swiglu, apply_rotary_pos_emb)}
+
+
+class Fusable(nn.Module):
+    """A module whose elementwise chains may run compiled (`fused`, set by fuse_elementwise)."""
+
+    fused = False
+
+    def call(self, fn, *args):
+        return FUSED[fn](*args) if self.fused else fn(*args)
+
+
+class RMSNorm(Fusable):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.call(rms_norm, x, self.weight, self.eps)
 
 
 class KVCache:
@@ -71,7 +108,7 @@ class KVCache:
             self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
 
 
-class Eagle3Attention(nn.Module):
+class Eagle3Attention(Fusable):
     """q/k/v read the 2H-wide concat; GQA; RoPE as the target's."""
 
     def __init__(self, cfg: DraftConfig):
@@ -89,7 +126,7 @@ class Eagle3Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
         k = self.k_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
         v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k = self.call(apply_rotary_pos_emb, q, k, cos, sin)
         if isinstance(cache, KVCache):  # inference (sf-eval): new tokens after a cached prefix
             keys, values = cache.append(k, v)  # [B, nkv, L+T, hd]
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=cache.mask_for(t, q.device),
@@ -106,7 +143,7 @@ class Eagle3Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.hd))
 
 
-class Eagle3DecoderLayer(nn.Module):
+class Eagle3DecoderLayer(Fusable):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         h = cfg.hidden_size
@@ -124,7 +161,7 @@ class Eagle3DecoderLayer(nn.Module):
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
         r1 = self.self_attn(x, cos, sin, cache, lengths, step, attention) + hidden
         y = self.post_attention_layernorm(r1)
-        mlp = self.mlp["down_proj"](F.silu(self.mlp["gate_proj"](y)) * self.mlp["up_proj"](y))
+        mlp = self.mlp["down_proj"](self.call(swiglu, self.mlp["gate_proj"](y), self.mlp["up_proj"](y)))
         return mlp + r1  # [B, T, H] pre-norm state
 
 
@@ -166,6 +203,14 @@ class Eagle3Draft(nn.Module):
         cos, sin = self.rotary(hidden, positions)
         pre = self.midlayer(embeds, hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), cache, lengths, step, attention)
         return pre, self.norm(pre)
+
+    def fuse_elementwise(self, on: bool = True) -> Eagle3Draft:
+        """Run RMSNorm, SwiGLU and RoPE through torch.compile on GPU tensors (training); off by
+        default, so that decoding (sf-eval) compiles nothing."""
+        for m in self.modules():
+            if isinstance(m, Fusable):
+                m.fused = on
+        return self
 
     def trainable_parameters(self):
         return [p for p in self.parameters() if p.requires_grad]

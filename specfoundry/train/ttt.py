@@ -49,8 +49,10 @@ def shift(x: torch.Tensor, by: int, width: int) -> torch.Tensor:
 
 def ttt_loss(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, draft_ids: torch.Tensor, *,
              ttt_length: int = 7, decay: float = 0.8, attention: str = "auto", loss_impl: str = "auto",
-             teacher_chunk: int = 1024):
-    """Returns (total loss, per-step metrics [{loss, acc, valid}])."""
+             teacher_chunk: int = 1024, loss_scale: float = 1.0):
+    """Returns (total loss, per-step metrics [{loss, acc, valid}]). loss_scale: the gradient that
+    will flow into the total (1 / accumulation steps under Accelerate), so the in-place loss
+    kernel writes each step's final gradient during the forward."""
     bsz, seq = batch.input_ids.shape
     h = batch.final_hidden.shape[-1]
     p_all, ok_all, tgt_all = teacher_targets(batch.final_hidden.reshape(-1, h), lm_head, draft_ids, model.t2d,
@@ -79,7 +81,8 @@ def ttt_loss(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, draft_ids:
         with torch.no_grad():
             hit = (logits.argmax(-1) == tgt_all[:, 1 + s :]) & valid
         loss_s = soft_target_cross_entropy(logits.reshape(-1, vd), target_p.reshape(-1, vd), valid.reshape(-1),
-                                           normaliser=n_valid.clamp(min=1).float(), impl=loss_impl)
+                                           normaliser=n_valid.clamp(min=1).float(), impl=loss_impl,
+                                           grad_scale=decay ** s * loss_scale)
         total = total + decay ** s * loss_s
         metrics.append({"loss": loss_s.detach(), "hits": hit.sum(), "valid": n_valid})
     return total, metrics
@@ -87,11 +90,12 @@ def ttt_loss(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, draft_ids:
 
 class TTTModule(torch.nn.Module):
     """Wraps the draft so that the whole TTT unroll is one forward: DDP/FSDP wrappers see every
-    parameter use inside their forward. The teacher head is a frozen buffer, not a parameter."""
+    parameter use inside their forward. The teacher head is a frozen buffer, not a parameter.
+    On a GPU the draft's elementwise chains run compiled unless fuse_elementwise is False."""
 
-    def __init__(self, draft: Eagle3Draft, lm_head: torch.Tensor):
+    def __init__(self, draft: Eagle3Draft, lm_head: torch.Tensor, fuse_elementwise: bool = True):
         super().__init__()
-        self.draft = draft
+        self.draft = draft.fuse_elementwise(fuse_elementwise)
         self.register_buffer("lm_head", lm_head, persistent=False)
 
     def forward(self, batch: Batch, **kw):
