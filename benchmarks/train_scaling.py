@@ -51,7 +51,7 @@ def worker(featureset: str, steps: int, ttt: int, out: str) -> None:
     fs = FeatureSet(featureset)
     t = fs[0].input_ids.numel()  # every sample has the same length
     loader = iter(FeatureLoader(fs, list(range(len(fs))), max_tokens=t, seed=0, rank=accel.process_index,
-                                world=accel.num_processes, num_workers=2))
+                                world=accel.num_processes, num_workers=2, pin_memory=True))
 
     def step():
         batch = next(loader).to(accel.device, torch.bfloat16)

@@ -124,7 +124,7 @@ def run(impl: str, fs: FeatureSet, t: int, steps: int, ttt: int, profile: bool =
     attention, loss_impl, fused = IMPLS[impl]
     model = llama8b_ttt_module(fused).cuda()
     opt = torch.optim.AdamW(model.draft.trainable_parameters(), lr=1e-4, fused=True)
-    loader = iter(FeatureLoader(fs, list(range(len(fs))), max_tokens=t, seed=0, num_workers=2))
+    loader = iter(FeatureLoader(fs, list(range(len(fs))), max_tokens=t, seed=0, num_workers=2, pin_memory=True))
 
     def step():
         batch = next(loader).to("cuda", torch.bfloat16)

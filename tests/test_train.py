@@ -13,7 +13,7 @@ from specfoundry.capture.stage import CaptureConfig, run_capture
 from specfoundry.featureset.store import Sample
 from specfoundry.train.config import DraftConfig
 from specfoundry.train.export import expected_tensors, export_draft, validate
-from specfoundry.train.loader import BatchDataset, plan_batches
+from specfoundry.train.loader import BatchDataset, FeatureLoader, plan_batches
 from specfoundry.train.loop import TrainConfig, resolved_pad_multiple, train
 from specfoundry.train.model import Eagle3Draft
 from specfoundry.train.ttt import Batch, ttt_loss
@@ -147,7 +147,8 @@ def test_batch_widths_are_rounded_to_the_pad_multiple_within_the_token_budget():
 
 @pytest.mark.gpu
 def test_kernel_paths_equal_plain_torch_on_gpu_at_the_8b_draft_shape():
-    """FlexAttention BlockMask + Triton loss vs eager attention + reference loss, fp32, at the
+    """FlexAttention BlockMask + Triton loss + compiled elementwise chains vs eager attention +
+    reference loss, fp32, at the
     Llama-3.1-8B draft shape (H 4096, 32/8 heads, intermediate 14336, vocab 128256 -> 32000),
     TTT 7, two samples of 1024 and 700 tokens. Triton's fp32 dots use TF32 (10-bit mantissa)
     where cuBLAS does not, so the bounds are relative to each tensor's scale."""
@@ -158,6 +159,7 @@ def test_kernel_paths_equal_plain_torch_on_gpu_at_the_8b_draft_shape():
 
     def run(attention, loss_impl):
         model.zero_grad()
+        model.fuse_elementwise(attention != "eager")  # the trainer's compiled RMSNorm / SwiGLU / RoPE too
         loss, _ = ttt_loss(model, batch, lm_head, draft_ids, ttt_length=7, attention=attention, loss_impl=loss_impl)
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -171,6 +173,22 @@ def test_kernel_paths_equal_plain_torch_on_gpu_at_the_8b_draft_shape():
         scale = ref.abs().max().item()
         assert scale > 0, name
         torch.testing.assert_close(grads[name], ref, rtol=1e-2, atol=1e-2 * scale, msg=name)
+
+
+@pytest.mark.gpu
+def test_pinned_loader_batches_reach_the_gpu_unchanged(tmp_path):
+    from benchmarks.train_step import write_random_featureset
+
+    fs = write_random_featureset(tmp_path, 6, 64, TINY)
+    plain = FeatureLoader(fs, list(range(6)), max_tokens=128, seed=0, num_workers=1)
+    pinned = FeatureLoader(fs, list(range(6)), max_tokens=128, seed=0, num_workers=1, pin_memory=True)
+    for _, a, b in zip(range(5), plain, pinned, strict=False):
+        assert b.aux_hidden.is_pinned() and b.final_hidden.is_pinned() and not a.aux_hidden.is_pinned()
+        on_gpu = b.to("cuda", torch.bfloat16)  # asynchronous from pinned memory
+        torch.cuda.synchronize()
+        for name in ("input_ids", "loss_mask", "aux_hidden", "final_hidden"):
+            assert torch.equal(getattr(a, name), getattr(on_gpu, name).cpu()), name
+        assert on_gpu.lengths == a.lengths
 
 
 def test_two_steps_match_recorded_losses():

