@@ -1,6 +1,11 @@
 # GPU smoke run of the real CLIs on a tiny random target with SmolLM2's tokenizer: regen, capture,
 # sf-train with flex + triton + compiled elementwise + pinned loader, grad-accum 2.
+#   TOK=folder/with/SmolLM2/tokenizer+config bash benchmarks/gpu_smoke.sh
+# TOK holds config.json, tokenizer.json, tokenizer_config.json, chat_template.jinja and
+# generation_config.json of the converted SmolLM2 (~/.cache/specfoundry/SmolLM2-135M-Instruct);
+# carry it to the device. Result: benchmarks/results/gpu_smoke/e2e.log.
 set -euo pipefail
+TOK=${TOK:-.dev/tok}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 W=/tmp/e2e; rm -rf $W; mkdir -p $W
 sf() { local m=$1; shift; python3 -c "import sys; from specfoundry.$m.cli import main; sys.argv[0] = 'sf-$m'; main()" "$@"; }
@@ -10,12 +15,12 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 t = Path("$W/target"); t.mkdir()
-c = json.load(open(".dev/tok/config.json"))
+c = json.load(open("$TOK/config.json"))
 c.update(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
 torch.manual_seed(0)
 LlamaForCausalLM(LlamaConfig(**{k: v for k, v in c.items() if k not in ("architectures", "transformers_version")})).save_pretrained(t)
 for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-    shutil.copy(f".dev/tok/{f}", t / f)
+    shutil.copy(f"$TOK/{f}", t / f)
 r = random.Random(0)
 words = "the a cat dog runs fast slow python code list sort number add sum question answer why how what".split()
 with open("$W/convs.jsonl", "w") as f:
