@@ -244,6 +244,11 @@ def small_cfg(fs, out, **kw):
     return TrainConfig(**base)
 
 
+def test_flex_attention_on_cpu_is_refused_in_one_line(tmp_path, smol_features):
+    with pytest.raises(ValueError, match="--attention flex needs a GPU"):
+        train(TrainConfig(featureset=str(smol_features), output=str(tmp_path / "run"), attention="flex"), silent=True)
+
+
 def test_training_on_smollm2_features_learns(tmp_path, smol_features):
     result = train(small_cfg(smol_features, tmp_path / "run"), silent=True)
     h = result["history"]

@@ -151,6 +151,10 @@ def train(cfg: TrainConfig, silent: bool = False) -> dict:
                         mixed_precision="bf16" if torch.cuda.is_available() else "no",
                         kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
     set_seed(cfg.seed)
+    if cfg.attention == "flex" and accel.device.type != "cuda":
+        # torch implements FlexAttention's forward but not its backward on CPU
+        raise ValueError("--attention flex needs a GPU (FlexAttention has no backward on CPU); "
+                         "use --attention auto or sdpa here")
     out = Path(cfg.output)
     target_dir = resolve_target(cfg.target)
     fs = FeatureSet(cfg.featureset)
