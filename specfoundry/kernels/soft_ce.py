@@ -21,11 +21,11 @@ over the accumulation steps). Per row (persistent programs, each taking rows pid
          sum p*z accumulate alongside; it stores l (a [N] fp32 vector).
   pass 2 reads z and p again and overwrites z with g0 * m / normaliser * (s * exp(z - lse) - p)
          in z's own dtype.
-G is one program per SM, so the rows in flight are G * V * (bytes of z + p): 17 MB for bf16 at
-V = 32000, which pass 2 finds in the 50 MB L2, so DRAM sees z and p once plus one write of z
-where a separate backward kernel would read both again (3 passes over [N, V] instead of 5).
-fp32 rows (34 MB in flight) mostly miss; fewer programs, to fit, were slower on an H200 (a
-sweep of 12-100 MB budgets and 8-32 warps), and fp32 stays near the compiled reference.
+G is two programs per SM (one hides the other's load latency). Pass 1 loads with an L2
+"evict last" hint and pass 2 with "evict first", as does the gradient's store, so pass 2 finds
+most of its row in the 50 MB L2 (G rows of bf16 z and p at V = 32000 are 34 MB): DRAM sees z
+and p about once plus one write of z, where a separate backward kernel would read both again.
+fp32 rows are twice as large and hit less often (benchmarks/soft_ce_tuning.py has the sweep).
 Backward: the buffer holds dL/dz for g0; for the actual g it is scaled in place by g / g0, a
 pass that is skipped inside the kernel (no host sync) when g / g0 is 1 to within 1e-6. No
 second [N, V] buffer is ever allocated (the SpecForge paper's Algorithm 3).
