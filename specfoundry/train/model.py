@@ -38,13 +38,19 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def compiled_on_cuda(fn):
-    """fn(*args), through torch.compile when the first argument is on a GPU (compiled lazily,
-    on first use; shapes that change become dynamic after the second), else plain."""
-    compiled = torch.compile(fn)
+    """fn(*args), through torch.compile when the first argument is on a GPU, else plain. The
+    compiled function is made on first GPU use (making it imports inductor, over a second on a
+    CPU-only run that never needs it); shapes that change become dynamic after the second."""
+    compiled = None
 
     @functools.wraps(fn)
     def call(*args):
-        return compiled(*args) if args[0].is_cuda else fn(*args)
+        nonlocal compiled
+        if not args[0].is_cuda:
+            return fn(*args)
+        if compiled is None:
+            compiled = torch.compile(fn)
+        return compiled(*args)
 
     return call
 
