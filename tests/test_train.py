@@ -44,10 +44,13 @@ def tiny_setup(seed=0, lengths=(11, 7), cfg=TINY, device="cpu", teacher_scale=1.
     return model.to(device), batch.to(device, torch.float32), lm_head.to(device), (d2t + torch.arange(len(d2t))).to(device)
 
 
-def grads_of(model, batch, lm_head, draft_ids, attention, loss_impl):
+def grads_of(model, batch, lm_head, draft_ids, attention, loss_impl, backprop_scale=1.0, announced_scale=1.0):
+    """Loss and gradients of (loss * backprop_scale), as Accelerate backpropagates loss / grad_accum;
+    announced_scale is what ttt_loss is told that gradient will be (its loss_scale)."""
     model.zero_grad()
-    loss, metrics = ttt_loss(model, batch, lm_head, draft_ids, ttt_length=4, attention=attention, loss_impl=loss_impl)
-    loss.backward()
+    loss, metrics = ttt_loss(model, batch, lm_head, draft_ids, ttt_length=4, attention=attention, loss_impl=loss_impl,
+                             loss_scale=announced_scale)
+    (loss * backprop_scale).backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
@@ -60,11 +63,14 @@ def test_vocab_map_roundtrip_and_padding():
     assert (torch.arange(5) + d2t).tolist() == ids.tolist() and t2d.nonzero().flatten().tolist() == ids.tolist()
 
 
-def test_kernel_paths_equal_plain_torch():
-    """SDPA tree mask + Triton in-place loss (interpreted on CPU) vs eager attention + reference loss."""
+@pytest.mark.parametrize("backprop,announced", [(1.0, 1.0), (0.5, 0.5), (0.5, 1.0)])
+def test_kernel_paths_equal_plain_torch(backprop, announced):
+    """SDPA tree mask + Triton in-place loss (interpreted on CPU) vs eager attention + reference
+    loss; the loss kernel writes its gradient in the forward for the announced upstream
+    gradient (grad-accum 2: 0.5), and must be right when told correctly or not."""
     model, batch, lm_head, draft_ids = tiny_setup()
-    ref_loss, ref_grads = grads_of(model, batch, lm_head, draft_ids, "eager", "reference")
-    loss, grads = grads_of(model, batch, lm_head, draft_ids, "sdpa", "triton")
+    ref_loss, ref_grads = grads_of(model, batch, lm_head, draft_ids, "eager", "reference", backprop)
+    loss, grads = grads_of(model, batch, lm_head, draft_ids, "sdpa", "triton", backprop, announced)
     torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
     assert ref_grads.keys() == grads.keys() and len(grads) == 13
     for name in ref_grads:  # fp32 throughout; differences are summation order only
