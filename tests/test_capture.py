@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from specfoundry.capture.cli import main as capture_cli
 from specfoundry.capture.runner import HFCaptureRunner
-from specfoundry.capture.stage import CaptureConfig, run_capture
+from specfoundry.capture.stage import CaptureConfig, CaptureError, auto_shard_size, run_capture
 from specfoundry.capture.verify import verify_featureset
 from specfoundry.common.target import load_target
 from specfoundry.featureset.manifest import FeatureSetError, check_matches_target
@@ -162,3 +162,20 @@ def test_mismatching_target_is_refused_with_the_reason(tmp_path, chat_file):
 def test_sglang_capture_backend_fails_clearly(tmp_path, chat_file):
     result = CliRunner().invoke(capture_cli, ["run", str(chat_file), "-o", str(tmp_path / "x"), "--backend", "sglang"])
     assert result.exit_code != 0 and "sglang capture backend" in result.output
+
+
+def test_default_shard_size_fits_a_memory_budget_and_is_recorded(tmp_path, chat_file):
+    """Without --shard-size a shard holds at most 4 GiB of features at max_length (it sits in
+    host memory until written), at most 256 samples; the resolved size is what a resume checks."""
+    assert auto_shard_size(576, 2048, "bfloat16") == 256  # SmolLM2: the cap
+    assert auto_shard_size(4096, 4096, "bfloat16") == 32  # an 8B target: 134 MB per sample
+    assert auto_shard_size(4096, 4096, "float32") == 16
+    assert auto_shard_size(8192, 131072, "float32") == 1
+    cfg = CaptureConfig(source=str(chat_file), output=str(tmp_path / "fs"), max_length=64)
+    manifest = run_capture(cfg, silent=True)
+    assert manifest["capture_config"]["shard_size"] == 256
+    assert json.loads((tmp_path / "fs" / "capture_config.json").read_text())["shard_size"] == 256
+    assert run_capture(cfg, silent=True)["shards"] == manifest["shards"]  # the same command resumes
+    with pytest.raises(CaptureError, match="other settings"):
+        run_capture(CaptureConfig(source=str(chat_file), output=str(tmp_path / "fs"), max_length=64, shard_size=3),
+                    silent=True)

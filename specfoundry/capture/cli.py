@@ -29,10 +29,10 @@ def main():
 @click.option("--aux-layers", default=None,
               help="Comma-separated decoder layer ids whose outputs are captured (default 1,L//2-1,L-4).")
 @click.option("--max-length", type=int, default=2048, help="Tokens per sample after the chat template (truncated).")
-@click.option("--shard-size", type=int, default=256,
+@click.option("--shard-size", type=click.IntRange(min=1), default=None,
               help="Samples per shard (unit of resumption and of work per rank). A shard's features stay in "
-                   "host memory until written (4 x hidden x 2 bytes per token: 32 KB at hidden 4096, so 256 "
-                   "samples of 4096 tokens are 34 GB); lower it for large targets and long samples.")
+                   "host memory until written, so the default is as many samples as fit 4 GiB of features at "
+                   "--max-length, at most 256 (SmolLM2 at 2048 tokens: 256; an 8B target at 4096: 32).")
 @click.option("--max-batch-tokens", type=int, default=16384, help="Padded tokens per prefill batch.")
 @click.option("--codec", type=click.Choice(["zarr", "safetensors"]), default="zarr",
               help="zarr: Zarr v3, chunked and compressed (1.3x smaller for bf16; compressing costs about 4x "

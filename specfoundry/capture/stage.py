@@ -16,7 +16,7 @@ import os
 import queue
 import threading
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -36,7 +36,7 @@ from specfoundry.featureset.manifest import (
     TOKEN_COUNTS,
     tokenizer_hashes,
 )
-from specfoundry.featureset.store import CODECS, checksum, shard_name, write_shard
+from specfoundry.featureset.store import CODECS, TORCH_DTYPES, checksum, shard_name, write_shard
 
 
 class CaptureError(ValueError):
@@ -58,8 +58,8 @@ class CaptureConfig:
     """Decoder layers whose outputs are captured; default [1, L//2-1, L-4]."""
     max_length: int = 2048
     """Tokens per sample after the chat template; longer samples are truncated."""
-    shard_size: int = 256
-    """Samples per shard (the unit of resumption and of data-parallel work)."""
+    shard_size: int | None = None
+    """Samples per shard (the unit of resumption and of data-parallel work); None: auto_shard_size."""
     max_batch_tokens: int = 16384
     """Padded tokens per prefill batch (batches are length-sorted inside a shard)."""
     codec: str = "zarr"
@@ -77,6 +77,20 @@ class CaptureConfig:
             d.pop(k)
         d["aux_layers"] = list(self.aux_layers) if self.aux_layers is not None else None
         return d
+
+
+SHARD_BYTES = 4 << 30  # features one automatically sized shard may hold at max_length
+MAX_AUTO_SHARD_SIZE = 256
+
+
+def auto_shard_size(hidden_size: int, max_length: int, storage_dtype: str) -> int:
+    """Samples per shard when none is given: as many as keep a shard's features (4 states of
+    hidden_size per token, at max_length) within SHARD_BYTES, and at most 256. A shard stays in
+    host memory from its capture until written, up to writers + 2 of them at once, so a fixed
+    256 would hold 6 x 34 GB for an 8B target at 4096 tokens. SmolLM2 (hidden 576) at 2048
+    tokens gets 256; an 8B target (hidden 4096) at 4096 tokens gets 32."""
+    per_sample = max_length * 4 * hidden_size * TORCH_DTYPES[storage_dtype].itemsize
+    return max(1, min(MAX_AUTO_SHARD_SIZE, SHARD_BYTES // per_sample))
 
 
 def weight_fingerprint(model_dir: Path) -> str:
@@ -185,6 +199,8 @@ def run_capture(cfg: CaptureConfig, rank: int = 0, world: int = 1, silent: bool 
                            "(SGLang's aux-hidden-state capture) is not implemented")
     root = Path(cfg.output)
     model, tokenizer, identity = load_target(cfg.target, device=cfg.device)
+    if cfg.shard_size is None:  # resolved here and recorded, so a resume compares the value itself
+        cfg = replace(cfg, shard_size=auto_shard_size(identity.hidden_size, cfg.max_length, cfg.storage_dtype))
     aux_layers = list(cfg.aux_layers) if cfg.aux_layers else default_aux_layers(identity.num_layers)
     runner = HFCaptureRunner(model, aux_layers)
     samples, bad, skipped = prepare_samples(cfg, tokenizer)
