@@ -7,6 +7,10 @@
 # Extra options per stage: REGEN_FLAGS (e.g. "--greedy"), TRAIN_FLAGS (sf-train overrides),
 # EVAL_SETS (default chat,code,math,multiturn), EVAL_LIMIT (prompts per set), EVAL_NAME,
 # EVAL_FLAGS (e.g. "--tree 4,2,2,1").
+# Keeping a trained draft for later evals (so a session can evaluate without regen + train):
+#   bash benchmarks/pipeline_h200.sh keep      # alone in its call: $OUT/draft/ = the export's json
+#                                              # files + model.safetensors in 15 MB parts (a call returns 8 files)
+#   DRAFT_PARTS=.draft bash benchmarks/pipeline_h200.sh restore eval   # .draft = those files, carried
 # Work goes to $WORK (default ~/sfrun); logs and results to $OUT (default $WORK/out).
 # It runs from the source tree without installing (the device image has torch and transformers).
 set -euo pipefail
@@ -46,8 +50,16 @@ convert_gguf(Path('${GGUF:?set GGUF}'), cache_root() / EMBEDDED_DIR_NAME)" ;;
     train) stage train sf train --recipe recipes/smollm2-h200.yaml --featureset "$WORK/features" \
              --output "$WORK/train" ${EPOCHS:+--epochs $EPOCHS} ${TRAIN_FLAGS:-}
            cp "$WORK/train/history.json" "$WORK/train/train_config.json" "$OUT/" ;;
+    keep) mkdir -p "$OUT/draft"
+          cp "$WORK/train/export/"*.json "$OUT/draft/"
+          split -b 15M "$WORK/train/export/model.safetensors" "$OUT/draft/model.safetensors.part-"
+          ls -l "$OUT/draft" ;;
+    restore) mkdir -p "$WORK/draft"
+             cp "${DRAFT_PARTS:?set DRAFT_PARTS}"/*.json "$WORK/draft/"
+             cat "$DRAFT_PARTS"/model.safetensors.part-* > "$WORK/draft/model.safetensors"
+             DRAFT=${DRAFT:-$WORK/draft} ;;
     eval) name=${EVAL_NAME:-eval}
-          stage "$name" sf eval run "$WORK/train" --prompts "${EVAL_SETS:-chat,code,math,multiturn}" -k "${K:-7}" \
+          stage "$name" sf eval run "${DRAFT:-$WORK/train}" --prompts "${EVAL_SETS:-chat,code,math,multiturn}" -k "${K:-7}" \
             --max-new-tokens "${EVAL_TOKENS:-96}" ${EVAL_LIMIT:+--limit $EVAL_LIMIT} --dtype float32 ${EVAL_FLAGS:-} -o "$OUT/$name"
           cat "$OUT/$name/eval.txt" ;;
     gate) stage gate sf eval gate -w "$WORK/gate" ;;
