@@ -34,6 +34,8 @@ THE LOGITS BUFFER IS CONSUMED, BY THE FORWARD: once the loss is computed, the te
 `logits` holds the gradient, not the logits. Read anything you need from it (argmax, accuracy)
 before calling. Accumulation is fp32 for fp32 and bf16 logits alike. With bf16 logits and
 g != g0 the gradient is rounded twice (written, then scaled): at most one more bf16 step.
+fp16 logits under a loss scaler: announce the scale in grad_scale, or small gradients written
+for g0 = 1 underflow in fp16 before the backward scales them up.
 """
 
 from __future__ import annotations
