@@ -21,24 +21,50 @@ from specfoundry.train.model import Eagle3Draft
 from specfoundry.train.vocab import vocab_maps
 
 
-def greedy_equality(export, smollm2_dir, limit, max_new_tokens, tree=None):
+class Decoding:
+    """SmolLM2, the gate-trained draft, and memoised decodings: transformers' greedy generate
+    (the reference) and ours, per (prompt, length, tree), so the tests below share them."""
+
+    def __init__(self, export, smollm2_dir):
+        self.model, self.tokenizer, _ = load_target("smollm2", device="cpu", dtype=torch.float32)
+        self.target = TargetRunner(self.model, [1, 14, 26])
+        self.draft = DraftRunner(load_draft(export, smollm2_dir, torch.device("cpu"), torch.float32))
+        self.memo: dict = {}
+
+    def reference(self, pid, ids, n):
+        """transformers' own greedy generate, independent of our runners."""
+        key = ("ref", pid, n)
+        if key not in self.memo:
+            self.memo[key] = self.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                                 max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+        return self.memo[key]
+
+    def ours(self, pid, ids, n, tree=None):
+        """Chain k=4, or the tree with this branching."""
+        key = ("ours", pid, n, tree)
+        if key not in self.memo:
+            eos = {self.tokenizer.eos_token_id}
+            if tree:
+                self.memo[key] = tree_generate(self.target, self.draft, ids, branching=tree, max_new_tokens=n, eos=eos)
+            else:
+                self.memo[key] = speculative_generate(self.target, self.draft, ids, k=4, max_new_tokens=n, eos=eos,
+                                                      sampler=Sampler())
+        return self.memo[key]
+
+
+@pytest.fixture(scope="module")
+def decoding(gate_run, smollm2_dir):
+    return Decoding(gate_run[1], smollm2_dir)
+
+
+def greedy_equality(decoding, limit, max_new_tokens, tree=None):
     """Speculative (chain k=4, or the tree) output == transformers' greedy generate."""
-    model, tokenizer, _ = load_target("smollm2", device="cpu", dtype=torch.float32)
-    target = TargetRunner(model, [1, 14, 26])
-    draft = DraftRunner(load_draft(export, smollm2_dir, torch.device("cpu"), torch.float32))
     accepted, compared = [], 0
     for name in BUILTIN_SETS:
-        for pid, ids in load_prompts(name, tokenizer, limit):
-            if tree:
-                out = tree_generate(target, draft, ids, branching=tree, max_new_tokens=max_new_tokens,
-                                    eos={tokenizer.eos_token_id})
-            else:
-                out = speculative_generate(target, draft, ids, k=4, max_new_tokens=max_new_tokens,
-                                           eos={tokenizer.eos_token_id}, sampler=Sampler())
-            # the reference is transformers' own greedy generate, independent of our runner
-            ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=max_new_tokens, do_sample=False)[0, len(ids):].tolist()
-            assert out.tokens == ref, f"{pid}: speculative output differs from the target's greedy output"
+        for pid, ids in load_prompts(name, decoding.tokenizer, limit):
+            out = decoding.ours(pid, ids, max_new_tokens, tree)
+            assert out.tokens == decoding.reference(pid, ids, max_new_tokens), (
+                f"{pid}: speculative output differs from the target's greedy output")
             accepted += out.accepted
             compared += 1
     # the draft must really have been accepted sometimes (and rejected), or the test shows little
@@ -46,24 +72,21 @@ def greedy_equality(export, smollm2_dir, limit, max_new_tokens, tree=None):
     return compared, accepted
 
 
-def test_greedy_speculative_equals_target_generate(gate_run, smollm2_dir):
-    _, export = gate_run
-    assert greedy_equality(export, smollm2_dir, limit=2, max_new_tokens=24)[0] == 2 * len(BUILTIN_SETS)
+def test_greedy_speculative_equals_target_generate(decoding):
+    assert greedy_equality(decoding, limit=2, max_new_tokens=24)[0] == 2 * len(BUILTIN_SETS)
 
 
-def test_tree_decoding_equals_target_generate_and_accepts_more(gate_run, smollm2_dir):
-    _, export = gate_run
-    n, chain = greedy_equality(export, smollm2_dir, limit=1, max_new_tokens=24)
-    n_tree, tree = greedy_equality(export, smollm2_dir, limit=1, max_new_tokens=24, tree=(3, 2, 2, 1))
+def test_tree_decoding_equals_target_generate_and_accepts_more(decoding):
+    n, chain = greedy_equality(decoding, limit=1, max_new_tokens=24)
+    n_tree, tree = greedy_equality(decoding, limit=1, max_new_tokens=24, tree=(3, 2, 2, 1))
     assert n == n_tree == len(BUILTIN_SETS)
     # the tree holds the chain as its top-1 branch: more tokens per target forward
     assert (sum(tree) + len(tree)) / len(tree) > (sum(chain) + len(chain)) / len(chain), (tree, chain)
 
 
 @pytest.mark.slow
-def test_greedy_speculative_equals_target_generate_all_held_out_prompts(gate_run, smollm2_dir):
-    _, export = gate_run
-    assert greedy_equality(export, smollm2_dir, limit=None, max_new_tokens=64)[0] == 60
+def test_greedy_speculative_equals_target_generate_all_held_out_prompts(decoding):
+    assert greedy_equality(decoding, limit=None, max_new_tokens=64)[0] == 60
 
 
 def true_greedy(model, prompt, n):
