@@ -114,6 +114,24 @@ def bench_attention(seqs: list[int]) -> list[dict]:
     return rows
 
 
+def weighted_loss_case(n: int, v: int, dtype: torch.dtype, steps: int, device: str = "cuda"):
+    """Random logits, target distributions and a row mask for `steps` losses of [n, v]; returns
+    run(fn), one forward + backward of sum_s 0.8^s * fn(z_s, p_s, mask, normaliser, w_s), where
+    w_s = 0.8^s is the gradient into loss s (ours is told it, as the trainer tells it)."""
+    zs = [torch.randn(n, v, device=device, dtype=dtype, requires_grad=True) for _ in range(steps)]
+    ps = [torch.softmax(torch.randn(n, v, device=device), -1).to(dtype) for _ in range(steps)]
+    mask = torch.rand(n, device=device) > 0.1
+    norm = mask.sum().float()
+
+    def run(fn):
+        for z in zs:
+            z.grad = None
+        total = sum(0.8 ** s * fn(z, p, mask, norm, 0.8 ** s) for s, (z, p) in enumerate(zip(zs, ps, strict=True)))
+        total.backward()
+
+    return run
+
+
 def bench_loss(shapes: list[tuple[int, int]]) -> list[dict]:
     rows = []
     compiled = torch.compile(soft_ce_reference)
@@ -121,19 +139,7 @@ def bench_loss(shapes: list[tuple[int, int]]) -> list[dict]:
         for dtype in (torch.float32, torch.bfloat16):
             e = torch.finfo(dtype).bits // 8
             for steps in (1, STEPS):
-                zs = [torch.randn(n, v, device="cuda", dtype=dtype, requires_grad=True) for _ in range(steps)]
-                ps = [torch.softmax(torch.randn(n, v, device="cuda"), -1).to(dtype) for _ in range(steps)]
-                mask = torch.rand(n, device="cuda") > 0.1
-                norm = mask.sum().float()
-
-                def run(fn, zs=zs, ps=ps, mask=mask, norm=norm):
-                    for z in zs:
-                        z.grad = None
-                    # w = 0.8^s, the gradient into loss s: ours is told it, as the trainer tells it
-                    total = sum(0.8 ** s * fn(z, p, mask, norm, 0.8 ** s)
-                                for s, (z, p) in enumerate(zip(zs, ps, strict=True)))
-                    total.backward()
-
+                run = weighted_loss_case(n, v, dtype, steps)
                 variants = {
                     "ours (triton in place)": lambda z, p, m, nn, w: soft_target_cross_entropy(z, p, m, nn, impl="triton",
                                                                                             grad_scale=w),
@@ -145,8 +151,8 @@ def bench_loss(shapes: list[tuple[int, int]]) -> list[dict]:
                     row = {"what": "soft CE", "N": n, "V": v, "dtype": str(dtype).split(".")[1], "steps": steps,
                            "impl": name}
                     try:
-                        row["ms"] = cuda_time_ms(lambda fn=fn: run(fn), 3, 10)
-                        row["extra_GiB"] = peak_memory_gib(lambda fn=fn: run(fn))
+                        row["ms"] = cuda_time_ms(lambda fn=fn, run=run: run(fn), 3, 10)
+                        row["extra_GiB"] = peak_memory_gib(lambda fn=fn, run=run: run(fn))
                         row["extra_%_of_logits"] = 100 * row["extra_GiB"] / logits_gib
                         row["TB/s"] = n * v * (3 * e + 2 * e) * steps / (row["ms"] * 1e-3) / 1e12
                         row["%_of_copy_bw"] = 100 * row["TB/s"] / COPY_TBPS
@@ -157,7 +163,7 @@ def bench_loss(shapes: list[tuple[int, int]]) -> list[dict]:
                 ours, comp = rows[-3], rows[-1]
                 if isinstance(ours.get("ms"), float) and isinstance(comp.get("ms"), float):
                     ours["time_vs_compiled"] = ours["ms"] / comp["ms"]
-                del zs, ps
+                del run
     return rows
 
 

@@ -16,26 +16,19 @@ import torch
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 import specfoundry.kernels.soft_ce as sc  # noqa: E402
 from benchmarks.common import cuda_time_ms  # noqa: E402
+from benchmarks.kernels import weighted_loss_case  # noqa: E402
 
 CASES = [(4096, torch.bfloat16, 1), (4096, torch.float32, 1), (4096, torch.bfloat16, 7),
          (16384, torch.float32, 7), (16384, torch.bfloat16, 7)]
 
 
 def sweep_case(n: int, dtype: torch.dtype, steps: int, compiled, v: int = 32000) -> str:
-    zs = [torch.randn(n, v, device="cuda", dtype=dtype, requires_grad=True) for _ in range(steps)]
-    ps = [torch.softmax(torch.randn(n, v, device="cuda"), -1).to(dtype) for _ in range(steps)]
-    mask = torch.rand(n, device="cuda") > 0.1
-    norm = mask.sum().float()
+    run = weighted_loss_case(n, v, dtype, steps)
 
-    def run(loss):
-        for z in zs:
-            z.grad = None
-        sum(0.8 ** s * loss(z, p, 0.8 ** s) for s, (z, p) in enumerate(zip(zs, ps, strict=True))).backward()
-
-    def ours(z, p, w):
+    def ours(z, p, mask, norm, w):
         return sc.soft_target_cross_entropy(z, p, mask, norm, impl="triton", grad_scale=w)
 
-    base = cuda_time_ms(lambda: run(lambda z, p, w: compiled(z, p, mask, norm)), 5, 20)
+    base = cuda_time_ms(lambda: run(lambda z, p, mask, norm, w: compiled(z, p, mask, norm)), 5, 20)
     out = [f"N={n} {str(dtype).split('.')[1]} x{steps} compiled {base:.3f}"]
     for per_sm in (1, 2, 4):
         for evict in (False, True):

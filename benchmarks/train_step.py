@@ -65,24 +65,22 @@ def write_random_featureset(root: Path, n: int, t: int, cfg) -> FeatureSet:
     return FeatureSet(root)
 
 
-def random_ttt_module(cfg, vocab_stride: int, head_scale: float) -> TTTModule:
+def random_ttt_module(cfg, vocab_stride: int, head_scale: float, fuse_elementwise: bool = True) -> TTTModule:
     """A draft of shape `cfg` with random weights (seed 0), every `vocab_stride`-th target token
     in its vocabulary, and a random bf16 teacher head of scale `head_scale`, on the CPU: the
-    caller moves or wraps it."""
+    caller moves or wraps it. fuse_elementwise: as TTTModule's."""
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
     d2t, t2d = vocab_maps(torch.arange(0, cfg.vocab_size, vocab_stride)[: cfg.draft_vocab_size], cfg.vocab_size)
     draft.d2t.copy_(d2t)
     draft.t2d.copy_(t2d)
     lm_head = (torch.randn(cfg.vocab_size, cfg.hidden_size) * head_scale).to(torch.bfloat16)
-    return TTTModule(draft, lm_head)
+    return TTTModule(draft, lm_head, fuse_elementwise)
 
 
 def llama8b_ttt_module(fuse_elementwise: bool = True) -> TTTModule:
     """The 8B-shaped draft (every 4th token in the draft vocab, teacher head scale 0.02)."""
-    module = random_ttt_module(LLAMA8B_DRAFT, vocab_stride=4, head_scale=0.02)
-    module.draft.fuse_elementwise(fuse_elementwise)
-    return module
+    return random_ttt_module(LLAMA8B_DRAFT, vocab_stride=4, head_scale=0.02, fuse_elementwise=fuse_elementwise)
 
 
 def time_steps(step, steps: int, warmup: int = 2) -> float:
@@ -108,7 +106,10 @@ IMPLS = {  # name: (attention, loss, compiled elementwise chains)
 }
 
 
-def profile_table(step, steps: int = 2) -> str:
+PROFILED_STEPS = 2
+
+
+def profile_table(step, steps: int = PROFILED_STEPS) -> str:
     """CUDA kernels by total GPU time over `steps` steps (after the caller's warm-up)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -138,7 +139,7 @@ def run(impl: str, fs: FeatureSet, t: int, steps: int, ttt: int, profile: bool =
     try:
         ms = time_steps(step, steps)
         if profile:
-            print(f"== where {impl} spends its GPU time ({2} steps) ==\n{profile_table(step)}", flush=True)
+            print(f"== where {impl} spends its GPU time ({PROFILED_STEPS} steps) ==\n{profile_table(step)}", flush=True)
         row.update(ms_per_step=ms, tokens_per_s=t / (ms * 1e-3), peak_GiB=torch.cuda.max_memory_allocated() / 2**30)
         row["TFLOPs"] = flops_per_token(cfg, t, ttt) * t / (ms * 1e-3) / 1e12
         row["MFU_%"] = 100 * row["TFLOPs"] / MATMUL_TFLOPS
