@@ -15,10 +15,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from specfoundry.generate.backend import SamplingConfig
+from specfoundry.generate.backend import Generation, SamplingConfig
 from specfoundry.generate.cli import main as regen_cli
 from specfoundry.generate.hf_backend import HFBackend
 from specfoundry.generate.regen import RegenConfig, run_regen
+from specfoundry.generate.repetition import loop_cut
 from tests.conftest import CHAT, write_jsonl
 
 
@@ -185,3 +186,70 @@ def test_sigkill_midway_then_resume_gives_identical_shards(tmp_path):
     assert len(whole_files) == len(CHAT)
     for name in whole_files:
         assert (killed / "data" / name).read_bytes() == (tmp_path / "whole" / "data" / name).read_bytes(), name
+
+
+# ---- repetition loops (--on-truncated trim) --------------------------------------------------
+
+@pytest.mark.parametrize("period", [1, 3, 17, 64])
+def test_loop_cut_keeps_the_block_and_one_repeat(period):
+    intro = list(range(1000, 1040))  # 40 distinct tokens of ordinary text
+    block = list(range(2000, 2000 + period))
+    ids = intro + block * (200 // period + 3)
+    cut = loop_cut(ids)
+    assert cut == len(intro) + 2 * period
+    assert ids[:cut] == intro + block + block
+
+
+def test_loop_cut_leaves_text_without_a_long_loop_alone():
+    intro = list(range(1000, 1100))
+    assert loop_cut(intro) is None
+    assert loop_cut(intro + [7] * 31) is None  # 30 tokens repeated: under the 32-token threshold
+    assert loop_cut(intro + list(range(5000, 5065)) * 2) is None  # a 65-token block: longer than the longest period
+    assert loop_cut(intro + [7] * 2) is None  # cutting would remove nothing
+    assert loop_cut([]) is None
+
+
+class ScriptedBackend:
+    """Answers every turn with the next scripted token ids; 'length' when they fill the cap."""
+
+    name = "scripted"
+
+    def __init__(self, tokenizer, answers):
+        self.tokenizer, self.answers, self.prompts = tokenizer, list(answers), []
+
+    def identity(self):
+        return {"backend": self.name}
+
+    def chat(self, prompts, sampling, seed):
+        gens = []
+        for p in prompts:
+            self.prompts.append(p)
+            ids = tuple(self.answers.pop(0))
+            reason = "length" if len(ids) >= sampling.max_new_tokens else "stop"
+            gens.append(Generation(self.tokenizer.decode(ids), reason, ids, len(ids)))
+        return gens
+
+
+def test_trim_cuts_looping_answers_and_later_turns_see_the_cut(tmp_path, backend):
+    tok = backend.tokenizer
+    text_ids = tok("A loop starts here.", add_special_tokens=False)["input_ids"]
+    block = tok(" I hope this helps!", add_special_tokens=False)["input_ids"]
+    looping = (text_ids + block * 40)[:96]
+    plain = tok(" This answer ends before the cap.", add_special_tokens=False)["input_ids"]
+    wordy = list(range(300, 396))  # hits the cap without a loop
+    convs = [{"messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "x"},
+                           {"role": "user", "content": "q2"}, {"role": "assistant", "content": "y"}]},
+             {"messages": [{"role": "user", "content": "q3"}, {"role": "assistant", "content": "z"}]}]
+    src = write_jsonl(tmp_path / "c.jsonl", convs)
+    scripted = ScriptedBackend(tok, [looping, wordy, plain])  # turn 0 of both, then turn 1 of the first
+    cfg = RegenConfig(output=str(tmp_path / "out"), source=str(src), on_truncated="trim",
+                      sampling=SamplingConfig(temperature=0.0, max_new_tokens=96))
+    manifest = run_regen(cfg, scripted, silent=True)
+    t = manifest["totals"]
+    kept = text_ids + block + block
+    assert (t["turns_loop_trimmed"], t["turns_truncated"], t["loop_tokens_removed"]) == (1, 1, 96 - len(kept))
+    first, second = sorted(rows(tmp_path / "out"), key=lambda r: r["id"])
+    assert first["gen_token_ids"][0] == kept and first["messages"][1]["content"] == tok.decode(kept)
+    assert first["finish_reasons"] == ["loop", "stop"] and first["flags"] == ["turn 0: loop trimmed"]
+    assert scripted.prompts[2][1]["content"] == tok.decode(kept)  # turn 1 was generated on the trimmed answer
+    assert second["finish_reasons"] == ["length"] and second["flags"] == ["turn 0: truncated"]

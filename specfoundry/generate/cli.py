@@ -39,8 +39,11 @@ from specfoundry.generate.synth import DEFAULT_STARTERS, read_starters
 @click.option("--max-prompt-tokens", type=int, default=2048, help="Prompts longer than this are reported as bad input.")
 @click.option("--on-empty", type=click.Choice(["drop", "flag"]), default="drop",
               help="Drop conversations with an empty regenerated answer, or keep them flagged.")
-@click.option("--on-truncated", type=click.Choice(["drop", "flag"]), default="flag",
-              help="Drop conversations with an answer cut at --max-new-tokens, or keep them flagged.")
+@click.option("--on-truncated", type=click.Choice(["drop", "flag", "trim"]), default="flag",
+              help="Drop conversations with an answer cut at --max-new-tokens, keep them flagged, or 'trim': "
+                   "cut an answer that ends in a verbatim repetition loop (a block of <= 64 tokens repeating "
+                   ">= 32 tokens) after the loop's first repeat, and keep the other cut answers flagged "
+                   "(backends that return token ids: hf, sglang).")
 @click.option("--strict", is_flag=True, help="Fail on the first bad input instead of reporting and skipping it.")
 @click.option("--limit", type=int, default=None, help="Use only the first N good conversations.")
 @click.option("--device", default=None, help="Torch device for the hf backend (default: cuda if available, else cpu).")
@@ -81,6 +84,7 @@ def main(source, output, target, backend, synthesize, prompt_temperature, prompt
     click.echo(
         f"wrote {t.get('conversations_written', 0)} conversations to {output} "
         f"(turns ok {t.get('turns_ok', 0)}, empty {t.get('turns_empty', 0)}, truncated {t.get('turns_truncated', 0)}, "
+        f"loops trimmed {t.get('turns_loop_trimmed', 0)}, "
         f"failed {t.get('turns_failed', 0)}; bad inputs {len(manifest['bad_inputs'])})"
     )
 

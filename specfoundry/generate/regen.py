@@ -33,7 +33,8 @@ from specfoundry.common.conversations import (
 )
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json, sha256_file
 from specfoundry.common.progress import Progress
-from specfoundry.generate.backend import Backend, SamplingConfig, derive_seed
+from specfoundry.generate.backend import Backend, Generation, SamplingConfig, derive_seed
+from specfoundry.generate.repetition import loop_cut
 from specfoundry.generate.synth import DEFAULT_STARTERS, starter_for, user_turn_prefix
 
 FORMAT = "specfoundry.regen"
@@ -89,7 +90,9 @@ class RegenConfig:
     on_empty: str = "drop"
     """'drop' or 'flag' a conversation with an empty regenerated answer."""
     on_truncated: str = "flag"
-    """'drop' or 'flag' a conversation with an answer cut at max_new_tokens."""
+    """'drop' or 'flag' a conversation with an answer cut at max_new_tokens, or 'trim': cut an
+    answer that ends in a repetition loop after the loop's first repeat (see repetition.py),
+    and flag the other cut answers."""
     strict: bool = False
     """Fail on the first bad input instead of reporting and skipping it."""
     limit: int | None = None
@@ -135,6 +138,8 @@ class ShardCounts:
     turns_ok: int = 0
     turns_empty: int = 0
     turns_truncated: int = 0
+    turns_loop_trimmed: int = 0
+    loop_tokens_removed: int = 0
     turns_failed: int = 0
     generated_tokens: int = 0
     synthetic_prompts_empty: int = 0
@@ -237,6 +242,8 @@ class Regenerator:
             for s, g in zip(active, gens, strict=True):
                 s.cursor += 1  # past the original assistant turn we replace
                 counts.generated_tokens += g.num_tokens
+                if g.finish_reason == "length" and cfg.on_truncated == "trim":
+                    g = self.trim_loop(g, counts)
                 s.built.append({"role": "assistant", "content": g.text})
                 s.finish_reasons.append(g.finish_reason)
                 s.token_ids.append(list(g.token_ids) if g.token_ids is not None else [])
@@ -248,6 +255,8 @@ class Regenerator:
                     counts.turns_empty += 1
                     s.flags.append(f"turn {turn}: empty")
                     s.status = "empty" if cfg.on_empty == "drop" else s.status
+                elif g.finish_reason == "loop":
+                    s.flags.append(f"turn {turn}: loop trimmed")
                 elif g.finish_reason == "length":
                     counts.turns_truncated += 1
                     s.flags.append(f"turn {turn}: truncated")
@@ -264,6 +273,22 @@ class Regenerator:
         counts.conversations_written += len(rows)
         progress.update(len(states))
         return rows
+
+    def trim_loop(self, g: Generation, counts: ShardCounts) -> Generation:
+        """`g` cut after the first repeat of the loop it ends in (finish reason 'loop'), or `g`
+        itself when it ends in no loop or the backend gave no token ids to look at.
+
+        Later turns are generated on the trimmed text, so the history stays what the target saw.
+        Capture's soft targets come from the target's own logits at every position, so the cut
+        teaches the draft nothing false: at the cut the target still predicts the loop going on."""
+        tokenizer = self.backend.tokenizer
+        cut = loop_cut(g.token_ids) if g.token_ids is not None and tokenizer is not None else None
+        if cut is None:
+            return g
+        counts.turns_loop_trimmed += 1
+        counts.loop_tokens_removed += g.num_tokens - cut
+        kept = tuple(g.token_ids[:cut])
+        return Generation(tokenizer.decode(kept), "loop", kept, len(kept))
 
     # ---- the run --------------------------------------------------------------------------
 
@@ -340,6 +365,6 @@ class Regenerator:
 
 def run_regen(cfg: RegenConfig, backend: Backend, silent: bool = False) -> dict:
     """Run (or resume) a regen into cfg.output and return the final manifest."""
-    if cfg.on_empty not in ("drop", "flag") or cfg.on_truncated not in ("drop", "flag"):
-        raise RegenError("--on-empty and --on-truncated take 'drop' or 'flag'")
+    if cfg.on_empty not in ("drop", "flag") or cfg.on_truncated not in ("drop", "flag", "trim"):
+        raise RegenError("--on-empty takes 'drop' or 'flag'; --on-truncated takes 'drop', 'flag' or 'trim'")
     return Regenerator(cfg, backend, silent).run()
