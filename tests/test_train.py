@@ -275,8 +275,8 @@ def test_resume_after_a_stop_gives_identical_weights(tmp_path, smol_features):
     stop = {"at": 10}
     orig = loop.save_checkpoint
 
-    def save_then_stop(accel, out, step, loader, keep_last):
-        orig(accel, out, step, loader, keep_last)
+    def save_then_stop(accel, out, step, loader, keep_last, history):
+        orig(accel, out, step, loader, keep_last, history)
         if step == stop["at"]:
             raise KeyboardInterrupt
 
@@ -292,7 +292,10 @@ def test_resume_after_a_stop_gives_identical_weights(tmp_path, smol_features):
     b = load_file(str(tmp_path / "part" / "export" / "model.safetensors"))
     for name in a:
         assert torch.equal(a[name], b[name]), name  # bitwise: same ops, same order, same RNG
-    assert [x["loss_0"] for x in whole["history"][10:]] == [x["loss_0"] for x in resumed["history"]]
+    # the history (and so history.json) covers the whole run, the steps before the stop included
+    assert [x["step"] for x in resumed["history"]] == list(range(1, 21))
+    assert [x["loss_0"] for x in whole["history"]] == [x["loss_0"] for x in resumed["history"]]
+    assert json.loads((tmp_path / "part" / "history.json").read_text()) == resumed["history"]
 
 
 def sf_train_args(fs, out, **kw):

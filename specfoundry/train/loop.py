@@ -187,16 +187,16 @@ def train(cfg: TrainConfig, silent: bool = False) -> dict:
         (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
         (out / "draft_config.json").write_text(json.dumps(dcfg.to_dict(), indent=2) + "\n")
 
-    step = 0
+    step, history = 0, []
     existing = checkpoint_dirs(out)
-    if existing:  # resume from the newest checkpoint: weights, optimizer, scheduler, RNG, loader
+    if existing:  # resume from the newest checkpoint: weights, optimizer, scheduler, RNG, loader, history
         accel.load_state(str(existing[-1]))
         state = json.loads((existing[-1] / "trainer_state.json").read_text())
         step = state["step"]
         loader.load_state_dict(state["loader"][accel.process_index])
+        history = state.get("history", [])  # so history.json covers the whole run, not the last leg
 
     tracker = TensorboardTracker(out / "tensorboard") if cfg.tensorboard and accel.is_main_process else NullTracker()
-    history = []
     data = iter(loader)
 
     def run_batch(batch: Batch, grad: bool):
@@ -238,7 +238,7 @@ def train(cfg: TrainConfig, silent: bool = False) -> dict:
                 history[-1].update({f"eval_{k}": v for k, v in ev.items()})
                 tracker.log({f"eval/{k}": v for k, v in ev.items()}, step)
             if step % cfg.save_every == 0 or step == total_steps:
-                save_checkpoint(accel, out, step, loader, cfg.keep_last)
+                save_checkpoint(accel, out, step, loader, cfg.keep_last, history)
     tracker.close()
     # ZeRO-2 evidence: each rank's optimizer state (Adam moments) should be ~1/world of the whole
     state_bytes = torch.tensor([optimizer_state_bytes(optimizer)], device=accel.device)
@@ -293,7 +293,7 @@ def evaluate(model, fs, eval_idx, cfg, accel, run_batch) -> dict:
     return summarise(merge_metrics(per_micro, accel)) if per_micro else {}
 
 
-def save_checkpoint(accel, out: Path, step: int, loader: FeatureLoader, keep_last: int) -> None:
+def save_checkpoint(accel, out: Path, step: int, loader: FeatureLoader, keep_last: int, history: list[dict]) -> None:
     path = out / "checkpoints" / f"step-{step:07d}"
     accel.save_state(str(path))
     states = [None] * accel.num_processes
@@ -304,7 +304,7 @@ def save_checkpoint(accel, out: Path, step: int, loader: FeatureLoader, keep_las
     else:
         states = [loader.state_dict()]
     if accel.is_main_process:
-        (path / "trainer_state.json").write_text(json.dumps({"step": step, "loader": states}) + "\n")
+        (path / "trainer_state.json").write_text(json.dumps({"step": step, "loader": states, "history": history}) + "\n")
         for old in checkpoint_dirs(out)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     accel.wait_for_everyone()
