@@ -4,7 +4,7 @@
 # without the draft. Stages are arguments, run in order; each resumes when run again:
 #   bash benchmarks/pipeline_h200.sh target regen     # GGUF=path/to/SmolLM2.gguf for `target`
 #   bash benchmarks/pipeline_h200.sh capture train eval
-# Extra options per stage: REGEN_FLAGS (e.g. "--greedy"), TRAIN_FLAGS (sf-train overrides),
+# Extra options per stage: REGEN_FLAGS (e.g. "--greedy --on-truncated trim"), TRAIN_FLAGS (sf-train overrides),
 # EVAL_SETS (default chat,code,math,multiturn), EVAL_LIMIT (prompts per set), EVAL_NAME,
 # EVAL_FLAGS (e.g. "--tree 4,2,2,1").
 # Keeping a trained draft for later evals (so a session can evaluate without regen + train):
