@@ -8,7 +8,7 @@ import click
 
 from specfoundry.common.target import EMBEDDED_DEFAULT
 from specfoundry.generate.backend import SamplingConfig, make_backend
-from specfoundry.generate.regen import RegenConfig, RegenError, run_regen
+from specfoundry.generate.regen import ON_EMPTY, ON_TRUNCATED, RegenConfig, RegenError, run_regen
 from specfoundry.generate.synth import DEFAULT_STARTERS, read_starters
 
 
@@ -37,9 +37,9 @@ from specfoundry.generate.synth import DEFAULT_STARTERS, read_starters
 @click.option("--batch-size", type=int, default=32, help="Sequences generated together (hf, sglang).")
 @click.option("--shard-size", type=int, default=128, help="Conversations per output shard (the unit of resumption).")
 @click.option("--max-prompt-tokens", type=int, default=2048, help="Prompts longer than this are reported as bad input.")
-@click.option("--on-empty", type=click.Choice(["drop", "flag"]), default="drop",
+@click.option("--on-empty", type=click.Choice(ON_EMPTY), default="drop",
               help="Drop conversations with an empty regenerated answer, or keep them flagged.")
-@click.option("--on-truncated", type=click.Choice(["drop", "flag", "trim"]), default="flag",
+@click.option("--on-truncated", type=click.Choice(ON_TRUNCATED), default="flag",
               help="Drop conversations with an answer cut at --max-new-tokens, keep them flagged, or 'trim': "
                    "cut an answer that ends in a verbatim repetition loop (a block of <= 64 tokens repeating "
                    ">= 32 tokens) after the loop's first repeat, and keep the other cut answers flagged "

@@ -40,6 +40,8 @@ from specfoundry.generate.synth import DEFAULT_STARTERS, starter_for, user_turn_
 FORMAT = "specfoundry.regen"
 FORMAT_VERSION = 1
 SYNTH_PHASE = 1_000_000  # seed part that keeps prompt synthesis apart from turn generation
+ON_EMPTY = ("drop", "flag")  # what --on-empty may do with an empty answer
+ON_TRUNCATED = ("drop", "flag", "trim")  # what --on-truncated may do with an answer cut at the cap
 
 ROW_SCHEMA = pa.schema([
     ("id", pa.string()),
@@ -256,6 +258,7 @@ class Regenerator:
                     s.flags.append(f"turn {turn}: empty")
                     s.status = "empty" if cfg.on_empty == "drop" else s.status
                 elif g.finish_reason == "loop":
+                    counts.turns_loop_trimmed += 1
                     s.flags.append(f"turn {turn}: loop trimmed")
                 elif g.finish_reason == "length":
                     counts.turns_truncated += 1
@@ -285,7 +288,6 @@ class Regenerator:
         cut = loop_cut(g.token_ids) if g.token_ids is not None and tokenizer is not None else None
         if cut is None:
             return g
-        counts.turns_loop_trimmed += 1
         counts.loop_tokens_removed += g.num_tokens - cut
         kept = tuple(g.token_ids[:cut])
         return Generation(tokenizer.decode(kept), "loop", kept, len(kept))
@@ -365,6 +367,6 @@ class Regenerator:
 
 def run_regen(cfg: RegenConfig, backend: Backend, silent: bool = False) -> dict:
     """Run (or resume) a regen into cfg.output and return the final manifest."""
-    if cfg.on_empty not in ("drop", "flag") or cfg.on_truncated not in ("drop", "flag", "trim"):
-        raise RegenError("--on-empty takes 'drop' or 'flag'; --on-truncated takes 'drop', 'flag' or 'trim'")
+    if cfg.on_empty not in ON_EMPTY or cfg.on_truncated not in ON_TRUNCATED:
+        raise RegenError(f"--on-empty takes one of {', '.join(ON_EMPTY)}; --on-truncated one of {', '.join(ON_TRUNCATED)}")
     return Regenerator(cfg, backend, silent).run()

@@ -35,6 +35,6 @@ def loop_cut(ids: Sequence[int], max_period: int = MAX_PERIOD, min_repeated: int
         while run < n - period and ids[n - 1 - run] == ids[n - 1 - run - period]:
             run += 1
         if run >= max(period, min_repeated):
-            cut = n - run - period + 2 * period
+            cut = n - run + period  # s + 2p with s = n - run - p
             return cut if cut < n else None
     return None
