@@ -32,6 +32,26 @@ def cuda_time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
     return statistics.median(times)
 
 
+def cuda_time_ms_interleaved(fns: dict, warmup: int = 3, iters: int = 15) -> dict:
+    """Median CUDA-event time of each fn, the fns run in turn within every iteration, so that a
+    drift of the card's clock during the run (seen as +-10% between runs of the same kernel)
+    falls on all of them alike and their ratio stays fair."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    torch.cuda.synchronize()
+    times = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def peak_memory_gib(fn) -> float:
     """Peak allocated memory during one fn() call, above what was allocated before it."""
     torch.cuda.synchronize()

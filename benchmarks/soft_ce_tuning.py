@@ -1,6 +1,10 @@
-"""Tuning sweep for the soft-CE kernel's launch (not a benchmark: no JSON): persistent programs
-per SM x L2 eviction hints x warps, each timed relative to the compiled torch reference, on one
-GPU, forward + backward of the trainer's weighted form (loss weights 0.8^s over `steps` calls).
+"""Tuning sweep for the soft-CE kernel's launch (not a benchmark: no JSON). For each case, the
+forward + backward of the trainer's weighted form (loss weights 0.8^s over `steps` calls) is
+timed for every launch setting, interleaved with the compiled torch reference, and printed as
+time relative to it, with the registers and spills of the compiled kernel.
+
+Whole rows (V <= WHOLE_ROW_MAX, one register tile): programs per SM x warps x p held or
+re-read. Chunked rows (block forced to CHUNK): programs per SM x L2 hints x warps.
 
     python benchmarks/soft_ce_tuning.py   (H200 output: benchmarks/results/soft_ce_tuning.log)
 """
@@ -15,35 +19,62 @@ import torch
 # the repo root replaces this script's folder on the path (see kernels.py)
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 import specfoundry.kernels.soft_ce as sc  # noqa: E402
-from benchmarks.common import cuda_time_ms  # noqa: E402
+from benchmarks.common import cuda_time_ms_interleaved  # noqa: E402
 from benchmarks.kernels import weighted_loss_case  # noqa: E402
 
-CASES = [(4096, torch.bfloat16, 1), (4096, torch.float32, 1), (4096, torch.bfloat16, 7),
+CASES = [(4096, torch.bfloat16, 1), (4096, torch.float32, 1), (4096, torch.bfloat16, 7), (4096, torch.float32, 7),
          (16384, torch.float32, 7), (16384, torch.bfloat16, 7)]
+WHOLE = [sc.LaunchConfig(per_sm, warps, hold_p=hold) for per_sm in (1, 2) for warps in (8, 16, 32)
+         for hold in (False, True) if per_sm * warps <= 32]
+CHUNKED = [sc.LaunchConfig(per_sm, warps, evict=True) for per_sm in (1, 2, 4) for warps in (8, 16)]
+
+
+def label(kind: str, c: sc.LaunchConfig) -> str:
+    extra = ("P" if c.hold_p else "-") if kind == "whole" else ("E" if c.evict else "-")
+    return f"{kind[0]}{c.programs_per_sm}/w{c.num_warps}/{extra}"
+
+
+def registers() -> list[str]:
+    """Registers per thread and spilled bytes of every compiled variant (Triton's kernel cache;
+    a diagnostic, so a change in Triton's internals only loses these lines)."""
+    out = []
+    try:
+        for caches in sc._soft_ce_kernel.device_caches.values():
+            for key, kernel in caches[0].items():
+                kernel._init_handles()
+                out.append(f"# regs {kernel.n_regs:3d} spills {kernel.n_spills:6d} warps {kernel.metadata.num_warps:2d}"
+                           f"  {str(key)[:300]}")
+    except Exception as e:  # noqa: BLE001
+        out.append(f"# registers unavailable: {e!r}")
+    return out
 
 
 def sweep_case(n: int, dtype: torch.dtype, steps: int, compiled, v: int = 32000) -> str:
     run = weighted_loss_case(n, v, dtype, steps)
-
-    def ours(z, p, mask, norm, w):
-        return sc.soft_target_cross_entropy(z, p, mask, norm, impl="triton", grad_scale=w)
-
-    base = cuda_time_ms(lambda: run(lambda z, p, mask, norm, w: compiled(z, p, mask, norm)), 5, 20)
-    out = [f"N={n} {str(dtype).split('.')[1]} x{steps} compiled {base:.3f}"]
-    for per_sm in (1, 2, 4):
-        for evict in (False, True):
-            for warps in (8, 16):
-                sc.PROGRAMS_PER_SM, sc.EVICTION_HINTS, sc.NUM_WARPS = per_sm, evict, warps
-                ms = cuda_time_ms(lambda: run(ours), 5, 20)
-                out.append(f"{per_sm}/{'E' if evict else '-'}/w{warps}:{ms / base:.3f}")
+    fns = {"compiled": lambda: run(lambda z, p, mask, norm, w: compiled(z, p, mask, norm))}
+    settings = [("whole", c) for c in WHOLE] + [("chunked", c) for c in CHUNKED]
+    for kind, config in settings:
+        def ours(kind=kind, config=config):
+            sc.WHOLE, sc.CHUNKED = (config, sc.CHUNKED) if kind == "whole" else (sc.WHOLE, config)
+            block = None if kind == "whole" else sc.CHUNK
+            run(lambda z, p, mask, norm, w: sc.soft_target_cross_entropy(z, p, mask, norm, impl="triton", block=block,
+                                                                         grad_scale=w))
+        fns[label(kind, config)] = ours
+    ms = cuda_time_ms_interleaved(fns, 3, 15)
+    base = ms.pop("compiled")
+    out = [f"N={n} {str(dtype).split('.')[1]} x{steps} compiled {base:.3f} ms"]
+    out += [f"{name}:{t / base:.3f}" for name, t in ms.items()]
     return " ".join(out)
 
 
 def main():
     compiled = torch.compile(sc.soft_ce_reference)
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; time relative to torch.compile reference",
+          flush=True)
     for case in CASES:
         print(sweep_case(*case, compiled), flush=True)
         torch.cuda.empty_cache()
+    print("\n".join(registers()))
 
 
 if __name__ == "__main__":

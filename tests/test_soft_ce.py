@@ -17,8 +17,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # so the written gradient may sit one bf16 step (2^-7 relative) from the rounded reference;
 # the tolerance allows that step and no more.
 DTYPES = [(torch.float32, 1e-5, 1e-4), (torch.bfloat16, 1e-3, 2 ** -7)]
-# (N, V, block): chunked with a ragged last chunk, one chunk, many chunks with an odd V
-SHAPES = [(7, 50, 16), (16, 128, None), (33, 1000, 256)]
+# (N, V, block): chunked with a ragged last chunk, many chunks with an odd V; block None holds
+# each row in registers as one tile (exact width, and an odd V with masked lanes)
+SHAPES = [(7, 50, 16), (33, 1000, 256), (16, 128, None), (33, 1000, None)]
 
 
 def make_inputs(n, v, dtype, masked_rows=(), p_scale=1.0):
@@ -71,8 +72,9 @@ RESCALED_DTYPES = [(torch.float32, 1e-5, 1e-4), (torch.bfloat16, 2e-3, 2 ** -5)]
 
 @pytest.mark.parametrize("dtype,atol,rtol", RESCALED_DTYPES)
 @pytest.mark.parametrize("announced", [1.0, 0.37])
-def test_an_upstream_gradient_other_than_announced_is_rescaled(dtype, atol, rtol, announced):
-    n, v, block = 33, 1000, 256
+@pytest.mark.parametrize("block", [256, None])
+def test_an_upstream_gradient_other_than_announced_is_rescaled(dtype, atol, rtol, announced, block):
+    n, v = 33, 1000
     logits, p, mask = make_inputs(n, v, dtype, masked_rows=(3,))
     g = torch.tensor(1.9, device=DEVICE)
     ref_loss, ref_grad = reference_grad(logits, p, mask, g)
@@ -95,6 +97,20 @@ def test_forward_writes_the_gradient_and_evaluation_leaves_logits_alone():
         loss = soft_target_cross_entropy(kept, p, mask, impl="triton", block=32)
     assert torch.equal(kept, logits)
     torch.testing.assert_close(loss, soft_ce_reference(logits, p, mask), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block", [16, None])
+def test_a_float_mask_weights_rows_as_the_reference_does(block):
+    """The mask may be float weights (not only bool): each row's loss and gradient scale by it."""
+    logits, p, _ = make_inputs(9, 40, torch.float32)
+    weights = torch.rand(9, device=DEVICE)
+    weights[2] = 0.0
+    g = torch.tensor(1.3, device=DEVICE)
+    ref_loss, ref_grad = reference_grad(logits, p, weights, g)
+    loss, _, grad = run_kernel(logits, p, weights, g, block)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-4)
+    assert torch.count_nonzero(grad[2]) == 0
 
 
 def test_fully_masked_batch_gives_zero_loss_and_gradient():

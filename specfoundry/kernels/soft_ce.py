@@ -41,6 +41,7 @@ for g0 = 1 underflow in fp16 before the backward scales them up.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -68,22 +69,47 @@ def _normaliser(mask: torch.Tensor, normaliser) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _soft_ce_kernel(z_ptr, p_ptr, mask_ptr, coef_ptr, loss_ptr, n_rows, z_stride, p_stride,
-                        V: tl.constexpr, BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr, EVICT: tl.constexpr):
+    def _soft_ce_kernel(z_ptr, p_ptr, mask_ptr, norm_ptr, loss_ptr, grad_scale, n_rows, z_stride, p_stride,
+                        V: tl.constexpr, BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr, WHOLE_ROW: tl.constexpr,
+                        HOLD_P: tl.constexpr, EVICT: tl.constexpr):
         """Rows pid, pid + G, ...: the row loss, then (WRITE_GRAD) dL/dz over z in place."""
-        coef0 = tl.load(coef_ptr)  # g0 / normaliser
+        coef0 = grad_scale / tl.load(norm_ptr)  # g0 / normaliser
         row = tl.program_id(0)
         while row < n_rows:
-            _soft_ce_row(z_ptr, p_ptr, mask_ptr, loss_ptr, coef0, row, z_stride, p_stride, V, BLOCK, WRITE_GRAD,
-                         EVICT)
+            keep = tl.load(mask_ptr + row).to(tl.float32)  # bool or float mask: 0 drops the row
+            z_row = z_ptr + row.to(tl.int64) * z_stride
+            p_row = p_ptr + row.to(tl.int64) * p_stride
+            if WHOLE_ROW:
+                _soft_ce_whole_row(z_row, p_row, loss_ptr + row, keep, coef0, V, BLOCK, WRITE_GRAD, HOLD_P)
+            else:
+                _soft_ce_chunked_row(z_row, p_row, loss_ptr + row, keep, coef0, V, BLOCK, WRITE_GRAD, EVICT)
             row += tl.num_programs(0)
 
     @triton.jit
-    def _soft_ce_row(z_ptr, p_ptr, mask_ptr, loss_ptr, coef0, row, z_stride, p_stride,
-                     V: tl.constexpr, BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr, EVICT: tl.constexpr):
-        """One row: pass 1 (its loss), then (WRITE_GRAD) pass 2 (its gradient over z)."""
-        z_row = z_ptr + row.to(tl.int64) * z_stride
-        p_row = p_ptr + row.to(tl.int64) * p_stride
+    def _soft_ce_whole_row(z_row, p_row, loss_at, keep, coef0, V: tl.constexpr, BLOCK: tl.constexpr,
+                           WRITE_GRAD: tl.constexpr, HOLD_P: tl.constexpr):
+        """One row held in registers as a single [BLOCK >= V] tile: z is read from DRAM once and
+        the gradient computed from the registers, so DRAM sees z once, p once (HOLD_P) or once
+        plus an L2 re-read, and one write of the gradient, the least any in-place kernel can do."""
+        cols = tl.arange(0, BLOCK)
+        inside = cols < V
+        z = tl.load(z_row + cols, mask=inside, other=float("-inf")).to(tl.float32)  # [BLOCK]
+        p = tl.load(p_row + cols, mask=inside, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        m = tl.max(z, axis=0)
+        lse = m + tl.log(tl.sum(tl.exp(z - m), axis=0))
+        s = tl.sum(p, axis=0)
+        spz = tl.sum(p * tl.where(inside, z, 0.0), axis=0)  # no 0 * -inf on ragged lanes
+        tl.store(loss_at, keep * (s * lse - spz))
+        if WRITE_GRAD:
+            if not HOLD_P:  # read again (from L2) rather than kept live beside z
+                p = tl.load(p_row + cols, mask=inside, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            grad = coef0 * keep * (s * tl.exp(z - lse) - p)  # a masked row gets 0 everywhere
+            tl.store(z_row + cols, grad.to(z_row.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _soft_ce_chunked_row(z_row, p_row, loss_at, keep, coef0, V: tl.constexpr, BLOCK: tl.constexpr,
+                             WRITE_GRAD: tl.constexpr, EVICT: tl.constexpr):
+        """One row in [BLOCK] chunks: pass 1 (its loss), then (WRITE_GRAD) pass 2 (its gradient)."""
         m = tl.full([], float("-inf"), tl.float32)  # running max
         d = tl.zeros([], tl.float32)  # running sum of exp(z - m)
         s = tl.zeros([], tl.float32)  # sum p
@@ -105,8 +131,7 @@ if triton is not None:
             s += tl.sum(p, axis=0)
             spz += tl.sum(p * tl.where(inside, z, 0.0), axis=0)  # no 0 * -inf on ragged lanes
         lse = m + tl.log(d)
-        keep = tl.load(mask_ptr + row)
-        tl.store(loss_ptr + row, keep * (s * lse - spz))
+        tl.store(loss_at, keep * (s * lse - spz))
         if WRITE_GRAD:
             coef = coef0 * keep  # a masked row gets 0 * (finite) = 0 everywhere
             for start in range(0, V, BLOCK):  # the same chunks again, now mostly from L2
@@ -120,14 +145,14 @@ if triton is not None:
                     p = tl.load(p_row + cols, mask=inside, other=0.0)
                 grad = coef * (s * tl.exp(z.to(tl.float32) - lse) - p.to(tl.float32))
                 if EVICT:
-                    tl.store(z_row + cols, grad.to(z_ptr.dtype.element_ty), mask=inside, eviction_policy="evict_first")
+                    tl.store(z_row + cols, grad.to(z_row.dtype.element_ty), mask=inside, eviction_policy="evict_first")
                 else:
-                    tl.store(z_row + cols, grad.to(z_ptr.dtype.element_ty), mask=inside)
+                    tl.store(z_row + cols, grad.to(z_row.dtype.element_ty), mask=inside)
 
     @triton.jit
-    def _rescale_kernel(z_ptr, ratio_ptr, n_rows, z_stride, V: tl.constexpr, BLOCK: tl.constexpr):
+    def _rescale_kernel(z_ptr, upstream_ptr, grad_scale, n_rows, z_stride, V: tl.constexpr, BLOCK: tl.constexpr):
         """z *= g / g0 over every row, unless the ratio is 1 (then nothing is read or written)."""
-        ratio = tl.load(ratio_ptr)
+        ratio = tl.load(upstream_ptr).to(tl.float32) / grad_scale
         if tl.abs(ratio - 1.0) > 1e-6:
             row = tl.program_id(0)
             while row < n_rows:
@@ -140,24 +165,37 @@ if triton is not None:
                 row += tl.num_programs(0)
 
 
-# Tuned on an H200 (a sweep of 1/2/4 programs per SM, hints on/off, 8/16 warps, against the
-# compiled reference): two programs per SM hide each row's load latency, and the L2 hints keep
-# pass 1's reads for pass 2 and let the gradient stream out.
-PROGRAMS_PER_SM = 2
-EVICTION_HINTS = True
-NUM_WARPS = None  # None: by BLOCK
+@dataclass
+class LaunchConfig:
+    """How the kernel is launched for one layout of rows (see benchmarks/soft_ce_tuning.py)."""
+
+    programs_per_sm: int  # persistent programs per SM: more hide more load latency, but share L2
+    num_warps: int | None  # None: by BLOCK
+    evict: bool = True  # chunked rows: L2 hints keep pass 1's reads for pass 2
+    hold_p: bool = False  # whole rows: keep p in registers too instead of re-reading it from L2
 
 
-def _launch_config(z: torch.Tensor, block: int | None) -> tuple[tuple[int], int, int]:
-    """(grid, BLOCK, num_warps): PROGRAMS_PER_SM persistent programs per SM."""
+# Rows no wider than WHOLE_ROW_MAX are one register tile (the draft vocab of 32000 is); wider rows
+# (49152, 151936) go in chunks of CHUNK. Tuned on an H200 (benchmarks/soft_ce_tuning.py):
+WHOLE_ROW_MAX = 32768
+CHUNK = 8192
+WHOLE = LaunchConfig(programs_per_sm=1, num_warps=32)
+CHUNKED = LaunchConfig(programs_per_sm=2, num_warps=None)
+
+
+def _launch_config(z: torch.Tensor, block: int | None) -> tuple[tuple[int], int, int, bool, LaunchConfig]:
+    """(grid, BLOCK, num_warps, whole_row, config) for logits z [N, V]. block: force chunks of
+    that width (tests); the default holds a row in registers where it fits."""
     n, v = z.shape
-    block = block or min(triton.next_power_of_2(v), 8192)
-    warps = NUM_WARPS or (16 if block >= 8192 else 8 if block >= 2048 else 4)
+    whole = block is None and triton.next_power_of_2(v) <= WHOLE_ROW_MAX
+    block = triton.next_power_of_2(v) if whole else block or min(triton.next_power_of_2(v), CHUNK)
+    config = WHOLE if whole else CHUNKED
+    warps = config.num_warps or (16 if block >= 8192 else 8 if block >= 2048 else 4)
     if z.device.type == "cuda":
-        programs = torch.cuda.get_device_properties(z.device).multi_processor_count * PROGRAMS_PER_SM
+        programs = torch.cuda.get_device_properties(z.device).multi_processor_count * config.programs_per_sm
     else:
         programs = 5  # the CPU interpreter: few programs, so the tests take the rows-per-program loop too
-    return (max(1, min(n, programs)),), block, warps
+    return (max(1, min(n, programs)),), block, warps, whole, config
 
 
 class SoftTargetCrossEntropy(torch.autograd.Function):
@@ -168,14 +206,13 @@ class SoftTargetCrossEntropy(torch.autograd.Function):
         assert logits.shape == target.shape and logits.dim() == 2, (logits.shape, target.shape)
         assert logits.stride(-1) == 1 and target.stride(-1) == 1, "last dim must be contiguous"
         n, v = logits.shape
-        maskf = mask.to(torch.float32).contiguous()  # [N]
-        row_loss = torch.empty(n, dtype=torch.float32, device=logits.device)
-        norm = _normaliser(mask, normaliser)
-        coef = (grad_scale / norm).reshape(1)  # g0 / normaliser, on device: no sync
-        grid, blk, warps = _launch_config(logits, block)
+        row_loss = torch.empty(n, dtype=torch.float32, device=logits.device)  # [N]
+        norm = _normaliser(mask, normaliser)  # a 0-d device tensor: no sync
+        grid, blk, warps, whole, config = _launch_config(logits, block)
         if n:
-            _soft_ce_kernel[grid](logits, target, maskf, coef, row_loss, n, logits.stride(0), target.stride(0), v,
-                                  BLOCK=blk, WRITE_GRAD=write_grad, EVICT=EVICTION_HINTS, num_warps=warps)
+            _soft_ce_kernel[grid](logits, target, mask.contiguous(), norm, row_loss, grad_scale, n, logits.stride(0),
+                                  target.stride(0), v, BLOCK=blk, WRITE_GRAD=write_grad, WHOLE_ROW=whole,
+                                  HOLD_P=config.hold_p, EVICT=config.evict, num_warps=warps)
         ctx.save_for_backward(logits)
         ctx.block, ctx.grad_scale, ctx.wrote_grad = block, grad_scale, write_grad
         return row_loss.sum() / norm
@@ -187,10 +224,11 @@ class SoftTargetCrossEntropy(torch.autograd.Function):
             raise RuntimeError("soft_target_cross_entropy: backward through a loss computed with "
                                "write_grad=False")
         n, v = grad.shape
-        ratio = (grad_output.float() / ctx.grad_scale).reshape(1)  # stays on device: no sync
-        grid, blk, warps = _launch_config(grad, ctx.block)
-        if n:
-            _rescale_kernel[grid](grad, ratio, n, grad.stride(0), v, BLOCK=blk, num_warps=warps)
+        grid, _, _, _, _ = _launch_config(grad, ctx.block)
+        block = min(triton.next_power_of_2(v), CHUNK)
+        if n:  # the ratio g / g0 is read on the device: no sync
+            _rescale_kernel[grid](grad, grad_output, ctx.grad_scale, n, grad.stride(0), v, BLOCK=block,
+                                  num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4)
         return grad, None, None, None, None, None, None
 
 
