@@ -67,10 +67,52 @@ def sweep_case(n: int, dtype: torch.dtype, steps: int, compiled, v: int = 32000)
     return " ".join(out)
 
 
+def profile_case(n: int, dtype: torch.dtype, steps: int, compiled, v: int = 32000) -> None:
+    """Where one forward + backward spends its time: the kernel alone (CUDA events around the
+    launch, inputs made beforehand) against the whole call, and the profiler's GPU table."""
+    z = torch.randn(n, v, device="cuda", dtype=dtype)
+    p = torch.softmax(torch.randn(n, v, device="cuda"), -1).to(dtype)
+    mask = torch.rand(n, device="cuda") > 0.1
+    norm = mask.sum().float()
+    kernel = cuda_time_ms_interleaved({"kernel": lambda: sc.SoftTargetCrossEntropy.forward(
+        _Ctx(), z, p, mask, norm)}, 3, 15)["kernel"]
+    run = weighted_loss_case(n, v, dtype, steps)
+    calls = {"ours": lambda: run(lambda z, p, mask, norm, w: sc.soft_target_cross_entropy(z, p, mask, norm, impl="triton",
+                                                                                        grad_scale=w)),
+             "compiled": lambda: run(lambda z, p, mask, norm, w: compiled(z, p, mask, norm)),
+             "compiled static": lambda: run(lambda z, p, mask, norm, w: STATIC(z, p, mask, norm))}
+    ms = cuda_time_ms_interleaved(calls, 3, 15)
+    e = torch.finfo(dtype).bits // 8
+    print(f"N={n} {str(dtype).split('.')[1]} x{steps}: kernel alone {kernel:.3f} ms "
+          f"({n * v * 3 * e / kernel / 1e9:.2f} TB/s of DRAM bytes z+p read once, z written once); "
+          f"whole call x{steps}: " + ", ".join(f"{k} {t:.3f} ms" for k, t in ms.items()), flush=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for name in ("ours", "compiled"):
+            calls[name]()
+            torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
+
+
+STATIC = torch.compile(sc.soft_ce_reference, dynamic=False)
+
+
+class _Ctx:
+    """A stand-in for autograd's ctx, to call the Function's forward alone."""
+
+    def save_for_backward(self, *tensors):
+        pass
+
+
 def main():
     compiled = torch.compile(sc.soft_ce_reference)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; time relative to torch.compile reference",
           flush=True)
+    if "--profile" in sys.argv:
+        for case in CASES:
+            profile_case(*case, compiled)
+            torch.cuda.empty_cache()
+        return
     for case in CASES:
         print(sweep_case(*case, compiled), flush=True)
         torch.cuda.empty_cache()
