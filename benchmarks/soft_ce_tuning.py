@@ -1,12 +1,14 @@
-"""Tuning sweep for the soft-CE kernel's launch (not a benchmark: no JSON). For each case, the
-forward + backward of the trainer's weighted form (loss weights 0.8^s over `steps` calls) is
-timed for every launch setting, interleaved with the compiled torch reference, and printed as
-time relative to it, with the registers and spills of the compiled kernel.
+"""Tuning sweep for the soft-CE kernel's launch (not a benchmark: no JSON). For each shape, our
+kernel alone (one forward that writes the gradient, inputs made beforehand) is timed for every
+launch setting, all settings in turn within each iteration, and printed in microseconds and in
+TB/s of the bytes a single pass moves (z and p read, the gradient written), with the registers
+and spills of each compiled variant.
 
 Whole rows (V <= WHOLE_ROW_MAX, one register tile): programs per SM x warps x p held or
-re-read. Chunked rows (block forced to CHUNK): programs per SM x L2 hints x warps.
+re-read. Chunked rows (V = 151936, or block forced to CHUNK): programs per SM x L2 hints x warps.
 
-    python benchmarks/soft_ce_tuning.py   (H200 output: benchmarks/results/soft_ce_tuning.log)
+    python benchmarks/soft_ce_tuning.py            (H200: benchmarks/results/soft_ce_tuning.log)
+    python benchmarks/soft_ce_tuning.py --profile  (where a whole forward + backward call goes)
 """
 
 from __future__ import annotations
@@ -15,18 +17,21 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 # the repo root replaces this script's folder on the path (see kernels.py)
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 import specfoundry.kernels.soft_ce as sc  # noqa: E402
 from benchmarks.common import cuda_time_ms_interleaved  # noqa: E402
-from benchmarks.kernels import weighted_loss_case  # noqa: E402
+from benchmarks.kernels import NoCtx, weighted_loss_case  # noqa: E402
 
-CASES = [(4096, torch.bfloat16, 1), (4096, torch.float32, 1), (4096, torch.bfloat16, 7), (4096, torch.float32, 7),
-         (16384, torch.float32, 7), (16384, torch.bfloat16, 7)]
+CASES = [(4096, 32000, torch.bfloat16), (4096, 32000, torch.float32), (16384, 32000, torch.bfloat16),
+         (16384, 32000, torch.float32), (2048, 151936, torch.bfloat16), (2048, 151936, torch.float32)]
+PROFILE_CASES = [(4096, torch.bfloat16, 1), (4096, torch.float32, 1), (4096, torch.bfloat16, 7)]
 WHOLE = [sc.LaunchConfig(per_sm, warps, hold_p=hold) for per_sm in (1, 2) for warps in (8, 16, 32)
          for hold in (False, True) if per_sm * warps <= 32]
-CHUNKED = [sc.LaunchConfig(per_sm, warps, evict=True) for per_sm in (1, 2, 4) for warps in (8, 16)]
+CHUNKED = [sc.LaunchConfig(per_sm, warps, evict=evict) for per_sm in (1, 2, 4) for warps in (8, 16)
+           for evict in (False, True)]
 
 
 def label(kind: str, c: sc.LaunchConfig) -> str:
@@ -49,22 +54,24 @@ def registers() -> list[str]:
     return out
 
 
-def sweep_case(n: int, dtype: torch.dtype, steps: int, compiled, v: int = 32000) -> str:
-    run = weighted_loss_case(n, v, dtype, steps)
-    fns = {"compiled": lambda: run(lambda z, p, mask, norm, w: compiled(z, p, mask, norm))}
-    settings = [("whole", c) for c in WHOLE] + [("chunked", c) for c in CHUNKED]
+def sweep_case(n: int, v: int, dtype: torch.dtype) -> str:
+    z = torch.randn(n, v, device="cuda", dtype=dtype)
+    p = torch.softmax(torch.randn(n, v, device="cuda"), -1).to(dtype)
+    mask = torch.rand(n, device="cuda") > 0.1
+    norm = mask.sum().float()
+    whole = triton.next_power_of_2(v) <= sc.WHOLE_ROW_MAX
+    settings = ([("whole", c) for c in WHOLE] if whole else []) + [("chunked", c) for c in CHUNKED]
+    fns = {}
     for kind, config in settings:
         def ours(kind=kind, config=config):
             sc.WHOLE, sc.CHUNKED = (config, sc.CHUNKED) if kind == "whole" else (sc.WHOLE, config)
-            block = None if kind == "whole" else sc.CHUNK
-            run(lambda z, p, mask, norm, w: sc.soft_target_cross_entropy(z, p, mask, norm, impl="triton", block=block,
-                                                                         grad_scale=w))
+            sc.SoftTargetCrossEntropy.forward(NoCtx(), z, p, mask, norm, None if kind == "whole" else sc.CHUNK)
         fns[label(kind, config)] = ours
     ms = cuda_time_ms_interleaved(fns, 3, 15)
-    base = ms.pop("compiled")
-    out = [f"N={n} {str(dtype).split('.')[1]} x{steps} compiled {base:.3f} ms"]
-    out += [f"{name}:{t / base:.3f}" for name, t in ms.items()]
-    return " ".join(out)
+    moved = n * v * 3 * z.element_size()
+    out = [f"N={n} V={v} {str(dtype).split('.')[1]}:"]
+    out += [f"{name} {t * 1e3:.0f}us {moved / t / 1e9:.2f}TB/s" for name, t in sorted(ms.items(), key=lambda kv: kv[1])]
+    return " | ".join(out)
 
 
 def profile_case(n: int, dtype: torch.dtype, steps: int, compiled, v: int = 32000) -> None:
@@ -75,7 +82,7 @@ def profile_case(n: int, dtype: torch.dtype, steps: int, compiled, v: int = 3200
     mask = torch.rand(n, device="cuda") > 0.1
     norm = mask.sum().float()
     kernel = cuda_time_ms_interleaved({"kernel": lambda: sc.SoftTargetCrossEntropy.forward(
-        _Ctx(), z, p, mask, norm)}, 3, 15)["kernel"]
+        NoCtx(), z, p, mask, norm)}, 3, 15)["kernel"]
     run = weighted_loss_case(n, v, dtype, steps)
     calls = {"ours": lambda: run(lambda z, p, mask, norm, w: sc.soft_target_cross_entropy(z, p, mask, norm, impl="triton",
                                                                                         grad_scale=w)),
@@ -97,24 +104,17 @@ def profile_case(n: int, dtype: torch.dtype, steps: int, compiled, v: int = 3200
 STATIC = torch.compile(sc.soft_ce_reference, dynamic=False)
 
 
-class _Ctx:
-    """A stand-in for autograd's ctx, to call the Function's forward alone."""
-
-    def save_for_backward(self, *tensors):
-        pass
-
-
 def main():
     compiled = torch.compile(sc.soft_ce_reference)
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; time relative to torch.compile reference",
-          flush=True)
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     if "--profile" in sys.argv:
-        for case in CASES:
+        for case in PROFILE_CASES:
             profile_case(*case, compiled)
             torch.cuda.empty_cache()
         return
+    print("# whole rows: w<programs per SM>/w<warps>/<P: p held, -: re-read>; chunked: c<per SM>/w<warps>/<E: L2 hints>")
     for case in CASES:
-        print(sweep_case(*case, compiled), flush=True)
+        print(sweep_case(*case), flush=True)
         torch.cuda.empty_cache()
     print("\n".join(registers()))
 

@@ -40,6 +40,7 @@ for g0 = 1 underflow in fp16 before the backward scales them up.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -183,6 +184,11 @@ WHOLE = LaunchConfig(programs_per_sm=1, num_warps=32)
 CHUNKED = LaunchConfig(programs_per_sm=2, num_warps=None)
 
 
+@functools.cache
+def _sm_count(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _launch_config(z: torch.Tensor, block: int | None) -> tuple[tuple[int], int, int, bool, LaunchConfig]:
     """(grid, BLOCK, num_warps, whole_row, config) for logits z [N, V]. block: force chunks of
     that width (tests); the default holds a row in registers where it fits."""
@@ -192,7 +198,8 @@ def _launch_config(z: torch.Tensor, block: int | None) -> tuple[tuple[int], int,
     config = WHOLE if whole else CHUNKED
     warps = config.num_warps or (16 if block >= 8192 else 8 if block >= 2048 else 4)
     if z.device.type == "cuda":
-        programs = torch.cuda.get_device_properties(z.device).multi_processor_count * config.programs_per_sm
+        programs = _sm_count(z.device.index if z.device.index is not None else torch.cuda.current_device()) \
+            * config.programs_per_sm
     else:
         programs = 5  # the CPU interpreter: few programs, so the tests take the rows-per-program loop too
     return (max(1, min(n, programs)),), block, warps, whole, config
