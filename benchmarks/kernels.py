@@ -12,8 +12,10 @@ Loss: [N, 32000] logits, fp32 and bf16, forward + backward, one call and the 7-s
 form, the three implementations timed in turn within each iteration. TB/s counts
 N*V*(3*e_z + 2*e_p) bytes for every implementation (z and p read for the loss, read again for
 the gradient, the gradient written) over the whole call, its Python and small ops included.
-kernel_ms / kernel_TB/s: our kernel alone, counting the bytes it moves (z and p read once, the
-gradient written once: a row of 32000 is held in registers, so nothing is read twice).
+kernel_ms / kernel_TB/s: our kernel alone (no autograd or small ops), counting the least bytes an
+in-place kernel must move to and from DRAM: z and p read once, the gradient written once. Its
+second reads (p for fp32 rows held in registers, z and p for bf16 rows in chunks) are meant to
+hit L2 and are not counted.
 """
 
 from __future__ import annotations

@@ -64,10 +64,13 @@ def sweep_case(n: int, v: int, dtype: torch.dtype) -> str:
     fns = {}
     for kind, config in settings:
         def ours(kind=kind, config=config):
+            sc.WHOLE_ROW_DTYPES = (dtype,)  # whole rows are tried for bf16 too (the library keeps them to fp32)
             sc.WHOLE, sc.CHUNKED = (config, sc.CHUNKED) if kind == "whole" else (sc.WHOLE, config)
             sc.SoftTargetCrossEntropy.forward(NoCtx(), z, p, mask, norm, None if kind == "whole" else sc.CHUNK)
         fns[label(kind, config)] = ours
+    defaults = sc.WHOLE, sc.CHUNKED, sc.WHOLE_ROW_DTYPES
     ms = cuda_time_ms_interleaved(fns, 3, 15)
+    sc.WHOLE, sc.CHUNKED, sc.WHOLE_ROW_DTYPES = defaults
     moved = n * v * 3 * z.element_size()
     out = [f"N={n} V={v} {str(dtype).split('.')[1]}:"]
     out += [f"{name} {t * 1e3:.0f}us {moved / t / 1e9:.2f}TB/s" for name, t in sorted(ms.items(), key=lambda kv: kv[1])]

@@ -15,17 +15,25 @@ so with the upstream gradient g: dL/dz_v = g * m / normaliser * (s * exp(z_v - l
 
 One kernel does the forward and, when the logits need a gradient, the gradient too, for the
 upstream gradient g0 = `grad_scale` that the caller announces (the trainer's loss weight 0.8^s
-over the accumulation steps). Per row (persistent programs, each taking rows pid, pid+G, ...):
-  pass 1 reads z and p in chunks: an online max / sum-exp gives lse without storing exp(z)
-         (m' = max(m, max chunk); d = d * exp(m - m') + sum exp(chunk - m')), while s and
-         sum p*z accumulate alongside; it stores l (a [N] fp32 vector).
-  pass 2 reads z and p again and overwrites z with g0 * m / normaliser * (s * exp(z - lse) - p)
-         in z's own dtype.
-G is two programs per SM (one hides the other's load latency). Pass 1 loads with an L2
-"evict last" hint and pass 2 with "evict first", as does the gradient's store, so pass 2 finds
-most of its row in the 50 MB L2 (G rows of bf16 z and p at V = 32000 are 34 MB): DRAM sees z
-and p about once plus one write of z, where a separate backward kernel would read both again.
-fp32 rows are twice as large and hit less often (benchmarks/soft_ce_tuning.py has the sweep).
+over the accumulation steps). Persistent programs each take rows pid, pid + G, ..., in one of
+two ways (benchmarks/soft_ce_tuning.py has the H200 sweep behind each choice):
+
+  whole rows (fp32 and V <= 32768, as the draft vocab of 32000): the row is one register tile. z and
+         p are read once; max, lse = m + log sum exp(z - m), s and sum p*z are reductions over
+         the tile; l (a [N] fp32 vector) is stored, then g0 * m / normaliser * (s * exp(z - lse)
+         - p) overwrites z, from the registers. p is read a second time rather than held (8 warps
+         of 255 registers hold z; holding p too spills), and that read hits L2. DRAM sees z and
+         p once and one write of z, the least an in-place kernel can move. G = 2 per SM.
+  chunked rows (bf16/fp16, or V > 32768): pass 1 reads z and p in chunks of 8192: an online
+         max / sum-exp gives lse without storing exp(z) (m' = max(m, max chunk);
+         d = d * exp(m - m') + sum exp(chunk - m')), while s and sum p*z accumulate alongside,
+         and l is stored; pass 2 reads the chunks again and overwrites z with the gradient. Pass
+         1 loads with an L2 "evict last" hint and pass 2 and its stores with "evict first", so
+         pass 2 finds its row in the 50 MB L2 (a bf16 row of z and p at V = 32000 is 128 KB;
+         two resident programs per SM hold 34 MB): DRAM again sees about one read of z and p and
+         one write. G = 4 per SM (two resident, two queued). bf16 rows take this path rather than
+         the whole-row one because a whole row needs all registers of an SM for one program,
+         where chunks let two overlap; fp32 rows are twice as large and miss L2 in pass 2.
 Backward: the buffer holds dL/dz for g0; for the actual g it is scaled in place by g / g0, a
 pass that is skipped inside the kernel (no host sync) when g / g0 is 1 to within 1e-6. No
 second [N, V] buffer is ever allocated (the SpecForge paper's Algorithm 3).
@@ -176,12 +184,14 @@ class LaunchConfig:
     hold_p: bool = False  # whole rows: keep p in registers too instead of re-reading it from L2
 
 
-# Rows no wider than WHOLE_ROW_MAX are one register tile (the draft vocab of 32000 is); wider rows
-# (49152, 151936) go in chunks of CHUNK. Tuned on an H200 (benchmarks/soft_ce_tuning.py):
+# Rows of WHOLE_ROW_DTYPES no wider than WHOLE_ROW_MAX are one register tile (the draft vocab of
+# 32000 is); others (bf16, or 49152, 151936 wide) go in chunks of CHUNK. Tuned on an H200
+# (benchmarks/soft_ce_tuning.py; results/soft_ce_tuning.log):
 WHOLE_ROW_MAX = 32768
+WHOLE_ROW_DTYPES = (torch.float32,)
 CHUNK = 8192
-WHOLE = LaunchConfig(programs_per_sm=1, num_warps=32)
-CHUNKED = LaunchConfig(programs_per_sm=2, num_warps=None)
+WHOLE = LaunchConfig(programs_per_sm=2, num_warps=8)
+CHUNKED = LaunchConfig(programs_per_sm=4, num_warps=8)
 
 
 @functools.cache
@@ -191,9 +201,9 @@ def _sm_count(device_index: int | None) -> int:
 
 def _launch_config(z: torch.Tensor, block: int | None) -> tuple[tuple[int], int, int, bool, LaunchConfig]:
     """(grid, BLOCK, num_warps, whole_row, config) for logits z [N, V]. block: force chunks of
-    that width (tests); the default holds a row in registers where it fits."""
+    that width (tests); the default holds an fp32 row in registers where it fits."""
     n, v = z.shape
-    whole = block is None and triton.next_power_of_2(v) <= WHOLE_ROW_MAX
+    whole = block is None and z.dtype in WHOLE_ROW_DTYPES and triton.next_power_of_2(v) <= WHOLE_ROW_MAX
     block = triton.next_power_of_2(v) if whole else block or min(triton.next_power_of_2(v), CHUNK)
     config = WHOLE if whole else CHUNKED
     warps = config.num_warps or (16 if block >= 8192 else 8 if block >= 2048 else 4)
