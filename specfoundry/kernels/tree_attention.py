@@ -117,6 +117,11 @@ class TooManyShapesError(RuntimeError):
     """Compiled FlexAttention met more batch shapes than the recompile limit allows."""
 
 
+# Triton launch options for the flex kernels (None: inductor's defaults for the card);
+# benchmarks/flex_tuning.py compares choices on a GPU.
+FLEX_KERNEL_OPTIONS: dict | None = None
+
+
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths, step: int,
                    scale: float | None = None, backend: str = "auto") -> torch.Tensor:
     """Attention of TTT step `step` under the tree mask.
@@ -134,7 +139,8 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         mask = ttt_block_mask(lengths, seq_len, step, q.device)
         compiled = _flex()
         try:
-            return compiled(q, k_cache, v_cache, block_mask=mask, scale=scale, enable_gqa=gqa)
+            return compiled(q, k_cache, v_cache, block_mask=mask, scale=scale, enable_gqa=gqa,
+                            kernel_options=FLEX_KERNEL_OPTIONS)
         except RECOMPILE_LIMIT_HIT as e:
             raise TooManyShapesError(
                 f"compiled FlexAttention reached torch._dynamo's recompile limit "
