@@ -1,7 +1,7 @@
 """Launch options of the TTT FlexAttention kernels (not a benchmark: no JSON): the attention core
 alone (no projections), all 7 TTT steps forward + backward at the Llama-3.1-8B draft shape
 (32 query heads, 8 KV heads, head_dim 128, batch 1), for inductor's defaults, a few fixed
-kernel_options, and inductor's max-autotune search, each compiled afresh; time, TFLOP/s of
+kernel_options, and (--autotune) inductor's max-autotune search, each compiled afresh; time, TFLOP/s of
 useful work (kernels.py's count) and compile time.
 
     python benchmarks/flex_tuning.py [--seq 4096]   (H200 output: results/flex_tuning.log)
@@ -31,14 +31,18 @@ CHOICES = {
                          "bwd_num_warps": 8, "bwd_num_stages": 2},
     "bwd 64/64 w4 s3": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
                         "bwd_num_warps": 4, "bwd_num_stages": 3},
-    "max-autotune": "autotune",
 }
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, default=4096, help="TTT length T (tokens per step).")
-    t = ap.parse_args().seq
+    ap.add_argument("--autotune", action="store_true",
+                    help="Also inductor's max-autotune search (over 7 minutes on an H200 for the 7 step shapes).")
+    args = ap.parse_args()
+    t = args.seq
+    if args.autotune:
+        CHOICES["max-autotune"] = "autotune"
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; T={t}, {STEPS} steps fwd+bwd", flush=True)
     qs = [torch.randn(1, 32, t, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(STEPS)]
     ks = [torch.randn(1, 8, t, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(STEPS)]

@@ -5,7 +5,8 @@
 Attention: the draft's attention block at the Llama-3.1-8B draft shape (input 2H = 8192,
 32 query heads, 8 KV heads, head_dim 128, RoPE), batch 1, TTT length 7, all 7 steps forward +
 backward. Ours (FlexAttention BlockMask) against (a) the original EAGLE-3 eager formulation and
-(b) SDPA with the dense mask. The attention core alone is timed too and counted in useful
+(b) SDPA with the dense mask. Ours and (b) apply RoPE compiled, as sf-train does
+(fuse_elementwise); (a) runs it eagerly, as the original code does. The attention core alone is timed too and counted in useful
 FLOPs: pairs(s) = T(T+1)/2 + s*T visible (query, key) pairs at step s; forward 4*pairs*nh*hd
 (QK^T and PV), backward 10*pairs*nh*hd (dV, dP, dQ, dK and the recomputed QK^T).
 Loss: [N, 32000] logits, fp32 and bf16, forward + backward, one call and the 7-step weighted
@@ -94,6 +95,8 @@ def bench_attention(seqs: list[int]) -> list[dict]:
         ks = [torch.randn(1, 8, t, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(STEPS)]
         vs = [torch.randn(1, 8, t, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(STEPS)]
         for impl, name in (("flex", "ours (flex BlockMask)"), ("eager", "(a) eager EAGLE-3"), ("sdpa", "(b) SDPA dense mask")):
+            # RoPE compiled as sf-train runs it (fuse_elementwise), for ours and (b); eager in (a), the original code
+            attn.fused = impl != "eager"
             row = {"what": "attention block", "T": t, "impl": name}
             try:
                 block = functools.partial(attention_block_run, attn, rotary, xs, grads, impl)
