@@ -23,7 +23,8 @@ two ways (benchmarks/soft_ce_tuning.py has the H200 sweep behind each choice):
          the tile; l (a [N] fp32 vector) is stored, then g0 * m / normaliser * (s * exp(z - lse)
          - p) overwrites z, from the registers. p is read a second time rather than held (8 warps
          of 255 registers hold z; holding p too spills), and that read hits L2. DRAM sees z and
-         p once and one write of z, the least an in-place kernel can move. G = 2 per SM.
+         p once and one write of z, the least an in-place kernel can move. G = 2 per SM: one
+         program fills an SM's registers, so the second waits and takes over without a launch.
   chunked rows (bf16/fp16, or V > 32768): pass 1 reads z and p in chunks of 8192: an online
          max / sum-exp gives lse without storing exp(z) (m' = max(m, max chunk);
          d = d * exp(m - m') + sum exp(chunk - m')), while s and sum p*z accumulate alongside,
