@@ -23,7 +23,7 @@ import triton
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 import specfoundry.kernels.soft_ce as sc  # noqa: E402
 from benchmarks.common import cuda_time_ms_interleaved  # noqa: E402
-from benchmarks.kernels import NoCtx, weighted_loss_case  # noqa: E402
+from benchmarks.kernels import NoCtx, loss_kernel_ms, weighted_loss_case  # noqa: E402
 
 CASES = [(4096, 32000, torch.bfloat16), (4096, 32000, torch.float32), (16384, 32000, torch.bfloat16),
          (16384, 32000, torch.float32), (2048, 151936, torch.bfloat16), (2048, 151936, torch.float32)]
@@ -32,6 +32,7 @@ WHOLE = [sc.LaunchConfig(per_sm, warps, hold_p=hold) for per_sm in (1, 2) for wa
          for hold in (False, True) if per_sm * warps <= 32]
 CHUNKED = [sc.LaunchConfig(per_sm, warps, evict=evict) for per_sm in (1, 2, 4) for warps in (8, 16)
            for evict in (False, True)]
+STATIC = torch.compile(sc.soft_ce_reference, dynamic=False)  # the compiled reference without dynamic shapes
 
 
 def label(kind: str, c: sc.LaunchConfig) -> str:
@@ -80,12 +81,7 @@ def sweep_case(n: int, v: int, dtype: torch.dtype) -> str:
 def profile_case(n: int, dtype: torch.dtype, steps: int, compiled, v: int = 32000) -> None:
     """Where one forward + backward spends its time: the kernel alone (CUDA events around the
     launch, inputs made beforehand) against the whole call, and the profiler's GPU table."""
-    z = torch.randn(n, v, device="cuda", dtype=dtype)
-    p = torch.softmax(torch.randn(n, v, device="cuda"), -1).to(dtype)
-    mask = torch.rand(n, device="cuda") > 0.1
-    norm = mask.sum().float()
-    kernel = cuda_time_ms_interleaved({"kernel": lambda: sc.SoftTargetCrossEntropy.forward(
-        NoCtx(), z, p, mask, norm)}, 3, 15)["kernel"]
+    kernel = loss_kernel_ms(n, v, dtype)
     run = weighted_loss_case(n, v, dtype, steps)
     calls = {"ours": lambda: run(lambda z, p, mask, norm, w: sc.soft_target_cross_entropy(z, p, mask, norm, impl="triton",
                                                                                         grad_scale=w)),
@@ -94,7 +90,7 @@ def profile_case(n: int, dtype: torch.dtype, steps: int, compiled, v: int = 3200
     ms = cuda_time_ms_interleaved(calls, 3, 15)
     e = torch.finfo(dtype).bits // 8
     print(f"N={n} {str(dtype).split('.')[1]} x{steps}: kernel alone {kernel:.3f} ms "
-          f"({n * v * 3 * e / kernel / 1e9:.2f} TB/s of DRAM bytes z+p read once, z written once); "
+          f"({n * v * 3 * e / kernel / 1e9:.2f} TB/s of the least DRAM bytes: z, p read once, z written once); "
           f"whole call x{steps}: " + ", ".join(f"{k} {t:.3f} ms" for k, t in ms.items()), flush=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -102,9 +98,6 @@ def profile_case(n: int, dtype: torch.dtype, steps: int, compiled, v: int = 3200
             calls[name]()
             torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
-
-
-STATIC = torch.compile(sc.soft_ce_reference, dynamic=False)
 
 
 def main():
