@@ -113,6 +113,13 @@ def test_a_float_mask_weights_rows_as_the_reference_does(block):
     assert torch.count_nonzero(grad[2]) == 0
 
 
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
+def test_a_grad_scale_that_cannot_be_undone_is_refused(bad):
+    logits, p, mask = make_inputs(4, 16, torch.float32)
+    with pytest.raises(ValueError, match="grad_scale must be a positive finite number"):
+        soft_target_cross_entropy(logits.requires_grad_(True) * 1, p, mask, impl="triton", grad_scale=bad)
+
+
 def test_fully_masked_batch_gives_zero_loss_and_gradient():
     logits, p, mask = make_inputs(5, 40, torch.float32, masked_rows=range(5))
     loss, _, grad = run_kernel(logits, p, mask, torch.tensor(1.0, device=DEVICE), 16)

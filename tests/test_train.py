@@ -63,6 +63,23 @@ def test_vocab_map_roundtrip_and_padding():
     assert (torch.arange(5) + d2t).tolist() == ids.tolist() and t2d.nonzero().flatten().tolist() == ids.tolist()
 
 
+def test_loss_decay_zero_trains_step_zero_only():
+    """decay 0: steps past 0 weigh 0, so the in-place kernel (which writes dL/dz for its weight)
+    must not run them for a gradient; the result equals the reference loss's."""
+    model, batch, lm_head, draft_ids = tiny_setup()
+    grads = {}
+    for impl in ("reference", "triton"):
+        model.zero_grad()
+        loss, metrics = ttt_loss(model, batch, lm_head, draft_ids, ttt_length=3, decay=0.0, attention="sdpa",
+                                 loss_impl=impl)
+        loss.backward()
+        assert len(metrics) == 3 and float(metrics[2]["loss"]) > 0  # later steps still measured
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        torch.testing.assert_close(loss, metrics[0]["loss"])
+    for name, g in grads["reference"].items():
+        torch.testing.assert_close(grads["triton"][name], g, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("backprop,announced", [(1.0, 1.0), (0.5, 0.5), (0.5, 1.0)])
 def test_kernel_paths_equal_plain_torch(backprop, announced):
     """SDPA tree mask + Triton in-place loss (interpreted on CPU) vs eager attention + reference

@@ -50,6 +50,7 @@ for g0 = 1 underflow in fp16 before the backward scales them up.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -271,4 +272,8 @@ def soft_target_cross_entropy(logits: torch.Tensor, target: torch.Tensor, mask: 
     if impl != "triton":
         raise ValueError(f"unknown loss impl {impl!r}: choose triton, reference or auto")
     write_grad = logits.requires_grad and torch.is_grad_enabled()  # no gradient pass in evaluation
+    if write_grad and not (math.isfinite(grad_scale) and grad_scale > 0):
+        # the forward writes dL/dz for grad_scale and the backward divides by it: 0 would leave
+        # a zero gradient no upstream gradient could scale back
+        raise ValueError(f"soft_target_cross_entropy: grad_scale must be a positive finite number, got {grad_scale}")
     return SoftTargetCrossEntropy.apply(logits, target, mask, normaliser, block, float(grad_scale), write_grad)

@@ -88,10 +88,13 @@ def ttt_loss(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, draft_ids:
         n_valid = valid.sum()
         with torch.no_grad():
             hit = (logits.argmax(-1) == tgt_all[:, 1 + s :]) & valid
-        loss_s = soft_target_cross_entropy(logits.reshape(-1, vd), target_p.reshape(-1, vd), valid.reshape(-1),
-                                           normaliser=n_valid.clamp(min=1).float(), impl=loss_impl,
-                                           grad_scale=decay ** s * loss_scale)
-        total = total + decay ** s * loss_s
+        weight = decay ** s
+        # a step of weight 0 (--loss-decay 0 past step 0) teaches nothing: its loss is a metric only
+        with torch.set_grad_enabled(torch.is_grad_enabled() and weight > 0):
+            loss_s = soft_target_cross_entropy(logits.reshape(-1, vd), target_p.reshape(-1, vd), valid.reshape(-1),
+                                               normaliser=n_valid.clamp(min=1).float(), impl=loss_impl,
+                                               grad_scale=weight * loss_scale)
+        total = total + weight * loss_s
         metrics.append({"loss": loss_s.detach(), "hits": hit.sum(), "valid": n_valid})
     return total, metrics
 
