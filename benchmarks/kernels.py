@@ -12,7 +12,8 @@ FLOPs: pairs(s) = T(T+1)/2 + s*T visible (query, key) pairs at step s; forward 4
 Loss: [N, 32000] logits, fp32 and bf16, forward + backward, one call and the 7-step weighted
 form, the three implementations timed in turn within each iteration. TB/s counts
 N*V*(3*e_z + 2*e_p) bytes for every implementation (z and p read for the loss, read again for
-the gradient, the gradient written) over the whole call, its Python and small ops included.
+the gradient, the gradient written) over the whole call, its Python and small ops included. Before timing a
+shape, ours is checked against the fp32 reference (loss, gradient, gradient in place).
 kernel_ms / kernel_TB/s: our kernel alone (no autograd or small ops), counting the least bytes an
 in-place kernel must move to and from DRAM: z and p read once, the gradient written once. Its
 second reads (p for fp32 rows held in registers, z and p for bf16 rows in chunks) are meant to
@@ -142,13 +143,46 @@ def weighted_loss_case(n: int, v: int, dtype: torch.dtype, steps: int, device: s
     return run
 
 
+def loss_inputs(n: int, v: int, dtype: torch.dtype, device: str = "cuda"):
+    """Random logits z [n, v], target distributions p [n, v], a row mask (about 10% out) and
+    its count as the normaliser."""
+    z = torch.randn(n, v, device=device, dtype=dtype)
+    p = torch.softmax(torch.randn(n, v, device=device), -1).to(dtype)
+    mask = torch.rand(n, device=device) > 0.1
+    return z, p, mask, mask.sum().float()
+
+
+# gradient tolerances against the fp32 reference, as in tests/test_soft_ce.py's GPU test:
+# atol relative to the largest gradient entry; bf16 is one bf16 step (2^-7) of rtol
+GRAD_TOLERANCES = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-3, 2 ** -7)}
+
+
+def assert_gradient_matches(logits: torch.Tensor, p, mask, norm, gradient: torch.Tensor, grad_scale: float) -> None:
+    """Raise unless `gradient` [N, V] (what our kernel wrote over a copy of `logits`) is
+    grad_scale * dL/dz of the plain torch reference at fp32: a launch setting that is fast but
+    wrong must not reach a results table."""
+    z = logits.float().requires_grad_(True)
+    (grad_scale * soft_ce_reference(z, p.float(), mask, norm)).backward()
+    atol, rtol = GRAD_TOLERANCES[logits.dtype]
+    torch.testing.assert_close(gradient.float(), z.grad, atol=atol * z.grad.abs().max().item(), rtol=rtol)
+
+
+def check_loss(n: int, v: int, dtype: torch.dtype, grad_scale: float = 0.8, device: str = "cuda") -> None:
+    """Our loss and in-place gradient at this shape against the reference, through the public
+    function and autograd (announced grad_scale, upstream gradient grad_scale), before timing."""
+    z, p, mask, norm = loss_inputs(n, v, dtype, device)
+    ours = z.clone().requires_grad_(True)
+    loss = soft_target_cross_entropy(ours, p, mask, norm, impl="triton", grad_scale=grad_scale)
+    (gradient,) = torch.autograd.grad(grad_scale * loss, ours)
+    torch.testing.assert_close(loss, soft_ce_reference(z, p, mask, norm), atol=1e-3, rtol=1e-5)
+    assert gradient.data_ptr() == ours.data_ptr(), "the gradient is not in the logits' own buffer"
+    assert_gradient_matches(z, p, mask, norm, gradient, grad_scale)
+
+
 def loss_kernel_ms(n: int, v: int, dtype: torch.dtype) -> float:
     """Our kernel alone: one forward that writes the gradient, inputs made beforehand (no
     autograd, no small ops), CUDA events around the launch."""
-    z = torch.randn(n, v, device="cuda", dtype=dtype)
-    p = torch.softmax(torch.randn(n, v, device="cuda"), -1).to(dtype)
-    mask = torch.rand(n, device="cuda") > 0.1
-    norm = mask.sum().float()
+    z, p, mask, norm = loss_inputs(n, v, dtype)
     return cuda_time_ms(lambda: SoftTargetCrossEntropy.forward(NoCtx(), z, p, mask, norm), 3, 20)
 
 
@@ -165,6 +199,7 @@ def bench_loss(shapes: list[tuple[int, int]]) -> list[dict]:
     for n, v in shapes:
         for dtype in (torch.float32, torch.bfloat16):
             e = torch.finfo(dtype).bits // 8
+            check_loss(n, v, dtype)  # raises before any time is taken if ours is wrong here
             kernel_ms = loss_kernel_ms(n, v, dtype)
             for steps in (1, STEPS):
                 run = weighted_loss_case(n, v, dtype, steps)

@@ -6,6 +6,7 @@ and spills of each compiled variant.
 
 Whole rows (V <= WHOLE_ROW_MAX, one register tile): programs per SM x warps x p held or
 re-read. Chunked rows (V = 151936, or block forced to CHUNK): programs per SM x L2 hints x warps.
+Every setting's gradient is checked against the plain torch reference before timing.
 
     python benchmarks/soft_ce_tuning.py            (H200: benchmarks/results/soft_ce_tuning.log)
     python benchmarks/soft_ce_tuning.py --profile  (where a whole forward + backward call goes)
@@ -23,7 +24,7 @@ import triton
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 import specfoundry.kernels.soft_ce as sc  # noqa: E402
 from benchmarks.common import cuda_time_ms_interleaved  # noqa: E402
-from benchmarks.kernels import NoCtx, loss_kernel_ms, weighted_loss_case  # noqa: E402
+from benchmarks.kernels import NoCtx, assert_gradient_matches, loss_inputs, loss_kernel_ms, weighted_loss_case  # noqa: E402
 
 CASES = [(4096, 32000, torch.bfloat16), (4096, 32000, torch.float32), (16384, 32000, torch.bfloat16),
          (16384, 32000, torch.float32), (2048, 151936, torch.bfloat16), (2048, 151936, torch.float32)]
@@ -56,10 +57,8 @@ def registers() -> list[str]:
 
 
 def sweep_case(n: int, v: int, dtype: torch.dtype) -> str:
-    z = torch.randn(n, v, device="cuda", dtype=dtype)
-    p = torch.softmax(torch.randn(n, v, device="cuda"), -1).to(dtype)
-    mask = torch.rand(n, device="cuda") > 0.1
-    norm = mask.sum().float()
+    z, p, mask, norm = loss_inputs(n, v, dtype)
+    logits = z.clone()  # z itself is overwritten by every timed call
     whole = triton.next_power_of_2(v) <= sc.WHOLE_ROW_MAX
     settings = ([("whole", c) for c in WHOLE] if whole else []) + [("chunked", c) for c in CHUNKED]
     fns = {}
@@ -70,6 +69,10 @@ def sweep_case(n: int, v: int, dtype: torch.dtype) -> str:
             sc.SoftTargetCrossEntropy.forward(NoCtx(), z, p, mask, norm, None if kind == "whole" else sc.CHUNK)
         fns[label(kind, config)] = ours
     defaults = sc.WHOLE, sc.CHUNKED, sc.WHOLE_ROW_DTYPES
+    for ours in fns.values():  # each setting's gradient checked before any is timed
+        z.copy_(logits)
+        ours()
+        assert_gradient_matches(logits, p, mask, norm, z, grad_scale=1.0)
     ms = cuda_time_ms_interleaved(fns, 3, 15)
     sc.WHOLE, sc.CHUNKED, sc.WHOLE_ROW_DTYPES = defaults
     moved = n * v * 3 * z.element_size()
