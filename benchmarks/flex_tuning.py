@@ -21,7 +21,7 @@ import torch
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 import specfoundry.kernels.tree_attention as ta  # noqa: E402
 from benchmarks.common import cuda_time_ms  # noqa: E402
-from benchmarks.kernels import STEPS, core_flops, core_run  # noqa: E402
+from benchmarks.kernels import STEPS, core_flops, core_inputs, core_run  # noqa: E402
 
 CHOICES = {
     "defaults": None,
@@ -48,10 +48,7 @@ def main():
     if args.autotune:
         CHOICES["max-autotune"] = "autotune"
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; T={t}, {STEPS} steps fwd+bwd", flush=True)
-    qs = [torch.randn(1, 32, t, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(STEPS)]
-    ks = [torch.randn(1, 8, t, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(STEPS)]
-    vs = [torch.randn(1, 8, t, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(STEPS)]
-    run = functools.partial(core_run, qs, ks, vs, "flex")
+    run = functools.partial(core_run, *core_inputs(t), "flex")
     for name, options in CHOICES.items():
         torch._dynamo.reset()
         ta._compiled_flex = None

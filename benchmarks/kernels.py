@@ -67,6 +67,15 @@ def attention_block_run(attn: Eagle3Attention, rotary, xs, grads, impl: str):
     loss.backward()
 
 
+def core_inputs(t: int) -> tuple[list, list, list]:
+    """Per TTT step, random bf16 q [1, 32, t, 128] and k, v [1, 8, t, 128] (the 8B draft's heads)
+    that take a gradient: the attention core's inputs."""
+    def per_step(heads):
+        return [torch.randn(1, heads, t, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(STEPS)]
+    return per_step(32), per_step(8), per_step(8)
+
+
 def core_run(qs, ks, vs, impl):
     t = qs[0].shape[2]
     outs = []
@@ -85,13 +94,15 @@ def core_flops(t: int, nh: int = 32, hd: int = 128) -> float:
     return 14 * pairs * nh * hd
 
 
-def flex_tile_flops(t: int, nh: int = 32, hd: int = 128) -> float:
+def flex_tile_flops(t: int, device, nh: int = 32, hd: int = 128) -> float:
     """The FLOPs FlexAttention actually spends: every (query block, key block) tile its
     BlockMask does not skip is computed whole, partial or full. A later step's diagonal tile
-    holds one visible pair per query, 128 of its 128x128, so this exceeds core_flops."""
+    holds one visible pair per query, 128 of its 128x128, so this exceeds core_flops.
+    device: where the flex run built its masks (they come from the cache); the layout is the
+    same on any device."""
     tiles = 0
     for s in range(STEPS):
-        mask = ttt_block_mask([t], t, s, "cpu")  # the same block layout as on the GPU
+        mask = ttt_block_mask([t], t, s, device)
         tiles += int(mask.kv_num_blocks.sum()) + int(mask.full_kv_num_blocks.sum())
         q_block, kv_block = mask.BLOCK_SIZE
     return 14 * tiles * q_block * kv_block * nh * hd
@@ -106,9 +117,7 @@ def bench_attention(seqs: list[int]) -> list[dict]:
     for t in seqs:
         xs = [torch.randn(1, t, 8192, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(STEPS)]
         grads = [torch.randn(1, t, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(STEPS)]
-        qs = [torch.randn(1, 32, t, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(STEPS)]
-        ks = [torch.randn(1, 8, t, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(STEPS)]
-        vs = [torch.randn(1, 8, t, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(STEPS)]
+        qs, ks, vs = core_inputs(t)
         for impl, name in (("flex", "ours (flex BlockMask)"), ("eager", "(a) eager EAGLE-3"), ("sdpa", "(b) SDPA dense mask")):
             # RoPE compiled as sf-train runs it (fuse_elementwise), for ours and (b); eager in (a), the original code
             attn.fused = impl != "eager"
@@ -124,7 +133,7 @@ def bench_attention(seqs: list[int]) -> list[dict]:
                 row["core_TFLOPs"] = core_flops(t) / core_ms / 1e9
                 row["core_%_of_matmul"] = 100 * row["core_TFLOPs"] / MATMUL_TFLOPS
                 if impl == "flex":
-                    row["core_TFLOPs_computed"] = flex_tile_flops(t) / core_ms / 1e9
+                    row["core_TFLOPs_computed"] = flex_tile_flops(t, qs[0].device) / core_ms / 1e9
             except torch.cuda.OutOfMemoryError:
                 row["ms"] = "OOM"
             for x in xs + qs + ks + vs:
@@ -139,6 +148,15 @@ def bench_attention(seqs: list[int]) -> list[dict]:
     return rows
 
 
+def loss_inputs(n: int, v: int, dtype: torch.dtype, device: str = "cuda"):
+    """Random logits z [n, v], target distributions p [n, v], a row mask (about 10% out) and
+    its count as the normaliser."""
+    z = torch.randn(n, v, device=device, dtype=dtype)
+    p = torch.softmax(torch.randn(n, v, device=device), -1).to(dtype)
+    mask = torch.rand(n, device=device) > 0.1
+    return z, p, mask, mask.sum().float()
+
+
 def weighted_loss_case(n: int, v: int, dtype: torch.dtype, steps: int, device: str = "cuda"):
     """Random logits, target distributions and a row mask for `steps` losses of [n, v]; returns
     run(fn), one forward + backward of sum_s 0.8^s * fn(z_s, p_s, mask, normaliser, w_s), where
@@ -147,25 +165,16 @@ def weighted_loss_case(n: int, v: int, dtype: torch.dtype, steps: int, device: s
     The gradients are taken with autograd.grad, as a training step hands dL/dlogits on to the
     lm_head matmul's backward. A .backward() into leaf logits would make autograd copy ours into
     .grad (the gradient it gets is the leaf's own buffer), a full [N, V] copy training never does."""
-    zs = [torch.randn(n, v, device=device, dtype=dtype, requires_grad=True) for _ in range(steps)]
-    ps = [torch.softmax(torch.randn(n, v, device=device), -1).to(dtype) for _ in range(steps)]
-    mask = torch.rand(n, device=device) > 0.1
-    norm = mask.sum().float()
+    inputs = [loss_inputs(n, v, dtype, device) for _ in range(steps)]
+    zs = [z.requires_grad_(True) for z, _, _, _ in inputs]
+    ps = [p for _, p, _, _ in inputs]
+    _, _, mask, norm = inputs[0]  # one row mask for every step, as the steps of one batch share it
 
     def run(fn):
         total = sum(0.8 ** s * fn(z, p, mask, norm, 0.8 ** s) for s, (z, p) in enumerate(zip(zs, ps, strict=True)))
         torch.autograd.grad(total, zs)
 
     return run
-
-
-def loss_inputs(n: int, v: int, dtype: torch.dtype, device: str = "cuda"):
-    """Random logits z [n, v], target distributions p [n, v], a row mask (about 10% out) and
-    its count as the normaliser."""
-    z = torch.randn(n, v, device=device, dtype=dtype)
-    p = torch.softmax(torch.randn(n, v, device=device), -1).to(dtype)
-    mask = torch.rand(n, device=device) > 0.1
-    return z, p, mask, mask.sum().float()
 
 
 # gradient tolerances against the fp32 reference, as in tests/test_soft_ce.py's GPU test:
