@@ -1,19 +1,22 @@
-"""Where the TTT attention block's time goes (kernels.py's "ours" row), and two candidate cuts,
-side by side in one process. At each T, all 7 TTT steps forward + backward, bf16, 8B draft shape:
+"""Where the TTT attention block's time goes (kernels.py's "ours" row), and candidate cuts side
+by side in one process. At each T, all 7 TTT steps forward + backward, bf16, 8B draft shape:
 
 - GPU time by kernel kind (torch.profiler): matmuls (cuBLAS), the FlexAttention kernels, the
   rest (RoPE, cats, adds), and the GPU's idle time inside the block's CUDA-event time: idle is
   the CPU not launching fast enough (launch-bound), not the kernels.
 - variants timed in turn within each iteration (cuda_time_ms_interleaved), so the card's clock
   drift falls on all alike:
-  * ours: the model's Eagle3Attention as sf-train runs it;
-  * fused qkv: q, k and v from one [6144, 8192] projection (one GEMM forward, and no adds of
-    three dX in backward), the weights concatenated once beforehand, as a model that stored
-    them fused would;
+  * ours: the model's Eagle3Attention as sf-train runs it (q/k/v as one projection whose
+    weight a TTTCache concatenates once per pass);
+  * separate q/k/v: three projections, and in backward three dX GEMMs and two adds (the model
+    before TTTCache);
   * tuned flex: ours with the flex launch options max-autotune picked at T=4096
     (flex_tuning.py: fwd 64x64 w4 s3, bwd 32/64/64/32 w4 s3).
 
     python benchmarks/attention_breakdown.py [--seq 4096 ...] [--no-profile]
+
+results/attention_breakdown.json is the run that led to TTTCache: there "ours" was the separate
+projections and "fused qkv" a weight concatenated once beforehand (0.93-0.98x of ours).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 # the repo root replaces this script's folder on the path (see kernels.py)
 sys.path[0] = str(Path(__file__).resolve().parents[1])
@@ -37,27 +39,24 @@ from specfoundry.train.model import Eagle3Draft, apply_rotary_pos_emb  # noqa: E
 TUNED_FLEX = CHOICES["fwd 64x64, bwd 32/64"]
 
 
-class FusedQKVAttention(torch.nn.Module):
-    """Eagle3Attention's training path (flex) with q, k, v from one projection."""
+class SeparateQKVAttention(torch.nn.Module):
+    """Eagle3Attention's training path with q, k and v from three projections (the model before
+    TTTCache), same weights."""
 
     def __init__(self, attn):
         super().__init__()
         self.attn = attn
-        weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
-        self.qkv = torch.nn.Parameter(torch.cat(weights).detach().clone())  # [(nh + 2 nkv) hd, 2H]
-        self.widths = [w.shape[0] for w in weights]
 
     def forward(self, x, cos, sin, cache, lengths, step, impl):
         a = self.attn
         b, t, _ = x.shape
-        q, k, v = F.linear(x, self.qkv).split(self.widths, dim=-1)
-        q = q.view(b, t, a.nh, a.hd).transpose(1, 2)  # [B, nh, T, hd]
-        k = k.view(b, t, a.nkv, a.hd).transpose(1, 2)  # [B, nkv, T, hd]
-        v = v.view(b, t, a.nkv, a.hd).transpose(1, 2)
+        q = a.q_proj(x).view(b, t, a.nh, a.hd).transpose(1, 2)  # [B, nh, T, hd]
+        k = a.k_proj(x).view(b, t, a.nkv, a.hd).transpose(1, 2)  # [B, nkv, T, hd]
+        v = a.v_proj(x).view(b, t, a.nkv, a.hd).transpose(1, 2)
         q, k = a.call(apply_rotary_pos_emb, q, k, cos, sin)
-        cache.append((k, v))
-        keys = torch.cat([c[0] for c in cache], dim=2)  # [B, nkv, T*(step+1), hd]
-        values = torch.cat([c[1] for c in cache], dim=2)
+        cache.kv.append((k, v))
+        keys = torch.cat([c[0] for c in cache.kv], dim=2)  # [B, nkv, T*(step+1), hd]
+        values = torch.cat([c[1] for c in cache.kv], dim=2)
         out = ta.tree_attention(q, keys, values, lengths, step, backend=impl)
         return a.o_proj(out.transpose(1, 2).reshape(b, t, a.nh * a.hd))
 
@@ -110,7 +109,7 @@ def main():
     model = Eagle3Draft(LLAMA8B_DRAFT)
     attn = model.midlayer.self_attn.cuda().to(torch.bfloat16)
     attn.fused = True  # RoPE compiled, as sf-train runs it
-    fused = FusedQKVAttention(attn)
+    separate = SeparateQKVAttention(attn)
     rotary = model.rotary.cuda()
     rows = []
     for t in args.seq:
@@ -118,7 +117,7 @@ def main():
         grads = [torch.randn(1, t, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(STEPS)]
         variants = {
             "ours": functools.partial(attention_block_run, attn, rotary, xs, grads, "flex"),
-            "fused qkv": functools.partial(attention_block_run, fused, rotary, xs, grads, "flex"),
+            "separate q/k/v": functools.partial(attention_block_run, separate, rotary, xs, grads, "flex"),
             "tuned flex": with_flex_options(TUNED_FLEX, functools.partial(attention_block_run, attn, rotary, xs,
                                                                           grads, "flex")),
         }

@@ -5,8 +5,9 @@
 Attention: the draft's attention block at the Llama-3.1-8B draft shape (input 2H = 8192,
 32 query heads, 8 KV heads, head_dim 128, RoPE), batch 1, TTT length 7, all 7 steps forward +
 backward. Ours (FlexAttention BlockMask) against (a) the original EAGLE-3 eager formulation and
-(b) SDPA with the dense mask. Ours and (b) apply RoPE compiled, as sf-train does
-(fuse_elementwise); (a) runs it eagerly, as the original code does. The attention core alone is timed too and counted in useful
+(b) SDPA with the dense mask. All three project q/k/v as sf-train does, in one GEMM (TTTCache);
+ours and (b) apply RoPE compiled, as sf-train does (fuse_elementwise); (a) runs it eagerly, as
+the original code does. The attention core alone is timed too and counted in useful
 FLOPs: pairs(s) = T(T+1)/2 + s*T visible (query, key) pairs at step s; forward 4*pairs*nh*hd
 (QK^T and PV), backward 10*pairs*nh*hd (dV, dP, dQ, dK and the recomputed QK^T).
 core_TFLOPs_computed (ours): the same rate over the tiles the BlockMask does not skip, each
@@ -47,7 +48,7 @@ from benchmarks.common import (  # noqa: E402
 from specfoundry.kernels.soft_ce import SoftTargetCrossEntropy, soft_ce_reference, soft_target_cross_entropy  # noqa: E402
 from specfoundry.kernels.tree_attention import eager_tree_attention, tree_attention, ttt_block_mask  # noqa: E402
 from specfoundry.train.config import DraftConfig  # noqa: E402
-from specfoundry.train.model import Eagle3Attention, Eagle3Draft  # noqa: E402
+from specfoundry.train.model import Eagle3Attention, Eagle3Draft, TTTCache  # noqa: E402
 
 LLAMA8B_DRAFT = DraftConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                             head_dim=128, rope_theta=500000.0, max_position_embeddings=131072, vocab_size=128256,
@@ -57,7 +58,7 @@ STEPS = 7
 
 def attention_block_run(attn: Eagle3Attention, rotary, xs, grads, impl: str):
     t = xs[0].shape[1]
-    cache = []
+    cache = TTTCache()  # as sf-train runs it: q/k/v as one projection
     outs = []
     for s in range(STEPS):
         pos = (torch.arange(t, device="cuda") + s)[None]

@@ -11,11 +11,12 @@ from safetensors.torch import load_file
 
 from specfoundry.capture.stage import CaptureConfig, run_capture
 from specfoundry.featureset.store import Sample
+from specfoundry.kernels.tree_attention import tree_attention
 from specfoundry.train.config import DraftConfig
 from specfoundry.train.export import expected_tensors, export_draft, validate
 from specfoundry.train.loader import BatchDataset, FeatureLoader, plan_batches
 from specfoundry.train.loop import TrainConfig, resolved_pad_multiple, train
-from specfoundry.train.model import Eagle3Draft
+from specfoundry.train.model import Eagle3Draft, TTTCache, apply_rotary_pos_emb
 from specfoundry.train.ttt import Batch, ttt_loss
 from specfoundry.train.vocab import choose_draft_vocab, vocab_maps
 from tests.conftest import CHAT, write_jsonl
@@ -166,6 +167,42 @@ def test_batch_widths_are_rounded_to_the_pad_multiple_within_the_token_budget():
     assert resolved_pad_multiple(cfg, torch.device("cpu")) == 1
     assert resolved_pad_multiple(cfg, torch.device("cuda")) == 128
     assert resolved_pad_multiple(TrainConfig(featureset="f", output="o", pad_multiple=64), torch.device("cuda")) == 64
+
+
+def test_a_ttt_pass_projects_q_k_v_with_one_weight_concatenated_once():
+    """Training's one q/k/v GEMM (TTTCache) gives what the three projections give, outputs and
+    gradients (input and each weight, random upstream), over 3 TTT steps with padding; the weight
+    is concatenated once for the whole pass."""
+    torch.manual_seed(0)
+    model = Eagle3Draft(TINY)
+    attn = model.midlayer.self_attn
+    b, t, lengths, nh, nkv, hd = 2, 9, [9, 6], TINY.num_attention_heads, TINY.num_key_value_heads, TINY.head_dim
+    x = torch.randn(b, t, 2 * TINY.hidden_size, requires_grad=True)
+    cos, sin = model.rotary(x, torch.arange(t)[None].expand(b, t))
+    cache = TTTCache()
+    outs, weights = [], []
+    for s in range(3):
+        outs.append(attn(x, cos, sin, cache, lengths, s, "sdpa"))
+        weights.append(cache.qkv_weight)
+    assert all(w is weights[0] for w in weights) and weights[0].shape == ((nh + 2 * nkv) * hd, 2 * TINY.hidden_size)
+
+    refs, keys, values = [], [], []
+    for s in range(3):
+        q = attn.q_proj(x).view(b, t, nh, hd).transpose(1, 2)
+        k = attn.k_proj(x).view(b, t, nkv, hd).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        keys.append(k)
+        values.append(attn.v_proj(x).view(b, t, nkv, hd).transpose(1, 2))
+        out = tree_attention(q, torch.cat(keys, 2), torch.cat(values, 2), lengths, s, backend="sdpa")
+        refs.append(attn.o_proj(out.transpose(1, 2).reshape(b, t, nh * hd)))
+    upstream = [torch.randn_like(o) for o in outs]
+    wrt = [x, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight]
+    grads = torch.autograd.grad(sum((o * u).sum() for o, u in zip(outs, upstream, strict=True)), wrt)
+    ref_grads = torch.autograd.grad(sum((o * u).sum() for o, u in zip(refs, upstream, strict=True)), wrt)
+    for out, ref in zip(outs, refs, strict=True):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for name, g, ref in zip(["x", "q_proj", "k_proj", "v_proj", "o_proj"], grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.gpu

@@ -29,6 +29,7 @@ from specfoundry.eval.evaluate import prompt_ids
 from specfoundry.eval.speculative import DraftRunner, Sampler, TargetRunner, speculative_generate
 from specfoundry.featureset.store import FeatureSet
 from specfoundry.train.export import validate
+from specfoundry.train.model import TTTCache
 from specfoundry.train.vocab import choose_draft_vocab, draft_ids_from_d2t
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
@@ -147,7 +148,7 @@ def check_positions(draft: DraftRunner, sample, cached: torch.Tensor) -> Check:
     with torch.inference_mode():
         ids = sample.input_ids[1:].to(device)[None]  # training's step 0: token x_{i+1} at position i
         hidden = model.fc(sample.aux_hidden[:-1].to(device, dtype)[None])
-        _, normed = model.step(ids, hidden, torch.arange(n - 1, device=device)[None], [], [n - 1], 0, "sdpa")
+        _, normed = model.step(ids, hidden, torch.arange(n - 1, device=device)[None], TTTCache(), [n - 1], 0, "sdpa")
         training = model.lm_head(normed)[0].float()
     err = ((training - cached).abs().max() / training.abs().max()).item()
     if err > 1e-2:

@@ -114,6 +114,27 @@ class KVCache:
             self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
 
 
+class TTTCache:
+    """What the steps of one Training-Time Test pass share: the earlier steps' keys and values,
+    and the q/k/v projection weight concatenated once for all of them.
+
+    One GEMM [T, 2H] x [2H, (nh + 2 nkv) hd] per step instead of three, and in backward one dX
+    GEMM instead of three whose outputs two [T, 2H] adds then sum: 2.7% of the attention block
+    at T=4096 on an H200 (benchmarks/results/attention_breakdown.json). Concatenating once per
+    pass, not per step, keeps the copy (and its backward, the split of the weight gradient) to
+    one per training step; the parameters stay q/k/v_proj, SGLang's names.
+    """
+
+    def __init__(self):
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per step: k, v [B, nkv, T, hd]
+        self.qkv_weight: torch.Tensor | None = None  # [(nh + 2 nkv) hd, 2H]
+
+    def fused_qkv(self, attn: Eagle3Attention) -> torch.Tensor:
+        if self.qkv_weight is None:
+            self.qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        return self.qkv_weight
+
+
 class Eagle3Attention(Fusable):
     """q/k/v read the 2H-wide concat; GQA; RoPE as the target's."""
 
@@ -126,21 +147,26 @@ class Eagle3Attention(Fusable):
         self.v_proj = nn.Linear(2 * h, self.nkv * hd, bias=False)
         self.o_proj = nn.Linear(self.nh * hd, h, bias=False)
 
-    def forward(self, x, cos, sin, cache: list | KVCache, lengths, step: int, attention: str) -> torch.Tensor:
-        """cache: the TTT list of earlier steps' (k, v) in training, or a KVCache when decoding."""
+    def forward(self, x, cos, sin, cache: TTTCache | KVCache, lengths, step: int, attention: str) -> torch.Tensor:
+        """cache: the TTT pass's TTTCache in training, or a KVCache when decoding."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
-        k = self.k_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
-        v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        if isinstance(cache, KVCache):  # decoding: separate weights, no per-call concatenation
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = F.linear(x, cache.fused_qkv(self)).split([self.nh * self.hd, self.nkv * self.hd,
+                                                                self.nkv * self.hd], dim=-1)
+        q = q.view(b, t, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
+        k = k.view(b, t, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
+        v = v.view(b, t, self.nkv, self.hd).transpose(1, 2)
         q, k = self.call(apply_rotary_pos_emb, q, k, cos, sin)
         if isinstance(cache, KVCache):  # inference (sf-eval): new tokens after a cached prefix
             keys, values = cache.append(k, v)  # [B, nkv, L+T, hd]
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=cache.mask_for(t, q.device),
                                                  enable_gqa=self.nh != self.nkv)
         else:
-            cache.append((k, v))
-            keys = torch.cat([c[0] for c in cache], dim=2)  # [B, nkv, T*(step+1), hd]
-            values = torch.cat([c[1] for c in cache], dim=2)
+            cache.kv.append((k, v))
+            keys = torch.cat([c[0] for c in cache.kv], dim=2)  # [B, nkv, T*(step+1), hd]
+            values = torch.cat([c[1] for c in cache.kv], dim=2)
             if attention == "eager":
                 out = eager_tree_attention(q, keys, values, lengths, step)
             else:
@@ -202,7 +228,7 @@ class Eagle3Draft(nn.Module):
                            max_position_embeddings=cfg.max_position_embeddings)
         self.rotary = LlamaRotaryEmbedding(rope)
 
-    def step(self, input_ids, hidden, positions, cache: list, lengths, step: int, attention: str = "auto"):
+    def step(self, input_ids, hidden, positions, cache: TTTCache | KVCache, lengths, step: int, attention: str = "auto"):
         """One draft step. input_ids, positions: [B, T]; hidden: [B, T, H] (fc(aux) at step 0,
         else the previous step's pre-norm state). Returns (pre-norm [B, T, H], normed [B, T, H])."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)

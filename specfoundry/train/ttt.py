@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from specfoundry.kernels.soft_ce import soft_target_cross_entropy
-from specfoundry.train.model import Eagle3Draft
+from specfoundry.train.model import Eagle3Draft, TTTCache
 from specfoundry.train.teacher import teacher_targets
 from specfoundry.train.vocab import draft_ids_from_d2t
 
@@ -71,7 +71,7 @@ def ttt_loss(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, draft_ids:
     lengths = torch.tensor(batch.lengths, device=batch.input_ids.device)
     index = torch.arange(seq, device=batch.input_ids.device)
     hidden = model.fc(batch.aux_hidden)  # [B, T, H]
-    cache: list = []
+    cache = TTTCache()  # the earlier steps' keys and values, the q/k/v weight fused once
     total = torch.zeros((), device=hidden.device, dtype=torch.float32)
     metrics = []
     for s in range(ttt_length):
