@@ -31,7 +31,7 @@ import torch
 # the repo root replaces this script's folder on the path (see kernels.py)
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 import specfoundry.kernels.tree_attention as ta  # noqa: E402
-from benchmarks.common import cuda_time_ms_interleaved, print_table, wall, write_result  # noqa: E402
+from benchmarks.common import cuda_time_ms_interleaved, peak_memory_gib, print_table, wall, write_result  # noqa: E402
 from benchmarks.flex_tuning import CHOICES  # noqa: E402
 from benchmarks.kernels import LLAMA8B_DRAFT, STEPS, attention_block_run  # noqa: E402
 from specfoundry.train.model import Eagle3Draft, apply_rotary_pos_emb  # noqa: E402
@@ -104,6 +104,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, nargs="+", default=[4096], help="TTT lengths T (tokens per step).")
     ap.add_argument("--no-profile", action="store_true", help="Skip the profiler's breakdown.")
+    ap.add_argument("--no-tuned-flex", action="store_true", help="Leave out the tuned-flex variant (a compile).")
     args = ap.parse_args()
     torch.manual_seed(0)
     model = Eagle3Draft(LLAMA8B_DRAFT)
@@ -121,11 +122,13 @@ def main():
             "tuned flex": with_flex_options(TUNED_FLEX, functools.partial(attention_block_run, attn, rotary, xs,
                                                                           grads, "flex")),
         }
+        if args.no_tuned_flex:
+            del variants["tuned flex"]
         first = {name: wall(fn) for name, fn in variants.items()}  # compiles, reported apart
         ms = cuda_time_ms_interleaved(variants, 3, 15)
         for name in variants:
             row = {"T": t, "variant": name, "ms": ms[name], "vs_ours": ms[name] / ms["ours"],
-                   "first_call_s": first[name]}
+                   "first_call_s": first[name], "peak_GiB": peak_memory_gib(variants[name])}
             if not args.no_profile and name == "ours":
                 print(f"== T={t} ours: GPU kernels of one block call", flush=True)
                 row.update(gpu_breakdown(variants[name], ms[name]))
@@ -134,7 +137,7 @@ def main():
             x.grad = None
         del xs, grads
         torch.cuda.empty_cache()
-    print_table(rows, ["T", "variant", "ms", "vs_ours", "first_call_s", "matmul_ms", "flex_ms", "other_ms",
+    print_table(rows, ["T", "variant", "ms", "vs_ours", "peak_GiB", "first_call_s", "matmul_ms", "flex_ms", "other_ms",
                        "kernels_ms", "idle_ms"])
     print(write_result("attention_breakdown", rows))
 
