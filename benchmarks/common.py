@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -91,10 +93,22 @@ def machine() -> dict:
     return info
 
 
+def commit() -> str:
+    """The code's commit: GIT_COMMIT when set (the device's copy of the tree has no .git), else git's."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def write_result(name: str, rows: list[dict], extra: dict | None = None) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    payload = {"benchmark": name, "command": " ".join(sys.argv), "machine": machine(),
+    payload = {"benchmark": name, "command": " ".join(sys.argv), "commit": commit(), "machine": machine(),
                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows, **(extra or {})}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
