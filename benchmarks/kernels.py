@@ -54,9 +54,9 @@ LLAMA8B_DRAFT = DraftConfig(hidden_size=4096, intermediate_size=14336, num_atten
                             head_dim=128, rope_theta=500000.0, max_position_embeddings=131072, vocab_size=128256,
                             draft_vocab_size=32000, target_hidden_size=4096, aux_layer_ids=(1, 15, 28))
 STEPS = 7
-# warm-up calls, then timed calls (median). With 2 and 5, ours at T=4096 read 40.2 and 40.3 ms on
-# two machines where attention_breakdown.py (3 and 15) read 38.2 and 36.8 minutes later; why is
-# not established (clocks after a compile that leaves the GPU idle for tens of seconds?), and more
+# warm-up calls, then timed calls (median). With 2 and 5, ours at T=4096 read 40.3 ms on a machine
+# where attention_breakdown.py (3 and 15, interleaved) read 36.8 a minute later; why is not
+# established (clocks after a compile that leaves the GPU idle for tens of seconds?), and more
 # runs cost about a second
 ATTENTION_RUNS = (5, 15)
 
