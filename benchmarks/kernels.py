@@ -1,6 +1,6 @@
 """Kernel benchmarks on one GPU: TTT attention block and the in-place soft-target loss.
 
-    python benchmarks/kernels.py [--quick] [--only attention|loss]
+    python benchmarks/kernels.py [--quick] [--only attention|loss] [--seq T ...]
 
 Attention: the draft's attention block at the Llama-3.1-8B draft shape (input 2H = 8192,
 32 query heads, 8 KV heads, head_dim 128, RoPE), batch 1, TTT length 7, all 7 steps forward +
@@ -274,8 +274,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help="Smaller sizes (a smoke run).")
     ap.add_argument("--only", choices=["attention", "loss"],
                     help="Run one of the two (results go to kernels_<name>.json instead of kernels.json).")
+    ap.add_argument("--seq", type=int, nargs="+", help="Attention at these T only (default 2048 4096 8192).")
     args = ap.parse_args()
-    seqs = [1024] if args.quick else [2048, 4096, 8192]
+    seqs = args.seq or ([1024] if args.quick else [2048, 4096, 8192])
     shapes = [(1024, 32000)] if args.quick else [(4096, 32000), (16384, 32000)]
     att, loss = [], []
     if args.only != "loss":
@@ -286,7 +287,8 @@ def main():
         loss = bench_loss(shapes)
         print_table(loss, ["N", "dtype", "steps", "impl", "ms", "extra_GiB", "extra_%_of_logits", "TB/s",
                            "%_of_copy_bw", "time_vs_compiled", "kernel_ms", "kernel_TB/s"])
-    name = "kernels" + (f"_{args.only}" if args.only else "") + ("_quick" if args.quick else "")
+    name = ("kernels" + (f"_{args.only}" if args.only else "") + ("_quick" if args.quick else "")
+            + ("_T" + "_".join(map(str, args.seq)) if args.seq else ""))
     print(write_result(name, att + loss))
 
 
