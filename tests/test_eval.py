@@ -16,6 +16,7 @@ from specfoundry.eval.draft import load_draft, untrained_like
 from specfoundry.eval.evaluate import BUILTIN_SETS, EvalConfig, EvalError, load_prompts, run_eval
 from specfoundry.eval.speculative import DraftRunner, Sampler, TargetRunner, speculative_generate
 from specfoundry.eval.tree import propose_tree, tree_generate
+from specfoundry.featureset.store import FeatureSet
 from specfoundry.train.config import draft_config_from_target
 from specfoundry.train.model import Eagle3Draft
 from specfoundry.train.vocab import vocab_maps
@@ -76,12 +77,29 @@ def test_greedy_speculative_equals_target_generate(decoding):
     assert greedy_equality(decoding, limit=2, max_new_tokens=24)[0] == 2 * len(BUILTIN_SETS)
 
 
-def test_tree_decoding_equals_target_generate_and_accepts_more(decoding):
-    n, chain = greedy_equality(decoding, limit=1, max_new_tokens=24)
-    n_tree, tree = greedy_equality(decoding, limit=1, max_new_tokens=24, tree=(3, 2, 2, 1))
-    assert n == n_tree == len(BUILTIN_SETS)
-    # the tree holds the chain as its top-1 branch: more tokens per target forward
-    assert (sum(tree) + len(tree)) / len(tree) > (sum(chain) + len(chain)) / len(chain), (tree, chain)
+def test_tree_decoding_equals_target_generate_and_accepts_at_least_the_chain(decoding, gate_run):
+    """The tree's output is the target's greedy output on the built-in prompts. And from the same
+    context its first target forward accepts at least the chain's tokens, since the tree holds the
+    chain as its top-1 branch: checked on prefixes of the gate's conversation, the one the draft
+    was fitted to, where the chain accepts tokens (on the built-in prompts this draft accepts
+    almost none, so the comparison there would be empty). That the tree accepts more in total is
+    shown on the tiny pair (test_tree_decoding_on_a_tiny_target_is_exact)."""
+    branching = (3, 2, 2, 1)
+    assert greedy_equality(decoding, limit=1, max_new_tokens=24, tree=branching)[0] == len(BUILTIN_SETS)
+    sample = FeatureSet(Path(gate_run[0].workdir) / "features")[0]
+    ids = sample.input_ids.tolist()
+    answer = int(sample.loss_mask.nonzero()[0])  # the first token of the assistant's answer
+    eos = {decoding.tokenizer.eos_token_id}
+    chain, tree = [], []
+    for end in range(answer, len(ids) - len(branching), 8):
+        context = ids[:end]
+        chain.append(speculative_generate(decoding.target, decoding.draft, context, k=len(branching),
+                                          max_new_tokens=len(branching) + 1, eos=eos, sampler=Sampler()).accepted[0])
+        tree.append(tree_generate(decoding.target, decoding.draft, context, branching=branching,
+                                  max_new_tokens=len(branching) + 1, eos=eos).accepted[0])
+    print("accepted per context: chain", chain, "tree", tree)
+    assert sum(chain) > 0, chain
+    assert all(t >= c for t, c in zip(tree, chain, strict=True)), (tree, chain)
 
 
 @pytest.mark.slow
