@@ -119,10 +119,12 @@ class TTTCache:
     and the q/k/v projection weight concatenated once for all of them.
 
     One GEMM [T, 2H] x [2H, (nh + 2 nkv) hd] per step instead of three, and in backward one dX
-    GEMM instead of three whose outputs two [T, 2H] adds then sum: 2.7% of the attention block
-    at T=4096 on an H200 (benchmarks/results/attention_breakdown.json). Concatenating once per
-    pass, not per step, keeps the copy (and its backward, the split of the weight gradient) to
-    one per training step; the parameters stay q/k/v_proj, SGLang's names.
+    GEMM instead of three whose outputs two [T, 2H] adds then sum. On an H200, 8B draft shape:
+    0.98x the attention block's time at T=4096 for 0.08 GiB more peak, the weight's copy and its
+    gradient (benchmarks/results/attention_breakdown_final.json; 0.93-0.98x at T=2048-8192 with
+    the weight concatenated beforehand, attention_breakdown.json). Concatenating once per pass,
+    not per step, keeps the copy (and its backward, the split of the weight gradient) to one per
+    training step; the parameters stay q/k/v_proj, SGLang's names.
     """
 
     def __init__(self):
