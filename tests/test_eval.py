@@ -24,12 +24,17 @@ from specfoundry.train.vocab import vocab_maps
 
 class Decoding:
     """SmolLM2, the gate-trained draft, and memoised decodings: transformers' greedy generate
-    (the reference) and ours, per (prompt, length, tree), so the tests below share them."""
+    (the reference) and ours, per (prompt, length, tree), so the tests below share them.
+    gate_ids: the conversation the draft was fitted to (prompt and answer); gate_answer: where
+    its answer starts."""
 
-    def __init__(self, export, smollm2_dir):
+    def __init__(self, export, smollm2_dir, gate_features: Path):
         self.model, self.tokenizer, _ = load_target("smollm2", device="cpu", dtype=torch.float32)
         self.target = TargetRunner(self.model, [1, 14, 26])
         self.draft = DraftRunner(load_draft(export, smollm2_dir, torch.device("cpu"), torch.float32))
+        sample = FeatureSet(gate_features)[0]
+        self.gate_ids = sample.input_ids.tolist()
+        self.gate_answer = int(sample.loss_mask.nonzero()[0])
         self.memo: dict = {}
 
     def reference(self, pid, ids, n):
@@ -55,29 +60,31 @@ class Decoding:
 
 @pytest.fixture(scope="module")
 def decoding(gate_run, smollm2_dir):
-    return Decoding(gate_run[1], smollm2_dir)
+    return Decoding(gate_run[1], smollm2_dir, Path(gate_run[0].workdir) / "features")
 
 
 def greedy_equality(decoding, limit, max_new_tokens, tree=None):
-    """Speculative (chain k=4, or the tree) output == transformers' greedy generate."""
-    accepted, compared = [], 0
-    for name in BUILTIN_SETS:
-        for pid, ids in load_prompts(name, decoding.tokenizer, limit):
-            out = decoding.ours(pid, ids, max_new_tokens, tree)
-            assert out.tokens == decoding.reference(pid, ids, max_new_tokens), (
-                f"{pid}: speculative output differs from the target's greedy output")
-            accepted += out.accepted
-            compared += 1
+    """Speculative (chain k=4, or the tree) output == transformers' greedy generate, on the
+    built-in prompts (where the gate's one-conversation draft is mostly rejected) and the gate's
+    own prompt (where it is mostly accepted), so both paths of verification are exercised."""
+    prompts = [p for name in BUILTIN_SETS for p in load_prompts(name, decoding.tokenizer, limit)]
+    prompts.append(("gate", decoding.gate_ids[: decoding.gate_answer]))
+    accepted = []
+    for pid, ids in prompts:
+        out = decoding.ours(pid, ids, max_new_tokens, tree)
+        assert out.tokens == decoding.reference(pid, ids, max_new_tokens), (
+            f"{pid}: speculative output differs from the target's greedy output")
+        accepted += out.accepted
     # the draft must really have been accepted sometimes (and rejected), or the test shows little
     assert 0 < sum(accepted) < 4 * len(accepted), accepted
-    return compared, accepted
+    return len(prompts), accepted
 
 
 def test_greedy_speculative_equals_target_generate(decoding):
-    assert greedy_equality(decoding, limit=2, max_new_tokens=24)[0] == 2 * len(BUILTIN_SETS)
+    assert greedy_equality(decoding, limit=2, max_new_tokens=24)[0] == 2 * len(BUILTIN_SETS) + 1
 
 
-def test_tree_decoding_equals_target_generate_and_accepts_at_least_the_chain(decoding, gate_run):
+def test_tree_decoding_equals_target_generate_and_accepts_at_least_the_chain(decoding):
     """The tree's output is the target's greedy output on the built-in prompts. And from the same
     context its first target forward accepts at least the chain's tokens, since the tree holds the
     chain as its top-1 branch: checked on prefixes of the gate's conversation, the one the draft
@@ -85,10 +92,8 @@ def test_tree_decoding_equals_target_generate_and_accepts_at_least_the_chain(dec
     almost none, so the comparison there would be empty). That the tree accepts more in total is
     shown on the tiny pair (test_tree_decoding_on_a_tiny_target_is_exact)."""
     branching = (3, 2, 2, 1)
-    assert greedy_equality(decoding, limit=1, max_new_tokens=24, tree=branching)[0] == len(BUILTIN_SETS)
-    sample = FeatureSet(Path(gate_run[0].workdir) / "features")[0]
-    ids = sample.input_ids.tolist()
-    answer = int(sample.loss_mask.nonzero()[0])  # the first token of the assistant's answer
+    assert greedy_equality(decoding, limit=1, max_new_tokens=24, tree=branching)[0] == len(BUILTIN_SETS) + 1
+    ids, answer = decoding.gate_ids, decoding.gate_answer
     eos = {decoding.tokenizer.eos_token_id}
     chain, tree = [], []
     for end in range(answer, len(ids) - len(branching), 8):
@@ -104,7 +109,7 @@ def test_tree_decoding_equals_target_generate_and_accepts_at_least_the_chain(dec
 
 @pytest.mark.slow
 def test_greedy_speculative_equals_target_generate_all_held_out_prompts(decoding):
-    assert greedy_equality(decoding, limit=None, max_new_tokens=64)[0] == 60
+    assert greedy_equality(decoding, limit=None, max_new_tokens=64)[0] == 60 + 1
 
 
 def true_greedy(model, prompt, n):
