@@ -201,6 +201,11 @@ def _sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _warps_by_block(block: int) -> int:
+    """Warps for a [BLOCK] tile when the launch config names none: wider tiles, more warps."""
+    return 16 if block >= 8192 else 8 if block >= 2048 else 4
+
+
 def _launch_config(z: torch.Tensor, block: int | None) -> tuple[tuple[int], int, int, bool, LaunchConfig]:
     """(grid, BLOCK, num_warps, whole_row, config) for logits z [N, V]. block: force chunks of
     that width (tests); the default holds an fp32 row in registers where it fits."""
@@ -208,7 +213,7 @@ def _launch_config(z: torch.Tensor, block: int | None) -> tuple[tuple[int], int,
     whole = block is None and z.dtype in WHOLE_ROW_DTYPES and triton.next_power_of_2(v) <= WHOLE_ROW_MAX
     block = triton.next_power_of_2(v) if whole else block or min(triton.next_power_of_2(v), CHUNK)
     config = WHOLE if whole else CHUNKED
-    warps = config.num_warps or (16 if block >= 8192 else 8 if block >= 2048 else 4)
+    warps = config.num_warps or _warps_by_block(block)
     if z.device.type == "cuda":
         programs = _sm_count(z.device.index if z.device.index is not None else torch.cuda.current_device()) \
             * config.programs_per_sm
@@ -247,7 +252,7 @@ class SoftTargetCrossEntropy(torch.autograd.Function):
         block = min(triton.next_power_of_2(v), CHUNK)
         if n:  # the ratio g / g0 is read on the device: no sync
             _rescale_kernel[grid](grad, grad_output, ctx.grad_scale, n, grad.stride(0), v, BLOCK=block,
-                                  num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4)
+                                  num_warps=_warps_by_block(block))
         return grad, None, None, None, None, None, None
 
 
