@@ -20,18 +20,7 @@ COPY_TBPS = 4.3  # device-to-device copy, bytes read + written (KINDS.md)
 
 def cuda_time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
     """Median of `iters` CUDA-event timings of fn() after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return cuda_time_ms_interleaved({"fn": fn}, warmup, iters)["fn"]
 
 
 def cuda_time_ms_interleaved(fns: dict, warmup: int = 3, iters: int = 15) -> dict:
