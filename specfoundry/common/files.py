@@ -28,11 +28,18 @@ def atomic_write_json(path: Path, obj) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n").encode())
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+def checksum(path: Path) -> str:
+    """sha256 over a file, or over a folder's files (relative names and bytes, sorted): the one
+    checksum of every shard, done mark and manifest entry."""
+    path = Path(path)
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for f in files:
+        if f != path:
+            h.update(str(f.relative_to(path)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            while block := fh.read(1 << 20):
+                h.update(block)
     return h.hexdigest()
 
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-SCHEMA = "specfoundry.featureset"
-SCHEMA_VERSION = 1
+FORMAT = "specfoundry.featureset"
+# 2: the format/format_version keys of every specfoundry manifest, shards named shard-NNNNNN.
+# 1: schema/schema_version keys, shards named rank000-NNNNNN. Both are read.
+FORMAT_VERSION = 2
+READS_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 TOKEN_COUNTS = "token_counts.safetensors"
 # what storage dtypes mean on disk; zarr has no bfloat16, so bf16 is stored as its uint16 bits
@@ -30,12 +33,17 @@ def read_manifest(root: Path) -> dict:
     path = Path(root) / MANIFEST
     if not path.is_file():
         raise FeatureSetError(f"{root} is not a feature set (no {MANIFEST})")
-    manifest = json.loads(path.read_text())
-    if manifest.get("schema") != SCHEMA:
-        raise FeatureSetError(f"{path}: not a specfoundry feature set (schema {manifest.get('schema')!r})")
-    if manifest.get("schema_version") != SCHEMA_VERSION:
-        raise FeatureSetError(f"{path}: schema version {manifest.get('schema_version')} is not supported "
-                              f"(this specfoundry reads version {SCHEMA_VERSION})")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FeatureSetError(f"{path}: not valid JSON ({e})") from e
+    if "schema" in manifest:  # version 1 spelled the format keys so
+        manifest["format"], manifest["format_version"] = manifest.pop("schema"), manifest.pop("schema_version", None)
+    if manifest.get("format") != FORMAT:
+        raise FeatureSetError(f"{path}: not a specfoundry feature set (format {manifest.get('format')!r})")
+    if manifest.get("format_version") not in READS_VERSIONS:
+        raise FeatureSetError(f"{path}: format version {manifest.get('format_version')} is not supported "
+                              f"(this specfoundry reads versions {', '.join(map(str, READS_VERSIONS))})")
     return manifest
 
 

@@ -6,7 +6,7 @@ A shard holds many samples concatenated along one token axis:
     loss_mask    uint8  [N]
     aux_hidden   dtype  [N, 3H]        outputs of the three aux layers, concatenated
     final_hidden dtype  [N, H]         the target's final normed hidden state (lm_head input)
-A shard is written under a hidden temporary name and renamed into place when complete, then
+A shard is written under a hidden partial name and renamed into place when complete, then
 listed in the manifest with its checksum: a crash never leaves a shard a reader trusts.
 """
 
@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specfoundry.common.files import checksum
 from specfoundry.featureset.manifest import FeatureSetError, read_manifest
 
 FIELDS = ("input_ids", "loss_mask", "aux_hidden", "final_hidden")
@@ -38,22 +39,10 @@ class Sample:
     final_hidden: torch.Tensor  # [T, H] storage dtype
 
 
-def shard_name(index: int, codec: str, rank: int = 0) -> str:
+def shard_name(index: int, codec: str) -> str:
+    """Where shard `index` lives in a set (any rank may write any shard)."""
     suffix = "zarr" if codec == "zarr" else "safetensors"
-    return f"shards/rank{rank:03d}-{index:06d}.{suffix}"
-
-
-def checksum(path: Path) -> str:
-    """sha256 over a file, or over a directory's files (relative names and bytes, sorted)."""
-    h = hashlib.sha256()
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    for f in files:
-        if f != path:
-            h.update(str(f.relative_to(path)).encode() + b"\0")
-        with open(f, "rb") as fh:
-            while block := fh.read(1 << 20):
-                h.update(block)
-    return h.hexdigest()
+    return f"shards/shard-{index:06d}.{suffix}"
 
 
 def to_storage(x: torch.Tensor, dtype: str) -> np.ndarray:
@@ -68,8 +57,20 @@ def from_storage(a: np.ndarray, dtype: str) -> torch.Tensor:
 
 
 def write_shard(root: Path, rel: str, samples: list[dict], codec: str, dtype: str) -> str:
-    """Write samples ({input_ids, loss_mask, aux_hidden, final_hidden} tensors) as one shard,
-    atomically; returns the shard's checksum."""
+    """Write samples as shard `rel` of the set at `root`, atomically (under a partial name, then
+    renamed); returns the shard's checksum."""
+    final = root / rel
+    tmp = final.parent / f".partial-{final.name}"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+    digest = write_shard_file(tmp, samples, codec, dtype)
+    os.replace(tmp, final)
+    return digest
+
+
+def write_shard_file(path: Path, samples: list[dict], codec: str, dtype: str) -> str:
+    """Write samples ({input_ids, loss_mask, aux_hidden, final_hidden} tensors) as one shard at
+    `path` (a Zarr group folder or a safetensors file); returns its checksum."""
     lengths = [len(s["input_ids"]) for s in samples]
     # each array as the per-sample blocks that, stacked along dim 0, make the shard's array
     blocks = {
@@ -79,19 +80,12 @@ def write_shard(root: Path, rel: str, samples: list[dict], codec: str, dtype: st
         "aux_hidden": [to_storage(s["aux_hidden"], dtype) for s in samples],
         "final_hidden": [to_storage(s["final_hidden"], dtype) for s in samples],
     }
-    final = root / rel
-    tmp = final.parent / f".partial-{final.name}"
-    final.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
     if codec == "zarr":
-        _write_zarr(tmp, {name: np.concatenate(b) for name, b in blocks.items()})
-        digest = checksum(tmp)
-    elif codec == "safetensors":
-        digest = write_safetensors(tmp, blocks)
-    else:
-        raise FeatureSetError(f"unknown codec {codec!r}: choose zarr or safetensors")
-    os.replace(tmp, final)
-    return digest
+        _write_zarr(path, {name: np.concatenate(b) for name, b in blocks.items()})
+        return checksum(path)
+    if codec == "safetensors":
+        return write_safetensors(path, blocks)
+    raise FeatureSetError(f"unknown codec {codec!r}: choose zarr or safetensors")
 
 
 SAFETENSORS_DTYPES = {"int64": "I64", "int32": "I32", "uint8": "U8", "uint16": "U16", "float16": "F16",

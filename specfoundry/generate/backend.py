@@ -5,21 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from specfoundry.common.cli import setting, shared
+
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
     """How each assistant turn is sampled."""
 
-    temperature: float = 0.8
-    """0.8 as in the SpecForge paper; 0 means greedy decoding."""
-    top_p: float = 1.0
-    """Nucleus sampling mass (1 = off)."""
-    top_k: int = 0
-    """Keep the k most likely tokens (0 = off)."""
-    max_new_tokens: int = 512
-    """Cap on generated tokens per turn; an answer that hits it is 'truncated'."""
-    seed: int = 0
-    """Base seed; each generation call derives its own from it, so reruns reproduce."""
+    temperature: float = setting(0.8, help="Sampling temperature (0.8 as in the SpecForge paper; 0 is greedy).")
+    top_p: float = setting(1.0, help="Nucleus sampling mass (1 = off).")
+    top_k: int = setting(0, help="Sample only from the k most likely tokens (0 = off).")
+    # an answer that reaches the cap is 'truncated'
+    max_new_tokens: int = shared("max_new_tokens", 512)
+    # each generation call derives its own seed from this one, so reruns reproduce
+    seed: int = shared("seed", 0)
 
     @property
     def greedy(self) -> bool:
@@ -57,21 +56,24 @@ def derive_seed(*parts: int) -> int:
     return value
 
 
-def make_backend(name: str, *, target: str, device: str | None, openai_url: str | None,
-                 openai_model: str | None, concurrency: int, retries: int, batch_size: int) -> Backend:
-    if name == "hf":
+BACKENDS = ("hf", "openai", "sglang")
+
+
+def make_backend(cfg) -> Backend:
+    """The backend a RegenConfig names, loaded (its target too)."""
+    if cfg.backend == "hf":
         from specfoundry.generate.hf_backend import HFBackend
 
-        return HFBackend(target, device=device, batch_size=batch_size)
-    if name == "openai":
+        return HFBackend(cfg.target, device=cfg.device, batch_size=cfg.batch_size)
+    if cfg.backend == "openai":
         from specfoundry.generate.openai_backend import OpenAIBackend
 
-        if not openai_url:
+        if not cfg.openai_url:
             raise ValueError("--backend openai needs --openai-url (e.g. http://127.0.0.1:30000/v1)")
-        return OpenAIBackend(openai_url, model=openai_model, target=target,
-                             concurrency=concurrency, retries=retries)
-    if name == "sglang":
+        return OpenAIBackend(cfg.openai_url, model=cfg.openai_model, target=cfg.target,
+                             concurrency=cfg.concurrency, retries=cfg.retries)
+    if cfg.backend == "sglang":
         from specfoundry.generate.sglang_backend import SGLangBackend
 
-        return SGLangBackend(target, batch_size=batch_size)
-    raise ValueError(f"unknown backend {name!r}: choose hf, openai or sglang")
+        return SGLangBackend(cfg.target, batch_size=cfg.batch_size)
+    raise ValueError(f"unknown backend {cfg.backend!r}: choose {', '.join(BACKENDS)}")

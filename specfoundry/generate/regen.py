@@ -5,16 +5,13 @@ Layout of the output folder:
   README.md                a dataset card, so `datasets.load_dataset(folder)` finds the shards
   data/shard-00000.parquet one row per kept conversation (see ROW_SCHEMA)
 
-Work is split into fixed shards of the (deterministically ordered) input. A shard is written
-aside and renamed into place, then listed in the manifest; a rerun with the same settings
-skips listed shards whose checksum matches. Every generation call derives its seed from
-(seed, shard, turn), so a resumed run writes byte-identical shards.
+Work is split into fixed shards of the (deterministically ordered) input, written and resumed
+through common/shards.py (regen_config.json, data/<shard>.done.json marks). Every generation
+call derives its seed from (seed, shard, turn), so a resumed run writes byte-identical shards.
 """
 
 from __future__ import annotations
 
-import io
-import json
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
@@ -24,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from specfoundry import __version__
+from specfoundry.common.cli import config_dict, setting, shared
 from specfoundry.common.conversations import (
     BadInput,
     Conversation,
@@ -31,11 +29,20 @@ from specfoundry.common.conversations import (
     Message,
     load_conversations,
 )
-from specfoundry.common.files import atomic_write_bytes, atomic_write_json, sha256_file
+from specfoundry.common.files import atomic_write_bytes, atomic_write_json, checksum
 from specfoundry.common.progress import Progress
-from specfoundry.generate.backend import Backend, Generation, SamplingConfig, derive_seed
+from specfoundry.common.shards import ShardedOutput, check_output_folder, record_config
+from specfoundry.common.target import EMBEDDED_DEFAULT
+from specfoundry.generate.backend import (
+    BACKENDS,
+    Backend,
+    Generation,
+    SamplingConfig,
+    derive_seed,
+    make_backend,
+)
 from specfoundry.generate.repetition import loop_cut
-from specfoundry.generate.synth import DEFAULT_STARTERS, starter_for, user_turn_prefix
+from specfoundry.generate.synth import DEFAULT_STARTERS, read_starters, starter_for, user_turn_prefix
 
 FORMAT = "specfoundry.regen"
 FORMAT_VERSION = 1
@@ -65,40 +72,51 @@ class RegenError(ValueError):
     """A user-facing problem with a regen run (bad settings, mismatching output folder)."""
 
 
+def parse_starters(spec) -> tuple[str, ...]:
+    """--prompt-starters as given on the command line or in a recipe: a name, a file, or a list."""
+    return read_starters(spec) if isinstance(spec, str) else tuple(spec)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RegenConfig:
-    """Settings of one sf-regen run (written into the manifest)."""
+    """Settings of one sf-regen run (recorded in regen_config.json beside its output)."""
 
-    output: str
-    """Output folder (created; a rerun into the same folder resumes)."""
-    source: str | None = None
-    """Conversation file or folder; None when prompts are synthesised."""
-    synthesize: int = 0
-    """Number of user prompts to synthesise from the target when there is no source."""
-    prompt_temperature: float | None = None
-    """Temperature for synthesised prompts; None: the answers' temperature, or 1.0 when the
-    answers are greedy (greedy prompts would all be the same text)."""
-    prompt_starters: tuple[str, ...] = DEFAULT_STARTERS
-    """Openings that seed synthesised prompts (prompt i gets opening i mod len); () for plain Magpie."""
-    target: str = "smollm2"
-    """Local model directory or 'smollm2' (the embedded default)."""
-    backend: str = "hf"
+    source: str | None = setting(None, argument=True, help="Conversation file or folder (jsonl/json/parquet, "
+                                 "ShareGPT or OpenAI shaped); none when prompts are synthesised.")
+    output: str = shared("output", resume=False)
+    target: str = shared("target", EMBEDDED_DEFAULT)
+    backend: str = setting("hf", choices=BACKENDS, help="hf: transformers in this process; openai: "
+                           "OpenAI-compatible servers; sglang: offline sglang.Engine.")
+    synthesize: int = setting(0, help="No dataset: synthesise this many user prompts from the target (Magpie) "
+                              "instead of reading SOURCE.")
+    prompt_temperature: float | None = setting(
+        None, shown="--temperature, or 1.0 when greedy",
+        help="Temperature of synthesised prompts (greedy prompts would all be the same text).")
+    prompt_starters: tuple[str, ...] = setting(
+        DEFAULT_STARTERS, parse=parse_starters, shown="default",
+        help=f"Seed synthesised prompt i with opening i mod n, which the target continues, so the prompts cover "
+             f"many kinds of request: 'default' ({len(DEFAULT_STARTERS)} built-in openings such as 'Why', "
+             "'Explain', 'Write a'), 'none' (plain Magpie), or a text file with one opening per line.")
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    batch_size: int = 32
-    shard_size: int = 128
-    """Conversations per output shard, the unit of resumption."""
-    max_prompt_tokens: int = 2048
-    """A conversation whose prompt before any assistant turn is longer is bad input."""
-    on_empty: str = "drop"
-    """'drop' or 'flag' a conversation with an empty regenerated answer."""
-    on_truncated: str = "flag"
-    """'drop' or 'flag' a conversation with an answer cut at max_new_tokens, or 'trim': cut an
-    answer that ends in a repetition loop after the loop's first repeat (see repetition.py),
-    and flag the other cut answers."""
-    strict: bool = False
-    """Fail on the first bad input instead of reporting and skipping it."""
-    limit: int | None = None
-    """Use only the first N good conversations."""
+    batch_size: int = setting(32, help="Sequences generated together (hf, sglang).")
+    shard_size: int = setting(128, help="Conversations per output shard (the unit of resumption).")
+    max_prompt_tokens: int = setting(2048, help="A conversation whose prompt before an assistant turn is longer "
+                                     "is reported as bad input.")
+    on_empty: str = setting("drop", choices=ON_EMPTY, help="Drop a conversation with an empty regenerated "
+                            "answer, or keep it flagged.")
+    on_truncated: str = setting(
+        "flag", choices=ON_TRUNCATED,
+        help="Drop a conversation with an answer cut at --max-new-tokens, keep it flagged, or 'trim': cut an "
+             "answer that ends in a verbatim repetition loop (a block of <= 64 tokens repeating >= 32 tokens) "
+             "after the loop's first repeat and keep the other cut answers flagged (hf and sglang backends).")
+    strict: bool = shared("strict", False)
+    limit: int | None = shared("limit", None)
+    device: str | None = shared("device", None, resume=False)
+    openai_url: str | None = setting(None, resume=False, help="Base URL of the OpenAI-compatible server, e.g. "
+                                     "http://127.0.0.1:30000/v1 (openai backend).")
+    openai_model: str | None = setting(None, help="Model name sent to the server, if it needs one (openai backend).")
+    concurrency: int = setting(16, resume=False, help="Requests in flight at once (openai backend).")
+    retries: int = setting(4, resume=False, help="Retries per request, with exponential backoff (openai backend).")
 
     def prompt_sampling(self) -> SamplingConfig:
         """How synthesised user prompts are sampled: always at a temperature above 0."""
@@ -109,15 +127,9 @@ class RegenConfig:
             raise RegenError("--prompt-temperature must be > 0: greedy prompts would all be the same text")
         return replace(self.sampling, temperature=temperature)
 
-    def settings(self) -> dict:
-        """What must match for a rerun to resume into an existing output folder."""
-        d = asdict(self)
-        d.pop("output")
-        d["prompt_starters"] = list(self.prompt_starters) if self.synthesize else []  # as JSON reads it back
-        return d
 
 
-def count_prompt_problems(conv: Conversation, tokenizer, max_tokens: int) -> BadInput | None:
+def over_long_prompt(conv: Conversation, tokenizer, max_tokens: int) -> BadInput | None:
     """Over-long prompt check on the original conversation, turn by turn."""
     history = []
     for m in conv.messages:
@@ -182,6 +194,7 @@ class Regenerator:
         self.backend = backend
         self.silent = silent
         self.out = Path(cfg.output)
+        self.shards = ShardedOutput(self.out)
 
     # ---- planning -------------------------------------------------------------------------
 
@@ -201,7 +214,7 @@ class Regenerator:
         conversations, bad = [], list(loaded.bad)
         tokenizer = self.backend.tokenizer
         for conv in loaded.conversations:
-            problem = tokenizer and count_prompt_problems(conv, tokenizer, cfg.max_prompt_tokens)
+            problem = tokenizer and over_long_prompt(conv, tokenizer, cfg.max_prompt_tokens)
             if problem:
                 if cfg.strict:
                     raise RegenError(str(problem))
@@ -294,8 +307,13 @@ class Regenerator:
 
     # ---- the run --------------------------------------------------------------------------
 
-    def manifest_base(self, bad: list[BadInput], num_shards: int) -> dict:
+    def manifest(self, bad: list[BadInput], num_shards: int) -> dict:
+        """The manifest from the done marks: every finished shard, and complete when all are."""
         cfg = self.cfg
+        shards = self.shards.marks([shard_path(i) for i in range(num_shards)])
+        totals = Counter()
+        for s in shards:
+            totals.update(s["counts"])  # update(), unlike +, keeps the zero counts
         return {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -305,68 +323,56 @@ class Regenerator:
             "target": self.backend.identity(),
             "sampling": asdict(cfg.sampling),
             "seed": cfg.sampling.seed,
-            "settings": cfg.settings(),
+            "config": config_dict(cfg),
             "num_shards": num_shards,
             "bad_input_counts": dict(Counter(b.kind for b in bad)),
             "bad_inputs": [asdict(b) for b in bad],
-            "shards": [],
-            "complete": False,
+            "shards": shards,
+            "totals": dict(totals),
+            "complete": len(shards) == num_shards,
         }
 
-    def finished_shards(self, manifest_path: Path) -> list[dict]:
-        """Shards of an earlier run into this folder that can be kept (same settings, intact)."""
-        if not manifest_path.is_file():
-            return []
-        old = json.loads(manifest_path.read_text())
-        if old.get("format") != FORMAT:
-            raise RegenError(f"{self.out} holds something other than a regen output; choose a new folder")
-        if old.get("settings") != self.cfg.settings():
-            changed = sorted(k for k in self.cfg.settings() if old.get("settings", {}).get(k) != self.cfg.settings()[k])
-            raise RegenError(f"{self.out} holds a run with other settings ({', '.join(changed)}); "
-                             "rerun with the same settings to resume, or choose a new folder")
-        return [s for s in old["shards"] if (self.out / s["path"]).is_file()
-                and sha256_file(self.out / s["path"]) == s["sha256"]]
+    def write_shard(self, shard: int, rows: list[dict], counts: ShardCounts) -> None:
+        def write(path: Path) -> str:
+            pq.write_table(pa.Table.from_pylist(rows, schema=ROW_SCHEMA), path)
+            return checksum(path)
+
+        self.shards.commit(shard_path(shard), write, {"index": shard, "counts": asdict(counts)})
 
     def run(self) -> dict:
         conversations, bad, num_shards = self.plan()
-        manifest_path = self.out / "manifest.json"
-        keep = {s["index"]: s for s in self.finished_shards(manifest_path)}
-        manifest = self.manifest_base(bad, num_shards)
-        manifest["shards"] = [keep[i] for i in sorted(keep)]
-        self.out.mkdir(parents=True, exist_ok=True)
+        record_config(self.out, "regen", self.cfg)
         atomic_write_bytes(self.out / "README.md", DATASET_CARD.encode())
-        atomic_write_json(manifest_path, manifest)
+        pending = set(self.shards.pending([shard_path(i) for i in range(num_shards)]))
+        todo = [i for i in range(num_shards) if shard_path(i) in pending]
+        manifest = self.manifest(bad, num_shards)
+        atomic_write_json(self.out / "manifest.json", manifest)
         total = self.cfg.synthesize or len(conversations or [])
-        done = sum(s["counts"]["conversations_in"] + s["counts"]["synthetic_prompts_empty"] for s in keep.values())
+        done = sum(s["counts"]["conversations_in"] + s["counts"]["synthetic_prompts_empty"] for s in manifest["shards"])
         with Progress(total, "conv", "sf-regen", self.silent, initial=done) as progress:
-            for shard in range(num_shards):
-                if shard in keep:
-                    continue
+            for shard in todo:
                 counts = ShardCounts()
                 if conversations is None:
                     convs = self.synthesise(shard, counts)
                     progress.update(counts.synthetic_prompts_empty)
                 else:
                     convs = conversations[shard * self.cfg.shard_size : (shard + 1) * self.cfg.shard_size]
-                rows = self.regenerate(shard, convs, counts, progress)
-                rel = f"data/shard-{shard:05d}.parquet"
-                buf = io.BytesIO()
-                pq.write_table(pa.Table.from_pylist(rows, schema=ROW_SCHEMA), buf)
-                atomic_write_bytes(self.out / rel, buf.getvalue())
-                entry = {"index": shard, "path": rel, "sha256": sha256_file(self.out / rel), "counts": asdict(counts)}
-                manifest["shards"] = sorted(manifest["shards"] + [entry], key=lambda s: s["index"])
-                atomic_write_json(manifest_path, manifest)
-        totals = Counter()
-        for s in manifest["shards"]:
-            totals.update(s["counts"])  # update(), unlike +, keeps the zero counts
-        manifest["totals"] = dict(totals)
-        manifest["complete"] = True
-        atomic_write_json(manifest_path, manifest)
+                self.write_shard(shard, self.regenerate(shard, convs, counts, progress), counts)
+                atomic_write_json(self.out / "manifest.json", self.manifest(bad, num_shards))
+        self.shards.remove_partials("data")
+        manifest = self.manifest(bad, num_shards)
+        atomic_write_json(self.out / "manifest.json", manifest)
         return manifest
 
 
-def run_regen(cfg: RegenConfig, backend: Backend, silent: bool = False) -> dict:
-    """Run (or resume) a regen into cfg.output and return the final manifest."""
+def shard_path(index: int) -> str:
+    return f"data/shard-{index:05d}.parquet"
+
+
+def run_regen(cfg: RegenConfig, backend: Backend | None = None, silent: bool = False) -> dict:
+    """Run (or resume) a regen into cfg.output and return the final manifest. `backend`: an
+    already built backend (tests, the gate); by default the one cfg names is loaded."""
     if cfg.on_empty not in ON_EMPTY or cfg.on_truncated not in ON_TRUNCATED:
         raise RegenError(f"--on-empty takes one of {', '.join(ON_EMPTY)}; --on-truncated one of {', '.join(ON_TRUNCATED)}")
-    return Regenerator(cfg, backend, silent).run()
+    check_output_folder(Path(cfg.output), "regen", cfg)  # before loading the target
+    return Regenerator(cfg, backend if backend is not None else make_backend(cfg), silent).run()

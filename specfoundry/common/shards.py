@@ -1,0 +1,145 @@
+"""The one resume mechanism of the sharded stages (sf-regen, sf-capture).
+
+An output folder holds `<stage>_config.json` (the resolved config of the run that last wrote
+it), the shards, and beside each finished shard a done mark `<shard>.done.json` (its checksum
+and what the stage records about it). The mechanism guarantees:
+
+- the first run records its config; a rerun whose settings differ is refused, naming each
+  differing setting with its old and new value (settings marked `resume=False`, such as the
+  device, may change);
+- a shard is written under `.partial-<name>`, renamed into place, then marked done: a reader
+  trusts only marked shards whose checksum matches, so a kill at any moment leaves either a
+  shard that is redone on the rerun or one that is kept;
+- a rerun with the same settings skips the marked shards and redoes the rest, so, shards being
+  fixed units of a deterministic order, it ends byte-identical to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from specfoundry.common.cli import config_dict, resume_settings
+from specfoundry.common.files import atomic_write_json, checksum
+
+PARTIAL = ".partial-"
+
+
+class OutputFolderError(ValueError):
+    """The output folder cannot take this run (another run's settings, not a folder, ...)."""
+
+
+def settings_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """'key: old -> new' for every key of `new` whose value differs in `old` (nested dicts by dotted key)."""
+    diffs = []
+    for key, value in new.items():
+        before = old.get(key, "<unset>") if isinstance(old, dict) else "<unset>"
+        if isinstance(value, dict) and isinstance(before, dict):
+            diffs += settings_diff(before, value, f"{prefix}{key}.")
+        elif before != value:
+            diffs.append(f"{prefix}{key}: {before!r} -> {value!r}")
+    return diffs
+
+
+def remove(path: Path) -> None:
+    """Remove a file or a folder, if there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def writable_folder(root: Path) -> None:
+    """Refuse an output path that is a file, or whose nearest existing folder cannot be written."""
+    if root.exists() and not root.is_dir():
+        raise OutputFolderError(f"{root} is a file, not an output folder")
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OutputFolderError(f"{root}: permission denied (cannot write in {existing})")
+
+
+def check_output_folder(root: Path, stage: str, cfg) -> Path:
+    """Refuse `root` for a run of `cfg` before any long work: not a writable folder, another
+    stage's or another run's output. Returns the path of the config record."""
+    root = Path(root)
+    writable_folder(root)
+    path = root / f"{stage}_config.json"
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            old = {}  # a config file is written atomically; an unreadable one is not ours to trust
+        diffs = settings_diff(old, resume_settings(cfg))
+        if diffs:
+            raise OutputFolderError(f"{root} holds a {stage} run with other settings ({'; '.join(diffs)}); "
+                                    "rerun with the same settings to resume, or choose a new folder")
+    elif root.is_dir() and any(root.iterdir()):
+        raise OutputFolderError(f"{root} is not empty and holds no {stage} run; choose a new or empty folder")
+    return path
+
+
+def record_config(root: Path, stage: str, cfg) -> None:
+    """Check the folder as check_output_folder does, then record `cfg` as the run's config."""
+    path = check_output_folder(root, stage, cfg)
+    Path(root).mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, config_dict(cfg))
+
+
+class ShardedOutput:
+    """The shards of one output folder: which are finished, and writing one so that it appears whole."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def mark_path(self, rel: str) -> Path:
+        return self.root / (rel + ".done.json")
+
+    def finished(self, rel: str) -> dict | None:
+        """The done mark of shard `rel` if the shard is there and its checksum matches, else None."""
+        mark = self.mark_path(rel)
+        if not mark.is_file() or not (self.root / rel).exists():
+            return None
+        try:
+            entry = json.loads(mark.read_text())
+        except json.JSONDecodeError:
+            return None
+        return entry if checksum(self.root / rel) == entry.get("sha256") else None
+
+    def pending(self, rels: list[str]) -> list[str]:
+        """The shards of `rels` still to write; a stale mark of one (its shard damaged or gone) is dropped."""
+        todo = [rel for rel in rels if self.finished(rel) is None]
+        for rel in todo:
+            self.mark_path(rel).unlink(missing_ok=True)
+        return todo
+
+    def commit(self, rel: str, write: Callable[[Path], str], mark: dict) -> dict:
+        """Write shard `rel` through `write(partial_path) -> checksum`, rename it into place
+        (replacing an unmarked or damaged one), then write its done mark; returns the mark."""
+        final = self.root / rel
+        partial = final.parent / f"{PARTIAL}{final.name}"
+        final.parent.mkdir(parents=True, exist_ok=True)
+        self.mark_path(rel).unlink(missing_ok=True)  # the shard is not done until marked again
+        remove(partial)
+        digest = write(partial)
+        remove(final)
+        os.replace(partial, final)
+        entry = {**mark, "path": rel, "sha256": digest}
+        atomic_write_json(self.mark_path(rel), entry)
+        return entry
+
+    def marks(self, rels: list[str]) -> list[dict]:
+        """The done marks present, in the order of `rels`."""
+        out = []
+        for rel in rels:
+            path = self.mark_path(rel)
+            if path.is_file():
+                out.append(json.loads(path.read_text()))
+        return out
+
+    def remove_partials(self, folder: str) -> None:
+        """Remove leftover partial shards of killed runs (call once every shard is done)."""
+        for p in (self.root / folder).glob(f"{PARTIAL}*"):
+            remove(p)
