@@ -14,10 +14,10 @@ from specfoundry.featureset.store import Sample
 from specfoundry.kernels.tree_attention import tree_attention
 from specfoundry.train.config import DraftConfig
 from specfoundry.train.export import expected_tensors, export_draft, validate
-from specfoundry.train.loader import BatchDataset, FeatureLoader, plan_batches
+from specfoundry.train.loader import Batch, BatchDataset, FeatureLoader, plan_batches
 from specfoundry.train.loop import TrainConfig, resolved_pad_multiple, train
 from specfoundry.train.model import Eagle3Draft, TTTCache, apply_rotary_pos_emb
-from specfoundry.train.ttt import Batch, ttt_loss
+from specfoundry.train.ttt import ttt_loss
 from specfoundry.train.vocab import choose_draft_vocab, vocab_maps
 from tests.conftest import CHAT, write_jsonl
 

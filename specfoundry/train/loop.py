@@ -23,10 +23,10 @@ from specfoundry.featureset.manifest import check_matches_target, tokenizer_hash
 from specfoundry.featureset.store import FeatureSet
 from specfoundry.train.config import draft_config_from_target
 from specfoundry.train.export import export_draft
-from specfoundry.train.loader import FeatureLoader, split_indices
+from specfoundry.train.loader import Batch, FeatureLoader, split_indices
 from specfoundry.train.model import Eagle3Draft
 from specfoundry.train.teacher import target_embeddings, target_lm_head
-from specfoundry.train.ttt import Batch, TTTModule, summarise
+from specfoundry.train.ttt import TTTModule, summarise
 from specfoundry.train.vocab import choose_draft_vocab, vocab_maps
 
 
