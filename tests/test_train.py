@@ -45,11 +45,11 @@ def tiny_setup(seed=0, lengths=(11, 7), cfg=TINY, device="cpu", teacher_scale=1.
     return model.to(device), batch.to(device, torch.float32), lm_head.to(device), (d2t + torch.arange(len(d2t))).to(device)
 
 
-def grads_of(model, batch, lm_head, draft_ids, attention, loss_impl, backprop_scale=1.0, announced_scale=1.0):
+def grads_of(model, batch, lm_head, draft_ids, attention, loss_kernel, backprop_scale=1.0, announced_scale=1.0):
     """Loss and gradients of (loss * backprop_scale), as Accelerate backpropagates loss / grad_accum;
     announced_scale is what ttt_loss is told that gradient will be (its loss_scale)."""
     model.zero_grad()
-    loss, metrics = ttt_loss(model, batch, lm_head, draft_ids, ttt_length=4, attention=attention, loss_impl=loss_impl,
+    loss, metrics = ttt_loss(model, batch, lm_head, draft_ids, ttt_length=4, attention=attention, loss_kernel=loss_kernel,
                              loss_scale=announced_scale)
     (loss * backprop_scale).backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -72,7 +72,7 @@ def test_loss_decay_zero_trains_step_zero_only():
     for impl in ("reference", "triton"):
         model.zero_grad()
         loss, metrics = ttt_loss(model, batch, lm_head, draft_ids, ttt_length=3, decay=0.0, attention="sdpa",
-                                 loss_impl=impl)
+                                 loss_kernel=impl)
         loss.backward()
         assert len(metrics) == 3 and float(metrics[2]["loss"]) > 0  # later steps still measured
         grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -182,7 +182,7 @@ def test_a_ttt_pass_projects_q_k_v_with_one_weight_concatenated_once():
     cache = TTTCache()
     outs, weights = [], []
     for s in range(3):
-        outs.append(attn(x, cos, sin, cache, lengths, s, "sdpa"))
+        outs.append(attn.ttt_attention(x, cos, sin, cache, lengths, s, "sdpa"))
         weights.append(cache.qkv_weight)
     assert all(w is weights[0] for w in weights) and weights[0].shape == ((nh + 2 * nkv) * hd, 2 * TINY.hidden_size)
 
@@ -217,10 +217,10 @@ def test_kernel_paths_equal_plain_torch_on_gpu_at_the_8b_draft_shape():
     model, batch, lm_head, draft_ids = tiny_setup(lengths=(1024, 700), cfg=LLAMA8B_DRAFT, device="cuda",
                                                   teacher_scale=LLAMA8B_DRAFT.hidden_size ** -0.5)
 
-    def run(attention, loss_impl):
+    def run(attention, loss_kernel):
         model.zero_grad()
-        model.fuse_elementwise(attention != "eager")  # the trainer's compiled RMSNorm / SwiGLU / RoPE too
-        loss, _ = ttt_loss(model, batch, lm_head, draft_ids, ttt_length=7, attention=attention, loss_impl=loss_impl)
+        model.compile_elementwise(attention != "eager")  # the trainer's compiled RMSNorm / SwiGLU / RoPE too
+        loss, _ = ttt_loss(model, batch, lm_head, draft_ids, ttt_length=7, attention=attention, loss_kernel=loss_kernel)
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -257,7 +257,7 @@ def test_two_steps_match_recorded_losses():
     opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-2)
     losses = []
     for _ in range(2):
-        loss, _ = ttt_loss(model, batch, lm_head, draft_ids, ttt_length=3, attention="sdpa", loss_impl="reference")
+        loss, _ = ttt_loss(model, batch, lm_head, draft_ids, ttt_length=3, attention="sdpa", loss_kernel="reference")
         opt.zero_grad()
         loss.backward()
         opt.step()

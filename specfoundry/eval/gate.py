@@ -148,7 +148,8 @@ def check_positions(draft: DraftRunner, sample, cached: torch.Tensor) -> Check:
     with torch.inference_mode():
         ids = sample.input_ids[1:].to(device)[None]  # training's step 0: token x_{i+1} at position i
         hidden = model.fc(sample.aux_hidden[:-1].to(device, dtype)[None])
-        _, normed = model.step(ids, hidden, torch.arange(n - 1, device=device)[None], TTTCache(), [n - 1], 0, "sdpa")
+        _, normed = model.ttt_forward(ids, hidden, torch.arange(n - 1, device=device)[None], TTTCache(), [n - 1], 0,
+                                       "sdpa")
         training = model.lm_head(normed)[0].float()
     err = ((training - cached).abs().max() / training.abs().max()).item()
     if err > 1e-2:

@@ -204,7 +204,7 @@ def train(cfg: TrainConfig, silent: bool = False) -> dict:
         with accel.autocast():
             # accel.backward divides the loss by the accumulation steps: that is the gradient into it
             return (model if grad else raw)(batch, ttt_length=cfg.ttt_length, decay=cfg.loss_decay,
-                                            attention=cfg.attention, loss_impl=cfg.loss,
+                                            attention=cfg.attention, loss_kernel=cfg.loss,
                                             loss_scale=1.0 / cfg.grad_accum)
 
     with Progress(total_steps, "step", "sf-train", silent or not accel.is_main_process, initial=step) as progress:
