@@ -4,9 +4,9 @@ Samples are read by background DataLoader workers straight from the shards (neve
 set in memory). Per epoch, a seeded shuffle is batched one of two ways:
 - pad_multiple 1 (the dense attention paths): windows of 64 batches, sorted by length inside and
   packed up to a token budget, for the least padding at any (rows, width);
-- pad_multiple > 1 (compiled FlexAttention, which compiles anew for every input shape, 16-86 s
-  each on an H200): widths rounded up to the multiple and max_tokens // width rows in every
-  batch, so there is one shape per width bucket, compiled once.
+- pad_multiple > 1 (compiled FlexAttention, which compiles anew for every input shape, each
+  compilation costing many training steps' time): widths rounded up to the multiple and
+  max_tokens // width rows in every batch, so there is one shape per width bucket, compiled once.
 The batch order is shuffled again, and rank r takes batches r, r+W, ... (the tail that does
 not divide evenly is dropped so every rank steps together). The state (epoch, batches
 consumed) resumes exactly.
