@@ -129,7 +129,7 @@ class TTTCache:
     """
 
     def __init__(self):
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per step: k, v [B, nkv, T, hd]
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per TTT step: k, v [B, nkv, T, hd]
         self.qkv_weight: torch.Tensor | None = None  # [(nh + 2 nkv) hd, 2H]
 
     def concatenated_qkv(self, attn: Eagle3Attention) -> torch.Tensor:

@@ -414,9 +414,11 @@ class Trainer:
     # ---- the loop -------------------------------------------------------------------------------
 
     def train(self) -> dict:
-        """build → resume → train_step (with evaluation and checkpoints on their schedule) → finish."""
+        """build (unless built) → resume → train_step (with evaluation and checkpoints on their
+        schedule) → finish."""
         cfg = self.cfg
-        self.build()
+        if not hasattr(self, "model"):
+            self.build()
         self.resume()
         main = self.accel.is_main_process
         if cfg.tensorboard and main:
