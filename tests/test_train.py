@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,10 @@ from specfoundry.featureset.store import Sample
 from specfoundry.kernels.tree_attention import tree_attention
 from specfoundry.train.config import DraftConfig
 from specfoundry.train.export import expected_tensors, export_draft, validate
-from specfoundry.train.loader import BatchDataset, FeatureLoader, plan_batches
-from specfoundry.train.loop import TrainConfig, resolved_pad_multiple, train
+from specfoundry.train.loader import Batch, BatchDataset, FeatureLoader, plan_batches
 from specfoundry.train.model import Eagle3Draft, TTTCache, apply_rotary_pos_emb
-from specfoundry.train.ttt import Batch, ttt_loss
+from specfoundry.train.trainer import TrainConfig, Trainer, resolved_pad_multiple, run_train
+from specfoundry.train.ttt import ttt_loss
 from specfoundry.train.vocab import choose_draft_vocab, vocab_maps
 from tests.conftest import CHAT, write_jsonl
 
@@ -45,11 +46,11 @@ def tiny_setup(seed=0, lengths=(11, 7), cfg=TINY, device="cpu", teacher_scale=1.
     return model.to(device), batch.to(device, torch.float32), lm_head.to(device), (d2t + torch.arange(len(d2t))).to(device)
 
 
-def grads_of(model, batch, lm_head, draft_ids, attention, loss_impl, backprop_scale=1.0, announced_scale=1.0):
+def grads_of(model, batch, lm_head, draft_ids, attention, loss_kernel, backprop_scale=1.0, announced_scale=1.0):
     """Loss and gradients of (loss * backprop_scale), as Accelerate backpropagates loss / grad_accum;
     announced_scale is what ttt_loss is told that gradient will be (its loss_scale)."""
     model.zero_grad()
-    loss, metrics = ttt_loss(model, batch, lm_head, draft_ids, ttt_length=4, attention=attention, loss_impl=loss_impl,
+    loss, metrics = ttt_loss(model, batch, lm_head, draft_ids, ttt_length=4, attention=attention, loss_kernel=loss_kernel,
                              loss_scale=announced_scale)
     (loss * backprop_scale).backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -72,7 +73,7 @@ def test_loss_decay_zero_trains_step_zero_only():
     for impl in ("reference", "triton"):
         model.zero_grad()
         loss, metrics = ttt_loss(model, batch, lm_head, draft_ids, ttt_length=3, decay=0.0, attention="sdpa",
-                                 loss_impl=impl)
+                                 loss_kernel=impl)
         loss.backward()
         assert len(metrics) == 3 and float(metrics[2]["loss"]) > 0  # later steps still measured
         grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -182,7 +183,7 @@ def test_a_ttt_pass_projects_q_k_v_with_one_weight_concatenated_once():
     cache = TTTCache()
     outs, weights = [], []
     for s in range(3):
-        outs.append(attn(x, cos, sin, cache, lengths, s, "sdpa"))
+        outs.append(attn.ttt_attention(x, cos, sin, cache, lengths, s, "sdpa"))
         weights.append(cache.qkv_weight)
     assert all(w is weights[0] for w in weights) and weights[0].shape == ((nh + 2 * nkv) * hd, 2 * TINY.hidden_size)
 
@@ -217,10 +218,10 @@ def test_kernel_paths_equal_plain_torch_on_gpu_at_the_8b_draft_shape():
     model, batch, lm_head, draft_ids = tiny_setup(lengths=(1024, 700), cfg=LLAMA8B_DRAFT, device="cuda",
                                                   teacher_scale=LLAMA8B_DRAFT.hidden_size ** -0.5)
 
-    def run(attention, loss_impl):
+    def run(attention, loss_kernel):
         model.zero_grad()
-        model.fuse_elementwise(attention != "eager")  # the trainer's compiled RMSNorm / SwiGLU / RoPE too
-        loss, _ = ttt_loss(model, batch, lm_head, draft_ids, ttt_length=7, attention=attention, loss_impl=loss_impl)
+        model.compile_elementwise(attention != "eager")  # the trainer's compiled RMSNorm / SwiGLU / RoPE too
+        loss, _ = ttt_loss(model, batch, lm_head, draft_ids, ttt_length=7, attention=attention, loss_kernel=loss_kernel)
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -257,7 +258,7 @@ def test_two_steps_match_recorded_losses():
     opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-2)
     losses = []
     for _ in range(2):
-        loss, _ = ttt_loss(model, batch, lm_head, draft_ids, ttt_length=3, attention="sdpa", loss_impl="reference")
+        loss, _ = ttt_loss(model, batch, lm_head, draft_ids, ttt_length=3, attention="sdpa", loss_kernel="reference")
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -306,11 +307,12 @@ def small_cfg(fs, out, **kw):
 
 def test_flex_attention_on_cpu_is_refused_in_one_line(tmp_path, smol_features):
     with pytest.raises(ValueError, match="--attention flex needs a GPU"):
-        train(TrainConfig(featureset=str(smol_features), output=str(tmp_path / "run"), attention="flex"), silent=True)
+        run_train(TrainConfig(featureset=str(smol_features), output=str(tmp_path / "run"), attention="flex"),
+                  silent=True)
 
 
 def test_training_on_smollm2_features_learns(tmp_path, smol_features):
-    result = train(small_cfg(smol_features, tmp_path / "run"), silent=True)
+    result = run_train(small_cfg(smol_features, tmp_path / "run"), silent=True)
     h = result["history"]
     first = sum(x["loss_0"] for x in h[:3]) / 3
     last = sum(x["loss_0"] for x in h[-3:]) / 3
@@ -319,28 +321,29 @@ def test_training_on_smollm2_features_learns(tmp_path, smol_features):
     assert (tmp_path / "run" / "export" / "model.safetensors").is_file()
 
 
+def stop_after_checkpoint(monkeypatch, at: int) -> None:
+    """Make Trainer.checkpoint raise KeyboardInterrupt (a kill) right after writing step `at`."""
+    orig = Trainer.checkpoint
+
+    def checkpoint_then_stop(self):
+        path = orig(self)
+        if self.step == at:
+            raise KeyboardInterrupt
+        return path
+
+    monkeypatch.setattr(Trainer, "checkpoint", checkpoint_then_stop)
+
+
 def test_resume_after_a_stop_gives_identical_weights(tmp_path, smol_features):
-    whole = train(small_cfg(smol_features, tmp_path / "whole", max_steps=20), silent=True)
+    whole = run_train(small_cfg(smol_features, tmp_path / "whole", max_steps=20), silent=True)
     # "killed" after step 10: run to 10 with the same schedule (max_steps 20 fixes the LR curve)
     part = small_cfg(smol_features, tmp_path / "part", max_steps=20)
-    import specfoundry.train.loop as loop
-
     real_total = part.max_steps
-    stop = {"at": 10}
-    orig = loop.save_checkpoint
-
-    def save_then_stop(accel, out, step, loader, keep_last, history):
-        orig(accel, out, step, loader, keep_last, history)
-        if step == stop["at"]:
-            raise KeyboardInterrupt
-
-    loop.save_checkpoint = save_then_stop
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        stop_after_checkpoint(mp, 10)
         with pytest.raises(KeyboardInterrupt):
-            train(part, silent=True)
-    finally:
-        loop.save_checkpoint = orig
-    resumed = train(part, silent=True)
+            run_train(part, silent=True)
+    resumed = run_train(part, silent=True)
     assert resumed["steps"] == real_total == whole["steps"]
     a = load_file(str(tmp_path / "whole" / "export" / "model.safetensors"))
     b = load_file(str(tmp_path / "part" / "export" / "model.safetensors"))
@@ -350,6 +353,70 @@ def test_resume_after_a_stop_gives_identical_weights(tmp_path, smol_features):
     assert [x["step"] for x in resumed["history"]] == list(range(1, 21))
     assert [x["loss_0"] for x in whole["history"]] == [x["loss_0"] for x in resumed["history"]]
     assert json.loads((tmp_path / "part" / "history.json").read_text()) == resumed["history"]
+
+
+def short_cfg(fs, out):
+    """The resume test's run, shortened: 6 steps of 160-token batches, a checkpoint every 2."""
+    return small_cfg(fs, out, max_steps=6, max_tokens=160, save_every=2)
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory, smol_features):
+    """An uninterrupted short_cfg run: (its result, its exported tensors)."""
+    out = tmp_path_factory.mktemp("short") / "run"
+    result = run_train(short_cfg(smol_features, out), silent=True)
+    return result, load_file(str(out / "export" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("damage", ["trainer_state.json missing", "never renamed from its temp dir"])
+def test_resume_skips_an_incomplete_newest_checkpoint(tmp_path, smol_features, short_run, capsys, damage):
+    """A kill while step 4's checkpoint is written leaves it without trainer_state.json (or as a
+    temp dir): the rerun says so in one line, resumes from step 2, removes the leftover and ends
+    with the uninterrupted run's weights, bit for bit."""
+    whole, whole_tensors = short_run
+    cfg = short_cfg(smol_features, tmp_path / "part")
+    with pytest.MonkeyPatch.context() as mp:
+        stop_after_checkpoint(mp, 4)
+        with pytest.raises(KeyboardInterrupt):
+            run_train(cfg, silent=True)
+    ckpts = tmp_path / "part" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-0000002", "step-0000004"]
+    (ckpts / "step-0000004" / "trainer_state.json").unlink()
+    if damage == "never renamed from its temp dir":
+        (ckpts / "step-0000004").rename(ckpts / "step-0000004.tmp")
+    capsys.readouterr()
+    resumed = run_train(cfg, silent=True)
+    said = [line for line in capsys.readouterr().err.splitlines() if "incomplete checkpoint" in line]
+    assert len(said) == 1 and "step-0000004" in said[0] and "resuming from step-0000002" in said[0], said
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-0000004", "step-0000006"]  # keep_last 2, no temp dir
+    assert [x["step"] for x in resumed["history"]] == list(range(1, 7))
+    assert [x["loss_0"] for x in resumed["history"]] == [x["loss_0"] for x in whole["history"]]
+    b = load_file(str(tmp_path / "part" / "export" / "model.safetensors"))
+    assert b.keys() == whole_tensors.keys()
+    for name, t in whole_tensors.items():
+        assert torch.equal(t, b[name]), name
+    assert not [p for p in (tmp_path / "part").iterdir() if p.name.startswith(".")]  # no temp file or dir left
+
+
+def test_train_step_alone_updates_the_draft_and_returns_the_runs_first_metrics(tmp_path, smol_features, short_run):
+    """Trainer.build, then one train_step on the loader's first batch: the parameters move, the
+    frozen buffers do not, and the metrics are those of step 1 of the same run driven by train()."""
+    whole, _ = short_run
+    trainer = Trainer(short_cfg(smol_features, tmp_path / "run"), silent=True).build()
+    draft = trainer.raw.draft
+    before = {n: p.detach().clone() for n, p in draft.named_parameters()}
+    embed = draft.embed_tokens.weight.clone()
+    metrics = trainer.train_step(next(iter(trainer.loader)))
+    assert set(metrics) == {"step", "loss_0", "loss_1", "loss_2", "acc_0", "acc_1", "acc_2", "sim_accept_len", "lr"}
+    assert metrics["step"] == trainer.step == 1 and trainer.history == [metrics]
+    assert all(math.isfinite(v) for v in metrics.values()) and metrics["loss_0"] > 0
+    assert 0 <= metrics["acc_0"] <= 1 and metrics["lr"] == pytest.approx(3e-3)  # warmup 2: full lr at step 1
+    for name, p in draft.named_parameters():
+        assert not torch.equal(p.detach(), before[name]), f"{name} did not change"
+    assert torch.equal(draft.embed_tokens.weight, embed)
+    assert metrics == whole["history"][0]
+    with pytest.raises(ValueError, match="grad_accum = 1 micro-batches, got 2"):
+        trainer.train_step([next(iter(trainer.loader))] * 2)
 
 
 def sf_train_args(fs, out, **kw):

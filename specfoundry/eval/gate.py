@@ -67,7 +67,7 @@ def build(cfg: GateConfig, silent: bool = True) -> Path:
     from specfoundry.generate.backend import SamplingConfig
     from specfoundry.generate.hf_backend import HFBackend
     from specfoundry.generate.regen import RegenConfig, run_regen
-    from specfoundry.train.loop import TrainConfig, train
+    from specfoundry.train.trainer import TrainConfig, run_train
 
     work = Path(cfg.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -81,7 +81,7 @@ def build(cfg: GateConfig, silent: bool = True) -> Path:
     run_capture(CaptureConfig(source=str(work / "regen"), output=str(work / "features"), target=cfg.target,
                               shard_size=1, device=cfg.device), silent=silent)
     on_gpu = pick_device(cfg.device).type == "cuda"
-    result = train(TrainConfig(featureset=str(work / "features"), output=str(work / "train"), target=cfg.target,
+    result = run_train(TrainConfig(featureset=str(work / "features"), output=str(work / "train"), target=cfg.target,
                                draft_vocab_size=cfg.draft_vocab_size, ttt_length=cfg.k, lr=cfg.lr, warmup_steps=10,
                                max_steps=cfg.steps, eval_fraction=0.0, save_every=cfg.steps, keep_last=1,
                                num_workers=0, loss="auto" if on_gpu else "reference", log_every=10**9), silent=silent)
@@ -148,7 +148,8 @@ def check_positions(draft: DraftRunner, sample, cached: torch.Tensor) -> Check:
     with torch.inference_mode():
         ids = sample.input_ids[1:].to(device)[None]  # training's step 0: token x_{i+1} at position i
         hidden = model.fc(sample.aux_hidden[:-1].to(device, dtype)[None])
-        _, normed = model.step(ids, hidden, torch.arange(n - 1, device=device)[None], TTTCache(), [n - 1], 0, "sdpa")
+        _, normed = model.ttt_forward(ids, hidden, torch.arange(n - 1, device=device)[None], TTTCache(), [n - 1], 0,
+                                       "sdpa")
         training = model.lm_head(normed)[0].float()
     err = ((training - cached).abs().max() / training.abs().max()).item()
     if err > 1e-2:

@@ -116,7 +116,7 @@ class DraftRunner:
         device = hidden.device
         x = torch.tensor([ids], device=device)
         pos = torch.tensor([positions], device=device)
-        pre, normed = self.draft.step(x, hidden, pos, self.cache, None, 0)
+        pre, normed = self.draft.decode_forward(x, hidden, pos, self.cache)
         return pre, self.draft.lm_head(normed)[0].float()  # [1, T, H], [T, Vd]
 
     @torch.inference_mode()

@@ -1,1 +1,1 @@
-"""sf-train: the EAGLE-3 draft, Training-Time Test, the Accelerate loop, checkpoints, export."""
+"""sf-train: the EAGLE-3 draft, Training-Time Test, the Trainer (Accelerate), checkpoints, export."""

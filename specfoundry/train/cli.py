@@ -12,7 +12,7 @@ import yaml
 
 from specfoundry.featureset.manifest import FeatureSetError
 from specfoundry.kernels.tree_attention import TooManyShapesError
-from specfoundry.train.loop import TrainConfig, train
+from specfoundry.train.trainer import TrainConfig, run_train
 
 # one option per TrainConfig field; help comes from the field docstrings where they exist
 OPTION_HELP = {
@@ -93,7 +93,7 @@ def main(recipe, silent, **options):
     recipes/accelerate_zero2.yaml). Rerunning into the same --output resumes exactly."""
     cfg = resolve(recipe, options)
     try:
-        result = train(cfg, silent=silent)
+        result = run_train(cfg, silent=silent)
     except (FeatureSetError, ValueError, FileNotFoundError, TooManyShapesError) as e:
         raise click.ClickException(str(e)) from e
     last = result["history"][-1] if result["history"] else {}

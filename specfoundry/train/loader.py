@@ -4,9 +4,9 @@ Samples are read by background DataLoader workers straight from the shards (neve
 set in memory). Per epoch, a seeded shuffle is batched one of two ways:
 - pad_multiple 1 (the dense attention paths): windows of 64 batches, sorted by length inside and
   packed up to a token budget, for the least padding at any (rows, width);
-- pad_multiple > 1 (compiled FlexAttention, which compiles anew for every input shape, 16-86 s
-  each on an H200): widths rounded up to the multiple and max_tokens // width rows in every
-  batch, so there is one shape per width bucket, compiled once.
+- pad_multiple > 1 (compiled FlexAttention, which compiles anew for every input shape, each
+  compilation costing many training steps' time): widths rounded up to the multiple and
+  max_tokens // width rows in every batch, so there is one shape per width bucket, compiled once.
 The batch order is shuffled again, and rank r takes batches r, r+W, ... (the tail that does
 not divide evenly is dropped so every rank steps together). The state (epoch, batches
 consumed) resumes exactly.
@@ -21,7 +21,29 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from specfoundry.featureset.store import FeatureSet
-from specfoundry.train.ttt import Batch
+
+
+@dataclass
+class Batch:
+    """One micro-batch as the loader yields it: right-padded rows of whole samples."""
+
+    input_ids: torch.Tensor  # [B, T] int64, right-padded
+    loss_mask: torch.Tensor  # [B, T] bool
+    aux_hidden: torch.Tensor  # [B, T, 3H]
+    final_hidden: torch.Tensor  # [B, T, H]
+    lengths: list[int]
+
+    def to(self, device, dtype=None) -> Batch:
+        """On `device`; asynchronous when the batch is in pinned memory (see pin_memory)."""
+        return Batch(self.input_ids.to(device, non_blocking=True), self.loss_mask.to(device, non_blocking=True),
+                     self.aux_hidden.to(device, dtype, non_blocking=True),
+                     self.final_hidden.to(device, dtype, non_blocking=True), self.lengths)
+
+    def pin_memory(self) -> Batch:
+        """The DataLoader's pin_memory hook: a copy to the GPU from pinned memory is asynchronous
+        and runs at full bus speed; from pageable memory it is a synchronous staged copy."""
+        return Batch(self.input_ids.pin_memory(), self.loss_mask.pin_memory(), self.aux_hidden.pin_memory(),
+                     self.final_hidden.pin_memory(), self.lengths)
 
 
 def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:

@@ -6,10 +6,12 @@
     r2        = mlp(post_attention_norm(r1)) + r1                 SwiGLU
     logits    = lm_head(norm(r2))                                 [B, T, Vd]
 r2 (the pre-norm state) is what the next draft step receives as its hidden input.
-Parallelism and checkpoints live elsewhere (train/loop.py). With `fuse_elementwise(True)` (the
-trainer on a GPU) the chains of small elementwise ops (RMSNorm, SwiGLU, RoPE) run through
-torch.compile, which fuses each chain and its backward into a kernel or two: in eager mode they
-are ~8 memory passes each over [T, H..I] activations, per TTT step, forward and backward.
+Two forwards share these weights: `ttt_forward` (training: one Training-Time Test step over whole
+sequences, attending through the tree mask to the earlier steps' keys) and `decode_forward`
+(sf-eval: new tokens after a KV cache). Parallelism and checkpoints live elsewhere
+(train/trainer.py). With `compile_elementwise(True)` (the trainer on a GPU) the chains of small
+elementwise ops (RMSNorm, SwiGLU, RoPE) run through torch.compile, which fuses each chain and its
+backward into a kernel or two instead of one memory pass over [T, H..I] activations per op.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def compiled_on_cuda(fn):
     """fn(*args), through torch.compile when the first argument is on a GPU, else plain. The
-    compiled function is made on first GPU use (making it imports inductor, over a second on a
-    CPU-only run that never needs it); shapes that change become dynamic after the second."""
+    compiled function is made on first GPU use (making it imports inductor, which a CPU-only run
+    never needs); shapes that change become dynamic after the second."""
     compiled = None
 
     @functools.wraps(fn)
@@ -55,26 +57,27 @@ def compiled_on_cuda(fn):
     return call
 
 
-FUSED = {fn: compiled_on_cuda(fn) for fn in (rms_norm, swiglu, apply_rotary_pos_emb)}
+COMPILED_ELEMENTWISE = {fn: compiled_on_cuda(fn) for fn in (rms_norm, swiglu, apply_rotary_pos_emb)}
 
 
-class Fusable(nn.Module):
-    """A module whose elementwise chains may run compiled (`fused`, set by fuse_elementwise)."""
+class CompiledElementwise(nn.Module):
+    """A module whose elementwise chains may run compiled (`compiled_elementwise`, set for the
+    whole draft by Eagle3Draft.compile_elementwise)."""
 
-    fused = False
+    compiled_elementwise = False
 
-    def call(self, fn, *args):
-        return FUSED[fn](*args) if self.fused else fn(*args)
+    def elementwise(self, fn, *args):
+        return COMPILED_ELEMENTWISE[fn](*args) if self.compiled_elementwise else fn(*args)
 
 
-class RMSNorm(Fusable):
+class RMSNorm(CompiledElementwise):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.call(rms_norm, x, self.weight, self.eps)
+        return self.elementwise(rms_norm, x, self.weight, self.eps)
 
 
 class KVCache:
@@ -118,27 +121,26 @@ class TTTCache:
     """What the steps of one Training-Time Test pass share: the earlier steps' keys and values,
     and the q/k/v projection weight concatenated once for all of them.
 
-    One GEMM [T, 2H] x [2H, (nh + 2 nkv) hd] per step instead of three, and in backward one dX
-    GEMM instead of three whose outputs two [T, 2H] adds then sum. On an H200, 8B draft shape:
-    0.98x the attention block's time at T=4096 for 0.08 GiB more peak, the weight's copy and its
-    gradient (benchmarks/results/attention_breakdown_final.json; 0.93-0.98x at T=2048-8192 with
-    the weight concatenated beforehand, attention_breakdown.json). Concatenating once per pass,
-    not per step, keeps the copy (and its backward, the split of the weight gradient) to one per
-    training step; the parameters stay q/k/v_proj, SGLang's names.
+    One GEMM [T, 2H] x [2H, (nh + 2 nkv) hd] per TTT step instead of three, and in backward one
+    dX GEMM instead of three whose outputs two [T, 2H] adds then sum; the price is the weight's
+    copy and its gradient. Concatenating once per pass, not per TTT step, keeps the copy (and its
+    backward, the split of the weight gradient) to one per optimizer step; the parameters stay
+    q/k/v_proj, SGLang's names.
     """
 
     def __init__(self):
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per step: k, v [B, nkv, T, hd]
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per TTT step: k, v [B, nkv, T, hd]
         self.qkv_weight: torch.Tensor | None = None  # [(nh + 2 nkv) hd, 2H]
 
-    def fused_qkv(self, attn: Eagle3Attention) -> torch.Tensor:
+    def concatenated_qkv(self, attn: Eagle3Attention) -> torch.Tensor:
         if self.qkv_weight is None:
             self.qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
         return self.qkv_weight
 
 
-class Eagle3Attention(Fusable):
-    """q/k/v read the 2H-wide concat; GQA; RoPE as the target's."""
+class Eagle3Attention(CompiledElementwise):
+    """q/k/v read the 2H-wide concat; GQA; RoPE as the target's. Two entry points, one per use:
+    `ttt_attention` (training) and `decode_attention` (sf-eval)."""
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -149,38 +151,49 @@ class Eagle3Attention(Fusable):
         self.v_proj = nn.Linear(2 * h, self.nkv * hd, bias=False)
         self.o_proj = nn.Linear(self.nh * hd, h, bias=False)
 
-    def forward(self, x, cos, sin, cache: TTTCache | KVCache, lengths, step: int, attention: str) -> torch.Tensor:
-        """cache: the TTT pass's TTTCache in training, or a KVCache when decoding."""
-        b, t, _ = x.shape
-        if isinstance(cache, KVCache):  # decoding: separate weights, no per-call concatenation
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        else:
-            q, k, v = F.linear(x, cache.fused_qkv(self)).split([self.nh * self.hd, self.nkv * self.hd,
-                                                                self.nkv * self.hd], dim=-1)
-            # v's own copy [B, T, nkv*hd]: as a view it would keep the whole [B, T, (nh + 2 nkv) hd]
-            # output alive in the cache for every later step (+0.27 GiB at T=4096 on the 8B shape)
-            v = v.contiguous()
-        q = q.view(b, t, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
-        k = k.view(b, t, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
+    def heads(self, q, k, v, cos, sin):
+        """[B, T, n*hd] projections -> q [B, nh, T, hd], k and v [B, nkv, T, hd], RoPE on q and k."""
+        b, t, _ = q.shape
+        q = q.view(b, t, self.nh, self.hd).transpose(1, 2)
+        k = k.view(b, t, self.nkv, self.hd).transpose(1, 2)
         v = v.view(b, t, self.nkv, self.hd).transpose(1, 2)
-        q, k = self.call(apply_rotary_pos_emb, q, k, cos, sin)
-        if isinstance(cache, KVCache):  # inference (sf-eval): new tokens after a cached prefix
-            keys, values = cache.append(k, v)  # [B, nkv, L+T, hd]
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=cache.mask_for(t, q.device),
-                                                 enable_gqa=self.nh != self.nkv)
-        else:
-            cache.kv.append((k, v))
-            keys = torch.cat([c[0] for c in cache.kv], dim=2)  # [B, nkv, T*(step+1), hd]
-            values = torch.cat([c[1] for c in cache.kv], dim=2)
-            if attention == "eager":
-                out = eager_tree_attention(q, keys, values, lengths, step)
-            else:
-                out = tree_attention(q, keys, values, lengths, step,
-                                     backend={"flex": "flex", "sdpa": "sdpa"}.get(attention, "auto"))
+        q, k = self.elementwise(apply_rotary_pos_emb, q, k, cos, sin)
+        return q, k, v
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """[B, nh, T, hd] attention output -> [B, T, H]."""
+        b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.hd))
 
+    def ttt_attention(self, x, cos, sin, cache: TTTCache, lengths, ttt_step: int, attention: str) -> torch.Tensor:
+        """TTT step `ttt_step` over whole sequences x [B, T, 2H]: its keys join the cache, and the
+        tree mask lets it see step 0's prefix and its own branch of the earlier steps."""
+        q, k, v = F.linear(x, cache.concatenated_qkv(self)).split([self.nh * self.hd, self.nkv * self.hd,
+                                                                    self.nkv * self.hd], dim=-1)
+        # v's own copy [B, T, nkv*hd]: as a view it would keep the whole [B, T, (nh + 2 nkv) hd]
+        # output alive in the cache for every later TTT step
+        q, k, v = self.heads(q, k, v.contiguous(), cos, sin)
+        cache.kv.append((k, v))
+        keys = torch.cat([c[0] for c in cache.kv], dim=2)  # [B, nkv, T*(ttt_step+1), hd]
+        values = torch.cat([c[1] for c in cache.kv], dim=2)
+        if attention == "eager":
+            out = eager_tree_attention(q, keys, values, lengths, ttt_step)
+        else:
+            out = tree_attention(q, keys, values, lengths, ttt_step,
+                                 backend={"flex": "flex", "sdpa": "sdpa"}.get(attention, "auto"))
+        return self.output(out)
 
-class Eagle3DecoderLayer(Fusable):
+    def decode_attention(self, x, cos, sin, cache: KVCache) -> torch.Tensor:
+        """New tokens x [B, T, 2H] after the cached prefix (sf-eval). The separate projections:
+        concatenating the weight on every call would cost a copy per decoded token."""
+        q, k, v = self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
+        keys, values = cache.append(k, v)  # [B, nkv, L+T, hd]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=cache.mask_for(q.shape[2], q.device),
+                                             enable_gqa=self.nh != self.nkv)
+        return self.output(out)
+
+
+class Eagle3DecoderLayer(CompiledElementwise):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         h = cfg.hidden_size
@@ -194,18 +207,19 @@ class Eagle3DecoderLayer(Fusable):
             "down_proj": nn.Linear(cfg.intermediate_size, h, bias=False),
         })
 
-    def forward(self, embeds, hidden, cos, sin, cache, lengths, step, attention):
+    def forward(self, embeds, hidden, attend):
+        """attend: x [B, T, 2H] -> [B, T, H], the attention of training or of decoding."""
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
-        r1 = self.self_attn(x, cos, sin, cache, lengths, step, attention) + hidden
+        r1 = attend(x) + hidden
         y = self.post_attention_layernorm(r1)
-        mlp = self.mlp["down_proj"](self.call(swiglu, self.mlp["gate_proj"](y), self.mlp["up_proj"](y)))
+        mlp = self.mlp["down_proj"](self.elementwise(swiglu, self.mlp["gate_proj"](y), self.mlp["up_proj"](y)))
         return mlp + r1  # [B, T, H] pre-norm state
 
 
 class FrozenEmbedding(nn.Module):
     """The target's token embeddings, frozen. A buffer, not a parameter, so that FSDP/ZeRO never
-    puts it into the sharded flat parameter: there it filled whole ranks' shares (it is half of
-    an 8B draft's weights) and left the Adam state of the trainable weights on the others."""
+    puts it into the sharded flat parameter: there it would fill whole ranks' shares (it is half
+    of an 8B draft's weights) and leave the Adam state of the trainable weights on the others."""
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
@@ -233,20 +247,37 @@ class Eagle3Draft(nn.Module):
                            max_position_embeddings=cfg.max_position_embeddings)
         self.rotary = LlamaRotaryEmbedding(rope)
 
-    def step(self, input_ids, hidden, positions, cache: TTTCache | KVCache, lengths, step: int, attention: str = "auto"):
-        """One draft step. input_ids, positions: [B, T]; hidden: [B, T, H] (fc(aux) at step 0,
-        else the previous step's pre-norm state). Returns (pre-norm [B, T, H], normed [B, T, H])."""
-        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+    def rope(self, hidden: torch.Tensor, positions: torch.Tensor):
         cos, sin = self.rotary(hidden, positions)
-        pre = self.midlayer(embeds, hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), cache, lengths, step, attention)
+        return cos.to(hidden.dtype), sin.to(hidden.dtype)
+
+    def ttt_forward(self, input_ids, hidden, positions, cache: TTTCache, lengths, ttt_step: int,
+                    attention: str = "auto"):
+        """TTT step `ttt_step` of a training pass. input_ids, positions: [B, T]; hidden: [B, T, H]
+        (fc(aux) at step 0, else the previous TTT step's pre-norm state); lengths: the rows' real
+        lengths. Returns (pre-norm [B, T, H], normed [B, T, H])."""
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rope(hidden, positions)
+        attn = self.midlayer.self_attn
+        pre = self.midlayer(embeds, hidden,
+                            lambda x: attn.ttt_attention(x, cos, sin, cache, lengths, ttt_step, attention))
         return pre, self.norm(pre)
 
-    def fuse_elementwise(self, on: bool = True) -> Eagle3Draft:
+    def decode_forward(self, input_ids, hidden, positions, cache: KVCache):
+        """New tokens after the cache (sf-eval). input_ids, positions: [B, T]; hidden: [B, T, H].
+        Returns (pre-norm [B, T, H], normed [B, T, H])."""
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rope(hidden, positions)
+        attn = self.midlayer.self_attn
+        pre = self.midlayer(embeds, hidden, lambda x: attn.decode_attention(x, cos, sin, cache))
+        return pre, self.norm(pre)
+
+    def compile_elementwise(self, on: bool = True) -> Eagle3Draft:
         """Run RMSNorm, SwiGLU and RoPE through torch.compile on GPU tensors (training); off by
         default, so that decoding (sf-eval) compiles nothing."""
         for m in self.modules():
-            if isinstance(m, Fusable):
-                m.fused = on
+            if isinstance(m, CompiledElementwise):
+                m.compiled_elementwise = on
         return self
 
     def trainable_parameters(self):

@@ -1,7 +1,9 @@
 """Training-Time Test: k draft steps unrolled in one forward, each on the previous one's output.
 
-With target tokens x_0..x_{n-1}, its final hidden states h_j (h_j predicts x_{j+1}) and aux
-features a_j, the draft at step s and index i:
+A TTT step s (0 <= s < ttt_length) is one draft step inside this forward; an optimizer step
+(the trainer's) is one update, over grad_accum micro-batches. With target tokens x_0..x_{n-1},
+its final hidden states h_j (h_j predicts x_{j+1}) and aux features a_j, the draft at TTT step s
+and index i:
     token input   x_{i+1+s}
     hidden input  fc(a_i) at s = 0, else the draft's own pre-norm state of step s-1 at i
     position      i + s
@@ -14,36 +16,14 @@ positions of the soft-target CE.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from specfoundry.kernels.soft_ce import soft_target_cross_entropy
+from specfoundry.train.loader import Batch
 from specfoundry.train.model import Eagle3Draft, TTTCache
 from specfoundry.train.teacher import teacher_targets
 from specfoundry.train.vocab import draft_ids_from_d2t
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor  # [B, T] int64, right-padded
-    loss_mask: torch.Tensor  # [B, T] bool
-    aux_hidden: torch.Tensor  # [B, T, 3H]
-    final_hidden: torch.Tensor  # [B, T, H]
-    lengths: list[int]
-
-    def to(self, device, dtype=None) -> Batch:
-        """On `device`; asynchronous when the batch is in pinned memory (see pin_memory)."""
-        return Batch(self.input_ids.to(device, non_blocking=True), self.loss_mask.to(device, non_blocking=True),
-                     self.aux_hidden.to(device, dtype, non_blocking=True),
-                     self.final_hidden.to(device, dtype, non_blocking=True), self.lengths)
-
-    def pin_memory(self) -> Batch:
-        """The DataLoader's pin_memory hook: from pageable memory a [T, 4H] feature batch crawls
-        to the GPU at a few GB/s (29 ms of a 190 ms step at the 8B draft shape on an H200)."""
-        return Batch(self.input_ids.pin_memory(), self.loss_mask.pin_memory(), self.aux_hidden.pin_memory(),
-                     self.final_hidden.pin_memory(), self.lengths)
 
 
 def shift(x: torch.Tensor, by: int, width: int) -> torch.Tensor:
@@ -56,11 +36,12 @@ def shift(x: torch.Tensor, by: int, width: int) -> torch.Tensor:
 
 
 def ttt_loss(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, draft_ids: torch.Tensor, *,
-             ttt_length: int = 7, decay: float = 0.8, attention: str = "auto", loss_impl: str = "auto",
+             ttt_length: int = 7, decay: float = 0.8, attention: str = "auto", loss_kernel: str = "auto",
              teacher_chunk: int = 1024, loss_scale: float = 1.0):
-    """Returns (total loss, per-step metrics [{loss, acc, valid}]). loss_scale: the gradient that
-    will flow into the total (1 / accumulation steps under Accelerate), so the in-place loss
-    kernel writes each step's final gradient during the forward."""
+    """Returns (total loss, per-TTT-step metrics [{loss, hits, valid}]). loss_kernel: which
+    soft-target CE runs (auto, triton or reference). loss_scale: the gradient that will flow into
+    the total (1 / accumulation steps under Accelerate), so the in-place loss kernel writes each
+    TTT step's final gradient during the forward."""
     bsz, seq = batch.input_ids.shape
     h = batch.final_hidden.shape[-1]
     p_all, ok_all, tgt_all = teacher_targets(batch.final_hidden.reshape(-1, h), lm_head, draft_ids, model.t2d,
@@ -71,13 +52,13 @@ def ttt_loss(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, draft_ids:
     lengths = torch.tensor(batch.lengths, device=batch.input_ids.device)
     index = torch.arange(seq, device=batch.input_ids.device)
     hidden = model.fc(batch.aux_hidden)  # [B, T, H]
-    cache = TTTCache()  # the earlier steps' keys and values, the q/k/v weight fused once
+    cache = TTTCache()  # the earlier TTT steps' keys and values, the q/k/v weight concatenated once
     total = torch.zeros((), device=hidden.device, dtype=torch.float32)
     metrics = []
-    for s in range(ttt_length):
+    for s in range(ttt_length):  # s: the TTT step
         ids = shift(batch.input_ids, 1 + s, seq)
         positions = (index + s).expand(bsz, seq)
-        hidden, normed = model.step(ids, hidden, positions, cache, batch.lengths, s, attention)
+        hidden, normed = model.ttt_forward(ids, hidden, positions, cache, batch.lengths, s, attention)
         rows = seq - 1 - s  # rows i with a teacher at i+1+s; the rest are never valid
         if rows <= 0:
             break
@@ -89,10 +70,10 @@ def ttt_loss(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, draft_ids:
         with torch.no_grad():
             hit = (logits.argmax(-1) == tgt_all[:, 1 + s :]) & valid
         weight = decay ** s
-        # a step of weight 0 (--loss-decay 0 past step 0) teaches nothing: its loss is a metric only
+        # a TTT step of weight 0 (--loss-decay 0 past step 0) teaches nothing: its loss is a metric only
         with torch.set_grad_enabled(torch.is_grad_enabled() and weight > 0):
             loss_s = soft_target_cross_entropy(logits.reshape(-1, vd), target_p.reshape(-1, vd), valid.reshape(-1),
-                                               normaliser=n_valid.clamp(min=1).float(), impl=loss_impl,
+                                               normaliser=n_valid.clamp(min=1).float(), impl=loss_kernel,
                                                grad_scale=weight * loss_scale)
         total = total + weight * loss_s
         metrics.append({"loss": loss_s.detach(), "hits": hit.sum(), "valid": n_valid})
@@ -102,11 +83,11 @@ def ttt_loss(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, draft_ids:
 class TTTModule(torch.nn.Module):
     """Wraps the draft so that the whole TTT unroll is one forward: DDP/FSDP wrappers see every
     parameter use inside their forward. The teacher head is a frozen buffer, not a parameter.
-    On a GPU the draft's elementwise chains run compiled unless fuse_elementwise is False."""
+    On a GPU the draft's elementwise chains run compiled unless compile_elementwise is False."""
 
-    def __init__(self, draft: Eagle3Draft, lm_head: torch.Tensor, fuse_elementwise: bool = True):
+    def __init__(self, draft: Eagle3Draft, lm_head: torch.Tensor, compile_elementwise: bool = True):
         super().__init__()
-        self.draft = draft.fuse_elementwise(fuse_elementwise)
+        self.draft = draft.compile_elementwise(compile_elementwise)
         self.register_buffer("lm_head", lm_head, persistent=False)
 
     def forward(self, batch: Batch, **kw):
@@ -114,7 +95,7 @@ class TTTModule(torch.nn.Module):
 
 
 def summarise(metrics: list[dict]) -> dict:
-    """Per-step loss / accuracy and the simulated acceptance length sum_s prod_{i<=s} acc_i."""
+    """Per-TTT-step loss / accuracy and the simulated acceptance length sum_s prod_{i<=s} acc_i."""
     out, run, tau = {}, 1.0, 0.0
     for s, m in enumerate(metrics):
         acc = (m["hits"].float() / m["valid"].clamp(min=1)).item()

@@ -1,0 +1,447 @@
+"""sf-train's Trainer: Accelerate for devices, mixed precision, accumulation and sharding.
+
+`Trainer.train` drives build → resume → (train_step, evaluate, checkpoint)* → finish; each is a
+method that tests and benchmarks can call alone. `train_step` is one optimizer step over
+grad_accum micro-batches, each one `forward_backward` (the TTT forward and its backward).
+
+ZeRO-2 is FSDP SHARD_GRAD_OP through Accelerate (chosen over DeepSpeed: no extra dependency or
+JIT build, works with torch.compile and FlexAttention, and Accelerate's FSDP plugin is plain
+PyTorch): parameters stay whole on every rank after the forward, gradients are reduce-scattered
+and the optimizer state is sharded. The same code runs as one CPU process, one GPU, or many GPUs
+under `accelerate launch --config_file recipes/accelerate_zero2.yaml`.
+
+Every file a run writes becomes visible only when complete: files are written aside and renamed,
+a checkpoint is written as `step-N.tmp` and renamed to `step-N` once accelerate's state and
+trainer_state.json are both in it, and resume trusts only such complete checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from specfoundry.common.files import atomic_write_json
+from specfoundry.common.progress import Progress
+from specfoundry.common.target import load_tokenizer, resolve_target, target_identity
+from specfoundry.featureset.manifest import check_matches_target, tokenizer_hashes
+from specfoundry.featureset.store import FeatureSet
+from specfoundry.train.config import draft_config_from_target
+from specfoundry.train.export import export_draft
+from specfoundry.train.loader import Batch, FeatureLoader, split_indices
+from specfoundry.train.model import Eagle3Draft
+from specfoundry.train.teacher import target_embeddings, target_lm_head
+from specfoundry.train.ttt import TTTModule, summarise
+from specfoundry.train.vocab import choose_draft_vocab, vocab_maps
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Settings of one sf-train run (the resolved config is written next to the checkpoints)."""
+
+    featureset: str
+    output: str
+    target: str = "smollm2"
+    draft_vocab_size: int = 32000
+    ttt_length: int = 7
+    loss_decay: float = 0.8
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    max_steps: int = 1000
+    epochs: float | None = None
+    """If set, train this many passes over the data instead of max_steps."""
+    max_tokens: int = 8192
+    """Padded tokens per micro-batch per rank."""
+    max_length: int | None = None
+    pad_multiple: int | None = None
+    """Round batch widths up to a multiple of this; None: 128 (FlexAttention's block) when the
+    attention is compiled FlexAttention, else 1 (no rounding)."""
+    grad_accum: int = 1
+    clip_grad: float = 0.5
+    seed: int = 0
+    eval_fraction: float = 0.05
+    eval_every: int = 200
+    save_every: int = 500
+    keep_last: int = 2
+    attention: str = "auto"
+    """auto (flex on CUDA, SDPA dense mask on CPU), flex, sdpa, or eager (original EAGLE-3)."""
+    loss: str = "auto"
+    """auto (Triton in-place on CUDA), triton, or reference (plain torch)."""
+    num_workers: int = 2
+    init_from: str | None = None
+    """An exported draft to fine-tune (keeps its vocabulary map)."""
+    tensorboard: bool = False
+    log_every: int = 10
+
+
+def resolved_pad_multiple(cfg: TrainConfig, device: torch.device) -> int:
+    """Batch width rounding: compiled FlexAttention recompiles for every new shape, so its
+    batches are padded to its 128-token block; the dense paths take any width."""
+    if cfg.pad_multiple is not None:
+        if cfg.pad_multiple < 1:
+            raise ValueError(f"--pad-multiple must be >= 1, got {cfg.pad_multiple}")
+        return cfg.pad_multiple
+    flex = cfg.attention == "flex" or (cfg.attention == "auto" and device.type == "cuda")
+    return 128 if flex else 1
+
+
+class NullTracker:
+    def log(self, values: dict, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TensorboardTracker:
+    def __init__(self, logdir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(logdir))
+
+    def log(self, values: dict, step: int) -> None:
+        for k, v in values.items():
+            self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def lr_lambda(warmup: int, total: int):
+    """Linear warmup, then cosine decay to 10% of the peak; `step` counts optimizer steps."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def build_draft(cfg: TrainConfig, fs: FeatureSet, target_dir: Path):
+    manifest = fs.manifest
+    if cfg.init_from:
+        from specfoundry.train.export import load_export
+
+        dcfg, tensors = load_export(cfg.init_from)
+        model = Eagle3Draft(dcfg)
+        model.load_state_dict(tensors, strict=False)
+    else:
+        counts = fs.token_counts()
+        draft_ids = choose_draft_vocab(counts, min(cfg.draft_vocab_size, counts.numel()))
+        dcfg = draft_config_from_target(target_dir, len(draft_ids), manifest["aux_layer_ids"])
+        model = Eagle3Draft(dcfg)
+        d2t, t2d = vocab_maps(draft_ids, dcfg.vocab_size)
+        model.d2t.copy_(d2t)
+        model.t2d.copy_(t2d)
+    model.embed_tokens.weight.data.copy_(target_embeddings(target_dir).float())
+    return model, dcfg
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of tensors this rank keeps in the optimizer state."""
+    return sum(t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
+               if torch.is_tensor(t) and t.dim() > 0)
+
+
+def merge_metrics(per_micro: list[list[dict]], accel) -> list[dict]:
+    """Per TTT step: sum hits/valid over micro-batches and ranks; average losses."""
+    merged = []
+    for s in range(min(len(m) for m in per_micro)):
+        hits = sum(m[s]["hits"] for m in per_micro)
+        valid = sum(m[s]["valid"] for m in per_micro)
+        loss = sum(m[s]["loss"] for m in per_micro) / len(per_micro)
+        stacked = torch.stack([hits.float(), valid.float(), loss.float()])
+        if accel.num_processes > 1:
+            stacked = accel.reduce(stacked, reduction="sum")
+            stacked[2] /= accel.num_processes
+        merged.append({"hits": stacked[0], "valid": stacked[1], "loss": stacked[2]})
+    return merged
+
+
+# ---- checkpoints: step-N is complete by construction; step-N.tmp is one being written ----------
+
+TRAINER_STATE = "trainer_state.json"
+TMP_SUFFIX = ".tmp"
+
+
+def checkpoint_dirs(out: Path) -> list[Path]:
+    """Every `step-N` directory under out/checkpoints (complete or not), oldest first."""
+    found = [p for p in (out / "checkpoints").glob("step-*") if p.is_dir() and not p.name.endswith(TMP_SUFFIX)]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def complete_checkpoints(out: Path) -> list[Path]:
+    """The checkpoints resume may trust, oldest first: trainer_state.json is written last."""
+    return [p for p in checkpoint_dirs(out) if (p / TRAINER_STATE).is_file()]
+
+
+def incomplete_checkpoints(out: Path) -> list[Path]:
+    """Leftovers of a checkpoint that was being written: `step-N.tmp` dirs, and `step-N` dirs
+    without trainer_state.json (never made by this trainer's rename, but by a hand copy or an
+    older layout)."""
+    temps = sorted((out / "checkpoints").glob(f"step-*{TMP_SUFFIX}"))
+    return temps + [p for p in checkpoint_dirs(out) if not (p / TRAINER_STATE).is_file()]
+
+
+def replace_dir(tmp: Path, dest: Path) -> None:
+    """Put the complete directory `tmp` at `dest`: a reader sees the old directory or the new one
+    (briefly neither, never a partial one)."""
+    old = dest.with_name(f".{dest.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if dest.exists():
+        os.rename(dest, old)
+    os.rename(tmp, dest)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+class Trainer:
+    """One sf-train run. `step` counts optimizer steps done; a micro-batch is one of the
+    grad_accum batches of an optimizer step; TTT steps live inside the forward (ttt.py)."""
+
+    def __init__(self, cfg: TrainConfig, silent: bool = False):
+        self.cfg, self.silent = cfg, silent
+        self.out = Path(cfg.output)
+        self.step = 0
+        self.history: list[dict] = []
+        self.tracker = NullTracker()
+
+    # ---- build ----------------------------------------------------------------------------------
+
+    def build(self) -> Trainer:
+        """Accelerator, feature set, draft, teacher, loader, optimizer and scheduler; writes the
+        resolved config and the draft's config into the run folder."""
+        cfg = self.cfg
+        self.accel = self.build_accelerator()
+        self.target_dir = resolve_target(cfg.target)
+        self.fs = FeatureSet(cfg.featureset)
+        identity = target_identity(cfg.target, self.target_dir)
+        check_matches_target(self.fs.manifest, hidden_size=identity.hidden_size, vocab_size=identity.vocab_size,
+                             tokenizer_sha256=tokenizer_hashes(load_tokenizer(self.target_dir))[0],
+                             source=f"feature set {cfg.featureset}")
+        draft, self.dcfg = build_draft(cfg, self.fs, self.target_dir)
+        self.dtype = torch.bfloat16 if self.accel.device.type == "cuda" else torch.float32
+        model = TTTModule(draft, target_lm_head(self.target_dir).to(self.dtype))
+        self.build_loader()
+        optimizer = torch.optim.AdamW(draft.trainable_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                      betas=(0.9, 0.95))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, self.total_steps))
+        # The scheduler is not prepared: Accelerate would step it num_processes times per step (it
+        # assumes a per-process dataloader length), but total_steps already counts optimizer steps.
+        self.param_bytes = sum(p.numel() * p.element_size() for p in draft.trainable_parameters())  # unsharded
+        self.model, self.optimizer = self.accel.prepare(model, optimizer)
+        self.accel.register_for_checkpointing(self.scheduler)
+        self.raw = self.accel.unwrap_model(self.model)
+        if self.accel.is_main_process:
+            self.out.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(self.out / "train_config.json", asdict(cfg))
+            atomic_write_json(self.out / "draft_config.json", self.dcfg.to_dict())
+        return self
+
+    def build_accelerator(self):
+        from accelerate import Accelerator, DistributedDataParallelKwargs
+        from accelerate.utils import set_seed
+
+        cfg = self.cfg
+        # cpu=True on a machine without CUDA: without it Accelerate does not set up gloo under
+        # torchrun and every process would silently train the whole set on its own.
+        # Every buffer (frozen embeddings, vocab maps, teacher head) is constant: DDP need not
+        # broadcast them at each forward.
+        accel = Accelerator(gradient_accumulation_steps=cfg.grad_accum, cpu=not torch.cuda.is_available(),
+                            mixed_precision="bf16" if torch.cuda.is_available() else "no",
+                            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
+        set_seed(cfg.seed)
+        if cfg.attention == "flex" and accel.device.type != "cuda":
+            # torch implements FlexAttention's forward but not its backward on CPU
+            raise ValueError("--attention flex needs a GPU (FlexAttention has no backward on CPU); "
+                             "use --attention auto or sdpa here")
+        return accel
+
+    def build_loader(self) -> None:
+        """The training loader (this rank's share), the held-out indices and the step count."""
+        cfg, accel = self.cfg, self.accel
+        train_idx, self.eval_idx = split_indices(len(self.fs), cfg.eval_fraction, cfg.seed)
+        self.loader = FeatureLoader(self.fs, train_idx, max_tokens=cfg.max_tokens, seed=cfg.seed,
+                                    rank=accel.process_index, world=accel.num_processes,
+                                    num_workers=cfg.num_workers, max_length=cfg.max_length,
+                                    pad_multiple=resolved_pad_multiple(cfg, accel.device),
+                                    pin_memory=accel.device.type == "cuda")
+        per_epoch = max(1, self.loader.batches_per_epoch() // cfg.grad_accum)
+        self.total_steps = int(math.ceil(cfg.epochs * per_epoch)) if cfg.epochs else cfg.max_steps
+
+    # ---- resume ---------------------------------------------------------------------------------
+
+    def resume(self) -> None:
+        """Continue from the newest complete checkpoint: weights, optimizer, scheduler, RNG,
+        loader position and history. Incomplete checkpoints are named in one line and removed."""
+        accel = self.accel
+        complete = complete_checkpoints(self.out)
+        if accel.is_main_process:
+            leftovers = incomplete_checkpoints(self.out)
+            if leftovers:
+                start = f"resuming from {complete[-1].name}" if complete else "starting from step 0"
+                print(f"sf-train: incomplete checkpoint {', '.join(p.name for p in leftovers)} "
+                      f"(no {TRAINER_STATE} or never renamed into place) removed; {start}", file=sys.stderr)
+            for p in leftovers:
+                shutil.rmtree(p, ignore_errors=True)
+        accel.wait_for_everyone()
+        if not complete:
+            return
+        accel.load_state(str(complete[-1]))
+        state = json.loads((complete[-1] / TRAINER_STATE).read_text())
+        self.step = state["step"]
+        self.loader.load_state_dict(state["loader"][accel.process_index])
+        self.history = state.get("history", [])  # so history.json covers the whole run, not the last leg
+
+    # ---- steps ----------------------------------------------------------------------------------
+
+    def forward(self, batch: Batch, grad: bool):
+        """(total loss, per-TTT-step metrics) of one micro-batch, through the wrapped model when
+        gradients are wanted (so DDP/FSDP see the forward), else the unwrapped one."""
+        cfg = self.cfg
+        batch = batch.to(self.accel.device, self.dtype)
+        with self.accel.autocast():
+            # accel.backward divides the loss by the accumulation steps: that is the gradient into it
+            return (self.model if grad else self.raw)(batch, ttt_length=cfg.ttt_length, decay=cfg.loss_decay,
+                                                      attention=cfg.attention, loss_kernel=cfg.loss,
+                                                      loss_scale=1.0 / cfg.grad_accum)
+
+    def forward_backward(self, batch: Batch) -> list[dict]:
+        """One micro-batch: forward, backward, and (on the last micro-batch of an optimizer step,
+        where Accelerate syncs gradients) clip, optimizer and scheduler step."""
+        accel = self.accel
+        with accel.accumulate(self.model):
+            loss, metrics = self.forward(batch, grad=True)
+            accel.backward(loss)
+            if accel.sync_gradients and self.cfg.clip_grad:
+                accel.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
+            self.optimizer.step()
+            if accel.sync_gradients:
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return metrics
+
+    def train_step(self, batches: Batch | list[Batch]) -> dict:
+        """One optimizer step over grad_accum micro-batches (a single Batch when grad_accum is 1).
+        Returns its metrics (step, loss_s, acc_s, sim_accept_len, lr), also appended to history."""
+        batches = [batches] if isinstance(batches, Batch) else list(batches)
+        if len(batches) != self.cfg.grad_accum:
+            raise ValueError(f"train_step takes grad_accum = {self.cfg.grad_accum} micro-batches, got {len(batches)}")
+        self.model.train()
+        per_micro = [self.forward_backward(batch) for batch in batches]
+        self.step += 1
+        metrics = {"step": self.step, **summarise(merge_metrics(per_micro, self.accel)),
+                   "lr": self.scheduler.get_last_lr()[0]}
+        self.history.append(metrics)
+        self.tracker.log({f"train/{k}": v for k, v in metrics.items() if k != "step"}, self.step)
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Metrics over the held-out samples (this rank's share, merged over ranks); {} if none."""
+        cfg, accel = self.cfg, self.accel
+        self.raw.eval()
+        loader = FeatureLoader(self.fs, self.eval_idx, max_tokens=cfg.max_tokens, seed=cfg.seed,
+                               rank=accel.process_index, world=accel.num_processes, num_workers=0,
+                               max_length=cfg.max_length, pad_multiple=resolved_pad_multiple(cfg, accel.device))
+        n = loader.batches_per_epoch()
+        per_micro = [self.forward(batch, grad=False)[1] for _, batch in zip(range(n), loader, strict=False)]
+        return summarise(merge_metrics(per_micro, accel)) if per_micro else {}
+
+    # ---- checkpoint -----------------------------------------------------------------------------
+
+    def checkpoint(self) -> Path:
+        """Write checkpoints/step-N: accelerate's state and trainer_state.json into step-N.tmp,
+        then one rename; then drop all but the newest keep_last complete checkpoints."""
+        accel = self.accel
+        final = self.out / "checkpoints" / f"step-{self.step:07d}"
+        tmp = final.with_name(final.name + TMP_SUFFIX)
+        if accel.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        accel.wait_for_everyone()
+        accel.save_state(str(tmp))
+        states = [None] * accel.num_processes
+        if accel.num_processes > 1:  # a collective: every rank has finished its save_state after it
+            import torch.distributed as dist
+
+            dist.all_gather_object(states, self.loader.state_dict())
+        else:
+            states = [self.loader.state_dict()]
+        if accel.is_main_process:
+            atomic_write_json(tmp / TRAINER_STATE, {"step": self.step, "loader": states, "history": self.history})
+            replace_dir(tmp, final)
+            if self.cfg.keep_last > 0:
+                for old in complete_checkpoints(self.out)[: -self.cfg.keep_last]:
+                    shutil.rmtree(old, ignore_errors=True)
+        accel.wait_for_everyone()
+        return final
+
+    # ---- finish ---------------------------------------------------------------------------------
+
+    def finish(self) -> dict:
+        """Export the draft and write train_summary.json and history.json (each atomically)."""
+        accel = self.accel
+        self.tracker.close()
+        # ZeRO-2 evidence: each rank's optimizer state (Adam moments) should be ~1/world of the whole
+        state_bytes = torch.tensor([optimizer_state_bytes(self.optimizer)], device=accel.device)
+        per_rank = accel.gather(state_bytes).tolist()
+        # a collective under FSDP (the full state dict is gathered): every rank must call it
+        state = accel.get_state_dict(self.model) if accel.num_processes > 1 else self.raw.state_dict()
+        export = self.out / "export"
+        if accel.is_main_process:
+            atomic_write_json(self.out / "train_summary.json", {
+                "steps": self.step, "world_size": accel.num_processes,
+                "distributed_type": str(accel.distributed_type), "optimizer_state_bytes_per_rank": per_rank,
+                "trainable_parameter_bytes": self.param_bytes,
+            })
+            tmp = export.with_name(f".{export.name}{TMP_SUFFIX}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            export_draft({k.removeprefix("draft."): v for k, v in state.items() if k.startswith("draft.")},
+                         self.dcfg, tmp)
+            replace_dir(tmp, export)
+            atomic_write_json(self.out / "history.json", self.history)
+        accel.wait_for_everyone()
+        return {"steps": self.step, "history": self.history, "export": str(export)}
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def train(self) -> dict:
+        """build (unless built) → resume → train_step (with evaluation and checkpoints on their
+        schedule) → finish."""
+        cfg = self.cfg
+        if not hasattr(self, "model"):
+            self.build()
+        self.resume()
+        main = self.accel.is_main_process
+        if cfg.tensorboard and main:
+            self.tracker = TensorboardTracker(self.out / "tensorboard")
+        data = iter(self.loader)
+        with Progress(self.total_steps, "step", "sf-train", self.silent or not main, initial=self.step) as progress:
+            while self.step < self.total_steps:
+                batches = [next(data) for _ in range(cfg.grad_accum)]
+                metrics = self.train_step(batches)
+                progress.update(1, sum(sum(b.lengths) for b in batches) * self.accel.num_processes)
+                if self.step % cfg.log_every == 0 and main and not self.silent:
+                    progress.bar.write(f"step {self.step}: loss_0 {metrics['loss_0']:.3f} "
+                                       f"acc_0 {metrics['acc_0']:.3f} sim_accept_len {metrics['sim_accept_len']:.2f}")
+                last = self.step == self.total_steps
+                if self.eval_idx and (self.step % cfg.eval_every == 0 or last):
+                    ev = self.evaluate()
+                    self.history[-1].update({f"eval_{k}": v for k, v in ev.items()})
+                    self.tracker.log({f"eval/{k}": v for k, v in ev.items()}, self.step)
+                if self.step % cfg.save_every == 0 or last:
+                    self.checkpoint()
+        return self.finish()
+
+
+def run_train(cfg: TrainConfig, silent: bool = False) -> dict:
+    """Train (or resume) one run; returns {steps, history, export}."""
+    return Trainer(cfg, silent).train()
