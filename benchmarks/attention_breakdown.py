@@ -8,67 +8,36 @@ by side in one process. At each T, all 7 TTT steps forward + backward, bf16, 8B 
   drift falls on all alike:
   * ours: the model's Eagle3Attention as sf-train runs it (q/k/v as one projection whose
     weight a TTTCache concatenates once per pass);
-  * separate q/k/v: three projections, and in backward three dX GEMMs and two adds (the model
-    before TTTCache);
+  * separate q/k/v: three projections, and in backward three dX GEMMs and two adds;
   * tuned flex: ours with the flex launch options max-autotune picked at T=4096
     (flex_tuning.py: fwd 64x64 w4 s3, bwd 32/64/64/32 w4 s3).
 
-    python benchmarks/attention_breakdown.py [--seq 4096 ...] [--no-profile]
+    python -m benchmarks.attention_breakdown [--seq 4096 ...] [--no-profile]
 
-results/attention_breakdown.json is the run that led to TTTCache: there "ours" was the separate
-projections and "fused qkv" a weight concatenated once beforehand (0.93-0.98x of ours).
+Output: results/attention_breakdown.json (figures in benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import sys
-from pathlib import Path
 
 import torch
 
-# the repo root replaces this script's folder on the path (see kernels.py)
-sys.path[0] = str(Path(__file__).resolve().parents[1])
-import specfoundry.kernels.tree_attention as ta  # noqa: E402
-from benchmarks.common import cuda_time_ms_interleaved, peak_memory_gib, print_table, wall, write_result  # noqa: E402
-from benchmarks.flex_tuning import CHOICES  # noqa: E402
-from benchmarks.kernels import LLAMA8B_DRAFT, STEPS, attention_block_run  # noqa: E402
-from specfoundry.train.model import Eagle3Draft, apply_rotary_pos_emb  # noqa: E402
+from benchmarks.common import (
+    FlexArgsAttention,
+    cuda_time_ms_interleaved,
+    peak_memory_gib,
+    print_table,
+    wall,
+    write_result,
+)
+from benchmarks.flex_tuning import CHOICES
+from benchmarks.kernels import STEPS, attention_block_run
+from specfoundry.testing import LLAMA8B_DRAFT
+from specfoundry.train.model import Eagle3Draft
 
 TUNED_FLEX = CHOICES["fwd 64x64, bwd 32/64"]
-
-
-class SeparateQKVAttention(torch.nn.Module):
-    """Eagle3Attention's training path with q, k and v from three projections (the model before
-    TTTCache), same weights."""
-
-    def __init__(self, attn):
-        super().__init__()
-        self.attn = attn
-
-    def forward(self, x, cos, sin, cache, lengths, step, impl):
-        a = self.attn
-        b, t, _ = x.shape
-        q = a.q_proj(x).view(b, t, a.nh, a.hd).transpose(1, 2)  # [B, nh, T, hd]
-        k = a.k_proj(x).view(b, t, a.nkv, a.hd).transpose(1, 2)  # [B, nkv, T, hd]
-        v = a.v_proj(x).view(b, t, a.nkv, a.hd).transpose(1, 2)
-        q, k = a.call(apply_rotary_pos_emb, q, k, cos, sin)
-        cache.kv.append((k, v))
-        keys = torch.cat([c[0] for c in cache.kv], dim=2)  # [B, nkv, T*(step+1), hd]
-        values = torch.cat([c[1] for c in cache.kv], dim=2)
-        out = ta.tree_attention(q, keys, values, lengths, step, backend=impl)
-        return a.o_proj(out.transpose(1, 2).reshape(b, t, a.nh * a.hd))
-
-
-def with_flex_options(options, fn):
-    def run():
-        saved, ta.FLEX_KERNEL_OPTIONS = ta.FLEX_KERNEL_OPTIONS, options
-        try:
-            fn()
-        finally:
-            ta.FLEX_KERNEL_OPTIONS = saved
-    return run
 
 
 def kind(name: str) -> str:
@@ -110,7 +79,8 @@ def main():
     model = Eagle3Draft(LLAMA8B_DRAFT)
     attn = model.midlayer.self_attn.cuda().to(torch.bfloat16)
     attn.fused = True  # RoPE compiled, as sf-train runs it
-    separate = SeparateQKVAttention(attn)
+    separate = FlexArgsAttention(attn, separate_qkv=True)
+    tuned = FlexArgsAttention(attn, kernel_options=TUNED_FLEX)
     rotary = model.rotary.cuda()
     rows = []
     for t in args.seq:
@@ -119,8 +89,7 @@ def main():
         variants = {
             "ours": functools.partial(attention_block_run, attn, rotary, xs, grads, "flex"),
             "separate q/k/v": functools.partial(attention_block_run, separate, rotary, xs, grads, "flex"),
-            "tuned flex": with_flex_options(TUNED_FLEX, functools.partial(attention_block_run, attn, rotary, xs,
-                                                                          grads, "flex")),
+            "tuned flex": functools.partial(attention_block_run, tuned, rotary, xs, grads, "flex"),
         }
         if args.no_tuned_flex:
             del variants["tuned flex"]

@@ -6,7 +6,7 @@ depend on them) at sequence length 4096, three ways over the same batches in one
              stream overlapping the next batch) + background shard writer, to disk and to RAM
     naive    model(..., output_hidden_states=True): every layer's states and full logits
 
-    python benchmarks/capture.py [--batches 40] [--batch-size 2]
+    python -m benchmarks.capture [--batches 40] [--batch-size 2]
 
 Each variant's time includes draining the writer after the last batch, a once-per-run cost;
 40 batches (330k tokens) keep it near the small share it has in a real capture.
@@ -21,19 +21,15 @@ import argparse
 import itertools
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-# the repo root replaces this script's folder on the path: transformers imports a package
-# named "kernels" if it can find one, and this folder holds kernels.py
-sys.path[0] = str(Path(__file__).resolve().parents[1])
-from benchmarks.common import MATMUL_TFLOPS, print_table, write_result  # noqa: E402
-from specfoundry.capture.runner import HFCaptureRunner, default_aux_layers  # noqa: E402
-from specfoundry.capture.stage import BackgroundWriter, CaptureConfig, write_one  # noqa: E402
+from benchmarks.common import MATMUL_TFLOPS, print_table, write_result
+from specfoundry.capture.runner import HFCaptureRunner, default_aux_layers
+from specfoundry.capture.stage import BackgroundWriter, CaptureConfig, write_one
 
 
 def llama8b(layers: int = 32):

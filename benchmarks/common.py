@@ -1,4 +1,8 @@
-"""Shared benchmark helpers: CUDA-event timing after warm-up, peak memory, JSON results."""
+"""Shared benchmark helpers: CUDA-event timing after warm-up, peak memory, JSON results with
+their provenance (commit, machine, versions, command, date).
+
+Every benchmark runs from the repository root as `python -m benchmarks.<name>`; shared model
+shapes and random feature sets come from specfoundry.testing."""
 
 from __future__ import annotations
 
@@ -14,8 +18,9 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).parent / "results"
-MATMUL_TFLOPS = 790.0  # bf16 8192^3 matmul measured on the device's H200 (KINDS.md)
-COPY_TBPS = 4.3  # device-to-device copy, bytes read + written (KINDS.md)
+# the reference GPU's (one H200) measured rates: the denominators of MFU and of bandwidth shares
+MATMUL_TFLOPS = 790.0  # bf16 8192^3 matmul
+COPY_TBPS = 4.3  # device-to-device copy, bytes read + written
 
 
 def cuda_time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
@@ -83,7 +88,7 @@ def machine() -> dict:
 
 
 def commit() -> str:
-    """The code's commit: GIT_COMMIT when set (the device's copy of the tree has no .git), else git's."""
+    """The code's commit: GIT_COMMIT when set (for a copy of the tree without .git), else git's."""
     if os.environ.get("GIT_COMMIT"):
         return os.environ["GIT_COMMIT"]
     try:
@@ -94,10 +99,18 @@ def commit() -> str:
         return "unknown"
 
 
+def command() -> str:
+    """The command line as it was typed: `python -m benchmarks.<name> args` for a module run."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    head = f"python -m {spec.name}" if spec is not None else f"python {sys.argv[0]}"
+    return " ".join([head, *sys.argv[1:]])
+
+
 def write_result(name: str, rows: list[dict], extra: dict | None = None) -> Path:
+    """results/<name>.json: the rows with the commit, machine and versions, command and date."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    payload = {"benchmark": name, "command": " ".join(sys.argv), "commit": commit(), "machine": machine(),
+    payload = {"benchmark": name, "command": command(), "commit": commit(), "machine": machine(),
                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows, **(extra or {})}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
@@ -115,3 +128,38 @@ def fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
     return "" if v is None else str(v)
+
+
+class FlexArgsAttention(torch.nn.Module):
+    """Eagle3Attention's training path (TTT steps through a TTTCache), same weights, with
+    tree_attention's launch settings passed in (kernel_options=, compiled=, mask_mod=): the
+    model's attention takes none, so a benchmark that varies them puts this in the draft's place.
+    separate_qkv: q, k and v from three projections instead of one GEMM over the cached
+    concatenated weight (in backward three dX GEMMs and two adds instead of one)."""
+
+    def __init__(self, attn, separate_qkv: bool = False, **flex):
+        super().__init__()
+        self.attn, self.separate_qkv, self.flex = attn, separate_qkv, flex
+
+    def forward(self, x, cos, sin, cache, lengths, step: int, attention: str) -> torch.Tensor:
+        from specfoundry.kernels.tree_attention import tree_attention
+        from specfoundry.train.model import apply_rotary_pos_emb
+
+        a = self.attn
+        b, t, _ = x.shape
+        if self.separate_qkv:
+            q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
+        else:
+            q, k, v = torch.nn.functional.linear(x, cache.fused_qkv(a)).split(
+                [a.nh * a.hd, a.nkv * a.hd, a.nkv * a.hd], dim=-1)
+            v = v.contiguous()  # as the model: a view would keep the whole fused output alive
+        q = q.view(b, t, a.nh, a.hd).transpose(1, 2)  # [B, nh, T, hd]
+        k = k.view(b, t, a.nkv, a.hd).transpose(1, 2)  # [B, nkv, T, hd]
+        v = v.view(b, t, a.nkv, a.hd).transpose(1, 2)
+        q, k = a.call(apply_rotary_pos_emb, q, k, cos, sin)
+        cache.kv.append((k, v))
+        keys = torch.cat([c[0] for c in cache.kv], dim=2)  # [B, nkv, T*(step+1), hd]
+        values = torch.cat([c[1] for c in cache.kv], dim=2)
+        backend = {"flex": "flex", "sdpa": "sdpa"}.get(attention, "auto")
+        out = tree_attention(q, keys, values, lengths, step, backend=backend, **self.flex)
+        return a.o_proj(out.transpose(1, 2).reshape(b, t, a.nh * a.hd))

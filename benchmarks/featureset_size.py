@@ -4,22 +4,19 @@ Captures the same conversations once per codec (bf16 storage) and divides each s
 disk by its token count: all files, and the shards alone (the compression ratio uses these). The baseline is raw bf16: per token
 3H + H hidden values of 2 bytes, plus an int64 id and a bool mask byte.
 
-    python benchmarks/featureset_size.py runs/smollm2/regen
+    python -m benchmarks.featureset_size runs/smollm2/regen
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parent.parent)  # repo root, not benchmarks/ (see common.py)
-
-from benchmarks.common import print_table, write_result  # noqa: E402
-from specfoundry.capture.stage import CaptureConfig, run_capture  # noqa: E402
-from specfoundry.featureset.manifest import read_manifest  # noqa: E402
+from benchmarks.common import print_table, write_result
+from specfoundry.capture.stage import CaptureConfig, run_capture
+from specfoundry.featureset.manifest import read_manifest
 
 
 def size_on_disk(root: Path) -> int:

@@ -1,6 +1,6 @@
 """Compiled FlexAttention on variable-length batches: time lost to recompiling per shape.
 
-    python benchmarks/flex_shapes.py [--batches 16] [--budget-s 35]
+    python -m benchmarks.flex_shapes [--batches 16] [--budget-s 35]
 
 torch.compile specialises FlexAttention on every input shape, and a TTT step's shape is
 (batch rows, width, step): data of varied lengths can spend its time compiling. This runs the
@@ -26,28 +26,16 @@ samples in every variant, and padding is masked out: the four must agree to bf16
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-# the repo root replaces this script's folder on the path: transformers imports a package
-# named `benchmarks` otherwise shadowed by ours
-sys.path[0] = str(Path(__file__).resolve().parent.parent)
-from benchmarks.common import print_table, write_result  # noqa: E402
-from benchmarks.train_step import random_ttt_module  # noqa: E402
-from specfoundry.kernels import tree_attention as ta  # noqa: E402
-from specfoundry.train.config import DraftConfig  # noqa: E402
-from specfoundry.train.loader import padded_width, plan_batches  # noqa: E402
-from specfoundry.train.ttt import Batch  # noqa: E402
-
-SMOL_DRAFT = DraftConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-                         head_dim=64, vocab_size=49152, draft_vocab_size=16000, target_hidden_size=576,
-                         aux_layer_ids=(1, 14, 26))
-
-
-ORIGINAL_MASK_MOD = ta.ttt_mask_mod
+from benchmarks.common import FlexArgsAttention, print_table, write_result
+from specfoundry.kernels import tree_attention as ta
+from specfoundry.testing import SMOL_DRAFT, random_ttt_module
+from specfoundry.train.config import DraftConfig
+from specfoundry.train.loader import padded_width, plan_batches
+from specfoundry.train.ttt import Batch
 
 
 def make_batches(n: int, max_tokens: int, seed: int = 0, pad: int = 128) -> list[list[int]]:
@@ -84,15 +72,14 @@ def tensor_width_mask_mod(lengths: torch.Tensor, seq_len: int):
 
 
 def run_variant(name: str, attention: str, pad: int, dynamic: bool, args, tensor_width: bool = False) -> dict:
-    ta.ttt_mask_mod = tensor_width_mask_mod if tensor_width else ORIGINAL_MASK_MOD
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     ta.BLOCK_MASKS.entries.clear()
-    ta._compiled_flex = None
-    if attention == "flex":
-        ta._flex()  # raises the recompile limit as training does
-        ta._compiled_flex = torch.compile(ta.flex_attention, dynamic=dynamic)
     model = random_ttt_module(SMOL_DRAFT, vocab_stride=3, head_scale=0.05).cuda()
+    if attention == "flex":  # the draft's attention with this variant's compile and mask
+        layer = model.draft.midlayer
+        layer.self_attn = FlexArgsAttention(layer.self_attn, compiled=ta.compiled_flex(dynamic=dynamic),
+                                            mask_mod=tensor_width_mask_mod if tensor_width else ta.ttt_mask_mod)
     shapes = make_batches(args.batches, args.max_tokens)
     batches = [to_batch(s, pad, SMOL_DRAFT) for s in shapes]
 

@@ -4,24 +4,20 @@ alone (no projections), all 7 TTT steps forward + backward at the Llama-3.1-8B d
 kernel_options, and (--autotune) inductor's max-autotune search, each compiled afresh; time, TFLOP/s of
 useful work (kernels.py's count) and compile time.
 
-    python benchmarks/flex_tuning.py [--seq 4096]   (H200 output: results/flex_tuning.log)
+    python -m benchmarks.flex_tuning [--seq 4096]   (output: results/flex_tuning.log)
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-# the repo root replaces this script's folder on the path (see kernels.py)
-sys.path[0] = str(Path(__file__).resolve().parents[1])
-import specfoundry.kernels.tree_attention as ta  # noqa: E402
-from benchmarks.common import cuda_time_ms  # noqa: E402
-from benchmarks.kernels import STEPS, core_flops, core_inputs, core_run  # noqa: E402
+import specfoundry.kernels.tree_attention as ta
+from benchmarks.common import cuda_time_ms
+from benchmarks.kernels import STEPS, core_flops, core_inputs, core_run
 
 CHOICES = {
     "defaults": None,
@@ -42,22 +38,20 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, default=4096, help="TTT length T (tokens per step).")
     ap.add_argument("--autotune", action="store_true",
-                    help="Also inductor's max-autotune search (over 7 minutes on an H200 for the 7 step shapes).")
+                    help="Also inductor's max-autotune search (minutes: it benchmarks every candidate for the 7 step shapes).")
     args = ap.parse_args()
     t = args.seq
     if args.autotune:
         CHOICES["max-autotune"] = "autotune"
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; T={t}, {STEPS} steps fwd+bwd", flush=True)
-    run = functools.partial(core_run, *core_inputs(t), "flex")
+    inputs = core_inputs(t)
     for name, options in CHOICES.items():
-        torch._dynamo.reset()
-        ta._compiled_flex = None
-        ta._flex()  # the recompile limits set as training sets them
+        torch._dynamo.reset()  # each choice compiled afresh
         if options == "autotune":
-            ta._compiled_flex = torch.compile(ta.flex_attention, dynamic=False, mode="max-autotune-no-cudagraphs")
-            ta.FLEX_KERNEL_OPTIONS = None
+            flex = {"compiled": ta.compiled_flex(mode="max-autotune-no-cudagraphs")}
         else:
-            ta.FLEX_KERNEL_OPTIONS = options
+            flex = {"kernel_options": options}
+        run = functools.partial(core_run, *inputs, "flex", **flex)
         try:
             start = time.perf_counter()
             run()
@@ -68,7 +62,6 @@ def main():
                   flush=True)
         except Exception as e:  # noqa: BLE001  a config the kernel cannot take (shared memory): report, go on
             print(f"{name:20s} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
-    ta.FLEX_KERNEL_OPTIONS = None
 
 
 if __name__ == "__main__":

@@ -1,20 +1,14 @@
-# Runs the GPU tests (`pytest -m gpu`) and keeps their log as a result, so that "the GPU tests
-# pass on this code" is a file in benchmarks/results/, not a memory of a session.
-#   GIT_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_tests.sh [pytest args, e.g. tests/test_soft_ce.py]
-# On the device the working tree arrives without .git: pass the commit it is a copy of. Wheels the
-# device image lacks (zarr, datasets, gguf) are installed from .whl/ when that folder is carried.
-# The log goes to $OUT/gpu_tests.log when $OUT is set (the device tool), else to
-# benchmarks/results/gpu_tests.log; the exit status is pytest's.
+#!/usr/bin/env bash
+# Runs the GPU tests (`pytest -m gpu`) and keeps their log, headed by the commit, the date, the
+# card and the versions, in benchmarks/results/gpu_tests.log (LOG= to put it elsewhere).
+#   bash benchmarks/gpu_tests.sh [pytest args, e.g. tests/test_soft_ce.py]
+# GIT_COMMIT names the commit for a copy of the tree without .git. The exit status is pytest's.
 set -uo pipefail
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-deps .whl/*.whl
-fi
+cd "$(dirname "$0")/.."
 if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  echo "gpu_tests.sh: no CUDA device here; the GPU tests run on a GPU machine (the device tool)" >&2
+  echo "gpu_tests.sh: no CUDA device here; the GPU tests need one" >&2
   exit 2
 fi
-LOG=${OUT:+$OUT/gpu_tests.log}
 LOG=${LOG:-benchmarks/results/gpu_tests.log}
 {
   echo "# pytest -m gpu $*"

@@ -1,6 +1,6 @@
 """Kernel benchmarks on one GPU: TTT attention block and the in-place soft-target loss.
 
-    python benchmarks/kernels.py [--quick] [--only attention|loss] [--seq T ...]
+    python -m benchmarks.kernels [--quick] [--only attention|loss] [--seq T ...]
 
 Attention: the draft's attention block at the Llama-3.1-8B draft shape (input 2H = 8192,
 32 query heads, 8 KV heads, head_dim 128, RoPE), batch 1, TTT length 7, all 7 steps forward +
@@ -27,15 +27,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
-from pathlib import Path
 
 import torch
 
-# the repo root replaces this script's folder on the path: transformers imports a package
-# named "kernels" if it can find one, and this folder holds kernels.py
-sys.path[0] = str(Path(__file__).resolve().parents[1])
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
     COPY_TBPS,
     MATMUL_TFLOPS,
     cuda_time_ms,
@@ -45,19 +40,14 @@ from benchmarks.common import (  # noqa: E402
     wall,
     write_result,
 )
-from specfoundry.kernels.soft_ce import SoftTargetCrossEntropy, soft_ce_reference, soft_target_cross_entropy  # noqa: E402
-from specfoundry.kernels.tree_attention import eager_tree_attention, tree_attention, ttt_block_mask  # noqa: E402
-from specfoundry.train.config import DraftConfig  # noqa: E402
-from specfoundry.train.model import Eagle3Attention, Eagle3Draft, TTTCache  # noqa: E402
+from specfoundry.kernels.soft_ce import SoftTargetCrossEntropy, soft_ce_reference, soft_target_cross_entropy
+from specfoundry.kernels.tree_attention import eager_tree_attention, tree_attention, ttt_block_mask
+from specfoundry.testing import LLAMA8B_DRAFT
+from specfoundry.train.model import Eagle3Attention, Eagle3Draft, TTTCache
 
-LLAMA8B_DRAFT = DraftConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                            head_dim=128, rope_theta=500000.0, max_position_embeddings=131072, vocab_size=128256,
-                            draft_vocab_size=32000, target_hidden_size=4096, aux_layer_ids=(1, 15, 28))
 STEPS = 7
-# warm-up calls, then timed calls (median). With 2 and 5, ours at T=4096 read 40.3 ms on a machine
-# where attention_breakdown.py (3 and 15, interleaved) read 36.8 a minute later; why is not
-# established (clocks after a compile that leaves the GPU idle for tens of seconds?), and more
-# runs cost about a second
+# warm-up calls, then timed calls (median): more than common's defaults, since the first timings
+# after a compile that left the GPU idle read high; the extra runs cost about a second
 ATTENTION_RUNS = (5, 15)
 
 
@@ -82,7 +72,9 @@ def core_inputs(t: int) -> tuple[list, list, list]:
     return per_step(32), per_step(8), per_step(8)
 
 
-def core_run(qs, ks, vs, impl):
+def core_run(qs, ks, vs, impl, **flex):
+    """All TTT steps of the attention core, forward + backward. flex: tree_attention's launch
+    settings (kernel_options=, compiled=)."""
     t = qs[0].shape[2]
     outs = []
     for s in range(STEPS):
@@ -91,7 +83,7 @@ def core_run(qs, ks, vs, impl):
         if impl == "eager":
             outs.append(eager_tree_attention(qs[s], k, v, [t], s))
         else:
-            outs.append(tree_attention(qs[s], k, v, [t], s, backend=impl))
+            outs.append(tree_attention(qs[s], k, v, [t], s, backend=impl, **flex))
     sum(o.float().sum() for o in outs).backward()
 
 

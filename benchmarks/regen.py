@@ -1,7 +1,7 @@
 """sf-regen throughput on one GPU: the hf backend (batched, length-sorted) against a plain
 `model.generate` loop over the same prompts, in one process.
 
-    python benchmarks/regen.py --tokenizer DIR [--prompts 128] [--batch-size 64]
+    python -m benchmarks.regen --tokenizer DIR [--prompts 128] [--batch-size 64]
 
 Model: the SmolLM2-135M architecture with random weights (the device cannot take the real
 weights in one call); a random model rarely ends a turn, so both sides generate max_new_tokens
@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-# the repo root replaces this script's folder on the path: transformers imports a package
-# named "kernels" if it can find one, and this folder holds kernels.py
-sys.path[0] = str(Path(__file__).resolve().parents[1])
-from benchmarks.common import print_table, write_result  # noqa: E402
-from specfoundry.generate.backend import SamplingConfig  # noqa: E402
-from specfoundry.generate.hf_backend import HFBackend  # noqa: E402
+from benchmarks.common import print_table, write_result
+from specfoundry.generate.backend import SamplingConfig
+from specfoundry.generate.hf_backend import HFBackend
 
 
 def main():

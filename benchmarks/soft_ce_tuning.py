@@ -8,23 +8,20 @@ Whole rows (V <= WHOLE_ROW_MAX, one register tile): programs per SM x warps x p 
 re-read. Chunked rows (V = 151936, or block forced to CHUNK): programs per SM x L2 hints x warps.
 Every setting's gradient is checked against the plain torch reference before timing.
 
-    python benchmarks/soft_ce_tuning.py            (H200: benchmarks/results/soft_ce_tuning.log)
-    python benchmarks/soft_ce_tuning.py --profile  (where a whole forward + backward call goes)
+    python -m benchmarks.soft_ce_tuning            (output: benchmarks/results/soft_ce_tuning.log)
+    python -m benchmarks.soft_ce_tuning --profile  (where a whole forward + backward call goes)
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 import triton
 
-# the repo root replaces this script's folder on the path (see kernels.py)
-sys.path[0] = str(Path(__file__).resolve().parents[1])
-import specfoundry.kernels.soft_ce as sc  # noqa: E402
-from benchmarks.common import cuda_time_ms_interleaved  # noqa: E402
-from benchmarks.kernels import NoCtx, assert_gradient_matches, loss_inputs, loss_kernel_ms, weighted_loss_case  # noqa: E402
+import specfoundry.kernels.soft_ce as sc
+from benchmarks.common import cuda_time_ms_interleaved
+from benchmarks.kernels import NoCtx, assert_gradient_matches, loss_inputs, loss_kernel_ms, weighted_loss_case
 
 CASES = [(4096, 32000, torch.bfloat16), (4096, 32000, torch.float32), (16384, 32000, torch.bfloat16),
          (16384, 32000, torch.float32), (2048, 151936, torch.bfloat16), (2048, 151936, torch.float32)]
@@ -64,17 +61,15 @@ def sweep_case(n: int, v: int, dtype: torch.dtype) -> str:
     fns = {}
     for kind, config in settings:
         def ours(kind=kind, config=config):
-            sc.WHOLE_ROW_DTYPES = (dtype,)  # whole rows are tried for bf16 too (the library keeps them to fp32)
-            sc.WHOLE, sc.CHUNKED = (config, sc.CHUNKED) if kind == "whole" else (sc.WHOLE, config)
-            sc.SoftTargetCrossEntropy.forward(NoCtx(), z, p, mask, norm, None if kind == "whole" else sc.CHUNK)
+            whole = kind == "whole"  # whole rows are tried for bf16 too (the library keeps them to fp32)
+            sc.SoftTargetCrossEntropy.forward(NoCtx(), z, p, mask, norm, None if whole else sc.CHUNK, 1.0, True,
+                                              config, whole)
         fns[label(kind, config)] = ours
-    defaults = sc.WHOLE, sc.CHUNKED, sc.WHOLE_ROW_DTYPES
     for ours in fns.values():  # each setting's gradient checked before any is timed
         z.copy_(logits)
         ours()
         assert_gradient_matches(logits, p, mask, norm, z, grad_scale=1.0)
     ms = cuda_time_ms_interleaved(fns, 3, 15)
-    sc.WHOLE, sc.CHUNKED, sc.WHOLE_ROW_DTYPES = defaults
     moved = n * v * 3 * z.element_size()
     out = [f"N={n} V={v} {str(dtype).split('.')[1]}:"]
     out += [f"{name} {t * 1e3:.0f}us {moved / t / 1e9:.2f}TB/s" for name, t in sorted(ms.items(), key=lambda kv: kv[1])]

@@ -1,7 +1,7 @@
 """sf-train data-parallel scaling on one host: the Llama-3.1-8B draft shape, T=4096, TTT 7,
 one sample per GPU per step, features from disk, at 1, 2, ... GPUs.
 
-    python benchmarks/train_scaling.py [--worlds 1,2] [--steps 8]
+    python -m benchmarks.train_scaling [--worlds 1,2] [--steps 8]
 
 For each world size W the script launches W processes with `accelerate launch` (W > 1: ZeRO-2
 through FSDP SHARD_GRAD_OP, recipes/accelerate_zero2.yaml, NCCL), each rank reading its own
@@ -27,10 +27,9 @@ from pathlib import Path
 
 import torch
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # see train_step.py: keep "kernels" unshadowed
-from benchmarks.common import MATMUL_TFLOPS, print_table, write_result  # noqa: E402
-from benchmarks.kernels import LLAMA8B_DRAFT  # noqa: E402
-from benchmarks.train_step import flops_per_token, llama8b_ttt_module, time_steps, write_random_featureset  # noqa: E402
+from benchmarks.common import MATMUL_TFLOPS, print_table, write_result
+from benchmarks.train_step import flops_per_token, time_steps
+from specfoundry.testing import LLAMA8B_DRAFT, llama8b_ttt_module, write_random_featureset
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,10 +76,11 @@ def launch(world: int, featureset: Path, steps: int, ttt: int, out: Path) -> dic
         cmd += ["--config_file", str(ROOT / "recipes" / "accelerate_zero2.yaml")]
     else:
         cmd += ["--num_machines", "1", "--mixed_precision", "bf16", "--dynamo_backend", "no"]
-    cmd += [__file__, "--worker", "--featureset", str(featureset), "--steps", str(steps), "--ttt", str(ttt),
+    # as a module, like python -m: the script's own folder never lands on sys.path
+    cmd += ["--module", "benchmarks.train_scaling", "--worker", "--featureset", str(featureset), "--steps", str(steps), "--ttt", str(ttt),
             "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    subprocess.run(cmd, check=True, env=env)
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
     return json.loads(out.read_text())
 
 

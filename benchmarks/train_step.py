@@ -1,6 +1,6 @@
 """sf-train step throughput on one GPU at the Llama-3.1-8B draft shape, features from disk.
 
-    python benchmarks/train_step.py [--seq 4096] [--steps 8] [--profile]
+    python -m benchmarks.train_step [--seq 4096] [--steps 8] [--profile]
 
 Shape: H 4096, 32 heads, 8 KV heads, head_dim 128, intermediate 14336, target vocab 128256,
 draft vocab 32000, T = 4096, TTT 7, batch 1. Random features are written to a safetensors
@@ -20,24 +20,15 @@ FLOPs per token (written out so the MFU can be checked), with A = 2*H*H*... per 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-# the repo root replaces this script's folder on the path: transformers imports a package
-# named "kernels" if it can find one, and this folder holds kernels.py
-sys.path[0] = str(Path(__file__).resolve().parents[1])
-from benchmarks.common import MATMUL_TFLOPS, print_table, write_result  # noqa: E402
-from benchmarks.kernels import LLAMA8B_DRAFT  # noqa: E402
-from specfoundry.common.files import atomic_write_json  # noqa: E402
-from specfoundry.featureset.manifest import MANIFEST, SCHEMA, SCHEMA_VERSION  # noqa: E402
-from specfoundry.featureset.store import FeatureSet, shard_name, write_shard  # noqa: E402
-from specfoundry.train.loader import FeatureLoader  # noqa: E402
-from specfoundry.train.model import Eagle3Draft  # noqa: E402
-from specfoundry.train.ttt import TTTModule  # noqa: E402
-from specfoundry.train.vocab import vocab_maps  # noqa: E402
+from benchmarks.common import MATMUL_TFLOPS, print_table, write_result
+from specfoundry.featureset.store import FeatureSet
+from specfoundry.testing import LLAMA8B_DRAFT, llama8b_ttt_module, write_random_featureset
+from specfoundry.train.loader import FeatureLoader
 
 
 def flops_per_token(cfg, t: int, steps: int) -> float:
@@ -47,40 +38,6 @@ def flops_per_token(cfg, t: int, steps: int) -> float:
         fwd += 2 * 2 * h * (nh + 2 * nkv) * hd + 2 * nh * hd * h + 2 * 3 * h * i + 2 * h * cfg.draft_vocab_size
         fwd += 4 * (t / 2 + s) * nh * hd
     return 3 * fwd + 2 * h * cfg.vocab_size
-
-
-def write_random_featureset(root: Path, n: int, t: int, cfg) -> FeatureSet:
-    g = torch.Generator().manual_seed(0)
-    samples = [{"input_ids": torch.randint(0, cfg.vocab_size, (t,), generator=g),
-                "loss_mask": torch.ones(t, dtype=torch.bool),
-                "aux_hidden": torch.randn(t, 3 * cfg.hidden_size, generator=g).to(torch.bfloat16),
-                "final_hidden": torch.randn(t, cfg.hidden_size, generator=g).to(torch.bfloat16)} for _ in range(n)]
-    rel = shard_name(0, "safetensors")
-    digest = write_shard(root, rel, samples, "safetensors", "bfloat16")
-    atomic_write_json(root / MANIFEST, {
-        "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "codec": "safetensors", "storage_dtype": "bfloat16",
-        "aux_layer_ids": list(cfg.aux_layer_ids), "hidden_size": cfg.hidden_size,
-        "target": {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size},
-        "shards": [{"path": rel, "sha256": digest, "num_samples": n, "sample_lengths": [t] * n}]})
-    return FeatureSet(root)
-
-
-def random_ttt_module(cfg, vocab_stride: int, head_scale: float, fuse_elementwise: bool = True) -> TTTModule:
-    """A draft of shape `cfg` with random weights (seed 0), every `vocab_stride`-th target token
-    in its vocabulary, and a random bf16 teacher head of scale `head_scale`, on the CPU: the
-    caller moves or wraps it. fuse_elementwise: as TTTModule's."""
-    torch.manual_seed(0)
-    draft = Eagle3Draft(cfg)
-    d2t, t2d = vocab_maps(torch.arange(0, cfg.vocab_size, vocab_stride)[: cfg.draft_vocab_size], cfg.vocab_size)
-    draft.d2t.copy_(d2t)
-    draft.t2d.copy_(t2d)
-    lm_head = (torch.randn(cfg.vocab_size, cfg.hidden_size) * head_scale).to(torch.bfloat16)
-    return TTTModule(draft, lm_head, fuse_elementwise)
-
-
-def llama8b_ttt_module(fuse_elementwise: bool = True) -> TTTModule:
-    """The 8B-shaped draft (every 4th token in the draft vocab, teacher head scale 0.02)."""
-    return random_ttt_module(LLAMA8B_DRAFT, vocab_stride=4, head_scale=0.02, fuse_elementwise=fuse_elementwise)
 
 
 def time_steps(step, steps: int, warmup: int = 2) -> float:

@@ -213,7 +213,7 @@ def test_kernel_paths_equal_plain_torch_on_gpu_at_the_8b_draft_shape():
     Llama-3.1-8B draft shape (H 4096, 32/8 heads, intermediate 14336, vocab 128256 -> 32000),
     TTT 7, two samples of 1024 and 700 tokens. Triton's fp32 dots use TF32 (10-bit mantissa)
     where cuBLAS does not, so the bounds are relative to each tensor's scale."""
-    from benchmarks.kernels import LLAMA8B_DRAFT
+    from specfoundry.testing import LLAMA8B_DRAFT
 
     model, batch, lm_head, draft_ids = tiny_setup(lengths=(1024, 700), cfg=LLAMA8B_DRAFT, device="cuda",
                                                   teacher_scale=LLAMA8B_DRAFT.hidden_size ** -0.5)
@@ -238,7 +238,7 @@ def test_kernel_paths_equal_plain_torch_on_gpu_at_the_8b_draft_shape():
 
 @pytest.mark.gpu
 def test_pinned_loader_batches_reach_the_gpu_unchanged(tmp_path):
-    from benchmarks.train_step import write_random_featureset
+    from specfoundry.testing import write_random_featureset
 
     fs = write_random_featureset(tmp_path, 6, 64, TINY)
     plain = FeatureLoader(fs, list(range(6)), max_tokens=128, seed=0, num_workers=1)

@@ -16,7 +16,7 @@ so with the upstream gradient g: dL/dz_v = g * m / normaliser * (s * exp(z_v - l
 One kernel does the forward and, when the logits need a gradient, the gradient too, for the
 upstream gradient g0 = `grad_scale` that the caller announces (the trainer's loss weight 0.8^s
 over the accumulation steps). Persistent programs each take rows pid, pid + G, ..., in one of
-two ways (benchmarks/soft_ce_tuning.py has the H200 sweep behind each choice):
+two ways (benchmarks/soft_ce_tuning.py sweeps the launch settings behind each choice):
 
   whole rows (fp32 and V <= 32768, as the draft vocab of 32000): the row is one register tile. z and
          p are read once; max, lse = m + log sum exp(z - m), s and sum p*z are reductions over
@@ -30,8 +30,8 @@ two ways (benchmarks/soft_ce_tuning.py has the H200 sweep behind each choice):
          d = d * exp(m - m') + sum exp(chunk - m')), while s and sum p*z accumulate alongside,
          and l is stored; pass 2 reads the chunks again and overwrites z with the gradient. Pass
          1 loads with an L2 "evict last" hint and pass 2 and its stores with "evict first", so
-         pass 2 finds its row in the 50 MB L2 (a bf16 row of z and p at V = 32000 is 128 KB;
-         two resident programs per SM hold 34 MB): DRAM again sees about one read of z and p and
+         pass 2 finds its row in L2 (a bf16 row of z and p at V = 32000 is 128 KB, so the rows
+         of two resident programs per SM are a fraction of a data-centre GPU's L2): DRAM again sees about one read of z and p and
          one write. G = 4 per SM (two resident, two queued). bf16 rows take this path rather than
          the whole-row one because a whole row needs all registers of an SM for one program,
          where chunks let two overlap; fp32 rows are twice as large and miss L2 in pass 2.
@@ -187,8 +187,9 @@ class LaunchConfig:
 
 
 # Rows of WHOLE_ROW_DTYPES no wider than WHOLE_ROW_MAX are one register tile (the draft vocab of
-# 32000 is); others (bf16, or 49152, 151936 wide) go in chunks of CHUNK. Tuned on an H200
-# (benchmarks/soft_ce_tuning.py; results/soft_ce_tuning.log):
+# 32000 is); others (bf16, or 49152, 151936 wide) go in chunks of CHUNK. The defaults below are
+# the sweep's picks (benchmarks/soft_ce_tuning.py; the figures are in benchmarks/RESULTS.md);
+# soft_target_cross_entropy's `launch` and `whole_row` override them per call:
 WHOLE_ROW_MAX = 32768
 WHOLE_ROW_DTYPES = (torch.float32,)
 CHUNK = 8192
@@ -206,13 +207,17 @@ def _warps_by_block(block: int) -> int:
     return 16 if block >= 8192 else 8 if block >= 2048 else 4
 
 
-def _launch_config(z: torch.Tensor, block: int | None) -> tuple[tuple[int], int, int, bool, LaunchConfig]:
+def _launch_config(z: torch.Tensor, block: int | None, launch: LaunchConfig | None = None,
+                   whole_row: bool | None = None) -> tuple[tuple[int], int, int, bool, LaunchConfig]:
     """(grid, BLOCK, num_warps, whole_row, config) for logits z [N, V]. block: force chunks of
-    that width (tests); the default holds an fp32 row in registers where it fits."""
+    that width (tests); the default holds an fp32 row in registers where it fits. whole_row:
+    force (True, V <= WHOLE_ROW_MAX) or forbid whole rows whatever the dtype; launch: the
+    LaunchConfig to use instead of WHOLE / CHUNKED."""
     n, v = z.shape
-    whole = block is None and z.dtype in WHOLE_ROW_DTYPES and triton.next_power_of_2(v) <= WHOLE_ROW_MAX
+    fits = block is None and triton.next_power_of_2(v) <= WHOLE_ROW_MAX
+    whole = fits and (z.dtype in WHOLE_ROW_DTYPES if whole_row is None else whole_row)
     block = triton.next_power_of_2(v) if whole else block or min(triton.next_power_of_2(v), CHUNK)
-    config = WHOLE if whole else CHUNKED
+    config = launch or (WHOLE if whole else CHUNKED)
     warps = config.num_warps or _warps_by_block(block)
     if z.device.type == "cuda":
         programs = _sm_count(z.device.index if z.device.index is not None else torch.cuda.current_device()) \
@@ -226,19 +231,21 @@ class SoftTargetCrossEntropy(torch.autograd.Function):
     """autograd.Function over the two kernels; see the module docstring (logits are consumed)."""
 
     @staticmethod
-    def forward(ctx, logits, target, mask, normaliser, block=None, grad_scale=1.0, write_grad=True):
+    def forward(ctx, logits, target, mask, normaliser, block=None, grad_scale=1.0, write_grad=True, launch=None,
+                whole_row=None):
         assert logits.shape == target.shape and logits.dim() == 2, (logits.shape, target.shape)
         assert logits.stride(-1) == 1 and target.stride(-1) == 1, "last dim must be contiguous"
         n, v = logits.shape
         row_loss = torch.empty(n, dtype=torch.float32, device=logits.device)  # [N]
         norm = _normaliser(mask, normaliser)  # a 0-d device tensor: no sync
-        grid, blk, warps, whole, config = _launch_config(logits, block)
+        grid, blk, warps, whole, config = _launch_config(logits, block, launch, whole_row)
         if n:
             _soft_ce_kernel[grid](logits, target, mask.contiguous(), norm, row_loss, grad_scale, n, logits.stride(0),
                                   target.stride(0), v, BLOCK=blk, WRITE_GRAD=write_grad, WHOLE_ROW=whole,
                                   HOLD_P=config.hold_p, EVICT=config.evict, num_warps=warps)
         ctx.save_for_backward(logits)
         ctx.block, ctx.grad_scale, ctx.wrote_grad = block, grad_scale, write_grad
+        ctx.launch, ctx.whole_row = launch, whole_row
         return row_loss.sum() / norm
 
     @staticmethod
@@ -248,12 +255,12 @@ class SoftTargetCrossEntropy(torch.autograd.Function):
             raise RuntimeError("soft_target_cross_entropy: backward through a loss computed with "
                                "write_grad=False")
         n, v = grad.shape
-        grid, _, _, _, _ = _launch_config(grad, ctx.block)
+        grid, _, _, _, _ = _launch_config(grad, ctx.block, ctx.launch, ctx.whole_row)
         block = min(triton.next_power_of_2(v), CHUNK)
         if n:  # the ratio g / g0 is read on the device: no sync
             _rescale_kernel[grid](grad, grad_output, ctx.grad_scale, n, grad.stride(0), v, BLOCK=block,
                                   num_warps=_warps_by_block(block))
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None
 
 
 def triton_available(device: torch.device) -> bool:
@@ -265,11 +272,13 @@ def triton_available(device: torch.device) -> bool:
 
 def soft_target_cross_entropy(logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,
                               normaliser: torch.Tensor | float | None = None, impl: str = "auto",
-                              block: int | None = None, grad_scale: float = 1.0) -> torch.Tensor:
+                              block: int | None = None, grad_scale: float = 1.0, *,
+                              launch: LaunchConfig | None = None, whole_row: bool | None = None) -> torch.Tensor:
     """The masked soft-target CE. impl: "triton" (in place: the forward consumes logits),
     "reference", or "auto" (triton where it can run, else reference). grad_scale: the upstream
     gradient the caller expects to send back into this loss (e.g. its weight in a sum); any
-    other is still right, at the cost of one more pass over the logits."""
+    other is still right, at the cost of one more pass over the logits. launch, whole_row: the
+    kernel's launch settings (default: WHOLE or CHUNKED by the row layout; see _launch_config)."""
     if impl == "auto":
         impl = "triton" if triton_available(logits.device) else "reference"
     if impl == "reference":
@@ -281,4 +290,5 @@ def soft_target_cross_entropy(logits: torch.Tensor, target: torch.Tensor, mask: 
         # the forward writes dL/dz for grad_scale and the backward divides by it: 0 would leave
         # a zero gradient no upstream gradient could scale back
         raise ValueError(f"soft_target_cross_entropy: grad_scale must be a positive finite number, got {grad_scale}")
-    return SoftTargetCrossEntropy.apply(logits, target, mask, normaliser, block, float(grad_scale), write_grad)
+    return SoftTargetCrossEntropy.apply(logits, target, mask, normaliser, block, float(grad_scale), write_grad,
+                                        launch, whole_row)

@@ -42,20 +42,22 @@ def ttt_mask_mod(lengths: torch.Tensor, seq_len: int):
 
 
 class _BlockMaskCache:
-    """LRU cache of BlockMasks keyed by (lengths, T, step, device): a training loop that sees
-    the same shape again (every TTT step of every batch of one length bucket) reuses it."""
+    """LRU cache of BlockMasks keyed by (mask_mod factory, lengths, T, step, device): a training
+    loop that sees the same shape again (every TTT step of every batch of one length bucket)
+    reuses it."""
 
     def __init__(self, size: int = 64):
         self.size = size
         self.entries: OrderedDict[tuple, BlockMask] = OrderedDict()
 
-    def get(self, lengths: tuple[int, ...], seq_len: int, step: int, device: torch.device) -> BlockMask:
-        key = (lengths, seq_len, step, str(device))
+    def get(self, lengths: tuple[int, ...], seq_len: int, step: int, device: torch.device,
+            mask_mod=ttt_mask_mod) -> BlockMask:
+        key = (mask_mod, lengths, seq_len, step, str(device))
         if key in self.entries:
             self.entries.move_to_end(key)
             return self.entries[key]
         lens = torch.tensor(lengths, dtype=torch.int32, device=device)
-        mask = create_block_mask(ttt_mask_mod(lens, seq_len), B=len(lengths), H=None, Q_LEN=seq_len,
+        mask = create_block_mask(mask_mod(lens, seq_len), B=len(lengths), H=None, Q_LEN=seq_len,
                                  KV_LEN=seq_len * (step + 1), device=device,
                                  _compile=device.type == "cuda")
         self.entries[key] = mask
@@ -67,37 +69,47 @@ class _BlockMaskCache:
 BLOCK_MASKS = _BlockMaskCache()
 
 
-def ttt_block_mask(lengths, seq_len: int, step: int, device) -> BlockMask:
-    """The cached BlockMask for a batch with these row lengths at TTT step `step`."""
-    return BLOCK_MASKS.get(tuple(int(x) for x in lengths), seq_len, step, torch.device(device))
+def ttt_block_mask(lengths, seq_len: int, step: int, device, mask_mod=ttt_mask_mod) -> BlockMask:
+    """The cached BlockMask for a batch with these row lengths at TTT step `step`.
+    mask_mod: a factory (lengths [B] tensor, T) -> mask_mod, ttt_mask_mod's signature."""
+    return BLOCK_MASKS.get(tuple(int(x) for x in lengths), seq_len, step, torch.device(device), mask_mod)
 
 
-def dense_ttt_mask(lengths, seq_len: int, step: int, device) -> torch.Tensor:
+def dense_ttt_mask(lengths, seq_len: int, step: int, device, mask_mod=ttt_mask_mod) -> torch.Tensor:
     """The same mask as a dense boolean tensor [B, 1, T, T*(step+1)] (True = may attend)."""
     lens = torch.as_tensor(list(lengths), dtype=torch.int32, device=device)
-    return create_mask(ttt_mask_mod(lens, seq_len), len(lens), 1, seq_len, seq_len * (step + 1), device=device)
+    return create_mask(mask_mod(lens, seq_len), len(lens), 1, seq_len, seq_len * (step + 1), device=device)
 
 
-_compiled_flex = None
 RECOMPILE_LIMIT = 1024
 """Compiled shapes allowed: every (rows, width, step) triple is its own static shape, 7 per
 batch shape; sf-train's width rounding (--pad-multiple) keeps the shapes far below this."""
 
+_COMPILED: dict[tuple, object] = {}
 
-def _flex():
-    global _compiled_flex
-    if _compiled_flex is None:
-        # past dynamo's recompile limit (8 by default) flex_attention would silently run eagerly,
-        # materialising the [T, T*(s+1)] scores: out of memory hours into a run at real shapes.
-        # Raise the limits and make reaching them an error (tree_attention says what to do).
+
+def compiled_flex(dynamic: bool = False, mode: str | None = None):
+    """flex_attention under torch.compile(dynamic=, mode=), built once per (dynamic, mode).
+
+    Past dynamo's recompile limit (8 by default) flex_attention would silently run eagerly,
+    materialising the [T, T*(s+1)] scores: out of memory hours into a run at real shapes. So the
+    limits are raised to RECOMPILE_LIMIT and reaching them is made an error (tree_attention
+    says what to do)."""
+    key = (dynamic, mode)
+    if key not in _COMPILED:
         config = torch._dynamo.config
-        # (torch renamed these: the old names are aliases in 2.11-2.13; set whichever exists)
+        # torch renamed these (the old names are aliases for a while): set whichever exists
         raise_config(config, ("recompile_limit", "cache_size_limit"), RECOMPILE_LIMIT)
         raise_config(config, ("accumulated_recompile_limit", "accumulated_cache_size_limit"), 4 * RECOMPILE_LIMIT)
         if hasattr(config, "fail_on_recompile_limit_hit"):
             config.fail_on_recompile_limit_hit = True
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex
+        _COMPILED[key] = torch.compile(flex_attention, dynamic=dynamic, mode=mode)
+    return _COMPILED[key]
+
+
+def _flex():
+    """The compiled flex_attention training runs with (static shapes, default mode)."""
+    return compiled_flex()
 
 
 def raise_config(config, names: tuple[str, ...], value: int) -> None:
@@ -117,18 +129,17 @@ class TooManyShapesError(RuntimeError):
     """Compiled FlexAttention met more batch shapes than the recompile limit allows."""
 
 
-# Triton launch options for the flex kernels (None: inductor's defaults for the card);
-# benchmarks/flex_tuning.py compares choices on a GPU.
-FLEX_KERNEL_OPTIONS: dict | None = None
-
-
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths, step: int,
-                   scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+                   scale: float | None = None, backend: str = "auto", *, kernel_options: dict | None = None,
+                   compiled=None, mask_mod=ttt_mask_mod) -> torch.Tensor:
     """Attention of TTT step `step` under the tree mask.
 
     q: [B, Hq, T, D]; k_cache, v_cache: [B, Hkv, T*(step+1), D] (Hq a multiple of Hkv: GQA);
     lengths: [B] valid tokens per row. Returns [B, Hq, T, D].
     backend: "flex" (compiled FlexAttention, CUDA), "sdpa" (dense mask), "auto" (flex on CUDA).
+    kernel_options: Triton launch options of the flex kernels (None: inductor's defaults for the
+    card). compiled: the compiled flex_attention to call (default compiled_flex(): static shapes,
+    default mode). mask_mod: the mask factory (ttt_mask_mod's signature), for both backends.
     """
     bsz, hq, seq_len, _ = q.shape
     assert k_cache.shape[2] == seq_len * (step + 1), (k_cache.shape, seq_len, step)
@@ -136,18 +147,18 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if backend == "auto":
         backend = "flex" if q.is_cuda else "sdpa"
     if backend == "flex":
-        mask = ttt_block_mask(lengths, seq_len, step, q.device)
-        compiled = _flex()
+        mask = ttt_block_mask(lengths, seq_len, step, q.device, mask_mod)
+        compiled = compiled if compiled is not None else compiled_flex()
         try:
             return compiled(q, k_cache, v_cache, block_mask=mask, scale=scale, enable_gqa=gqa,
-                            kernel_options=FLEX_KERNEL_OPTIONS)
+                            kernel_options=kernel_options)
         except RECOMPILE_LIMIT_HIT as e:
             raise TooManyShapesError(
                 f"compiled FlexAttention reached torch._dynamo's recompile limit "
                 f"({getattr(torch._dynamo.config, 'cache_size_limit', RECOMPILE_LIMIT)}) at batch shape {tuple(q.shape[:3])}, TTT step {step}: "
                 "each new (rows, width, step) compiles anew; round widths coarser (sf-train --pad-multiple 256) "
                 "or use --attention sdpa") from e
-    mask = dense_ttt_mask(lengths, seq_len, step, q.device)
+    mask = dense_ttt_mask(lengths, seq_len, step, q.device, mask_mod)
     return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
