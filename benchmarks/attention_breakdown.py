@@ -78,7 +78,7 @@ def main():
     torch.manual_seed(0)
     model = Eagle3Draft(LLAMA8B_DRAFT)
     attn = model.midlayer.self_attn.cuda().to(torch.bfloat16)
-    attn.fused = True  # RoPE compiled, as sf-train runs it
+    attn.compiled_elementwise = True  # RoPE compiled, as sf-train runs it
     separate = FlexArgsAttention(attn, separate_qkv=True)
     tuned = FlexArgsAttention(attn, kernel_options=TUNED_FLEX)
     rotary = model.rotary.cuda()

@@ -35,7 +35,7 @@ from specfoundry.kernels import tree_attention as ta
 from specfoundry.testing import SMOL_DRAFT, random_ttt_module
 from specfoundry.train.config import DraftConfig
 from specfoundry.train.loader import padded_width, plan_batches
-from specfoundry.train.ttt import Batch
+from specfoundry.train.loader import Batch
 
 
 def make_batches(n: int, max_tokens: int, seed: int = 0, pad: int = 128) -> list[list[int]]:
@@ -85,7 +85,7 @@ def run_variant(name: str, attention: str, pad: int, dynamic: bool, args, tensor
 
     def step(batch) -> float:
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, _ = model(batch, ttt_length=7, attention=attention, loss_impl="triton")
+            loss, _ = model(batch, ttt_length=7, attention=attention, loss_kernel="triton")
         loss.backward()
         model.zero_grad(set_to_none=True)
         return loss.item()

@@ -6,7 +6,7 @@ Attention: the draft's attention block at the Llama-3.1-8B draft shape (input 2H
 32 query heads, 8 KV heads, head_dim 128, RoPE), batch 1, TTT length 7, all 7 steps forward +
 backward. Ours (FlexAttention BlockMask) against (a) the original EAGLE-3 eager formulation and
 (b) SDPA with the dense mask. All three project q/k/v as sf-train does, in one GEMM (TTTCache);
-ours and (b) apply RoPE compiled, as sf-train does (fuse_elementwise); (a) runs it eagerly, as
+ours and (b) apply RoPE compiled, as sf-train does (compile_elementwise); (a) runs it eagerly, as
 the original code does. The attention core alone is timed too and counted in useful
 FLOPs: pairs(s) = T(T+1)/2 + s*T visible (query, key) pairs at step s; forward 4*pairs*nh*hd
 (QK^T and PV), backward 10*pairs*nh*hd (dV, dP, dQ, dK and the recomputed QK^T).
@@ -58,7 +58,7 @@ def attention_block_run(attn: Eagle3Attention, rotary, xs, grads, impl: str):
     for s in range(STEPS):
         pos = (torch.arange(t, device="cuda") + s)[None]
         cos, sin = rotary(xs[s], pos)
-        outs.append(attn(xs[s], cos.to(xs[s].dtype), sin.to(xs[s].dtype), cache, [t], s, impl))
+        outs.append(attn.ttt_attention(xs[s], cos.to(xs[s].dtype), sin.to(xs[s].dtype), cache, [t], s, impl))
     loss = sum((o * g).sum() for o, g in zip(outs, grads, strict=True))
     loss.backward()
 
@@ -117,8 +117,8 @@ def bench_attention(seqs: list[int]) -> list[dict]:
         grads = [torch.randn(1, t, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(STEPS)]
         qs, ks, vs = core_inputs(t)
         for impl, name in (("flex", "ours (flex BlockMask)"), ("eager", "(a) eager EAGLE-3"), ("sdpa", "(b) SDPA dense mask")):
-            # RoPE compiled as sf-train runs it (fuse_elementwise), for ours and (b); eager in (a), the original code
-            attn.fused = impl != "eager"
+            # RoPE compiled as sf-train runs it (compile_elementwise), for ours and (b); eager in (a), the original code
+            attn.compiled_elementwise = impl != "eager"
             row = {"what": "attention block", "T": t, "impl": name}
             try:
                 block = functools.partial(attention_block_run, attn, rotary, xs, grads, impl)

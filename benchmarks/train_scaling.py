@@ -55,7 +55,7 @@ def worker(featureset: str, steps: int, ttt: int, out: str) -> None:
     def step():
         batch = next(loader).to(accel.device, torch.bfloat16)
         with accel.autocast():
-            loss, _ = model(batch, ttt_length=ttt, attention="flex", loss_impl="triton")
+            loss, _ = model(batch, ttt_length=ttt, attention="flex", loss_kernel="triton")
         accel.backward(loss)
         opt.step()
         opt.zero_grad(set_to_none=True)

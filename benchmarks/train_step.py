@@ -57,7 +57,7 @@ def time_steps(step, steps: int, warmup: int = 2) -> float:
 
 
 IMPLS = {  # name: (attention, loss, compiled elementwise chains)
-    "ours (flex + triton + fused elementwise)": ("flex", "triton", True),
+    "ours (flex + triton + compiled elementwise)": ("flex", "triton", True),
     "ours, eager elementwise": ("flex", "triton", False),
     "plain (eager + reference)": ("eager", "reference", False),
 }
@@ -79,15 +79,15 @@ def profile_table(step, steps: int = PROFILED_STEPS) -> str:
 
 def run(impl: str, fs: FeatureSet, t: int, steps: int, ttt: int, profile: bool = False) -> dict:
     cfg = LLAMA8B_DRAFT
-    attention, loss_impl, fused = IMPLS[impl]
-    model = llama8b_ttt_module(fused).cuda()
+    attention, loss_kernel, compiled = IMPLS[impl]
+    model = llama8b_ttt_module(compiled).cuda()
     opt = torch.optim.AdamW(model.draft.trainable_parameters(), lr=1e-4, fused=True)
     loader = iter(FeatureLoader(fs, list(range(len(fs))), max_tokens=t, seed=0, num_workers=2, pin_memory=True))
 
     def step():
         batch = next(loader).to("cuda", torch.bfloat16)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, _ = model(batch, ttt_length=ttt, attention=attention, loss_impl=loss_impl)
+            loss, _ = model(batch, ttt_length=ttt, attention=attention, loss_kernel=loss_kernel)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from specfoundry.common.files import atomic_write_json
-from specfoundry.featureset.manifest import MANIFEST, SCHEMA, SCHEMA_VERSION
+from specfoundry.featureset.manifest import FORMAT, FORMAT_VERSION, MANIFEST
 from specfoundry.featureset.store import FeatureSet, shard_name, write_shard
 from specfoundry.train.config import DraftConfig
 from specfoundry.train.model import Eagle3Draft
@@ -39,7 +39,7 @@ def write_random_featureset(root: Path, n: int, t: int, cfg: DraftConfig) -> Fea
     rel = shard_name(0, "safetensors")
     digest = write_shard(root, rel, samples, "safetensors", "bfloat16")
     atomic_write_json(root / MANIFEST, {
-        "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "codec": "safetensors", "storage_dtype": "bfloat16",
+        "format": FORMAT, "format_version": FORMAT_VERSION, "codec": "safetensors", "storage_dtype": "bfloat16",
         "aux_layer_ids": list(cfg.aux_layer_ids), "hidden_size": cfg.hidden_size,
         "target": {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size},
         "shards": [{"path": rel, "sha256": digest, "num_samples": n, "sample_lengths": [t] * n}]})
@@ -47,19 +47,19 @@ def write_random_featureset(root: Path, n: int, t: int, cfg: DraftConfig) -> Fea
 
 
 def random_ttt_module(cfg: DraftConfig, vocab_stride: int, head_scale: float,
-                      fuse_elementwise: bool = True) -> TTTModule:
+                      compile_elementwise: bool = True) -> TTTModule:
     """A draft of shape `cfg` with random weights (seed 0), every `vocab_stride`-th target token
     in its vocabulary, and a random bf16 teacher head of scale `head_scale`, on the CPU: the
-    caller moves or wraps it. fuse_elementwise: as TTTModule's."""
+    caller moves or wraps it. compile_elementwise: as TTTModule's."""
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
     d2t, t2d = vocab_maps(torch.arange(0, cfg.vocab_size, vocab_stride)[: cfg.draft_vocab_size], cfg.vocab_size)
     draft.d2t.copy_(d2t)
     draft.t2d.copy_(t2d)
     lm_head = (torch.randn(cfg.vocab_size, cfg.hidden_size) * head_scale).to(torch.bfloat16)
-    return TTTModule(draft, lm_head, fuse_elementwise)
+    return TTTModule(draft, lm_head, compile_elementwise)
 
 
-def llama8b_ttt_module(fuse_elementwise: bool = True) -> TTTModule:
+def llama8b_ttt_module(compile_elementwise: bool = True) -> TTTModule:
     """The 8B-shaped draft (every 4th token in the draft vocab, teacher head scale 0.02)."""
-    return random_ttt_module(LLAMA8B_DRAFT, vocab_stride=4, head_scale=0.02, fuse_elementwise=fuse_elementwise)
+    return random_ttt_module(LLAMA8B_DRAFT, vocab_stride=4, head_scale=0.02, compile_elementwise=compile_elementwise)
