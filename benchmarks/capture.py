@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import MATMUL_TFLOPS, print_table, write_result
-from specfoundry.capture.runner import HFCaptureRunner, default_aux_layers
+from specfoundry.capture.runner import HFCaptureRunner
+from specfoundry.common.taps import default_aux_layers
 from specfoundry.capture.stage import BackgroundWriter, CaptureConfig, write_one
 
 

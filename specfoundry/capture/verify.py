@@ -7,8 +7,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specfoundry.common.files import checksum
 from specfoundry.featureset.manifest import FeatureSetError, read_manifest
-from specfoundry.featureset.store import FeatureSet, ShardReader, checksum
+from specfoundry.featureset.store import FeatureSet, ShardReader
 
 
 def verify_featureset(root: str | Path, recompute: int = 0, device: str | None = None) -> list[str]:

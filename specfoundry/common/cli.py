@@ -151,6 +151,13 @@ def recipe_option(fn):
                              "its own section, and command-line options override it.")(fn)
 
 
+def shared_option(concept: str, default=None):
+    """A click option for a SHARED concept on a command without a config field for it."""
+    flags, help_text, none_shown = SHARED[concept]
+    return click.option(*flags, concept, default=default, help=help_text,
+                        show_default=none_shown if default is None else True)
+
+
 def silent_option(fn):
     return click.option("--silent", is_flag=True, default=False, show_default=True,
                         help="No progress bars.")(fn)
@@ -216,7 +223,8 @@ def build_config(cls, values: dict, source: str = "options"):
         if f.name in values:
             nested.setdefault(path, {})[f.name] = _convert(values.pop(f.name), f, hint)
         elif default_of(f) is MISSING:
-            raise click.UsageError(f"--{f.name.replace('_', '-')} is required (on the command line or in the recipe)")
+            name = f.name.upper() if f.metadata.get("argument") else f"--{f.name.replace('_', '-')}"
+            raise click.UsageError(f"{name} is required (on the command line or in the recipe)")
     hints = typing.get_type_hints(cls)
     kwargs = nested.pop(())
     for path, sub in sorted(nested.items(), key=lambda p: -len(p[0])):

@@ -69,8 +69,9 @@ class LoadResult:
     bad: list[BadInput] = field(default_factory=list)
 
 
-def data_files(source: str | Path) -> list[Path]:
-    """The data files of a source: a file, a folder of them, or a specfoundry regen output."""
+def data_files(source: str | Path, partial: bool = False) -> list[Path]:
+    """The data files of a source: a file, a folder of them, or a specfoundry regen output
+    (refused while its run is incomplete, unless `partial`: then its finished shards)."""
     path = Path(source)
     if path.is_file():
         return [path]
@@ -78,9 +79,13 @@ def data_files(source: str | Path) -> list[Path]:
         raise FileNotFoundError(f"no such file or folder: {path}")
     manifest = path / MANIFEST_NAME
     if manifest.is_file():
-        listed = json.loads(manifest.read_text()).get("shards")
-        if listed is not None:  # a regen output: only its completed, listed shards count
-            return [path / s["path"] for s in listed]
+        regen = json.loads(manifest.read_text())
+        if regen.get("shards") is not None:  # a regen output: only its completed, listed shards count
+            if not regen.get("complete") and not partial:
+                raise ConversationFormatError(
+                    f"{manifest}: the regen run is incomplete ({len(regen['shards'])} of {regen.get('num_shards')} "
+                    "shards); rerun the same sf-regen command to finish it, or pass --partial to use what exists")
+            return [path / s["path"] for s in regen["shards"]]
     files = sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.name != MANIFEST_NAME)
     if not files:
         raise FileNotFoundError(f"{path} holds no .jsonl, .json or .parquet files")
@@ -95,11 +100,16 @@ def iter_records(path: Path) -> Iterator[tuple[str, dict | None, str | None]]:
     data, unlike `datasets`); json arrays go through `datasets`.
     """
     if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
+        with path.open("rb") as f:  # bytes: one line of invalid UTF-8 is that record's problem only
+            for lineno, raw in enumerate(f, start=1):
+                where = f"{path}:{lineno}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield where, None, f"invalid UTF-8 (byte {e.start})"
+                    continue
                 if not line.strip():
                     continue
-                where = f"{path}:{lineno}"
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
@@ -178,19 +188,19 @@ def normalise(record: dict, location: str, default_id: str, prompt_only: bool = 
 
 
 def load_conversations(source: str | Path, strict: bool = False, limit: int | None = None,
-                       prompt_only: bool = False) -> LoadResult:
+                       prompt_only: bool = False, partial: bool = False) -> LoadResult:
     """Load and normalise every conversation of a source, in a deterministic order.
 
     With ``strict`` the first bad record raises ConversationFormatError naming its location;
-    with ``prompt_only`` records are prompts (see normalise).
+    with ``prompt_only`` records are prompts (see normalise); ``partial``: see data_files.
     """
     result = LoadResult()
-    for path in data_files(source):
+    for path in data_files(source, partial):
         for index, (where, record, error) in enumerate(iter_records(path)):
             if limit is not None and len(result.conversations) >= limit:
                 return result
             item = (
-                BadInput(where, "malformed_json", error)
+                BadInput(where, "invalid_utf8" if error.startswith("invalid UTF-8") else "malformed_json", error)
                 if record is None
                 else normalise(record, where, default_id=f"{path.stem}-{index}", prompt_only=prompt_only)
             )

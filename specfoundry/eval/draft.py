@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from specfoundry.common.weights import target_embeddings
 from specfoundry.train.config import DraftConfig
 from specfoundry.train.model import Eagle3Draft
-from specfoundry.train.teacher import target_embeddings
 
 
 class DraftLoadError(ValueError):

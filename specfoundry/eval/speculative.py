@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specfoundry.capture.runner import AuxLayerTap
+from specfoundry.common.taps import AuxLayerTap
 from specfoundry.train.model import Eagle3Draft, KVCache
 from specfoundry.train.vocab import draft_ids_from_d2t
 

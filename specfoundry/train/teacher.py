@@ -1,50 +1,12 @@
 """The teacher: the frozen target lm_head applied to the stored final hidden states.
 
-Only the needed tensors are read from the target's safetensors (never the whole model). The
-target distribution is restricted to the draft vocabulary; positions whose full-vocabulary
+The target distribution is restricted to the draft vocabulary; positions whose full-vocabulary
 argmax falls outside it are masked (SGLang could never accept such a draft token there).
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
-from safetensors import safe_open
-
-EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight")
-HEAD_NAMES = ("lm_head.weight",)
-
-
-def read_target_tensor(model_dir: Path, names: tuple[str, ...]) -> torch.Tensor:
-    """Read one tensor (the first of `names` present) from a safetensors checkpoint."""
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        for n in names:
-            if n in weight_map:
-                with safe_open(str(model_dir / weight_map[n]), framework="pt") as f:
-                    return f.get_tensor(n)
-    for file in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for n in names:
-                if n in f.keys():
-                    return f.get_tensor(n)
-    raise FileNotFoundError(f"none of {names} in the safetensors files of {model_dir}")
-
-
-def target_embeddings(model_dir: Path) -> torch.Tensor:
-    return read_target_tensor(model_dir, EMBED_NAMES)
-
-
-def target_lm_head(model_dir: Path) -> torch.Tensor:
-    """[V, H]; a tied model's lm_head is its embedding matrix."""
-    try:
-        return read_target_tensor(model_dir, HEAD_NAMES)
-    except FileNotFoundError:
-        return target_embeddings(model_dir)
 
 
 @torch.no_grad()

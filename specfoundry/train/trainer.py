@@ -30,13 +30,13 @@ import torch
 from specfoundry.common.files import atomic_write_json
 from specfoundry.common.progress import Progress
 from specfoundry.common.target import load_tokenizer, resolve_target, target_identity
+from specfoundry.common.weights import target_embeddings, target_lm_head
 from specfoundry.featureset.manifest import check_matches_target, tokenizer_hashes
 from specfoundry.featureset.store import FeatureSet
 from specfoundry.train.config import draft_config_from_target
 from specfoundry.train.export import export_draft
 from specfoundry.train.loader import Batch, FeatureLoader, split_indices
 from specfoundry.train.model import Eagle3Draft
-from specfoundry.train.teacher import target_embeddings, target_lm_head
 from specfoundry.train.ttt import TTTModule, summarise
 from specfoundry.train.vocab import choose_draft_vocab, vocab_maps
 

@@ -1,0 +1,57 @@
+"""The aux-layer tap: forward hooks that keep chosen decoder layers' outputs.
+
+Layer id i means "the output of decoder layer i" (0-based; HF's hidden_states[i + 1]), the
+number SGLang's eagle_aux_hidden_state_layer_ids takes. Capture stores these outputs; sf-eval's
+target hands the same ones to the draft while decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """Low, middle, high: the outputs of layers [1, L//2-1, L-4] (SGLang's EAGLE-3 default)."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def decoder_layers(model):
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+    return base, layers
+
+
+class AuxLayerTap:
+    """Forward hooks on chosen decoder layers that keep each layer's output of the latest
+    forward, for the capture runner and for sf-eval's target alike."""
+
+    def __init__(self, model, aux_layers: list[int]):
+        _, layers = decoder_layers(model)
+        bad = [i for i in aux_layers if not 0 <= i < len(layers)]
+        if bad:
+            raise ValueError(f"aux layer ids {bad} are outside the target's {len(layers)} layers")
+        self.aux_layers = list(aux_layers)
+        self.captured: dict[int, torch.Tensor] = {}
+        self.hooks = [layers[i].register_forward_hook(self._keep(i)) for i in self.aux_layers]
+
+    def _keep(self, index: int):
+        def keep_output(module, args, output):
+            self.captured[index] = output[0] if isinstance(output, tuple) else output
+
+        return keep_output
+
+    def clear(self) -> None:
+        self.captured.clear()
+
+    def take(self, *extra: torch.Tensor) -> torch.Tensor:
+        """The kept outputs [..., 3H] in aux-layer order (then `extra`), concatenated on the last
+        dim; forgets them."""
+        out = torch.cat([self.captured[i] for i in self.aux_layers] + list(extra), dim=-1)
+        self.captured.clear()
+        return out
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()

@@ -1,0 +1,63 @@
+"""Reading a target's tensors and fingerprint straight from its safetensors files.
+
+Training needs the frozen embeddings and lm_head, decoding the embeddings, capture a cheap
+fingerprint of the weights: none of them loads the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from specfoundry.common.files import sha256_text
+
+EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight")
+HEAD_NAMES = ("lm_head.weight",)
+
+
+def read_target_tensor(model_dir: Path, names: tuple[str, ...]) -> torch.Tensor:
+    """Read one tensor (the first of `names` present) from a safetensors checkpoint."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        for n in names:
+            if n in weight_map:
+                with safe_open(str(model_dir / weight_map[n]), framework="pt") as f:
+                    return f.get_tensor(n)
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for n in names:
+                if n in f.keys():
+                    return f.get_tensor(n)
+    raise FileNotFoundError(f"none of {names} in the safetensors files of {model_dir}")
+
+
+def target_embeddings(model_dir: Path) -> torch.Tensor:
+    return read_target_tensor(model_dir, EMBED_NAMES)
+
+
+def target_lm_head(model_dir: Path) -> torch.Tensor:
+    """[V, H]; a tied model's lm_head is its embedding matrix."""
+    try:
+        return read_target_tensor(model_dir, HEAD_NAMES)
+    except FileNotFoundError:
+        return target_embeddings(model_dir)
+
+
+
+def weight_fingerprint(model_dir: Path) -> str:
+    """sha256 over each safetensors file's size and its first and last MiB: cheap on a 70B
+    checkpoint, and changes when the weights do."""
+    parts = []
+    for f in sorted(model_dir.glob("*.safetensors")):
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            head = fh.read(1 << 20)
+            fh.seek(max(0, size - (1 << 20)))
+            tail = fh.read()
+        parts.append(f"{f.name}:{size}:{sha256_text(head.hex())}:{sha256_text(tail.hex())}")
+    return sha256_text("\n".join(parts))
