@@ -29,8 +29,10 @@ import torch
 
 from benchmarks.common import MATMUL_TFLOPS, print_table, write_result
 from specfoundry.capture.runner import HFCaptureRunner
+from specfoundry.capture.stage import CaptureConfig, write_one
+from specfoundry.capture.writer import BackgroundWriter
+from specfoundry.common.shards import ShardedOutput
 from specfoundry.common.taps import default_aux_layers
-from specfoundry.capture.stage import BackgroundWriter, CaptureConfig, write_one
 
 
 def llama8b(layers: int = 32):
@@ -129,7 +131,7 @@ def main():
 
                 def write_all(bs, d=Path(d), cfg=cfg, shard_ids=shard_ids):
                     # sf-capture's own writer: one shard per batch, written by background threads
-                    writer = BackgroundWriter(lambda k, part, outputs: write_one(d, k, part, outputs, cfg),
+                    writer = BackgroundWriter(lambda k, part, outputs: write_one(ShardedOutput(d), k, part, outputs, cfg),
                                               cfg.writers)
                     for b, feats in zip(bs, runner.capture_all(bs), strict=True):
                         part = [{"id": str(j), "input_ids": ids, "loss_mask": [1] * len(ids)}

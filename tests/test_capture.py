@@ -16,8 +16,8 @@ from click.testing import CliRunner
 from specfoundry.capture.cli import main as capture_cli
 from specfoundry.capture.runner import HFCaptureRunner
 from specfoundry.capture.stage import CaptureConfig, auto_shard_size, run_capture
-from specfoundry.common.shards import OutputFolderError
 from specfoundry.capture.verify import verify_featureset
+from specfoundry.common.shards import OutputFolderError
 from specfoundry.common.target import load_target
 from specfoundry.featureset.manifest import FeatureSetError, check_matches_target
 from specfoundry.featureset.store import FeatureSet
