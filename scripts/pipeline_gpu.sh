@@ -10,23 +10,18 @@ RUN=${RUN:-runs/smollm2-gpu}
 RECIPE=recipes/smollm2-h200.yaml
 mkdir -p "$RUN"
 
-# 1. Regenerate: synthesised prompts answered greedily (the decoding eval uses); answers that end
-#    in a verbatim loop are cut after its first repeat.
-sf-regen run -o "$RUN/regen" --recipe "$RECIPE" --device cuda --synthesize "${N_PROMPTS:-18432}" \
-  --max-new-tokens 256 --batch-size 2048 --greedy --prompt-temperature 0.8 --on-truncated trim
+# 1. Regenerate: synthesised prompts answered greedily (the decoding eval uses).
+sf-regen run -o "$RUN/regen" --recipe "$RECIPE" --device cuda
 
 # 2. Capture the target's hidden states (layers [1, 14, 26] + the final norm), bf16 safetensors.
-sf-capture run "$RUN/regen" -o "$RUN/features" --recipe "$RECIPE" --device cuda --codec safetensors \
-  --max-length 2048 --max-batch-tokens 65536
+sf-capture run "$RUN/regen" -o "$RUN/features" --recipe "$RECIPE" --device cuda
 sf-capture verify "$RUN/features"
 
 # 3. Train the draft (7 TTT steps, 16k-token batches, 7 epochs) and export it for SGLang.
-sf-train run "$RUN/features" -o "$RUN/train" --recipe "$RECIPE" --device cuda
+sf-train run "$RUN/features" -o "$RUN/train" --recipe "$RECIPE"
 
 # 4. Evaluate by real speculative decoding, k=7, fp32: the chain against the target alone, then
 #    the tree 8,4,2,1,1,1,1 (360 nodes verified in one target forward).
-sf-eval run "$RUN/train" -o "$RUN/eval" --recipe "$RECIPE" --device cuda --dtype float32 \
-  --prompts chat,code,math,multiturn -k 7 --max-new-tokens 96
-sf-eval run "$RUN/train" -o "$RUN/eval_tree" --recipe "$RECIPE" --device cuda --dtype float32 \
-  --prompts chat,code,math,multiturn -k 7 --max-new-tokens 96 --tree 8,4,2,1,1,1,1 --no-baseline
+sf-eval run "$RUN/train" -o "$RUN/eval" --recipe "$RECIPE" --device cuda
+sf-eval run "$RUN/train" -o "$RUN/eval_tree" --recipe "$RECIPE" --device cuda --tree 8,4,2,1,1,1,1 --no-baseline
 cat "$RUN/eval/eval.txt" "$RUN/eval_tree/eval.txt"

@@ -64,7 +64,7 @@ def chat_file(tmp_path) -> Path:
 def gate_run(tmp_path_factory, smollm2_dir):
     """The gate's one-conversation run on SmolLM2 (regen, capture, train, export), built once:
     an overfitted draft that the eval and gate tests decode with."""
-    from specfoundry.eval.gate import GateConfig, build
+    from specfoundry.gate import GateConfig, build
 
-    cfg = GateConfig(workdir=str(tmp_path_factory.mktemp("gate")), steps=120, device="cpu")
+    cfg = GateConfig(output=str(tmp_path_factory.mktemp("gate")), max_steps=120, device="cpu")
     return cfg, build(cfg)

@@ -1,9 +1,14 @@
-"""Every command and every option of every console script carries help text."""
+"""The commands read as one tool: every option has help, one concept has one name, one short
+flag and one help text in every command, every default is shown, and expected failures are
+one-line errors."""
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import click
 import pytest
+from click.testing import CliRunner
 
 from specfoundry.capture.cli import main as capture_main
 from specfoundry.eval.cli import main as eval_main
@@ -20,10 +25,90 @@ def walk(cmd: click.Command, path: str):
             yield from walk(sub, f"{path} {name}")
 
 
+def leaf_commands() -> dict[str, click.Command]:
+    return {path: cmd for name, top in COMMANDS.items() for path, cmd in walk(top, name)
+            if not isinstance(cmd, click.Group)}
+
+
+def options(cmd: click.Command) -> list[click.Option]:
+    return [p for p in cmd.params if isinstance(p, click.Option) and p.name != "help"]
+
+
+def test_every_tool_is_a_group_of_commands():
+    assert all(isinstance(c, click.Group) for c in COMMANDS.values())
+    assert sorted(leaf_commands()) == ["sf-capture run", "sf-capture verify", "sf-eval gate", "sf-eval run",
+                                       "sf-regen run", "sf-train run"]
+
+
 @pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_every_option_has_help(name):
     for path, cmd in walk(COMMANDS[name], name):
         assert cmd.help, f"{path} has no help text"
-        for param in cmd.params:
-            if isinstance(param, click.Option):
-                assert param.help, f"{path} {param.opts[0]} has no help text"
+        for param in options(cmd):
+            assert param.help, f"{path} {param.opts[0]} has no help text"
+
+
+def test_one_concept_has_one_name_flag_and_help_across_commands():
+    by_long: dict[str, set] = defaultdict(set)
+    by_dest: dict[str, set] = defaultdict(set)
+    for cmd in leaf_commands().values():
+        for p in options(cmd):
+            long = next(o for o in p.opts if o.startswith("--"))
+            by_long[long].add((tuple(sorted(p.opts)), p.help if long not in DEST_HELP_VARIES else ""))
+            by_dest[p.name].add(long)
+    spelled_twice = {long: forms for long, forms in by_long.items() if len(forms) > 1}
+    assert not spelled_twice, spelled_twice
+    # the same setting never goes by two option names
+    assert not {dest: longs for dest, longs in by_dest.items() if len(longs) > 1}
+
+
+# options whose help must say what that command does with them (a command's own setting that
+# happens to share a name); the shared concepts are not among them
+DEST_HELP_VARIES = {"--limit", "--temperature", "--lr", "--draft-vocab-size", "--shard-size", "--prompt"}
+
+
+def test_shared_concepts_are_where_they_apply():
+    cmds = leaf_commands()
+    for path, cmd in cmds.items():
+        flags = {o for p in options(cmd) for o in p.opts}
+        if path != "sf-capture verify":  # verify writes nothing
+            assert {"-o", "--output", "--target", "--recipe"} <= flags, path
+        if path not in ("sf-capture verify", "sf-train run"):  # Accelerate places sf-train
+            assert "--device" in flags, path
+    for path in ("sf-regen run", "sf-train run", "sf-eval run"):
+        assert "--seed" in {o for p in options(cmds[path]) for o in p.opts}, path
+    for path in ("sf-regen run", "sf-eval run", "sf-eval gate"):
+        assert "--max-new-tokens" in {o for p in options(cmds[path]) for o in p.opts}, path
+    for path in ("sf-capture run", "sf-train run"):
+        assert "--max-batch-tokens" in {o for p in options(cmds[path]) for o in p.opts}, path
+    for path in ("sf-eval run", "sf-eval gate"):
+        assert {"-k", "--draft-tokens"} <= {o for p in options(cmds[path]) for o in p.opts}, path
+
+
+def test_every_default_is_shown_in_help():
+    for path, cmd in leaf_commands().items():
+        ctx = click.Context(cmd, info_name=path)
+        for p in options(cmd):
+            if p.is_flag and not p.secondary_opts:
+                continue  # a plain on/off switch: off unless given
+            record = p.get_help_record(ctx)
+            if p.default is not None or p.show_default:
+                assert record and "[default:" in record[1], f"{path} {p.opts[0]} hides its default"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["sf-train", "run", "/nonexistent/fs", "-o", "OUT"], "/nonexistent/fs"),
+    (["sf-eval", "run", "/nonexistent/draft"], "/nonexistent/draft"),
+    (["sf-capture", "verify", "/nonexistent/fs"], "/nonexistent/fs"),
+    (["sf-regen", "run", "-o", "OUT"], "no source given"),
+    (["sf-capture", "run", "SRC", "-o", "OUT", "--recipe", "RECIPE"], "unknown settings bogus"),
+])
+def test_expected_failures_are_one_line_errors_with_status_2(tmp_path, argv, words):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("capture:\n  bogus: 1\n")
+    argv = [str(recipe) if a == "RECIPE" else str(tmp_path / a) if a in ("OUT", "SRC") else a for a in argv]
+    result = CliRunner().invoke(COMMANDS[argv[0]], argv[1:])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "Traceback" not in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and words in errors[0], result.output

@@ -60,7 +60,7 @@ class Decoding:
 
 @pytest.fixture(scope="module")
 def decoding(gate_run, smollm2_dir):
-    return Decoding(gate_run[1], smollm2_dir, Path(gate_run[0].workdir) / "features")
+    return Decoding(gate_run[1], smollm2_dir, Path(gate_run[0].output) / "features")
 
 
 def greedy_equality(decoding, limit, max_new_tokens, tree=None):
@@ -256,7 +256,7 @@ def test_eval_report_and_untrained_floor(gate_run, tmp_path):
     cfg, export = gate_run
     out = tmp_path / "eval"
     # the gate's regen output as a dataset file: its prompt is the one the draft has overfitted
-    own = str(Path(cfg.workdir) / "regen")
+    own = str(Path(cfg.output) / "regen")
     report = run_eval(EvalConfig(draft=str(export), prompt_sets=(own, "chat"), limit=1, k=4, max_new_tokens=20,
                                  compare_untrained=True, device="cpu", output=str(out)))
     for entry in report["sets"].values():

@@ -8,7 +8,7 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from specfoundry.eval.gate import run_checks, verdict
+from specfoundry.gate import run_checks, verdict
 
 
 def broken_copy(export, tmp_path, tensors=None, config=None):

@@ -297,7 +297,7 @@ def smol_features(tmp_path_factory):
 
 def small_cfg(fs, out, **kw):
     base = dict(featureset=str(fs), output=str(out), draft_vocab_size=512, ttt_length=3, lr=3e-3, warmup_steps=2,
-                max_steps=30, max_tokens=512, eval_fraction=0.0, save_every=10, num_workers=0, log_every=1000,
+                max_steps=30, max_batch_tokens=512, eval_fraction=0.0, save_every=10, num_workers=0, log_every=1000,
                 # the Triton interpreter runs one Python loop per row: far too slow for a training
                 # run on CPU; test_kernel_paths_equal_plain_torch covers the kernel path
                 loss="reference")
@@ -357,7 +357,7 @@ def test_resume_after_a_stop_gives_identical_weights(tmp_path, smol_features):
 
 def short_cfg(fs, out):
     """The resume test's run, shortened: 6 steps of 160-token batches, a checkpoint every 2."""
-    return small_cfg(fs, out, max_steps=6, max_tokens=160, save_every=2)
+    return small_cfg(fs, out, max_steps=6, max_batch_tokens=160, save_every=2)
 
 
 @pytest.fixture(scope="module")
@@ -420,10 +420,10 @@ def test_train_step_alone_updates_the_draft_and_returns_the_runs_first_metrics(t
 
 
 def sf_train_args(fs, out, **kw):
-    args = {"featureset": fs, "output": out, "draft-vocab-size": 512, "ttt-length": 3, "lr": 3e-3, "warmup-steps": 2,
-            "max-steps": 8, "max-tokens": 160, "eval-fraction": 0.0, "num-workers": 0, "loss": "reference",
+    args = {"output": out, "draft-vocab-size": 512, "ttt-length": 3, "lr": 3e-3, "warmup-steps": 2,
+            "max-steps": 8, "max-batch-tokens": 160, "eval-fraction": 0.0, "num-workers": 0, "loss": "reference",
             "log-every": 1000, **kw}
-    return [x for k, v in args.items() for x in (f"--{k}", str(v))]
+    return ["run", str(fs), *[x for k, v in args.items() for x in (f"--{k}", str(v))]]
 
 
 def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_path, smol_features):

@@ -117,7 +117,7 @@ def auto_shard_size(hidden_size: int, max_length: int, storage_dtype: str) -> in
     """Samples per shard when none is given: as many as keep a shard's features (4 states of
     hidden_size per token, at max_length) within SHARD_BYTES, and at most 256. A shard stays in
     host memory from its capture until written, up to writers + 2 of them at once, so a fixed
-    256 would hold 6 x 34 GB for an 8B target at 4096 tokens. SmolLM2 (hidden 576) at 2048
+    256 would hold 6 shards of 256 x 4096 tokens x 32 KiB for an 8B target at 4096 tokens. SmolLM2 (hidden 576) at 2048
     tokens gets 256; an 8B target (hidden 4096) at 4096 tokens gets 32."""
     per_sample = max_length * 4 * hidden_size * TORCH_DTYPES[storage_dtype].itemsize
     return max(1, min(MAX_AUTO_SHARD_SIZE, SHARD_BYTES // per_sample))

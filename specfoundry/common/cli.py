@@ -35,8 +35,8 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "show_default": True, "max_con
 
 # Options that mean the same in every command: (flags, help, how the default is shown when it is None).
 SHARED = {
-    "output": (("-o", "--output"), "Output folder; rerunning the same command into it resumes, and a rerun "
-               "with other settings is refused.", None),
+    "output": (("-o", "--output"), "Output folder. Rerunning the same command into it continues the work (sf-eval "
+               "repeats it); a rerun with other settings is refused, naming them.", None),
     "target": (("--target",), f"Target model: a local model directory, or '{EMBEDDED_DEFAULT}' for the embedded "
                "SmolLM2-135M-Instruct.", None),
     "device": (("--device",), "Torch device of the target.", "cuda if available, else cpu"),

@@ -11,16 +11,25 @@ from __future__ import annotations
 
 import platform
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from importlib.resources import files
 from pathlib import Path
 
 import torch
 
+from specfoundry.common.cli import config_dict, setting, shared
 from specfoundry.common.conversations import load_conversations
-from specfoundry.common.files import atomic_write_json
+from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.progress import Progress
-from specfoundry.common.target import default_dtype, end_of_turn_ids, load_target, pick_device, resolve_target
+from specfoundry.common.shards import check_output_folder
+from specfoundry.common.target import (
+    EMBEDDED_DEFAULT,
+    default_dtype,
+    end_of_turn_ids,
+    load_target,
+    pick_device,
+    resolve_target,
+)
 from specfoundry.eval.draft import load_draft, untrained_like
 from specfoundry.eval.speculative import (
     DecodeResult,
@@ -30,34 +39,50 @@ from specfoundry.eval.speculative import (
     speculative_generate,
     target_generate,
 )
-from specfoundry.eval.tree import check_branching, shape_name, tree_generate
+from specfoundry.eval.tree import check_branching, parse_branching, shape_name, tree_generate
 
 BUILTIN_SETS = ("chat", "code", "math", "multiturn")
 
 
 class EvalError(ValueError):
-    pass
+    """A user-facing problem with an evaluation (bad prompt set, draft and target that disagree)."""
+
+
+def parse_tree(spec) -> tuple[int, ...] | None:
+    """--tree as given on the command line ('4,2,2,1') or in a recipe (a list)."""
+    return None if spec is None else parse_branching(spec) if isinstance(spec, str) else tuple(spec)
 
 
 @dataclass(frozen=True, kw_only=True)
 class EvalConfig:
-    draft: str
-    target: str = "smollm2"
-    prompt_sets: tuple[str, ...] = BUILTIN_SETS
-    k: int = 4
-    tree: tuple[int, ...] | None = None
-    """Branching per depth of a draft tree (greedy only), e.g. (4, 2, 2, 1); its depth is k."""
-    temperature: float = 0.0
-    max_new_tokens: int = 128
-    limit: int | None = None
-    seed: int = 0
-    baseline: bool = True
-    compare_untrained: bool = False
-    device: str | None = None
-    dtype: str | None = None
-    """float32 or bfloat16; default bf16 on GPU, fp32 on CPU. fp32 makes greedy decoding exactly
-    reproducible across the different batch shapes of verification and plain decoding."""
-    output: str | None = None
+    """Settings of one sf-eval run (recorded in eval_config.json and in eval.json)."""
+
+    draft: str = setting(argument=True, help="An exported draft folder, an sf-train run folder, or one of its "
+                         "checkpoints/step-N.")
+    # eval.json, eval.txt, acceptance.png and eval_config.json; no files without it
+    output: str | None = shared("output", None, resume=False)
+    target: str = shared("target", EMBEDDED_DEFAULT)
+    prompt_sets: tuple[str, ...] = setting(
+        BUILTIN_SETS, flags=("--prompts",),
+        help=f"Comma-separated prompt sets: built-in held-out sets ({', '.join(BUILTIN_SETS)}) or dataset files "
+             "(jsonl/json/parquet; a trailing assistant turn is dropped).")
+    k: int = shared("draft_tokens", 4)
+    tree: tuple[int, ...] | None = setting(
+        None, parse=parse_tree,
+        help="Draft a token tree instead of a chain: top-k branching per depth, e.g. 4,2,2,1 (depth 4, 44 nodes, "
+             "all verified in one target forward). Greedy only; its depth replaces -k.")
+    temperature: float = setting(0.0, help="0: greedy verification. >0: sampling with the rejection rule (the "
+                                 "output is distributed as the target's).")
+    max_new_tokens: int = shared("max_new_tokens", 128)
+    limit: int | None = setting(None, shown="all", help="Use the first N prompts of each set.")
+    seed: int = shared("seed", 0)
+    baseline: bool = setting(True, help="Also decode with the target alone: tokens/s without the draft, the "
+                             "speedup, and the greedy equality check.")
+    compare_untrained: bool = setting(False, help="Also evaluate a freshly initialised draft with the same config "
+                                      "and vocabulary (the floor).")
+    device: str | None = shared("device", None)
+    # fp32 makes greedy decoding exactly reproducible across the batch shapes of verification and plain decoding
+    dtype: str | None = shared("dtype", None, choices=("float32", "bfloat16"))
 
 
 def prompt_source(name: str) -> Path:
@@ -123,7 +148,8 @@ def decode_set(target: TargetRunner, draft: DraftRunner | None, prompts, cfg: Ev
     return results
 
 
-def run_eval(cfg: EvalConfig) -> dict:
+def check_config(cfg: EvalConfig) -> EvalConfig:
+    """cfg with k resolved from the tree; refuses what cannot be decoded."""
     if cfg.tree:
         if cfg.temperature > 0:
             raise EvalError("--tree verifies greedily; use the chain (-k) with --temperature > 0")
@@ -134,25 +160,16 @@ def run_eval(cfg: EvalConfig) -> dict:
         cfg = replace(cfg, k=len(cfg.tree))
     if cfg.k < 1:
         raise EvalError(f"k must be at least 1, got {cfg.k}")
-    device = pick_device(cfg.device)
-    dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(device)
-    model, tokenizer, identity = load_target(cfg.target, device=str(device), dtype=dtype)
-    draft = load_draft(cfg.draft, resolve_target(cfg.target), device, dtype)
-    if draft.cfg.vocab_size != identity.vocab_size:
-        raise EvalError(f"draft {cfg.draft} has vocab {draft.cfg.vocab_size}, target {cfg.target} {identity.vocab_size}")
-    aux = list(draft.cfg.aux_layer_ids)
-    target = TargetRunner(model, aux)
-    eos = set(end_of_turn_ids(model, tokenizer))
-    drafts = {"trained": DraftRunner(draft)}
-    if cfg.compare_untrained:
-        drafts["untrained"] = DraftRunner(untrained_like(draft, cfg.seed))
-    report = {"config": asdict(cfg), "convention": "accept_length = mean tokens per target verify forward, "
-              "counting the target's own token (k+1 at most); the prompt's first token is not counted",
-              "aux_layer_ids": aux, "device": str(device), "dtype": str(dtype), "sets": {}}
-    for name in cfg.prompt_sets:
-        prompts = load_prompts(name, tokenizer, cfg.limit)
-        entry = {}
-        base = None
+    if cfg.output:  # before decoding: the results are not lost to an unwritable or another run's folder
+        check_output_folder(Path(cfg.output), "eval", cfg)
+    return cfg
+
+
+def decode_sets(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict, eos: set[int]) -> dict:
+    """{set name: {label: summary, ...}} for every prompt set, each draft, and the target alone."""
+    out = {}
+    for name, prompts in sets.items():
+        entry, base = {}, None
         if cfg.baseline:
             base = decode_set(target, None, prompts, cfg, eos, f"{name}: target alone")
             entry["target_alone_tokens_per_s"] = sum(len(r.tokens) for r in base) / sum(r.total_s for r in base)
@@ -168,7 +185,30 @@ def run_eval(cfg: EvalConfig) -> dict:
                         bad = next(p[0] for p, r, b in zip(prompts, results, base, strict=True) if r.tokens != b.tokens)
                         print(f"warning: greedy speculative output differs from the target's own on {bad} "
                               "(numerical near-ties can do this in bf16)", file=sys.stderr)
-        report["sets"][name] = entry
+        out[name] = entry
+    return out
+
+
+def run_eval(cfg: EvalConfig) -> dict:
+    """Decode every prompt set with the draft (and the target alone); the report, also written
+    to cfg.output when given. Everything is loaded and checked before the first decode."""
+    cfg = check_config(cfg)
+    device = pick_device(cfg.device)
+    dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(device)
+    model, tokenizer, identity = load_target(cfg.target, device=str(device), dtype=dtype)
+    draft = load_draft(cfg.draft, resolve_target(cfg.target), device, dtype)
+    if draft.cfg.vocab_size != identity.vocab_size:
+        raise EvalError(f"draft {cfg.draft} has vocab {draft.cfg.vocab_size}, target {cfg.target} {identity.vocab_size}")
+    sets = {name: load_prompts(name, tokenizer, cfg.limit) for name in cfg.prompt_sets}
+    aux = list(draft.cfg.aux_layer_ids)
+    target = TargetRunner(model, aux)
+    drafts = {"trained": DraftRunner(draft)}
+    if cfg.compare_untrained:
+        drafts["untrained"] = DraftRunner(untrained_like(draft, cfg.seed))
+    report = {"config": config_dict(cfg), "convention": "accept_length = mean tokens per target verify forward, "
+              "counting the target's own token (k+1 at most); the prompt's first token is not counted",
+              "aux_layer_ids": aux, "device": str(device), "dtype": str(dtype)}
+    report["sets"] = decode_sets(cfg, target, drafts, sets, set(end_of_turn_ids(model, tokenizer)))
     report["environment"] = {"python": platform.python_version(), "torch": torch.__version__,
                              "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None}
     target.remove_hooks()
@@ -199,8 +239,9 @@ def format_table(report: dict) -> str:
 
 def write_report(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "eval_config.json", report["config"])  # the record check_output_folder reads
     atomic_write_json(out / "eval.json", report)
-    (out / "eval.txt").write_text(format_table(report) + "\n")
+    atomic_write_bytes(out / "eval.txt", (format_table(report) + "\n").encode())
     plot_acceptance(report, out / "acceptance.png")
 
 

@@ -48,10 +48,15 @@ def read_manifest(root: Path) -> dict:
 
 
 def check_matches_target(manifest: dict, *, hidden_size: int, vocab_size: int, tokenizer_sha256: str | None,
-                         aux_layer_ids: list[int] | None = None, source: str = "feature set") -> None:
+                         aux_layer_ids: list[int] | None = None, config_sha256: str | None = None,
+                         weight_fingerprint: str | None = None, source: str = "feature set") -> None:
     """Refuse a set captured from another target; the message names every mismatch."""
     target = manifest["target"]
     problems = []
+    if config_sha256 is not None and target.get("config_sha256") != config_sha256:
+        problems.append("the target's config hash differs from the one it was captured from")
+    if weight_fingerprint is not None and target.get("weight_fingerprint") != weight_fingerprint:
+        problems.append("the target's weight fingerprint differs from the one it was captured from")
     if target["hidden_size"] != hidden_size:
         problems.append(f"hidden size {target['hidden_size']} != target's {hidden_size}")
     if target["vocab_size"] != vocab_size:

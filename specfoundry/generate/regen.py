@@ -374,5 +374,8 @@ def run_regen(cfg: RegenConfig, backend: Backend | None = None, silent: bool = F
     already built backend (tests, the gate); by default the one cfg names is loaded."""
     if cfg.on_empty not in ON_EMPTY or cfg.on_truncated not in ON_TRUNCATED:
         raise RegenError(f"--on-empty takes one of {', '.join(ON_EMPTY)}; --on-truncated one of {', '.join(ON_TRUNCATED)}")
+    if bool(cfg.synthesize) == bool(cfg.source):
+        raise RegenError("give either a source or --synthesize N, not both" if cfg.source else
+                         "no source given: pass a conversation file/folder or --synthesize N")
     check_output_folder(Path(cfg.output), "regen", cfg)  # before loading the target
     return Regenerator(cfg, backend if backend is not None else make_backend(cfg), silent).run()

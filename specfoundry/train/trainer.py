@@ -22,16 +22,18 @@ import math
 import os
 import shutil
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from specfoundry.common.cli import setting, shared
 from specfoundry.common.files import atomic_write_json
 from specfoundry.common.progress import Progress
-from specfoundry.common.target import load_tokenizer, resolve_target, target_identity
-from specfoundry.common.weights import target_embeddings, target_lm_head
-from specfoundry.featureset.manifest import check_matches_target, tokenizer_hashes
+from specfoundry.common.shards import check_output_folder, record_config
+from specfoundry.common.target import EMBEDDED_DEFAULT, load_tokenizer, resolve_target, target_identity
+from specfoundry.common.weights import target_embeddings, target_lm_head, weight_fingerprint
+from specfoundry.featureset.manifest import FeatureSetError, check_matches_target, tokenizer_hashes
 from specfoundry.featureset.store import FeatureSet
 from specfoundry.train.config import draft_config_from_target
 from specfoundry.train.export import export_draft
@@ -40,45 +42,64 @@ from specfoundry.train.model import Eagle3Draft
 from specfoundry.train.ttt import TTTModule, summarise
 from specfoundry.train.vocab import choose_draft_vocab, vocab_maps
 
+ATTENTIONS = ("auto", "flex", "sdpa", "eager")
+LOSS_KERNELS = ("auto", "triton", "reference")
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """Settings of one sf-train run (the resolved config is written next to the checkpoints)."""
+    """Settings of one sf-train run (recorded in train_config.json beside the checkpoints)."""
 
-    featureset: str
-    output: str
-    target: str = "smollm2"
-    draft_vocab_size: int = 32000
-    ttt_length: int = 7
-    loss_decay: float = 0.8
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    warmup_steps: int = 50
-    max_steps: int = 1000
-    epochs: float | None = None
-    """If set, train this many passes over the data instead of max_steps."""
-    max_tokens: int = 8192
-    """Padded tokens per micro-batch per rank."""
-    max_length: int | None = None
-    pad_multiple: int | None = None
-    """Round batch widths up to a multiple of this; None: 128 (FlexAttention's block) when the
-    attention is compiled FlexAttention, else 1 (no rounding)."""
-    grad_accum: int = 1
-    clip_grad: float = 0.5
-    seed: int = 0
-    eval_fraction: float = 0.05
-    eval_every: int = 200
-    save_every: int = 500
-    keep_last: int = 2
-    attention: str = "auto"
-    """auto (flex on CUDA, SDPA dense mask on CPU), flex, sdpa, or eager (original EAGLE-3)."""
-    loss: str = "auto"
-    """auto (Triton in-place on CUDA), triton, or reference (plain torch)."""
-    num_workers: int = 2
-    init_from: str | None = None
-    """An exported draft to fine-tune (keeps its vocabulary map)."""
-    tensorboard: bool = False
-    log_every: int = 10
+    featureset: str = setting(argument=True, help="Feature-set folder written by sf-capture.")
+    output: str = shared("output", resume=False)
+    target: str = shared("target", EMBEDDED_DEFAULT)
+    draft_vocab_size: int = setting(32000, help="Draft vocabulary: this many most frequent loss-masked tokens.")
+    ttt_length: int = setting(7, help="Training-Time Test steps unrolled per forward (the draft length trained).")
+    loss_decay: float = setting(0.8, help="The loss of TTT step s is weighted decay^s.")
+    lr: float = setting(1e-4, help="Peak AdamW learning rate.")
+    weight_decay: float = setting(0.0, help="AdamW weight decay.")
+    warmup_steps: int = setting(50, help="Linear warmup steps before the cosine decay.")
+    max_steps: int = shared("max_steps", 1000)
+    epochs: float | None = setting(None, help="Train this many passes over the training split instead of "
+                                   "--max-steps.")
+    # per micro-batch and rank; batches are length-grouped
+    max_batch_tokens: int = shared("max_batch_tokens", 8192)
+    # samples are truncated to it; it may not exceed the length the feature set was captured at
+    max_length: int | None = shared("max_length", None, shown="the feature set's")
+    pad_multiple: int | None = setting(None, shown="128 with FlexAttention, else 1",
+                                       help="Round batch widths up to a multiple of this, so compiled kernels see "
+                                            "few shapes.")
+    grad_accum: int = setting(1, help="Micro-batches per optimizer step.")
+    clip_grad: float = setting(0.5, help="Gradient-norm clip (0 = off).")
+    seed: int = shared("seed", 0)
+    eval_fraction: float = setting(0.05, help="Held-out fraction of samples for evaluation.")
+    eval_every: int = setting(200, help="Evaluate every N optimizer steps (and at the end).")
+    save_every: int = setting(500, resume=False, help="Checkpoint every N optimizer steps (and at the end).")
+    keep_last: int = setting(2, resume=False, help="Complete checkpoints kept.")
+    attention: str = setting("auto", choices=ATTENTIONS, help="auto: FlexAttention on CUDA, SDPA with the dense "
+                             "tree mask on CPU; eager: the original EAGLE-3 formulation.")
+    loss: str = setting("auto", choices=LOSS_KERNELS, help="auto: the in-place Triton kernel on CUDA; "
+                        "reference: plain torch.")
+    num_workers: int = setting(2, resume=False, help="Background loader workers per rank.")
+    init_from: str | None = setting(None, help="An exported draft to fine-tune (keeps its vocabulary map).")
+    tensorboard: bool = setting(False, resume=False, help="Log to <output>/tensorboard.")
+    log_every: int = setting(10, resume=False, help="Print metrics every N optimizer steps.")
+
+
+def check_featureset(fs: FeatureSet, cfg: TrainConfig, target_dir: Path) -> None:
+    """Refuse a feature set that is incomplete, was captured from another target, or is shorter
+    than the run's max_length; each message names what differs."""
+    manifest = fs.manifest
+    if not manifest.get("complete"):
+        raise FeatureSetError(f"feature set {cfg.featureset} is incomplete: rerun its sf-capture command to finish it")
+    identity = target_identity(cfg.target, target_dir)
+    check_matches_target(manifest, hidden_size=identity.hidden_size, vocab_size=identity.vocab_size,
+                         tokenizer_sha256=tokenizer_hashes(load_tokenizer(target_dir))[0],
+                         config_sha256=identity.config_sha256, weight_fingerprint=weight_fingerprint(target_dir),
+                         source=f"feature set {cfg.featureset}")
+    if cfg.max_length is not None and cfg.max_length > manifest["max_length"]:
+        raise FeatureSetError(f"--max-length {cfg.max_length} is longer than feature set {cfg.featureset} was "
+                              f"captured for (max_length {manifest['max_length']})")
 
 
 def resolved_pad_multiple(cfg: TrainConfig, device: torch.device) -> int:
@@ -222,11 +243,9 @@ class Trainer:
         cfg = self.cfg
         self.accel = self.build_accelerator()
         self.target_dir = resolve_target(cfg.target)
+        check_output_folder(self.out, "train", cfg)  # before any long work
         self.fs = FeatureSet(cfg.featureset)
-        identity = target_identity(cfg.target, self.target_dir)
-        check_matches_target(self.fs.manifest, hidden_size=identity.hidden_size, vocab_size=identity.vocab_size,
-                             tokenizer_sha256=tokenizer_hashes(load_tokenizer(self.target_dir))[0],
-                             source=f"feature set {cfg.featureset}")
+        check_featureset(self.fs, cfg, self.target_dir)
         draft, self.dcfg = build_draft(cfg, self.fs, self.target_dir)
         self.dtype = torch.bfloat16 if self.accel.device.type == "cuda" else torch.float32
         model = TTTModule(draft, target_lm_head(self.target_dir).to(self.dtype))
@@ -241,8 +260,7 @@ class Trainer:
         self.accel.register_for_checkpointing(self.scheduler)
         self.raw = self.accel.unwrap_model(self.model)
         if self.accel.is_main_process:
-            self.out.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(self.out / "train_config.json", asdict(cfg))
+            record_config(self.out, "train", cfg)
             atomic_write_json(self.out / "draft_config.json", self.dcfg.to_dict())
         return self
 
@@ -269,7 +287,7 @@ class Trainer:
         """The training loader (this rank's share), the held-out indices and the step count."""
         cfg, accel = self.cfg, self.accel
         train_idx, self.eval_idx = split_indices(len(self.fs), cfg.eval_fraction, cfg.seed)
-        self.loader = FeatureLoader(self.fs, train_idx, max_tokens=cfg.max_tokens, seed=cfg.seed,
+        self.loader = FeatureLoader(self.fs, train_idx, max_tokens=cfg.max_batch_tokens, seed=cfg.seed,
                                     rank=accel.process_index, world=accel.num_processes,
                                     num_workers=cfg.num_workers, max_length=cfg.max_length,
                                     pad_multiple=resolved_pad_multiple(cfg, accel.device),
@@ -349,7 +367,7 @@ class Trainer:
         """Metrics over the held-out samples (this rank's share, merged over ranks); {} if none."""
         cfg, accel = self.cfg, self.accel
         self.raw.eval()
-        loader = FeatureLoader(self.fs, self.eval_idx, max_tokens=cfg.max_tokens, seed=cfg.seed,
+        loader = FeatureLoader(self.fs, self.eval_idx, max_tokens=cfg.max_batch_tokens, seed=cfg.seed,
                                rank=accel.process_index, world=accel.num_processes, num_workers=0,
                                max_length=cfg.max_length, pad_multiple=resolved_pad_multiple(cfg, accel.device))
         n = loader.batches_per_epoch()

@@ -1,4 +1,6 @@
-"""sf-eval gate: a training-serving consistency check on one overfitted conversation.
+"""The consistency gate (sf-eval gate): the one module that drives every stage.
+
+A training-serving consistency check on one overfitted conversation.
 
 Through the same library calls as the public commands it answers one prompt greedily with the
 target (sf-regen --greedy), captures it (sf-capture), trains a draft on it alone for a bounded
@@ -22,14 +24,28 @@ from pathlib import Path
 
 import torch
 
+from specfoundry.capture.stage import CaptureConfig, run_capture
+from specfoundry.common.cli import setting, shared
 from specfoundry.common.conversations import load_conversations
-from specfoundry.common.target import default_dtype, end_of_turn_ids, load_target, pick_device, resolve_target
+from specfoundry.common.shards import record_config
+from specfoundry.common.target import (
+    EMBEDDED_DEFAULT,
+    default_dtype,
+    end_of_turn_ids,
+    load_target,
+    pick_device,
+    resolve_target,
+)
 from specfoundry.eval.draft import find_draft_files, load_draft
 from specfoundry.eval.evaluate import prompt_ids
 from specfoundry.eval.speculative import DraftRunner, Sampler, TargetRunner, speculative_generate
 from specfoundry.featureset.store import FeatureSet
+from specfoundry.generate.backend import SamplingConfig
+from specfoundry.generate.hf_backend import HFBackend
+from specfoundry.generate.regen import RegenConfig, run_regen
 from specfoundry.train.export import validate
 from specfoundry.train.model import TTTCache
+from specfoundry.train.trainer import TrainConfig, complete_checkpoints, run_train
 from specfoundry.train.vocab import choose_draft_vocab, draft_ids_from_d2t
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
@@ -37,17 +53,23 @@ DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 
 @dataclass(frozen=True, kw_only=True)
 class GateConfig:
-    workdir: str
-    target: str = "smollm2"
-    prompt: str = DEFAULT_PROMPT
-    answer_tokens: int = 96
-    k: int = 4
-    steps: int = 200
-    lr: float = 3e-3
-    draft_vocab_size: int = 1024
-    min_accept_length: float | None = None
-    """Bar for the decode check; default 0.8 * (k + 1)."""
-    device: str | None = None
+    """Settings of one gate run (recorded in gate_config.json in its folder)."""
+
+    output: str = shared("output", resume=False)
+    target: str = shared("target", EMBEDDED_DEFAULT)
+    prompt: str = setting(DEFAULT_PROMPT, help="The one prompt whose greedy answer the draft overfits.")
+    # the length cap of the target's greedy answer
+    max_new_tokens: int = shared("max_new_tokens", 96)
+    # also the TTT length trained
+    k: int = shared("draft_tokens", 4)
+    max_steps: int = shared("max_steps", 200)
+    lr: float = setting(3e-3, help="Learning rate of the overfit.")
+    draft_vocab_size: int = setting(1024, help="Draft vocabulary of the overfit draft.")
+    min_accept_length: float | None = setting(None, resume=False, shown="0.8*(k+1)",
+                                              help="Bar of the decode check.")
+    export: str | None = setting(None, resume=False, help="Check this exported draft against the gate's run "
+                                 "instead of the run's own export.")
+    device: str | None = shared("device", None, resume=False)
 
     @property
     def bar(self) -> float:
@@ -63,27 +85,21 @@ class Check:
 
 def build(cfg: GateConfig, silent: bool = True) -> Path:
     """Regen, capture and train the one-conversation run; every stage resumes. Returns the export."""
-    from specfoundry.capture.stage import CaptureConfig, run_capture
-    from specfoundry.generate.backend import SamplingConfig
-    from specfoundry.generate.hf_backend import HFBackend
-    from specfoundry.generate.regen import RegenConfig, run_regen
-    from specfoundry.train.trainer import TrainConfig, run_train
-
-    work = Path(cfg.workdir)
-    work.mkdir(parents=True, exist_ok=True)
+    work = Path(cfg.output)
+    record_config(work, "gate", cfg)
     source = work / "prompt.jsonl"
     # the answer here is a placeholder: sf-regen replaces it with the target's greedy answer
     source.write_text(json.dumps({"id": "gate", "messages": [{"role": "user", "content": cfg.prompt},
                                                              {"role": "assistant", "content": "-"}]}) + "\n")
     run_regen(RegenConfig(output=str(work / "regen"), source=str(source), target=cfg.target, batch_size=1,
-                          shard_size=1, sampling=SamplingConfig(temperature=0.0, max_new_tokens=cfg.answer_tokens)),
+                          shard_size=1, sampling=SamplingConfig(temperature=0.0, max_new_tokens=cfg.max_new_tokens)),
               HFBackend(cfg.target, device=cfg.device, batch_size=1), silent=silent)
     run_capture(CaptureConfig(source=str(work / "regen"), output=str(work / "features"), target=cfg.target,
                               shard_size=1, device=cfg.device), silent=silent)
     on_gpu = pick_device(cfg.device).type == "cuda"
     result = run_train(TrainConfig(featureset=str(work / "features"), output=str(work / "train"), target=cfg.target,
                                draft_vocab_size=cfg.draft_vocab_size, ttt_length=cfg.k, lr=cfg.lr, warmup_steps=10,
-                               max_steps=cfg.steps, eval_fraction=0.0, save_every=cfg.steps, keep_last=1,
+                               max_steps=cfg.max_steps, eval_fraction=0.0, save_every=cfg.max_steps, keep_last=1,
                                num_workers=0, loss="auto" if on_gpu else "reference", log_every=10**9), silent=silent)
     return Path(result["export"])
 
@@ -104,7 +120,7 @@ def check_export(export: Path, cfg_draft, tensors: dict, run_dir: Path) -> Check
         validate(tensors, cfg_draft)
     except ValueError as e:
         return Check("export", False, str(e))
-    ckpts = sorted((run_dir / "checkpoints").glob("step-*"))
+    ckpts = complete_checkpoints(run_dir)
     if not ckpts:
         return Check("export", False, f"no checkpoint in {run_dir} to compare the export with")
     _, trained = find_draft_files(ckpts[-1])
@@ -167,12 +183,12 @@ def check_fit(draft: DraftRunner, sample, cached: torch.Tensor, history: list[di
     train_acc = history[-1].get("acc_0") if history else None
     if acc < 0.9:
         return Check("fit", False, f"the draft predicts only {acc:.0%} of the answer's tokens from the stored features "
-                     f"(training reported acc_0 {train_acc}); train longer (--steps) or with another --lr")
+                     f"(training reported acc_0 {train_acc}); train longer (--max-steps) or with another --lr")
     return Check("fit", True, f"teacher-forced accuracy {acc:.0%} (training acc_0 {train_acc})")
 
 
 def run_checks(cfg: GateConfig, export: Path) -> list[Check]:
-    work = Path(cfg.workdir)
+    work = Path(cfg.output)
     device = pick_device(cfg.device)
     dtype = default_dtype(device)
     fs = FeatureSet(work / "features")
@@ -207,3 +223,10 @@ def verdict(checks: list[Check]) -> tuple[bool, str]:
     if not failed:
         return True, "gate passed: " + next(c.detail for c in checks if c.name == "decode")
     return False, f"gate failed at {failed[0].name}: {failed[0].detail}"
+
+
+def run_gate(cfg: GateConfig, silent: bool = True) -> tuple[list[Check], bool, str]:
+    """Build the one-conversation run (resuming what exists), check it: (checks, passed, verdict)."""
+    export = build(cfg, silent=silent)
+    checks = run_checks(cfg, export if cfg.export is None else Path(cfg.export))
+    return (checks, *verdict(checks))

@@ -1,0 +1,53 @@
+"""Checks of the house that a reader relies on: short functions, and no hardware readings in the
+library's comments and docstrings (figures live in benchmarks/RESULTS.md)."""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+import tokenize
+from pathlib import Path
+
+LIBRARY = Path(__file__).resolve().parents[1] / "specfoundry"
+READING = re.compile(r"\b\d+(\.\d+)?\s?(ms|s|GiB|GB|MB|GB/s|TB/s|TFLOP/s|tok/s|tokens/s)\b|\b[HA]100\b|\bH200\b")
+
+
+def sources():
+    return sorted(LIBRARY.rglob("*.py"))
+
+
+def test_no_function_in_the_library_is_over_60_lines():
+    long = []
+    for f in sources():
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                if any("jit" in ast.unparse(d) for d in node.decorator_list):
+                    continue  # Triton kernel bodies are one unit of work on the GPU
+                n = node.end_lineno - node.lineno + 1
+                if n > 60:
+                    long.append(f"{f.relative_to(LIBRARY.parent)}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, long
+
+
+def comments_and_docstrings(src: str):
+    for t in tokenize.generate_tokens(io.StringIO(src).readline):
+        if t.type == tokenize.COMMENT:
+            yield t.start[0], t.string
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            doc = ast.get_docstring(node)
+            if doc:
+                yield getattr(node, "lineno", 1), doc
+
+
+def test_no_comment_or_docstring_quotes_a_reading():
+    hits = [f"{f.relative_to(LIBRARY.parent)}:{line}: {m.group(0)!r}"
+            for f in sources() for line, text in comments_and_docstrings(f.read_text())
+            if (m := READING.search(text))]
+    assert not hits, hits
+
+
+def test_the_check_finds_what_it_looks_for():
+    src = '"""Runs in 36.4 ms on an H200."""\n# 1.71 GiB peak\ndef f():\n    return 1\n'
+    assert [m.group(0) for _, t in comments_and_docstrings(src) if (m := READING.search(t))] == ["1.71 GiB", "36.4 ms"]
