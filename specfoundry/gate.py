@@ -86,6 +86,7 @@ class Check:
 def build(cfg: GateConfig, silent: bool = True) -> Path:
     """Regen, capture and train the one-conversation run; every stage resumes. Returns the export."""
     work = Path(cfg.output)
+    resolve_target(cfg.target)  # a bad target is refused before the folder records it
     record_config(work, "gate", cfg)
     source = work / "prompt.jsonl"
     # the answer here is a placeholder: sf-regen replaces it with the target's greedy answer

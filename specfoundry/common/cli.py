@@ -261,6 +261,17 @@ def config_dict(cfg) -> dict:
 
 # ---- errors ------------------------------------------------------------------------------------
 
+def one_line(e: BaseException) -> str:
+    """An error's message in one line. An error re-raised from a DataLoader worker carries the
+    worker's traceback in its message; its own message is the traceback's last line."""
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    if len(lines) > 1 and "Original Traceback" in lines[1]:
+        return lines[-1].split(": ", 1)[-1]
+    return lines[0]
+
+
 def expected_failures(*errors: type[BaseException]):
     """Decorator for a command: the listed errors (and OSError: permission denied, a full disk,
     a read-only folder) become one-line CommandErrors (exit status 2); no traceback."""
@@ -276,7 +287,7 @@ def expected_failures(*errors: type[BaseException]):
                 where = f": {e.filename}" if e.filename else ""
                 raise CommandError(f"{e.strerror or e}{where}") from e
             except errors as e:
-                raise CommandError(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
+                raise CommandError(one_line(e)) from e
 
         return wrapper
 

@@ -12,8 +12,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from specfoundry.common.weights import target_embeddings
+from specfoundry.common.target import target_identity
+from specfoundry.common.weights import target_embeddings, weight_fingerprint
 from specfoundry.train.config import DraftConfig
+from specfoundry.train.export import TARGET_FILE
 from specfoundry.train.model import Eagle3Draft
 
 
@@ -63,6 +65,34 @@ def find_draft_files(path: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
         return cfg, {k.removeprefix("draft."): v for k, v in tensors.items() if k.startswith("draft.")}
     raise DraftLoadError(f"{path} is not an exported draft (config.json + model.safetensors), an sf-train run "
                          "folder or one of its checkpoints/step-N folders")
+
+
+def trained_for(path: str | Path) -> dict | None:
+    """The target identity an export (or a run's export) records, or None where it records none."""
+    path = Path(path)
+    for folder in (path, path / "export", path.parent.parent / "export"):
+        if (folder / TARGET_FILE).is_file():
+            return json.loads((folder / TARGET_FILE).read_text())
+    return None
+
+
+def check_trained_for(path: str | Path, target_dir: Path, allow_other: bool) -> str | None:
+    """Refuse a draft trained for another target (its config hash or weight fingerprint differ);
+    with allow_other, the difference as a warning instead. None when they agree or the draft
+    records no target."""
+    recorded = trained_for(path)
+    if recorded is None:
+        return None
+    here = {"config_sha256": target_identity(str(target_dir), target_dir).config_sha256,
+            "weight_fingerprint": weight_fingerprint(target_dir)}
+    differ = [k for k, v in here.items() if recorded.get(k) is not None and recorded[k] != v]
+    if not differ:
+        return None
+    message = (f"draft {path} was trained for target {recorded.get('name')!r} ({recorded.get('path')}), whose "
+               f"{' and '.join(k.replace('_', ' ') for k in differ)} differ from this target's")
+    if not allow_other:
+        raise DraftLoadError(message + "; pass --allow-other-target to evaluate it anyway")
+    return message
 
 
 def load_draft(path: str | Path, target_dir: Path, device: torch.device, dtype: torch.dtype) -> Eagle3Draft:

@@ -30,7 +30,7 @@ from specfoundry.common.target import (
     pick_device,
     resolve_target,
 )
-from specfoundry.eval.draft import load_draft, untrained_like
+from specfoundry.eval.draft import check_trained_for, load_draft, untrained_like
 from specfoundry.eval.speculative import (
     DecodeResult,
     DraftRunner,
@@ -78,6 +78,8 @@ class EvalConfig:
     seed: int = shared("seed", 0)
     baseline: bool = setting(True, help="Also decode with the target alone: tokens/s without the draft, the "
                              "speedup, and the greedy equality check.")
+    allow_other_target: bool = setting(False, help="Evaluate a draft whose export records another target "
+                                       "(config hash or weight fingerprint), with a warning, instead of refusing.")
     compare_untrained: bool = setting(False, help="Also evaluate a freshly initialised draft with the same config "
                                       "and vocabulary (the floor).")
     device: str | None = shared("device", None)
@@ -196,6 +198,9 @@ def run_eval(cfg: EvalConfig) -> dict:
     device = pick_device(cfg.device)
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(device)
     model, tokenizer, identity = load_target(cfg.target, device=str(device), dtype=dtype)
+    warning = check_trained_for(cfg.draft, resolve_target(cfg.target), cfg.allow_other_target)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     draft = load_draft(cfg.draft, resolve_target(cfg.target), device, dtype)
     if draft.cfg.vocab_size != identity.vocab_size:
         raise EvalError(f"draft {cfg.draft} has vocab {draft.cfg.vocab_size}, target {cfg.target} {identity.vocab_size}")

@@ -189,8 +189,11 @@ class ShardReader:
 class FeatureSet:
     """A feature set on disk: its manifest and an index over every sample of every shard."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, verify: bool = False):
+        """verify: check each shard's checksum against the manifest when this process first
+        opens it (one read of the shard), so a damaged or truncated shard is named, not trained on."""
         self.root = Path(root)
+        self.verify = verify
         self.manifest = read_manifest(self.root)
         self.codec = self.manifest["codec"]
         self.dtype = self.manifest["storage_dtype"]
@@ -208,11 +211,24 @@ class FeatureSet:
 
     def reader(self, shard: int) -> ShardReader:
         if shard not in self._readers:
-            path = self.root / self.shards[shard]["path"]
+            entry = self.shards[shard]
+            path = self.root / entry["path"]
             if not path.exists():
-                raise FeatureSetError(f"shard {self.shards[shard]['path']} listed in the manifest is missing")
-            self._readers[shard] = ShardReader(path, self.codec, self.dtype)
+                raise FeatureSetError(f"{self.root}: shard {entry['path']} listed in the manifest is missing")
+            if self.verify and checksum(path) != entry["sha256"]:
+                raise FeatureSetError(f"{self.root}: shard {entry['path']} is damaged or truncated (checksum "
+                                      "mismatch); recapture it (rerun the sf-capture command after deleting it)")
+            try:
+                self._readers[shard] = ShardReader(path, self.codec, self.dtype)
+            except Exception as e:  # noqa: BLE001 - zarr and safetensors raise many types for a damaged file
+                raise FeatureSetError(f"{self.root}: shard {entry['path']} is unreadable ({type(e).__name__})") from e
         return self._readers[shard]
+
+    def where(self, i: int) -> str:
+        """Where sample i lives, for messages: its shard, index in the shard and id."""
+        shard, j = self.index[i]
+        ids = self.shards[shard].get("sample_ids")
+        return f"{self.root}: shard {self.shards[shard]['path']} sample {j}" + (f" (id {ids[j]})" if ids else "")
 
     def __getitem__(self, i: int) -> Sample:
         shard, j = self.index[i]

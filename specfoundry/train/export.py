@@ -80,8 +80,13 @@ def validate(tensors: dict[str, torch.Tensor], cfg: DraftConfig) -> None:
             raise ValueError(f"export tensor {name} has dtype {t.dtype}, expected {dtype}")
 
 
+TARGET_FILE = "specfoundry_target.json"
+
+
 def export_draft(state_dict: dict[str, torch.Tensor], cfg: DraftConfig, out_dir: str | Path,
-                 dtype: torch.dtype = torch.bfloat16) -> Path:
+                 dtype: torch.dtype = torch.bfloat16, target: dict | None = None) -> Path:
+    """Write the SGLang directory; `target`: the identity of the target the draft was trained
+    for (from the feature set's manifest), kept beside it so a later eval can check it."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
@@ -94,6 +99,8 @@ def export_draft(state_dict: dict[str, torch.Tensor], cfg: DraftConfig, out_dir:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(sglang_config(cfg), indent=2) + "\n")
     (out / "specfoundry_draft.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    if target is not None:
+        (out / TARGET_FILE).write_text(json.dumps(target, indent=2) + "\n")
     return out
 
 

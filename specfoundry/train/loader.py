@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from specfoundry.featureset.manifest import FeatureSetError
 from specfoundry.featureset.store import FeatureSet
 
 
@@ -131,6 +132,11 @@ class BatchDataset(Dataset):
 
     def __getitem__(self, k: int) -> Batch:
         samples = [self.fs[i] for i in self.batches[k]]
+        for i, s in zip(self.batches[k], samples, strict=True):
+            # a NaN or Inf would spread through the whole draft in one optimizer step
+            if not (torch.isfinite(s.aux_hidden).all() and torch.isfinite(s.final_hidden).all()):
+                raise FeatureSetError(f"{self.fs.where(i)} holds non-finite hidden states (NaN or Inf); "
+                                      "recapture it (sf-capture verify lists every such sample)")
         cut = self.max_length or max(len(s.input_ids) for s in samples)
         lengths = [min(len(s.input_ids), cut) for s in samples]
         width = padded_width(max(lengths), self.pad_multiple)  # the rows past `lengths` are padding

@@ -81,9 +81,16 @@ class TrainConfig:
     loss: str = setting("auto", choices=LOSS_KERNELS, help="auto: the in-place Triton kernel on CUDA; "
                         "reference: plain torch.")
     num_workers: int = setting(2, resume=False, help="Background loader workers per rank.")
+    verify_shards: bool = setting(True, resume=False, help="Check each shard's checksum when a loader process "
+                                  "first opens it (one extra read of the set per worker), so a damaged shard is "
+                                  "named instead of trained on.")
     init_from: str | None = setting(None, help="An exported draft to fine-tune (keeps its vocabulary map).")
     tensorboard: bool = setting(False, resume=False, help="Log to <output>/tensorboard.")
     log_every: int = setting(10, resume=False, help="Print metrics every N optimizer steps.")
+
+
+class NonFiniteError(ValueError):
+    """Training met a non-finite loss: nothing after it is checkpointed or exported."""
 
 
 def check_featureset(fs: FeatureSet, cfg: TrainConfig, target_dir: Path) -> None:
@@ -244,7 +251,7 @@ class Trainer:
         self.accel = self.build_accelerator()
         self.target_dir = resolve_target(cfg.target)
         check_output_folder(self.out, "train", cfg)  # before any long work
-        self.fs = FeatureSet(cfg.featureset)
+        self.fs = FeatureSet(cfg.featureset, verify=cfg.verify_shards)
         check_featureset(self.fs, cfg, self.target_dir)
         draft, self.dcfg = build_draft(cfg, self.fs, self.target_dir)
         self.dtype = torch.bfloat16 if self.accel.device.type == "cuda" else torch.float32
@@ -358,6 +365,11 @@ class Trainer:
         self.step += 1
         metrics = {"step": self.step, **summarise(merge_metrics(per_micro, self.accel)),
                    "lr": self.scheduler.get_last_lr()[0]}
+        bad = [k for k, v in metrics.items() if k.startswith("loss_") and not math.isfinite(v)]
+        if bad:  # stop before a checkpoint or an export can hold the weights this step has spoilt
+            raise NonFiniteError(f"step {self.step}: {', '.join(bad)} not finite (the features were finite: "
+                                 "the training diverged); lower --lr or raise --warmup-steps, and rerun into a new "
+                                 "folder (the last checkpoint is from before the divergence)")
         self.history.append(metrics)
         self.tracker.log({f"train/{k}": v for k, v in metrics.items() if k != "step"}, self.step)
         return metrics
@@ -422,8 +434,9 @@ class Trainer:
             })
             tmp = export.with_name(f".{export.name}{TMP_SUFFIX}")
             shutil.rmtree(tmp, ignore_errors=True)
+            target = {**self.fs.manifest["target"], "tokenizer_sha256": self.fs.manifest["tokenizer_sha256"]}
             export_draft({k.removeprefix("draft."): v for k, v in state.items() if k.startswith("draft.")},
-                         self.dcfg, tmp)
+                         self.dcfg, tmp, target=target)
             replace_dir(tmp, export)
             atomic_write_json(self.out / "history.json", self.history)
         accel.wait_for_everyone()

@@ -1,0 +1,187 @@
+"""Cases that used to pass silently or leave a stuck run: each is now refused or reported, with
+the message naming what is wrong and where."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from specfoundry.capture.stage import CaptureConfig, run_capture
+from specfoundry.common.conversations import ConversationFormatError, load_conversations
+from specfoundry.common.shards import OutputFolderError, ShardedOutput
+from specfoundry.eval.draft import DraftLoadError, check_trained_for
+from specfoundry.featureset.manifest import MANIFEST, FeatureSetError
+from specfoundry.featureset.store import ShardReader, write_shard
+from specfoundry.train.export import TARGET_FILE
+from specfoundry.train.trainer import TrainConfig, run_train
+from tests.conftest import CHAT, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    """A small safetensors feature set of SmolLM2 (6 samples, 2 shards)."""
+    root = tmp_path_factory.mktemp("rel")
+    src = write_jsonl(root / "chat.jsonl", CHAT)
+    run_capture(CaptureConfig(source=str(src), output=str(root / "fs"), shard_size=3, max_length=64,
+                              codec="safetensors"), silent=True)
+    return root / "fs"
+
+
+def tiny_cfg(fs, out, **kw) -> TrainConfig:
+    base = dict(featureset=str(fs), output=str(out), draft_vocab_size=256, ttt_length=2, lr=3e-3, warmup_steps=1,
+                max_steps=2, max_batch_tokens=256, eval_fraction=0.0, save_every=2, num_workers=0,
+                log_every=1000, loss="reference")
+    return TrainConfig(**{**base, **kw})
+
+
+def copy_set(fs, tmp_path):
+    out = tmp_path / "fs"
+    shutil.copytree(fs, out)
+    return out, json.loads((out / MANIFEST).read_text())
+
+
+def test_a_nan_in_the_features_stops_training_naming_shard_and_sample(features, tmp_path):
+    fs, manifest = copy_set(features, tmp_path)
+    entry = manifest["shards"][1]
+    reader = ShardReader(fs / entry["path"], "safetensors", "bfloat16")
+    rows = [reader.sample(i) for i in range(len(reader))]
+    rows = [{"input_ids": s.input_ids, "loss_mask": s.loss_mask, "aux_hidden": s.aux_hidden.clone(),
+             "final_hidden": s.final_hidden} for s in rows]
+    rows[2]["aux_hidden"][1, 5] = float("nan")
+    del reader
+    entry["sha256"] = write_shard(fs, entry["path"], rows, "safetensors", "bfloat16")  # a sound file of bad values
+    (fs / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(FeatureSetError, match=rf"shard {entry['path']} sample 2 .*non-finite"):
+        run_train(tiny_cfg(fs, tmp_path / "run", max_steps=4), silent=True)
+    assert not (tmp_path / "run" / "export").exists()
+
+
+def test_a_damaged_shard_is_named_not_trained_on(features, tmp_path):
+    fs, manifest = copy_set(features, tmp_path)
+    victim = fs / manifest["shards"][0]["path"]
+    data = bytearray(victim.read_bytes())
+    data[-50] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(FeatureSetError, match=rf"{manifest['shards'][0]['path']} is damaged or truncated"):
+        run_train(tiny_cfg(fs, tmp_path / "run"), silent=True)
+
+
+def test_features_of_another_model_are_refused(features, tmp_path):
+    for key, words in (("config_sha256", "config hash"), ("weight_fingerprint", "weight fingerprint")):
+        fs, manifest = copy_set(features, tmp_path / key)
+        manifest["target"][key] = "0" * 64
+        (fs / MANIFEST).write_text(json.dumps(manifest))
+        with pytest.raises(FeatureSetError, match=words):
+            run_train(tiny_cfg(fs, tmp_path / key / "run"), silent=True)
+
+
+def test_incomplete_featureset_and_longer_max_length_are_refused(features, tmp_path):
+    fs, manifest = copy_set(features, tmp_path)
+    with pytest.raises(FeatureSetError, match="--max-length 128 is longer than .* captured for \\(max_length 64\\)"):
+        run_train(tiny_cfg(fs, tmp_path / "long", max_length=128), silent=True)
+    manifest["complete"] = False
+    (fs / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(FeatureSetError, match="incomplete"):
+        run_train(tiny_cfg(fs, tmp_path / "run"), silent=True)
+
+
+def test_rerun_with_another_lr_or_featureset_is_refused_naming_each(features, tmp_path):
+    out = tmp_path / "run"
+    run_train(tiny_cfg(features, out), silent=True)
+    recorded = json.loads((out / "train_config.json").read_text())
+    with pytest.raises(OutputFolderError, match=r"lr: 0.003 -> 0.001"):
+        run_train(tiny_cfg(features, out, lr=1e-3), silent=True)
+    other, _ = copy_set(features, tmp_path)
+    with pytest.raises(OutputFolderError, match=rf"featureset: '{features}' -> '{other}'"):
+        run_train(tiny_cfg(other, out), silent=True)
+    assert json.loads((out / "train_config.json").read_text()) == recorded  # the record is the run's own
+    assert json.loads((out / "export" / TARGET_FILE).read_text())["config_sha256"]
+
+
+def test_a_draft_trained_for_another_target_is_refused_by_eval(features, tmp_path, smollm2_dir):
+    out = tmp_path / "run"
+    run_train(tiny_cfg(features, out), silent=True)
+    assert check_trained_for(out, smollm2_dir, allow_other=False) is None
+    recorded = json.loads((out / "export" / TARGET_FILE).read_text())
+    (out / "export" / TARGET_FILE).write_text(json.dumps({**recorded, "weight_fingerprint": "f" * 64}))
+    with pytest.raises(DraftLoadError, match="weight fingerprint differ.*--allow-other-target"):
+        check_trained_for(out, smollm2_dir, allow_other=False)
+    assert "weight fingerprint" in check_trained_for(out / "export", smollm2_dir, allow_other=True)
+
+
+def test_incomplete_regen_is_refused_unless_partial(tmp_path, chat_file):
+    regen = tmp_path / "regen"
+    (regen / "data").mkdir(parents=True)
+    shutil.copy(chat_file, regen / "data" / "a.jsonl")
+    (regen / "manifest.json").write_text(json.dumps({"format": "specfoundry.regen", "num_shards": 2, "complete": False,
+                                                     "shards": [{"path": "data/a.jsonl"}]}))
+    with pytest.raises(ConversationFormatError, match="regen run is incomplete \\(1 of 2 shards\\).*--partial"):
+        load_conversations(regen)
+    assert len(load_conversations(regen, partial=True).conversations) == len(CHAT)
+    from specfoundry.capture.cli import main
+
+    result = CliRunner().invoke(main, ["run", str(regen), "-o", str(tmp_path / "fs")])
+    assert result.exit_code == 2 and "incomplete" in result.output and "Traceback" not in result.output
+
+
+def test_invalid_utf8_is_one_records_bad_input(tmp_path):
+    good = json.dumps(CHAT[0]).encode() + b"\n"
+    bad = b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n'
+    (tmp_path / "a.jsonl").write_bytes(good + bad + good)
+    (tmp_path / "b.jsonl").write_bytes(good)
+    loaded = load_conversations(tmp_path)
+    assert len(loaded.conversations) == 3
+    assert [(b.location, b.kind) for b in loaded.bad] == [(f"{tmp_path / 'a.jsonl'}:2", "invalid_utf8")]
+
+
+def test_a_renamed_but_unmarked_shard_is_redone_not_stuck(tmp_path):
+    out = ShardedOutput(tmp_path)
+
+    def write_dir(path):  # a zarr-like shard: a folder
+        path.mkdir()
+        (path / "x").write_bytes(b"new")
+        from specfoundry.common.files import checksum
+
+        return checksum(path)
+
+    (tmp_path / "shards" / "s.zarr").mkdir(parents=True)  # renamed into place, killed before its mark
+    (tmp_path / "shards" / "s.zarr" / "x").write_bytes(b"old")
+    assert out.pending(["shards/s.zarr"]) == ["shards/s.zarr"]
+    mark = out.commit("shards/s.zarr", write_dir, {"index": 0})
+    assert (tmp_path / "shards" / "s.zarr" / "x").read_bytes() == b"new"
+    assert out.finished("shards/s.zarr") == mark and out.pending(["shards/s.zarr"]) == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["sf-regen", "run", "SRC", "-o", "FILE"],
+    ["sf-capture", "run", "SRC", "-o", "FILE"],
+    ["sf-train", "run", "FS", "-o", "FILE"],
+    ["sf-eval", "run", "FS", "-o", "FILE"],
+    ["sf-eval", "gate", "-o", "FILE"],
+])
+def test_an_output_path_that_is_a_file_is_one_line_before_any_work(tmp_path, chat_file, features, argv):
+    from tests.test_cli_help import COMMANDS
+
+    (tmp_path / "file").write_text("x")
+    subs = {"SRC": str(chat_file), "FILE": str(tmp_path / "file"), "FS": str(features)}
+    result = CliRunner().invoke(COMMANDS[argv[0]], [subs.get(a, a) for a in argv[1:]])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert result.output.count("Error:") == 1 and "is a file, not an output folder" in result.output
+
+
+def test_a_bad_target_is_one_line_for_eval_and_gate(tmp_path, features):
+    from specfoundry.eval.cli import main
+
+    for argv in (["run", str(features), "--target", "/nonexistent/model"],
+                 ["gate", "-o", str(tmp_path / "g"), "--target", "/nonexistent/model"]):
+        result = CliRunner().invoke(main, argv)
+        assert result.exit_code == 2 and "/nonexistent/model" in result.output and "Traceback" not in result.output
+
+
+def test_a_non_finite_loss_stops_before_any_checkpoint(features, tmp_path):
+    with pytest.raises(ValueError, match=r"step \d: loss_0.* not finite .*diverged"):
+        run_train(tiny_cfg(features, tmp_path / "run", lr=float("inf")), silent=True)
+    assert not list((tmp_path / "run").glob("checkpoints/step-*")) and not (tmp_path / "run" / "export").exists()
