@@ -8,15 +8,7 @@ import click
 
 from specfoundry.capture.stage import CaptureConfig, CaptureError, run_capture
 from specfoundry.capture.verify import verify_featureset
-from specfoundry.common.cli import (
-    CONTEXT,
-    config_options,
-    expected_failures,
-    recipe_option,
-    resolve_config,
-    shared_option,
-    silent_option,
-)
+from specfoundry.common.cli import CONTEXT, expected_failures, resolve_config, shared_option, stage_command
 from specfoundry.common.conversations import ConversationFormatError
 from specfoundry.common.shards import OutputFolderError
 from specfoundry.common.target import TargetError
@@ -44,11 +36,7 @@ def init_distributed(device: str | None) -> tuple[int, int, str | None]:
     return rank, world, device
 
 
-@main.command("run", context_settings=CONTEXT)
-@config_options(CaptureConfig)
-@recipe_option
-@silent_option
-@expected_failures(*FAILURES)
+@stage_command(main, "run", CaptureConfig, *FAILURES)
 def run(recipe, silent, **options):
     """Render SOURCE (conversations or an sf-regen output) with the target's chat template,
     compute the assistant-only loss mask, prefill the target and store its features.

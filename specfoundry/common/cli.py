@@ -292,3 +292,15 @@ def expected_failures(*errors: type[BaseException]):
         return wrapper
 
     return decorate
+
+
+def stage_command(group: click.Group, name: str, config_cls, *errors: type[BaseException], silent: bool = True):
+    """Decorator: `fn(recipe, [silent,] **options)` as command `name` of `group`, with one option
+    per field of `config_cls`, --recipe, --silent, and `errors` as one-line failures."""
+
+    def decorate(fn):
+        cmd = expected_failures(*errors)(fn)
+        cmd = silent_option(cmd) if silent else cmd
+        return group.command(name, context_settings=CONTEXT)(config_options(config_cls)(recipe_option(cmd)))
+
+    return decorate

@@ -4,14 +4,7 @@ from __future__ import annotations
 
 import click
 
-from specfoundry.common.cli import (
-    CONTEXT,
-    config_options,
-    expected_failures,
-    recipe_option,
-    resolve_config,
-    silent_option,
-)
+from specfoundry.common.cli import CONTEXT, resolve_config, stage_command
 from specfoundry.common.conversations import ConversationFormatError
 from specfoundry.common.shards import OutputFolderError
 from specfoundry.generate.regen import RegenConfig, RegenError, run_regen
@@ -22,12 +15,9 @@ def main():
     """Regenerate training conversations with the target itself, so the draft learns its text."""
 
 
-@main.command("run", context_settings=CONTEXT)
-@config_options(RegenConfig)
+@stage_command(main, "run", RegenConfig, RegenError, OutputFolderError, ConversationFormatError, FileNotFoundError,
+               RuntimeError)
 @click.option("--greedy", is_flag=True, default=False, help="Greedy decoding: the same as --temperature 0.")
-@recipe_option
-@silent_option
-@expected_failures(RegenError, OutputFolderError, ConversationFormatError, FileNotFoundError, RuntimeError)
 def run(greedy, recipe, silent, **options):
     """Regenerate the assistant turns of SOURCE (a jsonl/json/parquet file or a folder of them,
     ShareGPT or OpenAI shaped) with the target, turn by turn on the regenerated history; or,

@@ -4,14 +4,7 @@ from __future__ import annotations
 
 import click
 
-from specfoundry.common.cli import (
-    CONTEXT,
-    config_options,
-    expected_failures,
-    recipe_option,
-    resolve_config,
-    silent_option,
-)
+from specfoundry.common.cli import CONTEXT, resolve_config, stage_command
 from specfoundry.common.shards import OutputFolderError
 from specfoundry.common.target import TargetError
 from specfoundry.featureset.manifest import FeatureSetError
@@ -24,12 +17,8 @@ def main():
     """Train speculative-decoding drafts (EAGLE-3) from a feature set."""
 
 
-@main.command("run", context_settings=CONTEXT)
-@config_options(TrainConfig)
-@recipe_option
-@silent_option
-@expected_failures(FeatureSetError, OutputFolderError, TargetError, TooManyShapesError, FileNotFoundError,
-                   ValueError)
+@stage_command(main, "run", TrainConfig, FeatureSetError, OutputFolderError, TargetError, TooManyShapesError,
+               FileNotFoundError, ValueError)
 def run(recipe, silent, **options):
     """Train the EAGLE-3 draft with Training-Time Test on FEATURESET, then export it for SGLang.
 
