@@ -185,3 +185,32 @@ def test_a_non_finite_loss_stops_before_any_checkpoint(features, tmp_path):
     with pytest.raises(ValueError, match=r"step \d: loss_0.* not finite .*diverged"):
         run_train(tiny_cfg(features, tmp_path / "run", lr=float("inf")), silent=True)
     assert not list((tmp_path / "run").glob("checkpoints/step-*")) and not (tmp_path / "run" / "export").exists()
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A read-only filesystem (a tmpfs mounted ro): root cannot write there either."""
+    import subprocess
+
+    where = tmp_path / "ro"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(where)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.decode().strip()}")
+    yield where
+    subprocess.run(["umount", str(where)], check=True)
+
+
+@pytest.mark.parametrize("argv", [
+    ["sf-regen", "run", "SRC", "-o", "RO"],
+    ["sf-capture", "run", "SRC", "-o", "RO"],
+    ["sf-train", "run", "FS", "-o", "RO"],
+    ["sf-eval", "run", "FS", "-o", "RO"],
+])
+def test_a_read_only_output_is_one_line_before_any_work(read_only_dir, chat_file, features, argv):
+    from tests.test_cli_help import COMMANDS
+
+    subs = {"SRC": str(chat_file), "RO": str(read_only_dir / "out"), "FS": str(features)}
+    result = CliRunner().invoke(COMMANDS[argv[0]], [subs.get(a, a) for a in argv[1:]])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert result.output.count("Error:") == 1 and f"cannot write in {read_only_dir}" in result.output

@@ -58,7 +58,7 @@ def writable_folder(root: Path) -> None:
         raise OutputFolderError(f"{root} is a file, not an output folder")
     existing = next(p for p in (root, *root.parents) if p.exists())
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise OutputFolderError(f"{root}: permission denied (cannot write in {existing})")
+        raise OutputFolderError(f"{root}: cannot write in {existing} (permission denied, or a read-only filesystem)")
 
 
 def check_output_folder(root: Path, stage: str, cfg) -> Path:

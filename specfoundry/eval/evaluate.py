@@ -218,7 +218,11 @@ def run_eval(cfg: EvalConfig) -> dict:
                              "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None}
     target.remove_hooks()
     if cfg.output:
-        write_report(report, Path(cfg.output))
+        try:
+            write_report(report, Path(cfg.output))
+        except OSError:
+            print(format_table(report))  # the decoding is not lost with the report files
+            raise
     return report
 
 
