@@ -19,8 +19,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None and e.errno is not None:
+            # a failed write() (a full disk) names no file: name the one being written
+            raise OSError(e.errno, e.strerror, str(path)) from e
         raise
 
 
