@@ -172,6 +172,7 @@ def capture_moments(codec: str) -> dict:
     return {
         "before the shard's rename": ("before-rename", shard1, 1),
         "after the rename, before its done mark": ("after-rename", shard1, 1),
+        "while its done mark is written": ("before-rename", shard1 + ".done.json", 1),
         "after its done mark": ("after-rename", shard1 + ".done.json", 1),
     }
 
