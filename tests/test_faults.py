@@ -134,6 +134,7 @@ REGEN_MOMENTS = {
     "after the rename, before its done mark": ("after-rename", SHARD1, 1),
     "while its done mark is written": ("before-rename", SHARD1 + ".done.json", 1),
     "after its done mark": ("after-rename", SHARD1 + ".done.json", 1),
+    "while the manifest is written": ("before-rename", "*/manifest.json", 3),  # after shards 0 and 1
 }
 
 
@@ -174,6 +175,7 @@ def capture_moments(codec: str) -> dict:
         "after the rename, before its done mark": ("after-rename", shard1, 1),
         "while its done mark is written": ("before-rename", shard1 + ".done.json", 1),
         "after its done mark": ("after-rename", shard1 + ".done.json", 1),
+        "while the token counts are written": ("before-rename", "*/token_counts.safetensors", 1),
     }
 
 
@@ -203,8 +205,7 @@ def test_capture_killed_then_rerun_equals_an_uninterrupted_run(tmp_path, inputs,
     reference = capture_references[codec].start(inputs / f"capture-{codec}")
     args = capture_args(inputs / "chat.jsonl", codec)(tmp_path / "out")
     killed(finish(start(CAPTURE, args, capture_moments(codec)[moment])))
-    assert not (tmp_path / "out" / "manifest.json").exists() or not json.loads(
-        (tmp_path / "out" / "manifest.json").read_text())["complete"]
+    assert not (tmp_path / "out" / "manifest.json").exists()  # written last, once every shard is in
     ok(finish(start(CAPTURE, args)))
     assert_same_featureset(reference.folder(), tmp_path / "out")
 
@@ -238,6 +239,7 @@ TRAIN_MOMENTS = {  # (the fault, what the rerun says it resumes from)
         "incomplete checkpoint step-0000004.tmp"),
     "after a complete checkpoint, before the next step": (("after-rename", "*/checkpoints/step-0000002", 1), None),
     "during the export write": (("mid-write", "*/.export.tmp/model.safetensors", 1), None),
+    "while history.json is written": (("before-rename", "*/history.json", 1), None),
 }
 
 
@@ -311,6 +313,30 @@ def test_capture_on_a_full_disk_fails_in_one_line_then_resumes_identically(tmp_p
     try:
         args = capture_args(inputs / "chat.jsonl", codec)(out)
         assert_no_space_error(finish(start(CAPTURE, args)), out)
+        disk.grow(64 << 20)
+        ok(finish(start(CAPTURE, args)))
+        assert_same_featureset(reference, out)
+    finally:
+        disk.unmount()
+
+
+def pages(size: int, page: int = 4096) -> int:
+    return -(-size // page) * page
+
+
+@pytest.mark.slow
+def test_capture_with_the_disk_full_for_the_token_counts_fails_in_one_line_then_finishes(tmp_path, inputs,
+                                                                                        capture_references):
+    """Every shard fits, the token counts (written once every shard is done) do not."""
+    reference = capture_references["safetensors"].start(inputs / "capture-safetensors").folder()
+    counts = reference / "token_counts.safetensors"
+    rest = sum(pages(p.stat().st_size) for p in reference.rglob("*") if p.is_file() and p != counts)
+    out = tmp_path / "out"
+    disk = Tmpfs(out, rest + pages(counts.stat().st_size) // 2)
+    try:
+        args = capture_args(inputs / "chat.jsonl", "safetensors")(out)
+        assert_no_space_error(finish(start(CAPTURE, args)), out)
+        assert len(list((out / "shards").glob("*.done.json"))) == 3
         disk.grow(64 << 20)
         ok(finish(start(CAPTURE, args)))
         assert_same_featureset(reference, out)
