@@ -27,6 +27,14 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
+def remove_temporaries(folder: Path) -> None:
+    """Remove the temporary files (`.<name>.*.tmp`) that atomic_write_bytes leaves in `folder`
+    when its process is killed mid-write. Call it only while nothing writes into the folder."""
+    for p in Path(folder).glob(".*.tmp"):
+        if p.is_file():
+            p.unlink(missing_ok=True)
+
+
 def atomic_write_json(path: Path, obj) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n").encode())
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specfoundry.common.cli import config_dict, resume_settings
-from specfoundry.common.files import atomic_write_json, checksum
+from specfoundry.common.files import atomic_write_json, checksum, remove_temporaries
 
 PARTIAL = ".partial-"
 
@@ -147,7 +147,9 @@ class ShardedOutput:
 
     def remove_partials(self, folder: str) -> None:
         """Remove leftovers of killed runs (call once every shard is done): partial shards, and
-        the temporary files of done marks being written (atomic_write_bytes' `.<name>.*.tmp`)."""
-        folder = self.root / folder
-        for p in [*folder.glob(f"{PARTIAL}*"), *folder.glob(".*.done.json.*.tmp")]:
+        the temporary files of done marks, manifests or configs being written (atomic_write_bytes'
+        `.<name>.*.tmp`) in `folder` and the output folder."""
+        for p in (self.root / folder).glob(f"{PARTIAL}*"):
             remove(p)
+        remove_temporaries(self.root / folder)
+        remove_temporaries(self.root)
