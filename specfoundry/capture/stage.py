@@ -24,7 +24,7 @@ from specfoundry.capture.template import TemplateMaskError, render_with_mask
 from specfoundry.capture.writer import BackgroundWriter
 from specfoundry.common.cli import config_dict, setting, shared
 from specfoundry.common.conversations import BadInput, ConversationFormatError, load_conversations
-from specfoundry.common.files import atomic_write_json
+from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.progress import Progress
 from specfoundry.common.shards import ShardedOutput, check_output_folder, record_config, writable_folder
 from specfoundry.common.taps import default_aux_layers
@@ -233,15 +233,14 @@ def build_manifest(plan: CapturePlan, out: ShardedOutput) -> dict:
     }
     manifest["complete"] = len(entries) == plan.num_shards
     if manifest["complete"]:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         tc = torch.zeros(plan.vocab_size, dtype=torch.int64)
         for k, v in counts.items():
             tc[k] = v
-        tmp = out.root / f".{TOKEN_COUNTS}.tmp"
-        save_file({"counts": tc}, str(tmp))
-        os.replace(tmp, out.root / TOKEN_COUNTS)
         out.remove_partials("shards")
+        # through the shared writer: a full disk is an OSError naming the file, not a SafetensorError
+        atomic_write_bytes(out.root / TOKEN_COUNTS, save({"counts": tc}))
     atomic_write_json(out.root / MANIFEST, manifest)
     return manifest
 

@@ -19,9 +19,20 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None and e.errno is not None:
+            # a failed write() (a full disk) names no file: name the one being written
+            raise OSError(e.errno, e.strerror, str(path)) from e
         raise
+
+
+def remove_temporaries(folder: Path) -> None:
+    """Remove the temporary files (`.<name>.*.tmp`) that atomic_write_bytes leaves in `folder`
+    when its process is killed mid-write. Call it only while nothing writes into the folder."""
+    for p in Path(folder).glob(".*.tmp"):
+        if p.is_file():
+            p.unlink(missing_ok=True)
 
 
 def atomic_write_json(path: Path, obj) -> None:

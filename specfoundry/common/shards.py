@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specfoundry.common.cli import config_dict, resume_settings
-from specfoundry.common.files import atomic_write_json, checksum
+from specfoundry.common.files import atomic_write_json, checksum, remove_temporaries
 
 PARTIAL = ".partial-"
 
@@ -123,7 +123,13 @@ class ShardedOutput:
         final.parent.mkdir(parents=True, exist_ok=True)
         self.mark_path(rel).unlink(missing_ok=True)  # the shard is not done until marked again
         remove(partial)
-        digest = write(partial)
+        try:
+            digest = write(partial)
+        except OSError as e:
+            if e.filename is not None or e.errno is None:
+                raise
+            # a failed write() (a full disk) names no file: name the shard being written
+            raise OSError(e.errno, e.strerror, str(final)) from e
         remove(final)
         os.replace(partial, final)
         entry = {**mark, "path": rel, "sha256": digest}
@@ -140,6 +146,10 @@ class ShardedOutput:
         return out
 
     def remove_partials(self, folder: str) -> None:
-        """Remove leftover partial shards of killed runs (call once every shard is done)."""
+        """Remove leftovers of killed runs (call once every shard is done): partial shards, and
+        the temporary files of done marks, manifests or configs being written (atomic_write_bytes'
+        `.<name>.*.tmp`) in `folder` and the output folder."""
         for p in (self.root / folder).glob(f"{PARTIAL}*"):
             remove(p)
+        remove_temporaries(self.root / folder)
+        remove_temporaries(self.root)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from specfoundry.common.cli import setting, shared
-from specfoundry.common.files import atomic_write_json
+from specfoundry.common.files import atomic_write_json, remove_temporaries
 from specfoundry.common.progress import Progress
 from specfoundry.common.shards import check_output_folder, record_config
 from specfoundry.common.target import EMBEDDED_DEFAULT, load_tokenizer, resolve_target, target_identity
@@ -439,6 +439,7 @@ class Trainer:
                          self.dcfg, tmp, target=target)
             replace_dir(tmp, export)
             atomic_write_json(self.out / "history.json", self.history)
+            remove_temporaries(self.out)  # what a run killed mid-write left (.history.json.*.tmp, ...)
         accel.wait_for_everyone()
         return {"steps": self.step, "history": self.history, "export": str(export)}
 
