@@ -17,6 +17,7 @@ trainer_state.json are both in it, and resume trusts only such complete checkpoi
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -231,6 +232,20 @@ def replace_dir(tmp: Path, dest: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def save_state(accel, path: Path) -> None:
+    """accelerate's save_state, with a full disk reported as the OSError it is: torch.save and
+    safetensors raise their own types for it (RuntimeError, SafetensorError), which name no file."""
+    from safetensors import SafetensorError
+
+    try:
+        accel.save_state(str(path))
+    except (RuntimeError, SafetensorError) as e:
+        full = "No space left" in str(e) or shutil.disk_usage(path if path.exists() else path.parent).free < (1 << 20)
+        if not full:
+            raise
+        raise OSError(errno.ENOSPC, "No space left on device", str(path)) from e
+
+
 class Trainer:
     """One sf-train run. `step` counts optimizer steps done; a micro-batch is one of the
     grad_accum batches of an optimizer step; TTT steps live inside the forward (ttt.py)."""
@@ -397,7 +412,7 @@ class Trainer:
         if accel.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
         accel.wait_for_everyone()
-        accel.save_state(str(tmp))
+        save_state(accel, tmp)
         states = [None] * accel.num_processes
         if accel.num_processes > 1:  # a collective: every rank has finished its save_state after it
             import torch.distributed as dist
