@@ -64,7 +64,7 @@ def test_one_concept_has_one_name_flag_and_help_across_commands():
 
 # options whose help must say what that command does with them (a command's own setting that
 # happens to share a name); the shared concepts are not among them
-DEST_HELP_VARIES = {"--limit", "--temperature", "--lr", "--draft-vocab-size", "--shard-size", "--prompt"}
+DEST_HELP_VARIES = {"--temperature", "--lr", "--draft-vocab-size", "--shard-size", "--prompt"}
 
 
 def test_shared_concepts_are_where_they_apply():
@@ -75,6 +75,8 @@ def test_shared_concepts_are_where_they_apply():
             assert {"-o", "--output", "--target", "--recipe"} <= flags, path
         if path not in ("sf-capture verify", "sf-train run"):  # Accelerate places sf-train
             assert "--device" in flags, path
+    for path in ("sf-regen run", "sf-capture run", "sf-train run", "sf-eval run", "sf-eval gate"):
+        assert "--silent" in {o for p in options(cmds[path]) for o in p.opts}, path
     for path in ("sf-regen run", "sf-train run", "sf-eval run"):
         assert "--seed" in {o for p in options(cmds[path]) for o in p.opts}, path
     for path in ("sf-regen run", "sf-eval run", "sf-eval gate"):

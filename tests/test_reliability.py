@@ -214,3 +214,66 @@ def test_a_read_only_output_is_one_line_before_any_work(read_only_dir, chat_file
     result = CliRunner().invoke(COMMANDS[argv[0]], [subs.get(a, a) for a in argv[1:]])
     assert result.exit_code == 2, (result.output, result.exception)
     assert result.output.count("Error:") == 1 and f"cannot write in {read_only_dir}" in result.output
+
+
+def test_greedy_flag_and_recipe_values_reach_the_config(tmp_path, monkeypatch):
+    import click
+
+    import specfoundry.generate.cli as regen_cli
+    from specfoundry.common.cli import resolve_config
+    from specfoundry.eval.evaluate import EvalConfig
+
+    seen = {}
+
+    def record_config(cfg, silent=False):
+        seen["cfg"] = cfg
+        raise SystemExit(0)
+
+    monkeypatch.setattr(regen_cli, "run_regen", record_config)
+    CliRunner().invoke(regen_cli.main, ["run", "-o", str(tmp_path / "o"), "--synthesize", "2", "--greedy"])
+    assert seen["cfg"].sampling.temperature == 0.0
+    recipe = tmp_path / "r.yaml"
+    # YAML reads 1e-4 as a string; the option names work as keys too (draft_tokens for k, prompts for prompt_sets)
+    recipe.write_text("eval:\n  draft_tokens: 6\n  prompts: [chat, code]\n  temperature: 1e-4\n")
+    with click.Context(click.Command("x")):
+        cfg = resolve_config(EvalConfig, "eval", str(recipe), {}, draft="d")
+    assert (cfg.k, cfg.prompt_sets, cfg.temperature) == (6, ("chat", "code"), 1e-4)
+    recipe.write_text("eval:\n  draft_tokens: 6.5\n")
+    with click.Context(click.Command("x")), pytest.raises(click.BadParameter, match="6.5 is not a int"):
+        resolve_config(EvalConfig, "eval", str(recipe), {}, draft="d")
+
+
+def test_a_resumed_capture_redoes_a_shard_whose_samples_changed(tmp_path):
+    src = write_jsonl(tmp_path / "chat.jsonl", CHAT[:4])
+    cfg = CaptureConfig(source=str(src), output=str(tmp_path / "fs"), shard_size=3, max_length=64,
+                        codec="safetensors")
+    first = run_capture(cfg, silent=True)
+    assert [s["num_samples"] for s in first["shards"]] == [3, 1]
+    write_jsonl(src, CHAT)  # the source grew (a --partial regen that has since finished)
+    grown = run_capture(cfg, silent=True)
+    assert [s["num_samples"] for s in grown["shards"]] == [3, 3]
+    assert grown["shards"][0]["sha256"] == first["shards"][0]["sha256"]  # kept
+    assert grown["counts"]["samples"] == len(CHAT)
+
+
+def test_another_chat_template_is_refused(features, tmp_path):
+    fs, manifest = copy_set(features, tmp_path)
+    manifest["chat_template_sha256"] = "0" * 64
+    (fs / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(FeatureSetError, match="chat template hash"):
+        run_train(tiny_cfg(fs, tmp_path / "run"), silent=True)
+
+
+def test_a_truncated_shard_read_by_a_loader_worker_is_one_line(features, tmp_path):
+    from specfoundry.train.cli import main
+
+    fs, manifest = copy_set(features, tmp_path)
+    victim = fs / manifest["shards"][1]["path"]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    args = ["run", str(fs), "-o", str(tmp_path / "run"), "--draft-vocab-size", "256", "--ttt-length", "2",
+            "--max-steps", "2", "--max-batch-tokens", "256", "--eval-fraction", "0", "--num-workers", "1",
+            "--loss", "reference", "--silent"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, (result.output, result.exception)
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and f"{manifest['shards'][1]['path']} is damaged or truncated" in errors[0], result.output

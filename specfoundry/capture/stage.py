@@ -254,7 +254,9 @@ def run_capture(cfg: CaptureConfig, rank: int = 0, world: int = 1, silent: bool 
     if rank == 0:
         record_config(out.root, "capture", plan.cfg)
     mine = [s for s in range(plan.num_shards) if s % world == rank]
-    pending = set(out.pending([shard_name(s, plan.cfg.codec) for s in mine]))
+    # a kept shard must hold the samples the plan puts there (a --partial source may have grown since)
+    expected = {shard_name(s, plan.cfg.codec): [x["id"] for x in plan.part(s)] for s in mine}
+    pending = set(out.pending(list(expected), holds=lambda rel, mark: mark.get("sample_ids") == expected[rel]))
     todo = [s for s in mine if shard_name(s, plan.cfg.codec) in pending]
     total = sum(len(plan.part(s)) for s in mine)
     done = total - sum(len(plan.part(s)) for s in todo)

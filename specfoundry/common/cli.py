@@ -147,8 +147,9 @@ def config_options(cls, *, skip: tuple[str, ...] = ()):
 
 def recipe_option(fn):
     return click.option("--recipe", type=click.Path(exists=True, dir_okay=False), default=None,
-                        help="YAML recipe with regen:, capture:, train: and eval: sections; the command reads "
-                             "its own section, and command-line options override it.")(fn)
+                        help="YAML recipe with regen:, capture:, train:, eval: and gate: sections (keys: the options' names "
+                             "with underscores); the command reads its own section, and command-line options "
+                             "override it.")(fn)
 
 
 def shared_option(concept: str, default=None):
@@ -188,14 +189,41 @@ def _convert(value, f: dataclasses.Field, hint):
             return f.metadata["parse"](value)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint=f"--{name.replace('_', '-')}") from e
+    hint_name = f"--{name.replace('_', '-')}"
     if is_tuple:
         items = value.split(",") if isinstance(value, str) else list(value)
         try:
             return tuple(typ(str(x).strip()) for x in items if str(x).strip())
         except ValueError as e:
             raise click.BadParameter(f"{value!r} is not a comma-separated list of {typ.__name__}",
-                                     param_hint=f"--{name.replace('_', '-')}") from e
-    return value
+                                     param_hint=hint_name) from e
+    if f.metadata.get("choices") and value not in f.metadata["choices"]:
+        raise click.BadParameter(f"{value!r} is not one of {', '.join(f.metadata['choices'])}", param_hint=hint_name)
+    return _typed(value, typ, hint_name)
+
+
+def _typed(value, typ, hint_name: str):
+    """A recipe's value as the field's type: YAML reads 1e-4 as a string and 10 as an int."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return int(value)
+    elif typ is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    elif typ is str:
+        return str(value)
+    else:
+        return value
+    raise click.BadParameter(f"{value!r} is not a {typ.__name__}", param_hint=hint_name)
 
 
 def resolve_config(cls, section: str, recipe: str | None, options: dict, **fixed):
@@ -213,7 +241,9 @@ def resolve_config(cls, section: str, recipe: str | None, options: dict, **fixed
 
 def build_config(cls, values: dict, source: str = "options"):
     """cls from a flat mapping of field names (nested configs' fields flattened into it)."""
-    values = dict(values)
+    aliases = {flag[2:].replace("-", "_"): f.name for f, _, _ in config_fields(cls)
+               for flag in f.metadata.get("flags", ()) if flag.startswith("--")}
+    values = {aliases.get(k, k): v for k, v in values.items()}  # a recipe may use the option's name too
     known = {f.name for f, _, _ in config_fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
@@ -294,13 +324,12 @@ def expected_failures(*errors: type[BaseException]):
     return decorate
 
 
-def stage_command(group: click.Group, name: str, config_cls, *errors: type[BaseException], silent: bool = True):
-    """Decorator: `fn(recipe, [silent,] **options)` as command `name` of `group`, with one option
+def stage_command(group: click.Group, name: str, config_cls, *errors: type[BaseException]):
+    """Decorator: `fn(recipe, silent, **options)` as command `name` of `group`, with one option
     per field of `config_cls`, --recipe, --silent, and `errors` as one-line failures."""
 
     def decorate(fn):
-        cmd = expected_failures(*errors)(fn)
-        cmd = silent_option(cmd) if silent else cmd
+        cmd = silent_option(expected_failures(*errors)(fn))
         return group.command(name, context_settings=CONTEXT)(config_options(config_cls)(recipe_option(cmd)))
 
     return decorate

@@ -76,7 +76,7 @@ def check_output_folder(root: Path, stage: str, cfg) -> Path:
         if diffs:
             raise OutputFolderError(f"{root} holds a {stage} run with other settings ({'; '.join(diffs)}); "
                                     "rerun with the same settings to resume, or choose a new folder")
-    elif root.is_dir() and any(root.iterdir()):
+    elif root.is_dir() and any(not p.name.startswith(".") for p in root.iterdir()):  # another rank's temporaries
         raise OutputFolderError(f"{root} is not empty and holds no {stage} run; choose a new or empty folder")
     return path
 
@@ -108,9 +108,10 @@ class ShardedOutput:
             return None
         return entry if checksum(self.root / rel) == entry.get("sha256") else None
 
-    def pending(self, rels: list[str]) -> list[str]:
-        """The shards of `rels` still to write; a stale mark of one (its shard damaged or gone) is dropped."""
-        todo = [rel for rel in rels if self.finished(rel) is None]
+    def pending(self, rels: list[str], holds=None) -> list[str]:
+        """The shards of `rels` still to write; a stale mark of one (its shard damaged or gone, or,
+        with `holds(rel, mark)`, not holding what the plan puts there) is dropped."""
+        todo = [rel for rel in rels if (mark := self.finished(rel)) is None or (holds and not holds(rel, mark))]
         for rel in todo:
             self.mark_path(rel).unlink(missing_ok=True)
         return todo

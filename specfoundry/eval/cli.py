@@ -22,12 +22,12 @@ def main():
     """Evaluate drafts against their target by real speculative decoding."""
 
 
-@stage_command(main, "run", EvalConfig, *FAILURES, silent=False)
-def run(recipe, **options):
+@stage_command(main, "run", EvalConfig, *FAILURES)
+def run(recipe, silent, **options):
     """Decode each prompt with DRAFT (an exported folder, an sf-train run folder, or one of its
     checkpoints/step-N) proposing and the target verifying, and report acceptance length."""
     cfg = resolve_config(EvalConfig, "eval", recipe, options)
-    report = run_eval(cfg)
+    report = run_eval(cfg, silent=silent)
     click.echo(format_table(report))
     if cfg.output:
         click.echo(f"wrote {cfg.output}/eval.json, eval.txt, acceptance.png")

@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from specfoundry.common.target import target_identity
+from specfoundry.common.target import load_tokenizer, target_identity
 from specfoundry.common.weights import target_embeddings, weight_fingerprint
+from specfoundry.featureset.manifest import tokenizer_hashes
 from specfoundry.train.config import DraftConfig
 from specfoundry.train.export import TARGET_FILE
 from specfoundry.train.model import Eagle3Draft
@@ -84,7 +85,8 @@ def check_trained_for(path: str | Path, target_dir: Path, allow_other: bool) -> 
     if recorded is None:
         return None
     here = {"config_sha256": target_identity(str(target_dir), target_dir).config_sha256,
-            "weight_fingerprint": weight_fingerprint(target_dir)}
+            "weight_fingerprint": weight_fingerprint(target_dir),
+            "tokenizer_sha256": tokenizer_hashes(load_tokenizer(target_dir))[0]}
     differ = [k for k, v in here.items() if recorded.get(k) is not None and recorded[k] != v]
     if not differ:
         return None

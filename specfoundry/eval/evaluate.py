@@ -74,7 +74,8 @@ class EvalConfig:
     temperature: float = setting(0.0, help="0: greedy verification. >0: sampling with the rejection rule (the "
                                  "output is distributed as the target's).")
     max_new_tokens: int = shared("max_new_tokens", 128)
-    limit: int | None = setting(None, shown="all", help="Use the first N prompts of each set.")
+    # per prompt set
+    limit: int | None = shared("limit", None)
     seed: int = shared("seed", 0)
     baseline: bool = setting(True, help="Also decode with the target alone: tokens/s without the draft, the "
                              "speedup, and the greedy equality check.")
@@ -82,7 +83,7 @@ class EvalConfig:
                                        "(config hash or weight fingerprint), with a warning, instead of refusing.")
     compare_untrained: bool = setting(False, help="Also evaluate a freshly initialised draft with the same config "
                                       "and vocabulary (the floor).")
-    device: str | None = shared("device", None)
+    device: str | None = shared("device", None, resume=False)
     # fp32 makes greedy decoding exactly reproducible across the batch shapes of verification and plain decoding
     dtype: str | None = shared("dtype", None, choices=("float32", "bfloat16"))
 
@@ -133,10 +134,10 @@ def summarise_set(results: list[DecodeResult], k: int) -> dict:
 
 
 def decode_set(target: TargetRunner, draft: DraftRunner | None, prompts, cfg: EvalConfig, eos: set[int],
-               desc: str) -> list[DecodeResult]:
+               desc: str, silent: bool = False) -> list[DecodeResult]:
     sampler = Sampler(cfg.temperature, torch.Generator(device=target.device).manual_seed(cfg.seed))
     results = []
-    with Progress(len(prompts), "prompt", desc) as progress:
+    with Progress(len(prompts), "prompt", desc, silent) as progress:
         for _, ids in prompts:
             if draft is None:
                 r = target_generate(target, ids, max_new_tokens=cfg.max_new_tokens, eos=eos, sampler=sampler)
@@ -167,16 +168,18 @@ def check_config(cfg: EvalConfig) -> EvalConfig:
     return cfg
 
 
-def decode_sets(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict, eos: set[int]) -> dict:
+def decode_sets(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict, eos: set[int],
+                silent: bool = False) -> dict:
     """{set name: {label: summary, ...}} for every prompt set, each draft, and the target alone."""
     out = {}
     for name, prompts in sets.items():
         entry, base = {}, None
         if cfg.baseline:
-            base = decode_set(target, None, prompts, cfg, eos, f"{name}: target alone")
+            base = decode_set(target, None, prompts, cfg, eos, f"{name}: target alone", silent)
             entry["target_alone_tokens_per_s"] = sum(len(r.tokens) for r in base) / sum(r.total_s for r in base)
         for label, runner in drafts.items():
-            results = decode_set(target, runner, prompts, cfg, eos, f"{name}: {label} draft {shape_name(cfg.k, cfg.tree)}")
+            results = decode_set(target, runner, prompts, cfg, eos,
+                                 f"{name}: {label} draft {shape_name(cfg.k, cfg.tree)}", silent)
             entry[label] = summarise_set(results, cfg.k)
             if base is not None:
                 entry[label]["speedup"] = entry[label]["tokens_per_s"] / entry["target_alone_tokens_per_s"]
@@ -191,7 +194,7 @@ def decode_sets(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict,
     return out
 
 
-def run_eval(cfg: EvalConfig) -> dict:
+def run_eval(cfg: EvalConfig, silent: bool = False) -> dict:
     """Decode every prompt set with the draft (and the target alone); the report, also written
     to cfg.output when given. Everything is loaded and checked before the first decode."""
     cfg = check_config(cfg)
@@ -213,7 +216,7 @@ def run_eval(cfg: EvalConfig) -> dict:
     report = {"config": config_dict(cfg), "convention": "accept_length = mean tokens per target verify forward, "
               "counting the target's own token (k+1 at most); the prompt's first token is not counted",
               "aux_layer_ids": aux, "device": str(device), "dtype": str(dtype)}
-    report["sets"] = decode_sets(cfg, target, drafts, sets, set(end_of_turn_ids(model, tokenizer)))
+    report["sets"] = decode_sets(cfg, target, drafts, sets, set(end_of_turn_ids(model, tokenizer)), silent)
     report["environment"] = {"python": platform.python_version(), "torch": torch.__version__,
                              "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None}
     target.remove_hooks()
@@ -248,9 +251,9 @@ def format_table(report: dict) -> str:
 
 def write_report(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "eval_config.json", report["config"])  # the record check_output_folder reads
     atomic_write_json(out / "eval.json", report)
     atomic_write_bytes(out / "eval.txt", (format_table(report) + "\n").encode())
+    atomic_write_json(out / "eval_config.json", report["config"])  # the record check_output_folder reads: last
     plot_acceptance(report, out / "acceptance.png")
 
 

@@ -49,7 +49,8 @@ def read_manifest(root: Path) -> dict:
 
 def check_matches_target(manifest: dict, *, hidden_size: int, vocab_size: int, tokenizer_sha256: str | None,
                          aux_layer_ids: list[int] | None = None, config_sha256: str | None = None,
-                         weight_fingerprint: str | None = None, source: str = "feature set") -> None:
+                         weight_fingerprint: str | None = None, chat_template_sha256: str | None = None,
+                         source: str = "feature set") -> None:
     """Refuse a set captured from another target; the message names every mismatch."""
     target = manifest["target"]
     problems = []
@@ -61,6 +62,8 @@ def check_matches_target(manifest: dict, *, hidden_size: int, vocab_size: int, t
         problems.append(f"hidden size {target['hidden_size']} != target's {hidden_size}")
     if target["vocab_size"] != vocab_size:
         problems.append(f"vocab size {target['vocab_size']} != target's {vocab_size}")
+    if chat_template_sha256 is not None and manifest.get("chat_template_sha256") != chat_template_sha256:
+        problems.append("chat template hash differs from the target's chat template")
     if tokenizer_sha256 is not None and manifest["tokenizer_sha256"] != tokenizer_sha256:
         problems.append("tokenizer hash differs from the target's tokenizer")
     if aux_layer_ids is not None and list(manifest["aux_layer_ids"]) != list(aux_layer_ids):

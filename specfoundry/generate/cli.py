@@ -25,9 +25,7 @@ def run(greedy, recipe, silent, **options):
 
     Bad records are reported with their file and line, counted in the manifest and skipped
     (--strict stops instead). Rerunning the same command resumes."""
-    if greedy:
-        options["temperature"] = 0.0
-    cfg = resolve_config(RegenConfig, "regen", recipe, options)
+    cfg = resolve_config(RegenConfig, "regen", recipe, options, **({"temperature": 0.0} if greedy else {}))
     manifest = run_regen(cfg, silent=silent)
     for bad in manifest["bad_inputs"]:
         click.echo(f"bad input: {bad['location']}: {bad['kind']}: {bad['detail']}", err=True)

@@ -101,8 +101,9 @@ def check_featureset(fs: FeatureSet, cfg: TrainConfig, target_dir: Path) -> None
     if not manifest.get("complete"):
         raise FeatureSetError(f"feature set {cfg.featureset} is incomplete: rerun its sf-capture command to finish it")
     identity = target_identity(cfg.target, target_dir)
+    tokenizer_sha256, template_sha256 = tokenizer_hashes(load_tokenizer(target_dir))
     check_matches_target(manifest, hidden_size=identity.hidden_size, vocab_size=identity.vocab_size,
-                         tokenizer_sha256=tokenizer_hashes(load_tokenizer(target_dir))[0],
+                         tokenizer_sha256=tokenizer_sha256, chat_template_sha256=template_sha256,
                          config_sha256=identity.config_sha256, weight_fingerprint=weight_fingerprint(target_dir),
                          source=f"feature set {cfg.featureset}")
     if cfg.max_length is not None and cfg.max_length > manifest["max_length"]:
@@ -161,6 +162,9 @@ def build_draft(cfg: TrainConfig, fs: FeatureSet, target_dir: Path):
         from specfoundry.train.export import load_export
 
         dcfg, tensors = load_export(cfg.init_from)
+        if list(dcfg.aux_layer_ids) != list(manifest["aux_layer_ids"]):
+            raise FeatureSetError(f"--init-from {cfg.init_from} reads layers {list(dcfg.aux_layer_ids)}, but feature "
+                                  f"set {cfg.featureset} holds layers {manifest['aux_layer_ids']}")
         model = Eagle3Draft(dcfg)
         model.load_state_dict(tensors, strict=False)
     else:
