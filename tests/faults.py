@@ -81,26 +81,20 @@ def patch_writes(trigger: Trigger) -> None:
     import safetensors.torch
     import torch
 
-    torch_save = torch.save
+    def half_writing(write, what: str):
+        """`write(obj, path, ...)` that, when the trigger fires on `path`, leaves the file half written."""
 
-    def save(obj, f, *args, **kwargs):
-        fire = trigger.fires(f)
-        result = torch_save(obj, f, *args, **kwargs)
-        if fire:
-            half_written(f, "torch.save")
-        return result
+        def wrapper(obj, path, *args, **kwargs):
+            fire = trigger.fires(path)
+            result = write(obj, path, *args, **kwargs)
+            if fire:
+                half_written(path, what)
+            return result
 
-    torch.save = save
-    save_file = safetensors.torch.save_file
+        return wrapper
 
-    def safe_save_file(tensors, filename, *args, **kwargs):
-        fire = trigger.fires(filename)
-        result = save_file(tensors, filename, *args, **kwargs)
-        if fire:
-            half_written(filename, "safetensors save_file")
-        return result
-
-    safetensors.torch.save_file = safe_save_file
+    torch.save = half_writing(torch.save, "torch.save")
+    safetensors.torch.save_file = half_writing(safetensors.torch.save_file, "safetensors save_file")
 
 
 def main(argv: list[str]) -> None:
