@@ -181,15 +181,14 @@ def read_recipe(path: str | None, section: str) -> dict:
 
 def _convert(value, f: dataclasses.Field, hint):
     typ, is_tuple = _leaf_type(hint)
-    name = f.name
+    hint_name = f"--{f.name.replace('_', '-')}"
     if value is None:
         return None
     if f.metadata.get("parse"):
         try:
             return f.metadata["parse"](value)
         except ValueError as e:
-            raise click.BadParameter(str(e), param_hint=f"--{name.replace('_', '-')}") from e
-    hint_name = f"--{name.replace('_', '-')}"
+            raise click.BadParameter(str(e), param_hint=hint_name) from e
     if is_tuple:
         items = value.split(",") if isinstance(value, str) else list(value)
         try:
@@ -268,25 +267,25 @@ def build_config(cls, values: dict, source: str = "options"):
 
 # ---- what a config records -------------------------------------------------------------------
 
-def resume_settings(cfg) -> dict:
-    """The fields that decide what a run writes (those a resumed run must repeat), as JSON reads them."""
+def config_dict(cfg, resume_only: bool = False) -> dict:
+    """Every field of a config, as JSON reads it back; with resume_only, only the fields that
+    decide what a run writes (those a resumed run must repeat, not those marked resume=False)."""
     out = {}
     for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if not f.metadata.get("resume", True):
+        if resume_only and not f.metadata.get("resume", True):
             continue
+        value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
-            value = resume_settings(value)
+            value = config_dict(value, resume_only)
         elif isinstance(value, tuple):
             value = list(value)
         out[f.name] = value
     return out
 
 
-def config_dict(cfg) -> dict:
-    """Every field of a config, as JSON reads it back."""
-    return {f.name: (config_dict(v) if dataclasses.is_dataclass(v := getattr(cfg, f.name))
-                     else list(v) if isinstance(v, tuple) else v) for f in dataclasses.fields(cfg)}
+def resume_settings(cfg) -> dict:
+    """What a rerun into the same output must repeat."""
+    return config_dict(cfg, resume_only=True)
 
 
 # ---- errors ------------------------------------------------------------------------------------
