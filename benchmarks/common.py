@@ -143,7 +143,7 @@ class FlexArgsAttention(torch.nn.Module):
 
     def forward(self, x, cos, sin, cache, lengths, step: int, attention: str) -> torch.Tensor:
         from specfoundry.kernels.tree_attention import tree_attention
-        from specfoundry.train.model import apply_rotary_pos_emb
+        from specfoundry.train.eagle3.model import apply_rotary_pos_emb
 
         a = self.attn
         b, t, _ = x.shape

@@ -33,7 +33,7 @@ import torch
 from benchmarks.common import FlexArgsAttention, print_table, write_result
 from specfoundry.kernels import tree_attention as ta
 from specfoundry.testing import SMOL_DRAFT, random_ttt_module
-from specfoundry.train.config import DraftConfig
+from specfoundry.train.eagle3.config import Eagle3Config
 from specfoundry.train.loader import Batch, padded_width, plan_batches
 
 
@@ -45,7 +45,7 @@ def make_batches(n: int, max_tokens: int, seed: int = 0, pad: int = 128) -> list
     return [[lengths[i] for i in b] for b in plan[:n]]
 
 
-def to_batch(lengths: list[int], pad: int, cfg: DraftConfig) -> Batch:
+def to_batch(lengths: list[int], pad: int, cfg: Eagle3Config) -> Batch:
     """Random features drawn at the 128-rounded width and cut to this variant's width, so every
     variant sees the same values at the same valid positions."""
     b, wide, h = len(lengths), padded_width(max(lengths), 128), cfg.target_hidden_size

@@ -43,8 +43,8 @@ from specfoundry.featureset.store import FeatureSet
 from specfoundry.generate.backend import SamplingConfig
 from specfoundry.generate.hf_backend import HFBackend
 from specfoundry.generate.regen import RegenConfig, run_regen
-from specfoundry.train.export import validate
-from specfoundry.train.model import TTTCache
+from specfoundry.train.eagle3.export import validate
+from specfoundry.train.eagle3.model import TTTCache
 from specfoundry.train.trainer import TrainConfig, complete_checkpoints, run_train
 from specfoundry.train.vocab import choose_draft_vocab, draft_ids_from_d2t
 

@@ -12,23 +12,23 @@ import torch
 from specfoundry.common.files import atomic_write_json
 from specfoundry.featureset.manifest import FORMAT, FORMAT_VERSION, MANIFEST
 from specfoundry.featureset.store import FeatureSet, shard_name, write_shard
-from specfoundry.train.config import DraftConfig
-from specfoundry.train.model import Eagle3Draft
-from specfoundry.train.ttt import TTTModule
+from specfoundry.train.eagle3.config import Eagle3Config
+from specfoundry.train.eagle3.model import Eagle3Draft
+from specfoundry.train.eagle3.ttt import TTTModule
 from specfoundry.train.vocab import vocab_maps
 
-LLAMA8B_DRAFT = DraftConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+LLAMA8B_DRAFT = Eagle3Config(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                             head_dim=128, rope_theta=500000.0, max_position_embeddings=131072, vocab_size=128256,
                             draft_vocab_size=32000, target_hidden_size=4096, aux_layer_ids=(1, 15, 28))
 """The EAGLE-3 draft of Llama-3.1-8B: H 4096, 32 query / 8 KV heads of 128, target vocab 128256 -> 32000."""
 
-SMOL_DRAFT = DraftConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+SMOL_DRAFT = Eagle3Config(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                          head_dim=64, vocab_size=49152, draft_vocab_size=16000, target_hidden_size=576,
                          aux_layer_ids=(1, 14, 26))
 """The EAGLE-3 draft of SmolLM2-135M: H 576, 9 query / 3 KV heads of 64, target vocab 49152 -> 16000."""
 
 
-def write_random_featureset(root: Path, n: int, t: int, cfg: DraftConfig) -> FeatureSet:
+def write_random_featureset(root: Path, n: int, t: int, cfg: Eagle3Config) -> FeatureSet:
     """A one-shard safetensors (bf16) feature set of n samples of t tokens for a target of cfg's
     shape, random features (seed 0), every token in the loss; opened with FeatureSet."""
     g = torch.Generator().manual_seed(0)
@@ -46,7 +46,7 @@ def write_random_featureset(root: Path, n: int, t: int, cfg: DraftConfig) -> Fea
     return FeatureSet(root)
 
 
-def random_ttt_module(cfg: DraftConfig, vocab_stride: int, head_scale: float,
+def random_ttt_module(cfg: Eagle3Config, vocab_stride: int, head_scale: float,
                       compile_elementwise: bool = True) -> TTTModule:
     """A draft of shape `cfg` with random weights (seed 0), every `vocab_stride`-th target token
     in its vocabulary, and a random bf16 teacher head of scale `head_scale`, on the CPU: the

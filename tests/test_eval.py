@@ -17,8 +17,8 @@ from specfoundry.eval.evaluate import BUILTIN_SETS, EvalConfig, EvalError, load_
 from specfoundry.eval.speculative import DraftRunner, Sampler, TargetRunner, speculative_generate
 from specfoundry.eval.tree import propose_tree, tree_generate
 from specfoundry.featureset.store import FeatureSet
-from specfoundry.train.config import draft_config_from_target
-from specfoundry.train.model import Eagle3Draft
+from specfoundry.train.eagle3.config import draft_config_from_target
+from specfoundry.train.eagle3.model import Eagle3Draft
 from specfoundry.train.vocab import vocab_maps
 
 

@@ -15,7 +15,7 @@ from specfoundry.common.shards import OutputFolderError, ShardedOutput
 from specfoundry.eval.draft import DraftLoadError, check_trained_for
 from specfoundry.featureset.manifest import MANIFEST, FeatureSetError
 from specfoundry.featureset.store import ShardReader, write_shard
-from specfoundry.train.export import TARGET_FILE
+from specfoundry.train.eagle3.export import TARGET_FILE
 from specfoundry.train.trainer import TrainConfig, run_train
 from tests.conftest import CHAT, write_jsonl
 

@@ -13,16 +13,16 @@ from safetensors.torch import load_file
 from specfoundry.capture.stage import CaptureConfig, run_capture
 from specfoundry.featureset.store import Sample
 from specfoundry.kernels.tree_attention import tree_attention
-from specfoundry.train.config import DraftConfig
-from specfoundry.train.export import expected_tensors, export_draft, validate
+from specfoundry.train.eagle3.config import Eagle3Config
+from specfoundry.train.eagle3.export import expected_tensors, export_draft, validate
+from specfoundry.train.eagle3.model import Eagle3Draft, TTTCache, apply_rotary_pos_emb
+from specfoundry.train.eagle3.ttt import ttt_loss
 from specfoundry.train.loader import Batch, BatchDataset, FeatureLoader, plan_batches
-from specfoundry.train.model import Eagle3Draft, TTTCache, apply_rotary_pos_emb
 from specfoundry.train.trainer import TrainConfig, Trainer, resolved_pad_multiple, run_train
-from specfoundry.train.ttt import ttt_loss
 from specfoundry.train.vocab import choose_draft_vocab, vocab_maps
 from tests.conftest import CHAT, write_jsonl
 
-TINY = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+TINY = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                    vocab_size=97, draft_vocab_size=40, target_hidden_size=24, aux_layer_ids=(1, 2, 3))
 
 

@@ -15,20 +15,20 @@ from safetensors.torch import load_file
 from specfoundry.common.target import load_tokenizer, target_identity
 from specfoundry.common.weights import target_embeddings, weight_fingerprint
 from specfoundry.featureset.manifest import tokenizer_hashes
-from specfoundry.train.config import DraftConfig
-from specfoundry.train.export import TARGET_FILE
-from specfoundry.train.model import Eagle3Draft
+from specfoundry.train.eagle3.config import Eagle3Config
+from specfoundry.train.eagle3.export import TARGET_FILE
+from specfoundry.train.eagle3.model import Eagle3Draft
 
 
 class DraftLoadError(ValueError):
     pass
 
 
-def config_from_sglang(config: dict) -> DraftConfig:
-    """A DraftConfig from an SGLang EAGLE-3 config.json (drafts exported by other tools)."""
+def config_from_sglang(config: dict) -> Eagle3Config:
+    """A Eagle3Config from an SGLang EAGLE-3 config.json (drafts exported by other tools)."""
     eagle = config.get("eagle_config") or {}
     try:
-        return DraftConfig(
+        return Eagle3Config(
             hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
             num_attention_heads=config["num_attention_heads"],
             num_key_value_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
@@ -44,7 +44,7 @@ def config_from_sglang(config: dict) -> DraftConfig:
         raise DraftLoadError(f"draft config.json lacks {e.args[0]!r}") from None
 
 
-def find_draft_files(path: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
+def find_draft_files(path: Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
     """(config, tensors named as in Eagle3Draft) from whichever kind of folder `path` is."""
     if (path / "export" / "config.json").is_file():  # a training run: use its export
         path = path / "export"
@@ -55,13 +55,13 @@ def find_draft_files(path: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
         sglang = json.loads((path / "config.json").read_text())
         cfg = config_from_sglang(sglang)
         if ours.is_file():
-            own = DraftConfig.from_dict(json.loads(ours.read_text())).to_dict()
+            own = Eagle3Config.from_dict(json.loads(ours.read_text())).to_dict()
             own["aux_layer_ids"] = cfg.aux_layer_ids or tuple(own["aux_layer_ids"])
-            cfg = DraftConfig.from_dict(own)
+            cfg = Eagle3Config.from_dict(own)
         return cfg, load_file(str(path / "model.safetensors"))
     run = path.parent.parent  # <run>/checkpoints/step-N
     if (path / "model.safetensors").is_file() and (run / "draft_config.json").is_file():
-        cfg = DraftConfig.from_dict(json.loads((run / "draft_config.json").read_text()))
+        cfg = Eagle3Config.from_dict(json.loads((run / "draft_config.json").read_text()))
         tensors = load_file(str(path / "model.safetensors"))
         return cfg, {k.removeprefix("draft."): v for k, v in tensors.items() if k.startswith("draft.")}
     raise DraftLoadError(f"{path} is not an exported draft (config.json + model.safetensors), an sf-train run "

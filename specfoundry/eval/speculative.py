@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specfoundry.common.taps import AuxLayerTap
-from specfoundry.train.model import Eagle3Draft, KVCache
+from specfoundry.train.eagle3.model import Eagle3Draft, KVCache
 from specfoundry.train.vocab import draft_ids_from_d2t
 
 

@@ -36,11 +36,11 @@ from specfoundry.common.target import EMBEDDED_DEFAULT, load_tokenizer, resolve_
 from specfoundry.common.weights import target_embeddings, target_lm_head, weight_fingerprint
 from specfoundry.featureset.manifest import FeatureSetError, check_matches_target, tokenizer_hashes
 from specfoundry.featureset.store import FeatureSet
-from specfoundry.train.config import draft_config_from_target
-from specfoundry.train.export import export_draft
+from specfoundry.train.eagle3.config import draft_config_from_target
+from specfoundry.train.eagle3.export import export_draft
+from specfoundry.train.eagle3.model import Eagle3Draft
+from specfoundry.train.eagle3.ttt import TTTModule, summarise
 from specfoundry.train.loader import Batch, FeatureLoader, split_indices
-from specfoundry.train.model import Eagle3Draft
-from specfoundry.train.ttt import TTTModule, summarise
 from specfoundry.train.vocab import choose_draft_vocab, vocab_maps
 
 ATTENTIONS = ("auto", "flex", "sdpa", "eager")
@@ -159,7 +159,7 @@ def lr_lambda(warmup: int, total: int):
 def build_draft(cfg: TrainConfig, fs: FeatureSet, target_dir: Path):
     manifest = fs.manifest
     if cfg.init_from:
-        from specfoundry.train.export import load_export
+        from specfoundry.train.eagle3.export import load_export
 
         dcfg, tensors = load_export(cfg.init_from)
         if list(dcfg.aux_layer_ids) != list(manifest["aux_layer_ids"]):

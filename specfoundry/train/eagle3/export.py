@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from specfoundry.train.config import DraftConfig
+from specfoundry.train.eagle3.config import Eagle3Config
 
 
-def expected_tensors(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+def expected_tensors(cfg: Eagle3Config) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
     """Every tensor name SGLang's loader expects, with its shape (dtype None = the float dtype)."""
     h, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     return {
@@ -40,7 +40,7 @@ def expected_tensors(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch
     }
 
 
-def sglang_config(cfg: DraftConfig) -> dict:
+def sglang_config(cfg: Eagle3Config) -> dict:
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -66,7 +66,7 @@ def sglang_config(cfg: DraftConfig) -> dict:
     }
 
 
-def validate(tensors: dict[str, torch.Tensor], cfg: DraftConfig) -> None:
+def validate(tensors: dict[str, torch.Tensor], cfg: Eagle3Config) -> None:
     spec = expected_tensors(cfg)
     missing = sorted(set(spec) - set(tensors))
     extra = sorted(set(tensors) - set(spec))
@@ -83,7 +83,7 @@ def validate(tensors: dict[str, torch.Tensor], cfg: DraftConfig) -> None:
 TARGET_FILE = "specfoundry_target.json"
 
 
-def export_draft(state_dict: dict[str, torch.Tensor], cfg: DraftConfig, out_dir: str | Path,
+def export_draft(state_dict: dict[str, torch.Tensor], cfg: Eagle3Config, out_dir: str | Path,
                  dtype: torch.dtype = torch.bfloat16, target: dict | None = None) -> Path:
     """Write the SGLang directory; `target`: the identity of the target the draft was trained
     for (from the feature set's manifest), kept beside it so a later eval can check it."""
@@ -104,9 +104,9 @@ def export_draft(state_dict: dict[str, torch.Tensor], cfg: DraftConfig, out_dir:
     return out
 
 
-def load_export(path: str | Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
+def load_export(path: str | Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
     path = Path(path)
-    cfg = DraftConfig.from_dict(json.loads((path / "specfoundry_draft.json").read_text()))
+    cfg = Eagle3Config.from_dict(json.loads((path / "specfoundry_draft.json").read_text()))
     return cfg, load_file(str(path / "model.safetensors"))

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from specfoundry.kernels.soft_ce import soft_target_cross_entropy
+from specfoundry.train.eagle3.model import Eagle3Draft, TTTCache
 from specfoundry.train.loader import Batch
-from specfoundry.train.model import Eagle3Draft, TTTCache
 from specfoundry.train.teacher import teacher_targets
 from specfoundry.train.vocab import draft_ids_from_d2t
 

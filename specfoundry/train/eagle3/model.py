@@ -9,14 +9,10 @@ r2 (the pre-norm state) is what the next draft step receives as its hidden input
 Two forwards share these weights: `ttt_forward` (training: one Training-Time Test step over whole
 sequences, attending through the tree mask to the earlier steps' keys) and `decode_forward`
 (sf-eval: new tokens after a KV cache). Parallelism and checkpoints live elsewhere
-(train/trainer.py). With `compile_elementwise(True)` (the trainer on a GPU) the chains of small
-elementwise ops (RMSNorm, SwiGLU, RoPE) run through torch.compile, which fuses each chain and its
-backward into a kernel or two instead of one memory pass over [T, H..I] activations per op.
+(train/trainer.py); the building blocks shared with other families, in train/layers.py.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn as nn
@@ -25,59 +21,14 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from specfoundry.kernels.tree_attention import eager_tree_attention, tree_attention
-from specfoundry.train.config import DraftConfig
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / rms(x), in fp32, rounded once to x's dtype (as SGLang's fused kernel does;
-    an fp32 master weight under autocast would otherwise make the output fp32)."""
-    xf = x.float()
-    return (weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
-def compiled_on_cuda(fn):
-    """fn(*args), through torch.compile when the first argument is on a GPU, else plain. The
-    compiled function is made on first GPU use (making it imports inductor, which a CPU-only run
-    never needs); shapes that change become dynamic after the second."""
-    compiled = None
-
-    @functools.wraps(fn)
-    def call(*args):
-        nonlocal compiled
-        if not args[0].is_cuda:
-            return fn(*args)
-        if compiled is None:
-            compiled = torch.compile(fn)
-        return compiled(*args)
-
-    return call
-
-
-COMPILED_ELEMENTWISE = {fn: compiled_on_cuda(fn) for fn in (rms_norm, swiglu, apply_rotary_pos_emb)}
-
-
-class CompiledElementwise(nn.Module):
-    """A module whose elementwise chains may run compiled (`compiled_elementwise`, set for the
-    whole draft by Eagle3Draft.compile_elementwise)."""
-
-    compiled_elementwise = False
-
-    def elementwise(self, fn, *args):
-        return COMPILED_ELEMENTWISE[fn](*args) if self.compiled_elementwise else fn(*args)
-
-
-class RMSNorm(CompiledElementwise):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.elementwise(rms_norm, x, self.weight, self.eps)
+from specfoundry.train.eagle3.config import Eagle3Config
+from specfoundry.train.layers import (
+    CompiledElementwise,
+    FrozenEmbedding,
+    RMSNorm,
+    set_compiled_elementwise,
+    swiglu,
+)
 
 
 class KVCache:
@@ -142,7 +93,7 @@ class Eagle3Attention(CompiledElementwise):
     """q/k/v read the 2H-wide concat; GQA; RoPE as the target's. Two entry points, one per use:
     `ttt_attention` (training) and `decode_attention` (sf-eval)."""
 
-    def __init__(self, cfg: DraftConfig):
+    def __init__(self, cfg: Eagle3Config):
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, hd
@@ -194,7 +145,7 @@ class Eagle3Attention(CompiledElementwise):
 
 
 class Eagle3DecoderLayer(CompiledElementwise):
-    def __init__(self, cfg: DraftConfig):
+    def __init__(self, cfg: Eagle3Config):
         super().__init__()
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
@@ -216,22 +167,8 @@ class Eagle3DecoderLayer(CompiledElementwise):
         return mlp + r1  # [B, T, H] pre-norm state
 
 
-class FrozenEmbedding(nn.Module):
-    """The target's token embeddings, frozen. A buffer, not a parameter, so that FSDP/ZeRO never
-    puts it into the sharded flat parameter: there it would fill whole ranks' shares (it is half
-    of an 8B draft's weights) and leave the Adam state of the trainable weights on the others."""
-
-    def __init__(self, vocab_size: int, hidden_size: int):
-        super().__init__()
-        # N(0, 1) as nn.Embedding initialises (same values, same RNG use) until the target's are copied in
-        self.register_buffer("weight", nn.init.normal_(torch.empty(vocab_size, hidden_size)))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
-
-
 class Eagle3Draft(nn.Module):
-    def __init__(self, cfg: DraftConfig):
+    def __init__(self, cfg: Eagle3Config):
         super().__init__()
         self.cfg = cfg
         h = cfg.hidden_size
@@ -273,12 +210,8 @@ class Eagle3Draft(nn.Module):
         return pre, self.norm(pre)
 
     def compile_elementwise(self, on: bool = True) -> Eagle3Draft:
-        """Run RMSNorm, SwiGLU and RoPE through torch.compile on GPU tensors (training); off by
-        default, so that decoding (sf-eval) compiles nothing."""
-        for m in self.modules():
-            if isinstance(m, CompiledElementwise):
-                m.compiled_elementwise = on
-        return self
+        """Run RMSNorm, SwiGLU and RoPE through torch.compile on GPU tensors (training)."""
+        return set_compiled_elementwise(self, on)
 
     def trainable_parameters(self):
         return [p for p in self.parameters() if p.requires_grad]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 @dataclass(frozen=True, kw_only=True)
-class DraftConfig:
+class Eagle3Config:
     """Shape of the EAGLE-3 draft (one decoder layer); fields follow the target's config."""
 
     hidden_size: int
@@ -35,14 +35,14 @@ class DraftConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> DraftConfig:
+    def from_dict(cls, d: dict) -> Eagle3Config:
         d = dict(d)
         d["aux_layer_ids"] = tuple(d.get("aux_layer_ids", ()))
         return cls(**d)
 
 
 def draft_config_from_target(target_config: dict | Path, draft_vocab_size: int, aux_layer_ids,
-                             overrides: dict | None = None) -> DraftConfig:
+                             overrides: dict | None = None) -> Eagle3Config:
     """The draft mirrors the target's attention shape, RoPE and norms (a recipe may override)."""
     if isinstance(target_config, Path | str):
         target_config = json.loads((Path(target_config) / "config.json").read_text())
@@ -70,4 +70,4 @@ def draft_config_from_target(target_config: dict | Path, draft_vocab_size: int, 
         hidden_act=c.get("hidden_act", "silu"),
     )
     d.update(overrides or {})
-    return DraftConfig(**d)
+    return Eagle3Config(**d)
