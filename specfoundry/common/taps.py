@@ -15,6 +15,20 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
+def dflash_default_layers(num_layers: int, num_draft_layers: int = 5) -> list[int]:
+    """DFlash's default: num_draft_layers ids spread evenly from layer 1 to layer L-3, rounded,
+        id_i = round(1 + i * (L - 4) / (n - 1)),  i = 0..n-1     (n = 1: [L // 2])
+    e.g. [1, 9, 17, 25, 33] for L = 36, n = 5 (the public DFlash drafts' layers)."""
+    if num_draft_layers == 1:
+        return [num_layers // 2]
+    span = num_layers - 4
+    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+FAMILY_DEFAULT_LAYERS = {"eagle3": default_aux_layers, "dflash": dflash_default_layers}
+"""Each draft family's default layers for a target of L layers (sf-capture --families takes their union)."""
+
+
 def decoder_layers(model):
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)

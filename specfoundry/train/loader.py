@@ -15,7 +15,7 @@ consumed) resumes exactly.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -30,21 +30,25 @@ class Batch:
 
     input_ids: torch.Tensor  # [B, T] int64, right-padded
     loss_mask: torch.Tensor  # [B, T] bool
-    aux_hidden: torch.Tensor  # [B, T, 3H]
-    final_hidden: torch.Tensor  # [B, T, H]
+    aux_hidden: torch.Tensor  # [B, T, K*H]: the K layers the family reads, in its order
+    final_hidden: torch.Tensor | None  # [B, T, H]; None when the family reads no final state
     lengths: list[int]
+    indices: list[int] = field(default_factory=list)  # the rows' sample indices in the feature set
+    epoch: int = 0  # the loader's epoch (a family's per-sample randomness is seeded by it and the index)
+
+    def _map(self, fn, float_fn) -> Batch:
+        final = None if self.final_hidden is None else float_fn(self.final_hidden)
+        return Batch(fn(self.input_ids), fn(self.loss_mask), float_fn(self.aux_hidden), final, self.lengths,
+                     self.indices, self.epoch)
 
     def to(self, device, dtype=None) -> Batch:
         """On `device`; asynchronous when the batch is in pinned memory (see pin_memory)."""
-        return Batch(self.input_ids.to(device, non_blocking=True), self.loss_mask.to(device, non_blocking=True),
-                     self.aux_hidden.to(device, dtype, non_blocking=True),
-                     self.final_hidden.to(device, dtype, non_blocking=True), self.lengths)
+        return self._map(lambda t: t.to(device, non_blocking=True), lambda t: t.to(device, dtype, non_blocking=True))
 
     def pin_memory(self) -> Batch:
         """The DataLoader's pin_memory hook: a copy to the GPU from pinned memory is asynchronous
         and runs at full bus speed; from pageable memory it is a synchronous staged copy."""
-        return Batch(self.input_ids.pin_memory(), self.loss_mask.pin_memory(), self.aux_hidden.pin_memory(),
-                     self.final_hidden.pin_memory(), self.lengths)
+        return self._map(lambda t: t.pin_memory(), lambda t: t.pin_memory())
 
 
 def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -123,9 +127,22 @@ class BatchDataset(Dataset):
     """Item k is batch k of a plan: reads and pads its samples (runs in loader workers)."""
 
     def __init__(self, featureset: FeatureSet, batches: list[list[int]], max_length: int | None,
-                 pad_multiple: int = 1, max_tokens: int | None = None):
+                 pad_multiple: int = 1, max_tokens: int | None = None, layers: list[int] | None = None,
+                 final: bool = True, epoch: int = 0):
+        """layers: the positions, in the set's stored layer list, of the layers handed out (in that
+        order; None: all); final: whether the final state is read and handed out."""
         self.fs, self.batches, self.max_length, self.pad_multiple = featureset, batches, max_length, pad_multiple
-        self.max_tokens = max_tokens
+        self.max_tokens, self.layers, self.final, self.epoch = max_tokens, layers, final, epoch
+
+    def select(self, aux: torch.Tensor) -> torch.Tensor:
+        """[T, L*H] stored layers -> [T, K*H] the chosen ones; a view when they are all of them."""
+        if self.layers is None:
+            return aux
+        t, width = aux.shape
+        stored = len(self.fs.manifest["aux_layer_ids"])
+        if self.layers == list(range(stored)):
+            return aux
+        return aux.view(t, stored, width // stored)[:, self.layers].reshape(t, -1)
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -133,8 +150,9 @@ class BatchDataset(Dataset):
     def __getitem__(self, k: int) -> Batch:
         samples = [self.fs[i] for i in self.batches[k]]
         for i, s in zip(self.batches[k], samples, strict=True):
+            s.aux_hidden = self.select(s.aux_hidden)
             # a NaN or Inf would spread through the whole draft in one optimizer step
-            if not (torch.isfinite(s.aux_hidden).all() and torch.isfinite(s.final_hidden).all()):
+            if not (torch.isfinite(s.aux_hidden).all() and (not self.final or torch.isfinite(s.final_hidden).all())):
                 raise FeatureSetError(f"{self.fs.where(i)} holds non-finite hidden states (NaN or Inf); "
                                       "recapture it (sf-capture verify lists every such sample)")
         cut = self.max_length or max(len(s.input_ids) for s in samples)
@@ -150,11 +168,13 @@ class BatchDataset(Dataset):
         ids = torch.zeros(b, width, dtype=torch.int64)
         mask = torch.zeros(b, width, dtype=torch.bool)
         aux = torch.zeros(b, width, h3, dtype=dtype)
-        final = torch.zeros(b, width, h, dtype=dtype)
+        final = torch.zeros(b, width, h, dtype=dtype) if self.final else None
         for r, (s, n) in enumerate(zip(samples, lengths[: len(samples)], strict=True)):
             ids[r, :n], mask[r, :n] = s.input_ids[:n], s.loss_mask[:n]
-            aux[r, :n], final[r, :n] = s.aux_hidden[:n], s.final_hidden[:n]
-        return Batch(ids, mask, aux, final, lengths)
+            aux[r, :n] = s.aux_hidden[:n]
+            if final is not None:
+                final[r, :n] = s.final_hidden[:n]
+        return Batch(ids, mask, aux, final, lengths, list(self.batches[k]), self.epoch)
 
 
 @dataclass
@@ -166,10 +186,11 @@ class LoaderState:
 class FeatureLoader:
     def __init__(self, featureset: FeatureSet, indices: list[int], *, max_tokens: int, seed: int, rank: int = 0,
                  world: int = 1, num_workers: int = 2, max_length: int | None = None, pad_multiple: int = 1,
-                 pin_memory: bool = False):
-        """pin_memory: hand out batches in pinned host memory (for a GPU: fast, asynchronous copies)."""
+                 pin_memory: bool = False, layers: list[int] | None = None, final: bool = True):
+        """pin_memory: hand out batches in pinned host memory (for a GPU: fast, asynchronous copies).
+        layers, final: which stored features a batch holds (BatchDataset's)."""
         self.fs, self.indices = featureset, indices
-        self.pin_memory = pin_memory
+        self.pin_memory, self.layers, self.final = pin_memory, layers, final
         self.lengths = {i: featureset.lengths[i] for i in indices}
         self.max_tokens, self.seed, self.rank, self.world = max_tokens, seed, rank, world
         self.num_workers, self.max_length, self.pad_multiple = num_workers, max_length, pad_multiple
@@ -186,7 +207,8 @@ class FeatureLoader:
         """Yields batches forever, epoch after epoch, from the saved position on."""
         while True:
             remaining = self.plan(self.state.epoch)[self.state.position :]
-            dataset = BatchDataset(self.fs, remaining, self.max_length, self.pad_multiple, self.max_tokens)
+            dataset = BatchDataset(self.fs, remaining, self.max_length, self.pad_multiple, self.max_tokens,
+                                   self.layers, self.final, self.state.epoch)
             loader = DataLoader(dataset, batch_size=None, shuffle=False,
                                 num_workers=self.num_workers if remaining else 0,
                                 prefetch_factor=4 if self.num_workers and remaining else None,

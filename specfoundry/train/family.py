@@ -1,0 +1,116 @@
+"""Draft families: what one family supplies to the shared Trainer, loader, checkpoints and exports.
+
+The Trainer, the loader, checkpoints, Accelerate/ZeRO-2, resume, recipes and commands are the
+same for every family. A family supplies (train side):
+    layers        the captured target layers it reads (the set's, or its default for the target),
+                  and whether it reads the final state (the teacher's input)
+    build         its draft config, derived from the target's config and the feature set, and its
+                  model (fresh, or from an export given with --init-from)
+    module        the nn.Module whose forward(batch) returns (loss, per-position metrics)
+    export        the directory an engine serves, and the reading back of it
+sf-eval holds the decoding of each family (eval/: chain and tree for EAGLE-3, block for DFlash),
+and gate.py its gate case. The family's name is recorded in every checkpoint's
+draft_config.json and every export's specfoundry_draft.json.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from specfoundry.featureset.manifest import FeatureSetError
+
+TARGET_FILE = "specfoundry_target.json"
+"""Beside every export: the identity of the target it was trained for (from the feature set)."""
+DRAFT_FILE = "specfoundry_draft.json"
+"""Beside every export: our own config of the draft, with its family."""
+
+
+class DraftFamily:
+    """The interface; each family subclasses it (train/eagle3/family.py, train/dflash/family.py)."""
+
+    name: str
+    options_field: str
+    """The TrainConfig field holding this family's options (a nested config)."""
+
+    def default_layers(self, num_target_layers: int, options) -> list[int]:
+        raise NotImplementedError
+
+    def layer_count(self, options) -> int | None:
+        """How many layers the family reads; None: any number."""
+        raise NotImplementedError
+
+    def needs_final_state(self, options) -> bool:
+        raise NotImplementedError
+
+    def build(self, options, fs, target_dir: Path, layers: list[int], init_from: str | None):
+        """(draft nn.Module with the target's embeddings copied in, its config)."""
+        raise NotImplementedError
+
+    def module(self, draft, target_dir: Path, dtype: torch.dtype, options) -> torch.nn.Module:
+        """The training module: forward(batch, attention=, loss_kernel=, loss_scale=) returns (total loss,
+        [{loss, hits, valid}] per predicted position)."""
+        raise NotImplementedError
+
+    def export(self, state: dict[str, torch.Tensor], draft_config, out: Path, target: dict | None) -> Path:
+        raise NotImplementedError
+
+    def config_from_dict(self, d: dict):
+        raise NotImplementedError
+
+
+def family_names() -> tuple[str, ...]:
+    return ("eagle3", "dflash")
+
+
+def get_family(name: str) -> DraftFamily:
+    if name == "eagle3":
+        from specfoundry.train.eagle3.family import EAGLE3
+
+        return EAGLE3
+    if name == "dflash":
+        from specfoundry.train.dflash.family import DFLASH
+
+        return DFLASH
+    raise ValueError(f"unknown draft family {name!r}: choose one of {', '.join(family_names())}")
+
+
+def family_of_export(path: Path) -> str:
+    """The family of an exported draft folder: ours records it; another tool's config.json names its
+    architecture."""
+    ours = path / DRAFT_FILE
+    if ours.is_file():
+        return json.loads(ours.read_text()).get("family", "eagle3")
+    config = json.loads((path / "config.json").read_text())
+    arch = " ".join(config.get("architectures") or [])
+    return "dflash" if "DFlash" in arch else "eagle3"
+
+
+def select_layers(manifest: dict, family: DraftFamily, options, explicit: tuple[int, ...] | None,
+                  num_target_layers: int, source: str) -> list[int]:
+    """The stored layers a family reads: `explicit` (--layers) if given; else every stored layer when
+    the set holds exactly as many as the family reads; else the family's default for the target.
+    Refuses a layer the set lacks, naming it and what the set holds."""
+    held = list(manifest["aux_layer_ids"])
+    count = family.layer_count(options)
+    if explicit:
+        wanted = list(explicit)
+        how = "--layers"
+    elif count is None or len(held) == count:
+        wanted = held
+        how = ""
+    else:
+        wanted = family.default_layers(num_target_layers, options)
+        how = f"the {family.name} default for a {num_target_layers}-layer target"
+    if count is not None and len(wanted) != count:
+        raise FeatureSetError(f"the {family.name} draft reads {count} layers; {how or source} gives {wanted}")
+    missing = [i for i in wanted if i not in held]
+    if missing:
+        raise FeatureSetError(f"{source} lacks layer{'s' if len(missing) > 1 else ''} "
+                              f"{', '.join(map(str, missing))} that the {family.name} draft reads ({how}: {wanted}); "
+                              f"it holds {held}: recapture with sf-capture --aux-layers, or pick --layers from those")
+    if family.needs_final_state(options) and manifest.get("has_final", True) is False:
+        raise FeatureSetError(f"{source} holds no final hidden state, which the {family.name} teacher reads")
+    return wanted
