@@ -43,6 +43,7 @@ from specfoundry.featureset.store import FeatureSet
 from specfoundry.generate.backend import SamplingConfig
 from specfoundry.generate.hf_backend import HFBackend
 from specfoundry.generate.regen import RegenConfig, run_regen
+from specfoundry.train.eagle3.config import Eagle3Options
 from specfoundry.train.eagle3.export import validate
 from specfoundry.train.eagle3.model import TTTCache
 from specfoundry.train.trainer import TrainConfig, complete_checkpoints, run_train
@@ -99,7 +100,8 @@ def build(cfg: GateConfig, silent: bool = True) -> Path:
                               shard_size=1, device=cfg.device), silent=silent)
     on_gpu = pick_device(cfg.device).type == "cuda"
     result = run_train(TrainConfig(featureset=str(work / "features"), output=str(work / "train"), target=cfg.target,
-                               draft_vocab_size=cfg.draft_vocab_size, ttt_length=cfg.k, lr=cfg.lr, warmup_steps=10,
+                               eagle3=Eagle3Options(draft_vocab_size=cfg.draft_vocab_size, ttt_length=cfg.k),
+                               lr=cfg.lr, warmup_steps=10,
                                max_steps=cfg.max_steps, eval_fraction=0.0, save_every=cfg.max_steps, keep_last=1,
                                num_workers=0, loss="auto" if on_gpu else "reference", log_every=10**9), silent=silent)
     return Path(result["export"])
@@ -164,7 +166,7 @@ def check_positions(draft: DraftRunner, sample, cached: torch.Tensor) -> Check:
     n = len(sample.input_ids)
     with torch.inference_mode():
         ids = sample.input_ids[1:].to(device)[None]  # training's step 0: token x_{i+1} at position i
-        hidden = model.fc(sample.aux_hidden[:-1].to(device, dtype)[None])
+        hidden = model.project(sample.aux_hidden[:-1].to(device, dtype)[None])
         _, normed = model.ttt_forward(ids, hidden, torch.arange(n - 1, device=device)[None], TTTCache(), [n - 1], 0,
                                        "sdpa")
         training = model.lm_head(normed)[0].float()

@@ -10,12 +10,13 @@ import pytest
 from click.testing import CliRunner
 
 from specfoundry.capture.stage import CaptureConfig, run_capture
+from specfoundry.common.cli import build_config
 from specfoundry.common.conversations import ConversationFormatError, load_conversations
 from specfoundry.common.shards import OutputFolderError, ShardedOutput
 from specfoundry.eval.draft import DraftLoadError, check_trained_for
 from specfoundry.featureset.manifest import MANIFEST, FeatureSetError
 from specfoundry.featureset.store import ShardReader, write_shard
-from specfoundry.train.eagle3.export import TARGET_FILE
+from specfoundry.train.family import TARGET_FILE
 from specfoundry.train.trainer import TrainConfig, run_train
 from tests.conftest import CHAT, write_jsonl
 
@@ -34,7 +35,7 @@ def tiny_cfg(fs, out, **kw) -> TrainConfig:
     base = dict(featureset=str(fs), output=str(out), draft_vocab_size=256, ttt_length=2, lr=3e-3, warmup_steps=1,
                 max_steps=2, max_batch_tokens=256, eval_fraction=0.0, save_every=2, num_workers=0,
                 log_every=1000, loss="reference")
-    return TrainConfig(**{**base, **kw})
+    return build_config(TrainConfig, {**base, **kw})
 
 
 def copy_set(fs, tmp_path):

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from specfoundry.capture.stage import CaptureConfig, run_capture
+from specfoundry.common.cli import build_config
 from specfoundry.featureset.store import Sample
 from specfoundry.kernels.tree_attention import tree_attention
 from specfoundry.train.eagle3.config import Eagle3Config
@@ -302,7 +303,7 @@ def small_cfg(fs, out, **kw):
                 # run on CPU; test_kernel_paths_equal_plain_torch covers the kernel path
                 loss="reference")
     base.update(kw)
-    return TrainConfig(**base)
+    return build_config(TrainConfig, base)
 
 
 def test_flex_attention_on_cpu_is_refused_in_one_line(tmp_path, smol_features):

@@ -27,7 +27,7 @@ from specfoundry.common.conversations import BadInput, ConversationFormatError, 
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.progress import Progress
 from specfoundry.common.shards import ShardedOutput, check_output_folder, record_config, writable_folder
-from specfoundry.common.taps import default_aux_layers
+from specfoundry.common.taps import FAMILY_DEFAULT_LAYERS, parse_layer_ids
 from specfoundry.common.target import EMBEDDED_DEFAULT, load_target
 from specfoundry.common.weights import weight_fingerprint
 from specfoundry.featureset.manifest import (
@@ -45,15 +45,30 @@ class CaptureError(ValueError):
     """A user-facing problem with a capture run."""
 
 
-def parse_layers(spec) -> tuple[int, ...] | None:
-    """--aux-layers: comma-separated decoder layer ids (a recipe may give a list)."""
-    if spec is None:
-        return None
-    items = spec.split(",") if isinstance(spec, str) else spec
-    try:
-        return tuple(int(x) for x in items)
-    except ValueError as e:
-        raise ValueError(f"{spec!r} is not a comma-separated list of layer ids") from e
+def parse_families(spec) -> tuple[str, ...]:
+    """--families: comma-separated family names (a recipe may give a list)."""
+    names = tuple(x.strip() for x in (spec.split(",") if isinstance(spec, str) else spec))
+    unknown = [n for n in names if n not in FAMILY_DEFAULT_LAYERS]
+    if unknown or not names:
+        raise ValueError(f"unknown draft famil{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown) or '(none)'}: "
+                         f"choose from {', '.join(FAMILY_DEFAULT_LAYERS)}")
+    return names
+
+
+def stored_layers(cfg: CaptureConfig, num_layers: int) -> list[int]:
+    """The layers a capture stores, ascending (the order engines concatenate them in): --aux-layers,
+    else the union of the families' defaults for a target of num_layers layers."""
+    if cfg.aux_layers:
+        layers = list(cfg.aux_layers)
+        if len(set(layers)) != len(layers):
+            raise CaptureError(f"--aux-layers {','.join(map(str, layers))} names a layer twice")
+    else:
+        layers = [i for name in cfg.families for i in FAMILY_DEFAULT_LAYERS[name](num_layers)]
+    bad = [i for i in layers if not 0 <= i < num_layers - 1]
+    if bad:  # the last layer's output is the final state before the norm, which no engine taps
+        raise CaptureError(f"layer ids {bad} are outside 0..{num_layers - 2} (the target has {num_layers} layers; "
+                           "id i is the output of layer i, and the last one is not tapped)")
+    return sorted(set(layers))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,8 +79,13 @@ class CaptureConfig:
     output: str = shared("output", resume=False)
     target: str = shared("target", EMBEDDED_DEFAULT)
     aux_layers: tuple[int, ...] | None = setting(
-        None, parse=parse_layers, shown="1,L//2-1,L-4",
-        help="Comma-separated ids of the decoder layers whose outputs are stored (id i: the output of layer i).")
+        None, parse=parse_layer_ids, shown="the union of --families' defaults",
+        help="Comma-separated ids of the decoder layers whose outputs are stored (id i: the output of layer i, "
+             "HF's hidden_states[i + 1]); stored in ascending order.")
+    families: tuple[str, ...] = setting(
+        ("eagle3",), parse=parse_families,
+        help="Without --aux-layers, store the union of these draft families' default layers, so one capture serves "
+             "all of them: eagle3 [1, L//2-1, L-4], dflash round(1 + i(L-4)/4) for i = 0..4.")
     max_length: int = shared("max_length", 2048)
     shard_size: int | None = setting(
         None, shown="as many samples as fit 4 GiB of features at --max-length, at most 256",
@@ -164,7 +184,7 @@ def plan_capture(cfg: CaptureConfig, tokenizer, identity) -> CapturePlan:
     """Render the samples and resolve what the run writes; refuses a folder of other settings."""
     if cfg.shard_size is None:  # resolved here and recorded, so a resume compares the value itself
         cfg = replace(cfg, shard_size=auto_shard_size(identity.hidden_size, cfg.max_length, cfg.storage_dtype))
-    aux_layers = list(cfg.aux_layers) if cfg.aux_layers else default_aux_layers(identity.num_layers)
+    aux_layers = stored_layers(cfg, identity.num_layers)
     cfg = replace(cfg, aux_layers=tuple(aux_layers))
     check_output_folder(Path(cfg.output), "capture", cfg)
     samples, bad, skipped = prepare_samples(cfg, tokenizer)

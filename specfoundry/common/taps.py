@@ -29,6 +29,18 @@ FAMILY_DEFAULT_LAYERS = {"eagle3": default_aux_layers, "dflash": dflash_default_
 """Each draft family's default layers for a target of L layers (sf-capture --families takes their union)."""
 
 
+def parse_layer_ids(spec) -> tuple[int, ...] | None:
+    """A layer list option (sf-capture --aux-layers, sf-train --layers): comma-separated decoder
+    layer ids, or a recipe's list."""
+    if spec is None:
+        return None
+    items = spec.split(",") if isinstance(spec, str) else spec
+    try:
+        return tuple(int(x) for x in items)
+    except ValueError as e:
+        raise ValueError(f"{spec!r} is not a comma-separated list of layer ids") from e
+
+
 def decoder_layers(model):
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)

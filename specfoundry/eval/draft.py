@@ -16,8 +16,8 @@ from specfoundry.common.target import load_tokenizer, target_identity
 from specfoundry.common.weights import target_embeddings, weight_fingerprint
 from specfoundry.featureset.manifest import tokenizer_hashes
 from specfoundry.train.eagle3.config import Eagle3Config
-from specfoundry.train.eagle3.export import TARGET_FILE
 from specfoundry.train.eagle3.model import Eagle3Draft
+from specfoundry.train.family import DRAFT_FILE, TARGET_FILE
 
 
 class DraftLoadError(ValueError):
@@ -39,6 +39,8 @@ def config_from_sglang(config: dict) -> Eagle3Config:
             vocab_size=config["vocab_size"], draft_vocab_size=config.get("draft_vocab_size", config["vocab_size"]),
             target_hidden_size=config.get("target_hidden_size", config["hidden_size"]),
             aux_layer_ids=tuple(eagle.get("eagle_aux_hidden_state_layer_ids", ())),
+            fc_norm=bool(config.get("fc_norm") or config.get("use_aux_norm", False)),
+            norm_output=bool(config.get("norm_output", False)),
         )
     except KeyError as e:
         raise DraftLoadError(f"draft config.json lacks {e.args[0]!r}") from None
@@ -49,7 +51,7 @@ def find_draft_files(path: Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]
     if (path / "export" / "config.json").is_file():  # a training run: use its export
         path = path / "export"
     if (path / "config.json").is_file() and (path / "model.safetensors").is_file():  # an export
-        ours = path / "specfoundry_draft.json"
+        ours = path / DRAFT_FILE
         # The SGLang config.json is what a server reads; it wins where it says something
         # (a hand-edited layer list must be honoured, not silently replaced by ours).
         sglang = json.loads((path / "config.json").read_text())

@@ -5,10 +5,11 @@ not read yet. Invariants at the start of a round:
     target KV cache   positions 0..m-2
     draft KV cache    positions 0..m-2; entry i holds (token t_{i+1}, fc(a_i)), a_i = the target's
                       aux features at i (exactly training's step-0 inputs)
-    draft output      at m-2: its pre-norm state and logits, which predict t_m
+    draft output      at m-2: its next-step state (pre-norm, or normed under
+                      norm_output) and logits, which predict t_m
 A round:
     1. propose  d_1 = pick(draft logits at m-2); for j = 2..k the draft reads (d_{j-1}, its own
-                pre-norm state) at position m-2+(j-1) and proposes d_j (training's step j-1);
+                next-step state) at position m-2+(j-1) and proposes d_j (training's step j-1);
                 then its cache is cropped back to m-1 entries.
     2. verify   the target reads [t_{m-1}, d_1..d_k] at positions m-1..m-1+k in one forward;
                 row r of its logits predicts the token after position m-1+r.
@@ -105,7 +106,7 @@ class DraftRunner:
         self.draft_to_target = draft_ids_from_d2t(draft.d2t)  # [Vd]
         self.target_ids: list[int] = self.draft_to_target.tolist()  # the same on the host: no sync per lookup
         self.cache = KVCache()
-        self.pre: torch.Tensor | None = None  # [1, 1, H] pre-norm state at the newest position
+        self.pre: torch.Tensor | None = None  # [1, 1, H] next-step state at the newest position
         self.logits: torch.Tensor | None = None  # [Vd] logits at the newest position
 
     def reset(self) -> None:
@@ -124,7 +125,7 @@ class DraftRunner:
         """Read (token t_{i+1}, aux a_i) for the next len(tokens) positions. Returns all their
         logits [T, Vd] (the last row predicts the next token)."""
         dtype = self.draft.fc.weight.dtype
-        hidden = self.draft.fc(aux.to(dtype)[None])  # [1, T, H]
+        hidden = self.draft.project(aux.to(dtype)[None])  # [1, T, H]
         start = len(self.cache)
         pre, logits = self.run(tokens, hidden, list(range(start, start + len(tokens))))
         self.pre, self.logits = pre[:, -1:], logits[-1]
@@ -142,7 +143,7 @@ class DraftRunner:
             tokens.append(d)
             all_logits.append(logits)
             if j + 1 < k:
-                # training's step j+1: own token, own pre-norm state, position (m-2) + (j+1)
+                # training's step j+1: own token, own next-step state, position (m-2) + (j+1)
                 pre, out = self.run([d], pre, [base - 1 + j + 1])
                 logits = out[-1]
         self.cache.crop(base)

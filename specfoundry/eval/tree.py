@@ -97,7 +97,7 @@ def propose_tree(draft: DraftRunner, branching: tuple[int, ...]) -> DraftTree:
                 tree.depths.append(depth)
         if depth == len(branching):
             break  # the deepest nodes need no draft forward of their own
-        # the new nodes read (own token, parent's pre-norm state) at position (root) + depth - 1,
+        # the new nodes read (own token, parent's next-step state) at position (root) + depth - 1,
         # as training's step `depth`; each sees the committed cache and its ancestors
         sees = tree.sees()
         mask = torch.cat([torch.ones(len(new), base, dtype=torch.bool), sees[new][:, : len(tree)]], dim=1)

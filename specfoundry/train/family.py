@@ -49,9 +49,9 @@ class DraftFamily:
         """(draft nn.Module with the target's embeddings copied in, its config)."""
         raise NotImplementedError
 
-    def module(self, draft, target_dir: Path, dtype: torch.dtype, options) -> torch.nn.Module:
+    def module(self, draft, target_dir: Path, dtype: torch.dtype, options, seed: int) -> torch.nn.Module:
         """The training module: forward(batch, attention=, loss_kernel=, loss_scale=) returns (total loss,
-        [{loss, hits, valid}] per predicted position)."""
+        [{loss, hits, valid}] per predicted position); `seed` seeds the family's own sampling."""
         raise NotImplementedError
 
     def export(self, state: dict[str, torch.Tensor], draft_config, out: Path, target: dict | None) -> Path:
@@ -104,6 +104,9 @@ def select_layers(manifest: dict, family: DraftFamily, options, explicit: tuple[
     else:
         wanted = family.default_layers(num_target_layers, options)
         how = f"the {family.name} default for a {num_target_layers}-layer target"
+    if wanted != sorted(set(wanted)):  # engines concatenate the tapped layers in layer order
+        raise FeatureSetError(f"layers {wanted} must be ascending and distinct (engines concatenate the tapped "
+                              "layers in layer order)")
     if count is not None and len(wanted) != count:
         raise FeatureSetError(f"the {family.name} draft reads {count} layers; {how or source} gives {wanted}")
     missing = [i for i in wanted if i not in held]

@@ -23,7 +23,7 @@ import math
 import os
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,16 +32,15 @@ from specfoundry.common.cli import setting, shared
 from specfoundry.common.files import atomic_write_json, remove_temporaries
 from specfoundry.common.progress import Progress
 from specfoundry.common.shards import check_output_folder, record_config
+from specfoundry.common.taps import parse_layer_ids
 from specfoundry.common.target import EMBEDDED_DEFAULT, load_tokenizer, resolve_target, target_identity
-from specfoundry.common.weights import target_embeddings, target_lm_head, weight_fingerprint
+from specfoundry.common.weights import weight_fingerprint
 from specfoundry.featureset.manifest import FeatureSetError, check_matches_target, tokenizer_hashes
 from specfoundry.featureset.store import FeatureSet
-from specfoundry.train.eagle3.config import draft_config_from_target
-from specfoundry.train.eagle3.export import export_draft
-from specfoundry.train.eagle3.model import Eagle3Draft
-from specfoundry.train.eagle3.ttt import TTTModule, summarise
+from specfoundry.train.dflash.options import DFlashOptions
+from specfoundry.train.eagle3.config import Eagle3Options
+from specfoundry.train.family import family_names, get_family, select_layers
 from specfoundry.train.loader import Batch, FeatureLoader, split_indices
-from specfoundry.train.vocab import choose_draft_vocab, vocab_maps
 
 ATTENTIONS = ("auto", "flex", "sdpa", "eager")
 LOSS_KERNELS = ("auto", "triton", "reference")
@@ -54,9 +53,14 @@ class TrainConfig:
     featureset: str = setting(argument=True, help="Feature-set folder written by sf-capture.")
     output: str = shared("output", resume=False)
     target: str = shared("target", EMBEDDED_DEFAULT)
-    draft_vocab_size: int = setting(32000, help="Draft vocabulary: this many most frequent loss-masked tokens.")
-    ttt_length: int = setting(7, help="Training-Time Test steps unrolled per forward (the draft length trained).")
-    loss_decay: float = setting(0.8, help="The loss of TTT step s is weighted decay^s.")
+    family: str = setting("eagle3", choices=family_names(), help="Draft family: eagle3 (EAGLE-3 / 3.1, "
+                          "Training-Time Test) or dflash (block-parallel).")
+    layers: tuple[int, ...] | None = setting(None, parse=parse_layer_ids,
+                                             shown="the set's layers if it holds as many as the family reads, else "
+                                                   "the family's default",
+                                             help="Comma-separated ids of the stored target layers the draft reads.")
+    eagle3: Eagle3Options = field(default_factory=Eagle3Options)
+    dflash: DFlashOptions = field(default_factory=DFlashOptions)
     lr: float = setting(1e-4, help="Peak AdamW learning rate.")
     weight_decay: float = setting(0.0, help="AdamW weight decay.")
     warmup_steps: int = setting(50, help="Linear warmup steps before the cosine decay.")
@@ -94,9 +98,9 @@ class NonFiniteError(ValueError):
     """Training met a non-finite loss: nothing after it is checkpointed or exported."""
 
 
-def check_featureset(fs: FeatureSet, cfg: TrainConfig, target_dir: Path) -> None:
+def check_featureset(fs: FeatureSet, cfg: TrainConfig, target_dir: Path):
     """Refuse a feature set that is incomplete, was captured from another target, or is shorter
-    than the run's max_length; each message names what differs."""
+    than the run's max_length; each message names what differs. Returns the target's identity."""
     manifest = fs.manifest
     if not manifest.get("complete"):
         raise FeatureSetError(f"feature set {cfg.featureset} is incomplete: rerun its sf-capture command to finish it")
@@ -109,6 +113,7 @@ def check_featureset(fs: FeatureSet, cfg: TrainConfig, target_dir: Path) -> None
     if cfg.max_length is not None and cfg.max_length > manifest["max_length"]:
         raise FeatureSetError(f"--max-length {cfg.max_length} is longer than feature set {cfg.featureset} was "
                               f"captured for (max_length {manifest['max_length']})")
+    return identity
 
 
 def resolved_pad_multiple(cfg: TrainConfig, device: torch.device) -> int:
@@ -156,29 +161,6 @@ def lr_lambda(warmup: int, total: int):
     return f
 
 
-def build_draft(cfg: TrainConfig, fs: FeatureSet, target_dir: Path):
-    manifest = fs.manifest
-    if cfg.init_from:
-        from specfoundry.train.eagle3.export import load_export
-
-        dcfg, tensors = load_export(cfg.init_from)
-        if list(dcfg.aux_layer_ids) != list(manifest["aux_layer_ids"]):
-            raise FeatureSetError(f"--init-from {cfg.init_from} reads layers {list(dcfg.aux_layer_ids)}, but feature "
-                                  f"set {cfg.featureset} holds layers {manifest['aux_layer_ids']}")
-        model = Eagle3Draft(dcfg)
-        model.load_state_dict(tensors, strict=False)
-    else:
-        counts = fs.token_counts()
-        draft_ids = choose_draft_vocab(counts, min(cfg.draft_vocab_size, counts.numel()))
-        dcfg = draft_config_from_target(target_dir, len(draft_ids), manifest["aux_layer_ids"])
-        model = Eagle3Draft(dcfg)
-        d2t, t2d = vocab_maps(draft_ids, dcfg.vocab_size)
-        model.d2t.copy_(d2t)
-        model.t2d.copy_(t2d)
-    model.embed_tokens.weight.data.copy_(target_embeddings(target_dir).float())
-    return model, dcfg
-
-
 def optimizer_state_bytes(optimizer) -> int:
     """Bytes of tensors this rank keeps in the optimizer state."""
     return sum(t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
@@ -198,6 +180,20 @@ def merge_metrics(per_micro: list[list[dict]], accel) -> list[dict]:
             stacked[2] /= accel.num_processes
         merged.append({"hits": stacked[0], "valid": stacked[1], "loss": stacked[2]})
     return merged
+
+
+def summarise(metrics: list[dict]) -> dict:
+    """Per predicted position s (a TTT step, a block position): loss and accuracy, and the simulated
+    acceptance length sum_s prod_{i<=s} acc_i (1 + that is a round's expected tokens)."""
+    out, run, tau = {}, 1.0, 0.0
+    for s, m in enumerate(metrics):
+        acc = (m["hits"].float() / m["valid"].clamp(min=1)).item()
+        out[f"loss_{s}"] = m["loss"].item()
+        out[f"acc_{s}"] = acc
+        run *= acc
+        tau += run
+    out["sim_accept_len"] = tau
+    return out
 
 
 # ---- checkpoints: step-N is complete by construction; step-N.tmp is one being written ----------
@@ -271,10 +267,16 @@ class Trainer:
         self.target_dir = resolve_target(cfg.target)
         check_output_folder(self.out, "train", cfg)  # before any long work
         self.fs = FeatureSet(cfg.featureset, verify=cfg.verify_shards)
-        check_featureset(self.fs, cfg, self.target_dir)
-        draft, self.dcfg = build_draft(cfg, self.fs, self.target_dir)
+        identity = check_featureset(self.fs, cfg, self.target_dir)
+        self.family = get_family(cfg.family)
+        options = getattr(cfg, self.family.options_field)
+        layers = select_layers(self.fs.manifest, self.family, options, cfg.layers, identity.num_layers,
+                               f"feature set {cfg.featureset}")
+        draft, self.dcfg = self.family.build(options, self.fs, self.target_dir, layers, cfg.init_from)
         self.dtype = torch.bfloat16 if self.accel.device.type == "cuda" else torch.float32
-        model = TTTModule(draft, target_lm_head(self.target_dir).to(self.dtype))
+        model = self.family.module(draft, self.target_dir, self.dtype, options, cfg.seed)
+        held = list(self.fs.manifest["aux_layer_ids"])
+        self.features = {"layers": [held.index(i) for i in layers], "final": self.family.needs_final_state(options)}
         self.build_loader()
         optimizer = torch.optim.AdamW(draft.trainable_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                       betas=(0.9, 0.95))
@@ -317,7 +319,7 @@ class Trainer:
                                     rank=accel.process_index, world=accel.num_processes,
                                     num_workers=cfg.num_workers, max_length=cfg.max_length,
                                     pad_multiple=resolved_pad_multiple(cfg, accel.device),
-                                    pin_memory=accel.device.type == "cuda")
+                                    pin_memory=accel.device.type == "cuda", **self.features)
         per_epoch = max(1, self.loader.batches_per_epoch() // cfg.grad_accum)
         self.total_steps = int(math.ceil(cfg.epochs * per_epoch)) if cfg.epochs else cfg.max_steps
 
@@ -348,14 +350,13 @@ class Trainer:
     # ---- steps ----------------------------------------------------------------------------------
 
     def forward(self, batch: Batch, grad: bool):
-        """(total loss, per-TTT-step metrics) of one micro-batch, through the wrapped model when
+        """(total loss, per-position metrics) of one micro-batch, through the wrapped model when
         gradients are wanted (so DDP/FSDP see the forward), else the unwrapped one."""
         cfg = self.cfg
         batch = batch.to(self.accel.device, self.dtype)
         with self.accel.autocast():
             # accel.backward divides the loss by the accumulation steps: that is the gradient into it
-            return (self.model if grad else self.raw)(batch, ttt_length=cfg.ttt_length, decay=cfg.loss_decay,
-                                                      attention=cfg.attention, loss_kernel=cfg.loss,
+            return (self.model if grad else self.raw)(batch, attention=cfg.attention, loss_kernel=cfg.loss,
                                                       loss_scale=1.0 / cfg.grad_accum)
 
     def forward_backward(self, batch: Batch) -> list[dict]:
@@ -400,7 +401,8 @@ class Trainer:
         self.raw.eval()
         loader = FeatureLoader(self.fs, self.eval_idx, max_tokens=cfg.max_batch_tokens, seed=cfg.seed,
                                rank=accel.process_index, world=accel.num_processes, num_workers=0,
-                               max_length=cfg.max_length, pad_multiple=resolved_pad_multiple(cfg, accel.device))
+                               max_length=cfg.max_length, pad_multiple=resolved_pad_multiple(cfg, accel.device),
+                               **self.features)
         n = loader.batches_per_epoch()
         per_micro = [self.forward(batch, grad=False)[1] for _, batch in zip(range(n), loader, strict=False)]
         return summarise(merge_metrics(per_micro, accel)) if per_micro else {}
@@ -454,8 +456,8 @@ class Trainer:
             tmp = export.with_name(f".{export.name}{TMP_SUFFIX}")
             shutil.rmtree(tmp, ignore_errors=True)
             target = {**self.fs.manifest["target"], "tokenizer_sha256": self.fs.manifest["tokenizer_sha256"]}
-            export_draft({k.removeprefix("draft."): v for k, v in state.items() if k.startswith("draft.")},
-                         self.dcfg, tmp, target=target)
+            self.family.export({k.removeprefix("draft."): v for k, v in state.items() if k.startswith("draft.")},
+                               self.dcfg, tmp, target)
             replace_dir(tmp, export)
             atomic_write_json(self.out / "history.json", self.history)
             remove_temporaries(self.out)  # what a run killed mid-write left (.history.json.*.tmp, ...)

@@ -1,10 +1,26 @@
-"""The draft's architecture config, generated from the target's config."""
+"""The EAGLE-3 draft's architecture config (generated from the target's) and its training options."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from specfoundry.common.cli import setting
+
+
+@dataclass(frozen=True, kw_only=True)
+class Eagle3Options:
+    """sf-train settings of the EAGLE-3 family (recorded in train_config.json under `eagle3`)."""
+
+    draft_vocab_size: int = setting(32000, help="EAGLE-3: draft vocabulary, this many most frequent loss-masked "
+                                    "tokens.")
+    ttt_length: int = setting(7, help="EAGLE-3: Training-Time Test steps unrolled per forward (the draft length "
+                              "trained).")
+    loss_decay: float = setting(0.8, help="EAGLE-3: the loss of TTT step s is weighted decay^s.")
+    fc_norm: bool = setting(False, help="EAGLE-3.1: an RMSNorm on each captured state before fc.")
+    norm_output: bool = setting(False, help="EAGLE-3.1: the next draft step receives the post-norm state instead "
+                                "of the pre-norm one.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,15 +44,25 @@ class Eagle3Config:
     """Width of each captured target hidden state (fc takes 3x this)."""
     aux_layer_ids: tuple[int, ...] = field(default_factory=tuple)
     hidden_act: str = "silu"
+    fc_norm: bool = False
+    """EAGLE-3.1: an RMSNorm on each captured state before fc."""
+    norm_output: bool = False
+    """EAGLE-3.1: the next draft step receives the post-norm state (else the pre-norm one)."""
+
+    @property
+    def num_aux(self) -> int:
+        """Captured layers fc reads (three unless the layer list says otherwise)."""
+        return len(self.aux_layer_ids) or 3
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = {"family": "eagle3", **asdict(self)}
         d["aux_layer_ids"] = list(self.aux_layer_ids)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Eagle3Config:
         d = dict(d)
+        d.pop("family", None)
         d["aux_layer_ids"] = tuple(d.get("aux_layer_ids", ()))
         return cls(**d)
 

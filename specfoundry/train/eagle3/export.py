@@ -16,13 +16,16 @@ import torch
 from safetensors.torch import save_file
 
 from specfoundry.train.eagle3.config import Eagle3Config
+from specfoundry.train.family import DRAFT_FILE, TARGET_FILE
 
 
 def expected_tensors(cfg: Eagle3Config) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
     """Every tensor name SGLang's loader expects, with its shape (dtype None = the float dtype)."""
     h, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    fc_norms = {f"fc_norm.{j}.weight": ((cfg.target_hidden_size,), None) for j in range(cfg.num_aux)} if cfg.fc_norm else {}
     return {
-        "fc.weight": ((h, 3 * cfg.target_hidden_size), None),
+        "fc.weight": ((h, cfg.num_aux * cfg.target_hidden_size), None),
+        **fc_norms,
         "midlayer.input_layernorm.weight": ((h,), None),
         "midlayer.hidden_norm.weight": ((h,), None),
         "midlayer.post_attention_layernorm.weight": ((h,), None),
@@ -63,6 +66,10 @@ def sglang_config(cfg: Eagle3Config) -> dict:
         # SGLang reads these as the 0-based layers whose OUTPUT feeds the draft (it adds 1 to
         # find the layer whose input it captures); ours are exactly that.
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids), "use_aux_hidden_state": True},
+        # EAGLE-3.1, read from the top level by SGLang and vLLM alike: a norm per captured state
+        # before fc (tensors fc_norm.{i}.weight), and the post-norm state fed to the next step
+        "fc_norm": cfg.fc_norm,
+        "norm_output": cfg.norm_output,
     }
 
 
@@ -80,9 +87,6 @@ def validate(tensors: dict[str, torch.Tensor], cfg: Eagle3Config) -> None:
             raise ValueError(f"export tensor {name} has dtype {t.dtype}, expected {dtype}")
 
 
-TARGET_FILE = "specfoundry_target.json"
-
-
 def export_draft(state_dict: dict[str, torch.Tensor], cfg: Eagle3Config, out_dir: str | Path,
                  dtype: torch.dtype = torch.bfloat16, target: dict | None = None) -> Path:
     """Write the SGLang directory; `target`: the identity of the target the draft was trained
@@ -98,7 +102,7 @@ def export_draft(state_dict: dict[str, torch.Tensor], cfg: Eagle3Config, out_dir
     validate(tensors, cfg)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(sglang_config(cfg), indent=2) + "\n")
-    (out / "specfoundry_draft.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    (out / DRAFT_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     if target is not None:
         (out / TARGET_FILE).write_text(json.dumps(target, indent=2) + "\n")
     return out
@@ -108,5 +112,5 @@ def load_export(path: str | Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]
     from safetensors.torch import load_file
 
     path = Path(path)
-    cfg = Eagle3Config.from_dict(json.loads((path / "specfoundry_draft.json").read_text()))
+    cfg = Eagle3Config.from_dict(json.loads((path / DRAFT_FILE).read_text()))
     return cfg, load_file(str(path / "model.safetensors"))

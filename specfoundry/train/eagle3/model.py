@@ -1,11 +1,13 @@
 """The EAGLE-3 draft exactly as SGLang serves it (`LlamaForCausalLMEagle3`), pure math.
 
     h0        = fc(aux)                          aux: [B, T, 3*Ht] target layers (step 0 only)
+                (EAGLE-3.1 fc_norm: fc(cat(fc_norm_0(a_0), fc_norm_1(a_1), fc_norm_2(a_2))), a norm per layer)
     x         = cat(input_norm(embed(ids)), hidden_norm(h))       [B, T, 2H]
     r1        = o_proj(attention(q/k/v_proj(x))) + h              residual is the incoming hidden
     r2        = mlp(post_attention_norm(r1)) + r1                 SwiGLU
     logits    = lm_head(norm(r2))                                 [B, T, Vd]
-r2 (the pre-norm state) is what the next draft step receives as its hidden input.
+r2 (the pre-norm state) is what the next draft step receives as its hidden input; with the
+EAGLE-3.1 option norm_output it receives norm(r2) instead (the state the logits are taken from).
 Two forwards share these weights: `ttt_forward` (training: one Training-Time Test step over whole
 sequences, attending through the tree mask to the earlier steps' keys) and `decode_forward`
 (sf-eval: new tokens after a KV cache). Parallelism and checkpoints live elsewhere
@@ -173,7 +175,9 @@ class Eagle3Draft(nn.Module):
         self.cfg = cfg
         h = cfg.hidden_size
         self.embed_tokens = FrozenEmbedding(cfg.vocab_size, h)  # copied from the target
-        self.fc = nn.Linear(3 * cfg.target_hidden_size, h, bias=False)
+        self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, h, bias=False)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux))
         self.midlayer = Eagle3DecoderLayer(cfg)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
@@ -188,26 +192,39 @@ class Eagle3Draft(nn.Module):
         cos, sin = self.rotary(hidden, positions)
         return cos.to(hidden.dtype), sin.to(hidden.dtype)
 
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [B, T, K*Ht] (the captured layers, concatenated) -> fc(aux) [B, T, H], each layer's
+        state normed first under fc_norm."""
+        if self.cfg.fc_norm:
+            aux = torch.cat([norm(a) for norm, a in zip(self.fc_norm, aux.chunk(self.cfg.num_aux, dim=-1),
+                                                        strict=True)], dim=-1)
+        return self.fc(aux)
+
+    def outputs(self, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the state the next draft step receives, the normed state the logits come from)."""
+        normed = self.norm(pre)
+        return (normed if self.cfg.norm_output else pre), normed
+
     def ttt_forward(self, input_ids, hidden, positions, cache: TTTCache, lengths, ttt_step: int,
                     attention: str = "auto"):
         """TTT step `ttt_step` of a training pass. input_ids, positions: [B, T]; hidden: [B, T, H]
-        (fc(aux) at step 0, else the previous TTT step's pre-norm state); lengths: the rows' real
-        lengths. Returns (pre-norm [B, T, H], normed [B, T, H])."""
+        (project(aux) at step 0, else the previous TTT step's next-step state); lengths: the rows'
+        real lengths. Returns (next-step state [B, T, H], normed [B, T, H])."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rope(hidden, positions)
         attn = self.midlayer.self_attn
         pre = self.midlayer(embeds, hidden,
                             lambda x: attn.ttt_attention(x, cos, sin, cache, lengths, ttt_step, attention))
-        return pre, self.norm(pre)
+        return self.outputs(pre)
 
     def decode_forward(self, input_ids, hidden, positions, cache: KVCache):
         """New tokens after the cache (sf-eval). input_ids, positions: [B, T]; hidden: [B, T, H].
-        Returns (pre-norm [B, T, H], normed [B, T, H])."""
+        Returns (next-step state [B, T, H], normed [B, T, H])."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rope(hidden, positions)
         attn = self.midlayer.self_attn
         pre = self.midlayer(embeds, hidden, lambda x: attn.decode_attention(x, cos, sin, cache))
-        return pre, self.norm(pre)
+        return self.outputs(pre)
 
     def compile_elementwise(self, on: bool = True) -> Eagle3Draft:
         """Run RMSNorm, SwiGLU and RoPE through torch.compile on GPU tensors (training)."""

@@ -5,7 +5,8 @@ A TTT step s (0 <= s < ttt_length) is one draft step inside this forward; an opt
 its final hidden states h_j (h_j predicts x_{j+1}) and aux features a_j, the draft at TTT step s
 and index i:
     token input   x_{i+1+s}
-    hidden input  fc(a_i) at s = 0, else the draft's own pre-norm state of step s-1 at i
+    hidden input  fc(a_i) at s = 0, else the state the draft passes on at step s-1 at i (its
+                  pre-norm state; its normed state under the EAGLE-3.1 option norm_output)
     position      i + s
     teacher       p(h_{i+1+s}) restricted to the draft vocab (it predicts x_{i+2+s})
     valid         x_{i+2+s} is an assistant token, i+2+s < n, teacher argmax in the draft vocab
@@ -51,7 +52,7 @@ def ttt_loss(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, draft_ids:
     ok_all, tgt_all = ok_all.view(bsz, seq), tgt_all.view(bsz, seq)
     lengths = torch.tensor(batch.lengths, device=batch.input_ids.device)
     index = torch.arange(seq, device=batch.input_ids.device)
-    hidden = model.fc(batch.aux_hidden)  # [B, T, H]
+    hidden = model.project(batch.aux_hidden)  # [B, T, H]
     cache = TTTCache()  # the earlier TTT steps' keys and values, the q/k/v weight concatenated once
     total = torch.zeros((), device=hidden.device, dtype=torch.float32)
     metrics = []
@@ -83,25 +84,16 @@ def ttt_loss(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, draft_ids:
 class TTTModule(torch.nn.Module):
     """Wraps the draft so that the whole TTT unroll is one forward: DDP/FSDP wrappers see every
     parameter use inside their forward. The teacher head is a frozen buffer, not a parameter.
-    On a GPU the draft's elementwise chains run compiled unless compile_elementwise is False."""
+    On a GPU the draft's elementwise chains run compiled unless compile_elementwise is False.
+    ttt_length and decay are the defaults of every forward; a call may override them."""
 
-    def __init__(self, draft: Eagle3Draft, lm_head: torch.Tensor, compile_elementwise: bool = True):
+    def __init__(self, draft: Eagle3Draft, lm_head: torch.Tensor, compile_elementwise: bool = True,
+                 ttt_length: int = 7, decay: float = 0.8):
         super().__init__()
         self.draft = draft.compile_elementwise(compile_elementwise)
         self.register_buffer("lm_head", lm_head, persistent=False)
+        self.ttt_length, self.decay = ttt_length, decay
 
     def forward(self, batch: Batch, **kw):
+        kw = {"ttt_length": self.ttt_length, "decay": self.decay, **kw}
         return ttt_loss(self.draft, batch, self.lm_head, draft_ids_from_d2t(self.draft.d2t), **kw)
-
-
-def summarise(metrics: list[dict]) -> dict:
-    """Per-TTT-step loss / accuracy and the simulated acceptance length sum_s prod_{i<=s} acc_i."""
-    out, run, tau = {}, 1.0, 0.0
-    for s, m in enumerate(metrics):
-        acc = (m["hits"].float() / m["valid"].clamp(min=1)).item()
-        out[f"loss_{s}"] = m["loss"].item()
-        out[f"acc_{s}"] = acc
-        run *= acc
-        tau += run
-    out["sim_accept_len"] = tau
-    return out

@@ -1,0 +1,80 @@
+"""The DFlash family on the family interface (train/family.py): K captured layers (one per draft
+layer by default), no final state unless the soft teacher reads it, a stack of decoder layers on
+the target's frozen embedding and lm_head, trained on sampled anchors, SGLang's DFlash export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specfoundry.common.taps import dflash_default_layers
+from specfoundry.common.target import load_tokenizer
+from specfoundry.common.weights import target_embeddings, target_lm_head
+from specfoundry.featureset.manifest import FeatureSetError
+from specfoundry.train.dflash.config import DFlashConfig, dflash_config_from_target
+from specfoundry.train.dflash.export import export_draft, load_export
+from specfoundry.train.dflash.loss import DFlashModule
+from specfoundry.train.dflash.model import DFlashDraft
+from specfoundry.train.dflash.options import DFlashOptions
+from specfoundry.train.family import DraftFamily
+
+
+def choose_mask_token(vocab_size: int, tokenizer_size: int, counts: torch.Tensor) -> int:
+    """The block's mask token: an embedding row no text uses. The first row past the tokenizer's
+    vocabulary where the embedding has spare rows (Qwen3: 151669 of 151936, as public DFlash
+    drafts use); else the highest id never seen in the feature set's loss-masked tokens."""
+    if vocab_size > tokenizer_size:
+        return tokenizer_size
+    unseen = (counts[:vocab_size] == 0).nonzero().flatten()
+    if not len(unseen):
+        raise FeatureSetError("every token id occurs in the feature set: pass --mask-token-id")
+    return int(unseen[-1])
+
+
+class DFlashFamily(DraftFamily):
+    name = "dflash"
+    options_field = "dflash"
+
+    def default_layers(self, num_target_layers: int, options: DFlashOptions) -> list[int]:
+        return dflash_default_layers(num_target_layers, options.num_draft_layers)
+
+    def layer_count(self, options: DFlashOptions) -> int:
+        return options.num_draft_layers
+
+    def needs_final_state(self, options: DFlashOptions) -> bool:
+        return options.teacher == "soft"
+
+    def build(self, options: DFlashOptions, fs, target_dir: Path, layers: list[int], init_from: str | None):
+        if init_from:
+            dcfg, tensors = load_export(init_from)
+            if list(dcfg.target_layer_ids) != list(layers):
+                raise FeatureSetError(f"--init-from {init_from} reads layers {list(dcfg.target_layer_ids)}, but the "
+                                      f"run reads layers {layers} of feature set {fs.root}")
+        else:
+            vocab = fs.manifest["target"]["vocab_size"]
+            mask = options.mask_token_id
+            if mask is None:
+                mask = choose_mask_token(vocab, len(load_tokenizer(target_dir)), fs.token_counts())
+            elif not 0 <= mask < vocab:
+                raise ValueError(f"--mask-token-id {mask} is outside the target's vocabulary (0..{vocab - 1})")
+            dcfg = dflash_config_from_target(target_dir, layers, options.num_draft_layers, options.block_size, mask)
+            tensors = None
+        model = DFlashDraft(dcfg)
+        if tensors is not None:
+            model.load_state_dict(tensors, strict=False)
+        model.embed_tokens.weight.data.copy_(target_embeddings(target_dir).float())
+        return model, dcfg
+
+    def module(self, draft: DFlashDraft, target_dir: Path, dtype: torch.dtype, options: DFlashOptions, seed: int):
+        return DFlashModule(draft, target_lm_head(target_dir).to(dtype), num_anchors=options.num_anchors,
+                            gamma=options.gamma, teacher=options.teacher, seed=seed)
+
+    def export(self, state, draft_config: DFlashConfig, out: Path, target: dict | None) -> Path:
+        return export_draft(state, draft_config, out, target=target)
+
+    def config_from_dict(self, d: dict) -> DFlashConfig:
+        return DFlashConfig.from_dict(d)
+
+
+DFLASH = DFlashFamily()
