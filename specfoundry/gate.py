@@ -14,6 +14,16 @@ not, the checks below say which stage disagrees, in this order (the first failur
     positions    the draft's logits through sf-eval's cached decoding equal the training forward
     fit          the draft predicts the conversation's tokens from its features (teacher-forced)
     decode       greedy speculative decoding of the prompt: acceptance length >= the bar
+
+For a DFlash draft (--family dflash, block k+1) the checks are its own, in this order:
+
+    export names every tensor SGLang's DFlash loader fills is there, shaped so, and equals the checkpoint's
+    mask token   the export's dflash_config.mask_token_id is the id the draft was trained with
+    layers       the export's target_layer_ids are the trained ones, and the target's features there
+                 match the feature set's
+    positions    sf-eval's cached block decoding equals the training forward (first, middle, last anchor)
+    fit          the training forward predicts the answer's block tokens at every anchor
+    decode       greedy block decoding of the prompt: acceptance length >= the bar
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from specfoundry.common.target import (
     pick_device,
     resolve_target,
 )
+from specfoundry.eval.block import BlockDraftRunner, block_generate
 from specfoundry.eval.draft import find_draft_files, load_draft
 from specfoundry.eval.evaluate import prompt_ids
 from specfoundry.eval.speculative import DraftRunner, Sampler, TargetRunner, speculative_generate
@@ -43,9 +54,14 @@ from specfoundry.featureset.store import FeatureSet
 from specfoundry.generate.backend import SamplingConfig
 from specfoundry.generate.hf_backend import HFBackend
 from specfoundry.generate.regen import RegenConfig, run_regen
+from specfoundry.train.dflash.export import validate as validate_dflash
+from specfoundry.train.dflash.loss import block_inputs, sample_anchors, valid_slots
+from specfoundry.train.dflash.options import DFlashOptions
 from specfoundry.train.eagle3.config import Eagle3Options
-from specfoundry.train.eagle3.export import validate
+from specfoundry.train.eagle3.export import validate as validate_eagle3
 from specfoundry.train.eagle3.model import TTTCache
+from specfoundry.train.family import family_names
+from specfoundry.train.loader import Batch
 from specfoundry.train.trainer import TrainConfig, complete_checkpoints, run_train
 from specfoundry.train.vocab import choose_draft_vocab, draft_ids_from_d2t
 
@@ -58,10 +74,12 @@ class GateConfig:
 
     output: str = shared("output", resume=False)
     target: str = shared("target", EMBEDDED_DEFAULT)
+    family: str = setting("eagle3", choices=family_names(), help="Draft family of the overfit draft; a DFlash "
+                          "draft's block is k+1 wide (the bonus token and k proposals).")
     prompt: str = setting(DEFAULT_PROMPT, help="The one prompt whose greedy answer the draft overfits.")
     # the length cap of the target's greedy answer
     max_new_tokens: int = shared("max_new_tokens", 96)
-    # also the TTT length trained
+    # also the TTT length trained (EAGLE-3), or the block's proposals (DFlash: block_size k+1)
     k: int = shared("draft_tokens", 4)
     max_steps: int = shared("max_steps", 200)
     lr: float = setting(3e-3, help="Learning rate of the overfit.")
@@ -97,11 +115,12 @@ def build(cfg: GateConfig, silent: bool = True) -> Path:
                           shard_size=1, sampling=SamplingConfig(temperature=0.0, max_new_tokens=cfg.max_new_tokens)),
               HFBackend(cfg.target, device=cfg.device, batch_size=1), silent=silent)
     run_capture(CaptureConfig(source=str(work / "regen"), output=str(work / "features"), target=cfg.target,
-                              shard_size=1, device=cfg.device), silent=silent)
+                              shard_size=1, device=cfg.device, families=(cfg.family,)), silent=silent)
     on_gpu = pick_device(cfg.device).type == "cuda"
     result = run_train(TrainConfig(featureset=str(work / "features"), output=str(work / "train"), target=cfg.target,
+                               family=cfg.family,
                                eagle3=Eagle3Options(draft_vocab_size=cfg.draft_vocab_size, ttt_length=cfg.k),
-                               lr=cfg.lr, warmup_steps=10,
+                               dflash=DFlashOptions(block_size=cfg.k + 1), lr=cfg.lr, warmup_steps=10,
                                max_steps=cfg.max_steps, eval_fraction=0.0, save_every=cfg.max_steps, keep_last=1,
                                num_workers=0, loss="auto" if on_gpu else "reference", log_every=10**9), silent=silent)
     return Path(result["export"])
@@ -118,38 +137,39 @@ def check_vocab_map(cfg_draft, tensors: dict, fs: FeatureSet) -> Check:
     return Check("vocab map", True, f"d2t/t2d equal the feature set's {len(expected)}-token vocabulary")
 
 
-def check_export(export: Path, cfg_draft, tensors: dict, run_dir: Path) -> Check:
+def check_export(export: Path, cfg_draft, tensors: dict, run_dir: Path, validate=validate_eagle3,
+                 name: str = "export") -> Check:
     try:
         validate(tensors, cfg_draft)
     except ValueError as e:
-        return Check("export", False, str(e))
+        return Check(name, False, str(e))
     ckpts = complete_checkpoints(run_dir)
     if not ckpts:
-        return Check("export", False, f"no checkpoint in {run_dir} to compare the export with")
+        return Check(name, False, f"no checkpoint in {run_dir} to compare the export with")
     _, trained = find_draft_files(ckpts[-1])
-    for name, t in tensors.items():
-        ref = trained.get(name)
+    for tensor, t in tensors.items():
+        ref = trained.get(tensor)
         if ref is None or not torch.allclose(t.float(), ref.to(t.dtype).float()):
-            return Check("export", False, f"export tensor {name} is not the trained checkpoint's {ckpts[-1].name} "
+            return Check(name, False, f"export tensor {tensor} is not the trained checkpoint's {ckpts[-1].name} "
                          "(renamed, transposed or from another run)")
-    return Check("export", True, f"{len(tensors)} tensors with SGLang's names equal {ckpts[-1].name}")
+    return Check(name, True, f"{len(tensors)} tensors with SGLang's names equal {ckpts[-1].name}")
 
 
-def check_features(target: TargetRunner, fs: FeatureSet, sample) -> Check:
+def check_features(target: TargetRunner, fs: FeatureSet, sample, name: str = "features") -> Check:
     held = list(fs.manifest["aux_layer_ids"])
     if target.aux_layers != held:
-        return Check("features", False, f"sf-eval reads the target's layers {target.aux_layers} (the draft's config) "
-                     f"but the feature set holds layers {held}")
+        return Check(name, False, f"sf-eval reads the target's layers {target.aux_layers} (the draft's config) "
+                     f"but the feature set holds layers {held}, which the draft was trained on")
     target.reset()
     _, aux, final = target.forward(sample.input_ids.tolist(), want_hidden=True)
     worst = 0.0
-    for name, got, stored in (("aux", aux, sample.aux_hidden), ("final", final, sample.final_hidden)):
+    for kind, got, stored in (("aux", aux, sample.aux_hidden), ("final", final, sample.final_hidden)):
         err = ((got.float().cpu() - stored.float()).abs().max() / stored.float().abs().max().clamp(min=1e-6)).item()
         worst = max(worst, err)
         if err > 0.03:  # stored in bf16 (2^-8 relative) and maybe by another dtype/kernel: allow a little more
-            return Check("features", False, f"the target's {name} hidden states now differ from the feature set's by "
+            return Check(name, False, f"the target's {kind} hidden states now differ from the feature set's by "
                          f"{err:.3f} (relative to the largest): another model, layers or chat template?")
-    return Check("features", True, f"layers {held}; stored features match the target's (max rel err {worst:.4f})")
+    return Check(name, True, f"layers {held}; stored features match the target's (max rel err {worst:.4f})")
 
 
 def teacher_forced_logits(draft: DraftRunner, sample) -> torch.Tensor:
@@ -190,12 +210,94 @@ def check_fit(draft: DraftRunner, sample, cached: torch.Tensor, history: list[di
     return Check("fit", True, f"teacher-forced accuracy {acc:.0%} (training acc_0 {train_acc})")
 
 
+def check_trained_setting(name: str, field: str, exported, trained) -> Check:
+    """The export's `field` (what SGLang will use) against the value the draft was trained with."""
+    if exported != trained:
+        return Check(name, False, f"the export's {field} {exported} is not the {trained} the draft was trained with")
+    return Check(name, True, f"{field} {exported}, as trained")
+
+
+def dflash_blocks(sample, dcfg, device):
+    """Every anchor of the sample (the training rule, all of them), and its blocks' ids and positions."""
+    n = len(sample.input_ids)
+    batch = Batch(sample.input_ids[None].to(device), sample.loss_mask[None].to(device), sample.aux_hidden[None], None,
+                  [n], [0])
+    anchors = sample_anchors(sample.loss_mask, n, dcfg.block_size, n, 0)[None].to(device)
+    ids, positions = block_inputs(batch.input_ids, anchors, dcfg.block_size, dcfg.mask_token_id)
+    return batch, anchors, ids, positions
+
+
+def check_dflash_positions_and_fit(runner: BlockDraftRunner, sample) -> list[Check]:
+    """positions: sf-eval's cached block decoding equals the training forward for the first, a middle
+    and the last anchor; fit: the training forward predicts the answer's tokens at every anchor."""
+    model, dcfg = runner.draft, runner.draft.cfg
+    device, dtype, bsz = model.fc.weight.device, model.fc.weight.dtype, dcfg.block_size
+    batch, anchors, ids, positions = dflash_blocks(sample, dcfg, device)
+    with torch.inference_mode():
+        context = model.project_context(sample.aux_hidden[None].to(device, dtype))
+        keep = torch.ones_like(anchors, dtype=torch.bool)
+        states = model.train_forward(context, ids, positions, anchors, keep, batch.lengths, "sdpa")[0]
+        worst = 0.0
+        for n in sorted({0, anchors.shape[1] // 2, anchors.shape[1] - 1}):
+            a = int(anchors[0, n])
+            runner.reset()
+            runner.extend(sample.aux_hidden[:a].to(device))
+            decoded = model.decode_block(ids[:, n * bsz:(n + 1) * bsz], positions[:, n * bsz:(n + 1) * bsz],
+                                         runner.cache)[0]
+            ref = states[n * bsz:(n + 1) * bsz]
+            worst = max(worst, ((decoded - ref).abs().max() / ref.abs().max()).item())
+        predicted = (states.view(-1, bsz, states.shape[-1])[:, 1:] @ runner.lm_head.T.to(dtype)).argmax(-1)
+    valid = valid_slots(batch, anchors, keep, bsz)[0]  # [N, B-1]
+    truth = sample.input_ids.to(device)[(anchors[0, :, None] + torch.arange(1, bsz, device=device)).clamp(
+        max=len(sample.input_ids) - 1)]
+    acc = (predicted == truth)[valid].float().mean().item()
+    checks = [Check("positions", worst <= 1e-2, f"cached block decoding {'equals' if worst <= 1e-2 else 'differs from'}"
+                    f" the training forward on the same context (max rel diff {worst:.2g})")]
+    checks.append(Check("fit", acc >= 0.9, f"the draft predicts {acc:.0%} of the answer's block tokens from the "
+                        "stored features" + ("" if acc >= 0.9 else "; train longer (--max-steps) or with another --lr")))
+    return checks
+
+
+def run_dflash_checks(cfg: GateConfig, export: Path, fs: FeatureSet, sample, device, dtype) -> list[Check]:
+    work = Path(cfg.output)
+    dcfg, tensors = find_draft_files(export)
+    trained, _ = find_draft_files(complete_checkpoints(work / "train")[-1])
+    checks = [check_export(export, dcfg, tensors, work / "train", validate_dflash, "export names"),
+              check_trained_setting("mask token", "dflash_config.mask_token_id", dcfg.mask_token_id,
+                                    trained.mask_token_id),
+              check_trained_setting("layers", "dflash_config.target_layer_ids", list(dcfg.target_layer_ids),
+                                    list(trained.target_layer_ids))]
+    model, tokenizer, _ = load_target(cfg.target, device=str(device), dtype=dtype)
+    target = TargetRunner(model, list(dcfg.target_layer_ids))
+    checks.append(check_features(target, fs, sample, "layers"))
+    draft = load_draft(export, resolve_target(cfg.target), device, dtype)
+    runner = BlockDraftRunner(draft, model.get_output_embeddings().weight)
+    checks += check_dflash_positions_and_fit(runner, sample)
+    conv = load_conversations(work / "regen").conversations[0].to_messages()
+    result = block_generate(target, runner, prompt_ids(tokenizer, conv[:-1]), max_new_tokens=int(sample.loss_mask.sum()),
+                            eos=set(end_of_turn_ids(model, tokenizer)), sampler=Sampler())
+    checks.append(decode_check(cfg, result, f"block {dcfg.block_size}"))
+    target.remove_hooks()
+    return checks
+
+
+def decode_check(cfg: GateConfig, result, shape: str) -> Check:
+    length = result.accept_length
+    ok = length >= cfg.bar
+    return Check("decode", ok, f"acceptance length {length:.2f} at {shape} over {result.rounds} rounds "
+                 f"({'>=' if ok else '<'} the bar {cfg.bar:.2f})"
+                 + ("" if ok else ": every earlier check agrees, so the draft's steps past the first (positions, "
+                    "its own states) disagree with training"))
+
+
 def run_checks(cfg: GateConfig, export: Path) -> list[Check]:
     work = Path(cfg.output)
     device = pick_device(cfg.device)
     dtype = default_dtype(device)
     fs = FeatureSet(work / "features")
     sample = fs[0]
+    if cfg.family == "dflash":
+        return run_dflash_checks(cfg, export, fs, sample, device, dtype)
     cfg_draft, tensors = find_draft_files(export)
     checks = [check_vocab_map(cfg_draft, tensors, fs), check_export(export, cfg_draft, tensors, work / "train")]
     model, tokenizer, _ = load_target(cfg.target, device=str(device), dtype=dtype)
@@ -211,12 +313,7 @@ def run_checks(cfg: GateConfig, export: Path) -> list[Check]:
     answer = int(sample.loss_mask.sum())
     result = speculative_generate(target, runner, prompt_ids(tokenizer, conv[:-1]), k=cfg.k, max_new_tokens=answer,
                                   eos=set(end_of_turn_ids(model, tokenizer)), sampler=Sampler())
-    length = result.accept_length
-    ok = length >= cfg.bar
-    checks.append(Check("decode", ok, f"acceptance length {length:.2f} at k={cfg.k} over {result.rounds} rounds "
-                        f"({'>=' if ok else '<'} the bar {cfg.bar:.2f})"
-                        + ("" if ok else ": every earlier check agrees, so the chained draft steps (positions past "
-                           "the first, the draft's own hidden state) disagree with training")))
+    checks.append(decode_check(cfg, result, f"k={cfg.k}"))
     target.remove_hooks()
     return checks
 

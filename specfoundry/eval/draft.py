@@ -7,6 +7,7 @@ target, exactly as a server would do it.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -15,59 +16,63 @@ from safetensors.torch import load_file
 from specfoundry.common.target import load_tokenizer, target_identity
 from specfoundry.common.weights import target_embeddings, weight_fingerprint
 from specfoundry.featureset.manifest import tokenizer_hashes
+from specfoundry.train.dflash.config import DFlashConfig
+from specfoundry.train.dflash.export import config_from_sglang as dflash_config_from_sglang
+from specfoundry.train.dflash.model import DFlashDraft
 from specfoundry.train.eagle3.config import Eagle3Config
+from specfoundry.train.eagle3.export import config_from_sglang
 from specfoundry.train.eagle3.model import Eagle3Draft
-from specfoundry.train.family import DRAFT_FILE, TARGET_FILE
+from specfoundry.train.family import DRAFT_FILE, TARGET_FILE, family_of_export, get_family
 
 
 class DraftLoadError(ValueError):
     pass
 
 
-def config_from_sglang(config: dict) -> Eagle3Config:
-    """A Eagle3Config from an SGLang EAGLE-3 config.json (drafts exported by other tools)."""
-    eagle = config.get("eagle_config") or {}
+def read_config(path: Path) -> Eagle3Config | DFlashConfig:
+    """The config of an exported draft folder. The engine's config.json is what a server reads; it
+    wins where it says something (a hand-edited layer list must be honoured, not silently replaced
+    by ours), and ours (specfoundry_draft.json) fills in the rest."""
+    engine = json.loads((path / "config.json").read_text())
+    ours = json.loads((path / DRAFT_FILE).read_text()) if (path / DRAFT_FILE).is_file() else None
     try:
-        return Eagle3Config(
-            hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
-            num_attention_heads=config["num_attention_heads"],
-            num_key_value_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
-            head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=float(config.get("rope_theta", 10000.0)),
-            rope_scaling=config.get("rope_scaling"),
-            max_position_embeddings=config.get("max_position_embeddings", 8192),
-            vocab_size=config["vocab_size"], draft_vocab_size=config.get("draft_vocab_size", config["vocab_size"]),
-            target_hidden_size=config.get("target_hidden_size", config["hidden_size"]),
-            aux_layer_ids=tuple(eagle.get("eagle_aux_hidden_state_layer_ids", ())),
-            fc_norm=bool(config.get("fc_norm") or config.get("use_aux_norm", False)),
-            norm_output=bool(config.get("norm_output", False)),
-        )
+        if family_of_export(path) == "dflash":
+            cfg = dflash_config_from_sglang(engine)
+            return cfg if ours is None else replace(DFlashConfig.from_dict(ours), target_layer_ids=cfg.target_layer_ids,
+                                                    mask_token_id=cfg.mask_token_id, block_size=cfg.block_size)
+        cfg = config_from_sglang(engine)
     except KeyError as e:
-        raise DraftLoadError(f"draft config.json lacks {e.args[0]!r}") from None
+        raise DraftLoadError(f"draft {path / 'config.json'} lacks {e.args[0]!r}") from None
+    if ours is None:
+        return cfg
+    own = Eagle3Config.from_dict(ours)
+    return replace(own, aux_layer_ids=cfg.aux_layer_ids or own.aux_layer_ids)
 
 
-def find_draft_files(path: Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
-    """(config, tensors named as in Eagle3Draft) from whichever kind of folder `path` is."""
+def locate_draft(path: Path) -> tuple[Eagle3Config | DFlashConfig, Path, str]:
+    """(config, its tensor file, the prefix of the draft's names in it) for whichever kind of folder
+    `path` is: an export, a training run (its export), or one of its checkpoints/step-N."""
     if (path / "export" / "config.json").is_file():  # a training run: use its export
         path = path / "export"
     if (path / "config.json").is_file() and (path / "model.safetensors").is_file():  # an export
-        ours = path / DRAFT_FILE
-        # The SGLang config.json is what a server reads; it wins where it says something
-        # (a hand-edited layer list must be honoured, not silently replaced by ours).
-        sglang = json.loads((path / "config.json").read_text())
-        cfg = config_from_sglang(sglang)
-        if ours.is_file():
-            own = Eagle3Config.from_dict(json.loads(ours.read_text())).to_dict()
-            own["aux_layer_ids"] = cfg.aux_layer_ids or tuple(own["aux_layer_ids"])
-            cfg = Eagle3Config.from_dict(own)
-        return cfg, load_file(str(path / "model.safetensors"))
+        return read_config(path), path / "model.safetensors", ""
     run = path.parent.parent  # <run>/checkpoints/step-N
     if (path / "model.safetensors").is_file() and (run / "draft_config.json").is_file():
-        cfg = Eagle3Config.from_dict(json.loads((run / "draft_config.json").read_text()))
-        tensors = load_file(str(path / "model.safetensors"))
-        return cfg, {k.removeprefix("draft."): v for k, v in tensors.items() if k.startswith("draft.")}
+        d = json.loads((run / "draft_config.json").read_text())
+        return get_family(d.get("family", "eagle3")).config_from_dict(d), path / "model.safetensors", "draft."
     raise DraftLoadError(f"{path} is not an exported draft (config.json + model.safetensors), an sf-train run "
                          "folder or one of its checkpoints/step-N folders")
+
+
+def find_draft_files(path: Path) -> tuple[Eagle3Config | DFlashConfig, dict[str, torch.Tensor]]:
+    """(config, tensors named as in the family's draft module) from whichever kind of folder `path` is."""
+    cfg, file, prefix = locate_draft(path)
+    tensors = load_file(str(file))
+    return cfg, {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def draft_module(cfg: Eagle3Config | DFlashConfig) -> Eagle3Draft | DFlashDraft:
+    return DFlashDraft(cfg) if isinstance(cfg, DFlashConfig) else Eagle3Draft(cfg)
 
 
 def trained_for(path: str | Path) -> dict | None:
@@ -99,9 +104,10 @@ def check_trained_for(path: str | Path, target_dir: Path, allow_other: bool) -> 
     return message
 
 
-def load_draft(path: str | Path, target_dir: Path, device: torch.device, dtype: torch.dtype) -> Eagle3Draft:
+def load_draft(path: str | Path, target_dir: Path, device: torch.device,
+               dtype: torch.dtype) -> Eagle3Draft | DFlashDraft:
     cfg, tensors = find_draft_files(Path(path))
-    draft = Eagle3Draft(cfg)
+    draft = draft_module(cfg)
     tensors = {k: v for k, v in tensors.items() if not k.startswith("embed_tokens.")}
     missing, unexpected = draft.load_state_dict(tensors, strict=False)
     missing = [m for m in missing if not m.startswith(("embed_tokens.", "rotary."))]
@@ -115,15 +121,16 @@ def load_draft(path: str | Path, target_dir: Path, device: torch.device, dtype: 
     return draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def untrained_like(draft: Eagle3Draft, seed: int = 0) -> Eagle3Draft:
+def untrained_like(draft: Eagle3Draft | DFlashDraft, seed: int = 0) -> Eagle3Draft | DFlashDraft:
     """A freshly initialised draft with the same config, vocabulary map and embeddings: the
     baseline a trained draft must beat."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        fresh = Eagle3Draft(draft.cfg)
+        fresh = draft_module(draft.cfg)
     param = next(draft.parameters())
     fresh.to(device=param.device, dtype=param.dtype)
     for name in ("d2t", "t2d"):
-        getattr(fresh, name).copy_(getattr(draft, name))
+        if hasattr(draft, name):
+            getattr(fresh, name).copy_(getattr(draft, name))
     fresh.embed_tokens.weight.data.copy_(draft.embed_tokens.weight)
     return fresh.eval().requires_grad_(False)

@@ -30,7 +30,8 @@ from specfoundry.common.target import (
     pick_device,
     resolve_target,
 )
-from specfoundry.eval.draft import check_trained_for, load_draft, untrained_like
+from specfoundry.eval.block import BlockDraftRunner, block_generate
+from specfoundry.eval.draft import check_trained_for, load_draft, locate_draft, untrained_like
 from specfoundry.eval.speculative import (
     DecodeResult,
     DraftRunner,
@@ -40,6 +41,8 @@ from specfoundry.eval.speculative import (
     target_generate,
 )
 from specfoundry.eval.tree import check_branching, parse_branching, shape_name, tree_generate
+from specfoundry.train.dflash.config import DFlashConfig
+from specfoundry.train.dflash.model import DFlashDraft
 
 BUILTIN_SETS = ("chat", "code", "math", "multiturn")
 
@@ -141,6 +144,8 @@ def decode_set(target: TargetRunner, draft: DraftRunner | None, prompts, cfg: Ev
         for _, ids in prompts:
             if draft is None:
                 r = target_generate(target, ids, max_new_tokens=cfg.max_new_tokens, eos=eos, sampler=sampler)
+            elif isinstance(draft, BlockDraftRunner):
+                r = block_generate(target, draft, ids, max_new_tokens=cfg.max_new_tokens, eos=eos, sampler=sampler)
             elif cfg.tree:
                 r = tree_generate(target, draft, ids, branching=cfg.tree, max_new_tokens=cfg.max_new_tokens, eos=eos)
             else:
@@ -152,7 +157,14 @@ def decode_set(target: TargetRunner, draft: DraftRunner | None, prompts, cfg: Ev
 
 
 def check_config(cfg: EvalConfig) -> EvalConfig:
-    """cfg with k resolved from the tree; refuses what cannot be decoded."""
+    """cfg with k resolved from the tree, or from a DFlash draft's block (block_size - 1 proposals
+    per round); refuses what cannot be decoded."""
+    dcfg = locate_draft(Path(cfg.draft))[0]
+    if isinstance(dcfg, DFlashConfig):
+        if cfg.tree:
+            raise EvalError(f"--tree drafts EAGLE-3 token trees; {cfg.draft} is a DFlash draft, which proposes "
+                            f"blocks of {dcfg.block_size}")
+        cfg = replace(cfg, k=dcfg.block_size - 1)
     if cfg.tree:
         if cfg.temperature > 0:
             raise EvalError("--tree verifies greedily; use the chain (-k) with --temperature > 0")
@@ -208,14 +220,20 @@ def run_eval(cfg: EvalConfig, silent: bool = False) -> dict:
     if draft.cfg.vocab_size != identity.vocab_size:
         raise EvalError(f"draft {cfg.draft} has vocab {draft.cfg.vocab_size}, target {cfg.target} {identity.vocab_size}")
     sets = {name: load_prompts(name, tokenizer, cfg.limit) for name in cfg.prompt_sets}
-    aux = list(draft.cfg.aux_layer_ids)
+    block = isinstance(draft, DFlashDraft)
+    aux = list(draft.cfg.target_layer_ids if block else draft.cfg.aux_layer_ids)
     target = TargetRunner(model, aux)
-    drafts = {"trained": DraftRunner(draft)}
+
+    def runner(d):  # DFlash takes its logits from the target's own lm_head
+        return BlockDraftRunner(d, model.get_output_embeddings().weight) if block else DraftRunner(d)
+
+    drafts = {"trained": runner(draft)}
     if cfg.compare_untrained:
-        drafts["untrained"] = DraftRunner(untrained_like(draft, cfg.seed))
+        drafts["untrained"] = runner(untrained_like(draft, cfg.seed))
     report = {"config": config_dict(cfg), "convention": "accept_length = mean tokens per target verify forward, "
               "counting the target's own token (k+1 at most); the prompt's first token is not counted",
-              "aux_layer_ids": aux, "device": str(device), "dtype": str(dtype)}
+              "family": "dflash" if block else "eagle3", "aux_layer_ids": aux, "device": str(device),
+              "dtype": str(dtype)}
     report["sets"] = decode_sets(cfg, target, drafts, sets, set(end_of_turn_ids(model, tokenizer)), silent)
     report["environment"] = {"python": platform.python_version(), "torch": torch.__version__,
                              "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None}

@@ -108,6 +108,26 @@ def export_draft(state_dict: dict[str, torch.Tensor], cfg: Eagle3Config, out_dir
     return out
 
 
+def config_from_sglang(config: dict) -> Eagle3Config:
+    """An Eagle3Config from an SGLang EAGLE-3 config.json (ours, or another tool's). KeyError names a
+    missing field."""
+    eagle = config.get("eagle_config") or {}
+    return Eagle3Config(
+        hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
+        head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=float(config.get("rope_theta", 10000.0)),
+        rope_scaling=config.get("rope_scaling"),
+        max_position_embeddings=config.get("max_position_embeddings", 8192),
+        vocab_size=config["vocab_size"], draft_vocab_size=config.get("draft_vocab_size", config["vocab_size"]),
+        target_hidden_size=config.get("target_hidden_size", config["hidden_size"]),
+        aux_layer_ids=tuple(eagle.get("eagle_aux_hidden_state_layer_ids", ())),
+        fc_norm=bool(config.get("fc_norm") or config.get("use_aux_norm", False)),
+        norm_output=bool(config.get("norm_output", False)),
+    )
+
+
 def load_export(path: str | Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 

@@ -1,0 +1,134 @@
+"""Draft families: the interface's layer choice, one capture for every family, and the EAGLE-3.1
+options (shapes, export fields, decoding equal to training)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specfoundry.capture.stage import CaptureConfig, CaptureError, stored_layers
+from specfoundry.common.taps import default_aux_layers, dflash_default_layers
+from specfoundry.eval.draft import find_draft_files
+from specfoundry.eval.speculative import DraftRunner
+from specfoundry.featureset.manifest import FeatureSetError
+from specfoundry.train.dflash.options import DFlashOptions
+from specfoundry.train.eagle3.config import Eagle3Config, Eagle3Options
+from specfoundry.train.eagle3.export import expected_tensors, export_draft, validate
+from specfoundry.train.eagle3.model import Eagle3Draft, TTTCache
+from specfoundry.train.eagle3.ttt import shift
+from specfoundry.train.family import get_family, select_layers
+from specfoundry.train.vocab import vocab_maps
+
+TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            vocab_size=97, draft_vocab_size=40, target_hidden_size=24, aux_layer_ids=(1, 2, 3))
+
+
+@pytest.mark.parametrize(("layers", "drafts", "want"), [
+    (36, 5, [1, 9, 17, 25, 33]),  # Qwen3-8B's public DFlash drafts
+    (28, 5, [1, 7, 13, 19, 25]),
+    (36, 1, [18]),
+    (30, 3, [1, 14, 27]),
+])
+def test_dflash_default_layers_follow_the_public_formula(layers, drafts, want):
+    assert dflash_default_layers(layers, drafts) == want
+
+
+def test_one_capture_stores_the_union_of_the_families_layers_ascending():
+    cfg = CaptureConfig(source="s", output="o", families=("eagle3", "dflash"))
+    assert stored_layers(cfg, 36) == sorted(set(default_aux_layers(36)) | {1, 9, 17, 25, 33})
+    assert stored_layers(CaptureConfig(source="s", output="o", aux_layers=(20, 3)), 36) == [3, 20]
+    with pytest.raises(CaptureError, match="outside 0..34"):
+        stored_layers(CaptureConfig(source="s", output="o", aux_layers=(3, 35)), 36)
+    with pytest.raises(CaptureError, match="twice"):
+        stored_layers(CaptureConfig(source="s", output="o", aux_layers=(3, 3)), 36)
+
+
+def test_each_family_takes_its_layers_from_a_union_set_and_names_a_missing_one():
+    held = sorted(set(default_aux_layers(36)) | set(dflash_default_layers(36)))
+    manifest = {"aux_layer_ids": held}
+    eagle3, dflash = get_family("eagle3"), get_family("dflash")
+    assert select_layers(manifest, eagle3, Eagle3Options(), None, 36, "set") == default_aux_layers(36)
+    assert select_layers(manifest, dflash, DFlashOptions(), None, 36, "set") == [1, 9, 17, 25, 33]
+    assert select_layers(manifest, eagle3, Eagle3Options(), (9, 17, 25), 36, "set") == [9, 17, 25]
+    with pytest.raises(FeatureSetError, match=r"set lacks layers 6, 11 that the dflash draft reads"):
+        select_layers(manifest, dflash, DFlashOptions(num_draft_layers=6), None, 36, "set")
+    with pytest.raises(FeatureSetError, match="reads 3 layers"):
+        select_layers(manifest, eagle3, Eagle3Options(), (1, 9), 36, "set")
+    with pytest.raises(FeatureSetError, match="ascending"):
+        select_layers(manifest, eagle3, Eagle3Options(), (17, 9, 25), 36, "set")
+    # a set of exactly the family's count is read whole, whatever its ids
+    assert select_layers({"aux_layer_ids": [2, 5, 7]}, eagle3, Eagle3Options(), None, 36, "set") == [2, 5, 7]
+
+
+def random_draft(**options) -> Eagle3Draft:
+    torch.manual_seed(0)
+    draft = Eagle3Draft(Eagle3Config(**TINY, **options))
+    d2t, t2d = vocab_maps(torch.arange(0, 97, 2)[:40], 97)
+    draft.d2t.copy_(d2t)
+    draft.t2d.copy_(t2d)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if "norm" in name:  # norms away from 1, so that a skipped or misplaced norm shows
+                p.uniform_(0.5, 1.5)
+    return draft.eval()
+
+
+@pytest.mark.parametrize("options", [{}, {"fc_norm": True}, {"norm_output": True},
+                                     {"fc_norm": True, "norm_output": True}])
+def test_chain_decoding_equals_the_ttt_steps(options):
+    """sf-eval's cached chain, fed the sequence's own tokens, gives TTT step s's logits at the
+    last index: the EAGLE-3.1 options decode exactly as they train."""
+    draft = random_draft(**options)
+    n, m, steps = 12, 9, 3
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 97, (1, n), generator=g)
+    aux = torch.randn(1, n, 3 * 24, generator=g)
+    with torch.no_grad():
+        hidden, cache, ttt = draft.project(aux), TTTCache(), []
+        for s in range(steps):
+            hidden, normed = draft.ttt_forward(shift(ids, 1 + s, n), hidden, (torch.arange(n) + s)[None], cache,
+                                               [n], s, "sdpa")
+            ttt.append(draft.lm_head(normed)[0, m - 2])
+        runner = DraftRunner(draft)
+        runner.extend(ids[0, 1:m].tolist(), aux[0, : m - 1])
+        decoded, state = [runner.logits], runner.pre
+        for s in range(1, steps):
+            state, out = runner.run([int(ids[0, m - 1 + s])], state, [m - 2 + s])
+            decoded.append(out[-1])
+    for s in range(steps):
+        torch.testing.assert_close(decoded[s], ttt[s], rtol=1e-5, atol=1e-5)
+
+
+def test_the_options_change_the_draft():
+    """fc_norm adds a norm per captured layer before fc; norm_output passes the normed state on."""
+    plain, normed = random_draft(), random_draft(fc_norm=True)
+    assert [tuple(n.weight.shape) for n in normed.fc_norm] == [(24,)] * 3
+    aux = torch.randn(1, 4, 72)
+    scaled = aux * torch.tensor([10.0] * 24 + [1.0] * 48)
+    with torch.no_grad():  # each layer's state is normed alone: scaling one layer changes nothing
+        torch.testing.assert_close(normed.project(scaled), normed.project(aux), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(plain.project(scaled), plain.project(aux))
+    out = random_draft(norm_output=True)
+    pre = torch.randn(1, 4, 32)
+    passed, logits_state = out.outputs(pre)
+    torch.testing.assert_close(passed, logits_state)
+    assert torch.equal(random_draft().outputs(pre)[0], pre)
+
+
+def test_eagle31_export_has_sglangs_fields_and_reads_back(tmp_path):
+    draft = random_draft(fc_norm=True, norm_output=True)
+    out = export_draft(draft.state_dict(), draft.cfg, tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    assert config["fc_norm"] is True and config["norm_output"] is True  # top level: where both engines read them
+    names = set(expected_tensors(draft.cfg))
+    assert {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} <= names
+    cfg, tensors = find_draft_files(out)
+    assert cfg.fc_norm and cfg.norm_output and set(tensors) == names
+    (out / "specfoundry_draft.json").unlink()  # as another tool would write it: config.json alone
+    cfg, _ = find_draft_files(out)
+    assert cfg.fc_norm and cfg.norm_output
+    del tensors["fc_norm.1.weight"]
+    with pytest.raises(ValueError, match=r"missing \['fc_norm.1.weight'\]"):
+        validate(tensors, draft.cfg)
