@@ -1,0 +1,148 @@
+"""DFlash training attention: many anchored blocks per row against one shared context.
+
+One training row holds T context positions (the target's projected features, keys and values
+only) and N sampled anchors a_0 < a_1 < ... ; anchor n owns a block of B query slots, slot t at
+position a_n + t, laid out at query index n*B + t. The keys are [T context | N*B block], and
+
+    query (n, t) may see context key j       iff  keep[n] and j < a_n and j < length
+                 may see block key (m, u)    iff  m == n                      (its own block)
+
+Context strictly before the anchor: at serving time the anchor is the bonus token, which the
+target has not run yet, so its own feature (and everything after it) is unknown. Blocks never
+see one another, so overlapping blocks (anchors closer than B) leak nothing. A padding anchor
+(keep False) sees only its own block, so no row of the mask is empty (no NaN); it gets no loss.
+
+A sliding layer (window W) is causal inside the block and sees only the W positions ending at
+its own, p = a_n + t:  context j iff p - j < W;  block key u iff u <= t and t - u < W.
+
+On CUDA the attention runs through compiled `flex_attention` over a BlockMask. The anchors change
+every step, so the BlockMask's data is rebuilt every step, but by a builder compiled once per
+shape (the anchors, keep flags and lengths are its tensor inputs, not constants baked into a
+trace): a training loop neither retraces the builder nor recompiles the attention per step. On
+CPU (PyTorch has no FlexAttention backward there) the same mask_mod is materialised densely
+with `create_mask` and fed to SDPA: the mask logic is written once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
+
+from specfoundry.kernels.tree_attention import RECOMPILE_LIMIT_HIT, TooManyShapesError, compiled_flex
+
+
+def dflash_mask_mod(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int,
+                    ctx_lengths: torch.Tensor, sliding_window: int | None = None):
+    """The DFlash mask as a FlexAttention mask_mod (see the module docstring).
+
+    anchors: [Bsz, N] int, anchor positions; keep: [Bsz, N] bool, real (not padding) anchors;
+    ctx_len: T, the context keys before the block keys; block_size: B; ctx_lengths: [Bsz] int,
+    each row's real length; sliding_window: None (full, bidirectional layer) or W."""
+    num_anchors = anchors.shape[1]
+
+    def dflash_mask(b, h, q_idx, kv_idx):
+        # clamped: FlexAttention may evaluate padded query rows past N*B (their output is dropped)
+        n = torch.clamp(q_idx // block_size, max=num_anchors - 1)  # the query's anchor
+        t = q_idx % block_size  # its slot in the block
+        anchor = anchors[b, n]
+        is_context = kv_idx < ctx_len
+        rel = kv_idx - ctx_len  # block keys: (rel // B, rel % B) = (their anchor, their slot)
+        context = is_context & (kv_idx < anchor) & (kv_idx < ctx_lengths[b]) & keep[b, n]
+        own_block = ~is_context & (rel // block_size == n)
+        if sliding_window is None:
+            return context | own_block
+        u = rel % block_size
+        context = context & (anchor + t - kv_idx < sliding_window)
+        own_block = own_block & (u <= t) & (t - u < sliding_window)
+        return context | own_block
+
+    return dflash_mask
+
+
+def _as_lengths(lengths, device) -> torch.Tensor:
+    return torch.as_tensor(lengths, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def dense_dflash_mask(anchors: torch.Tensor, keep: torch.Tensor, lengths, ctx_len: int, block_size: int,
+                      sliding_window: int | None = None) -> torch.Tensor:
+    """The mask as a dense boolean tensor [Bsz, 1, N*B, T + N*B] (True = may attend)."""
+    bsz, n = anchors.shape
+    mod = dflash_mask_mod(anchors, keep, ctx_len, block_size, _as_lengths(lengths, anchors.device), sliding_window)
+    return create_mask(mod, bsz, 1, n * block_size, ctx_len + n * block_size, device=anchors.device)
+
+
+def build_block_mask(anchors: torch.Tensor, keep: torch.Tensor, lengths: torch.Tensor, ctx_len: int,
+                     block_size: int, sliding_window: int | None) -> BlockMask:
+    """The BlockMask of one batch; the tensors are inputs, so a compiled copy serves every step
+    of one shape (the closure is made inside the traced region, not guarded on)."""
+    bsz, n = anchors.shape
+    mod = dflash_mask_mod(anchors, keep, ctx_len, block_size, lengths, sliding_window)
+    return create_block_mask(mod, bsz, None, n * block_size, ctx_len + n * block_size, device=anchors.device)
+
+
+_BUILDER = {}
+
+
+def compiled_builder():
+    """build_block_mask under torch.compile (static shapes), made once. compiled_flex() is called
+    first: it raises dynamo's recompile limits, which the builder's per-shape graphs share."""
+    if "fn" not in _BUILDER:
+        compiled_flex()
+        _BUILDER["fn"] = torch.compile(build_block_mask, dynamic=False)
+    return _BUILDER["fn"]
+
+
+def dflash_block_mask(anchors: torch.Tensor, keep: torch.Tensor, lengths, ctx_len: int, block_size: int,
+                      sliding_window: int | None = None) -> BlockMask:
+    """The BlockMask for these anchors: built by the compiled builder on CUDA, eagerly on CPU."""
+    lens = _as_lengths(lengths, anchors.device)
+    build = compiled_builder() if anchors.is_cuda else build_block_mask
+    return build(anchors, keep.to(torch.bool), lens, ctx_len, block_size, sliding_window)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    if backend not in ("flex", "sdpa"):
+        raise ValueError(f"unknown DFlash attention backend {backend!r}: choose auto, flex or sdpa")
+    return backend
+
+
+def dflash_mask(backend: str, anchors: torch.Tensor, keep: torch.Tensor, lengths, ctx_len: int, block_size: int,
+                sliding_window: int | None = None) -> BlockMask | torch.Tensor:
+    """The mask a backend ("flex" or "sdpa", resolved) takes: built once per forward and shared by
+    every layer of one kind (full or sliding)."""
+    if backend == "flex":
+        return dflash_block_mask(anchors, keep, lengths, ctx_len, block_size, sliding_window)
+    return dense_dflash_mask(anchors, keep, lengths, ctx_len, block_size, sliding_window)
+
+
+def dflash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
+                     lengths, block_size: int, backend: str = "auto", sliding_window: int | None = None, *,
+                     mask: BlockMask | torch.Tensor | None = None, scale: float | None = None,
+                     kernel_options: dict | None = None) -> torch.Tensor:
+    """Attention of the block queries over [context | blocks] under the DFlash mask.
+
+    q: [Bsz, Hq, N*B, D]; k, v: [Bsz, Hkv, T + N*B, D] (Hq a multiple of Hkv: GQA); anchors,
+    keep: [Bsz, N]; lengths: [Bsz] real lengths. Returns [Bsz, Hq, N*B, D].
+    backend: "flex" (compiled FlexAttention, CUDA), "sdpa" (dense mask), "auto" (flex on CUDA).
+    mask: the backend's mask built beforehand by dflash_mask (one per forward, not per layer).
+    kernel_options: Triton launch options of the flex kernels (None: inductor's defaults)."""
+    bsz, hq, q_len, _ = q.shape
+    num_anchors = anchors.shape[1]
+    ctx_len = k.shape[2] - num_anchors * block_size
+    assert q_len == num_anchors * block_size and ctx_len >= 0, (q.shape, k.shape, anchors.shape, block_size)
+    backend = resolve_backend(backend, q.device)
+    if mask is None:
+        mask = dflash_mask(backend, anchors, keep, lengths, ctx_len, block_size, sliding_window)
+    gqa = hq != k.shape[1]
+    if backend == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    try:
+        return compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, kernel_options=kernel_options)
+    except RECOMPILE_LIMIT_HIT as e:
+        raise TooManyShapesError(
+            f"compiled FlexAttention reached torch._dynamo's recompile limit at DFlash shape {tuple(q.shape)} "
+            f"x {tuple(k.shape)}: each new (rows, anchors, width) compiles anew; round widths coarser "
+            "(sf-train --pad-multiple 256) or use --attention sdpa") from e

@@ -1,0 +1,271 @@
+"""DFlash training: many anchored blocks per sample, one forward, a decayed per-slot loss.
+
+With a row's tokens x_0..x_{n-1} (n its real length) and its loss mask m, N anchors a are drawn
+(sample_anchors). The block of anchor a is
+    ids        [x_a, MASK, ..., MASK]                 B slots
+    positions  a, a+1, ..., a+B-1
+    context    the row's features at positions j < a  (the mask in kernels/dflash_attention.py)
+and its slot k (1 <= k < B) predicts x_{a+k}; slot 0 holds the anchor and is never scored. Slot k
+is valid iff a + k < n and m[a+k] (a block may run past the end: those slots are dropped). With
+w_k = exp(-(k-1) / gamma) (gamma <= 0: w_k = 1) and the cross entropy ce of the target's lm_head
+over the block's final states,
+    loss = sum_{valid (row, a, k)} w_k * ce(a, k)  /  sum_{valid} w_k
+normalised over the micro-batch's valid slots, not per block: a block cut short by the end of its
+sample weighs less, as its slots do at serving time. teacher "hard": ce against x_{a+k}; "soft":
+against the target's distribution for that token, softmax(lm_head(final_hidden[a+k-1])).
+
+The logits [rows, V] (V = 151936 for Qwen3, rows up to N*(B-1) per sample) are never held whole:
+they are computed chunk by chunk, and each chunk's loss and gradient with respect to the block
+states are taken at once, so the backward only scales that stored [rows, H] gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from specfoundry.kernels.soft_ce import soft_target_cross_entropy
+from specfoundry.train.dflash.model import DFlashDraft
+from specfoundry.train.loader import Batch
+
+MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    """One splitmix64 step: a bijective 64-bit mix whose outputs of nearby inputs look unrelated."""
+    z = (z + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def anchor_seed(seed: int, epoch: int, sample_index: int) -> int:
+    """The anchor-sampling seed of one sample in one epoch: a function of the three numbers only,
+    so a sample's anchors do not depend on its batch, its row, the rank or a resume."""
+    z = 0
+    for v in (seed, epoch, sample_index):
+        z = _splitmix64(z ^ (int(v) & MASK64))
+    return z >> 1  # 63 bits: any torch.Generator seed
+
+
+def sample_anchors(loss_mask: torch.Tensor, length: int, block_size: int, num_anchors: int,
+                   seed: int) -> torch.Tensor:
+    """Up to num_anchors distinct anchors, sorted, drawn without replacement (torch.Generator seeded
+    with `seed`: the global RNG is untouched) from the positions a with
+
+        a + 1 < length  and  loss_mask[a]  and  loss_mask[a + 1]
+
+    loss_mask: [T] bool (T >= length). Returns a LongTensor [n], n = min(num_anchors, candidates).
+
+    This is SpecForge's newer rule (spec §5.2): the anchor's first prediction x_{a+1} is supervised
+    (a block that teaches nothing at slot 1 wastes an anchor), and the anchor token itself is
+    supervised, because at serving time the anchor is always the bonus token, one the target
+    generated (an anchor on a prompt or template token is a block SGLang never drafts). A block
+    may run past the end of the sample (the classic rule's a <= n - B would never train the last
+    B - 1 positions' blocks, where every response ends); its slots past the end get no loss, so
+    block_size does not limit the candidates."""
+    del block_size  # see above: blocks past the end are masked, not excluded
+    m = loss_mask[:length].to(torch.bool).cpu()
+    candidates = torch.nonzero(m[:-1] & m[1:]).flatten()  # a in [0, length - 2]
+    n = min(num_anchors, candidates.numel())
+    g = torch.Generator().manual_seed(int(seed))
+    pick = torch.randperm(candidates.numel(), generator=g)[:n]
+    return candidates[pick].sort().values
+
+
+def batch_anchors(batch: Batch, num_anchors: int, block_size: int, seed: int):
+    """anchors [Bsz, N] int64 and keep [Bsz, N] bool on the batch's device, N = min(num_anchors, T):
+    a function of the padded width only, so compiled attention sees one shape per width bucket.
+    Unused slots (fewer candidates, dummy rows without a sample index) are anchor 0, keep False."""
+    bsz, width = batch.input_ids.shape
+    n = max(1, min(num_anchors, width))
+    anchors = torch.zeros(bsz, n, dtype=torch.int64)
+    keep = torch.zeros(bsz, n, dtype=torch.bool)
+    loss_mask = batch.loss_mask.cpu()  # one copy to the host for the whole batch
+    for r, index in enumerate(batch.indices[:bsz]):
+        a = sample_anchors(loss_mask[r], batch.lengths[r], block_size, num_anchors,
+                           anchor_seed(seed, batch.epoch, index))
+        anchors[r, : len(a)] = a
+        keep[r, : len(a)] = True
+    device = batch.input_ids.device
+    return anchors.to(device, non_blocking=True), keep.to(device, non_blocking=True)
+
+
+def block_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int):
+    """ids and positions [Bsz, N*B] of every block: [x_a, MASK...] at a..a+B-1."""
+    bsz, n = anchors.shape
+    ids = torch.full((bsz, n, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    ids[:, :, 0] = input_ids.gather(1, anchors)
+    positions = anchors[:, :, None] + torch.arange(block_size, device=anchors.device)  # [Bsz, N, B]
+    return ids.view(bsz, n * block_size), positions.view(bsz, n * block_size)
+
+
+def valid_slots(batch: Batch, anchors: torch.Tensor, keep: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[Bsz, N, B-1] bool: slot k = 1..B-1 of each block is scored (inside its row, supervised)."""
+    width = batch.input_ids.shape[1]
+    target = anchors[:, :, None] + torch.arange(1, block_size, device=anchors.device)  # [Bsz, N, B-1]
+    lengths = torch.as_tensor(batch.lengths, device=anchors.device)
+    inside = target < lengths[:, None, None]
+    supervised = batch.loss_mask.gather(1, target.clamp(max=width - 1).flatten(1)).view_as(target)
+    return keep[:, :, None] & inside & supervised
+
+
+def slot_weights(block_size: int, gamma: float) -> list[float]:
+    """w_k = exp(-(k-1) / gamma) for k = 1..B-1 (gamma <= 0: uniform)."""
+    return [math.exp(-(k - 1) / gamma) if gamma > 0 else 1.0 for k in range(1, block_size)]
+
+
+class AttachGradient(torch.autograd.Function):
+    """`value`, computed without autograd, as a function of x whose gradient was computed with it:
+    grad is d(value)/dx for the upstream gradient `announced`; backward scales it to the actual."""
+
+    @staticmethod
+    def forward(ctx, x, value, grad, announced: float):
+        ctx.save_for_backward(grad)
+        ctx.announced = announced
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, upstream):
+        (grad,) = ctx.saved_tensors
+        return grad * (upstream / ctx.announced).to(grad.dtype), None, None, None
+
+
+@torch.no_grad()
+def hard_chunk(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor, want_grad: bool):
+    """h [c, H] rows of one slot k, labels [c]; coef [c] = w_k * announced / sum(w).
+    Returns (ce [c] fp32, hits [c], dL/dh [c, H] or None). With z = h W^T and lse = logsumexp(z):
+        ce = lse - z[y],     d ce / dz = softmax(z) - onehot(y)
+    computed in one fp32 [c, V] buffer (softmax written over z in place)."""
+    z = (h @ head.T).float()  # [c, V]
+    hits = z.argmax(-1) == labels
+    lse = torch.logsumexp(z, dim=-1)
+    ce = lse - z.gather(1, labels[:, None]).squeeze(1)
+    if not want_grad:
+        return ce, hits, None
+    z.sub_(lse[:, None]).exp_()
+    z[torch.arange(len(labels), device=z.device), labels] -= 1.0
+    z.mul_(coef[:, None])
+    return ce, hits, (z.to(head.dtype) @ head).to(h.dtype)
+
+
+def soft_chunk(h: torch.Tensor, head: torch.Tensor, teacher_h: torch.Tensor, weight: float, normaliser: torch.Tensor,
+               announced: float, loss_kernel: str, want_grad: bool):
+    """h [c, H] rows of one slot k, teacher_h [c, H] the target's final states one position before.
+    Returns (sum of the rows' ce (fp32 0-d), hits [c], dL/dh [c, H] or None) through the in-place
+    soft-target CE (its row mask carries the weight w_k; normaliser = sum(w))."""
+    with torch.no_grad():
+        p = torch.softmax((teacher_h @ head.T).float(), dim=-1)  # [c, V] the target's distribution
+        target_ids = p.argmax(-1)
+        p = p.to(h.dtype)
+    with torch.enable_grad():
+        leaf = h.detach().requires_grad_(want_grad)
+        logits = leaf @ head.T  # [c, V], consumed by the loss kernel
+        hits = logits.detach().argmax(-1) == target_ids  # before the kernel overwrites the logits
+        rows = torch.full((len(h),), weight, device=h.device)
+        loss = soft_target_cross_entropy(logits, p, rows, normaliser=normaliser, impl=loss_kernel,
+                                         grad_scale=announced)
+        grad = torch.autograd.grad(loss, leaf, torch.tensor(announced, device=h.device))[0] if want_grad else None
+    return (loss.detach() * normaliser / weight), hits, grad
+
+
+def scored_rows(states: torch.Tensor, valid: torch.Tensor, anchors: torch.Tensor):
+    """The block states of the valid slots, grouped by slot k (k = 1 first).
+    states [Bsz, N*B, H]; valid [Bsz, N, B-1]. Returns (rows [M, H], row b [M], target position
+    a + k [M], counts: rows per k, a list of B-1 ints)."""
+    bsz, n, slots = valid.shape
+    k_idx, b_idx, n_idx = torch.nonzero(valid.permute(2, 0, 1), as_tuple=True)  # sorted by k, then b, n
+    counts = torch.bincount(k_idx, minlength=slots).tolist()  # the host needs the group sizes
+    rows = states.view(bsz, n, slots + 1, -1)[b_idx, n_idx, k_idx + 1]  # [M, H]
+    return rows, b_idx, anchors[b_idx, n_idx] + k_idx + 1, counts
+
+
+def chunked_loss(rows, head, counts, weights, targets, teacher: str, *, chunk: int, announced: float,
+                 loss_kernel: str, want_grad: bool):
+    """loss = sum_k w_k sum_{rows of k} ce / sum_k w_k n_k, chunk by chunk within each slot k.
+    rows: detached (the gradient is computed here, not recorded). targets: labels [M] (hard) or
+    the teacher's final states [M, H] (soft). Returns (loss fp32 0-d,
+    dloss/drows [M, H] for the upstream gradient `announced` or None, per-k ce sums [B-1], per-k
+    hits [B-1])."""
+    device = rows.device
+    norm = torch.tensor(max(sum(w * c for w, c in zip(weights, counts, strict=True)), 1e-6), device=device)
+    grad = torch.zeros_like(rows) if want_grad else None
+    ce_sums = torch.zeros(len(counts), dtype=torch.float32, device=device)
+    hits = torch.zeros(len(counts), dtype=torch.int64, device=device)
+    start = 0
+    for k, (w, count) in enumerate(zip(weights, counts, strict=True)):
+        for s in range(start, start + count, chunk):
+            e = min(s + chunk, start + count)
+            if teacher == "hard":
+                coef = torch.full((e - s,), w * announced, device=device) / norm
+                ce, hit, g = hard_chunk(rows[s:e], head, targets[s:e], coef, want_grad)
+                ce = ce.sum()
+            else:
+                ce, hit, g = soft_chunk(rows[s:e], head, targets[s:e], w, norm, announced, loss_kernel, want_grad)
+            ce_sums[k] += ce
+            hits[k] += hit.sum()
+            if g is not None:
+                grad[s:e] = g
+        start += count
+    weight_of = torch.tensor(weights, device=device)
+    return (ce_sums * weight_of).sum() / norm, grad, ce_sums, hits
+
+
+def dflash_loss(model: DFlashDraft, batch: Batch, lm_head: torch.Tensor, *, num_anchors: int = 512,
+                gamma: float = 7.0, seed: int = 0, attention: str = "auto", loss_kernel: str = "auto",
+                loss_scale: float = 1.0, teacher: str = "hard", label_chunk: int = 1024):
+    """Returns (total loss, per-slot metrics [{loss, hits, valid}] for k = 1..B-1).
+
+    lm_head: [V, H] the target's (frozen). gamma: the slot decay (module docstring). seed: the run's
+    seed; a sample's anchors are drawn with anchor_seed(seed, batch.epoch, its index). loss_kernel:
+    the soft-target CE (auto, triton, reference; the hard CE is plain torch). loss_scale: the
+    gradient that will flow into the total (1 / accumulation steps), announced so that each chunk
+    writes its final gradient at once. label_chunk: logit rows per chunk ([label_chunk, V] fp32
+    temporaries). metrics: loss is the unweighted mean ce of slot k's valid rows; hits counts
+    argmax matches with x_{a+k} (hard) or the target's argmax (soft)."""
+    if teacher not in ("hard", "soft"):
+        raise ValueError(f"unknown DFlash teacher {teacher!r}: choose hard or soft")
+    if teacher == "soft" and batch.final_hidden is None:
+        raise ValueError("the soft teacher reads the target's final hidden states; the batch holds none")
+    b = model.cfg.block_size
+    anchors, keep = batch_anchors(batch, num_anchors, b, seed)
+    ids, positions = block_inputs(batch.input_ids, anchors, b, model.cfg.mask_token_id)
+    context = model.project_context(batch.aux_hidden)  # [Bsz, T, H]
+    states = model.train_forward(context, ids, positions, anchors, keep, batch.lengths, attention)
+    valid = valid_slots(batch, anchors, keep, b)
+    rows, b_idx, target_pos, counts = scored_rows(states, valid, anchors)
+    head = lm_head.to(rows.dtype)
+    if teacher == "hard":
+        targets = batch.input_ids[b_idx, target_pos]
+    else:  # the target's distribution for x_{a+k} is its lm_head over its final state at a+k-1
+        targets = batch.final_hidden[b_idx, target_pos - 1].to(head.dtype)
+    want_grad = torch.is_grad_enabled() and rows.requires_grad
+    if want_grad and not (math.isfinite(loss_scale) and loss_scale > 0):
+        raise ValueError(f"dflash_loss: loss_scale must be a positive finite number, got {loss_scale}")
+    value, grad, ce_sums, hits = chunked_loss(rows.detach(), head, counts, slot_weights(b, gamma), targets, teacher,
+                                              chunk=label_chunk, announced=loss_scale, loss_kernel=loss_kernel,
+                                              want_grad=want_grad)
+    total = AttachGradient.apply(rows, value, grad, loss_scale) if want_grad else value
+    n_valid = torch.tensor(counts, device=rows.device)
+    metrics = [{"loss": ce_sums[k] / max(counts[k], 1), "hits": hits[k], "valid": n_valid[k]}
+               for k in range(b - 1)]
+    return total, metrics
+
+
+class DFlashModule(torch.nn.Module):
+    """Wraps the draft so that the whole loss is one forward: DDP/FSDP wrappers see every parameter
+    use inside their forward. The target's lm_head is a frozen buffer, not a parameter. On a GPU
+    the draft's elementwise chains run compiled unless compile_elementwise is False."""
+
+    def __init__(self, draft: DFlashDraft, lm_head: torch.Tensor, *, num_anchors: int = 512, gamma: float = 7.0,
+                 seed: int = 0, teacher: str = "hard", label_chunk: int = 1024, compile_elementwise: bool = True):
+        super().__init__()
+        self.draft = draft.compile_elementwise(compile_elementwise)
+        self.register_buffer("lm_head", lm_head, persistent=False)
+        self.options = dict(num_anchors=num_anchors, gamma=gamma, seed=seed, teacher=teacher,
+                            label_chunk=label_chunk)
+
+    def forward(self, batch: Batch, attention: str = "auto", loss_kernel: str = "auto", loss_scale: float = 1.0):
+        return dflash_loss(self.draft, batch, self.lm_head, attention=attention, loss_kernel=loss_kernel,
+                           loss_scale=loss_scale, **self.options)

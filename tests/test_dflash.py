@@ -1,0 +1,634 @@
+"""DFlash: the mask, attention, draft and loss against references written independently."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specfoundry.kernels.dflash_attention import (
+    dense_dflash_mask,
+    dflash_attention,
+    dflash_block_mask,
+)
+from specfoundry.train.dflash.config import DFlashConfig, dflash_config_from_target
+from specfoundry.train.dflash.loss import (
+    DFlashModule,
+    anchor_seed,
+    batch_anchors,
+    dflash_loss,
+    sample_anchors,
+)
+from specfoundry.train.dflash.model import DFlashCache, DFlashDraft
+from specfoundry.train.loader import Batch
+
+TINY = DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, vocab_size=61, target_hidden_size=24,
+                    target_layer_ids=(1, 2, 3), block_size=4, mask_token_id=60)
+
+# ---- the mask ------------------------------------------------------------------------------------
+
+
+def loop_mask(anchors, keep, lengths, ctx_len, block, window=None):
+    """The rule spelled out with plain loops: [Bsz, N*B, T + N*B] bool."""
+    bsz, n_anchors = len(anchors), len(anchors[0])
+    out = torch.zeros(bsz, n_anchors * block, ctx_len + n_anchors * block, dtype=torch.bool)
+    for b in range(bsz):
+        for n in range(n_anchors):
+            a = int(anchors[b][n])
+            for t in range(block):
+                q = n * block + t
+                pos = a + t
+                for j in range(ctx_len):  # context keys
+                    seen = bool(keep[b][n]) and j < a and j < lengths[b]
+                    if window is not None and pos - j >= window:
+                        seen = False
+                    out[b, q, j] = seen
+                for m in range(n_anchors):  # block keys
+                    for u in range(block):
+                        seen = m == n
+                        if window is not None and not (u <= t and t - u < window):
+                            seen = False
+                        out[b, q, ctx_len + m * block + u] = seen
+    return out
+
+
+MASK_CASES = [
+    # anchors, keep, lengths, T, B, window
+    ([[0, 2, 3]], [[1, 1, 1]], [6], 6, 4, None),  # a = 0 (no context) and overlapping blocks
+    ([[1, 5, 0]], [[1, 1, 0]], [6], 6, 3, None),  # a = length - 1 (block past the end), a padding anchor
+    ([[0, 3, 4], [2, 0, 0]], [[1, 1, 1], [1, 0, 0]], [7, 4], 7, 2, None),  # rows of different lengths
+    ([[0, 2, 5], [1, 3, 0]], [[1, 1, 1], [1, 1, 0]], [8, 5], 8, 4, 3),  # sliding window 3
+    ([[4, 9, 12]], [[1, 1, 1]], [13], 13, 5, 1),  # window 1: each slot sees only itself
+]
+
+
+@pytest.mark.parametrize("anchors,keep,lengths,ctx_len,block,window", MASK_CASES)
+def test_mask_equals_loop_reference(anchors, keep, lengths, ctx_len, block, window):
+    a, k = torch.tensor(anchors), torch.tensor(keep, dtype=torch.bool)
+    dense = dense_dflash_mask(a, k, lengths, ctx_len, block, window)[:, 0]
+    assert torch.equal(dense, loop_mask(anchors, keep, lengths, ctx_len, block, window))
+    assert dense.any(-1).all()  # no query row without a key: no NaN
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_block_mask_covers_the_dense_mask(window):
+    """Several 128-blocks: the BlockMask keeps a tile iff the dense mask has a True in it."""
+    g = torch.Generator().manual_seed(1)
+    ctx_len, block, n = 300, 16, 20
+    anchors = torch.stack([torch.randperm(290, generator=g)[:n].sort().values for _ in range(2)])
+    keep = torch.ones(2, n, dtype=torch.bool)
+    keep[1, 15:] = False
+    lengths = [300, 200]
+    dense = dense_dflash_mask(anchors, keep, lengths, ctx_len, block, window)[:, 0]
+    occupancy = dflash_block_mask(anchors, keep, lengths, ctx_len, block, window).to_dense()  # [B, 1, nq, nkv]
+    blk = 128
+    for b in range(2):
+        for qb in range(occupancy.shape[2]):
+            for kb in range(occupancy.shape[3]):
+                tile = dense[b, qb * blk:(qb + 1) * blk, kb * blk:(kb + 1) * blk]
+                assert bool(occupancy[b, 0, qb, kb]) == bool(tile.any()), (b, qb, kb)
+
+
+def test_hand_checked_mask():
+    """Context c0..c3, B = 2, anchors 0 and 2: block 0 sees no context (its anchor is the first
+    token), block 1 sees c0, c1 (strictly before its anchor); each block sees only itself."""
+    expected = torch.tensor([
+        # c0 c1 c2 c3 | 0.0 0.1 1.0 1.1
+        [0, 0, 0, 0, 1, 1, 0, 0],  # block 0, slot 0 (position 0)
+        [0, 0, 0, 0, 1, 1, 0, 0],  # block 0, slot 1
+        [1, 1, 0, 0, 0, 0, 1, 1],  # block 1, slot 0 (position 2)
+        [1, 1, 0, 0, 0, 0, 1, 1],  # block 1, slot 1
+    ], dtype=torch.bool)
+    anchors, keep = torch.tensor([[0, 2]]), torch.tensor([[True, True]])
+    assert torch.equal(dense_dflash_mask(anchors, keep, [4], 4, 2)[0, 0], expected)
+    padded = expected.clone()
+    padded[2:, :4] = False  # a padding anchor (keep False) sees only its own block
+    assert torch.equal(dense_dflash_mask(anchors, torch.tensor([[True, False]]), [4], 4, 2)[0, 0], padded)
+    sliding = torch.tensor([
+        [0, 0, 0, 0, 1, 0, 0, 0],  # position 0: itself
+        [0, 0, 0, 0, 1, 1, 0, 0],  # position 1: slot 0 and itself
+        [0, 1, 0, 0, 0, 0, 1, 0],  # position 2: c1 and itself (window 2)
+        [0, 0, 0, 0, 0, 0, 1, 1],  # position 3: slot 0 (position 2) and itself
+    ], dtype=torch.bool)
+    assert torch.equal(dense_dflash_mask(anchors, keep, [4], 4, 2, sliding_window=2)[0, 0], sliding)
+
+
+# ---- attention -----------------------------------------------------------------------------------
+
+
+def reference_attention(q, k, v, mask):
+    """float64 softmax attention over the allowed keys, with explicit loops over the query rows."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    rows = []
+    for b in range(q.shape[0]):
+        for i in range(q.shape[2]):
+            keys = mask[b, i].nonzero().flatten()
+            scores = (k[b, :, keys] @ q[b, :, i, :, None].double()).squeeze(-1) / q.shape[-1] ** 0.5  # [H, keys]
+            rows.append(torch.softmax(scores, -1)[:, None] @ v[b, :, keys])  # [H, 1, D]
+    return torch.cat(rows, 1).view(q.shape[1], q.shape[0], q.shape[2], -1).transpose(0, 1)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("window", [None, 3])
+def test_dense_attention_and_gradients_match_reference(hq, hkv, window):
+    anchors, keep, lengths, ctx_len, block = [[0, 3, 6], [1, 2, 0]], [[1, 1, 1], [1, 1, 0]], [7, 4], 7, 5
+    a, kp = torch.tensor(anchors), torch.tensor(keep, dtype=torch.bool)
+    q = torch.randn(2, hq, 3 * block, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, hkv, ctx_len + 3 * block, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    out = dflash_attention(q, k, v, a, kp, lengths, block, backend="sdpa", sliding_window=window)
+    ref = reference_attention(q, k, v, loop_mask(anchors, keep, lengths, ctx_len, block, window))
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-9)
+    upstream = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), upstream)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), upstream)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-10, rtol=1e-9)
+
+
+@pytest.mark.slow  # compiles flex_attention for the CPU
+def test_flex_forward_matches_dense_on_cpu():
+    g = torch.Generator().manual_seed(2)
+    n, block, ctx_len = 16, 16, 200
+    anchors = torch.stack([torch.randperm(190, generator=g)[:n].sort().values for _ in range(2)])
+    keep = torch.ones(2, n, dtype=torch.bool)
+    keep[1, 10:] = False
+    q = torch.randn(2, 4, n * block, 16)
+    k = torch.randn(2, 2, ctx_len + n * block, 16)
+    v = torch.randn_like(k)
+    with torch.no_grad():
+        out = dflash_attention(q, k, v, anchors, keep, [200, 150], block, backend="flex")
+        ref = dflash_attention(q, k, v, anchors, keep, [200, 150], block, backend="sdpa")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 256])
+def test_flex_matches_dense_on_gpu_without_recompiling(window):
+    torch.manual_seed(0)
+    bsz, n, block, ctx_len, hq, hkv, d = 2, 64, 16, 1000, 32, 8, 128
+    lengths = [1000, 700]
+
+    def anchors_for(seed):
+        g = torch.Generator().manual_seed(seed)
+        a = torch.stack([torch.randperm(length - 1, generator=g)[:n].sort().values for length in lengths])
+        keep = torch.ones(bsz, n, dtype=torch.bool)
+        keep[1, 50:] = False
+        return a.cuda(), keep.cuda()
+
+    q = torch.randn(bsz, hq, n * block, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(bsz, hkv, ctx_len + n * block, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    for step in range(3):  # new anchors every step: neither the builder nor the kernel recompiles
+        anchors, keep = anchors_for(step)
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            out = dflash_attention(q, k, v, anchors, keep, lengths, block, backend="flex", sliding_window=window)
+        ref = dflash_attention(q.float(), k.float(), v.float(), anchors, keep, lengths, block, backend="sdpa",
+                               sliding_window=window)
+        # bf16 inputs, fp32 accumulation in both; outputs are rounded to bf16 (2^-8 relative)
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+        up = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), up)
+        want = torch.autograd.grad(ref, (q, k, v), up.float())
+        for a, e in zip(got, want, strict=True):
+            err = (a.float() - e).norm() / e.norm()
+            assert err < 1e-2, err  # relative error of bf16 operands
+
+
+# ---- the draft -----------------------------------------------------------------------------------
+
+
+def sglang_names(num_layers: int) -> set[str]:
+    """SGLang's DFlashDraftModel checkpoint: 11 tensors per layer, fc, hidden_norm and norm."""
+    per_layer = ["input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                 "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    names = {f"layers.{i}.{p}.weight" for i in range(num_layers) for p in per_layer}
+    return names | {"fc.weight", "hidden_norm.weight", "norm.weight"}
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_state_dict_names_are_sglangs(layers):
+    cfg = DFlashConfig.from_dict({**TINY.to_dict(), "num_hidden_layers": layers})
+    model = DFlashDraft(cfg)
+    params = {n for n, _ in model.named_parameters()}
+    assert params == sglang_names(layers)
+    assert len(params) == 11 * layers + 3
+    assert set(model.state_dict()) == params | {"embed_tokens.weight"}  # the target's, a buffer, not exported
+    assert model.state_dict()["fc.weight"].shape == (32, 3 * 24)
+
+
+def random_draft(cfg=TINY, seed=0):
+    """A draft whose norms are not all ones (so a misplaced norm shows)."""
+    torch.manual_seed(seed)
+    model = DFlashDraft(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+SLIDING = DFlashConfig.from_dict({**TINY.to_dict(), "layer_types": ["full_attention", "sliding_attention"],
+                                  "sliding_window": 3})
+
+
+@pytest.mark.parametrize("cfg", [TINY, SLIDING], ids=["full", "sliding"])
+def test_train_forward_equals_decode_block(cfg):
+    """Every anchored block of a training pass (two rows of different lengths, overlapping blocks,
+    a = 0, a block past the end, a padding anchor) equals decoding that block alone after a cache
+    of the context before its anchor."""
+    model = random_draft(cfg)
+    b = cfg.block_size
+    lengths, width = [12, 7], 12
+    aux = torch.randn(2, width, 3 * cfg.target_hidden_size)
+    ids = torch.randint(0, cfg.vocab_size - 1, (2, width))
+    anchors = torch.tensor([[0, 3, 5, 11], [2, 6, 0, 0]])
+    keep = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    block_ids = ids.gather(1, anchors)[:, :, None].repeat(1, 1, b)
+    block_ids[:, :, 1:] = cfg.mask_token_id
+    positions = anchors[:, :, None] + torch.arange(b)
+    with torch.no_grad():
+        context = model.project_context(aux)
+        states = model.train_forward(context, block_ids.flatten(1), positions.flatten(1), anchors, keep, lengths,
+                                     attention="sdpa")
+        assert states.shape == (2, 4 * b, cfg.hidden_size)
+        for r in range(2):
+            for n in range(4):
+                if not keep[r, n]:
+                    continue
+                a = int(anchors[r, n])
+                cache = DFlashCache()
+                if a:
+                    cache.append_context(model, context[r : r + 1, :a], torch.arange(a)[None])
+                out = model.decode_block(block_ids[r : r + 1, n], positions[r : r + 1, n], cache)
+                torch.testing.assert_close(out[0], states[r, n * b : (n + 1) * b], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(states).all()  # padding anchors too
+
+
+def spec_block(model, aux, block_ids, anchor):
+    """The forward of one block as the spec's §3 writes it, from the weights by name in float64:
+    context c = hidden_norm(fc(aux)) before the anchor (never input_layernorm'ed); per layer q, k
+    per-head RMSNormed then RoPE'd (neox halves), keys/values [context | block], non-causal
+    softmax; residual pre-norm blocks; final norm. aux [T, K*Ht]; block_ids [B]. Returns [B, H]."""
+    cfg, w = model.cfg, {k: v.double() for k, v in model.state_dict().items()}
+    nh, nkv, hd, b = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, len(block_ids)
+
+    def rms(x, weight):
+        return weight * x / torch.sqrt((x * x).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+
+    def rope(x, pos):  # x [s, n, hd], pos [s]
+        inv = cfg.rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)  # [hd/2]
+        ang = torch.cat([pos[:, None] * inv] * 2, -1)[:, None]  # [s, 1, hd]
+        rotated = torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1)
+        return x * ang.cos() + rotated * ang.sin()
+
+    ctx_pos, blk_pos = torch.arange(anchor, dtype=torch.float64), torch.arange(anchor, anchor + b, dtype=torch.float64)
+    c = rms(aux.double() @ w["fc.weight"].T, w["hidden_norm.weight"])[:anchor]  # [a, H]
+    h = w["embed_tokens.weight"][block_ids]  # [B, H]
+    for i in range(cfg.num_hidden_layers):
+        p = {k.split(f"layers.{i}.")[1]: v for k, v in w.items() if k.startswith(f"layers.{i}.")}
+        x = rms(h, p["input_layernorm.weight"])
+        q = rope(rms((x @ p["self_attn.q_proj.weight"].T).view(b, nh, hd), p["self_attn.q_norm.weight"]), blk_pos)
+        keys = [rope(rms((y @ p["self_attn.k_proj.weight"].T).view(len(y), nkv, hd), p["self_attn.k_norm.weight"]),
+                     pos) for y, pos in ((c, ctx_pos), (x, blk_pos))]
+        k = torch.cat(keys).repeat_interleave(nh // nkv, 1)  # [a + B, nh, hd]: kv head j serves q heads j*rep..
+        v = torch.cat([c, x]) @ p["self_attn.v_proj.weight"].T
+        v = v.view(-1, nkv, hd).repeat_interleave(nh // nkv, 1)
+        att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / hd**0.5, -1)  # every key: non-causal
+        h = h + torch.einsum("hqk,khd->qhd", att, v).reshape(b, nh * hd) @ p["self_attn.o_proj.weight"].T
+        y = rms(h, p["post_attention_layernorm.weight"])
+        h = h + (F.silu(y @ p["mlp.gate_proj.weight"].T) * (y @ p["mlp.up_proj.weight"].T)) @ p["mlp.down_proj.weight"].T
+    return rms(h, w["norm.weight"])
+
+
+@pytest.mark.parametrize("anchor", [0, 1, 6])
+def test_decode_block_follows_the_spec(anchor):
+    model = random_draft()
+    aux = torch.randn(9, 72)
+    ids = torch.tensor([7] + [TINY.mask_token_id] * 3)
+    cache = DFlashCache()
+    with torch.no_grad():
+        context = model.project_context(aux[None])
+        if anchor:
+            cache.append_context(model, context[:, :anchor], torch.arange(anchor)[None])
+        out = model.decode_block(ids[None], torch.arange(anchor, anchor + 4)[None], cache)[0]
+    torch.testing.assert_close(out.double(), spec_block(model, aux, ids, anchor), atol=2e-5, rtol=1e-5)
+
+
+def test_cache_appends_in_pieces_and_crops():
+    """Context appended round by round, then a rejected tail cropped away, equals the context
+    appended at once; decode_block leaves the cache as it was."""
+    model = random_draft()
+    context = model.project_context(torch.randn(1, 10, 72)).detach()
+    block = torch.tensor([[5] + [TINY.mask_token_id] * 3])
+    whole, pieces = DFlashCache(), DFlashCache()
+    with torch.no_grad():
+        whole.append_context(model, context[:, :8], torch.arange(8)[None])
+        pieces.append_context(model, context[:, :3], torch.arange(3)[None])
+        pieces.append_context(model, context[:, 3:10], torch.arange(3, 10)[None])
+        pieces.crop(8)
+        assert len(pieces) == len(whole) == 8
+        positions = torch.arange(8, 12)[None]
+        a = model.decode_block(block, positions, whole)
+        b = model.decode_block(block, positions, pieces)
+    assert len(whole) == 8
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    for k1, k2 in zip(whole.keys, pieces.keys, strict=True):
+        assert k1.shape == (1, TINY.num_key_value_heads, 8, TINY.head_dim)
+        torch.testing.assert_close(k1, k2, atol=1e-6, rtol=1e-6)
+
+
+def test_context_is_strictly_before_the_anchor():
+    """Changing the feature at the anchor's own position (or later) changes nothing in its block;
+    changing one before it does."""
+    model = random_draft()
+    aux = torch.randn(1, 9, 72)
+    anchors, keep = torch.tensor([[5]]), torch.tensor([[True]])
+    ids = torch.tensor([[3, 60, 60, 60]])
+    positions = torch.arange(5, 9)[None]
+
+    def run(x):
+        with torch.no_grad():
+            return model.train_forward(model.project_context(x), ids, positions, anchors, keep, [9], "sdpa")
+
+    base = run(aux)
+    later = aux.clone()
+    later[:, 5:] += 1.0
+    torch.testing.assert_close(run(later), base, atol=0, rtol=0)
+    earlier = aux.clone()
+    earlier[:, 4] += 1.0
+    assert (run(earlier) - base).abs().max() > 1e-3
+
+
+# ---- anchors -------------------------------------------------------------------------------------
+
+
+def candidates_by_loop(loss_mask, length):
+    return [a for a in range(length) if a + 1 < length and loss_mask[a] and loss_mask[a + 1]]
+
+
+def test_anchor_rule_count_and_order():
+    g = torch.Generator().manual_seed(3)
+    loss_mask = torch.rand(40, generator=g) > 0.4
+    length = 33  # positions past it are padding, whatever the mask says there
+    loss_mask[33:] = True
+    cand = candidates_by_loop(loss_mask.tolist(), length)
+    assert 5 < len(cand) < 30
+    few = sample_anchors(loss_mask, length, 4, 5, seed=11)
+    assert len(few) == 5 and few.dtype == torch.int64
+    assert set(few.tolist()) <= set(cand)
+    assert torch.all(few[1:] > few[:-1])  # sorted and distinct
+    every = sample_anchors(loss_mask, length, 4, 1000, seed=11)
+    assert every.tolist() == cand  # more slots than candidates: all of them, once each
+
+
+def test_anchors_are_deterministic_and_leave_the_global_rng_alone():
+    loss_mask = torch.ones(200, dtype=torch.bool)
+    state = torch.get_rng_state()
+    a = sample_anchors(loss_mask, 200, 16, 20, seed=5)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(a, sample_anchors(loss_mask, 200, 16, 20, seed=5))
+    assert not torch.equal(a, sample_anchors(loss_mask, 200, 16, 20, seed=6))
+
+
+def test_no_anchors_when_nothing_is_supervised():
+    assert sample_anchors(torch.zeros(30, dtype=torch.bool), 30, 4, 8, seed=0).numel() == 0
+    alternate = torch.arange(30) % 2 == 0  # never two supervised tokens in a row
+    assert sample_anchors(alternate, 30, 4, 8, seed=0).numel() == 0
+    last = torch.zeros(30, dtype=torch.bool)
+    last[28:] = True  # 28 and 29 supervised, but a + 1 = 29 < length 30 only for a = 28
+    assert sample_anchors(last, 30, 4, 8, seed=0).tolist() == [28]
+    assert sample_anchors(last, 29, 4, 8, seed=0).numel() == 0
+
+
+def test_anchor_seed_mixes_all_three_numbers():
+    seeds = {anchor_seed(s, e, i) for s in range(3) for e in range(3) for i in range(50)}
+    assert len(seeds) == 3 * 3 * 50  # no collisions among neighbours
+    assert anchor_seed(1, 2, 3) == anchor_seed(1, 2, 3)
+    assert all(0 <= x < 2**63 for x in seeds)
+
+
+def make_batch(lengths, width=None, cfg=TINY, seed=0, indices=None, epoch=0):
+    g = torch.Generator().manual_seed(seed)
+    width = width or max(lengths)
+    bsz = len(lengths)
+    ids = torch.randint(0, cfg.vocab_size - 1, (bsz, width), generator=g)
+    mask = torch.rand(bsz, width, generator=g) > 0.2
+    for r, n in enumerate(lengths):
+        mask[r, n:] = False
+    aux = torch.randn(bsz, width, len(cfg.target_layer_ids) * cfg.target_hidden_size, generator=g)
+    final = torch.randn(bsz, width, cfg.hidden_size, generator=g)
+    return Batch(ids, mask, aux, final, list(lengths), list(range(bsz)) if indices is None else indices, epoch)
+
+
+def test_batch_anchors_do_not_depend_on_the_batching():
+    """A sample's anchors are the same whatever its row and batch-mates; dummy rows get none."""
+    alone = make_batch([15], seed=1, indices=[7])
+    other = make_batch([11], width=15, seed=2, indices=[3])
+    together = Batch(torch.cat([other.input_ids, alone.input_ids]), torch.cat([other.loss_mask, alone.loss_mask]),
+                     torch.cat([other.aux_hidden, alone.aux_hidden]), None, [11, 15, 1], [3, 7], 0)
+    together.input_ids = torch.cat([together.input_ids, torch.zeros(1, 15, dtype=torch.int64)])
+    together.loss_mask = torch.cat([together.loss_mask, torch.ones(1, 15, dtype=torch.bool)])  # a dummy row
+    a1, k1 = batch_anchors(alone, 6, 4, seed=9)
+    a2, k2 = batch_anchors(together, 6, 4, seed=9)
+    assert k1.sum() == 6
+    assert torch.equal(a1[0][k1[0]], a2[1][k2[1]])
+    assert not k2[2].any()  # the dummy row: no sample index, no anchors
+    a3, _ = batch_anchors(make_batch([15], seed=1, indices=[7], epoch=1), 6, 4, seed=9)
+    assert not torch.equal(a3, a1)  # a new epoch draws anew
+
+
+# ---- the loss ------------------------------------------------------------------------------------
+
+
+def reference_loss(model, batch, head, *, num_anchors, gamma, seed, teacher):
+    """The loss spelled out block by block through the decoding path (a cache of the context
+    before each anchor, then decode_block) and full logits: (loss, {k: [ce of each valid slot]})."""
+    b = model.cfg.block_size
+    context = model.project_context(batch.aux_hidden)
+    num, den, per_slot = 0.0, 0.0, {k: [] for k in range(1, b)}
+    for r, index in enumerate(batch.indices):
+        n = batch.lengths[r]
+        seed_r = anchor_seed(seed, batch.epoch, index)
+        for a in sample_anchors(batch.loss_mask[r], n, b, num_anchors, seed_r).tolist():
+            cache = DFlashCache()
+            if a:
+                cache.append_context(model, context[r : r + 1, :a], torch.arange(a)[None])
+            ids = torch.tensor([[int(batch.input_ids[r, a])] + [model.cfg.mask_token_id] * (b - 1)])
+            logits = model.decode_block(ids, torch.arange(a, a + b)[None], cache)[0] @ head.T  # [B, V]
+            for k in range(1, b):
+                if not (a + k < n and batch.loss_mask[r, a + k]):
+                    continue
+                if teacher == "hard":
+                    ce = F.cross_entropy(logits[k], batch.input_ids[r, a + k])
+                else:
+                    p = torch.softmax(batch.final_hidden[r, a + k - 1] @ head.T, -1)
+                    ce = -(p * torch.log_softmax(logits[k], -1)).sum()
+                w = math.exp(-(k - 1) / gamma) if gamma > 0 else 1.0
+                num, den = num + w * ce, den + w
+                per_slot[k].append(ce.detach())
+    return num / den, per_slot
+
+
+def loss_and_grads(model, fn):
+    model.zero_grad()
+    loss = fn()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("teacher,gamma,loss_kernel", [("hard", 7.0, "auto"), ("hard", 0.0, "auto"),
+                                                       ("soft", 2.0, "reference"), ("soft", 7.0, "auto")])
+def test_loss_and_gradients_match_the_block_by_block_reference(teacher, gamma, loss_kernel):
+    model = random_draft()
+    head = torch.randn(TINY.vocab_size, TINY.hidden_size)
+    batch = make_batch([14, 9], seed=4)
+    kw = dict(num_anchors=5, gamma=gamma, seed=3)
+    out = {}
+
+    def ours():
+        out["loss"], out["metrics"] = dflash_loss(model, batch, head, teacher=teacher, label_chunk=2,
+                                                  loss_kernel=loss_kernel, attention="sdpa", **kw)
+        return out["loss"]
+
+    loss, grads = loss_and_grads(model, ours)
+    metrics = out["metrics"]
+    ref_loss, ref_grads = loss_and_grads(model, lambda: reference_loss(model, batch, head, teacher=teacher, **kw)[0])
+    with torch.no_grad():
+        per_slot = reference_loss(model, batch, head, teacher=teacher, **kw)[1]
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+    assert len(metrics) == TINY.block_size - 1
+    for k, m in enumerate(metrics, start=1):
+        assert set(m) == {"loss", "hits", "valid"}
+        assert int(m["valid"]) == len(per_slot[k]) and 0 <= int(m["hits"]) <= int(m["valid"])
+        assert not m["hits"].dtype.is_floating_point
+        if per_slot[k]:
+            torch.testing.assert_close(m["loss"], torch.stack(per_slot[k]).mean(), atol=1e-5, rtol=1e-5)
+    assert sum(int(m["valid"]) for m in metrics) > 10
+
+
+def test_slot_weights_by_hand():
+    """One anchor whose three slots are all scored: loss = sum_k w_k ce_k / sum_k w_k with
+    w = (1, e^-1/2, e^-1) at gamma = 2, and the plain mean at gamma = 0."""
+    model = random_draft()
+    head = torch.randn(TINY.vocab_size, TINY.hidden_size)
+    batch = make_batch([8], seed=5)
+    batch.loss_mask[:] = False
+    batch.loss_mask[0, [2, 3, 5]] = True  # the only anchor is 2; its slots 1..3 predict positions 3, 4, 5
+    with torch.no_grad():
+        loss, metrics = dflash_loss(model, batch, head, num_anchors=4, gamma=2.0, attention="sdpa")
+        flat, _ = dflash_loss(model, batch, head, num_anchors=4, gamma=0.0, attention="sdpa")
+    assert [int(m["valid"]) for m in metrics] == [1, 0, 1]  # positions 3 and 5; 4 is unsupervised
+    ce1, ce3 = float(metrics[0]["loss"]), float(metrics[2]["loss"])
+    w1, w3 = 1.0, math.exp(-1.0)
+    assert loss.item() == pytest.approx((w1 * ce1 + w3 * ce3) / (w1 + w3), rel=1e-6)
+    assert flat.item() == pytest.approx((ce1 + ce3) / 2, rel=1e-6)
+    assert abs(ce1 - ce3) > 1e-3  # otherwise the weights would not show
+
+
+def test_loss_decreases_when_overfitting_a_tiny_batch():
+    model = random_draft()
+    head = torch.randn(TINY.vocab_size, TINY.hidden_size)
+    batch = make_batch([16, 12], seed=6)
+    opt = torch.optim.AdamW(model.trainable_parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        loss, metrics = dflash_loss(model, batch, head, num_anchors=6, attention="sdpa")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[-1] < 0.1 * losses[0], losses
+    hits = sum(int(m["hits"]) for m in metrics)
+    assert hits >= 0.9 * sum(int(m["valid"]) for m in metrics)
+
+
+def test_announced_loss_scale_and_eval_mode():
+    """The announced gradient (loss_scale) is only a hint: the gradients of (loss * s) are the same
+    whatever was announced; without gradients the value is the same."""
+    model = random_draft()
+    head = torch.randn(TINY.vocab_size, TINY.hidden_size)
+    batch = make_batch([13, 10], seed=7)
+    kw = dict(num_anchors=5, attention="sdpa")
+    _, base = loss_and_grads(model, lambda: dflash_loss(model, batch, head, **kw)[0])
+    for announced, actual in [(0.25, 0.25), (1.0, 0.25), (0.5, 2.0)]:
+        loss, grads = loss_and_grads(model, lambda a=announced, s=actual: dflash_loss(
+            model, batch, head, loss_scale=a, **kw)[0] * s)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, base[name] * actual, atol=1e-6, rtol=1e-5, msg=name)
+    with torch.no_grad():
+        value, _ = dflash_loss(model, batch, head, **kw)
+    torch.testing.assert_close(value, loss / 2.0)
+
+
+def test_module_forward_and_dummy_rows():
+    """DFlashModule is dflash_loss with its options; a dummy row (no sample index, length 1) changes
+    nothing; the target's head is a buffer that is never saved."""
+    model = random_draft()
+    head = torch.randn(TINY.vocab_size, TINY.hidden_size)
+    module = DFlashModule(model, head, num_anchors=5, gamma=4.0, seed=2)
+    assert "lm_head" not in module.state_dict()
+    assert {n for n, _ in module.named_parameters()} == {f"draft.{n}" for n in sglang_names(2)}
+    batch = make_batch([11, 9], seed=8)
+    loss, metrics = module(batch, attention="sdpa")
+    ref, _ = dflash_loss(model, batch, head, num_anchors=5, gamma=4.0, seed=2, attention="sdpa")
+    torch.testing.assert_close(loss, ref, atol=0, rtol=0)
+    padded = make_batch([11, 9, 1], seed=8, indices=[0, 1])
+    padded.input_ids[:2], padded.loss_mask[:2], padded.aux_hidden[:2] = batch.input_ids, batch.loss_mask, batch.aux_hidden
+    loss2, metrics2 = module(padded, attention="sdpa")
+    torch.testing.assert_close(loss2, loss, atol=1e-6, rtol=1e-6)
+    assert [int(m["valid"]) for m in metrics2] == [int(m["valid"]) for m in metrics]
+
+
+def test_nothing_to_learn_gives_zero_loss_and_zero_gradients():
+    model = random_draft()
+    batch = make_batch([9], seed=9)
+    batch.loss_mask[:] = False
+    loss, metrics = dflash_loss(model, batch, torch.randn(TINY.vocab_size, TINY.hidden_size), attention="sdpa")
+    loss.backward()
+    assert loss.item() == 0.0 and all(int(m["valid"]) == 0 for m in metrics)
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+# ---- the config ----------------------------------------------------------------------------------
+
+QWEN3_LIKE = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 160,
+              "num_hidden_layers": 12, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,
+              "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "vocab_size": 300, "hidden_act": "silu",
+              "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}}
+
+
+def test_config_from_target_copies_the_target():
+    cfg = dflash_config_from_target({"text_config": QWEN3_LIKE}, [1, 5, 9], num_hidden_layers=3, block_size=8,
+                                    mask_token_id=299)
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.head_dim) == (64, 160, 8, 2, 16)
+    assert cfg.rope_theta == 1e6 and cfg.rope_scaling is None and cfg.max_position_embeddings == 40960
+    assert cfg.target_hidden_size == 64 and cfg.vocab_size == 300 and cfg.target_layer_ids == (1, 5, 9)
+    assert (cfg.num_hidden_layers, cfg.block_size, cfg.mask_token_id) == (3, 8, 299)
+    assert DFlashConfig.from_dict(cfg.to_dict()) == cfg
+    yarn = {**QWEN3_LIKE, "rope_parameters": {"rope_theta": 5e5, "rope_type": "yarn", "factor": 4.0}}
+    scaled = dflash_config_from_target(yarn, [2], 1, 16, 0, overrides={"layer_types": ["sliding_attention"],
+                                                                       "sliding_window": 64})
+    assert scaled.rope_theta == 5e5 and scaled.rope_scaling == {"rope_type": "yarn", "factor": 4.0}
+    assert scaled.layer_types == ("sliding_attention",) and scaled.sliding_window == 64
+
+
+@pytest.mark.parametrize("layers,mask_id,overrides,match", [
+    ([5, 1], 0, {}, "strictly ascending"),
+    ([1, 11], 0, {}, "0..10"),  # the last layer's output cannot be captured
+    ([1], 300, {}, "outside the target vocabulary"),
+    ([1], 0, {"layer_types": ["sliding_attention"]}, "sliding_window"),
+    ([1], 0, {"hidden_act": "gelu"}, "SiLU"),
+])
+def test_config_refuses_what_sglang_would_serve_wrongly(layers, mask_id, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        dflash_config_from_target(QWEN3_LIKE, layers, 1, 16, mask_id, overrides=overrides)
