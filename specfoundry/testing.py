@@ -12,6 +12,7 @@ import torch
 from specfoundry.common.files import atomic_write_json
 from specfoundry.featureset.manifest import FORMAT, FORMAT_VERSION, MANIFEST
 from specfoundry.featureset.store import FeatureSet, shard_name, write_shard
+from specfoundry.train.dflash.config import DFlashConfig
 from specfoundry.train.eagle3.config import Eagle3Config
 from specfoundry.train.eagle3.model import Eagle3Draft
 from specfoundry.train.eagle3.ttt import TTTModule
@@ -28,19 +29,29 @@ SMOL_DRAFT = Eagle3Config(hidden_size=576, intermediate_size=1536, num_attention
 """The EAGLE-3 draft of SmolLM2-135M: H 576, 9 query / 3 KV heads of 64, target vocab 49152 -> 16000."""
 
 
-def write_random_featureset(root: Path, n: int, t: int, cfg: Eagle3Config) -> FeatureSet:
+QWEN3_8B_DFLASH = DFlashConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=5, num_attention_heads=32,
+                               num_key_value_heads=8, head_dim=128, rope_theta=1000000.0, max_position_embeddings=40960,
+                               vocab_size=151936, target_hidden_size=4096, target_layer_ids=(1, 9, 17, 25, 33),
+                               block_size=16, mask_token_id=151669)
+"""The DFlash draft of Qwen3-8B (the public drafts' shape): 5 layers, H 4096, intermediate 12288, 32 query /
+8 KV heads of 128, block 16, target vocab 151936, target layers [1, 9, 17, 25, 33]."""
+
+
+def write_random_featureset(root: Path, n: int, t: int, cfg: Eagle3Config | DFlashConfig) -> FeatureSet:
     """A one-shard safetensors (bf16) feature set of n samples of t tokens for a target of cfg's
-    shape, random features (seed 0), every token in the loss; opened with FeatureSet."""
+    shape, holding the layers cfg reads, random features (seed 0), every token in the loss;
+    opened with FeatureSet."""
     g = torch.Generator().manual_seed(0)
+    layers = cfg.target_layer_ids if isinstance(cfg, DFlashConfig) else cfg.aux_layer_ids
     samples = [{"input_ids": torch.randint(0, cfg.vocab_size, (t,), generator=g),
                 "loss_mask": torch.ones(t, dtype=torch.bool),
-                "aux_hidden": torch.randn(t, 3 * cfg.hidden_size, generator=g).to(torch.bfloat16),
+                "aux_hidden": torch.randn(t, len(layers) * cfg.hidden_size, generator=g).to(torch.bfloat16),
                 "final_hidden": torch.randn(t, cfg.hidden_size, generator=g).to(torch.bfloat16)} for _ in range(n)]
     rel = shard_name(0, "safetensors")
     digest = write_shard(root, rel, samples, "safetensors", "bfloat16")
     atomic_write_json(root / MANIFEST, {
         "format": FORMAT, "format_version": FORMAT_VERSION, "codec": "safetensors", "storage_dtype": "bfloat16",
-        "aux_layer_ids": list(cfg.aux_layer_ids), "hidden_size": cfg.hidden_size,
+        "aux_layer_ids": list(layers), "hidden_size": cfg.hidden_size,
         "target": {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size},
         "shards": [{"path": rel, "sha256": digest, "num_samples": n, "sample_lengths": [t] * n}]})
     return FeatureSet(root)

@@ -68,3 +68,14 @@ def gate_run(tmp_path_factory, smollm2_dir):
 
     cfg = GateConfig(output=str(tmp_path_factory.mktemp("gate")), max_steps=120, device="cpu")
     return cfg, build(cfg)
+
+
+@pytest.fixture(scope="session")
+def dflash_gate_run(tmp_path_factory, smollm2_dir):
+    """The gate's one-conversation run with a DFlash draft (block 5, 5 layers): it fits the answer
+    by step ~50 on SmolLM2's features."""
+    from specfoundry.gate import GateConfig, build
+
+    cfg = GateConfig(output=str(tmp_path_factory.mktemp("gate-dflash")), family="dflash", max_steps=70,
+                     device="cpu")
+    return cfg, build(cfg)

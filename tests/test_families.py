@@ -52,8 +52,8 @@ def test_each_family_takes_its_layers_from_a_union_set_and_names_a_missing_one()
     assert select_layers(manifest, eagle3, Eagle3Options(), None, 36, "set") == default_aux_layers(36)
     assert select_layers(manifest, dflash, DFlashOptions(), None, 36, "set") == [1, 9, 17, 25, 33]
     assert select_layers(manifest, eagle3, Eagle3Options(), (9, 17, 25), 36, "set") == [9, 17, 25]
-    with pytest.raises(FeatureSetError, match=r"set lacks layers 6, 11 that the dflash draft reads"):
-        select_layers(manifest, dflash, DFlashOptions(num_draft_layers=6), None, 36, "set")
+    with pytest.raises(FeatureSetError, match=r"set lacks layers 12, 22 that the dflash draft reads"):
+        select_layers(manifest, dflash, DFlashOptions(num_draft_layers=4), None, 36, "set")
     with pytest.raises(FeatureSetError, match="reads 3 layers"):
         select_layers(manifest, eagle3, Eagle3Options(), (1, 9), 36, "set")
     with pytest.raises(FeatureSetError, match="ascending"):

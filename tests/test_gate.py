@@ -68,3 +68,43 @@ def test_gate_names_a_renamed_export_tensor(gate_run, tmp_path):
 
     ok, message = verdict(run_checks(cfg, broken_copy(export, tmp_path, tensors=swap)))
     assert not ok and message.startswith("gate failed at export"), message
+
+
+def test_dflash_gate_passes_on_smollm2(dflash_gate_run):
+    cfg, export = dflash_gate_run
+    checks = run_checks(cfg, export)
+    ok, message = verdict(checks)
+    assert ok, message
+    assert [c.name for c in checks] == ["export names", "mask token", "layers", "layers", "positions", "fit", "decode"]
+    decode = next(c for c in checks if c.name == "decode")
+    assert float(decode.detail.split()[2]) >= 0.8 * (cfg.k + 1)
+
+
+def test_dflash_gate_names_a_broken_mask_token(dflash_gate_run, tmp_path):
+    cfg, export = dflash_gate_run
+
+    def other_mask(c):
+        c["dflash_config"]["mask_token_id"] -= 1
+
+    ok, message = verdict(run_checks(cfg, broken_copy(export, tmp_path, config=other_mask)))
+    assert not ok and message.startswith("gate failed at mask token"), message
+
+
+def test_dflash_gate_names_wrong_layer_ids(dflash_gate_run, tmp_path):
+    cfg, export = dflash_gate_run
+
+    def shift_layers(c):
+        c["dflash_config"]["target_layer_ids"] = [i + 1 for i in c["dflash_config"]["target_layer_ids"]]
+
+    ok, message = verdict(run_checks(cfg, broken_copy(export, tmp_path, config=shift_layers)))
+    assert not ok and message.startswith("gate failed at layers") and "[2, 9, 15, 21, 28]" in message, message
+
+
+def test_dflash_gate_names_a_misnamed_export_tensor(dflash_gate_run, tmp_path):
+    cfg, export = dflash_gate_run
+
+    def rename(t):  # SGLang would silently ignore it and leave its parameter uninitialised
+        t["layers.0.self_attn.qnorm.weight"] = t.pop("layers.0.self_attn.q_norm.weight")
+
+    ok, message = verdict(run_checks(cfg, broken_copy(export, tmp_path, tensors=rename)))
+    assert not ok and message.startswith("gate failed at export names") and "q_norm" in message, message

@@ -1,7 +1,7 @@
-"""The hf capture runner: target prefill with forward hooks on three decoder layers.
+"""The hf capture runner: target prefill with forward hooks on the chosen decoder layers.
 
 Only the base model runs (`model.model`), so the full-vocabulary logits are never computed;
-its output is the final normed hidden state (the lm_head input). Forward hooks copy the three
+its output is the final normed hidden state (the lm_head input). Forward hooks copy the K
 aux layers' outputs as they are produced, so all layers' hidden states are never held at once.
 """
 
@@ -18,23 +18,25 @@ class PendingCapture:
     """One submitted batch: its features are on their way to a host buffer of their own.
 
     The buffer holds the batch's aux rows of every sample, then its final rows:
-    [sum(T) * 3H | sum(T) * H], so each sample's aux and final are contiguous views into it and
+    [sum(T) * K*H | sum(T) * H], so each sample's aux and final are contiguous views into it and
     result() copies nothing: a per-sample clone would cost the main thread a copy of every byte."""
 
-    def __init__(self, lengths: list[int], host: torch.Tensor, done, hidden: int):
+    def __init__(self, lengths: list[int], host: torch.Tensor, done, hidden: int, layers: int):
         self.lengths = lengths
-        self.host = host  # [sum(T) * 4H] flat, in pinned memory on GPU
+        self.host = host  # [sum(T) * (K+1)H] flat, in pinned memory on GPU
         self.done = done  # the copy's CUDA event on GPU, else None
         self.hidden = hidden
+        self.layers = layers  # K
 
     def result(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per sample (aux [T, 3H], final [T, H]): views that keep the batch's buffer alive
+        """Per sample (aux [T, K*H], final [T, H]): views that keep the batch's buffer alive
         until the last of them is dropped."""
         if self.done is not None:
             self.done.synchronize()
         n = sum(self.lengths)
-        aux = self.host[: n * 3 * self.hidden].view(n, 3 * self.hidden)  # [sum(T), 3H]
-        final = self.host[n * 3 * self.hidden :].view(n, self.hidden)  # [sum(T), H]
+        width = self.layers * self.hidden
+        aux = self.host[: n * width].view(n, width)  # [sum(T), K*H]
+        final = self.host[n * width :].view(n, self.hidden)  # [sum(T), H]
         out, start = [], 0
         for t in self.lengths:
             out.append((aux[start : start + t], final[start : start + t]))
@@ -75,13 +77,13 @@ class HFCaptureRunner:
             ids[r, : len(x)] = torch.tensor(x)
         self.tap.clear()
         out = self.base(input_ids=ids.to(self.device, non_blocking=True), use_cache=False)
-        aux = self.tap.take()  # [B, T, 3H]: aux low, mid, high
+        aux = self.tap.take()  # [B, T, K*H]: the aux layers, ascending
         final = out.last_hidden_state  # [B, T, H]: final normed
-        # [sum(T) * 3H | sum(T) * H]: every sample's aux rows, then every sample's final rows
+        # [sum(T) * K*H | sum(T) * H]: every sample's aux rows, then every sample's final rows
         packed = torch.cat([aux[r, :n].reshape(-1) for r, n in enumerate(lengths)]
                            + [final[r, :n].reshape(-1) for r, n in enumerate(lengths)])
         if not self.cuda:
-            return PendingCapture(lengths, packed, None, self.hidden)  # already in host memory
+            return PendingCapture(lengths, packed, None, self.hidden, len(self.aux_layers))  # already in host memory
         host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
@@ -89,7 +91,7 @@ class HFCaptureRunner:
             done = torch.cuda.Event()
             done.record(self.copy_stream)
         packed.record_stream(self.copy_stream)  # the allocator must not reuse it before the copy ends
-        return PendingCapture(lengths, host, done, self.hidden)
+        return PendingCapture(lengths, host, done, self.hidden, len(self.aux_layers))
 
     def capture_all(self, batches: Iterable[list[list[int]]]) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
         """Results of each batch in order, with the next batch already computing on the GPU
@@ -104,5 +106,5 @@ class HFCaptureRunner:
             yield pending.result()
 
     def __call__(self, batch: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Prefill one batch and wait for it: per sample (aux [T, 3H], final [T, H]) on CPU."""
+        """Prefill one batch and wait for it: per sample (aux [T, K*H], final [T, H]) on CPU."""
         return self.submit(batch).result()

@@ -37,7 +37,8 @@ def verify_featureset(root: str | Path, recompute: int = 0, device: str | None =
         except Exception as e:  # noqa: BLE001 - any read failure is a damaged shard
             problems.append(f"{entry['path']}: unreadable ({type(e).__name__}: {e})")
             continue
-        expect = {"input_ids": (n,), "loss_mask": (n,), "aux_hidden": (n, 3 * h), "final_hidden": (n, h)}
+        k = len(manifest["aux_layer_ids"])
+        expect = {"input_ids": (n,), "loss_mask": (n,), "aux_hidden": (n, k * h), "final_hidden": (n, h)}
         for name, shape in expect.items():
             if tuple(shapes[name]) != shape:
                 problems.append(f"{entry['path']}: {name} has shape {tuple(shapes[name])}, expected {shape}")

@@ -72,7 +72,7 @@ class AuxLayerTap:
         self.captured.clear()
 
     def take(self, *extra: torch.Tensor) -> torch.Tensor:
-        """The kept outputs [..., 3H] in aux-layer order (then `extra`), concatenated on the last
+        """The kept outputs [..., K*H] in aux-layer order (then `extra`), concatenated on the last
         dim; forgets them."""
         out = torch.cat([self.captured[i] for i in self.aux_layers] + list(extra), dim=-1)
         self.captured.clear()

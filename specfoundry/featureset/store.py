@@ -4,7 +4,7 @@ A shard holds many samples concatenated along one token axis:
     offsets      int64  [S + 1]        sample i is tokens offsets[i]:offsets[i+1]
     input_ids    int32  [N]
     loss_mask    uint8  [N]
-    aux_hidden   dtype  [N, 3H]        outputs of the three aux layers, concatenated
+    aux_hidden   dtype  [N, K*H]       outputs of the K stored layers (ascending), concatenated
     final_hidden dtype  [N, H]         the target's final normed hidden state (lm_head input)
 A shard is written under a hidden partial name and renamed into place when complete, then
 listed in the manifest with its checksum: a crash never leaves a shard a reader trusts.
@@ -35,7 +35,7 @@ TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32":
 class Sample:
     input_ids: torch.Tensor  # [T] int64
     loss_mask: torch.Tensor  # [T] bool
-    aux_hidden: torch.Tensor  # [T, 3H] storage dtype
+    aux_hidden: torch.Tensor  # [T, K*H] storage dtype
     final_hidden: torch.Tensor  # [T, H] storage dtype
 
 

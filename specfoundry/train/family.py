@@ -78,11 +78,8 @@ def get_family(name: str) -> DraftFamily:
 
 
 def family_of_export(path: Path) -> str:
-    """The family of an exported draft folder: ours records it; another tool's config.json names its
-    architecture."""
-    ours = path / DRAFT_FILE
-    if ours.is_file():
-        return json.loads(ours.read_text()).get("family", "eagle3")
+    """The family of an exported draft folder, from the architecture its config.json names (what an
+    engine goes by, ours or another tool's)."""
     config = json.loads((path / "config.json").read_text())
     arch = " ".join(config.get("architectures") or [])
     return "dflash" if "DFlash" in arch else "eagle3"

@@ -71,7 +71,7 @@ class DFlashConfig:
         return self.layer_types[i] if self.layer_types else "full_attention"
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = {"family": "dflash", **asdict(self)}
         d["target_layer_ids"] = list(self.target_layer_ids)
         d["layer_types"] = list(self.layer_types)
         return d
@@ -79,6 +79,7 @@ class DFlashConfig:
     @classmethod
     def from_dict(cls, d: dict) -> DFlashConfig:
         d = dict(d)
+        d.pop("family", None)
         d["target_layer_ids"] = tuple(d["target_layer_ids"])
         d["layer_types"] = tuple(d.get("layer_types") or ())
         return cls(**d)

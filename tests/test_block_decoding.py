@@ -1,0 +1,66 @@
+"""sf-eval's block decoding with a DFlash draft: greedy output equal to the target's own, the
+sampling rule distributed as the target, and the report through the public sf-eval run."""
+
+from __future__ import annotations
+
+import torch
+
+from specfoundry.common.target import end_of_turn_ids, load_target
+from specfoundry.eval.block import BlockDraftRunner, accept_block, block_generate
+from specfoundry.eval.draft import load_draft
+from specfoundry.eval.evaluate import BUILTIN_SETS, EvalConfig, load_prompts, run_eval
+from specfoundry.eval.speculative import Sampler, TargetRunner
+from specfoundry.featureset.store import FeatureSet
+
+
+def test_greedy_block_decoding_equals_the_targets_generate(dflash_gate_run, smollm2_dir):
+    """On a prompt of every held-out set (where the one-conversation draft is mostly rejected) and
+    on the gate's own prompt (where it is mostly accepted): both paths of verification."""
+    cfg, export = dflash_gate_run
+    model, tokenizer, _ = load_target("smollm2", device="cpu", dtype=torch.float32)
+    draft = load_draft(export, smollm2_dir, torch.device("cpu"), torch.float32)
+    target = TargetRunner(model, list(draft.cfg.target_layer_ids))
+    runner = BlockDraftRunner(draft, model.get_output_embeddings().weight)
+    sample = FeatureSet(f"{cfg.output}/features")[0]
+    prompts = [p for name in BUILTIN_SETS for p in load_prompts(name, tokenizer, 1)]
+    prompts.append(("gate", sample.input_ids[: int(sample.loss_mask.nonzero()[0])].tolist()))
+    eos = set(end_of_turn_ids(model, tokenizer))
+    accepted = []
+    for pid, ids in prompts:
+        n = 40 if pid == "gate" else 12
+        out = block_generate(target, runner, ids, max_new_tokens=n, eos=eos, sampler=Sampler())
+        ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+        cut = next((i + 1 for i, t in enumerate(ref) if t in eos), len(ref))
+        assert out.tokens == ref[:cut], f"{pid}: block decoding differs from the target's greedy output"
+        accepted += out.accepted
+    assert 0 < sum(accepted) < (draft.cfg.block_size - 1) * len(accepted), accepted
+    target.remove_hooks()
+
+
+def test_the_block_rule_samples_as_the_target():
+    """A point-mass proposal d kept with probability p(d), else a sample of p without d: the first
+    token is distributed as p, whatever d is."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 6, generator=g) * 2
+    p = torch.softmax(logits[0], -1)
+    sampler = Sampler(1.0, torch.Generator().manual_seed(1))
+    draws = 20000
+    counts = torch.zeros(6)
+    for i in range(draws):
+        d = i % 6  # every proposal in turn, likely and unlikely
+        a, bonus = accept_block([d], torch.cat([logits, logits]), sampler)
+        counts[d if a == 1 else bonus] += 1
+    expected = p * draws
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5, (chi2, counts, expected)  # the 0.999 quantile of chi-square(5)
+
+
+def test_sf_eval_run_decodes_a_dflash_draft_in_blocks(dflash_gate_run, tmp_path):
+    cfg, export = dflash_gate_run
+    report = run_eval(EvalConfig(draft=str(export), output=str(tmp_path / "eval"), prompt_sets=("chat",), limit=2,
+                                 max_new_tokens=12, device="cpu", dtype="float32"), silent=True)
+    assert report["family"] == "dflash" and report["config"]["k"] == cfg.k  # block k+1: k proposals per round
+    chat = report["sets"]["chat"]["trained"]
+    assert chat["identical_to_target"] == "2/2" and len(chat["accept_rate_by_position"]) == cfg.k
+    assert (tmp_path / "eval" / "eval.json").is_file()
