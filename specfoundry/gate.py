@@ -267,6 +267,8 @@ def run_dflash_checks(cfg: GateConfig, export: Path, fs: FeatureSet, sample, dev
                                     trained.mask_token_id),
               check_trained_setting("layers", "dflash_config.target_layer_ids", list(dcfg.target_layer_ids),
                                     list(trained.target_layer_ids))]
+    if not checks[0].ok:  # a draft whose tensors SGLang would not fill cannot be decoded either
+        return checks
     model, tokenizer, _ = load_target(cfg.target, device=str(device), dtype=dtype)
     target = TargetRunner(model, list(dcfg.target_layer_ids))
     checks.append(check_features(target, fs, sample, "layers"))
