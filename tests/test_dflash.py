@@ -58,7 +58,7 @@ def loop_mask(anchors, keep, lengths, ctx_len, block, window=None):
 MASK_CASES = [
     # anchors, keep, lengths, T, B, window
     ([[0, 2, 3]], [[1, 1, 1]], [6], 6, 4, None),  # a = 0 (no context) and overlapping blocks
-    ([[1, 5, 0]], [[1, 1, 0]], [6], 6, 3, None),  # a = length - 1 (block past the end), a padding anchor
+    ([[1, 5, 3]], [[1, 1, 0]], [6], 6, 3, None),  # a = length - 1 (block past the end), a padding anchor
     ([[0, 3, 4], [2, 0, 0]], [[1, 1, 1], [1, 0, 0]], [7, 4], 7, 2, None),  # rows of different lengths
     ([[0, 2, 5], [1, 3, 0]], [[1, 1, 1], [1, 1, 0]], [8, 5], 8, 4, 3),  # sliding window 3
     ([[4, 9, 12]], [[1, 1, 1]], [13], 13, 5, 1),  # window 1: each slot sees only itself
@@ -632,3 +632,55 @@ def test_config_from_target_copies_the_target():
 def test_config_refuses_what_sglang_would_serve_wrongly(layers, mask_id, overrides, match):
     with pytest.raises(ValueError, match=match):
         dflash_config_from_target(QWEN3_LIKE, layers, 1, 16, mask_id, overrides=overrides)
+
+
+# ---- on the GPU ----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("teacher", ["hard", "soft"])
+def test_loss_with_flex_matches_sdpa_on_gpu(teacher):
+    """The whole loss and its gradients through FlexAttention equal the dense path (fp32), at a
+    shape with several 128-blocks, a sliding layer and a short row."""
+    cfg = DFlashConfig.from_dict({**TINY.to_dict(), "hidden_size": 128, "intermediate_size": 256,
+                                  "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,
+                                  "block_size": 16, "layer_types": ["full_attention", "sliding_attention"],
+                                  "sliding_window": 48, "target_hidden_size": 64})
+    model = random_draft(cfg).cuda()
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda")
+    batch = make_batch([300, 170], width=300, cfg=cfg, seed=10).to("cuda")
+    runs = {}
+    for attention in ("sdpa", "flex"):
+        runs[attention] = loss_and_grads(model, lambda a=attention: dflash_loss(
+            model, batch, head, num_anchors=40, teacher=teacher, attention=a, loss_kernel="triton")[0])
+    torch.testing.assert_close(runs["flex"][0], runs["sdpa"][0], atol=1e-4, rtol=1e-4)
+    for name, g in runs["sdpa"][1].items():
+        # fp32 throughout; flex accumulates in another order (tf32 is off by default)
+        torch.testing.assert_close(runs["flex"][1][name], g, atol=1e-4, rtol=1e-3, msg=name)
+
+
+@pytest.mark.gpu
+def test_loss_at_the_real_shape_holds_no_full_logits():
+    """Qwen3-8B's width and vocabulary, one row of 3072 tokens, 512 anchors of 16: the loss and its
+    backward never hold an fp32 [N*B, V] logits tensor (5 GB) beyond the step's activations."""
+    cfg = DFlashConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=1, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, target_hidden_size=4096,
+                       target_layer_ids=(1, 9, 17, 25, 33), block_size=16, mask_token_id=151669,
+                       rope_theta=1e6, max_position_embeddings=40960)
+    torch.manual_seed(0)
+    model = DFlashDraft(cfg).to("cuda", torch.bfloat16)
+    head = (torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda") * 0.02).to(torch.bfloat16)
+    t = 3072
+    g = torch.Generator().manual_seed(0)
+    batch = Batch(torch.randint(0, 151000, (1, t), generator=g), torch.ones(1, t, dtype=torch.bool),
+                  torch.randn(1, t, 5 * 4096, generator=g), None, [t], [0], 0).to("cuda", torch.bfloat16)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss, metrics = dflash_loss(model, batch, head, num_anchors=512, attention="flex")
+    loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert math.isfinite(loss.item())
+    assert 512 * 15 - 100 < sum(int(m["valid"]) for m in metrics) <= 512 * 15  # a few blocks run off the end
+    assert extra < 512 * 16 * cfg.vocab_size * 4, extra / 2**30
