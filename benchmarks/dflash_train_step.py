@@ -26,12 +26,12 @@ import tempfile
 from pathlib import Path
 
 import torch
-from specfoundry.train.dflash.loss import DFlashModule
-from specfoundry.train.dflash.model import DFlashDraft
 
 from benchmarks.common import MATMUL_TFLOPS, print_table, write_result
 from benchmarks.train_step import time_steps
 from specfoundry.testing import QWEN3_8B_DFLASH, write_random_featureset
+from specfoundry.train.dflash.loss import DFlashModule
+from specfoundry.train.dflash.model import DFlashDraft
 from specfoundry.train.loader import FeatureLoader
 
 ANCHORS = 512
@@ -108,15 +108,19 @@ def main():
                 rows.append(run(impl, fs, args.seq, batch, args.steps))
                 torch.cuda.empty_cache()  # the run's model, optimizer state and loader are gone with it
                 print_table(rows[-1:], list(rows[-1]))
+                path = save(rows, args.seq)  # after every row: a run cut short keeps what it measured
     print_table(rows, ["impl", "T", "batch", "ms_per_step", "context_tokens_per_s", "TFLOPs", "MFU_%", "peak_GiB",
                        "flop_limit_ms"])
+    print(path)
+
+
+def save(rows: list[dict], t: int):
     ours = [r for r in rows if r["impl"].startswith("ours") and isinstance(r.get("ms_per_step"), float)]
     best = max(ours, key=lambda r: r["context_tokens_per_s"]) if ours else {}
+    flops = flops_per_sample(QWEN3_8B_DFLASH, t)
     summary = {"context_tokens_per_s": best.get("context_tokens_per_s"), "peak_GiB": best.get("peak_GiB"),
-               "batch": best.get("batch"), "flop_limit_ms_per_sample": flops_per_sample(QWEN3_8B_DFLASH, args.seq)
-               / (MATMUL_TFLOPS * 1e12) * 1e3}
-    print(write_result("dflash_train_step", rows, {"summary": summary,
-                                                   "flops_per_sample": flops_per_sample(QWEN3_8B_DFLASH, args.seq)}))
+               "batch": best.get("batch"), "flop_limit_ms_per_sample": flops / (MATMUL_TFLOPS * 1e12) * 1e3}
+    return write_result("dflash_train_step", rows, {"summary": summary, "flops_per_sample": flops})
 
 
 if __name__ == "__main__":
