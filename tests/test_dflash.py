@@ -73,23 +73,47 @@ def test_mask_equals_loop_reference(anchors, keep, lengths, ctx_len, block, wind
     assert dense.any(-1).all()  # no query row without a key: no NaN
 
 
-@pytest.mark.parametrize("window", [None, 40])
-def test_block_mask_covers_the_dense_mask(window):
-    """Several 128-blocks: the BlockMask keeps a tile iff the dense mask has a True in it."""
+def tiles(num, indices, nq, nkv):
+    """BlockMask's (num [B, 1, nq], indices [B, 1, nq, nkv]) back to a [B, nq, nkv] bool occupancy."""
+    out = torch.zeros(num.shape[0], nq, nkv, dtype=torch.bool)
+    for b in range(num.shape[0]):
+        for i in range(nq):
+            for j in indices[b, 0, i, : num[b, 0, i]].tolist():
+                out[b, i, j] = True
+    return out
+
+
+@pytest.mark.parametrize("window,block,ctx_len", [(None, 16, 300), (None, 5, 211), (40, 16, 300), (7, 5, 211)])
+def test_block_mask_tiles_cover_the_dense_mask(window, block, ctx_len):
+    """Several 128-tiles, blocks that do not align with them (B = 5), a padding tail and a short
+    row. A tile is listed iff the dense mask has a True in it (full layers; sliding ones may list
+    more), and a tile listed as full is True everywhere."""
     g = torch.Generator().manual_seed(1)
-    ctx_len, block, n = 300, 16, 20
-    anchors = torch.stack([torch.randperm(290, generator=g)[:n].sort().values for _ in range(2)])
+    n = 40
+    lengths = [ctx_len, 150]
+    anchors = torch.stack([torch.randperm(length - 1, generator=g)[:n].sort().values for length in lengths])
     keep = torch.ones(2, n, dtype=torch.bool)
-    keep[1, 15:] = False
-    lengths = [300, 200]
+    keep[1, 30:] = False
+    anchors[1, 30:] = 0
     dense = dense_dflash_mask(anchors, keep, lengths, ctx_len, block, window)[:, 0]
-    occupancy = dflash_block_mask(anchors, keep, lengths, ctx_len, block, window).to_dense()  # [B, 1, nq, nkv]
-    blk = 128
+    mask = dflash_block_mask(anchors, keep, lengths, ctx_len, block, window)
+    nq, nkv = -(-n * block // 128), -(-(ctx_len + n * block) // 128)
+    partial = tiles(mask.kv_num_blocks, mask.kv_indices, nq, nkv)
+    full = tiles(mask.full_kv_num_blocks, mask.full_kv_indices, nq, nkv)
+    assert not (partial & full).any()
     for b in range(2):
-        for qb in range(occupancy.shape[2]):
-            for kb in range(occupancy.shape[3]):
-                tile = dense[b, qb * blk:(qb + 1) * blk, kb * blk:(kb + 1) * blk]
-                assert bool(occupancy[b, 0, qb, kb]) == bool(tile.any()), (b, qb, kb)
+        for i in range(nq):
+            for j in range(nkv):
+                tile = dense[b, i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
+                listed = bool(partial[b, i, j] or full[b, i, j])
+                assert listed == bool(tile.any()) if window is None else listed >= bool(tile.any()), (b, i, j)
+                if full[b, i, j]:
+                    assert tile.all() and tile.shape == (128, 128), (b, i, j)
+    if window is not None:
+        assert not full.any()  # sliding layers leave the window to the mask_mod
+    elif block == 16:
+        assert full.any()  # full layers skip the mask in whole context tiles
+    torch.testing.assert_close(mask.to_dense()[:, 0].bool(), partial | full)
 
 
 def test_hand_checked_mask():
@@ -151,19 +175,21 @@ def test_dense_attention_and_gradients_match_reference(hq, hkv, window):
 
 
 @pytest.mark.slow  # compiles flex_attention for the CPU
-def test_flex_forward_matches_dense_on_cpu():
-    g = torch.Generator().manual_seed(2)
+@pytest.mark.parametrize("window", [None, 30])
+def test_flex_forward_matches_dense_on_cpu_without_recompiling(window):
     n, block, ctx_len = 16, 16, 200
-    anchors = torch.stack([torch.randperm(190, generator=g)[:n].sort().values for _ in range(2)])
-    keep = torch.ones(2, n, dtype=torch.bool)
-    keep[1, 10:] = False
     q = torch.randn(2, 4, n * block, 16)
     k = torch.randn(2, 2, ctx_len + n * block, 16)
     v = torch.randn_like(k)
-    with torch.no_grad():
-        out = dflash_attention(q, k, v, anchors, keep, [200, 150], block, backend="flex")
-        ref = dflash_attention(q, k, v, anchors, keep, [200, 150], block, backend="sdpa")
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for step in range(2):  # new anchors: the compiled attention is reused
+        g = torch.Generator().manual_seed(step)
+        anchors = torch.stack([torch.randperm(190, generator=g)[:n].sort().values for _ in range(2)])
+        keep = torch.ones(2, n, dtype=torch.bool)
+        keep[1, 10:] = False
+        with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=step > 0):
+            out = dflash_attention(q, k, v, anchors, keep, [200, 150], block, backend="flex", sliding_window=window)
+        ref = dflash_attention(q, k, v, anchors, keep, [200, 150], block, backend="sdpa", sliding_window=window)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu

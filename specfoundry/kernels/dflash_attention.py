@@ -16,18 +16,19 @@ A sliding layer (window W) is causal inside the block and sees only the W positi
 its own, p = a_n + t:  context j iff p - j < W;  block key u iff u <= t and t - u < W.
 
 On CUDA the attention runs through compiled `flex_attention` over a BlockMask. The anchors change
-every step, so the BlockMask's data is rebuilt every step, but by a builder compiled once per
-shape (the anchors, keep flags and lengths are its tensor inputs, not constants baked into a
-trace): a training loop neither retraces the builder nor recompiles the attention per step. On
-CPU (PyTorch has no FlexAttention backward there) the same mask_mod is materialised densely
-with `create_mask` and fed to SDPA: the mask logic is written once.
+every step, so the BlockMask's tiles are rebuilt every step, from the anchors by a few small
+tensor ops (dflash_block_mask: nothing traced, nothing compiled); the mask_mod captures the
+anchors as tensors, so the compiled attention (one per shape, compiled_flex) is reused, not
+recompiled, when they change. On CPU (PyTorch has no FlexAttention backward there) the same
+mask_mod is materialised densely with `create_mask` and fed to SDPA: the mask logic is written
+once.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
+from torch.nn.attention.flex_attention import BlockMask, create_mask
 
 from specfoundry.kernels.tree_attention import RECOMPILE_LIMIT_HIT, TooManyShapesError, compiled_flex
 
@@ -72,33 +73,53 @@ def dense_dflash_mask(anchors: torch.Tensor, keep: torch.Tensor, lengths, ctx_le
     return create_mask(mod, bsz, 1, n * block_size, ctx_len + n * block_size, device=anchors.device)
 
 
-def build_block_mask(anchors: torch.Tensor, keep: torch.Tensor, lengths: torch.Tensor, ctx_len: int,
-                     block_size: int, sliding_window: int | None) -> BlockMask:
-    """The BlockMask of one batch; the tensors are inputs, so a compiled copy serves every step
-    of one shape (the closure is made inside the traced region, not guarded on)."""
-    bsz, n = anchors.shape
-    mod = dflash_mask_mod(anchors, keep, ctx_len, block_size, lengths, sliding_window)
-    return create_block_mask(mod, bsz, None, n * block_size, ctx_len + n * block_size, device=anchors.device)
-
-
-_BUILDER = {}
-
-
-def compiled_builder():
-    """build_block_mask under torch.compile (static shapes), made once. compiled_flex() is called
-    first: it raises dynamo's recompile limits, which the builder's per-shape graphs share."""
-    if "fn" not in _BUILDER:
-        compiled_flex()
-        _BUILDER["fn"] = torch.compile(build_block_mask, dynamic=False)
-    return _BUILDER["fn"]
+def _blocks_to_indices(occupied: torch.Tensor):
+    """[Bsz, nq, nkv] bool tile occupancy -> (num [Bsz, 1, nq], indices [Bsz, 1, nq, nkv]) int32,
+    BlockMask's layout: each q-block's kept kv-blocks first, in ascending order."""
+    num = occupied.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~occupied).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return num[:, None], order[:, None]
 
 
 def dflash_block_mask(anchors: torch.Tensor, keep: torch.Tensor, lengths, ctx_len: int, block_size: int,
-                      sliding_window: int | None = None) -> BlockMask:
-    """The BlockMask for these anchors: built by the compiled builder on CUDA, eagerly on CPU."""
-    lens = _as_lengths(lengths, anchors.device)
-    build = compiled_builder() if anchors.is_cuda else build_block_mask
-    return build(anchors, keep.to(torch.bool), lens, ctx_len, block_size, sliding_window)
+                      sliding_window: int | None = None, *, tile: int = 128) -> BlockMask:
+    """The BlockMask for these anchors, its tiles worked out from the anchors directly: small
+    [Bsz, N] / [Bsz, nq, nkv] tensor ops, no [N*B, T+N*B] evaluation and nothing to compile (a
+    compiled create_block_mask took minutes to compile per shape at the real one). The kernel still
+    applies dflash_mask_mod inside every partial tile, so the tiles need only cover the mask:
+
+    q-tile i holds the queries of anchors n_lo..n_hi; anchor n sees context j < hi_n with
+    hi_n = min(a_n, length) if kept, else 0. A context tile [s, e) is needed iff s < max hi_n
+    (and, in a sliding layer, e > min a_n - W + 1), and full (every query sees all of it, so the
+    kernel skips the mask) iff e <= min hi_n in a full layer and the q-tile is whole. The block keys of the tile's anchors,
+    [T + n_lo*B, T + (n_hi+1)*B), are needed, and never full. Exact for full layers; for sliding
+    ones a cover (the window inside the block is left to the mask_mod)."""
+    bsz, n = anchors.shape
+    device = anchors.device
+    q_len, kv_len = n * block_size, ctx_len + n * block_size
+    lens = _as_lengths(lengths, device)
+    keep = keep.to(torch.bool)
+    q_start = torch.arange(0, q_len, tile, device=device)  # [nq]
+    n_lo = q_start // block_size
+    n_hi = ((q_start + tile).clamp(max=q_len) - 1) // block_size
+    member = (torch.arange(n, device=device) >= n_lo[:, None]) & (torch.arange(n, device=device) <= n_hi[:, None])
+    hi = torch.where(keep, torch.minimum(anchors, lens[:, None]), 0)[:, None, :]  # [Bsz, 1, N]
+    big = torch.iinfo(hi.dtype).max
+    hi_max = torch.where(member, hi, 0).amax(-1)[..., None]  # [Bsz, nq, 1]
+    hi_min = torch.where(member, hi, big).amin(-1)[..., None]
+    kv_start = torch.arange(0, kv_len, tile, device=device)  # [nkv]
+    kv_end = kv_start + tile
+    context = kv_start < hi_max  # [Bsz, nq, nkv]
+    if sliding_window is not None:
+        lo = torch.where(member, anchors[:, None, :] - sliding_window + 1, big).amin(-1)[..., None]
+        context = context & (kv_end > lo)
+    own = (kv_end > ctx_len + n_lo[:, None] * block_size) & (kv_start < ctx_len + (n_hi[:, None] + 1) * block_size)
+    # a ragged last q-tile stays partial, as create_block_mask leaves it (its padding rows are masked)
+    full = (kv_end <= hi_min) & (q_start + tile <= q_len)[:, None] & (sliding_window is None)
+    partial = (context | own) & ~full
+    mod = dflash_mask_mod(anchors, keep, ctx_len, block_size, lens, sliding_window)
+    return BlockMask.from_kv_blocks(*_blocks_to_indices(partial), *_blocks_to_indices(full), BLOCK_SIZE=tile,
+                                    mask_mod=mod, seq_lengths=(q_len, kv_len))
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
