@@ -101,8 +101,9 @@ def main():
     impls = [name for name in IMPLS if name.split()[0] in args.impls.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as d:
-        # every run reads (steps + 2 warm-up) * batch samples; the loader cycles through the set
-        fs = write_random_featureset(Path(d), max(batches) * 2 + 2, args.seq, QWEN3_8B_DFLASH)
+        # every run reads (steps + 2 warm-up) * batch samples, all in the loader's first epoch (a new
+        # epoch starts new loader workers, which a timed step would wait for)
+        fs = write_random_featureset(Path(d), (args.steps + 3) * max(batches), args.seq, QWEN3_8B_DFLASH)
         for batch in batches:
             for impl in impls:
                 rows.append(run(impl, fs, args.seq, batch, args.steps))
