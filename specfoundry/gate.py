@@ -74,8 +74,7 @@ class GateConfig:
 
     output: str = shared("output", resume=False)
     target: str = shared("target", EMBEDDED_DEFAULT)
-    family: str = setting("eagle3", choices=family_names(), help="Draft family of the overfit draft; a DFlash "
-                          "draft's block is k+1 wide (the bonus token and k proposals).")
+    family: str = shared("family", "eagle3", choices=family_names())
     prompt: str = setting(DEFAULT_PROMPT, help="The one prompt whose greedy answer the draft overfits.")
     # the length cap of the target's greedy answer
     max_new_tokens: int = shared("max_new_tokens", 96)

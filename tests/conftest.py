@@ -76,6 +76,6 @@ def dflash_gate_run(tmp_path_factory, smollm2_dir):
     by step ~50 on SmolLM2's features."""
     from specfoundry.gate import GateConfig, build
 
-    cfg = GateConfig(output=str(tmp_path_factory.mktemp("gate-dflash")), family="dflash", max_steps=70,
+    cfg = GateConfig(output=str(tmp_path_factory.mktemp("gate-dflash")), family="dflash", max_steps=60,
                      device="cpu")
     return cfg, build(cfg)

@@ -48,6 +48,8 @@ SHARED = {
     "draft_tokens": (("-k", "--draft-tokens"), "Tokens the draft proposes per round (a chain of k).", None),
     "max_length": (("--max-length",), "Tokens per sample after the chat template, at most.", None),
     "limit": (("--limit",), "Use only the first N inputs.", "all"),
+    "family": (("--family",), "Draft family: eagle3 (EAGLE-3 and its 3.1 options, Training-Time Test) or dflash "
+               "(block-parallel).", None),
     "strict": (("--strict",), "Fail on the first bad input instead of reporting and skipping it.", None),
 }
 

@@ -31,7 +31,7 @@ from specfoundry.common.target import (
     resolve_target,
 )
 from specfoundry.eval.block import BlockDraftRunner, block_generate
-from specfoundry.eval.draft import check_trained_for, load_draft, locate_draft, untrained_like
+from specfoundry.eval.draft import DraftLoadError, check_trained_for, load_draft, locate_draft, untrained_like
 from specfoundry.eval.speculative import (
     DecodeResult,
     DraftRunner,
@@ -159,7 +159,10 @@ def decode_set(target: TargetRunner, draft: DraftRunner | None, prompts, cfg: Ev
 def check_config(cfg: EvalConfig) -> EvalConfig:
     """cfg with k resolved from the tree, or from a DFlash draft's block (block_size - 1 proposals
     per round); refuses what cannot be decoded."""
-    dcfg = locate_draft(Path(cfg.draft))[0]
+    try:
+        dcfg = locate_draft(Path(cfg.draft))[0]
+    except DraftLoadError:  # named later, in the order run_eval checks its inputs
+        dcfg = None
     if isinstance(dcfg, DFlashConfig):
         if cfg.tree:
             raise EvalError(f"--tree drafts EAGLE-3 token trees; {cfg.draft} is a DFlash draft, which proposes "

@@ -53,8 +53,7 @@ class TrainConfig:
     featureset: str = setting(argument=True, help="Feature-set folder written by sf-capture.")
     output: str = shared("output", resume=False)
     target: str = shared("target", EMBEDDED_DEFAULT)
-    family: str = setting("eagle3", choices=family_names(), help="Draft family: eagle3 (EAGLE-3 / 3.1, "
-                          "Training-Time Test) or dflash (block-parallel).")
+    family: str = shared("family", "eagle3", choices=family_names())
     layers: tuple[int, ...] | None = setting(None, parse=parse_layer_ids,
                                              shown="the set's layers if it holds as many as the family reads, else "
                                                    "the family's default",
