@@ -132,3 +132,42 @@ def test_eagle31_export_has_sglangs_fields_and_reads_back(tmp_path):
     del tensors["fc_norm.1.weight"]
     with pytest.raises(ValueError, match=r"missing \['fc_norm.1.weight'\]"):
         validate(tensors, draft.cfg)
+
+
+def tiny_dflash(**over):
+    from specfoundry.train.dflash.config import DFlashConfig
+    from specfoundry.train.dflash.model import DFlashDraft
+
+    cfg = DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, vocab_size=97, target_hidden_size=32,
+                       target_layer_ids=(1, 3, 5), block_size=4, mask_token_id=96, **over)
+    torch.manual_seed(0)
+    return DFlashDraft(cfg).eval()
+
+
+def test_dflash_export_is_what_sglangs_loader_reads_and_reads_back(tmp_path):
+    """The fields SGLang's DFlash loader reads (spec in train/dflash/export.py), exactly its 11 tensors
+    per layer + fc, hidden_norm, norm (no embedding, no lm_head), and the same draft read back."""
+    from specfoundry.train.dflash.export import export_draft
+    from specfoundry.train.dflash.export import validate as validate_dflash
+
+    draft = tiny_dflash()
+    out = export_draft(draft.state_dict(), draft.cfg, tmp_path / "export", target={"num_layers": 8})
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["block_size"] == 4 and config["num_target_layers"] == 8 and config["num_hidden_layers"] == 2
+    assert config["dflash_config"] == {"target_layer_ids": [1, 3, 5], "mask_token_id": 96}
+    assert config["layer_types"] == ["full_attention"] * 2 and config["use_sliding_window"] is False
+    per_layer = {"input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                 "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj"}
+    want = {f"layers.{n}.{p}.weight" for n in range(2) for p in per_layer} | {
+        "fc.weight", "hidden_norm.weight", "norm.weight"}
+    cfg, tensors = find_draft_files(out)
+    assert set(tensors) == want and tuple(tensors["fc.weight"].shape) == (32, 96)
+    assert cfg == draft.cfg
+    (out / "specfoundry_draft.json").unlink()  # another tool's export: config.json alone
+    assert find_draft_files(out)[0] == draft.cfg
+    del tensors["layers.1.self_attn.k_norm.weight"]
+    with pytest.raises(ValueError, match=r"missing \['layers.1.self_attn.k_norm.weight'\]"):
+        validate_dflash(tensors, draft.cfg)

@@ -452,3 +452,25 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_pat
         for key in ("loss_0", "loss_1", "loss_2", "acc_0"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key, a[key], b[key])
     assert h1[-1]["loss_0"] < h1[0]["loss_0"]  # and it is a real curve, not a constant
+
+
+def test_a_dflash_run_resumed_after_a_stop_equals_an_uninterrupted_one(tmp_path, smol_features):
+    """The shared Trainer resumes the DFlash family too: its anchors come from (seed, epoch, sample),
+    so the resumed steps draw the same blocks and end with the same weights, bit for bit."""
+    def cfg(out):
+        return small_cfg(smol_features, out, family="dflash", num_draft_layers=3, block_size=4, num_anchors=16,
+                         max_steps=6, max_batch_tokens=160, save_every=3)
+
+    whole = run_train(cfg(tmp_path / "whole"), silent=True)
+    with pytest.MonkeyPatch.context() as mp:
+        stop_after_checkpoint(mp, 3)
+        with pytest.raises(KeyboardInterrupt):
+            run_train(cfg(tmp_path / "part"), silent=True)
+    resumed = run_train(cfg(tmp_path / "part"), silent=True)
+    a = load_file(str(tmp_path / "whole" / "export" / "model.safetensors"))
+    b = load_file(str(tmp_path / "part" / "export" / "model.safetensors"))
+    assert set(a) == set(b) and "layers.2.self_attn.q_norm.weight" in a
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert [x["loss_0"] for x in whole["history"]] == [x["loss_0"] for x in resumed["history"]]
+    assert whole["history"][0]["loss_0"] > whole["history"][-1]["loss_0"]
