@@ -81,7 +81,7 @@ def main():
     attn.compiled_elementwise = True  # RoPE compiled, as sf-train runs it
     separate = FlexArgsAttention(attn, separate_qkv=True)
     tuned = FlexArgsAttention(attn, kernel_options=TUNED_FLEX)
-    rotary = model.rotary.cuda()
+    rotary = model.rope.cuda()
     rows = []
     for t in args.seq:
         xs = [torch.randn(1, t, 8192, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(STEPS)]

@@ -110,7 +110,7 @@ def bench_attention(seqs: list[int]) -> list[dict]:
     torch.manual_seed(0)
     model = Eagle3Draft(LLAMA8B_DRAFT)
     attn = model.midlayer.self_attn.cuda().to(torch.bfloat16)
-    rotary = model.rotary.cuda()
+    rotary = model.rope.cuda()
     rows = []
     for t in seqs:
         xs = [torch.randn(1, t, 8192, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(STEPS)]

@@ -180,7 +180,7 @@ def test_a_ttt_pass_projects_q_k_v_with_one_weight_concatenated_once():
     attn = model.midlayer.self_attn
     b, t, lengths, nh, nkv, hd = 2, 9, [9, 6], TINY.num_attention_heads, TINY.num_key_value_heads, TINY.head_dim
     x = torch.randn(b, t, 2 * TINY.hidden_size, requires_grad=True)
-    cos, sin = model.rotary(x, torch.arange(t)[None].expand(b, t))
+    cos, sin = model.rope(x, torch.arange(t)[None].expand(b, t))
     cache = TTTCache()
     outs, weights = [], []
     for s in range(3):

@@ -13,7 +13,8 @@ import functools
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -89,3 +90,19 @@ def set_compiled_elementwise(model: nn.Module, on: bool) -> nn.Module:
         if isinstance(m, CompiledElementwise):
             m.compiled_elementwise = on
     return model
+
+
+class DraftRotary(nn.Module):
+    """The draft's RoPE, the target's (theta, scaling, head_dim); cos and sin in the states' dtype."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        rope = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                           head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
+                           max_position_embeddings=cfg.max_position_embeddings)
+        self.rotary = LlamaRotaryEmbedding(rope)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, hd] for positions [B, T]."""
+        cos, sin = self.rotary(hidden, positions)
+        return cos.to(hidden.dtype), sin.to(hidden.dtype)

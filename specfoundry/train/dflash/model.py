@@ -26,14 +26,14 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb, rotate_half
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, rotate_half
 
 from specfoundry.kernels.dflash_attention import dflash_attention, dflash_mask, resolve_backend
 from specfoundry.train.dflash.config import DFlashConfig
 from specfoundry.train.layers import (
     COMPILED_ELEMENTWISE,
     CompiledElementwise,
+    DraftRotary,
     FrozenEmbedding,
     RMSNorm,
     compiled_on_cuda,
@@ -194,15 +194,7 @@ class DFlashDraft(nn.Module):
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        rope = LlamaConfig(hidden_size=h, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
-                           rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
-                           max_position_embeddings=cfg.max_position_embeddings)
-        self.rotary = LlamaRotaryEmbedding(rope)
-
-    def rope(self, hidden: torch.Tensor, positions: torch.Tensor):
-        """cos, sin [b, s, hd] in hidden's dtype for positions [b, s]."""
-        cos, sin = self.rotary(hidden, positions)
-        return cos.to(hidden.dtype), sin.to(hidden.dtype)
+        self.rope = DraftRotary(cfg)
 
     def project_context(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [Bsz, T, K*Ht] captured target layers -> context c [Bsz, T, H]."""

@@ -19,13 +19,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from specfoundry.kernels.tree_attention import eager_tree_attention, tree_attention
 from specfoundry.train.eagle3.config import Eagle3Config
 from specfoundry.train.layers import (
     CompiledElementwise,
+    DraftRotary,
     FrozenEmbedding,
     RMSNorm,
     set_compiled_elementwise,
@@ -183,14 +183,7 @@ class Eagle3Draft(nn.Module):
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
-        rope = LlamaConfig(hidden_size=h, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
-                           rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
-                           max_position_embeddings=cfg.max_position_embeddings)
-        self.rotary = LlamaRotaryEmbedding(rope)
-
-    def rope(self, hidden: torch.Tensor, positions: torch.Tensor):
-        cos, sin = self.rotary(hidden, positions)
-        return cos.to(hidden.dtype), sin.to(hidden.dtype)
+        self.rope = DraftRotary(cfg)
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [B, T, K*Ht] (the captured layers, concatenated) -> fc(aux) [B, T, H], each layer's
