@@ -260,14 +260,16 @@ def check_dflash_positions_and_fit(runner: BlockDraftRunner, sample) -> list[Che
 def run_dflash_checks(cfg: GateConfig, export: Path, fs: FeatureSet, sample, device, dtype) -> list[Check]:
     work = Path(cfg.output)
     dcfg, tensors = find_draft_files(export)
-    trained, _ = find_draft_files(complete_checkpoints(work / "train")[-1])
-    checks = [check_export(export, dcfg, tensors, work / "train", validate_dflash, "export names"),
+    ckpts = complete_checkpoints(work / "train")
+    export_check = check_export(export, dcfg, tensors, work / "train", validate_dflash, "export names")
+    if not ckpts or not export_check.ok:  # no trained draft to compare with, or one SGLang would not fill
+        return [export_check]
+    trained, _ = find_draft_files(ckpts[-1])
+    checks = [export_check,
               check_trained_setting("mask token", "dflash_config.mask_token_id", dcfg.mask_token_id,
                                     trained.mask_token_id),
               check_trained_setting("layers", "dflash_config.target_layer_ids", list(dcfg.target_layer_ids),
                                     list(trained.target_layer_ids))]
-    if not checks[0].ok:  # a draft whose tensors SGLang would not fill cannot be decoded either
-        return checks
     model, tokenizer, _ = load_target(cfg.target, device=str(device), dtype=dtype)
     target = TargetRunner(model, list(dcfg.target_layer_ids))
     checks.append(check_features(target, fs, sample, "layers"))

@@ -171,3 +171,29 @@ def test_dflash_export_is_what_sglangs_loader_reads_and_reads_back(tmp_path):
     del tensors["layers.1.self_attn.k_norm.weight"]
     with pytest.raises(ValueError, match=r"missing \['layers.1.self_attn.k_norm.weight'\]"):
         validate_dflash(tensors, draft.cfg)
+
+
+def test_the_loader_hands_out_the_chosen_layers_of_a_union_set(tmp_path):
+    """A set holding 6 layers: each family's batch holds exactly its layers' stored columns, in order,
+    and no final state where the family reads none."""
+    from dataclasses import replace
+
+    from specfoundry.testing import SMOL_DRAFT, write_random_featureset
+    from specfoundry.train.loader import FeatureLoader
+
+    cfg = replace(SMOL_DRAFT, aux_layer_ids=(1, 8, 14, 20, 26, 27))
+    fs = write_random_featureset(tmp_path, 2, 16, cfg)
+    h = cfg.hidden_size
+    manifest = fs.manifest
+    for family, options, want in [("eagle3", Eagle3Options(), [1, 14, 26]),
+                                  ("dflash", DFlashOptions(num_draft_layers=5), [1, 8, 14, 20, 27])]:
+        fam = get_family(family)
+        layers = select_layers(manifest, fam, options, None, 30, "set")
+        assert layers == want
+        positions = [manifest["aux_layer_ids"].index(i) for i in layers]
+        loader = FeatureLoader(fs, [0, 1], max_tokens=64, seed=0, num_workers=0, layers=positions,
+                               final=fam.needs_final_state(options))
+        batch = next(iter(loader))
+        stored = fs[batch.indices[0]].aux_hidden.view(16, 6, h)
+        torch.testing.assert_close(batch.aux_hidden[0, :16], stored[:, positions].reshape(16, -1), rtol=0, atol=0)
+        assert (batch.final_hidden is None) == (family == "dflash")

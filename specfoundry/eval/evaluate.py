@@ -167,6 +167,9 @@ def check_config(cfg: EvalConfig) -> EvalConfig:
         if cfg.tree:
             raise EvalError(f"--tree drafts EAGLE-3 token trees; {cfg.draft} is a DFlash draft, which proposes "
                             f"blocks of {dcfg.block_size}")
+        if cfg.k != dcfg.block_size - 1 and cfg.k != EvalConfig.k:
+            print(f"warning: -k {cfg.k} ignored: DFlash draft {cfg.draft} proposes block_size - 1 = "
+                  f"{dcfg.block_size - 1} tokens per round", file=sys.stderr)
         cfg = replace(cfg, k=dcfg.block_size - 1)
     if cfg.tree:
         if cfg.temperature > 0:

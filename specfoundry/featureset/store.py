@@ -36,7 +36,7 @@ class Sample:
     input_ids: torch.Tensor  # [T] int64
     loss_mask: torch.Tensor  # [T] bool
     aux_hidden: torch.Tensor  # [T, K*H] storage dtype
-    final_hidden: torch.Tensor  # [T, H] storage dtype
+    final_hidden: torch.Tensor | None  # [T, H] storage dtype; None where it was not read
 
 
 def shard_name(index: int, codec: str) -> str:
@@ -233,6 +233,13 @@ class FeatureSet:
     def __getitem__(self, i: int) -> Sample:
         shard, j = self.index[i]
         return self.reader(shard).sample(j)
+
+    def read(self, i: int, final: bool = True) -> Sample:
+        """Sample i; without its final state (final_hidden None, not read from disk) unless `final`."""
+        if final:
+            return self[i]
+        shard, j = self.index[i]
+        return Sample(**self.reader(shard).sample(j, FIELDS[:3]), final_hidden=None)
 
     def token_counts(self) -> torch.Tensor:
         from safetensors.torch import load_file

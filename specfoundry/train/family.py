@@ -39,8 +39,12 @@ class DraftFamily:
         raise NotImplementedError
 
     def layer_count(self, options) -> int | None:
-        """How many layers the family reads; None: any number."""
+        """How many layers the family reads by default; None: any number."""
         raise NotImplementedError
+
+    any_layer_count = False
+    """Whether --layers may name another number of layers than layer_count (DFlash: its fc reads K
+    layers whatever the number of draft layers)."""
 
     def needs_final_state(self, options) -> bool:
         raise NotImplementedError
@@ -102,15 +106,13 @@ def select_layers(manifest: dict, family: DraftFamily, options, explicit: tuple[
         wanted = family.default_layers(num_target_layers, options)
         how = f"the {family.name} default for a {num_target_layers}-layer target"
     if wanted != sorted(set(wanted)):  # engines concatenate the tapped layers in layer order
-        raise FeatureSetError(f"layers {wanted} must be ascending and distinct (engines concatenate the tapped "
-                              "layers in layer order)")
-    if count is not None and len(wanted) != count:
+        raise FeatureSetError(f"layers {wanted} ({how or source}) must be ascending and distinct (engines "
+                              "concatenate the tapped layers in layer order)" + ("" if explicit else "; pass --layers"))
+    if count is not None and len(wanted) != count and not (explicit and family.any_layer_count):
         raise FeatureSetError(f"the {family.name} draft reads {count} layers; {how or source} gives {wanted}")
     missing = [i for i in wanted if i not in held]
     if missing:
         raise FeatureSetError(f"{source} lacks layer{'s' if len(missing) > 1 else ''} "
                               f"{', '.join(map(str, missing))} that the {family.name} draft reads ({how}: {wanted}); "
                               f"it holds {held}: recapture with sf-capture --aux-layers, or pick --layers from those")
-    if family.needs_final_state(options) and manifest.get("has_final", True) is False:
-        raise FeatureSetError(f"{source} holds no final hidden state, which the {family.name} teacher reads")
     return wanted

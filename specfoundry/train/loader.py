@@ -148,7 +148,7 @@ class BatchDataset(Dataset):
         return len(self.batches)
 
     def __getitem__(self, k: int) -> Batch:
-        samples = [self.fs[i] for i in self.batches[k]]
+        samples = [self.fs.read(i, self.final) for i in self.batches[k]]
         for i, s in zip(self.batches[k], samples, strict=True):
             s.aux_hidden = self.select(s.aux_hidden)
             # a NaN or Inf would spread through the whole draft in one optimizer step
@@ -163,12 +163,12 @@ class BatchDataset(Dataset):
             # token each (an empty row would give NaN attention) with nothing to learn
             dummies = rows_for_width(width, self.max_tokens) - len(samples)
             lengths += [1] * dummies
-        b, h3, h = len(lengths), samples[0].aux_hidden.shape[-1], samples[0].final_hidden.shape[-1]
+        b, h3 = len(lengths), samples[0].aux_hidden.shape[-1]
         dtype = samples[0].aux_hidden.dtype
         ids = torch.zeros(b, width, dtype=torch.int64)
         mask = torch.zeros(b, width, dtype=torch.bool)
         aux = torch.zeros(b, width, h3, dtype=dtype)
-        final = torch.zeros(b, width, h, dtype=dtype) if self.final else None
+        final = torch.zeros(b, width, samples[0].final_hidden.shape[-1], dtype=dtype) if self.final else None
         for r, (s, n) in enumerate(zip(samples, lengths[: len(samples)], strict=True)):
             ids[r, :n], mask[r, :n] = s.input_ids[:n], s.loss_mask[:n]
             aux[r, :n] = s.aux_hidden[:n]

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from specfoundry.train.dflash.config import DFlashConfig
+from specfoundry.train.dflash.config import DFlashConfig, rope_settings
 from specfoundry.train.family import DRAFT_FILE, TARGET_FILE
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -114,23 +114,27 @@ def export_draft(state_dict: dict[str, torch.Tensor], cfg: DFlashConfig, out_dir
 
 
 def config_from_sglang(config: dict) -> DFlashConfig:
-    """A DFlashConfig from a DFlash config.json (ours, or another tool's). KeyError names a missing field."""
+    """A DFlashConfig from a DFlash config.json (ours, or another tool's), read as SGLang reads it:
+    dflash_config's fields first, then the top level. KeyError names a missing field; ValueError
+    an impossible one."""
     dflash = config.get("dflash_config") or {}
-    rope = config.get("rope_parameters") or {}
     heads = config["num_attention_heads"]
     types = tuple(config.get("layer_types") or ())
+    rope_theta, rope_scaling = rope_settings(config)
+    if "target_layer_ids" not in dflash and "target_layer_ids" not in config:
+        raise KeyError("dflash_config.target_layer_ids")
+    if "mask_token_id" not in dflash:
+        raise KeyError("dflash_config.mask_token_id")
     return DFlashConfig(
         hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
         num_hidden_layers=config["num_hidden_layers"], num_attention_heads=heads,
         num_key_value_heads=config.get("num_key_value_heads", heads),
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        rope_scaling=config.get("rope_scaling"),
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=rope_theta, rope_scaling=rope_scaling,
         max_position_embeddings=config.get("max_position_embeddings", 32768),
         vocab_size=config["vocab_size"], target_hidden_size=config["hidden_size"],
         target_layer_ids=tuple(dflash.get("target_layer_ids", config.get("target_layer_ids", ()))),
-        block_size=config.get("block_size", dflash.get("block_size", 16)),
+        block_size=dflash.get("block_size", config.get("block_size", 16)),
         mask_token_id=dflash["mask_token_id"], layer_types=types if set(types) != {"full_attention"} else (),
         sliding_window=config.get("sliding_window") if config.get("use_sliding_window") else None,
     )

@@ -35,6 +35,7 @@ def choose_mask_token(vocab_size: int, tokenizer_size: int, counts: torch.Tensor
 class DFlashFamily(DraftFamily):
     name = "dflash"
     options_field = "dflash"
+    any_layer_count = True
 
     def default_layers(self, num_target_layers: int, options: DFlashOptions) -> list[int]:
         return dflash_default_layers(num_target_layers, options.num_draft_layers)
