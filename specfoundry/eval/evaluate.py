@@ -65,6 +65,7 @@ class EvalConfig:
     # eval.json, eval.txt, acceptance.png and eval_config.json; no files without it
     output: str | None = shared("output", None, resume=False)
     target: str = shared("target", EMBEDDED_DEFAULT)
+    chat_template: str | None = shared("chat_template", None)
     prompt_sets: tuple[str, ...] = setting(
         BUILTIN_SETS, flags=("--prompts",),
         help=f"Comma-separated prompt sets: built-in held-out sets ({', '.join(BUILTIN_SETS)}) or dataset files "
@@ -218,7 +219,8 @@ def run_eval(cfg: EvalConfig, silent: bool = False) -> dict:
     cfg = check_config(cfg)
     device = pick_device(cfg.device)
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(device)
-    model, tokenizer, identity = load_target(cfg.target, device=str(device), dtype=dtype)
+    model, tokenizer, identity = load_target(cfg.target, device=str(device), dtype=dtype,
+                                             chat_template=cfg.chat_template)
     warning = check_trained_for(cfg.draft, resolve_target(cfg.target), cfg.allow_other_target)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)

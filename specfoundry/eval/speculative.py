@@ -62,7 +62,10 @@ class TargetRunner:
         self.tap.remove()
 
     def reset(self) -> None:
-        self.cache = self.cache_cls(config=self.model.config)
+        # A cache of full length in every layer, also the sliding-window ones (Gemma-3, Mistral):
+        # the model still masks each sliding layer to its window, and a rejected draft can be
+        # cropped away anywhere (transformers' windowed layers cannot roll back past the window).
+        self.cache = self.cache_cls()
 
     def __len__(self) -> int:
         return 0 if self.cache is None else self.cache.get_seq_length()
@@ -80,15 +83,37 @@ class TargetRunner:
             positions = list(range(start, start + len(ids)))
         extra = {}
         if mask is not None:
-            dtype = self.model.dtype
-            additive = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
-            extra["attention_mask"] = additive[None, None].to(self.device)  # [1, 1, T, cache + T]
+            extra["attention_mask"] = self.custom_masks(mask, start, positions)
         out = self.model(input_ids=x, position_ids=torch.tensor([positions], device=self.device), use_cache=True,
                          output_hidden_states=want_hidden, **{self.cache_arg: self.cache}, **extra)
         self.cache = getattr(out, "cache", None) or out.past_key_values
         aux = self.tap.take()[0]  # [T, 3H]
         final = out.hidden_states[-1][0] if want_hidden else None
         return out.logits[0].float(), aux, final
+
+    def custom_masks(self, mask: torch.Tensor, start: int, positions: list[int]):
+        """`mask` [T, start + T] as the model takes a ready mask: one additive [1, 1, T, start + T]
+        tensor, and where sliding-window layers exist, that mask cut to each query's window too
+        (a key at most window - 1 positions back, transformers' rule): a dict per layer type
+        where the model mixes types (Gemma-3), the windowed tensor where every layer slides
+        (Mistral). The cache holds the committed text at positions 0..start-1."""
+        config = self.model.config
+        window = getattr(config, "sliding_window", None)
+        types = set(getattr(config, "layer_types", None) or ())
+        dtype = self.model.dtype
+
+        def additive(m):
+            return torch.zeros(m.shape, dtype=dtype).masked_fill(~m, torch.finfo(dtype).min)[None, None].to(self.device)
+
+        windowed = None
+        if window:
+            keys = torch.cat([torch.arange(start), torch.tensor(positions)])  # [start + T] key positions
+            windowed = mask & (torch.tensor(positions)[:, None] - keys[None, :] < window)
+        if "sliding_attention" in types and len(types) > 1:
+            return {"full_attention": additive(mask), "sliding_attention": additive(windowed)}
+        if windowed is not None and (not types or types == {"sliding_attention"}):
+            return additive(windowed)
+        return additive(mask)
 
     def crop(self, length: int) -> None:
         # A negative argument removes that many tokens in every transformers version we support

@@ -64,10 +64,13 @@ def make_backend(cfg) -> Backend:
     if cfg.backend == "hf":
         from specfoundry.generate.hf_backend import HFBackend
 
-        return HFBackend(cfg.target, device=cfg.device, batch_size=cfg.batch_size)
+        return HFBackend(cfg.target, device=cfg.device, batch_size=cfg.batch_size, chat_template=cfg.chat_template)
     if cfg.backend == "openai":
         from specfoundry.generate.openai_backend import OpenAIBackend
 
+        if cfg.chat_template is not None:
+            raise ValueError("--chat-template renders conversations here (hf and sglang backends); an OpenAI-compatible "
+                             "server renders them with its own template: start the server with that template")
         if not cfg.openai_url:
             raise ValueError("--backend openai needs --openai-url (e.g. http://127.0.0.1:30000/v1)")
         return OpenAIBackend(cfg.openai_url, model=cfg.openai_model, target=cfg.target,
@@ -75,5 +78,5 @@ def make_backend(cfg) -> Backend:
     if cfg.backend == "sglang":
         from specfoundry.generate.sglang_backend import SGLangBackend
 
-        return SGLangBackend(cfg.target, batch_size=cfg.batch_size)
+        return SGLangBackend(cfg.target, batch_size=cfg.batch_size, chat_template=cfg.chat_template)
     raise ValueError(f"unknown backend {cfg.backend!r}: choose {', '.join(BACKENDS)}")

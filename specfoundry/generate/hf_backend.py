@@ -12,12 +12,13 @@ class HFBackend:
     name = "hf"
 
     def __init__(self, target: str | None, device: str | None = None, batch_size: int = 32, *, model=None,
-                 tokenizer=None):
-        """Load `target`, or wrap an already loaded (model, tokenizer) when target is None."""
+                 tokenizer=None, chat_template: str | None = None):
+        """Load `target` (its tokenizer rendering with `chat_template`), or wrap an already loaded
+        (model, tokenizer) when target is None."""
         if target is None:
             self.model, self.tokenizer, self.target = model, tokenizer, None
         else:
-            self.model, self.tokenizer, self.target = load_target(target, device=device)
+            self.model, self.tokenizer, self.target = load_target(target, device=device, chat_template=chat_template)
         self.device = next(self.model.parameters()).device
         self.batch_size = batch_size
         self.stop_ids = end_of_turn_ids(self.model, self.tokenizer)

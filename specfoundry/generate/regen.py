@@ -85,6 +85,7 @@ class RegenConfig:
                                  "ShareGPT or OpenAI shaped); none when prompts are synthesised.")
     output: str = shared("output", resume=False)
     target: str = shared("target", EMBEDDED_DEFAULT)
+    chat_template: str | None = shared("chat_template", None)
     backend: str = setting("hf", choices=BACKENDS, help="hf: transformers in this process; openai: "
                            "OpenAI-compatible servers; sglang: offline sglang.Engine.")
     synthesize: int = setting(0, help="No dataset: synthesise this many user prompts from the target (Magpie) "

@@ -15,14 +15,14 @@ INSTALL_HINT = "the sglang backend needs SGLang: pip install 'specfoundry[sglang
 class SGLangBackend:
     name = "sglang"
 
-    def __init__(self, target: str, batch_size: int = 256):
+    def __init__(self, target: str, batch_size: int = 256, chat_template: str | None = None):
         try:
             import sglang
         except ImportError as e:
             raise RuntimeError(INSTALL_HINT) from e
         path = resolve_target(target)
         self.target = target_identity(target, path)
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = load_tokenizer(path, chat_template)  # the engine is handed rendered text
         self.engine = sglang.Engine(model_path=str(path), max_running_requests=batch_size)
 
     def identity(self) -> dict:

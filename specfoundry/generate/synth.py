@@ -22,8 +22,11 @@ MARKER = "\x00SPECFOUNDRY_USER\x00"
 
 def user_turn_prefix(tokenizer) -> str:
     """The chat template rendered up to where a user message's text begins."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("prompt synthesis needs a tokenizer with a chat template")
+    from specfoundry.common.target import COMPLETION, chat_template_source
+
+    if not getattr(tokenizer, "chat_template", None) or chat_template_source(tokenizer) == COMPLETION:
+        raise ValueError("prompt synthesis needs a chat template (a user turn to start); this target renders as "
+                         "plain-text completion: give a SOURCE of prompts, or --chat-template FILE")
     text = tokenizer.apply_chat_template([{"role": "user", "content": MARKER}], tokenize=False)
     if MARKER not in text:
         raise ValueError("the chat template does not render the user's text verbatim; cannot synthesise")

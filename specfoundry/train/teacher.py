@@ -8,16 +8,28 @@ from __future__ import annotations
 
 import torch
 
+LOGIT_BUDGET = 1 << 26
+"""Logits one chunk of rows may hold over the full vocabulary: 64 Mi values, 256 MiB in fp32."""
+
+
+def logit_rows(vocab_size: int, most: int = 1024) -> int:
+    """Rows per chunk of full-vocabulary logits: `most`, fewer where the vocabulary is large, so a
+    chunk's [rows, V] fp32 logits stay within LOGIT_BUDGET (1024 rows up to V = 65,536; 441 for
+    Qwen3's 151,936, 256 for Gemma-3's 262,144)."""
+    return max(1, min(most, LOGIT_BUDGET // vocab_size))
+
 
 @torch.no_grad()
 def teacher_targets(final_hidden: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.Tensor,
-                    t2d: torch.Tensor, chunk: int = 1024, out_dtype: torch.dtype = torch.float32):
+                    t2d: torch.Tensor, chunk: int | None = None, out_dtype: torch.dtype = torch.float32):
     """final_hidden: [N, H]; lm_head: [V, H]; draft_ids: [Vd] sorted target ids.
 
     Returns p [N, Vd] (softmax over the draft-vocabulary columns of the target logits),
     valid [N] bool (full-vocab argmax is in the draft vocabulary) and target_draft [N] (that
-    argmax as a draft id, -1 where invalid). Chunked over rows: no [N, V] tensor is kept."""
+    argmax as a draft id, -1 where invalid). Chunked over rows (`chunk`, by default logit_rows(V)):
+    no [N, V] tensor is kept; the peak is one chunk's logits, in the head's dtype and in fp32."""
     n = final_hidden.shape[0]
+    chunk = chunk or logit_rows(lm_head.shape[0])
     p = torch.empty(n, len(draft_ids), dtype=out_dtype, device=final_hidden.device)
     valid = torch.empty(n, dtype=torch.bool, device=final_hidden.device)
     target_draft = torch.empty(n, dtype=torch.int64, device=final_hidden.device)

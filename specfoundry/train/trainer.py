@@ -33,7 +33,13 @@ from specfoundry.common.files import atomic_write_json, remove_temporaries
 from specfoundry.common.progress import Progress
 from specfoundry.common.shards import check_output_folder, record_config
 from specfoundry.common.taps import parse_layer_ids
-from specfoundry.common.target import EMBEDDED_DEFAULT, load_tokenizer, resolve_target, target_identity
+from specfoundry.common.target import (
+    COMPLETION,
+    EMBEDDED_DEFAULT,
+    load_tokenizer,
+    resolve_target,
+    target_identity,
+)
 from specfoundry.common.weights import weight_fingerprint
 from specfoundry.featureset.manifest import FeatureSetError, check_matches_target, tokenizer_hashes
 from specfoundry.featureset.store import FeatureSet
@@ -104,7 +110,13 @@ def check_featureset(fs: FeatureSet, cfg: TrainConfig, target_dir: Path):
     if not manifest.get("complete"):
         raise FeatureSetError(f"feature set {cfg.featureset} is incomplete: rerun its sf-capture command to finish it")
     identity = target_identity(cfg.target, target_dir)
-    tokenizer_sha256, template_sha256 = tokenizer_hashes(load_tokenizer(target_dir))
+    # a template the capture was given from a file is its own record (the hash in the manifest);
+    # the target's own and the completion template are checked against the target's tokenizer
+    source = manifest.get("chat_template_source", "target")
+    tokenizer_sha256, template_sha256 = tokenizer_hashes(
+        load_tokenizer(target_dir, COMPLETION if source == COMPLETION else None))
+    if source not in ("target", COMPLETION):
+        template_sha256 = None
     check_matches_target(manifest, hidden_size=identity.hidden_size, vocab_size=identity.vocab_size,
                          tokenizer_sha256=tokenizer_sha256, chat_template_sha256=template_sha256,
                          config_sha256=identity.config_sha256, weight_fingerprint=weight_fingerprint(target_dir),

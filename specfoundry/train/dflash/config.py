@@ -11,6 +11,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specfoundry.common.target import rope_settings, text_config
+
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -47,6 +49,7 @@ class DFlashConfig:
     sliding_window: int | None = None
     """Keys seen by a sliding layer's query: the W positions ending at its own (SGLang: W - 1 left)."""
     hidden_act: str = "silu"
+    """SwiGLU whatever the target's activation (SGLang's DFlash layers take SiLU only)."""
 
     def __post_init__(self):
         if self.hidden_act != "silu":
@@ -85,25 +88,15 @@ class DFlashConfig:
         return cls(**d)
 
 
-def rope_settings(c: dict) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) of an HF config, v4 style (top-level keys) or v5
-    (`rope_parameters`, whose non-default types become rope_scaling)."""
-    rope = c.get("rope_parameters") or {}
-    theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
-    scaling = c.get("rope_scaling")
-    if scaling is None and rope.get("rope_type", "default") != "default":
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    return float(theta), scaling
-
-
 def dflash_config_from_target(target_config: dict | Path, target_layer_ids, num_hidden_layers: int,
                               block_size: int, mask_token_id: int, overrides: dict | None = None) -> DFlashConfig:
-    """The draft mirrors the target's width, heads, MLP, RoPE, norms and vocabulary (a recipe may
-    override any field). target_config: the config dict, or a model directory holding config.json;
+    """The draft mirrors the target's width, heads, MLP width, RoPE (the full-attention layers' where
+    they differ per layer type), norm eps and vocabulary; its layers are full attention and SwiGLU
+    whatever the target's (a recipe may override any field). target_config: the config dict, or a model directory holding config.json;
     multimodal configs nest the language model under `text_config`."""
     if isinstance(target_config, Path | str):
         target_config = json.loads((Path(target_config) / "config.json").read_text())
-    c = target_config.get("text_config", target_config)
+    c = text_config(target_config)
     ids = tuple(int(i) for i in target_layer_ids)
     layers = c.get("num_hidden_layers")
     if layers is not None and not all(0 <= i < layers - 1 for i in ids):
@@ -127,7 +120,6 @@ def dflash_config_from_target(target_config: dict | Path, target_layer_ids, num_
         target_layer_ids=ids,
         block_size=block_size,
         mask_token_id=mask_token_id,
-        hidden_act=c.get("hidden_act", "silu"),
     )
     d.update(overrides or {})
     return DFlashConfig.from_dict(d)  # tuples even where an override gives lists

@@ -28,6 +28,7 @@ import torch
 from specfoundry.kernels.soft_ce import soft_target_cross_entropy
 from specfoundry.train.dflash.model import DFlashDraft
 from specfoundry.train.loader import Batch
+from specfoundry.train.teacher import logit_rows
 
 MASK64 = (1 << 64) - 1
 
@@ -214,7 +215,7 @@ def chunked_loss(rows, head, counts, weights, targets, teacher: str, *, chunk: i
 
 def dflash_loss(model: DFlashDraft, batch: Batch, lm_head: torch.Tensor, *, num_anchors: int = 512,
                 gamma: float = 7.0, seed: int = 0, attention: str = "auto", loss_kernel: str = "auto",
-                loss_scale: float = 1.0, teacher: str = "hard", label_chunk: int = 1024):
+                loss_scale: float = 1.0, teacher: str = "hard", label_chunk: int | None = None):
     """Returns (total loss, per-slot metrics [{loss, hits, valid}] for k = 1..B-1).
 
     lm_head: [V, H] the target's (frozen). gamma: the slot decay (module docstring). seed: the run's
@@ -222,7 +223,7 @@ def dflash_loss(model: DFlashDraft, batch: Batch, lm_head: torch.Tensor, *, num_
     the soft-target CE (auto, triton, reference; the hard CE is plain torch). loss_scale: the
     gradient that will flow into the total (1 / accumulation steps), announced so that each chunk
     writes its final gradient at once. label_chunk: logit rows per chunk ([label_chunk, V] fp32
-    temporaries). metrics: loss is the unweighted mean ce of slot k's valid rows; hits counts
+    temporaries; by default teacher.logit_rows(V), 1024 rows at most). metrics: loss is the unweighted mean ce of slot k's valid rows; hits counts
     argmax matches with x_{a+k} (hard) or the target's argmax (soft)."""
     if teacher not in ("hard", "soft"):
         raise ValueError(f"unknown DFlash teacher {teacher!r}: choose hard or soft")
@@ -244,7 +245,7 @@ def dflash_loss(model: DFlashDraft, batch: Batch, lm_head: torch.Tensor, *, num_
     if want_grad and not (math.isfinite(loss_scale) and loss_scale > 0):
         raise ValueError(f"dflash_loss: loss_scale must be a positive finite number, got {loss_scale}")
     value, grad, ce_sums, hits = chunked_loss(rows.detach(), head, counts, slot_weights(b, gamma), targets, teacher,
-                                              chunk=label_chunk, announced=loss_scale, loss_kernel=loss_kernel,
+                                              chunk=label_chunk or logit_rows(head.shape[0]), announced=loss_scale, loss_kernel=loss_kernel,
                                               want_grad=want_grad)
     total = AttachGradient.apply(rows, value, grad, loss_scale) if want_grad else value
     n_valid = torch.tensor(counts, device=rows.device)
@@ -259,7 +260,8 @@ class DFlashModule(torch.nn.Module):
     the draft's elementwise chains run compiled unless compile_elementwise is False."""
 
     def __init__(self, draft: DFlashDraft, lm_head: torch.Tensor, *, num_anchors: int = 512, gamma: float = 7.0,
-                 seed: int = 0, teacher: str = "hard", label_chunk: int = 1024, compile_elementwise: bool = True):
+                 seed: int = 0, teacher: str = "hard", label_chunk: int | None = None,
+                 compile_elementwise: bool = True):
         super().__init__()
         self.draft = draft.compile_elementwise(compile_elementwise)
         self.register_buffer("lm_head", lm_head, persistent=False)

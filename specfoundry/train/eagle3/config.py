@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specfoundry.common.cli import setting
+from specfoundry.common.target import rope_settings, text_config
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +45,8 @@ class Eagle3Config:
     """Width of each captured target hidden state (fc takes 3x this)."""
     aux_layer_ids: tuple[int, ...] = field(default_factory=tuple)
     hidden_act: str = "silu"
+    """The draft's MLP is SwiGLU whatever the target's activation (Gemma's GELU is the target's own;
+    SGLang's Llama-style draft layer takes SiLU only)."""
     fc_norm: bool = False
     """EAGLE-3.1: an RMSNorm on each captured state before fc."""
     norm_output: bool = False
@@ -69,15 +72,13 @@ class Eagle3Config:
 
 def draft_config_from_target(target_config: dict | Path, draft_vocab_size: int, aux_layer_ids,
                              overrides: dict | None = None) -> Eagle3Config:
-    """The draft mirrors the target's attention shape, RoPE and norms (a recipe may override)."""
+    """The draft mirrors the target's width, attention shape (head_dim as the target states it), RoPE
+    (the full-attention layers' where they differ per layer type) and norm eps; its MLP is SwiGLU
+    (a recipe may override any field)."""
     if isinstance(target_config, Path | str):
         target_config = json.loads((Path(target_config) / "config.json").read_text())
-    c = target_config.get("text_config", target_config)
-    rope = c.get("rope_parameters") or {}
-    rope_theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
-    scaling = c.get("rope_scaling")
-    if scaling is None and rope.get("rope_type", "default") != "default":
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    c = text_config(target_config)
+    rope_theta, scaling = rope_settings(c)
     heads = c["num_attention_heads"]
     d = dict(
         hidden_size=c["hidden_size"],
@@ -86,14 +87,13 @@ def draft_config_from_target(target_config: dict | Path, draft_vocab_size: int, 
         num_key_value_heads=c.get("num_key_value_heads", heads),
         head_dim=c.get("head_dim") or c["hidden_size"] // heads,
         rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope_theta),
+        rope_theta=rope_theta,
         rope_scaling=scaling,
         max_position_embeddings=c.get("max_position_embeddings", 8192),
         vocab_size=c["vocab_size"],
         draft_vocab_size=draft_vocab_size,
         target_hidden_size=c["hidden_size"],
         aux_layer_ids=tuple(aux_layer_ids),
-        hidden_act=c.get("hidden_act", "silu"),
     )
     d.update(overrides or {})
     return Eagle3Config(**d)

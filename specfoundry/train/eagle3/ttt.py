@@ -38,7 +38,7 @@ def shift(x: torch.Tensor, by: int, width: int) -> torch.Tensor:
 
 def ttt_loss(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, draft_ids: torch.Tensor, *,
              ttt_length: int = 7, decay: float = 0.8, attention: str = "auto", loss_kernel: str = "auto",
-             teacher_chunk: int = 1024, loss_scale: float = 1.0):
+             teacher_chunk: int | None = None, loss_scale: float = 1.0):
     """Returns (total loss, per-TTT-step metrics [{loss, hits, valid}]). loss_kernel: which
     soft-target CE runs (auto, triton or reference). loss_scale: the gradient that will flow into
     the total (1 / accumulation steps under Accelerate), so the in-place loss kernel writes each
