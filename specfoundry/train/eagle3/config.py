@@ -67,17 +67,24 @@ class Eagle3Config:
         return cls(**d)
 
 
+def rope_settings(c: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) of an HF config, in transformers 4's fields (`rope_theta`,
+    `rope_scaling`) or 5's (`rope_parameters`, which holds both)."""
+    rope = c.get("rope_parameters") or {}
+    theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+    scaling = c.get("rope_scaling")
+    if scaling is None and rope.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return float(theta), scaling
+
+
 def draft_config_from_target(target_config: dict | Path, draft_vocab_size: int, aux_layer_ids,
                              overrides: dict | None = None) -> Eagle3Config:
     """The draft mirrors the target's attention shape, RoPE and norms (a recipe may override)."""
     if isinstance(target_config, Path | str):
         target_config = json.loads((Path(target_config) / "config.json").read_text())
     c = target_config.get("text_config", target_config)
-    rope = c.get("rope_parameters") or {}
-    rope_theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
-    scaling = c.get("rope_scaling")
-    if scaling is None and rope.get("rope_type", "default") != "default":
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    rope_theta, scaling = rope_settings(c)
     heads = c["num_attention_heads"]
     d = dict(
         hidden_size=c["hidden_size"],
@@ -86,7 +93,7 @@ def draft_config_from_target(target_config: dict | Path, draft_vocab_size: int, 
         num_key_value_heads=c.get("num_key_value_heads", heads),
         head_dim=c.get("head_dim") or c["hidden_size"] // heads,
         rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope_theta),
+        rope_theta=rope_theta,
         rope_scaling=scaling,
         max_position_embeddings=c.get("max_position_embeddings", 8192),
         vocab_size=c["vocab_size"],
