@@ -15,12 +15,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specfoundry.capture.runner import HFCaptureRunner
 from specfoundry.common.taps import default_aux_layers
 from specfoundry.eval.draft import DraftLoadError, load_draft
+from specfoundry.train.cli import export_main
 from specfoundry.train.eagle3.config import Eagle3Config, Eagle3Options
 from specfoundry.train.eagle3.export import export_draft
 from specfoundry.train.eagle3.family import EAGLE3
@@ -529,3 +531,42 @@ def test_options_our_draft_lacks_and_layers_the_engines_disagree_on_are_refused(
     config["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]  # vLLM would read layers 0, 1, 2
     (sglang / "config.json").write_text(json.dumps(config))
     assert "name different layers" in one_line_error(sglang)
+
+
+# ---- sf-export --------------------------------------------------------------------------------------
+
+def test_sf_export_writes_what_vllm_serves_alone(tmp_path, target_dir):
+    draft = small_draft(fc_norm=True)
+    draft.cfg = replace(draft.cfg, max_position_embeddings=4096)
+    src = export_draft(draft.state_dict(), draft.cfg, tmp_path / "trained")  # sf-train's (bf16) export
+    out = tmp_path / "vllm"
+    args = ["run", str(src), "-o", str(out), "--format", "speculators", "--target", str(target_dir), "-k", "5"]
+    result = CliRunner().invoke(export_main, args)
+    assert result.exit_code == 0, result.output
+    config = config_of(out)
+    assert config["speculators_config"]["verifier"] == {"name_or_path": str(target_dir.resolve()),
+                                                        "architectures": ["LlamaForCausalLM"]}
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+    # vLLM refuses a draft shorter than its target: raised to the target's
+    assert config["transformer_layer_config"]["max_position_embeddings"] == 16384
+    a, b = read_eagle3(src), read_eagle3(out)
+    assert replace(b[0], max_position_embeddings=4096) == a[0]
+    assert all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+    assert CliRunner().invoke(export_main, args).exit_code == 0  # the same command again
+    result = CliRunner().invoke(export_main, [*args[:-2], "-k", "4"])
+    assert result.exit_code == 2 and "other settings" in result.output
+
+
+def test_sf_export_takes_a_training_checkpoint(tmp_path, target_dir):
+    draft = small_draft(norm_output=True)
+    step = tmp_path / "run" / "checkpoints" / "step-0000002"
+    step.mkdir(parents=True)
+    save_file({f"draft.{k}": v.contiguous() for k, v in draft.state_dict().items()}, str(step / "model.safetensors"))
+    (tmp_path / "run" / "draft_config.json").write_text(json.dumps(draft.cfg.to_dict()))
+    out = tmp_path / "sglang"
+    result = CliRunner().invoke(export_main, ["run", str(step), "-o", str(out), "--target", str(target_dir)])
+    assert result.exit_code == 0, result.output
+    cfg, tensors = read_eagle3(out)
+    assert replace(cfg, max_position_embeddings=draft.cfg.max_position_embeddings) == draft.cfg
+    state = draft.state_dict()
+    assert all(torch.equal(t, state[k].to(t.dtype)) for k, t in tensors.items())
