@@ -47,7 +47,7 @@ from specfoundry.common.target import (
     resolve_target,
 )
 from specfoundry.eval.block import BlockDraftRunner, block_generate
-from specfoundry.eval.draft import find_draft_files, load_draft
+from specfoundry.eval.draft import DraftLoadError, find_draft_files, load_draft
 from specfoundry.eval.evaluate import prompt_ids
 from specfoundry.eval.speculative import DraftRunner, Sampler, TargetRunner, speculative_generate
 from specfoundry.featureset.store import FeatureSet
@@ -304,7 +304,10 @@ def run_checks(cfg: GateConfig, export: Path) -> list[Check]:
     sample = fs[0]
     if cfg.family == "dflash":
         return run_dflash_checks(cfg, export, fs, sample, device, dtype)
-    cfg_draft, tensors = find_draft_files(export)
+    try:
+        cfg_draft, tensors = find_draft_files(export)
+    except DraftLoadError as e:  # a folder an engine would misread or not load: nothing after it can run
+        return [Check("export", False, str(e))]
     checks = [check_vocab_map(cfg_draft, tensors, fs), check_export(export, cfg_draft, tensors, work / "train")]
     model, tokenizer, _ = load_target(cfg.target, device=str(device), dtype=dtype, chat_template=cfg.chat_template)
     target = TargetRunner(model, list(cfg_draft.aux_layer_ids))

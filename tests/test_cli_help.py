@@ -13,9 +13,11 @@ from click.testing import CliRunner
 from specfoundry.capture.cli import main as capture_main
 from specfoundry.eval.cli import main as eval_main
 from specfoundry.generate.cli import main as regen_main
+from specfoundry.train.cli import export_main
 from specfoundry.train.cli import main as train_main
 
-COMMANDS = {"sf-regen": regen_main, "sf-capture": capture_main, "sf-train": train_main, "sf-eval": eval_main}
+COMMANDS = {"sf-regen": regen_main, "sf-capture": capture_main, "sf-train": train_main, "sf-eval": eval_main,
+            "sf-export": export_main}
 
 
 def walk(cmd: click.Command, path: str):
@@ -37,7 +39,7 @@ def options(cmd: click.Command) -> list[click.Option]:
 def test_every_tool_is_a_group_of_commands():
     assert all(isinstance(c, click.Group) for c in COMMANDS.values())
     assert sorted(leaf_commands()) == ["sf-capture run", "sf-capture verify", "sf-eval gate", "sf-eval run",
-                                       "sf-regen run", "sf-train run"]
+                                       "sf-export run", "sf-regen run", "sf-train run"]
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
@@ -73,7 +75,8 @@ def test_shared_concepts_are_where_they_apply():
         flags = {o for p in options(cmd) for o in p.opts}
         if path != "sf-capture verify":  # verify writes nothing
             assert {"-o", "--output", "--target", "--recipe"} <= flags, path
-        if path not in ("sf-capture verify", "sf-train run"):  # Accelerate places sf-train
+        # Accelerate places sf-train; sf-export only rewrites files
+        if path not in ("sf-capture verify", "sf-train run", "sf-export run"):
             assert "--device" in flags, path
     for path in ("sf-regen run", "sf-capture run", "sf-train run", "sf-eval run", "sf-eval gate"):
         assert "--silent" in {o for p in options(cmds[path]) for o in p.opts}, path
@@ -101,6 +104,7 @@ def test_every_default_is_shown_in_help():
 @pytest.mark.parametrize("argv, words", [
     (["sf-train", "run", "/nonexistent/fs", "-o", "OUT"], "/nonexistent/fs"),
     (["sf-eval", "run", "/nonexistent/draft"], "/nonexistent/draft"),
+    (["sf-export", "run", "/nonexistent/draft", "-o", "OUT"], "/nonexistent/draft"),
     (["sf-capture", "verify", "/nonexistent/fs"], "/nonexistent/fs"),
     (["sf-regen", "run", "-o", "OUT"], "no source given"),
     (["sf-capture", "run", "SRC", "-o", "OUT", "--recipe", "RECIPE"], "unknown settings bogus"),

@@ -49,12 +49,19 @@ def test_gate_names_a_shuffled_vocab_map(gate_run, tmp_path):
 def test_gate_names_wrong_layer_ids(gate_run, tmp_path):
     cfg, export = gate_run
 
-    def shift_layers(c):
+    def shift_layers(c):  # in both fields, each in its engine's convention
         c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 15, 27]
+        c["eagle_aux_hidden_state_layer_ids"] = [3, 16, 28]
 
-    checks = run_checks(cfg, broken_copy(export, tmp_path, config=shift_layers))
+    checks = run_checks(cfg, broken_copy(export, tmp_path / "both", config=shift_layers))
     ok, message = verdict(checks)
     assert not ok and message.startswith("gate failed at features") and "[2, 15, 27]" in message, message
+
+    def shift_nested(c):  # SGLang would read other layers than vLLM
+        c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 15, 27]
+
+    ok, message = verdict(run_checks(cfg, broken_copy(export, tmp_path / "nested", config=shift_nested)))
+    assert not ok and message.startswith("gate failed at export") and "name different layers" in message, message
     # (decoding alone would not catch this one: neighbouring layers' residual streams are close
     # enough that the overfitted draft is still accepted about 4 times in 5; hence the check)
 

@@ -1,4 +1,5 @@
-"""sf-train: train a draft from a feature set (recipe YAML + command-line overrides)."""
+"""sf-train: train a draft from a feature set (recipe YAML + command-line overrides); sf-export:
+write a draft in the layout a serving engine loads."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from specfoundry.common.shards import OutputFolderError
 from specfoundry.common.target import TargetError
 from specfoundry.featureset.manifest import FeatureSetError
 from specfoundry.kernels.tree_attention import TooManyShapesError
+from specfoundry.train.export import ExportConfig, run_export
+from specfoundry.train.family import DraftLoadError
 from specfoundry.train.trainer import TrainConfig, run_train
 
 
@@ -29,6 +32,22 @@ def run(recipe, silent, **options):
     last = result["history"][-1] if result["history"] else {}
     click.echo(f"trained {result['steps']} steps; exported to {result['export']}; "
                f"last sim_accept_len {last.get('sim_accept_len', float('nan')):.2f}")
+
+
+@click.group(context_settings=CONTEXT)
+def export_main():
+    """Write drafts in the layout a serving engine loads: SGLang's, or vLLM's speculators format."""
+
+
+@stage_command(export_main, "run", ExportConfig, DraftLoadError, OutputFolderError, TargetError, FileNotFoundError,
+               ValueError)
+def export_run(recipe, silent, **options):
+    """Read DRAFT (an export of any layout, ours or another tool's, an sf-train run folder, or one of
+    its checkpoints/step-N) and write it to --output in --format: the layer ids in each engine's
+    convention, the tensors under each loader's names (docs/serving.md)."""
+    cfg = resolve_config(ExportConfig, "export", recipe, options)
+    out = run_export(cfg)
+    click.echo(f"wrote {out} ({cfg.format} layout)")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,11 @@ DRAFT_FILE = "specfoundry_draft.json"
 """Beside every export: our own config of the draft, with its family."""
 
 
+class DraftLoadError(ValueError):
+    """A draft folder that cannot be read back: a missing file, setting or tensor, a shape its
+    config disagrees with, an option specfoundry's draft does not have (one line, naming it)."""
+
+
 class DraftFamily:
     """The interface; each family subclasses it (train/eagle3/family.py, train/dflash/family.py)."""
 
@@ -58,7 +63,12 @@ class DraftFamily:
         [{loss, hits, valid}] per predicted position); `seed` seeds the family's own sampling."""
         raise NotImplementedError
 
-    def export(self, state: dict[str, torch.Tensor], draft_config, out: Path, target: dict | None) -> Path:
+    layouts: tuple[str, ...] = ("sglang",)
+    """The directory layouts its export writes (sf-export --format); the first is sf-train's."""
+
+    def export(self, state: dict[str, torch.Tensor], draft_config, out: Path, target: dict | None,
+               layout: str = "sglang", verifier: dict | None = None, speculative_tokens: int = 3) -> Path:
+        """Write `layout`; a speculators export names its verifier and its speculative tokens."""
         raise NotImplementedError
 
     def config_from_dict(self, d: dict):

@@ -71,7 +71,9 @@ class DFlashFamily(DraftFamily):
         return DFlashModule(draft, target_lm_head(target_dir).to(dtype), num_anchors=options.num_anchors,
                             gamma=options.gamma, teacher=options.teacher, seed=seed)
 
-    def export(self, state, draft_config: DFlashConfig, out: Path, target: dict | None) -> Path:
+    def export(self, state, draft_config: DFlashConfig, out: Path, target: dict | None, layout: str = "sglang",
+               verifier: dict | None = None, speculative_tokens: int = 3) -> Path:
+        assert layout == "sglang", layout  # sf-export offers only the family's layouts
         return export_draft(state, draft_config, out, target=target)
 
     def config_from_dict(self, d: dict) -> DFlashConfig:

@@ -1,10 +1,21 @@
-"""Export a trained draft as the directory SGLang's `LlamaForCausalLMEagle3` loads.
+"""Export a trained EAGLE-3 draft in the layout a serving engine loads (train/eagle3/formats.py
+names the layouts and reads them back; docs/serving.md says what each engine reads).
 
-The spec below was written from SGLang's public model code (python/sglang/srt/models/
-llama_eagle3.py): its loader maps q/k/v_proj into qkv_proj and gate/up_proj into gate_up_proj,
-prefixes every name but lm_head with "model.", reads d2t as hot-token offsets, skips t2d, and
-SILENTLY IGNORES names it does not know; hence the exact check here. Embeddings are not
-exported: SGLang shares the target's.
+sglang: the directory SGLang's `LlamaForCausalLMEagle3` loads, and vLLM's `Eagle3LlamaForCausalLM`
+too. Written from their public loaders (SGLang python/sglang/srt/models/llama_eagle3.py, vLLM
+vllm/model_executor/models/llama_eagle3.py): both map q/k/v_proj into qkv_proj and gate/up_proj
+into gate_up_proj, add the "model." prefix to every name but lm_head, read d2t as offsets and
+skip t2d; SGLang SILENTLY IGNORES names it does not know, hence the exact check here. The layer
+ids go in twice, once per engine's convention: nested in eagle_config for SGLang (the only place
+it looks) and at the top level, one higher, for vLLM (which looks there first).
+
+speculators: vLLM's speculators format, which `vllm serve DIR` serves alone (it swaps in the
+verifier named in speculators_config as the target). Written from vLLM's
+transformers_utils/configs/speculators/ (base.py validates the structure, algos.py's update_eagle3
+copies the top-level options over transformer_layer_config) and vllm-project/speculators'
+Eagle3SpeculatorConfig. Tensors are named layers.0.*, without a prefix.
+
+Embeddings are not exported: both engines share the target's.
 """
 
 from __future__ import annotations
@@ -16,36 +27,22 @@ import torch
 from safetensors.torch import save_file
 
 from specfoundry.train.eagle3.config import Eagle3Config
+from specfoundry.train.eagle3.formats import (
+    LAYOUTS,
+    expected_tensors,
+    layout_name,
+    read_eagle3,
+    to_vllm_ids,
+)
 from specfoundry.train.family import DRAFT_FILE, TARGET_FILE
 
+__all__ = ["expected_tensors", "export_draft", "load_export", "sglang_config", "speculators_config", "validate"]
 
-def expected_tensors(cfg: Eagle3Config) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
-    """Every tensor name SGLang's loader expects, with its shape (dtype None = the float dtype)."""
-    h, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    fc_norms = {f"fc_norm.{j}.weight": ((cfg.target_hidden_size,), None) for j in range(cfg.num_aux)} if cfg.fc_norm else {}
+
+def layer_config(cfg: Eagle3Config) -> dict:
+    """The decoder layer's Llama config: the top level of the SGLang layout, the speculators
+    format's transformer_layer_config."""
     return {
-        "fc.weight": ((h, cfg.num_aux * cfg.target_hidden_size), None),
-        **fc_norms,
-        "midlayer.input_layernorm.weight": ((h,), None),
-        "midlayer.hidden_norm.weight": ((h,), None),
-        "midlayer.post_attention_layernorm.weight": ((h,), None),
-        "midlayer.self_attn.q_proj.weight": ((cfg.num_attention_heads * hd, 2 * h), None),
-        "midlayer.self_attn.k_proj.weight": ((cfg.num_key_value_heads * hd, 2 * h), None),
-        "midlayer.self_attn.v_proj.weight": ((cfg.num_key_value_heads * hd, 2 * h), None),
-        "midlayer.self_attn.o_proj.weight": ((h, cfg.num_attention_heads * hd), None),
-        "midlayer.mlp.gate_proj.weight": ((i, h), None),
-        "midlayer.mlp.up_proj.weight": ((i, h), None),
-        "midlayer.mlp.down_proj.weight": ((h, i), None),
-        "norm.weight": ((h,), None),
-        "lm_head.weight": ((cfg.draft_vocab_size, h), None),
-        "d2t": ((cfg.draft_vocab_size,), torch.int64),
-        "t2d": ((cfg.vocab_size,), torch.bool),
-    }
-
-
-def sglang_config(cfg: Eagle3Config) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -59,21 +56,69 @@ def sglang_config(cfg: Eagle3Config) -> dict:
         "rope_scaling": cfg.rope_scaling,
         "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
+        "attention_bias": False,
+        "mlp_bias": False,
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
-        # SGLang reads these as the 0-based layers whose OUTPUT feeds the draft (it adds 1 to
-        # find the layer whose input it captures); ours are exactly that.
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids), "use_aux_hidden_state": True},
-        # EAGLE-3.1, read from the top level by SGLang and vLLM alike: a norm per captured state
-        # before fc (tensors fc_norm.{i}.weight), and the post-norm state fed to the next step
+    }
+
+
+def draft_options(cfg: Eagle3Config) -> dict:
+    """What both layouts write at the top level, where SGLang (fc_norm, norm_output) and vLLM (all
+    of them; its speculators path copies them from there) read them. norm_before_residual is
+    written out because vLLM's speculators path takes an absent one as true: our draft keeps the
+    incoming hidden state as the residual and normalises after (model.py, Eagle3DecoderLayer)."""
+    if not cfg.aux_layer_ids:
+        raise ValueError("the draft's config names no target layers: pass the target, whose default layers it reads")
+    return {
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        # EAGLE-3.1: a norm per captured state before fc (tensors fc_norm.{i}.weight), and the
+        # post-norm state fed to the next draft step
         "fc_norm": cfg.fc_norm,
         "norm_output": cfg.norm_output,
+        # vLLM's convention (the output of layer i is id i + 1); vLLM reads this field first
+        "eagle_aux_hidden_state_layer_ids": to_vllm_ids(cfg.aux_layer_ids),
+    }
+
+
+def sglang_config(cfg: Eagle3Config) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **layer_config(cfg),
+        **draft_options(cfg),
+        # SGLang reads the ids only here, as the 0-based layers whose OUTPUT feeds the draft (it
+        # adds 1 to find the layer whose input it captures): ours exactly
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids), "use_aux_hidden_state": True},
+    }
+
+
+def speculators_config(cfg: Eagle3Config, verifier: dict, speculative_tokens: int) -> dict:
+    """`verifier`: {name_or_path: what vLLM loads as the target, architectures: the target's}.
+    No top-level model_type: vLLM takes a config without one but with speculators_config as its
+    "speculators" type; "llama" there would load it as a plain Llama and lose the draft."""
+    if cfg.num_aux != 3:
+        raise ValueError(f"vLLM's speculators path builds fc for 3 captured layers; this draft reads {cfg.num_aux}")
+    return {
+        "architectures": ["Eagle3DraftModel"],  # speculators' class; vLLM picks its own from model_type
+        "speculators_model_type": "eagle3",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": verifier["name_or_path"],
+                         "architectures": list(verifier.get("architectures") or [])},
+        },
+        "transformer_layer_config": layer_config(cfg),
+        **draft_options(cfg),
     }
 
 
 def validate(tensors: dict[str, torch.Tensor], cfg: Eagle3Config) -> None:
+    """Exactly SGLang's names (ours), shapes and integer dtypes."""
     spec = expected_tensors(cfg)
     missing = sorted(set(spec) - set(tensors))
     extra = sorted(set(tensors) - set(spec))
@@ -88,49 +133,37 @@ def validate(tensors: dict[str, torch.Tensor], cfg: Eagle3Config) -> None:
 
 
 def export_draft(state_dict: dict[str, torch.Tensor], cfg: Eagle3Config, out_dir: str | Path,
-                 dtype: torch.dtype = torch.bfloat16, target: dict | None = None) -> Path:
-    """Write the SGLang directory; `target`: the identity of the target the draft was trained
-    for (from the feature set's manifest), kept beside it so a later eval can check it."""
+                 dtype: torch.dtype = torch.bfloat16, target: dict | None = None, layout: str = "sglang",
+                 verifier: dict | None = None, speculative_tokens: int = 3) -> Path:
+    """Write the draft in `layout` (sglang or speculators; the latter names its `verifier`).
+    `target`: the identity of the target the draft was trained for (from the feature set's
+    manifest), kept beside it so a later eval can check it."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown export layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, t in state_dict.items():
         if name.startswith(("embed_tokens.", "rotary.")):
-            continue  # SGLang uses the target's embeddings; RoPE has no weights
+            continue  # the engines use the target's embeddings; RoPE has no weights
         t = t.detach().cpu()
         tensors[name] = t.to(dtype).contiguous() if t.is_floating_point() else t.contiguous()
     validate(tensors, cfg)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(sglang_config(cfg), indent=2) + "\n")
+    if layout == "speculators":
+        if verifier is None:
+            raise ValueError("the speculators format names its verifier (the target vLLM loads)")
+        config = speculators_config(cfg, verifier, speculative_tokens)
+    else:
+        config = sglang_config(cfg)
+    save_file({layout_name(n, layout): t for n, t in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / DRAFT_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     if target is not None:
         (out / TARGET_FILE).write_text(json.dumps(target, indent=2) + "\n")
     return out
 
 
-def config_from_sglang(config: dict) -> Eagle3Config:
-    """An Eagle3Config from an SGLang EAGLE-3 config.json (ours, or another tool's). KeyError names a
-    missing field."""
-    eagle = config.get("eagle_config") or {}
-    return Eagle3Config(
-        hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
-        num_attention_heads=config["num_attention_heads"],
-        num_key_value_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
-        head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-        rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=float(config.get("rope_theta", 10000.0)),
-        rope_scaling=config.get("rope_scaling"),
-        max_position_embeddings=config.get("max_position_embeddings", 8192),
-        vocab_size=config["vocab_size"], draft_vocab_size=config.get("draft_vocab_size", config["vocab_size"]),
-        target_hidden_size=config.get("target_hidden_size", config["hidden_size"]),
-        aux_layer_ids=tuple(eagle.get("eagle_aux_hidden_state_layer_ids", ())),
-        fc_norm=bool(config.get("fc_norm") or config.get("use_aux_norm", False)),
-        norm_output=bool(config.get("norm_output", False)),
-    )
-
-
-def load_export(path: str | Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    cfg = Eagle3Config.from_dict(json.loads((path / DRAFT_FILE).read_text()))
-    return cfg, load_file(str(path / "model.safetensors"))
+def load_export(path: str | Path, num_target_layers: int | None = None) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
+    """An EAGLE-3 directory in either layout, ours or another tool's (formats.read_eagle3)."""
+    return read_eagle3(path, num_target_layers)

@@ -1,5 +1,5 @@
 """The EAGLE-3 family on the family interface (train/family.py): three captured layers and the
-final state (the teacher's input), one decoder layer, Training-Time Test, SGLang's export."""
+final state (the teacher's input), one decoder layer, Training-Time Test, exports for SGLang and vLLM."""
 
 from __future__ import annotations
 
@@ -32,8 +32,13 @@ class Eagle3Family(DraftFamily):
         return True
 
     def build(self, options: Eagle3Options, fs, target_dir: Path, layers: list[int], init_from: str | None):
-        if init_from:
-            dcfg, tensors = load_export(init_from)
+        if init_from:  # an EAGLE-3 directory in either layout, ours or another tool's
+            dcfg, tensors = load_export(init_from, fs.manifest.get("target", {}).get("num_layers"))
+            if (dcfg.vocab_size, dcfg.target_hidden_size) != (fs.manifest["target"]["vocab_size"],
+                                                               fs.manifest["target"]["hidden_size"]):
+                raise FeatureSetError(f"--init-from {init_from} is a draft for a target of vocabulary {dcfg.vocab_size} "
+                                      f"and width {dcfg.target_hidden_size}; feature set {fs.root}'s target has "
+                                      f"{fs.manifest['target']['vocab_size']} and {fs.manifest['target']['hidden_size']}")
             if list(dcfg.aux_layer_ids) != list(layers):
                 raise FeatureSetError(f"--init-from {init_from} reads layers {list(dcfg.aux_layer_ids)}, but the run "
                                       f"reads layers {layers} of feature set {fs.root}")
@@ -55,8 +60,12 @@ class Eagle3Family(DraftFamily):
         return TTTModule(draft, target_lm_head(target_dir).to(dtype), ttt_length=options.ttt_length,
                          decay=options.loss_decay)
 
-    def export(self, state, draft_config: Eagle3Config, out: Path, target: dict | None) -> Path:
-        return export_draft(state, draft_config, out, target=target)
+    layouts = ("sglang", "speculators")
+
+    def export(self, state, draft_config: Eagle3Config, out: Path, target: dict | None, layout: str = "sglang",
+               verifier: dict | None = None, speculative_tokens: int = 3) -> Path:
+        return export_draft(state, draft_config, out, target=target, layout=layout, verifier=verifier,
+                            speculative_tokens=speculative_tokens)
 
     def config_from_dict(self, d: dict) -> Eagle3Config:
         return Eagle3Config.from_dict(d)

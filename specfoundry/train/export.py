@@ -1,0 +1,93 @@
+"""sf-export: write a draft in the layout a serving engine loads.
+
+It reads any draft train/drafts.py reads (an export of ours or another tool's, SGLang or
+speculators layout; an sf-train run; a checkpoint) and writes one layout: `sglang` (what sf-train
+writes; SGLang and vLLM both load it) or `speculators` (vLLM's own format: `vllm serve DIR`
+alone). Why a command of its own and not an sf-train option: docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from specfoundry.common.cli import config_dict, setting, shared
+from specfoundry.common.files import atomic_write_json
+from specfoundry.common.shards import check_output_folder
+from specfoundry.common.target import EMBEDDED_DEFAULT, resolve_target, target_identity
+from specfoundry.train.drafts import find_draft_files, locate_draft, trained_for
+from specfoundry.train.eagle3.config import Eagle3Config
+from specfoundry.train.family import DraftLoadError, get_family
+from specfoundry.train.trainer import TMP_SUFFIX, replace_dir
+
+EXPORT_FORMATS = ("sglang", "speculators")
+EMBEDDED_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+"""The Hugging Face id of the embedded default target: what a vLLM machine loads for it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportConfig:
+    """Settings of one sf-export run (recorded in export_config.json in the output)."""
+
+    draft: str = setting(argument=True, help="The draft: an exported folder (ours, or another tool's in SGLang or "
+                         "speculators layout), an sf-train run folder, or one of its checkpoints/step-N.")
+    output: str = shared("output", resume=False)
+    format: str = setting("sglang", choices=EXPORT_FORMATS,
+                          help="sglang: the LlamaForCausalLMEagle3 folder SGLang serves and vLLM reads as well; "
+                               "speculators: vLLM's speculators format, served by `vllm serve OUTPUT` alone.")
+    target: str | None = shared("target", None, shown="the target the draft records it was trained for, else "
+                                f"{EMBEDDED_DEFAULT}")
+    verifier: str | None = setting(None, shown="the target; for smollm2 its Hugging Face id",
+                                   help="speculators: the model vLLM loads as the target, a Hugging Face id or a "
+                                        "path on the serving machine (speculators_config.verifier.name_or_path).")
+    k: int = shared("draft_tokens", 3)
+
+
+def check_fits_target(dcfg, identity, layout: str) -> None:
+    """Refuse a draft whose vocabulary, width or layers the target cannot feed."""
+    width = getattr(dcfg, "target_hidden_size", identity.hidden_size)
+    if (dcfg.vocab_size, width) != (identity.vocab_size, identity.hidden_size):
+        raise DraftLoadError(f"the draft reads a target of vocabulary {dcfg.vocab_size} and width {width}; target "
+                             f"{identity.name} has {identity.vocab_size} and {identity.hidden_size} (pass --target)")
+    layers = list(getattr(dcfg, "aux_layer_ids", ()))
+    # SGLang captures a layer's output as the input of the next one: the last layer's has no next
+    if layers and layout == "sglang" and max(layers) > identity.num_layers - 2:
+        raise DraftLoadError(f"the draft reads the output of layer {max(layers)}, which SGLang cannot capture from a "
+                             f"{identity.num_layers}-layer target (at most layer {identity.num_layers - 2})")
+
+
+def verifier_of(cfg: ExportConfig, target: str, target_dir: Path) -> dict:
+    config = json.loads((target_dir / "config.json").read_text())
+    name = cfg.verifier or (EMBEDDED_HF_ID if target == EMBEDDED_DEFAULT else
+                            str(Path(target).resolve()) if Path(target).is_dir() else target)
+    return {"name_or_path": name, "architectures": config.get("architectures") or []}
+
+
+def run_export(cfg: ExportConfig) -> Path:
+    """Read cfg.draft, write it to cfg.output in cfg.format (whole or not at all); returns the folder."""
+    source = Path(cfg.draft)
+    family = get_family("dflash" if not isinstance(locate_draft(source)[0], Eagle3Config) else "eagle3")
+    if cfg.format not in family.layouts:
+        raise DraftLoadError(f"{source} is a {family.name} draft, which specfoundry exports as "
+                             f"{', '.join(family.layouts)} only")
+    recorded = trained_for(source)
+    target = cfg.target or (recorded or {}).get("name") or EMBEDDED_DEFAULT
+    target_dir = resolve_target(target)
+    identity = target_identity(target, target_dir)
+    dcfg, tensors = find_draft_files(source, identity.num_layers)
+    check_fits_target(dcfg, identity, cfg.format)
+    out = Path(cfg.output)
+    check_output_folder(out, "export", cfg)
+    text = json.loads((target_dir / "config.json").read_text())
+    max_positions = text.get("text_config", text).get("max_position_embeddings", 0)
+    if isinstance(dcfg, Eagle3Config) and dcfg.max_position_embeddings < max_positions:
+        dcfg = replace(dcfg, max_position_embeddings=max_positions)  # vLLM refuses a draft shorter than its target
+    tmp = out.with_name(f".{out.name}{TMP_SUFFIX}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    family.export(tensors, dcfg, tmp, recorded, layout=cfg.format, verifier=verifier_of(cfg, target, target_dir),
+                  speculative_tokens=cfg.k)
+    atomic_write_json(tmp / "export_config.json", config_dict(cfg))
+    replace_dir(tmp, out)
+    return out
