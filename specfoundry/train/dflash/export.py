@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from specfoundry.train.dflash.config import DFlashConfig, rope_settings
+from specfoundry.common.target import rope_settings
+from specfoundry.train.dflash.config import DFlashConfig
 from specfoundry.train.family import DRAFT_FILE, TARGET_FILE
 
 ARCHITECTURE = "DFlashDraftModel"

@@ -27,7 +27,8 @@ import torch
 from safetensors.torch import load_file
 
 from specfoundry.common.taps import default_aux_layers
-from specfoundry.train.eagle3.config import Eagle3Config, rope_settings
+from specfoundry.common.target import rope_settings
+from specfoundry.train.eagle3.config import Eagle3Config
 from specfoundry.train.family import DRAFT_FILE, DraftLoadError
 
 LAYOUTS = ("sglang", "speculators")
