@@ -197,3 +197,28 @@ def test_the_loader_hands_out_the_chosen_layers_of_a_union_set(tmp_path):
         stored = fs[batch.indices[0]].aux_hidden.view(16, 6, h)
         torch.testing.assert_close(batch.aux_hidden[0, :16], stored[:, positions].reshape(16, -1), rtol=0, atol=0)
         assert (batch.final_hidden is None) == (family == "dflash")
+
+
+def test_a_bad_dflash_config_or_another_familys_draft_is_one_line(tmp_path):
+    from specfoundry.train.dflash.export import export_draft
+    from specfoundry.train.dflash.export import load_export as load_dflash
+    from specfoundry.train.drafts import DraftLoadError
+    from specfoundry.train.eagle3.export import load_export as load_eagle3
+
+    draft = tiny_dflash()
+    out = export_draft(draft.state_dict(), draft.cfg, tmp_path / "export")
+    with pytest.raises(ValueError, match="is a DFlash draft: pass --family dflash"):
+        load_eagle3(out)
+    eagle = export_draft_eagle3(tmp_path / "eagle3")
+    with pytest.raises(ValueError, match="is not a DFlash draft"):
+        load_dflash(eagle)
+    config = json.loads((out / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = [5, 3, 1]
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DraftLoadError, match=r"config.json: target_layer_ids must be .*ascending"):
+        find_draft_files(out)
+
+
+def export_draft_eagle3(out):
+    draft = random_draft()
+    return export_draft(draft.state_dict(), draft.cfg, out)

@@ -6,7 +6,6 @@ checkpoints/step-N. sf-eval, sf-export, the gate and --init-from all read drafts
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -16,7 +15,7 @@ from specfoundry.train.dflash.config import DFlashConfig
 from specfoundry.train.dflash.export import config_from_sglang as dflash_config_from_sglang
 from specfoundry.train.eagle3.config import Eagle3Config
 from specfoundry.train.eagle3.formats import read_eagle3, read_eagle3_config
-from specfoundry.train.family import DRAFT_FILE, TARGET_FILE, DraftLoadError, family_of_export, get_family
+from specfoundry.train.family import TARGET_FILE, DraftLoadError, family_of_export, get_family
 
 __all__ = ["DraftLoadError", "find_draft_files", "locate_draft", "read_config", "target_num_layers", "trained_for"]
 
@@ -27,18 +26,15 @@ def target_num_layers(target_dir: Path) -> int:
 
 
 def read_dflash_config(path: Path) -> DFlashConfig:
-    """A DFlash export's config: the engine's config.json wins where it says something (a
-    hand-edited layer list must be honoured), ours (specfoundry_draft.json) fills in the rest."""
+    """A DFlash export's config, read from its config.json alone, as SGLang reads it (a hand-edited
+    field must be honoured, and every field our export records is there)."""
     engine = json.loads((path / "config.json").read_text())
     try:
-        cfg = dflash_config_from_sglang(engine)
+        return dflash_config_from_sglang(engine)
     except KeyError as e:
         raise DraftLoadError(f"draft {path / 'config.json'} lacks {e.args[0]!r}") from None
-    if not (path / DRAFT_FILE).is_file():
-        return cfg
-    own = DFlashConfig.from_dict(json.loads((path / DRAFT_FILE).read_text()))
-    return replace(own, target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id,
-                   block_size=cfg.block_size)
+    except (TypeError, ValueError) as e:
+        raise DraftLoadError(f"draft {path / 'config.json'}: {e}") from None
 
 
 def read_config(path: Path, num_target_layers: int | None = None) -> Eagle3Config | DFlashConfig:

@@ -142,8 +142,16 @@ def config_from_sglang(config: dict) -> DFlashConfig:
 
 
 def load_export(path: str | Path) -> tuple[DFlashConfig, dict[str, torch.Tensor]]:
+    """A DFlash export (ours, or another tool's), read from its config.json as SGLang reads it."""
     from safetensors.torch import load_file
 
     path = Path(path)
-    cfg = DFlashConfig.from_dict(json.loads((path / DRAFT_FILE).read_text()))
+    config = json.loads((path / "config.json").read_text())
+    if ARCHITECTURE not in (config.get("architectures") or []):
+        raise ValueError(f"{path} is not a DFlash draft (architectures {config.get('architectures')}); "
+                         "pass the --family it was trained as")
+    try:
+        cfg = config_from_sglang(config)
+    except KeyError as e:
+        raise ValueError(f"draft {path / 'config.json'} lacks {e.args[0]!r}") from None
     return cfg, load_file(str(path / "model.safetensors"))

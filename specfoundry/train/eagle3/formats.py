@@ -243,7 +243,9 @@ def read_eagle3_config(path: str | Path, num_target_layers: int | None = None) -
     cfg = config_from_engine(config, str(path))
     if (path / DRAFT_FILE).is_file():
         own = Eagle3Config.from_dict(json.loads((path / DRAFT_FILE).read_text()))
-        cfg = replace(own, aux_layer_ids=cfg.aux_layer_ids or own.aux_layer_ids)
+        # what the engines read from config.json (layers, the EAGLE-3.1 switches) is taken from it
+        cfg = replace(own, aux_layer_ids=cfg.aux_layer_ids or own.aux_layer_ids, fc_norm=cfg.fc_norm,
+                      norm_output=cfg.norm_output)
     if not cfg.aux_layer_ids and num_target_layers:
         cfg = replace(cfg, aux_layer_ids=tuple(default_aux_layers(num_target_layers)))
     return cfg, layout_of(config)
