@@ -5,6 +5,7 @@ Tests and `benchmarks/` import these from here, so no test imports a benchmark s
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -74,3 +75,85 @@ def random_ttt_module(cfg: Eagle3Config, vocab_stride: int, head_scale: float,
 def llama8b_ttt_module(compile_elementwise: bool = True) -> TTTModule:
     """The 8B-shaped draft (every 4th token in the draft vocab, teacher head scale 0.02)."""
     return random_ttt_module(LLAMA8B_DRAFT, vocab_stride=4, head_scale=0.02, compile_elementwise=compile_elementwise)
+
+
+# ---- tiny random targets of the architectures users bring (tests/test_architectures.py) --------
+
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=4096)
+"""What every tiny target shares: width 64, 8 layers (EAGLE-3's default layers [1, 3, 4] and
+DFlash's [1, 2, 3, 4, 5] are distinct), 4 query / 2 KV heads."""
+
+TINY_TARGETS = {
+    "llama": dict(),
+    "qwen3": dict(head_dim=32),  # head_dim stated apart from hidden / heads (16), as Qwen3's is
+    "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "gemma3_text": dict(head_dim=32, sliding_window=16),  # tied, scaled embeddings, 5 sliding : 1 full layers
+    "mistral": dict(sliding_window=16),  # every layer slides
+}
+"""transformers model_type -> what its tiny target sets beyond TINY_SHAPE. The 16-token windows are
+shorter than the gate's conversation, so the sliding layers really cut."""
+
+QWEN3_STYLE_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{%- set content = m.content %}{%- set reasoning = '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{%- if loop.index0 > ns.last_user %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+)
+"""The reasoning rules of Qwen3's chat template, in ChatML (so SmolLM2's tokenizer renders it): the
+turns after the last user message show their reasoning, `<think>\\n{reasoning}\\n</think>\\n\\n{answer}`
+(an empty block where there is none), the earlier ones only their answer; the generation prompt
+is the non-thinking one (Qwen3's enable_thinking=False), which opens the turn with the empty block,
+since a random target writes no reasoning of its own."""
+
+TINY_TEMPLATES = {"qwen3": QWEN3_STYLE_TEMPLATE, "qwen3_moe": QWEN3_STYLE_TEMPLATE}
+"""The chat template a tiny target is saved with, where not its tokenizer's own (SmolLM2's ChatML)."""
+
+WORD = re.compile("Ġ[A-Za-z]+")
+"""A byte-level BPE token (SmolLM2's) of a space and a word."""
+
+LOGIT_SHARPNESS = 25.0
+"""A random target's logits are nearly flat (weights of std 0.02): its final norm is scaled by this,
+so that its greedy choices have the margins a trained model's have and the draft a teacher to fit."""
+
+
+def write_tiny_target(model_type: str, out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A randomly initialised `model_type` target (TINY_TARGETS) built from its transformers config,
+    saved with the tokenizer of `tokenizer_dir` (whose vocabulary it takes) and its chat template, or
+    the family's own (TINY_TEMPLATES)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                  **TINY_SHAPE, **TINY_TARGETS[model_type])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    norm = model.model.norm
+    with torch.no_grad():  # Gemma's RMSNorm multiplies by (1 + weight), the others by weight
+        if "Gemma" in type(norm).__name__:
+            norm.weight.copy_(LOGIT_SHARPNESS * (1 + norm.weight) - 1)
+        else:
+            norm.weight.mul_(LOGIT_SHARPNESS)
+        # Capture re-tokenizes an answer's text, and a random model's free choice of sub-word pieces
+        # often does not tokenize back to itself (" Kand" "ack" reads back as " Kandack" split
+        # otherwise), unlike a trained model's text: the target writes whole words (" word" tokens;
+        # the others' output rows are shrunk, which in a tied model shrinks their inputs too).
+        words = torch.tensor([bool(WORD.fullmatch(t)) for t in tokenizer.convert_ids_to_tokens(range(len(tokenizer)))])
+        model.get_output_embeddings().weight[~words] *= 0.05
+    model.save_pretrained(out)
+    tokenizer.chat_template = TINY_TEMPLATES.get(model_type, tokenizer.chat_template)
+    tokenizer.save_pretrained(out)
+    return out

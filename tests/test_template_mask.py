@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from specfoundry.capture.template import masked_texts, render_with_mask
-from specfoundry.common.target import load_tokenizer
+from specfoundry.common.target import COMPLETION, TargetError, chat_template_source, load_tokenizer
+from specfoundry.generate.synth import user_turn_prefix
+from specfoundry.testing import QWEN3_STYLE_TEMPLATE
 
 LLAMA3 = (
     "{{ bos_token }}{% for m in messages %}"
@@ -60,3 +62,41 @@ def test_truncation_keeps_the_prefix(base_tokenizer):
     full = render_with_mask(base_tokenizer, CONVERSATION)
     cut = render_with_mask(base_tokenizer, CONVERSATION, max_length=20)
     assert cut.input_ids == full.input_ids[:20] and cut.loss_mask == full.loss_mask[:20]
+
+
+def test_reasoning_is_trained_where_the_template_shows_it(base_tokenizer):
+    """Qwen3's rules: the turn after the last user message renders its reasoning and answer, an
+    earlier turn only its answer; each trains on what the text holds of it."""
+    tok = load_tokenizer(base_tokenizer.name_or_path)
+    tok.chat_template = QWEN3_STYLE_TEMPLATE
+    conversation = [{"role": "user", "content": "What is 2+2?"},
+                    {"role": "assistant", "content": "<think>\nAdd them.\n</think>\n\n2+2 is 4."},
+                    {"role": "user", "content": "And 3+3?"},
+                    {"role": "assistant", "content": "<think>\nAgain.\n</think>\n\n3+3 is 6."}]
+    rendered = render_with_mask(tok, conversation)
+    assert "Add them." not in rendered.text
+    assert masked_texts(tok, rendered) == ["2+2 is 4.<|im_end|>", "<think>\nAgain.\n</think>\n\n3+3 is 6.<|im_end|>"]
+
+
+def test_completion_trains_on_the_continuation_and_its_eos(smollm2_dir, tmp_path):
+    tok = load_tokenizer(smollm2_dir, COMPLETION)
+    assert chat_template_source(tok) == COMPLETION
+    conversation = [{"role": "user", "content": "The sky is"}, {"role": "assistant", "content": " blue today."}]
+    rendered = render_with_mask(tok, conversation)
+    assert rendered.text == tok.bos_token + "The sky is blue today." + tok.eos_token
+    assert masked_texts(tok, rendered) == [" blue today." + tok.eos_token]
+    # a prompt is BOS and the text so far: generation continues the text itself
+    assert tok.apply_chat_template(conversation[:1], add_generation_prompt=True, tokenize=False) == \
+        tok.bos_token + "The sky is"
+    with pytest.raises(ValueError, match="plain-text completion"):
+        user_turn_prefix(tok)
+
+
+def test_a_chat_template_file_replaces_the_targets(smollm2_dir, tmp_path):
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}")
+    tok = load_tokenizer(smollm2_dir, str(tmp_path / "t.jinja"))
+    assert chat_template_source(tok) == str(tmp_path / "t.jinja")
+    assert tok.apply_chat_template(CONVERSATION[:1], tokenize=False) == "[user]What is 2+2?"
+    with pytest.raises(TargetError, match="no such file"):
+        load_tokenizer(smollm2_dir, str(tmp_path / "missing.jinja"))
+    assert chat_template_source(load_tokenizer(smollm2_dir)) == "target"
