@@ -75,6 +75,23 @@ class DraftFamily:
         raise NotImplementedError
 
 
+def check_tensors(tensors: dict[str, torch.Tensor], spec: dict[str, tuple[tuple[int, ...], torch.dtype | None]],
+                  engine: str, family: str) -> None:
+    """Exactly the names of `spec` (an engine's loader, which ignores unknown names silently), each of
+    its shape and, where the spec gives one, its dtype; ValueError naming the first that differs."""
+    missing = sorted(set(spec) - set(tensors))
+    extra = sorted(set(tensors) - set(spec))
+    if missing or extra:
+        raise ValueError(f"export tensors do not match {engine}'s {family} names: missing {missing}, "
+                         f"unexpected {extra}")
+    for name, (shape, dtype) in spec.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"export tensor {name} has shape {tuple(t.shape)}, {engine} expects {shape}")
+        if dtype is not None and t.dtype != dtype:
+            raise ValueError(f"export tensor {name} has dtype {t.dtype}, expected {dtype}")
+
+
 def family_names() -> tuple[str, ...]:
     return ("eagle3", "dflash")
 

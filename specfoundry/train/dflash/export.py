@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from specfoundry.common.target import rope_settings
 from specfoundry.train.dflash.config import DFlashConfig
-from specfoundry.train.family import DRAFT_FILE, TARGET_FILE
+from specfoundry.train.family import DRAFT_FILE, TARGET_FILE, check_tensors
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -82,18 +82,9 @@ def sglang_config(cfg: DFlashConfig, num_target_layers: int | None) -> dict:
 
 
 def validate(tensors: dict[str, torch.Tensor], cfg: DFlashConfig) -> None:
-    spec = expected_tensors(cfg)
-    missing = sorted(set(spec) - set(tensors))
-    extra = sorted(set(tensors) - set(spec))
-    if missing or extra:
-        raise ValueError(f"export tensors do not match SGLang's DFlash names: missing {missing}, unexpected {extra}")
-    for name, shape in spec.items():
-        if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"export tensor {name} has shape {tuple(tensors[name].shape)}, SGLang expects {shape}")
-    ids = list(cfg.target_layer_ids)
-    if ids != sorted(set(ids)):
-        raise ValueError(f"target layer ids {ids} must be ascending and distinct (SGLang concatenates the tapped "
-                         "layers in layer order)")
+    """Exactly the names and shapes SGLang's DFlash loader fills (the config itself already holds
+    ascending, distinct layer ids)."""
+    check_tensors(tensors, {name: (shape, None) for name, shape in expected_tensors(cfg).items()}, "SGLang", "DFlash")
 
 
 def export_draft(state_dict: dict[str, torch.Tensor], cfg: DFlashConfig, out_dir: str | Path,

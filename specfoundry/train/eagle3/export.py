@@ -34,7 +34,7 @@ from specfoundry.train.eagle3.formats import (
     read_eagle3,
     to_vllm_ids,
 )
-from specfoundry.train.family import DRAFT_FILE, TARGET_FILE
+from specfoundry.train.family import DRAFT_FILE, TARGET_FILE, check_tensors
 
 __all__ = ["expected_tensors", "export_draft", "load_export", "sglang_config", "speculators_config", "validate"]
 
@@ -119,17 +119,7 @@ def speculators_config(cfg: Eagle3Config, verifier: dict, speculative_tokens: in
 
 def validate(tensors: dict[str, torch.Tensor], cfg: Eagle3Config) -> None:
     """Exactly SGLang's names (ours), shapes and integer dtypes."""
-    spec = expected_tensors(cfg)
-    missing = sorted(set(spec) - set(tensors))
-    extra = sorted(set(tensors) - set(spec))
-    if missing or extra:
-        raise ValueError(f"export tensors do not match SGLang's EAGLE-3 names: missing {missing}, unexpected {extra}")
-    for name, (shape, dtype) in spec.items():
-        t = tensors[name]
-        if tuple(t.shape) != shape:
-            raise ValueError(f"export tensor {name} has shape {tuple(t.shape)}, SGLang expects {shape}")
-        if dtype is not None and t.dtype != dtype:
-            raise ValueError(f"export tensor {name} has dtype {t.dtype}, expected {dtype}")
+    check_tensors(tensors, expected_tensors(cfg), "SGLang", "EAGLE-3")
 
 
 def export_draft(state_dict: dict[str, torch.Tensor], cfg: Eagle3Config, out_dir: str | Path,
