@@ -275,6 +275,8 @@ def run_capture(cfg: CaptureConfig, rank: int = 0, world: int = 1, silent: bool 
     out = ShardedOutput(Path(cfg.output))
     if rank == 0:
         record_config(out.root, "capture", plan.cfg)
+    if world > 1:  # no rank writes into the folder before rank 0 has checked it and recorded the run
+        wait_for_every_rank()
     mine = [s for s in range(plan.num_shards) if s % world == rank]
     # a kept shard must hold the samples the plan puts there (a --partial source may have grown since)
     expected = {shard_name(s, plan.cfg.codec): [x["id"] for x in plan.part(s)] for s in mine}
@@ -286,13 +288,17 @@ def run_capture(cfg: CaptureConfig, rank: int = 0, world: int = 1, silent: bool 
     with Progress(total, "sample", f"sf-capture[{rank}]", silent, initial=done) as progress:
         capture_shards(plan, runner, todo, out, progress)
     if world > 1:  # every rank's shards must be marked before rank 0 lists them
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+        wait_for_every_rank()
         if rank != 0:
             return plan.base
     return build_manifest(plan, out)
+
+
+def wait_for_every_rank() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def write_one(out: ShardedOutput, shard: int, part: list[dict], outputs: list, cfg: CaptureConfig) -> None:
