@@ -92,6 +92,8 @@ def test_capture_roundtrip_within_bf16_rounding(tmp_path, chat_file, target, cod
     assert verify_featureset(tmp_path / "fs") == []
 
 
+# the default run keeps tests/test_faults.py's SIGKILL-and-rerun of sf-capture
+@pytest.mark.slow
 def test_kill_and_resume_gives_identical_checksums(tmp_path):
     src = write_jsonl(tmp_path / "chat.jsonl", CHAT * 2)
     args = [sys.executable, "-m", "specfoundry.capture.cli", "run", str(src), "--shard-size", "2", "--silent"]

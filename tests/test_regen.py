@@ -161,6 +161,8 @@ def test_over_long_prompt_is_bad_input(tmp_path, backend):
     assert manifest["totals"]["conversations_written"] == 1
 
 
+# the default run keeps tests/test_faults.py's SIGKILL-and-rerun of sf-regen
+@pytest.mark.slow
 def test_sigkill_midway_then_resume_gives_identical_shards(tmp_path):
     src = write_jsonl(tmp_path / "chat.jsonl", CHAT)
     args = [sys.executable, "-m", "specfoundry.generate.cli", "run", str(src), "--shard-size", "1",

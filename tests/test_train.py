@@ -335,6 +335,8 @@ def stop_after_checkpoint(monkeypatch, at: int) -> None:
     monkeypatch.setattr(Trainer, "checkpoint", checkpoint_then_stop)
 
 
+# the default run keeps tests/test_faults.py's SIGKILL-and-rerun of sf-train (bit-identical export)
+@pytest.mark.slow
 def test_resume_after_a_stop_gives_identical_weights(tmp_path, smol_features):
     whole = run_train(small_cfg(smol_features, tmp_path / "whole", max_steps=20), silent=True)
     # "killed" after step 10: run to 10 with the same schedule (max_steps 20 fixes the LR curve)
