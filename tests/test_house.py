@@ -51,3 +51,36 @@ def test_no_comment_or_docstring_quotes_a_reading():
 def test_the_check_finds_what_it_looks_for():
     src = '"""Runs in 36.4 ms on an H200."""\n# 1.71 GiB peak\ndef f():\n    return 1\n'
     assert [m.group(0) for _, t in comments_and_docstrings(src) if (m := READING.search(t))] == ["1.71 GiB", "36.4 ms"]
+
+
+def test_every_recipe_section_resolves_to_its_stage_config():
+    """A recipe's key that no setting knows (a typo, a renamed option) fails here, not on a GPU
+    hours into a pipeline."""
+    import pytest
+    import yaml
+
+    from specfoundry.capture.stage import CaptureConfig
+    from specfoundry.common.cli import resolve_config
+    from specfoundry.eval.evaluate import EvalConfig
+    from specfoundry.generate.regen import RegenConfig
+    from specfoundry.train.trainer import TrainConfig
+
+    stages = {"regen": RegenConfig, "capture": CaptureConfig, "train": TrainConfig, "eval": EvalConfig}
+    # the settings a command line gives (a recipe may give them too)
+    required = {"regen": {"output": "o", "synthesize": 1}, "capture": {"source": "s", "output": "o"},
+                "train": {"featureset": "f", "output": "o"}, "eval": {"draft": "d"}}
+    recipes = sorted((LIBRARY.parent / "recipes").glob("*.yaml"))
+    checked = 0
+    for recipe in recipes:
+        sections = yaml.safe_load(recipe.read_text()) or {}
+        if "compute_environment" in sections:
+            continue  # an accelerate config, not a stage recipe
+        for section, cls in stages.items():
+            if section in sections:
+                values = {**required[section], **{k: v for k, v in sections[section].items()}}
+                try:
+                    resolve_config(cls, section, str(recipe), values)
+                except Exception as e:  # noqa: BLE001 - the message names the recipe and the key
+                    pytest.fail(f"{recipe.name}: {section}: {e}")
+                checked += 1
+    assert checked >= 10, checked
