@@ -208,6 +208,30 @@ def rope_settings(c: dict) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
+def draft_shape_of(target_config: dict | Path | str) -> dict:
+    """The fields every draft family copies from its target: width, attention shape (head_dim as
+    the target states it), MLP width, RoPE (rope_settings), norm eps, positions and vocabulary.
+    target_config: the config dict, or a model directory holding config.json."""
+    if isinstance(target_config, Path | str):
+        target_config = json.loads((Path(target_config) / "config.json").read_text())
+    c = text_config(target_config)
+    heads = c["num_attention_heads"]
+    rope_theta, rope_scaling = rope_settings(c)
+    return dict(
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=c.get("num_key_value_heads", heads),
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=c.get("max_position_embeddings", 8192),
+        vocab_size=c["vocab_size"],
+        target_hidden_size=c["hidden_size"],
+    )
+
+
 def config_hash(config_dict: dict) -> str:
     """Hash of the architecture-relevant config, stable across transformers' bookkeeping keys."""
     skip = {"transformers_version", "_name_or_path", "name_or_path", "torch_dtype", "dtype", "architectures"}

@@ -22,11 +22,9 @@ Acceptance length = mean over rounds of (a+1), as for EAGLE-3's chains: tokens p
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from specfoundry.eval.speculative import DecodeResult, Sampler, TargetRunner, finish, sync
+from specfoundry.eval.speculative import DecodeResult, Sampler, TargetRunner, decode_rounds
 from specfoundry.train.dflash.model import DFlashCache, DFlashDraft
 
 
@@ -89,32 +87,10 @@ def accept_block(drafts: list[int], target_logits: torch.Tensor, sampler: Sample
 
 def block_generate(target: TargetRunner, draft: BlockDraftRunner, prompt: list[int], *, max_new_tokens: int,
                    eos: set[int], sampler: Sampler) -> DecodeResult:
-    device = target.device
-    t0 = time.perf_counter()
-    target.reset()
     draft.reset()
-    logits, aux, _ = target.forward(prompt)
-    tokens = [sampler.pick(logits[-1])]
-    result = DecodeResult(tokens)
-    draft.extend(aux)
-    tokens, done = finish(tokens, eos, max_new_tokens)
-    while not done:
-        sync(device)
-        a0 = time.perf_counter()
-        drafts, _ = draft.propose(tokens[-1])
-        sync(device)
-        a1 = time.perf_counter()
-        logits, aux, _ = target.forward([tokens[-1]] + drafts)  # [B, V]
-        a, bonus = accept_block(drafts, logits, sampler)
-        target.crop(len(target) - len(drafts) + a)  # keep the old bonus and the a accepted proposals
-        sync(device)
-        a2 = time.perf_counter()
-        draft.extend(aux[: a + 1])
-        sync(device)
-        result.draft_s += (a1 - a0) + (time.perf_counter() - a2)
-        result.target_s += a2 - a1
-        result.accepted.append(a)
-        tokens, done = finish(tokens + drafts[:a] + [bonus], eos, max_new_tokens)
-    result.tokens = tokens
-    result.total_s = time.perf_counter() - t0
-    return result
+    return decode_rounds(
+        target, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler,
+        start=lambda first, aux: draft.extend(aux),
+        propose=draft.propose,
+        verify=lambda drafts, _, logits: accept_block(drafts, logits, sampler),
+        commit=lambda new, aux: draft.extend(aux))  # b and the accepted proposals' features

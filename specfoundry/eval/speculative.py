@@ -249,28 +249,47 @@ def accept(drafts: list[int], draft_logits: list[torch.Tensor], target_logits: t
 
 def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *, k: int,
                          max_new_tokens: int, eos: set[int], sampler: Sampler) -> DecodeResult:
+    draft.reset()
+    return decode_rounds(
+        target, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler,
+        start=lambda first, aux: draft.extend(prompt[1:] + first, aux),
+        propose=lambda last: draft.propose(k, sampler.pick),
+        verify=lambda drafts, draft_logits, logits: accept(drafts, draft_logits, logits, draft.draft_to_target,
+                                                           sampler),
+        commit=draft.extend)
+
+
+def decode_rounds(target: TargetRunner, prompt: list[int], *, max_new_tokens: int, eos: set[int], sampler: Sampler,
+                  start, propose, verify, commit) -> DecodeResult:
+    """Draft-then-verify rounds of one sequence, whatever drafts the tokens:
+        start(first, aux)                  the draft reads the prompt's features (and the first token)
+        propose(last) -> (drafts, extra)   n proposals after the last committed token
+        verify(drafts, extra, logits)      -> (a accepted, the target's own token after them), from
+                                           the target's logits [n+1, V] over [last] + drafts
+        commit(new, aux)                   the draft reads the a+1 committed tokens and their features
+    The caller resets its draft; the target reads [last] + drafts in one forward and its cache is
+    cropped to the committed tokens; draft time is propose + commit, target time the verify forward."""
     device = target.device
     t0 = time.perf_counter()
     target.reset()
-    draft.reset()
     logits, aux, _ = target.forward(prompt)
     tokens = [sampler.pick(logits[-1])]
     result = DecodeResult(tokens)
-    draft.extend(prompt[1:] + tokens, aux)
+    start(tokens, aux)
     tokens, done = finish(tokens, eos, max_new_tokens)
     while not done:
         sync(device)
         a0 = time.perf_counter()
-        drafts, draft_logits = draft.propose(k, sampler.pick)
+        drafts, extra = propose(tokens[-1])
         sync(device)
         a1 = time.perf_counter()
-        logits, aux, _ = target.forward([tokens[-1]] + drafts)  # [k+1, V]
-        a, bonus = accept(drafts, draft_logits, logits, draft.draft_to_target, sampler)
-        target.crop(len(target) - k + a)  # keep t_{m-1} and the a accepted drafts
+        logits, aux, _ = target.forward([tokens[-1]] + drafts)  # [n+1, V]
+        a, bonus = verify(drafts, extra, logits)
+        target.crop(len(target) - len(drafts) + a)  # keep the last committed token and the a accepted drafts
         sync(device)
         a2 = time.perf_counter()
         new = drafts[:a] + [bonus]
-        draft.extend(new, aux[: a + 1])
+        commit(new, aux[: a + 1])
         sync(device)
         result.draft_s += (a1 - a0) + (time.perf_counter() - a2)
         result.target_s += a2 - a1

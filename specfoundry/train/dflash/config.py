@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specfoundry.common.target import rope_settings, text_config
+from specfoundry.common.target import draft_shape_of, text_config
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -90,36 +90,17 @@ class DFlashConfig:
 
 def dflash_config_from_target(target_config: dict | Path, target_layer_ids, num_hidden_layers: int,
                               block_size: int, mask_token_id: int, overrides: dict | None = None) -> DFlashConfig:
-    """The draft mirrors the target's width, heads, MLP width, RoPE (the full-attention layers' where
-    they differ per layer type), norm eps and vocabulary; its layers are full attention and SwiGLU
-    whatever the target's (a recipe may override any field). target_config: the config dict, or a model directory holding config.json;
-    multimodal configs nest the language model under `text_config`."""
+    """The draft mirrors the target's shape (draft_shape_of); its layers are full attention and
+    SwiGLU whatever the target's (a recipe may override any field). target_config: the config
+    dict, or a model directory holding config.json."""
     if isinstance(target_config, Path | str):
         target_config = json.loads((Path(target_config) / "config.json").read_text())
-    c = text_config(target_config)
     ids = tuple(int(i) for i in target_layer_ids)
-    layers = c.get("num_hidden_layers")
+    layers = text_config(target_config).get("num_hidden_layers")
     if layers is not None and not all(0 <= i < layers - 1 for i in ids):
         # the last layer's output is post-norm in HF and cannot be captured by SGLang
         raise ValueError(f"target_layer_ids {list(ids)} must lie in 0..{layers - 2} for a {layers}-layer target")
-    heads = c["num_attention_heads"]
-    rope_theta, rope_scaling = rope_settings(c)
-    d = dict(
-        hidden_size=c["hidden_size"],
-        intermediate_size=c["intermediate_size"],
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=c.get("num_key_value_heads", heads),
-        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-        rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        max_position_embeddings=c.get("max_position_embeddings", 8192),
-        vocab_size=c["vocab_size"],
-        target_hidden_size=c["hidden_size"],
-        target_layer_ids=ids,
-        block_size=block_size,
-        mask_token_id=mask_token_id,
-    )
+    d = dict(draft_shape_of(target_config), num_hidden_layers=num_hidden_layers, target_layer_ids=ids,
+             block_size=block_size, mask_token_id=mask_token_id)
     d.update(overrides or {})
     return DFlashConfig.from_dict(d)  # tuples even where an override gives lists

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specfoundry.common.cli import setting
-from specfoundry.common.target import rope_settings, text_config
+from specfoundry.common.target import draft_shape_of
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,25 +74,6 @@ def draft_config_from_target(target_config: dict | Path, draft_vocab_size: int, 
     """The draft mirrors the target's width, attention shape (head_dim as the target states it), RoPE
     (the full-attention layers' where they differ per layer type) and norm eps; its MLP is SwiGLU
     (a recipe may override any field)."""
-    if isinstance(target_config, Path | str):
-        target_config = json.loads((Path(target_config) / "config.json").read_text())
-    c = text_config(target_config)
-    rope_theta, scaling = rope_settings(c)
-    heads = c["num_attention_heads"]
-    d = dict(
-        hidden_size=c["hidden_size"],
-        intermediate_size=c["intermediate_size"],
-        num_attention_heads=heads,
-        num_key_value_heads=c.get("num_key_value_heads", heads),
-        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-        rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-        rope_theta=rope_theta,
-        rope_scaling=scaling,
-        max_position_embeddings=c.get("max_position_embeddings", 8192),
-        vocab_size=c["vocab_size"],
-        draft_vocab_size=draft_vocab_size,
-        target_hidden_size=c["hidden_size"],
-        aux_layer_ids=tuple(aux_layer_ids),
-    )
+    d = dict(draft_shape_of(target_config), draft_vocab_size=draft_vocab_size, aux_layer_ids=tuple(aux_layer_ids))
     d.update(overrides or {})
     return Eagle3Config(**d)
