@@ -186,6 +186,18 @@ def test_a_set_of_the_previous_format_version_reads_and_verifies(codec):
     assert batch.aux_scale is None and batch.to("cpu", torch.float32).aux_hidden.dtype == torch.float32
 
 
+def test_a_manifest_that_misnames_the_storage_dtype_is_refused_in_one_line(tmp_path):
+    shutil.copytree(V2_SETS / "safetensors", tmp_path / "fs")
+    path = tmp_path / "fs" / MANIFEST
+    manifest = json.loads(path.read_text())
+    for dtype, words in (("float8", r"storage_dtype 'float8' is not one this specfoundry reads"),
+                         (FP8, r"shard-000000.safetensors: no aux_scale or final_scale array, which float8 states need")):
+        path.write_text(json.dumps({**manifest, "storage_dtype": dtype}))
+        with pytest.raises(FeatureSetError, match=words):
+            FeatureSet(tmp_path / "fs")[0]
+    assert "no aux_scale or final_scale array" in verify_featureset(tmp_path / "fs")[0]
+
+
 @pytest.mark.parametrize("final_dtype", [None, "bfloat16"])
 def test_the_loader_hands_bf16_batches_close_to_the_bf16_sets(tmp_path, final_dtype):
     """A float8 set and a bf16 set of the same values: batches on the device (here the CPU) hold

@@ -140,7 +140,8 @@ class HFCaptureRunner:
         out = self.base(input_ids=ids.to(self.device, non_blocking=True), use_cache=False)
         aux = self.tap.take()  # [B, T, K*H]: the aux layers, ascending
         final = out.last_hidden_state  # [B, T, H]: final normed
-        # padding rows are encoded too (cheaper than gathering first), then left out
+        # the padded batch is encoded (padding too), then only the real rows are gathered, all arrays
+        # in one copy: a gather before encoding would copy the features once more
         arrays = self.encode(aux, final)
         pieces = {name: [a[r, :n] for r, n in enumerate(lengths)] for name, a in arrays.items()}
         layers = [f"layer {i}" for i in self.aux_layers]

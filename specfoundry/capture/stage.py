@@ -99,10 +99,10 @@ class CaptureConfig:
     storage_dtype: str = setting(
         "bfloat16", choices=STORAGE_DTYPES,
         help="dtype of the stored hidden states (the aux layers', and the final state's unless "
-             "--final-storage-dtype). float8_e4m3fn: lossy, one byte per value plus a float32 scale per token and "
-             "layer (absmax/448), half of bfloat16's bytes, at most 2^-4 relative error per value, plus 2^-10 of the scale near zero "
-             "(docs/featureset.md); "
-             "quantised on the capture device before the copy to the host, dequantised on the training device.")
+             "--final-storage-dtype). float8_e4m3fn: lossy, one byte per value plus a float32 scale per token "
+             "and layer (absmax/448), half of bfloat16's bytes; at most 2^-4 relative error per value, plus 2^-10 "
+             "of the scale near zero (docs/featureset.md); quantised on the capture device before the copy to "
+             "the host, dequantised on the training device.")
     final_storage_dtype: str | None = setting(
         None, choices=STORAGE_DTYPES, shown="--storage-dtype",
         help="dtype of the stored final state (the teacher's input), e.g. bfloat16 beside --storage-dtype "

@@ -58,6 +58,8 @@ def check_shard(root: Path, manifest: dict, entry: dict) -> tuple[list[str], dic
         expect = expected_arrays(manifest, n)
         found = {name: (r.shape(name), torch.from_numpy(r.rows(name, 0, 0)).dtype) for name in expect}
         mask = r.rows("loss_mask", 0, n)
+    except FeatureSetError as e:  # the shard is sound, but not what the manifest says
+        return [str(e)], {}
     except Exception as e:  # noqa: BLE001 - any read failure is a damaged shard
         return [f"{entry['path']}: unreadable ({type(e).__name__}: {e})"], {}
     problems = []

@@ -221,6 +221,11 @@ class ShardReader:
 
             self.file = safe_open(str(path), framework="numpy")
             self.offsets = self.file.get_tensor("offsets")
+        names = set(self.group.array_keys()) if codec == "zarr" else set(self.file.keys())
+        missing = [f"{state}_scale" for state, d in self.dtypes.items() if d in SCALED and f"{state}_scale" not in names]
+        if missing:  # a float8 state cannot be read without its scales
+            raise FeatureSetError(f"{path}: no {' or '.join(missing)} array, which float8 states need: the "
+                                  "manifest's storage dtypes are not the ones this shard was written in")
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -293,6 +298,8 @@ class FeatureSet:
                                       "mismatch); recapture it (rerun the sf-capture command after deleting it)")
             try:
                 self._readers[shard] = ShardReader(path, self.codec, self.dtype, self.final_dtype)
+            except FeatureSetError:
+                raise
             except Exception as e:  # noqa: BLE001 - zarr and safetensors raise many types for a damaged file
                 raise FeatureSetError(f"{self.root}: shard {entry['path']} is unreadable ({type(e).__name__})") from e
         return self._readers[shard]
