@@ -151,8 +151,10 @@ class BatchDataset(Dataset):
     def select(self, aux: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[T, L*H] stored layers (and float8's [T, L] scales) -> [T, K*H] (and [T, K]) the chosen
         ones; views when they are all of them."""
+        if self.layers is None:
+            return aux, scale
         stored = len(self.fs.manifest["aux_layer_ids"])
-        if self.layers is None or self.layers == list(range(stored)):
+        if self.layers == list(range(stored)):
             return aux, scale
         t, width = aux.shape
         chosen = aux.view(t, stored, width // stored)[:, self.layers].reshape(t, -1)
