@@ -1,13 +1,15 @@
 """sf-train step throughput on one GPU at the Llama-3.1-8B draft shape, features from disk.
 
-    python -m benchmarks.train_step [--seq 4096] [--steps 8] [--profile]
+    python -m benchmarks.train_step [--seq 4096] [--steps 8] [--profile] [--storage bfloat16,float8_e4m3fn]
 
 Shape: H 4096, 32 heads, 8 KV heads, head_dim 128, intermediate 14336, target vocab 128256,
 draft vocab 32000, T = 4096, TTT 7, batch 1. Random features are written to a safetensors
 feature-set shard first and read back through the training loader (background workers).
 Ours (FlexAttention BlockMask + in-place Triton loss + compiled elementwise chains), ours with
 the elementwise chains eager, and the plain torch path (eager EAGLE-3 attention + reference
-loss) run the same loop: teacher, 7-step TTT forward, backward, AdamW. --profile also prints
+loss) run the same loop: teacher, 7-step TTT forward, backward, AdamW. Each further --storage
+(float8: the loader hands float8 values + scales, copied to the GPU and dequantised there by
+Batch.to) runs ours again from a set of that storage, beside the bf16 one. --profile also prints
 where ours spends its GPU time (torch.profiler, CUDA kernels by total time).
 
 FLOPs per token (written out so the MFU can be checked), with A = 2*H*H*... per layer:
@@ -92,7 +94,8 @@ def run(impl: str, fs: FeatureSet, t: int, steps: int, ttt: int, profile: bool =
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    row = {"impl": impl, "T": t, "ttt": ttt}
+    row = {"impl": impl, "features": fs.dtype if fs.dtype == fs.final_dtype else f"{fs.dtype}+{fs.final_dtype}",
+           "T": t, "ttt": ttt}
     try:
         ms = time_steps(step, steps)
         if profile:
@@ -111,17 +114,28 @@ def main():
     ap.add_argument("--steps", type=int, default=8, help="Timed steps after 2 warm-up steps.")
     ap.add_argument("--ttt", type=int, default=7, help="TTT length.")
     ap.add_argument("--profile", action="store_true", help="Also print the top CUDA kernels of ours.")
+    ap.add_argument("--storage", default="bfloat16,float8_e4m3fn",
+                    help="Feature storage to compare, comma-separated (a dtype, or AUX+FINAL): every impl reads "
+                         "the first; ours reads each other one too.")
     args = ap.parse_args()
+    storages = [tuple(x.split("+")) if "+" in x else (x, x) for x in args.storage.split(",")]
+    ours = next(iter(IMPLS))
     with tempfile.TemporaryDirectory() as d:
         # every run reads steps + warm-up (+ profiled) samples
-        fs = write_random_featureset(Path(d), args.steps + 6, args.seq, LLAMA8B_DRAFT)
-        rows = [run(impl, fs, args.seq, args.steps, args.ttt, profile=args.profile and k == 0)
+        sets = [write_random_featureset(Path(d) / str(k), args.steps + 6, args.seq, LLAMA8B_DRAFT, "safetensors",
+                                        aux, final) for k, (aux, final) in enumerate(storages)]
+        rows = [run(impl, sets[0], args.seq, args.steps, args.ttt, profile=args.profile and k == 0)
                 for k, impl in enumerate(IMPLS)]
-    plain = rows[-1].get("ms_per_step")
-    for row in rows[:-1]:
-        if isinstance(plain, float) and isinstance(row.get("ms_per_step"), float):
+        rows += [run(ours, fs, args.seq, args.steps, args.ttt) for fs in sets[1:]]
+    plain = rows[len(IMPLS) - 1].get("ms_per_step")
+    for row in rows:
+        if row["impl"] != list(IMPLS)[-1] and isinstance(plain, float) and isinstance(row.get("ms_per_step"), float):
             row["speedup_vs_plain"] = plain / row["ms_per_step"]
-    print_table(rows, ["impl", "T", "ttt", "ms_per_step", "tokens_per_s", "TFLOPs", "MFU_%", "peak_GiB", "speedup_vs_plain"])
+        if row["impl"] == ours and row is not rows[0] and isinstance(row.get("tokens_per_s"), float) \
+                and isinstance(rows[0].get("tokens_per_s"), float):
+            row["vs_first_storage_%"] = 100 * row["tokens_per_s"] / rows[0]["tokens_per_s"]
+    print_table(rows, ["impl", "features", "T", "ttt", "ms_per_step", "tokens_per_s", "TFLOPs", "MFU_%", "peak_GiB",
+                       "speedup_vs_plain", "vs_first_storage_%"])
     print(write_result("train_step", rows, {"flops_per_token": flops_per_token(LLAMA8B_DRAFT, args.seq, args.ttt)}))
 
 

@@ -38,21 +38,22 @@ QWEN3_8B_DFLASH = DFlashConfig(hidden_size=4096, intermediate_size=12288, num_hi
 8 KV heads of 128, block 16, target vocab 151936, target layers [1, 9, 17, 25, 33]."""
 
 
-def write_random_featureset(root: Path, n: int, t: int, cfg: Eagle3Config | DFlashConfig) -> FeatureSet:
-    """A one-shard safetensors (bf16) feature set of n samples of t tokens for a target of cfg's
-    shape, holding the layers cfg reads, random features (seed 0), every token in the loss;
-    opened with FeatureSet."""
+def write_random_featureset(root: Path, n: int, t: int, cfg: Eagle3Config | DFlashConfig, codec: str = "safetensors",
+                            dtype: str = "bfloat16", final_dtype: str | None = None) -> FeatureSet:
+    """A one-shard feature set (safetensors, bf16 unless told) of n samples of t tokens for a
+    target of cfg's shape, holding the layers cfg reads, random features (seed 0; float8 is
+    quantised from the same bf16 values), every token in the loss; opened with FeatureSet."""
     g = torch.Generator().manual_seed(0)
     layers = cfg.target_layer_ids if isinstance(cfg, DFlashConfig) else cfg.aux_layer_ids
     samples = [{"input_ids": torch.randint(0, cfg.vocab_size, (t,), generator=g),
                 "loss_mask": torch.ones(t, dtype=torch.bool),
                 "aux_hidden": torch.randn(t, len(layers) * cfg.hidden_size, generator=g).to(torch.bfloat16),
                 "final_hidden": torch.randn(t, cfg.hidden_size, generator=g).to(torch.bfloat16)} for _ in range(n)]
-    rel = shard_name(0, "safetensors")
-    digest = write_shard(root, rel, samples, "safetensors", "bfloat16")
+    rel = shard_name(0, codec)
+    digest = write_shard(root, rel, samples, codec, dtype, final_dtype)
     atomic_write_json(root / MANIFEST, {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "codec": "safetensors", "storage_dtype": "bfloat16",
-        "aux_layer_ids": list(layers), "hidden_size": cfg.hidden_size,
+        "format": FORMAT, "format_version": FORMAT_VERSION, "codec": codec, "storage_dtype": dtype,
+        "final_storage_dtype": final_dtype or dtype, "aux_layer_ids": list(layers), "hidden_size": cfg.hidden_size,
         "target": {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size},
         "shards": [{"path": rel, "sha256": digest, "num_samples": n, "sample_lengths": [t] * n}]})
     return FeatureSet(root)

@@ -35,7 +35,8 @@ def test_hooked_features_equal_output_hidden_states_with_mixed_lengths(target):
     texts = ["Hello there, how are you today?", "Hi", "A somewhat longer sentence about the weather in Paris."]
     batch = [tok(t)["input_ids"] for t in texts]
     captured = runner(batch)  # one padded batch
-    for ids, (aux, final) in zip(batch, captured, strict=True):
+    for ids, features in zip(batch, captured, strict=True):
+        aux, final = features["aux_hidden"], features["final_hidden"]
         assert aux.is_contiguous() and final.is_contiguous()  # the writers stream them without a copy
         with torch.no_grad():  # each sample alone: no padding at all
             out = model(torch.tensor([ids]), output_hidden_states=True)
@@ -48,29 +49,48 @@ def test_hooked_features_equal_output_hidden_states_with_mixed_lengths(target):
 
 
 @pytest.mark.gpu
-def test_pipelined_gpu_capture_equals_each_sample_alone():
+@pytest.mark.parametrize("storage", [None, ("float8_e4m3fn", "bfloat16"), ("float8_e4m3fn", "float8_e4m3fn")])
+def test_pipelined_gpu_capture_equals_each_sample_alone(storage):
     """capture_all copies batch i out on a side stream while batch i+1 computes, into pinned
     buffers that the caching host allocator recycles: every sample's features must still be its
-    own after later batches ran (fp32, so exact up to kernel differences between batch shapes)."""
+    own after later batches ran (fp32, so exact up to kernel differences between batch shapes).
+    With float8 storage the runner quantises on the GPU and one packed buffer carries values and
+    scales: decoded, they are within float8's bound of each sample alone."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specfoundry.featureset import fp8
+    from specfoundry.featureset.store import decode_state
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
                       num_attention_heads=4, num_key_value_heads=2)
     model = LlamaForCausalLM(cfg).cuda().eval()
-    runner = HFCaptureRunner(model, [1, 2, 4])
+    runner = HFCaptureRunner(model, [1, 2, 4], storage=storage)
     g = torch.Generator().manual_seed(1)
     lengths = [[300, 17, 128], [5], [511, 64], [90, 90, 3, 250], [1000]]  # five batches, odd widths
     batches = [[torch.randint(0, 1000, (n,), generator=g).tolist() for n in b] for b in lengths]
     results = list(runner.capture_all(batches))
-    assert [[a.shape[0] for a, _ in r] for r in results] == lengths
+    assert [[f["aux_hidden"].shape[0] for f in r] for r in results] == lengths
     for batch, result in zip(batches, results, strict=True):
-        for ids, (aux, final) in zip(batch, result, strict=True):
+        for ids, features in zip(batch, result, strict=True):
+            assert all(t.is_pinned() for t in features.values())
             with torch.no_grad():
                 hs = model(torch.tensor([ids], device="cuda"), output_hidden_states=True).hidden_states
-            ref_aux = torch.cat([hs[i + 1][0] for i in (1, 2, 4)], dim=-1).cpu()
-            torch.testing.assert_close(aux, ref_aux, atol=2e-4, rtol=1e-4)
-            torch.testing.assert_close(final, hs[-1][0].cpu(), atol=2e-4, rtol=1e-4)
+            refs = {"aux": torch.cat([hs[i + 1][0] for i in (1, 2, 4)], dim=-1).cpu(), "final": hs[-1][0].cpu()}
+            for state, ref in refs.items():
+                got = decode_state(features[f"{state}_hidden"], features.get(f"{state}_scale"), torch.float32)
+                if storage is None:
+                    torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+                    continue
+                if features.get(f"{state}_scale") is None:  # bf16: one rounding from the fp32 features
+                    torch.testing.assert_close(got, ref, atol=2e-4, rtol=2**-8)
+                    continue
+                rows, back = ref.unflatten(-1, (-1, 256)), got.unflatten(-1, (-1, 256))  # [T, L, H]
+                scale = rows.abs().amax(-1, keepdim=True) / fp8.E4M3_MAX
+                # float8's bound, loosened by the kernel differences between batch shapes (2e-4 above),
+                # which also move the scale a little
+                limit = fp8.RELATIVE_ERROR * rows.abs() + 1.01 * fp8.SUBNORMAL_ERROR * scale + 5e-4
+                assert ((back - rows).abs() <= limit).all()
 
 
 @pytest.mark.parametrize("codec", ["zarr", "safetensors"])
@@ -83,7 +103,8 @@ def test_capture_roundtrip_within_bf16_rounding(tmp_path, chat_file, target, cod
     runner = HFCaptureRunner(model, manifest["aux_layer_ids"])
     for i in (0, 1, 5):
         s = fs[i]
-        aux, final = runner([s.input_ids.tolist()])[0]
+        fresh = runner([s.input_ids.tolist()])[0]
+        aux, final = fresh["aux_hidden"], fresh["final_hidden"]
         # stored as bf16: one rounding step (2^-8 relative) from the fp32 features
         torch.testing.assert_close(s.aux_hidden.float(), aux, atol=1e-2, rtol=2 ** -8)
         torch.testing.assert_close(s.final_hidden.float(), final, atol=1e-2, rtol=2 ** -8)

@@ -152,7 +152,7 @@ def test_each_engine_feeds_the_draft_exactly_the_layers_sf_capture_stored(tmp_pa
     config = config_of(export(tmp_path, draft, layout))
     model = target[1]
     ids = torch.randint(0, 97, (11,)).tolist()
-    stored = HFCaptureRunner(model, list(layers))([ids])[0][0]  # sf-capture's features [T, 3H]
+    stored = HFCaptureRunner(model, list(layers))([ids])[0]["aux_hidden"]  # sf-capture's features [T, 3H]
     with torch.no_grad():
         inputs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states  # [i]: the input of layer i
     served = engine_inputs(config, engine)

@@ -142,7 +142,7 @@ def test_batch_widths_are_rounded_to_the_pad_multiple_within_the_token_budget():
         assert len(b) * -(-max(lengths[i] for i in b) // 128) * 128 <= 2048
 
     class Fake:  # a feature set of the planned lengths
-        def read(self, i, final=True):
+        def read(self, i, final=True, decode=True):
             n = lengths[i]
             return Sample(torch.arange(n), torch.ones(n, dtype=torch.bool), torch.ones(n, 6), torch.ones(n, 2))
 
@@ -238,19 +238,24 @@ def test_kernel_paths_equal_plain_torch_on_gpu_at_the_8b_draft_shape():
 
 
 @pytest.mark.gpu
-def test_pinned_loader_batches_reach_the_gpu_unchanged(tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_pinned_loader_batches_reach_the_gpu_unchanged(tmp_path, dtype):
+    """From pinned memory, asynchronously; float8 batches are dequantised on the GPU into the same
+    bf16 values the CPU decodes (one float32 product, one cast)."""
     from specfoundry.testing import write_random_featureset
 
-    fs = write_random_featureset(tmp_path, 6, 64, TINY)
+    fs = write_random_featureset(tmp_path, 6, 64, TINY, dtype=dtype)
     plain = FeatureLoader(fs, list(range(6)), max_tokens=128, seed=0, num_workers=1)
     pinned = FeatureLoader(fs, list(range(6)), max_tokens=128, seed=0, num_workers=1, pin_memory=True)
     for _, a, b in zip(range(5), plain, pinned, strict=False):
         assert b.aux_hidden.is_pinned() and b.final_hidden.is_pinned() and not a.aux_hidden.is_pinned()
+        assert b.aux_scale is None or b.aux_scale.is_pinned()
         on_gpu = b.to("cuda", torch.bfloat16)  # asynchronous from pinned memory
         torch.cuda.synchronize()
+        on_cpu = a.to("cpu", torch.bfloat16)
         for name in ("input_ids", "loss_mask", "aux_hidden", "final_hidden"):
-            assert torch.equal(getattr(a, name), getattr(on_gpu, name).cpu()), name
-        assert on_gpu.lengths == a.lengths
+            assert torch.equal(getattr(on_cpu, name), getattr(on_gpu, name).cpu()), name
+        assert on_gpu.aux_hidden.dtype == torch.bfloat16 and on_gpu.lengths == a.lengths
 
 
 def test_two_steps_match_recorded_losses():

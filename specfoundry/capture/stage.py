@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from specfoundry import __version__
-from specfoundry.capture.runner import HFCaptureRunner
+from specfoundry.capture.runner import HFCaptureRunner, NonFiniteFeatures
 from specfoundry.capture.template import TemplateMaskError, render_with_mask
 from specfoundry.capture.writer import BackgroundWriter
 from specfoundry.common.cli import config_dict, setting, shared
@@ -93,9 +93,20 @@ class CaptureConfig:
         help="Samples per shard: the unit of resumption and of work per rank. A shard's features stay in host "
              "memory until written.")
     max_batch_tokens: int = shared("max_batch_tokens", 16384)
-    codec: str = setting("zarr", choices=CODECS, help="zarr: Zarr v3, chunked and compressed (more CPU per byte; "
-                         "a fast GPU needs more --writers). safetensors: memory-mapped, uncompressed.")
-    storage_dtype: str = setting("bfloat16", choices=STORAGE_DTYPES, help="dtype of the stored hidden states.")
+    codec: str = setting("zarr", choices=CODECS, help="The shards' container. zarr: Zarr v3, chunked and compressed "
+                         "(more CPU per byte; a fast GPU needs more --writers). safetensors: memory-mapped, "
+                         "uncompressed. Either holds any --storage-dtype.")
+    storage_dtype: str = setting(
+        "bfloat16", choices=STORAGE_DTYPES,
+        help="dtype of the stored hidden states (the aux layers', and the final state's unless "
+             "--final-storage-dtype). float8_e4m3fn: lossy, one byte per value plus a float32 scale per token "
+             "and layer (absmax/448), half of bfloat16's bytes; at most 2^-4 relative error per value, plus 2^-10 "
+             "of the scale near zero (docs/featureset.md); quantised on the capture device before the copy to "
+             "the host, dequantised on the training device.")
+    final_storage_dtype: str | None = setting(
+        None, choices=STORAGE_DTYPES, shown="--storage-dtype",
+        help="dtype of the stored final state (the teacher's input), e.g. bfloat16 beside --storage-dtype "
+             "float8_e4m3fn to keep the teacher's input at bfloat16 precision while the aux states are float8.")
     strict: bool = shared("strict", False)
     partial: bool = setting(False, help="Take the finished shards of an incomplete sf-regen run instead of "
                             "refusing it.")
@@ -134,13 +145,15 @@ SHARD_BYTES = 4 << 30  # features one automatically sized shard may hold at max_
 MAX_AUTO_SHARD_SIZE = 256
 
 
-def auto_shard_size(hidden_size: int, max_length: int, storage_dtype: str) -> int:
-    """Samples per shard when none is given: as many as keep a shard's features (4 states of
-    hidden_size per token, at max_length) within SHARD_BYTES, and at most 256. A shard stays in
-    host memory from its capture until written, up to writers + 2 of them at once, so a fixed
-    256 would hold 6 shards of 256 x 4096 tokens x 32 KiB for an 8B target at 4096 tokens. SmolLM2 (hidden 576) at 2048
-    tokens gets 256; an 8B target (hidden 4096) at 4096 tokens gets 32."""
-    per_sample = max_length * 4 * hidden_size * TORCH_DTYPES[storage_dtype].itemsize
+def auto_shard_size(hidden_size: int, max_length: int, storage_dtype: str, final_storage_dtype: str | None = None) -> int:
+    """Samples per shard when none is given: as many as keep a shard's features (3 aux states and
+    the final one of hidden_size per token, at max_length) within SHARD_BYTES, and at most 256. A
+    shard stays in host memory from its capture until written, up to writers + 2 of them at once,
+    so a fixed 256 would hold 6 shards of 256 x 4096 tokens x 32 KiB for an 8B target at 4096
+    tokens. SmolLM2 (hidden 576) at 2048 tokens gets 256; an 8B target (hidden 4096) at 4096
+    tokens gets 32 in bfloat16, 64 in float8."""
+    aux, final = TORCH_DTYPES[storage_dtype].itemsize, TORCH_DTYPES[final_storage_dtype or storage_dtype].itemsize
+    per_sample = max_length * hidden_size * (3 * aux + final)
     return max(1, min(MAX_AUTO_SHARD_SIZE, SHARD_BYTES // per_sample))
 
 
@@ -184,7 +197,8 @@ def length_batches(lengths: list[int], max_batch_tokens: int) -> list[list[int]]
 def plan_capture(cfg: CaptureConfig, tokenizer, identity) -> CapturePlan:
     """Render the samples and resolve what the run writes; refuses a folder of other settings."""
     if cfg.shard_size is None:  # resolved here and recorded, so a resume compares the value itself
-        cfg = replace(cfg, shard_size=auto_shard_size(identity.hidden_size, cfg.max_length, cfg.storage_dtype))
+        cfg = replace(cfg, shard_size=auto_shard_size(identity.hidden_size, cfg.max_length, cfg.storage_dtype,
+                                                      cfg.final_storage_dtype))
     aux_layers = stored_layers(cfg, identity.num_layers)
     cfg = replace(cfg, aux_layers=tuple(aux_layers))
     check_output_folder(Path(cfg.output), "capture", cfg)
@@ -203,6 +217,7 @@ def plan_capture(cfg: CaptureConfig, tokenizer, identity) -> CapturePlan:
         "aux_layer_ids": aux_layers,
         "hidden_size": identity.hidden_size,
         "storage_dtype": cfg.storage_dtype,
+        "final_storage_dtype": cfg.final_storage_dtype or cfg.storage_dtype,
         "codec": cfg.codec,
         "max_length": cfg.max_length,
         "counts": {"skipped_untrainable": skipped, "bad_inputs": len(bad)},
@@ -228,12 +243,19 @@ def capture_shards(plan: CapturePlan, runner: HFCaptureRunner, shards: list[int]
         outputs: list = []
         for (s, part, batch, last), features in zip(jobs, results, strict=True):
             outputs = outputs or [None] * len(part)
-            for i, aux_final in zip(batch, features, strict=True):
-                outputs[i] = aux_final
+            for i, arrays in zip(batch, features, strict=True):
+                outputs[i] = arrays
             progress.update(len(batch), sum(len(part[i]["input_ids"]) for i in batch))
             if last:
                 writer.put(s, part, outputs)
                 outputs = []
+    except NonFiniteFeatures as e:
+        writer.close(quiet=True)
+        _, part, batch, _ = jobs[e.batch]
+        raise CaptureError(f"{plan.cfg.source}: sample {part[batch[e.row]]['id']}: token {e.token}, {e.layer}: the "
+                           f"target's hidden state has absmax {e.absmax}, which float8_e4m3fn storage cannot "
+                           "scale (the target overflows on this input: capture it in bfloat16, or leave the sample "
+                           "out)") from e
     except BaseException:
         writer.close(quiet=True)
         raise
@@ -284,7 +306,8 @@ def run_capture(cfg: CaptureConfig, rank: int = 0, world: int = 1, silent: bool 
     todo = [s for s in mine if shard_name(s, plan.cfg.codec) in pending]
     total = sum(len(plan.part(s)) for s in mine)
     done = total - sum(len(plan.part(s)) for s in todo)
-    runner = HFCaptureRunner(model, list(plan.cfg.aux_layers))
+    runner = HFCaptureRunner(model, list(plan.cfg.aux_layers), storage=(plan.base["storage_dtype"],
+                                                                        plan.base["final_storage_dtype"]))
     with Progress(total, "sample", f"sf-capture[{rank}]", silent, initial=done) as progress:
         capture_shards(plan, runner, todo, out, progress)
     if world > 1:  # every rank's shards must be marked before rank 0 lists them
@@ -305,13 +328,13 @@ def write_one(out: ShardedOutput, shard: int, part: list[dict], outputs: list, c
     rows = [{
         "input_ids": torch.tensor(x["input_ids"]),
         "loss_mask": torch.tensor(x["loss_mask"], dtype=torch.bool),
-        "aux_hidden": aux,
-        "final_hidden": final,
-    } for x, (aux, final) in zip(part, outputs, strict=True)]
+        **arrays,  # aux_hidden, final_hidden (and float8's scales), as the runner encoded them
+    } for x, arrays in zip(part, outputs, strict=True)]
     counts = Counter()
     for x in part:
         counts.update(t for t, m in zip(x["input_ids"], x["loss_mask"], strict=True) if m)
-    out.commit(shard_name(shard, cfg.codec), lambda path: write_shard_file(path, rows, cfg.codec, cfg.storage_dtype), {
+    out.commit(shard_name(shard, cfg.codec), lambda path: write_shard_file(path, rows, cfg.codec, cfg.storage_dtype,
+                                                                     cfg.final_storage_dtype), {
         "index": shard,
         "num_samples": len(part),
         "num_tokens": sum(len(x["input_ids"]) for x in part),

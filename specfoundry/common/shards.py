@@ -33,9 +33,13 @@ class OutputFolderError(ValueError):
 
 
 def settings_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
-    """'key: old -> new' for every key of `new` whose value differs in `old` (nested dicts by dotted key)."""
+    """'key: old -> new' for every key of `new` whose value differs in `old` (nested dicts by dotted key).
+    A key `old` lacks is no difference while `new` leaves it None: a setting added to the config
+    after that run began, at its 'as before' value, so the run still resumes."""
     diffs = []
     for key, value in new.items():
+        if isinstance(old, dict) and key not in old and value is None:
+            continue
         before = old.get(key, "<unset>") if isinstance(old, dict) else "<unset>"
         if isinstance(value, dict) and isinstance(before, dict):
             diffs += settings_diff(before, value, f"{prefix}{key}.")

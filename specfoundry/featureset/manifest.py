@@ -6,14 +6,17 @@ import json
 from pathlib import Path
 
 FORMAT = "specfoundry.featureset"
+# 3: final_storage_dtype (the final state may be stored in another dtype than the aux states),
+#    and float8_e4m3fn storage with one scale per row (aux_scale / final_scale arrays).
 # 2: the format/format_version keys of every specfoundry manifest, shards named shard-NNNNNN.
-# 1: schema/schema_version keys, shards named rank000-NNNNNN. Both are read.
-FORMAT_VERSION = 2
-READS_VERSIONS = (1, 2)
+# 1: schema/schema_version keys, shards named rank000-NNNNNN. All three are read.
+FORMAT_VERSION = 3
+READS_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 TOKEN_COUNTS = "token_counts.safetensors"
-# what storage dtypes mean on disk; zarr has no bfloat16, so bf16 is stored as its uint16 bits
-STORAGE_DTYPES = ("bfloat16", "float16", "float32")
+# what storage dtypes mean on disk (docs/featureset.md); neither zarr nor numpy has bfloat16 or
+# float8, so those are stored as their uint16 / uint8 bit patterns
+STORAGE_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
 
 
 def tokenizer_hashes(tokenizer) -> tuple[str, str]:
@@ -44,6 +47,12 @@ def read_manifest(root: Path) -> dict:
     if manifest.get("format_version") not in READS_VERSIONS:
         raise FeatureSetError(f"{path}: format version {manifest.get('format_version')} is not supported "
                               f"(this specfoundry reads versions {', '.join(map(str, READS_VERSIONS))})")
+    if manifest["format_version"] < 3:  # the final state was stored as the aux states were
+        manifest["final_storage_dtype"] = manifest.get("storage_dtype")
+    for key in ("storage_dtype", "final_storage_dtype"):
+        if manifest.get(key) not in STORAGE_DTYPES:
+            raise FeatureSetError(f"{path}: {key} {manifest.get(key)!r} is not one this specfoundry reads "
+                                  f"({', '.join(STORAGE_DTYPES)})")
     return manifest
 
 

@@ -6,6 +6,10 @@ A shard holds many samples concatenated along one token axis:
     loss_mask    uint8  [N]
     aux_hidden   dtype  [N, K*H]       outputs of the K stored layers (ascending), concatenated
     final_hidden dtype  [N, H]         the target's final normed hidden state (lm_head input)
+    aux_scale    float32 [N, K]        only where aux_hidden is float8: one scale per token and layer
+    final_scale  float32 [N, 1]        only where final_hidden is float8 (featureset/fp8.py)
+The aux and the final states each have their storage dtype (the manifest's storage_dtype and
+final_storage_dtype). encode_state / decode_state turn float states into what is stored and back.
 A shard is written under a hidden partial name and renamed into place when complete, then
 listed in the manifest with its checksum: a crash never leaves a shard a reader trusts.
 """
@@ -24,19 +28,23 @@ import numpy as np
 import torch
 
 from specfoundry.common.files import checksum
+from specfoundry.featureset import fp8
 from specfoundry.featureset.manifest import FeatureSetError, read_manifest
 
-FIELDS = ("input_ids", "loss_mask", "aux_hidden", "final_hidden")
 CODECS = ("zarr", "safetensors")
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                "float8_e4m3fn": fp8.E4M3}
+SCALED = ("float8_e4m3fn",)  # storage dtypes stored with one scale per row beside the values
 
 
 @dataclass
 class Sample:
     input_ids: torch.Tensor  # [T] int64
     loss_mask: torch.Tensor  # [T] bool
-    aux_hidden: torch.Tensor  # [T, K*H] storage dtype
-    final_hidden: torch.Tensor | None  # [T, H] storage dtype; None where it was not read
+    aux_hidden: torch.Tensor  # [T, K*H] decoded (float8: bfloat16), or as stored beside aux_scale
+    final_hidden: torch.Tensor | None  # [T, H] likewise; None where it was not read
+    aux_scale: torch.Tensor | None = None  # [T, K] float32: aux_hidden is float8, not yet decoded
+    final_scale: torch.Tensor | None = None  # [T, 1] float32: final_hidden is float8, not yet decoded
 
 
 def shard_name(index: int, codec: str) -> str:
@@ -45,41 +53,89 @@ def shard_name(index: int, codec: str) -> str:
     return f"shards/shard-{index:06d}.{suffix}"
 
 
+# numpy has neither bfloat16 nor float8: those are stored as their bit patterns
+BIT_PATTERNS = {"bfloat16": torch.uint16, "float8_e4m3fn": torch.uint8}
+
+
 def to_storage(x: torch.Tensor, dtype: str) -> np.ndarray:
-    """Torch tensor -> numpy in the storage dtype (bf16 as its uint16 bit pattern)."""
+    """Torch tensor (already in the storage dtype, or a float one cast to it) -> numpy."""
     x = x.to(TORCH_DTYPES[dtype]).contiguous().cpu()
-    return x.view(torch.uint16).numpy() if dtype == "bfloat16" else x.numpy()
+    return x.view(BIT_PATTERNS[dtype]).numpy() if dtype in BIT_PATTERNS else x.numpy()
 
 
 def from_storage(a: np.ndarray, dtype: str) -> torch.Tensor:
     t = torch.from_numpy(np.ascontiguousarray(a))
-    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+    return t.view(TORCH_DTYPES[dtype]) if dtype in BIT_PATTERNS else t
 
 
-def write_shard(root: Path, rel: str, samples: list[dict], codec: str, dtype: str) -> str:
+def encode_state(x: torch.Tensor, dtype: str, layers: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Float hidden states x [..., L*H] -> what a shard stores, on x's device: (values [..., L*H] in
+    `dtype`, scale [..., L] float32 for a float8 dtype (one per layer's row), else None)."""
+    if dtype not in SCALED:
+        return x.to(TORCH_DTYPES[dtype]), None
+    values, scale = fp8.quantize(x.unflatten(-1, (layers, x.shape[-1] // layers)))  # [..., L, H], [..., L]
+    return values.flatten(-2), scale
+
+
+def decode_state(values: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """encode_state's inverse, on the values' device: values [..., L*H] (float8 beside scale [..., L],
+    or a float dtype beside None) -> [..., L*H] in `dtype` (None: bfloat16 for float8, else as stored)."""
+    if scale is None:
+        return values if dtype is None else values.to(dtype)
+    layers = scale.shape[-1]
+    rows = values.unflatten(-1, (layers, values.shape[-1] // layers))  # [..., L, H]
+    return fp8.dequantize(rows, scale, dtype or torch.bfloat16).flatten(-2)
+
+
+def is_finite(values: torch.Tensor, scale: torch.Tensor | None) -> bool:
+    """Whether stored states decode to finite values only (float8: without decoding them)."""
+    return bool(torch.isfinite(values).all()) if scale is None else fp8.is_finite(values, scale)
+
+
+def write_shard(root: Path, rel: str, samples: list[dict], codec: str, dtype: str,
+                final_dtype: str | None = None) -> str:
     """Write samples as shard `rel` of the set at `root`, atomically (under a partial name, then
     renamed); returns the shard's checksum."""
     final = root / rel
     tmp = final.parent / f".partial-{final.name}"
     final.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
-    digest = write_shard_file(tmp, samples, codec, dtype)
+    digest = write_shard_file(tmp, samples, codec, dtype, final_dtype)
     os.replace(tmp, final)
     return digest
 
 
-def write_shard_file(path: Path, samples: list[dict], codec: str, dtype: str) -> str:
-    """Write samples ({input_ids, loss_mask, aux_hidden, final_hidden} tensors) as one shard at
-    `path` (a Zarr group folder or a safetensors file); returns its checksum."""
+def stored_state(sample: dict, state: str, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A sample's aux or final state as a shard stores it: (values, scale or None). Either the
+    capture runner encoded it already (float8 values with `<state>_scale` beside them), or it
+    holds float states, encoded here."""
+    x, scale = sample[f"{state}_hidden"], sample.get(f"{state}_scale")
+    if scale is not None:
+        assert dtype in SCALED and x.dtype == TORCH_DTYPES[dtype], (state, dtype, x.dtype)
+        return x, scale
+    layers = x.shape[-1] // sample["final_hidden"].shape[-1]  # K for the aux state, 1 for the final one
+    return encode_state(x, dtype, layers)
+
+
+def write_shard_file(path: Path, samples: list[dict], codec: str, dtype: str, final_dtype: str | None = None) -> str:
+    """Write samples ({input_ids, loss_mask, aux_hidden, final_hidden} tensors, with
+    aux_scale / final_scale where the runner encoded float8) as one shard at `path` (a Zarr group
+    folder or a safetensors file), the aux states in `dtype` and the final ones in `final_dtype`
+    (None: `dtype`); returns its checksum."""
     lengths = [len(s["input_ids"]) for s in samples]
     # each array as the per-sample blocks that, stacked along dim 0, make the shard's array
     blocks = {
         "offsets": [np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)],
         "input_ids": [s["input_ids"].to(torch.int32).numpy() for s in samples],
         "loss_mask": [s["loss_mask"].to(torch.uint8).numpy() for s in samples],
-        "aux_hidden": [to_storage(s["aux_hidden"], dtype) for s in samples],
-        "final_hidden": [to_storage(s["final_hidden"], dtype) for s in samples],
     }
+    scales = {}  # after the hidden states, so a set without float8 has the layout it always had
+    for state, state_dtype in (("aux", dtype), ("final", final_dtype or dtype)):
+        encoded = [stored_state(s, state, state_dtype) for s in samples]
+        blocks[f"{state}_hidden"] = [to_storage(values, state_dtype) for values, _ in encoded]
+        if state_dtype in SCALED:
+            scales[f"{state}_scale"] = [scale.float().contiguous().cpu().numpy() for _, scale in encoded]
+    blocks.update(scales)
     if codec == "zarr":
         _write_zarr(path, {name: np.concatenate(b) for name, b in blocks.items()})
         return checksum(path)
@@ -151,8 +207,10 @@ def _write_zarr(path: Path, arrays: dict[str, np.ndarray]) -> None:
 class ShardReader:
     """Random access to one shard's samples without reading the rest of the shard."""
 
-    def __init__(self, path: Path, codec: str, dtype: str):
-        self.path, self.codec, self.dtype = path, codec, dtype
+    def __init__(self, path: Path, codec: str, dtype: str, final_dtype: str | None = None):
+        """dtype, final_dtype: the storage dtypes of the aux and of the final states (None: dtype)."""
+        self.path, self.codec = path, codec
+        self.dtypes = {"aux": dtype, "final": final_dtype or dtype}
         if codec == "zarr":
             import zarr
 
@@ -163,27 +221,46 @@ class ShardReader:
 
             self.file = safe_open(str(path), framework="numpy")
             self.offsets = self.file.get_tensor("offsets")
+        names = set(self.group.array_keys()) if codec == "zarr" else set(self.file.keys())
+        missing = [f"{state}_scale" for state, d in self.dtypes.items() if d in SCALED and f"{state}_scale" not in names]
+        if missing:  # a float8 state cannot be read without its scales
+            raise FeatureSetError(f"{path}: no {' or '.join(missing)} array, which float8 states need: the "
+                                  "manifest's storage dtypes are not the ones this shard was written in")
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """An array's shape, from the shard's metadata alone."""
+        if self.codec == "zarr":
+            return tuple(self.group[name].shape)
+        return tuple(self.file.get_slice(name).get_shape())
 
     def rows(self, name: str, start: int, stop: int) -> np.ndarray:
         if self.codec == "zarr":
             return self.group[name][start:stop]
         return self.file.get_slice(name)[start:stop]
 
-    def sample(self, i: int, fields=FIELDS) -> Sample | dict:
+    def state(self, state: str, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens start:stop of the aux or final state as stored: (values, float32 scale or None)."""
+        dtype = self.dtypes[state]
+        values = from_storage(self.rows(f"{state}_hidden", start, stop), dtype)
+        scale = torch.from_numpy(self.rows(f"{state}_scale", start, stop)) if dtype in SCALED else None
+        return values, scale
+
+    def sample(self, i: int, final: bool = True, decode: bool = True) -> Sample:
+        """Sample i; without its final state (None, not read) unless `final`. decode: float8 states
+        decoded to bfloat16 here; else as stored, with their scales (the loader decodes them on
+        the training device)."""
         start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
-        out = {}
-        for name in fields:
-            a = self.rows(name, start, stop)
-            if name == "input_ids":
-                out[name] = torch.from_numpy(a.astype(np.int64))
-            elif name == "loss_mask":
-                out[name] = torch.from_numpy(a.astype(np.bool_))
-            else:
-                out[name] = from_storage(a, self.dtype)
-        return Sample(**out) if tuple(fields) == FIELDS else out
+        states = {"final_hidden": None}
+        for state in ("aux", "final") if final else ("aux",):
+            values, scale = self.state(state, start, stop)
+            if decode:
+                values, scale = decode_state(values, scale), None
+            states[f"{state}_hidden"], states[f"{state}_scale"] = values, scale
+        return Sample(input_ids=torch.from_numpy(self.rows("input_ids", start, stop).astype(np.int64)),
+                      loss_mask=torch.from_numpy(self.rows("loss_mask", start, stop).astype(np.bool_)), **states)
 
 
 class FeatureSet:
@@ -197,6 +274,7 @@ class FeatureSet:
         self.manifest = read_manifest(self.root)
         self.codec = self.manifest["codec"]
         self.dtype = self.manifest["storage_dtype"]
+        self.final_dtype = self.manifest["final_storage_dtype"]
         self.shards = self.manifest["shards"]
         self._readers: dict[int, ShardReader] = {}
         # global sample index -> (shard, index in shard); lengths for length-grouped batching
@@ -219,7 +297,9 @@ class FeatureSet:
                 raise FeatureSetError(f"{self.root}: shard {entry['path']} is damaged or truncated (checksum "
                                       "mismatch); recapture it (rerun the sf-capture command after deleting it)")
             try:
-                self._readers[shard] = ShardReader(path, self.codec, self.dtype)
+                self._readers[shard] = ShardReader(path, self.codec, self.dtype, self.final_dtype)
+            except FeatureSetError:
+                raise
             except Exception as e:  # noqa: BLE001 - zarr and safetensors raise many types for a damaged file
                 raise FeatureSetError(f"{self.root}: shard {entry['path']} is unreadable ({type(e).__name__})") from e
         return self._readers[shard]
@@ -231,15 +311,14 @@ class FeatureSet:
         return f"{self.root}: shard {self.shards[shard]['path']} sample {j}" + (f" (id {ids[j]})" if ids else "")
 
     def __getitem__(self, i: int) -> Sample:
-        shard, j = self.index[i]
-        return self.reader(shard).sample(j)
+        """Sample i with its hidden states decoded (float8 ones to bfloat16)."""
+        return self.read(i)
 
-    def read(self, i: int, final: bool = True) -> Sample:
-        """Sample i; without its final state (final_hidden None, not read from disk) unless `final`."""
-        if final:
-            return self[i]
+    def read(self, i: int, final: bool = True, decode: bool = True) -> Sample:
+        """Sample i; without its final state (final_hidden None, not read from disk) unless `final`;
+        float8 states as stored, beside their scales, unless `decode`."""
         shard, j = self.index[i]
-        return Sample(**self.reader(shard).sample(j, FIELDS[:3]), final_hidden=None)
+        return self.reader(shard).sample(j, final, decode)
 
     def token_counts(self) -> torch.Tensor:
         from safetensors.torch import load_file

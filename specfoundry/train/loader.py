@@ -21,12 +21,14 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from specfoundry.featureset.manifest import FeatureSetError
-from specfoundry.featureset.store import FeatureSet
+from specfoundry.featureset.store import FeatureSet, decode_state, is_finite
 
 
 @dataclass
 class Batch:
-    """One micro-batch as the loader yields it: right-padded rows of whole samples."""
+    """One micro-batch as the loader yields it: right-padded rows of whole samples. Float8 states
+    stay float8, beside their scales, until `to` puts them on the training device and decodes them
+    there: the host-to-device copy carries one byte per value."""
 
     input_ids: torch.Tensor  # [B, T] int64, right-padded
     loss_mask: torch.Tensor  # [B, T] bool
@@ -35,20 +37,32 @@ class Batch:
     lengths: list[int]
     indices: list[int] = field(default_factory=list)  # the rows' sample indices in the feature set
     epoch: int = 0  # the loader's epoch (a family's per-sample randomness is seeded by it and the index)
-
-    def _map(self, fn, float_fn) -> Batch:
-        final = None if self.final_hidden is None else float_fn(self.final_hidden)
-        return Batch(fn(self.input_ids), fn(self.loss_mask), float_fn(self.aux_hidden), final, self.lengths,
-                     self.indices, self.epoch)
+    aux_scale: torch.Tensor | None = None  # [B, T, K] float32 where aux_hidden is float8 (padding: 0)
+    final_scale: torch.Tensor | None = None  # [B, T, 1] float32 where final_hidden is float8
 
     def to(self, device, dtype=None) -> Batch:
-        """On `device`; asynchronous when the batch is in pinned memory (see pin_memory)."""
-        return self._map(lambda t: t.to(device, non_blocking=True), lambda t: t.to(device, dtype, non_blocking=True))
+        """On `device` with the hidden states in `dtype` (None: as stored, float8 as bfloat16);
+        asynchronous when the batch is in pinned memory (see pin_memory). Float8 states cross as
+        float8 and are dequantised on `device`: the trainer gets the tensors a bf16 set gives."""
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=True)
+
+        def state(values, scale):
+            if values is None or scale is None:  # a float dtype: moved and cast in one step, as always
+                return None if values is None else values.to(device, dtype, non_blocking=True)
+            return decode_state(move(values), move(scale), dtype)
+
+        return Batch(move(self.input_ids), move(self.loss_mask), state(self.aux_hidden, self.aux_scale),
+                     state(self.final_hidden, self.final_scale), self.lengths, self.indices, self.epoch)
 
     def pin_memory(self) -> Batch:
         """The DataLoader's pin_memory hook: a copy to the GPU from pinned memory is asynchronous
         and runs at full bus speed; from pageable memory it is a synchronous staged copy."""
-        return self._map(lambda t: t.pin_memory(), lambda t: t.pin_memory())
+        def pin(t):
+            return None if t is None else t.pin_memory()
+
+        return Batch(pin(self.input_ids), pin(self.loss_mask), pin(self.aux_hidden), pin(self.final_hidden),
+                     self.lengths, self.indices, self.epoch, pin(self.aux_scale), pin(self.final_scale))
 
 
 def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -134,27 +148,35 @@ class BatchDataset(Dataset):
         self.fs, self.batches, self.max_length, self.pad_multiple = featureset, batches, max_length, pad_multiple
         self.max_tokens, self.layers, self.final, self.epoch = max_tokens, layers, final, epoch
 
-    def select(self, aux: torch.Tensor) -> torch.Tensor:
-        """[T, L*H] stored layers -> [T, K*H] the chosen ones; a view when they are all of them."""
+    def select(self, aux: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[T, L*H] stored layers (and float8's [T, L] scales) -> [T, K*H] (and [T, K]) the chosen
+        ones; views when they are all of them."""
         if self.layers is None:
-            return aux
-        t, width = aux.shape
+            return aux, scale
         stored = len(self.fs.manifest["aux_layer_ids"])
         if self.layers == list(range(stored)):
-            return aux
-        return aux.view(t, stored, width // stored)[:, self.layers].reshape(t, -1)
+            return aux, scale
+        t, width = aux.shape
+        chosen = aux.view(t, stored, width // stored)[:, self.layers].reshape(t, -1)
+        return chosen, None if scale is None else scale[:, self.layers]
 
     def __len__(self) -> int:
         return len(self.batches)
 
-    def __getitem__(self, k: int) -> Batch:
-        samples = [self.fs.read(i, self.final) for i in self.batches[k]]
+    def read(self, k: int) -> list:
+        """The samples of batch k, states as stored, the chosen layers only; refuses a non-finite one."""
+        samples = [self.fs.read(i, self.final, decode=False) for i in self.batches[k]]
         for i, s in zip(self.batches[k], samples, strict=True):
-            s.aux_hidden = self.select(s.aux_hidden)
+            s.aux_hidden, s.aux_scale = self.select(s.aux_hidden, s.aux_scale)
             # a NaN or Inf would spread through the whole draft in one optimizer step
-            if not (torch.isfinite(s.aux_hidden).all() and (not self.final or torch.isfinite(s.final_hidden).all())):
+            if not (is_finite(s.aux_hidden, s.aux_scale)
+                    and (not self.final or is_finite(s.final_hidden, s.final_scale))):
                 raise FeatureSetError(f"{self.fs.where(i)} holds non-finite hidden states (NaN or Inf); "
                                       "recapture it (sf-capture verify lists every such sample)")
+        return samples
+
+    def __getitem__(self, k: int) -> Batch:
+        samples = self.read(k)
         cut = self.max_length or max(len(s.input_ids) for s in samples)
         lengths = [min(len(s.input_ids), cut) for s in samples]
         width = padded_width(max(lengths), self.pad_multiple)  # the rows past `lengths` are padding
@@ -163,18 +185,26 @@ class BatchDataset(Dataset):
             # token each (an empty row would give NaN attention) with nothing to learn
             dummies = rows_for_width(width, self.max_tokens) - len(samples)
             lengths += [1] * dummies
-        b, h3 = len(lengths), samples[0].aux_hidden.shape[-1]
-        dtype = samples[0].aux_hidden.dtype
+        b = len(lengths)
         ids = torch.zeros(b, width, dtype=torch.int64)
         mask = torch.zeros(b, width, dtype=torch.bool)
-        aux = torch.zeros(b, width, h3, dtype=dtype)
-        final = torch.zeros(b, width, samples[0].final_hidden.shape[-1], dtype=dtype) if self.final else None
         for r, (s, n) in enumerate(zip(samples, lengths[: len(samples)], strict=True)):
             ids[r, :n], mask[r, :n] = s.input_ids[:n], s.loss_mask[:n]
-            aux[r, :n] = s.aux_hidden[:n]
-            if final is not None:
-                final[r, :n] = s.final_hidden[:n]
-        return Batch(ids, mask, aux, final, lengths, list(self.batches[k]), self.epoch)
+        states = {"final_hidden": None}
+        for name in ("aux_hidden", "aux_scale") + (("final_hidden", "final_scale") if self.final else ()):
+            states[name] = padded([getattr(s, name) for s in samples], lengths, width)
+        return Batch(ids, mask, lengths=lengths, indices=list(self.batches[k]), epoch=self.epoch, **states)
+
+
+def padded(rows: list[torch.Tensor | None], lengths: list[int], width: int) -> torch.Tensor | None:
+    """Per sample [T, D] (None: an array the set does not store) -> [len(lengths), width, D], the
+    first lengths[r] rows of each; zeros elsewhere (a float8 zero with scale 0 decodes to 0)."""
+    if rows[0] is None:
+        return None
+    out = torch.zeros(len(lengths), width, rows[0].shape[-1], dtype=rows[0].dtype)
+    for r, (x, n) in enumerate(zip(rows, lengths[: len(rows)], strict=True)):
+        out[r, :n] = x[:n]
+    return out
 
 
 @dataclass
