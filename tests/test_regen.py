@@ -15,7 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from specfoundry.generate.backend import Generation, SamplingConfig
+from specfoundry.generate.backend import Generation, Request, SamplingConfig
 from specfoundry.generate.cli import main as regen_cli
 from specfoundry.generate.hf_backend import HFBackend
 from specfoundry.generate.regen import RegenConfig, run_regen
@@ -117,7 +117,8 @@ def test_greedy_answers_still_get_sampled_prompts(tmp_path, backend):
     cfg = RegenConfig(output=str(tmp_path / "g"), synthesize=4, shard_size=4,
                       sampling=SamplingConfig(temperature=0.0, max_new_tokens=24, seed=2))
     assert cfg.prompt_sampling().temperature == 1.0
-    prompts = [backend.complete(["x"], cfg.prompt_sampling(), seed)[0].token_ids for seed in (1, 2)]
+    prompts = [backend.generate([Request(tag=0, seed=seed, text="x")], cfg.prompt_sampling())[0].token_ids
+               for seed in (1, 2)]
     assert prompts[0] != prompts[1]
     run_regen(cfg, backend, silent=True)
     users = [r["messages"][0]["content"] for r in rows(tmp_path / "g")]
@@ -222,10 +223,10 @@ class ScriptedBackend:
     def identity(self):
         return {"backend": self.name}
 
-    def chat(self, prompts, sampling, seed):
+    def generate(self, requests, sampling):
         gens = []
-        for p in prompts:
-            self.prompts.append(p)
+        for r in requests:
+            self.prompts.append(r.messages)
             ids = tuple(self.answers.pop(0))
             reason = "length" if len(ids) >= sampling.max_new_tokens else "stop"
             gens.append(Generation(self.tokenizer.decode(ids), reason, ids, len(ids)))
