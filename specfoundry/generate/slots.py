@@ -152,7 +152,7 @@ class SlotEngine:
         # ahead and a finished slot would only idle
         self.sync_every = sync_every or (8 if self.device.type == "cuda" else 1)
         self.refill_at = max(1, slots // 8)  # free slots worth one prefill forward
-        self.stop = torch.tensor(stop_ids, device=self.device)
+        self.stop = torch.tensor(stop_ids, dtype=torch.long, device=self.device)
 
     # ---- device state ---------------------------------------------------------------------
 
