@@ -226,14 +226,11 @@ class SlotEngine:
         pos = torch.arange(width)[None, :] - torch.tensor(pad)[:, None]  # [n, W], < 0 on padding
         ids, pos = ids.to(self.device), pos.to(self.device)
         rows = torch.tensor(slots, device=self.device)
-        valid = pos >= 0
-        mask_pos = pos.clamp(min=0)
-        # a padding row attends to itself only, so no row of the softmax is empty
-        diagonal = torch.eye(width, dtype=torch.bool, device=self.device)[None] & ~valid[:, :, None]
-        mask = self.mask(torch.where(valid, mask_pos, -1), mask_pos, valid)
-        mask = self.with_diagonal(mask, diagonal)
+        # a padding row (q_pos < 0) sees no key; it attends to itself, so no softmax row is empty
+        padding = torch.eye(width, dtype=torch.bool, device=self.device)[None] & (pos < 0)[:, :, None]
+        mask = self.with_diagonal(self.mask(pos, pos, pos >= 0), padding)
         self.cache.rows = rows
-        logits = self.forward(ids, mask, mask_pos)
+        logits = self.forward(ids, mask, pos.clamp(min=0))
         self.cache.rows = None
         seeds = torch.tensor([w.seed for w in group], device=self.device)
         first = next_tokens(logits, self.sampling, seeds, torch.zeros_like(seeds))  # [n]
