@@ -133,16 +133,18 @@ def test_no_server_left_stops_the_run_in_one_line(tmp_path, servers):
         regen(tmp_path, "dead", dead, src)
     unreachable = "http://127.0.0.1:9/v1"
     result = CliRunner().invoke(regen_cli, ["run", str(src), "-o", str(tmp_path / "cli"), "--backend", "openai",
-                                            "--openai-url", unreachable, "--retries", "1", "--silent"])
+                                            "--openai-url", unreachable, "--retries", "0", "--silent"])
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert result.exit_code == 2 and len(errors) == 1, result.output
-    assert errors[0].startswith(f"Error: a request failed on all 2 tries, the last on {unreachable}: ConnectError")
+    assert errors[0].startswith(f"Error: a request failed with no retries left (--retries 0); its last try, on "
+                                f"{unreachable}: ConnectError")
 
 
 def test_a_request_that_fails_every_try_stops_the_run(tmp_path, servers):
     src = write_jsonl(tmp_path / "chat.jsonl", CHAT)
     patient = FleetConfig(retries=2, backoff_s=0.01, cooldown_s=0.01, max_failures=100)
-    with pytest.raises(FleetError, match=r"^a request failed on all 3 tries, the last on .*: HTTP 503$"):
+    with pytest.raises(FleetError, match=r"^a request failed with no retries left \(--retries 2\); its last try, on "
+                                         r"http://.*: HTTP 503$"):
         regen(tmp_path, "busy", [servers("busy")], src, fleet=patient)
 
 

@@ -172,4 +172,5 @@ class Fleet:
                 raise self.no_server_left()
             if attempt < cfg.retries:
                 await asyncio.sleep(min(cfg.backoff_s * 2**attempt, cfg.max_backoff_s))
-        raise FleetError(f"a request failed on all {cfg.retries + 1} tries, the last on {server.url}: {problem}")
+        raise FleetError(f"a request failed with no retries left (--retries {cfg.retries}); its last try, on "
+                         f"{server.url}: {problem}")
