@@ -74,6 +74,14 @@ class Message:
         return out
 
 
+def arguments_value(arguments):
+    """Tool-call arguments given as JSON text or as the object itself -> the object (a
+    json.JSONDecodeError, a ValueError, when the text is not JSON)."""
+    if isinstance(arguments, str):
+        return json.loads(arguments) if arguments.strip() else {}
+    return {} if arguments is None else arguments
+
+
 def with_json_arguments(message: dict) -> dict:
     """A message dict with its tool calls' arguments as JSON text (the OpenAI API's form, and how
     sf-regen stores them)."""
@@ -291,12 +299,10 @@ def parse_tool_calls(calls, t: int) -> tuple[ToolCall, ...]:
         fn = call.get("function", call) if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise BadRecord("bad_tool_call", f"turn {t} tool call {k} has no function name")
-        arguments = fn.get("arguments", {})
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError as e:
-                raise BadRecord("bad_tool_call", f"turn {t} tool call {k}: arguments are not JSON ({e.msg})") from e
+        try:
+            arguments = arguments_value(fn.get("arguments"))
+        except json.JSONDecodeError as e:
+            raise BadRecord("bad_tool_call", f"turn {t} tool call {k}: arguments are not JSON ({e.msg})") from e
         call_id = call.get("id")
         out.append(ToolCall(fn["name"], arguments, None if call_id is None else str(call_id)))
     return tuple(out)

@@ -9,7 +9,7 @@ them, the others answer in rounds (all pending requests at once, then their foll
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from specfoundry.common.cli import setting, shared
@@ -75,6 +75,14 @@ def serve(backend: Backend, requests: list[Request], sampling: SamplingConfig, o
         backend.serve(requests, sampling, on_done)
     else:
         serve_in_rounds(backend.generate, requests, sampling, on_done)
+
+
+def generate_by_serving(serve_fn, requests: list[Request], sampling: SamplingConfig) -> list[Generation]:
+    """One generation per request, in order, from a streaming backend's `serve`."""
+    results: dict[int, Generation] = {}
+    numbered = [replace(r, tag=i) for i, r in enumerate(requests)]
+    serve_fn(numbered, sampling, lambda r, g: results.__setitem__(r.tag, g))
+    return [results[i] for i in range(len(requests))]
 
 
 def serve_in_rounds(generate, requests: list[Request], sampling: SamplingConfig, on_done: OnDone) -> None:

@@ -12,12 +12,17 @@ generate per batch).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from specfoundry.common.target import end_of_turn_ids, load_target
-from specfoundry.generate.backend import Generation, OnDone, Request, SamplingConfig, serve_in_rounds
+from specfoundry.generate.backend import (
+    Generation,
+    OnDone,
+    Request,
+    SamplingConfig,
+    generate_by_serving,
+    serve_in_rounds,
+)
 from specfoundry.generate.slots import SlotEngine, supported
 from specfoundry.generate.tools import parse_tool_calls
 
@@ -78,10 +83,7 @@ class HFBackend:
 
     def generate(self, requests: list[Request], sampling: SamplingConfig) -> list[Generation]:
         if self.engine == "slots":
-            results: dict[int, Generation] = {}
-            numbered = [replace(r, tag=i) for i, r in enumerate(requests)]
-            self.serve(numbered, sampling, lambda r, g: results.__setitem__(r.tag, g))
-            return [results[i] for i in range(len(requests))]
+            return generate_by_serving(self.serve, requests, sampling)
         return self.generate_batches(requests, sampling)
 
     @torch.inference_mode()

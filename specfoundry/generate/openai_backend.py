@@ -10,13 +10,11 @@ only when the fleet cannot go on (FleetError).
 from __future__ import annotations
 
 import asyncio
-import json
-from dataclasses import replace
 
 import httpx
 
-from specfoundry.common.conversations import ToolCall, with_json_arguments
-from specfoundry.generate.backend import Generation, OnDone, Request, SamplingConfig
+from specfoundry.common.conversations import ToolCall, arguments_value, with_json_arguments
+from specfoundry.generate.backend import Generation, OnDone, Request, SamplingConfig, generate_by_serving
 from specfoundry.generate.fleet import Fleet, FleetConfig, RequestFailed
 
 
@@ -66,7 +64,7 @@ class OpenAIBackend:
         if completion:
             return Generation(choice.get("text") or "", reason, None, tokens)
         message = choice.get("message") or {}
-        calls = tuple(ToolCall(c["function"]["name"], parse_arguments(c["function"].get("arguments")))
+        calls = tuple(ToolCall(c["function"]["name"], returned_arguments(c["function"].get("arguments")))
                       for c in message.get("tool_calls") or ())
         return Generation(message.get("content") or "", reason, None, tokens, tool_calls=calls)
 
@@ -102,17 +100,13 @@ class OpenAIBackend:
         asyncio.run(self.stream(requests, sampling, on_done))
 
     def generate(self, requests: list[Request], sampling: SamplingConfig) -> list[Generation]:
-        results: dict[int, Generation] = {}
-        self.serve([replace(r, tag=i) for i, r in enumerate(requests)], sampling,
-                   lambda r, g: results.__setitem__(r.tag, g))
-        return [results[i] for i in range(len(requests))]
+        return generate_by_serving(self.serve, requests, sampling)
 
 
-def parse_arguments(arguments):
-    """A returned call's arguments: the server sends JSON text (or, some servers, the object)."""
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
-            return arguments  # kept as text: it equals no recorded call's arguments
-    return arguments if arguments is not None else {}
+def returned_arguments(arguments):
+    """A returned call's arguments (JSON text, or with some servers the object); text that is not
+    JSON is kept as it is: it equals no recorded call's arguments."""
+    try:
+        return arguments_value(arguments)
+    except ValueError:
+        return arguments

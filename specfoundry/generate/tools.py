@@ -15,7 +15,7 @@ import json
 import re
 from collections import Counter
 
-from specfoundry.common.conversations import ToolCall
+from specfoundry.common.conversations import ToolCall, arguments_value
 
 CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 MISTRAL_CALLS = "[TOOL_CALLS]"
@@ -29,12 +29,10 @@ def calls_in(value) -> list[ToolCall] | None:
     for item in items:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             return None
-        arguments = item.get("arguments", item.get("parameters", {}))
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                return None
+        try:
+            arguments = arguments_value(item.get("arguments", item.get("parameters")))
+        except ValueError:
+            return None
         calls.append(ToolCall(item["name"], arguments))
     return calls or None
 
