@@ -38,25 +38,28 @@ def reference(model, prompt: list[int], max_new: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def run(model, items, sampling, slots, follow=lambda tag, ids: ()):
+def run(model, items, sampling, slots, follow=lambda tag, ids: (), sync_every=None):
     results = {}
 
     def on_done(tag, ids):
         results[tag] = ids
         return follow(tag, ids)
 
-    SlotEngine(model, slots=slots, stop_ids=[STOP], sampling=sampling).run(items, on_done)
+    SlotEngine(model, slots=slots, stop_ids=[STOP], sampling=sampling, sync_every=sync_every).run(items, on_done)
     return results
 
 
-def test_greedy_equals_model_generate_with_refills_and_follow_ups(model):
+# a CPU looks at the slots after every step; a GPU every few (finished slots step on, unchanged)
+@pytest.mark.parametrize("sync_every", [1, 5])
+def test_greedy_equals_model_generate_with_refills_and_follow_ups(model, sync_every):
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=20)
     first = prompts(9)
 
     def follow(tag, ids):  # each of the first requests asks once more, on its answer (a second turn)
         return [(first[tag] + ids + [5, 6], 0, ("again", tag))] if isinstance(tag, int) else []
 
-    results = run(model, [(p, 0, i) for i, p in enumerate(first)], sampling, slots=3, follow=follow)
+    results = run(model, [(p, 0, i) for i, p in enumerate(first)], sampling, slots=3, follow=follow,
+                  sync_every=sync_every)
     assert len(results) == 18
     stopped = 0
     for i, p in enumerate(first):

@@ -56,6 +56,7 @@ from specfoundry.generate.tools import same_calls, template_renders_tools, with_
 FORMAT = "specfoundry.regen"
 FORMAT_VERSION = 2
 SYNTH_PHASE = 1_000_000  # seed part that keeps prompt synthesis apart from turn generation
+GROUP_BATCHES = 4  # a group of shards holds this many batches of conversations (Regenerator.group_size)
 ON_EMPTY = ("drop", "flag")  # what --on-empty may do with an empty answer
 ON_TRUNCATED = ("drop", "flag", "trim")  # what --on-truncated may do with an answer cut at the cap
 ON_TOOL_MISMATCH = ("recorded", "drop")  # what --on-tool-mismatch does when the target's calls differ
@@ -293,44 +294,65 @@ class Regenerator:
 
     # ---- one shard ------------------------------------------------------------------------
 
-    def synthesise(self, shard: int, counts: ShardCounts) -> list[Conversation]:
+    def synthesise(self, shards: list[int], counts: dict[int, ShardCounts]) -> dict[int, list[Conversation]]:
+        """The synthesised prompts of `shards`, written by the target in one call."""
         cfg = self.cfg
-        first = shard * cfg.shard_size
-        n = min(cfg.shard_size, cfg.synthesize - first)
         if self.backend.tokenizer is None:
             raise RegenError("--synthesize needs the target's tokenizer (pass --target)")
         prefix = user_turn_prefix(self.backend.tokenizer)
-        starters = [starter_for(cfg.prompt_starters, first + i) for i in range(n)]
-        requests = [Request(tag=i, seed=derive_seed(cfg.sampling.seed, shard, SYNTH_PHASE, i), text=prefix + s)
-                    for i, s in enumerate(starters)]
+        index = [(shard, i) for shard in shards
+                 for i in range(min(cfg.shard_size, cfg.synthesize - shard * cfg.shard_size))]
+        starters = [starter_for(cfg.prompt_starters, shard * cfg.shard_size + i) for shard, i in index]
+        requests = [Request(tag=k, seed=derive_seed(cfg.sampling.seed, shard, SYNTH_PHASE, i), text=prefix + starter)
+                    for k, ((shard, i), starter) in enumerate(zip(index, starters, strict=True))]
         gens = self.backend.generate(requests, cfg.prompt_sampling())
-        convs = []
-        for i, g in enumerate(gens):
+        convs: dict[int, list[Conversation]] = {shard: [] for shard in shards}
+        for (shard, i), starter, g in zip(index, starters, gens, strict=True):
             # the opening and its continuation are one text: no space is added or removed between them
-            text = (starters[i] + g.text).strip()
+            text = (starter + g.text).strip()
             if g.finish_reason != "stop" or not g.text.strip():
-                counts.synthetic_prompts_empty += 1  # an unfinished or empty question is no prompt
+                counts[shard].synthetic_prompts_empty += 1  # an unfinished or empty question is no prompt
                 continue
+            n = shard * cfg.shard_size + i
             messages = (Message("user", text), Message("assistant", ""))
-            convs.append(Conversation(f"synth-{first + i}", messages, f"synthetic:{first + i}"))
+            convs[shard].append(Conversation(f"synth-{n}", messages, f"synthetic:{n}"))
         return convs
 
-    def regenerate(self, shard: int, convs: list[Conversation], counts: ShardCounts, progress: Progress) -> list[dict]:
-        """Every conversation of the shard, turn by turn; turns of different conversations interleave."""
+    def regenerate(self, convs: dict[int, list[Conversation]], counts: dict[int, ShardCounts], progress: Progress,
+                   shard_done) -> None:
+        """Every conversation of the shards `convs`, turn by turn, the turns of all of them
+        interleaved; `shard_done(shard, rows, counts)` as each shard is complete, in shard order."""
         seed = self.cfg.sampling.seed
-        states = [ConversationState(c, i) for i, c in enumerate(convs)]
-        counts.conversations_in += len(states)
+        states = {shard: [ConversationState(c, i) for i, c in enumerate(cs)] for shard, cs in convs.items()}
+        left = {shard: len(cs) for shard, cs in states.items()}
+        order = sorted(states)
+        flat = [(shard, s) for shard in order for s in states[shard]]
+
+        def flush() -> None:
+            while order and left[order[0]] == 0:  # shards complete in order, whatever finished first
+                done = order.pop(0)
+                shard_done(done, self.shard_rows(states[done], counts[done]), counts[done])
 
         def on_done(request: Request, g: Generation) -> list[Request]:
-            s = states[request.tag]
-            self.record_turn(s, g, counts)
+            shard, s = flat[request.tag]
+            self.record_turn(s, g, counts[shard])
             progress.update(0, g.num_tokens)
             following = s.next_request(shard, seed)
-            if following is None:
-                progress.update(1)
-            return [following] if following else []
+            if following is not None:
+                return [replace(following, tag=request.tag)]
+            left[shard] -= 1
+            progress.update(1)
+            flush()
+            return []
 
-        serve(self.backend, [s.next_request(shard, seed) for s in states], self.cfg.sampling, on_done)
+        first = [replace(s.next_request(shard, seed), tag=k) for k, (shard, s) in enumerate(flat)]
+        flush()  # shards without conversations (every prompt synthesis failed) at the front
+        serve(self.backend, first, self.cfg.sampling, on_done)
+        assert not order, "every shard of the group completed"
+
+    def shard_rows(self, states: list[ConversationState], counts: ShardCounts) -> list[dict]:
+        """The rows of a finished shard's conversations, its counts completed."""
+        counts.conversations_in += len(states)
         rows = []
         for s in states:
             if s.status == "ok":
@@ -450,27 +472,42 @@ class Regenerator:
 
         self.shards.commit(shard_path(shard), write, {"index": shard, "counts": asdict(counts)})
 
+    def group_size(self) -> int:
+        """Shards generated together: enough conversations to keep `GROUP_BATCHES` batches in
+        flight, so the backend's batch stays full however small the shards are."""
+        return max(1, math.ceil(GROUP_BATCHES * self.cfg.batch_size / self.cfg.shard_size))
+
     def run(self) -> dict:
         conversations, bad, num_shards = self.plan()
         record_config(self.out, "regen", self.cfg)
         atomic_write_bytes(self.out / "README.md", DATASET_CARD.encode())
         pending = set(self.shards.pending([shard_path(i) for i in range(num_shards)]))
-        todo = [i for i in range(num_shards) if shard_path(i) in pending]
         manifest = self.manifest(bad, num_shards)
         atomic_write_json(self.out / "manifest.json", manifest)
         total = self.cfg.synthesize or len(conversations or [])
-        done = sum(s["counts"]["conversations_in"] + s["counts"]["synthetic_prompts_empty"] for s in manifest["shards"])
-        with Progress(total, "conv", "sf-regen", self.silent, initial=done,
-                      status=getattr(self.backend, "status", None)) as progress:
-            for shard in todo:
-                counts = ShardCounts()
-                if conversations is None:
-                    convs = self.synthesise(shard, counts)
-                    progress.update(counts.synthetic_prompts_empty)
-                else:
-                    convs = conversations[shard * self.cfg.shard_size : (shard + 1) * self.cfg.shard_size]
-                self.write_shard(shard, self.regenerate(shard, convs, counts, progress), counts)
+        size, per_group = self.cfg.shard_size, self.group_size()
+
+        def commit(i: int, rows: list[dict], counts: ShardCounts) -> None:
+            if shard_path(i) in pending:  # a shard of a resumed group that is already written is not again
+                self.write_shard(i, rows, counts)
                 atomic_write_json(self.out / "manifest.json", self.manifest(bad, num_shards))
+
+        with Progress(total, "conv", "sf-regen", self.silent, status=getattr(self.backend, "status", None)) as progress:
+            for start in range(0, num_shards, per_group):
+                group = list(range(start, min(start + per_group, num_shards)))
+                if not any(shard_path(i) in pending for i in group):
+                    progress.update(min(total, (group[-1] + 1) * size) - start * size)
+                    continue
+                # A group is generated whole, its finished shards too: what a shard holds depends
+                # on the requests generated beside it (batch composition), so only the same group
+                # gives the same bytes.
+                counts = {i: ShardCounts() for i in group}
+                if conversations is None:
+                    convs = self.synthesise(group, counts)
+                    progress.update(sum(c.synthetic_prompts_empty for c in counts.values()))
+                else:
+                    convs = {i: conversations[i * size : (i + 1) * size] for i in group}
+                self.regenerate(convs, counts, progress, commit)
         self.shards.remove_partials("data")
         manifest = self.manifest(bad, num_shards)
         atomic_write_json(self.out / "manifest.json", manifest)
