@@ -5,9 +5,10 @@
                                [--llama8b-conversations 256] [--llama8b-batch-size 256]
 
 For each target, tokens generated per second of:
-- `before`: the regen stage (run_regen) with --hf-engine generate: `model.generate` over
-  length-sorted, left-padded batches, turn by turn (the stage as it was);
-- `after`: the same stage with --hf-engine slots (continuous batching over a per-slot KV cache);
+- `before`: the regen stage as it was: `model.generate` over length-sorted, left-padded batches,
+  one shard at a time, turn by turn (--hf-engine generate, shard groups of one);
+- `generate_grouped`: --hf-engine generate as the stage runs it now, over groups of shards;
+- `after`: the stage with --hf-engine slots (continuous batching over a per-slot KV cache);
 - `plain_generate_ceiling`: one `model.generate` batch of `batch-size` prompts of 64 tokens, every
   one generating max-new-tokens (no early stop): the padding-free, finish-free static batch;
 - `slots_fixed_length`: the slot engine on that same fixed-length workload (its overhead alone).
@@ -29,7 +30,9 @@ import json
 import random
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 
@@ -38,7 +41,7 @@ from specfoundry.common.target import load_target
 from specfoundry.eval.evaluate import prompt_source
 from specfoundry.generate.backend import SamplingConfig
 from specfoundry.generate.hf_backend import HFBackend
-from specfoundry.generate.regen import RegenConfig, run_regen
+from specfoundry.generate.regen import RegenConfig, Regenerator, run_regen
 from specfoundry.generate.slots import SlotEngine
 
 FILLER = ("The report covers the quarter's results across every region. Sales rose in the north and fell "
@@ -70,14 +73,16 @@ def sync():
         torch.cuda.synchronize()
 
 
-def stage(backend: HFBackend, source: Path, work: Path, name: str, max_new: int, batch: int) -> dict:
-    """The regen stage's tokens/s with this backend (one shard: every conversation in one stream)."""
-    n = sum(1 for _ in source.open())
-    cfg = RegenConfig(output=str(work / name), source=str(source), shard_size=n, batch_size=batch,
+def stage(backend: HFBackend, source: Path, work: Path, name: str, max_new: int, batch: int, shard_size: int,
+          grouped: bool = True) -> dict:
+    """The regen stage's tokens/s with this backend; not `grouped`: one shard at a time, as the
+    stage generated before it grouped shards."""
+    cfg = RegenConfig(output=str(work / name), source=str(source), shard_size=shard_size, batch_size=batch,
                       hf_engine=backend.engine, sampling=SamplingConfig(temperature=0.0, max_new_tokens=max_new))
     sync()
     t = time.perf_counter()
-    manifest = run_regen(cfg, backend, silent=True)
+    with patch.object(Regenerator, "group_size", return_value=1) if not grouped else nullcontext():
+        manifest = run_regen(cfg, backend, silent=True)
     sync()
     seconds = time.perf_counter() - t
     tokens = manifest["totals"]["generated_tokens"]
@@ -118,14 +123,16 @@ def fixed_length(model, stop_ids: list[int], batch: int, max_new: int, prompt_le
     return rows
 
 
-def measure(label: str, model, tokenizer, conversations: int, batch: int, max_new: int, work: Path) -> list[dict]:
+def measure(label: str, model, tokenizer, conversations: int, batch: int, max_new: int, shard_size: int,
+            work: Path) -> list[dict]:
     source = work / f"{label}.jsonl"
     source.write_text("".join(json.dumps(c) + "\n" for c in synthetic_conversations(conversations)))
     before = HFBackend(None, model=model, tokenizer=tokenizer, batch_size=batch, engine="generate")
     after = HFBackend(None, model=model, tokenizer=tokenizer, batch_size=batch, engine="slots")
-    stage(after, source, work, f"{label}-warmup", 8, min(batch, 8))  # kernels and allocator warmed up
-    rows = {"before": stage(before, source, work, f"{label}-before", max_new, batch),
-            "after": stage(after, source, work, f"{label}-after", max_new, batch)}
+    stage(after, source, work, f"{label}-warmup", 8, min(batch, 8), shard_size)  # kernels, allocator warmed up
+    rows = {"before": stage(before, source, work, f"{label}-before", max_new, batch, shard_size, grouped=False),
+            "generate_grouped": stage(before, source, work, f"{label}-grouped", max_new, batch, shard_size),
+            "after": stage(after, source, work, f"{label}-after", max_new, batch, shard_size)}
     a, b = answers(work, f"{label}-before"), answers(work, f"{label}-after")
     # bf16 logits differ in the last bit between batch shapes, so greedy answers can part ways
     rows["after"]["same_answers_as_before"] = sum(b.get(k) == ids for k, ids in a.items()) / len(a)
@@ -153,6 +160,8 @@ def main():
     ap.add_argument("--conversations", type=int, default=2048, help="SmolLM2 conversations.")
     ap.add_argument("--batch-size", type=int, default=2048, help="SmolLM2 sequences at once (both paths).")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="Tokens per answer, at most.")
+    ap.add_argument("--shard-size", type=int, default=128, help="sf-regen's --shard-size (its default, and the "
+                    "recipes').")
     ap.add_argument("--llama8b-conversations", type=int, default=256, help="Conversations of the 8B (0: skip it).")
     ap.add_argument("--llama8b-batch-size", type=int, default=256, help="8B sequences at once.")
     ap.add_argument("--second-target", choices=("llama8b", "tiny"), default="llama8b",
@@ -164,12 +173,13 @@ def main():
     model, tokenizer, _ = load_target("smollm2", device=device)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        rows = measure("smollm2", model, tokenizer, args.conversations, args.batch_size, args.max_new_tokens, work)
+        rows = measure("smollm2", model, tokenizer, args.conversations, args.batch_size, args.max_new_tokens,
+                       args.shard_size, work)
         del model
         if args.llama8b_conversations:
             big = llama8b(args.second_target == "tiny", device)
             rows += measure(args.second_target, big, tokenizer, args.llama8b_conversations, args.llama8b_batch_size,
-                            args.max_new_tokens, work)
+                            args.max_new_tokens, args.shard_size, work)
     summary = {f"{t}_tokens_per_s": {r["path"]: r["tokens_per_s"] for r in rows if r["target"] == t}
                for t in dict.fromkeys(r["target"] for r in rows)}
     for t in summary.values():

@@ -6,11 +6,11 @@ Layout of the output folder:
   data/shard-00000.parquet one row per kept conversation (see ROW_SCHEMA)
 
 Work is split into fixed shards of the (deterministically ordered) input, written and resumed
-through common/shards.py (regen_config.json, data/<shard>.done.json marks). Within a shard every
-conversation goes turn by turn, and the turns of different conversations stream through the
-backend together (backend.serve). Every request derives its seed from (seed, shard, conversation,
-turn), and what a shard's requests are does not depend on any other shard, so a resumed run
-writes byte-identical shards.
+through common/shards.py (regen_config.json, data/<shard>.done.json marks). Every conversation
+goes turn by turn, and the turns of different conversations stream through the backend together
+(backend.serve), over a group of shards at a time (group_size) that keeps the batch full. Every
+request derives its seed from (seed, shard, conversation, turn), and a resumed run generates a
+partly written group whole again, so it writes byte-identical shards.
 """
 
 from __future__ import annotations
