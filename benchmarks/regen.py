@@ -1,72 +1,195 @@
-"""sf-regen throughput on one GPU: the hf backend (batched, length-sorted) against a plain
-`model.generate` loop over the same prompts, in one process.
+"""sf-regen throughput on one GPU: today's path against the new one against one plain
+`model.generate` batch, in the same run.
 
-    python -m benchmarks.regen --tokenizer DIR [--prompts 128] [--batch-size 64]
+    python -m benchmarks.regen [--conversations 2048] [--max-new-tokens 256] [--batch-size 2048]
+                               [--llama8b-conversations 256] [--llama8b-batch-size 256]
 
-Model: the SmolLM2-135M architecture with random weights (the device cannot take the real
-weights in one call); a random model rarely ends a turn, so both sides generate max_new_tokens
-for nearly every prompt: the work is the same, only the batching differs.
+For each target, tokens generated per second of:
+- `before`: the regen stage as it was: `model.generate` over length-sorted, left-padded batches,
+  one shard at a time, turn by turn (--hf-engine generate, shard groups of one);
+- `generate_grouped`: --hf-engine generate as the stage runs it now, over groups of shards;
+- `after`: the stage with --hf-engine slots (continuous batching over a per-slot KV cache);
+- `plain_generate_ceiling`: one `model.generate` batch of `batch-size` prompts of 64 tokens, every
+  one generating max-new-tokens (no early stop): the padding-free, finish-free static batch;
+- `slots_fixed_length`: the slot engine on that same fixed-length workload (its overhead alone).
+The stage figures count every generated token over the stage's wall time (rendering, tokenising,
+writing the shards included).
+
+Targets: SmolLM2-135M-Instruct with its real weights (the embedded GGUF, common/target.py), on
+`--conversations` conversations synthesised from the shipped prompt sets (spread prompt lengths,
+a quarter of them two-turn), greedy as in the pipeline; and a randomly initialised model of
+Llama-3.1-8B's shape (bf16) on fewer conversations (a random model rarely stops, so nearly every
+answer runs to the cap). `--second-target tiny` swaps the 8B for a tiny one, to check the script
+on a CPU; the JSON goes to results/regen.json only from a GPU run (or to --out).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
+import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 
 from benchmarks.common import print_table, write_result
+from specfoundry.common.target import load_target
+from specfoundry.eval.evaluate import prompt_source
 from specfoundry.generate.backend import SamplingConfig
 from specfoundry.generate.hf_backend import HFBackend
+from specfoundry.generate.regen import RegenConfig, Regenerator, run_regen
+from specfoundry.generate.slots import SlotEngine
+
+FILLER = ("The report covers the quarter's results across every region. Sales rose in the north and fell "
+          "slightly in the south, while costs stayed flat. The team plans to hire two engineers and to move "
+          "the launch to the spring. Customers asked for better documentation and a faster checkout. ")
+
+
+def synthetic_conversations(n: int, seed: int = 0) -> list[dict]:
+    """n conversations built from the shipped prompt sets: each user turn is a prompt behind 0 to 24
+    sentences of context (prompt lengths from about 20 to 800 tokens); every fourth conversation
+    has a second turn."""
+    rng = random.Random(seed)
+    prompts = [json.loads(line)["messages"][-1]["content"]
+               for name in ("chat", "code", "math") for line in prompt_source(name).read_text().splitlines()]
+    sentences = [s.strip() + "." for s in FILLER.split(".") if s.strip()]
+    out = []
+    for i in range(n):
+        context = " ".join(rng.choice(sentences) for _ in range(min(24, int(rng.expovariate(1 / 6)))))
+        user = (f"{context}\n\n" if context else "") + prompts[i % len(prompts)]
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": "-"}]
+        if i % 4 == 3:
+            messages += [{"role": "user", "content": "Now say it in fewer words."}, {"role": "assistant", "content": "-"}]
+        out.append({"id": f"b{i}", "messages": messages})
+    return out
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def stage(backend: HFBackend, source: Path, work: Path, name: str, max_new: int, batch: int, shard_size: int,
+          grouped: bool = True) -> dict:
+    """The regen stage's tokens/s with this backend; not `grouped`: one shard at a time, as the
+    stage generated before it grouped shards."""
+    cfg = RegenConfig(output=str(work / name), source=str(source), shard_size=shard_size, batch_size=batch,
+                      hf_engine=backend.engine, sampling=SamplingConfig(temperature=0.0, max_new_tokens=max_new))
+    sync()
+    t = time.perf_counter()
+    with patch.object(Regenerator, "group_size", return_value=1) if not grouped else nullcontext():
+        manifest = run_regen(cfg, backend, silent=True)
+    sync()
+    seconds = time.perf_counter() - t
+    tokens = manifest["totals"]["generated_tokens"]
+    return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
+            "turns": manifest["totals"]["turns_ok"] + manifest["totals"]["turns_truncated"]}
+
+
+def answers(work: Path, name: str) -> dict[tuple[str, int], list[int]]:
+    """(conversation id, turn) -> the generated token ids, of a stage run's output."""
+    import pyarrow.parquet as pq
+
+    return {(row["id"], k): ids for p in sorted((work / name / "data").glob("*.parquet"))
+            for row in pq.read_table(p).to_pylist() for k, ids in enumerate(row["gen_token_ids"])}
+
+
+@torch.inference_mode()
+def fixed_length(model, stop_ids: list[int], batch: int, max_new: int, prompt_len: int = 64) -> dict:
+    """One model.generate batch and the slot engine over `batch` prompts of `prompt_len` tokens,
+    each generating exactly max_new tokens."""
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, 40000, (batch, prompt_len), generator=g)  # [B, T]
+    rows = {}
+    for name, run in (
+        ("plain_generate_ceiling", lambda: model.generate(
+            ids.to(device), attention_mask=torch.ones_like(ids).to(device), do_sample=False, max_new_tokens=max_new,
+            min_new_tokens=max_new, eos_token_id=stop_ids, pad_token_id=stop_ids[0])),
+        ("slots_fixed_length", lambda: SlotEngine(
+            model, slots=batch, stop_ids=[], sampling=SamplingConfig(temperature=0.0, max_new_tokens=max_new)).run(
+            [(r, 0, i) for i, r in enumerate(ids.tolist())], lambda tag, out: ())),
+    ):
+        sync()
+        t = time.perf_counter()
+        run()
+        sync()
+        seconds = time.perf_counter() - t
+        rows[name] = {"seconds": seconds, "output_tokens": batch * max_new, "tokens_per_s": batch * max_new / seconds}
+    return rows
+
+
+def measure(label: str, model, tokenizer, conversations: int, batch: int, max_new: int, shard_size: int,
+            work: Path) -> list[dict]:
+    source = work / f"{label}.jsonl"
+    source.write_text("".join(json.dumps(c) + "\n" for c in synthetic_conversations(conversations)))
+    before = HFBackend(None, model=model, tokenizer=tokenizer, batch_size=batch, engine="generate")
+    after = HFBackend(None, model=model, tokenizer=tokenizer, batch_size=batch, engine="slots")
+    stage(after, source, work, f"{label}-warmup", 8, min(batch, 8), shard_size)  # kernels, allocator warmed up
+    rows = {"before": stage(before, source, work, f"{label}-before", max_new, batch, shard_size, grouped=False),
+            "generate_grouped": stage(before, source, work, f"{label}-grouped", max_new, batch, shard_size),
+            "after": stage(after, source, work, f"{label}-after", max_new, batch, shard_size)}
+    a, b = answers(work, f"{label}-before"), answers(work, f"{label}-after")
+    # bf16 logits differ in the last bit between batch shapes, so greedy answers can part ways
+    rows["after"]["same_answers_as_before"] = sum(b.get(k) == ids for k, ids in a.items()) / len(a)
+    rows.update(fixed_length(model, before.stop_ids, batch, max_new))
+    return [{"target": label, "path": k, "conversations": conversations, "batch": batch, **v} for k, v in rows.items()]
+
+
+def llama8b(tiny: bool, device: str):
+    """A randomly initialised Llama-3.1-8B-shaped model (or a tiny one), bf16 on a GPU."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    shape = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2) if tiny else
+             dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                  num_key_value_heads=8))
+    config = LlamaConfig(vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, **shape)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    return model.eval().requires_grad_(False)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokenizer", required=True, help="Folder with SmolLM2's config.json and tokenizer files.")
-    ap.add_argument("--prompts", type=int, default=128, help="Number of prompts.")
-    ap.add_argument("--batch-size", type=int, default=64, help="hf backend batch size.")
-    ap.add_argument("--max-new-tokens", type=int, default=128, help="Tokens per answer.")
+    ap.add_argument("--conversations", type=int, default=2048, help="SmolLM2 conversations.")
+    ap.add_argument("--batch-size", type=int, default=2048, help="SmolLM2 sequences at once (both paths).")
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="Tokens per answer, at most.")
+    ap.add_argument("--shard-size", type=int, default=128, help="sf-regen's --shard-size (its default, and the "
+                    "recipes').")
+    ap.add_argument("--llama8b-conversations", type=int, default=256, help="Conversations of the 8B (0: skip it).")
+    ap.add_argument("--llama8b-batch-size", type=int, default=256, help="8B sequences at once.")
+    ap.add_argument("--second-target", choices=("llama8b", "tiny"), default="llama8b",
+                    help="The second target: the 8B shape, or a tiny Llama to check the script on a CPU.")
+    ap.add_argument("--out", default=None, help="Result name under benchmarks/results/ (default: regen on a GPU, "
+                    "none on a CPU).")
     args = ap.parse_args()
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
-    cfg = LlamaConfig(**{k: v for k, v in json.loads((Path(args.tokenizer) / "config.json").read_text()).items()
-                         if k not in ("architectures", "transformers_version")})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
-    tok = AutoTokenizer.from_pretrained(args.tokenizer)
-    backend = HFBackend(None, batch_size=args.batch_size, model=model, tokenizer=tok)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, 49000, (int(torch.randint(16, 256, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(args.prompts)]
-    sampling = SamplingConfig(temperature=0.8, max_new_tokens=args.max_new_tokens, seed=0)
-    backend.generate_ids(prompts[:4], sampling, seed=0)  # warm-up
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    gens = backend.generate_ids(prompts, sampling, seed=0)
-    torch.cuda.synchronize()
-    ours_s = time.perf_counter() - t
-    ours_tokens = sum(x.num_tokens for x in gens)
-
-    t = time.perf_counter()
-    plain_tokens = 0
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p], device="cuda")
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=0.8,
-                                 max_new_tokens=args.max_new_tokens, eos_token_id=backend.stop_ids,
-                                 pad_token_id=backend.pad_id)
-            plain_tokens += out.shape[1] - ids.shape[1]
-    torch.cuda.synchronize()
-    plain_s = time.perf_counter() - t
-    rows = [{"impl": f"ours: hf backend, batch {args.batch_size}, length-sorted", "output_tokens": ours_tokens,
-             "seconds": ours_s, "tokens_per_s": ours_tokens / ours_s},
-            {"impl": "plain model.generate loop", "output_tokens": plain_tokens, "seconds": plain_s,
-             "tokens_per_s": plain_tokens / plain_s}]
-    rows[0]["speedup"] = rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
-    print_table(rows, ["impl", "output_tokens", "seconds", "tokens_per_s", "speedup"])
-    print(write_result("regen", rows, {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens}))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer, _ = load_target("smollm2", device=device)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        rows = measure("smollm2", model, tokenizer, args.conversations, args.batch_size, args.max_new_tokens,
+                       args.shard_size, work)
+        del model
+        if args.llama8b_conversations:
+            big = llama8b(args.second_target == "tiny", device)
+            rows += measure(args.second_target, big, tokenizer, args.llama8b_conversations, args.llama8b_batch_size,
+                            args.max_new_tokens, args.shard_size, work)
+    summary = {f"{t}_tokens_per_s": {r["path"]: r["tokens_per_s"] for r in rows if r["target"] == t}
+               for t in dict.fromkeys(r["target"] for r in rows)}
+    for t in summary.values():
+        t["after_over_before"] = t["after"] / t["before"]
+    print_table(rows, ["target", "path", "conversations", "batch", "output_tokens", "seconds", "tokens_per_s",
+                       "same_answers_as_before"])
+    print(json.dumps(summary, indent=2))
+    out = args.out or ("regen" if device == "cuda" else None)
+    if out:
+        print(write_result(out, rows, {"summary": summary, "settings": vars(args)}))
 
 
 if __name__ == "__main__":

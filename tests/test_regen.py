@@ -15,7 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from specfoundry.generate.backend import Generation, SamplingConfig
+from specfoundry.generate.backend import Generation, Request, SamplingConfig
 from specfoundry.generate.cli import main as regen_cli
 from specfoundry.generate.hf_backend import HFBackend
 from specfoundry.generate.regen import RegenConfig, run_regen
@@ -117,7 +117,8 @@ def test_greedy_answers_still_get_sampled_prompts(tmp_path, backend):
     cfg = RegenConfig(output=str(tmp_path / "g"), synthesize=4, shard_size=4,
                       sampling=SamplingConfig(temperature=0.0, max_new_tokens=24, seed=2))
     assert cfg.prompt_sampling().temperature == 1.0
-    prompts = [backend.complete(["x"], cfg.prompt_sampling(), seed)[0].token_ids for seed in (1, 2)]
+    prompts = [backend.generate([Request(tag=0, seed=seed, text="x")], cfg.prompt_sampling())[0].token_ids
+               for seed in (1, 2)]
     assert prompts[0] != prompts[1]
     run_regen(cfg, backend, silent=True)
     users = [r["messages"][0]["content"] for r in rows(tmp_path / "g")]
@@ -222,10 +223,10 @@ class ScriptedBackend:
     def identity(self):
         return {"backend": self.name}
 
-    def chat(self, prompts, sampling, seed):
+    def generate(self, requests, sampling):
         gens = []
-        for p in prompts:
-            self.prompts.append(p)
+        for r in requests:
+            self.prompts.append(r.messages)
             ids = tuple(self.answers.pop(0))
             reason = "length" if len(ids) >= sampling.max_new_tokens else "stop"
             gens.append(Generation(self.tokenizer.decode(ids), reason, ids, len(ids)))
@@ -255,3 +256,35 @@ def test_trim_cuts_looping_answers_and_later_turns_see_the_cut(tmp_path, backend
     assert first["finish_reasons"] == ["loop", "stop"] and first["flags"] == ["turn 0: loop trimmed"]
     assert scripted.prompts[2][1]["content"] == tok.decode(kept)  # turn 1 was generated on the trimmed answer
     assert second["finish_reasons"] == ["length"] and second["flags"] == ["turn 0: truncated"]
+
+
+class EchoBackend:
+    """Answers every turn with the token ids of its prompt's last message; records each call."""
+
+    name = "echo"
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, []
+
+    def identity(self):
+        return {"backend": self.name}
+
+    def generate(self, requests, sampling):
+        self.calls.append([r.messages[-1]["content"] for r in requests])
+        return [Generation(r.messages[-1]["content"][::-1], "stop", (1,), 1) for r in requests]
+
+
+@pytest.mark.parametrize("batch_size", [1, 32])
+def test_small_shards_are_generated_in_groups_and_written_in_order(tmp_path, backend, batch_size):
+    # batch 1, shards of 1: groups of 4 shards (4 batches of conversations in flight), 2 groups
+    src = write_jsonl(tmp_path / "c.jsonl", CHAT)
+    echo = EchoBackend(backend.tokenizer)
+    cfg = RegenConfig(output=str(tmp_path / "out"), source=str(src), shard_size=1, batch_size=batch_size,
+                      sampling=SamplingConfig(temperature=0.0, max_new_tokens=4))
+    manifest = run_regen(cfg, echo, silent=True)
+    assert [s["index"] for s in manifest["shards"]] == list(range(6))
+    # rounds: the first turns of a group's conversations together, then c1's second turn
+    assert [len(c) for c in echo.calls] == ([4, 1, 2] if batch_size == 1 else [6, 1])
+    written = rows(tmp_path / "out")
+    assert [r["id"] for r in written] == [c["id"] for c in CHAT]
+    assert written[1]["messages"][1]["content"] == "Name a colour."[::-1]

@@ -8,6 +8,12 @@ whatever token the template puts right after the content (ChatML's <|im_end|>, L
 <|eot_id|>, ...): no hand-list of strings.
 Tokens whose characters start inside [content start, end of that token) are trainable. The
 result is checked: decoding the masked tokens must give the assistant texts back.
+
+Tool conversations: the template is given the conversation's tools. An assistant turn that calls
+tools is rendered in the template's own call syntax, so its span is located by rendering: from
+the end of the history with its generation prompt to the end of the history with this turn
+(trailing whitespace aside, its end-of-turn marker included). Tool results are never inside an
+assistant span, so they are never trained on.
 """
 
 from __future__ import annotations
@@ -45,7 +51,15 @@ def locate(text: str, content: str, cursor: int) -> tuple[int, str]:
 
 
 def render_with_mask(tokenizer, messages: list[dict], max_length: int | None = None) -> Rendered:
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    """`messages` may carry the conversation's tools (common.conversations.ChatMessages)."""
+    tools = getattr(messages, "tools", None)
+    extra = {"tools": list(tools)} if tools else {}
+
+    def render(upto: list[dict], generation_prompt: bool = False) -> str:
+        return tokenizer.apply_chat_template(upto, add_generation_prompt=generation_prompt, tokenize=False, **extra)
+
+    messages = list(messages)
+    text = render(messages)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     spans, cursor = [], 0
@@ -55,9 +69,13 @@ def render_with_mask(tokenizer, messages: list[dict], max_length: int | None = N
         # The template's own rendering of everything before this turn plus its generation
         # prompt ends at (or just before) where the content starts: search from there, so text
         # in earlier user turns is never taken for the answer.
-        prefix = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True, tokenize=False)
+        prefix = render(messages[:k], generation_prompt=True)
         if text.startswith(prefix):
             cursor = max(cursor, len(prefix))
+        if m.get("tool_calls"):
+            spans.append(call_span(text, prefix, render(messages[: k + 1])))
+            cursor = spans[-1][1]
+            continue
         start, content = locate(text, m["content"], cursor)
         if start < 0:
             raise TemplateMaskError("the chat template does not render an assistant message verbatim")
@@ -78,6 +96,16 @@ def render_with_mask(tokenizer, messages: list[dict], max_length: int | None = N
     if max_length is not None:
         ids, mask = ids[:max_length], mask[:max_length]
     return Rendered(ids, mask, spans, text)
+
+
+def call_span(text: str, prefix: str, upto: str) -> tuple[int, int]:
+    """The characters of an assistant turn with tool calls: what rendering the turn adds to the
+    history with its generation prompt (`prefix`), up to `upto`, the history with the turn."""
+    end = len(upto.rstrip())
+    if not (text.startswith(prefix) and text.startswith(upto) and end > len(prefix)):
+        raise TemplateMaskError("the chat template does not render an assistant turn with tool calls after its "
+                                "generation prompt, as a prefix of the conversation")
+    return len(prefix), end
 
 
 def masked_texts(tokenizer, rendered: Rendered) -> list[str]:

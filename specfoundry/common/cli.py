@@ -61,13 +61,14 @@ SHARED = {
 
 def setting(default=MISSING, *, help: str, factory=None, flags: tuple[str, ...] = (), choices=None,
             shown: str | None = None, resume: bool = True, argument: bool = False, cli: bool = True,
-            parse=None):
+            parse=None, repeatable: bool = False):
     """A config field with its help. `shown`: how a None (or computed) default reads in --help.
     `parse`: turns the text of the option (or a recipe's value) into the field's value.
     `resume=False`: where or how fast, not what is written; a resumed run may change it.
-    `argument`: the command's positional input. `cli=False`: set by the command, not an option."""
+    `argument`: the command's positional input. `cli=False`: set by the command, not an option.
+    `repeatable`: a tuple field given by repeating its option (a recipe gives a list)."""
     meta = {"help": help, "flags": flags, "choices": choices, "shown": shown, "resume": resume,
-            "argument": argument, "cli": cli, "parse": parse}
+            "argument": argument, "cli": cli, "parse": parse, "repeatable": repeatable}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -130,6 +131,8 @@ def _option(f: dataclasses.Field, hint):
     if meta.get("argument"):
         return click.argument(f.name, required=False, type=click.Path() if typ is str else typ)
     default, show = _click_default(f, is_tuple)
+    if meta.get("repeatable"):
+        return click.option(*flags, f.name, multiple=True, type=str, help=meta["help"], show_default=show)
     if typ is bool:
         long = flags[-1]
         return click.option(*flags[:-1], f"{long}/--no-{long[2:]}", f.name, default=bool(default),

@@ -1,9 +1,12 @@
 """Conversation datasets: loading from local files, normalising shapes, reporting bad input.
 
 Accepted shapes (one conversation per record):
-  OpenAI:   {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}]}
+  OpenAI:   {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": "..."}]}
   ShareGPT: {"conversations": [{"from": "system"|"human"|"gpt", "value": "..."}]}
-An optional "id" is kept. Bad records are never fatal here: each becomes a ``BadInput`` that
+An optional "id" is kept. Conversations with tools (OpenAI shape): a record-level "tools" list
+(the function schemas the chat template is given), assistant messages with "tool_calls"
+([{"id", "type": "function", "function": {"name", "arguments"}}], arguments a JSON object or its
+text) and "tool" messages with the results ("tool_call_id" naming the call they answer). Bad records are never fatal here: each becomes a ``BadInput`` that
 names its file and line (jsonl) or row (json/parquet), and the caller decides (report and
 skip, or fail under --strict).
 """
@@ -24,6 +27,8 @@ ROLE_ALIASES = {
     "chatgpt": "assistant",
     "model": "assistant",
     "bot": "assistant",
+    "tool": "tool",
+    "function": "tool",  # OpenAI's earlier name of the tool role
 }
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 MANIFEST_NAME = "manifest.json"
@@ -34,9 +39,66 @@ class ConversationFormatError(ValueError):
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """One function call an assistant message makes."""
+
+    name: str
+    arguments: object  # the parsed JSON arguments (an object, as chat templates expect)
+    id: str | None = None
+
+    def key(self) -> tuple[str, str]:
+        """What identifies the call: its name and its arguments (key order aside)."""
+        return self.name, json.dumps(self.arguments, sort_keys=True)
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
 class Message:
-    role: str  # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant" | "tool"
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # assistant messages only
+    tool_call_id: str | None = None  # tool messages: the call answered
+    name: str | None = None  # tool messages: the function's name, where the record gives it
+
+    def to_dict(self) -> dict:
+        """The message as chat templates take it (tool fields only where set)."""
+        out = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.to_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def arguments_value(arguments):
+    """Tool-call arguments given as JSON text or as the object itself -> the object (a
+    json.JSONDecodeError, a ValueError, when the text is not JSON)."""
+    if isinstance(arguments, str):
+        return json.loads(arguments) if arguments.strip() else {}
+    return {} if arguments is None else arguments
+
+
+def with_json_arguments(message: dict) -> dict:
+    """A message dict with its tool calls' arguments as JSON text (the OpenAI API's form, and how
+    sf-regen stores them)."""
+    if not message.get("tool_calls"):
+        return message
+    calls = [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
+             for c in message["tool_calls"]]
+    return {**message, "tool_calls": calls}
+
+
+class ChatMessages(list):
+    """A list of message dicts that also carries the conversation's `tools` (None when it has
+    none), so a renderer given only the messages renders the tools too."""
+
+    def __init__(self, messages, tools: list[dict] | None = None):
+        super().__init__(messages)
+        self.tools = tools
 
 
 @dataclass(frozen=True)
@@ -44,19 +106,25 @@ class Conversation:
     id: str
     messages: tuple[Message, ...]
     location: str  # "file.jsonl:12" (line) or "file.parquet:row 3"
+    tools: tuple[dict, ...] | None = None  # function schemas given to the chat template
 
-    def to_messages(self) -> list[dict]:
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+    def to_messages(self) -> ChatMessages:
+        return ChatMessages([m.to_dict() for m in self.messages], list(self.tools) if self.tools else None)
 
     @property
     def num_assistant_turns(self) -> int:
         return sum(m.role == "assistant" for m in self.messages)
 
+    @property
+    def num_tool_exchanges(self) -> int:
+        """Assistant messages that call tools (each with the results that answer it: one exchange)."""
+        return sum(bool(m.tool_calls) for m in self.messages)
+
 
 @dataclass(frozen=True)
 class BadInput:
     location: str
-    kind: str  # malformed_json | missing_role | missing_content | unknown_role | empty_conversation | ends_on_user | no_assistant_turn | over_long_prompt | no_user_turn
+    kind: str  # malformed_json | missing_role | missing_content | unknown_role | empty_conversation | ends_on_user | ends_on_tool | no_assistant_turn | over_long_prompt | no_user_turn | bad_tool_call | bad_tools | orphan_tool_result
     detail: str
 
     def __str__(self) -> str:
@@ -158,18 +226,12 @@ def normalise(record: dict, location: str, default_id: str, prompt_only: bool = 
     if not isinstance(turns, list) or not turns:
         return BadInput(location, "empty_conversation", "the conversation has no turns")
     messages = []
-    for t, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            return BadInput(location, "missing_role", f"turn {t} is not an object")
-        role = turn.get("role", turn.get("from"))
-        content = turn.get("content", turn.get("value"))
-        if role is None:
-            return BadInput(location, "missing_role", f"turn {t} has no 'role' or 'from'")
-        if str(role).lower() not in ROLE_ALIASES:
-            return BadInput(location, "unknown_role", f"turn {t} has unknown role {role!r}")
-        if not isinstance(content, str):
-            return BadInput(location, "missing_content", f"turn {t} has no text content")
-        messages.append(Message(ROLE_ALIASES[str(role).lower()], content))
+    try:
+        tools = parse_tools(record.get("tools"))
+        for t, turn in enumerate(turns):
+            messages.append(parse_message(turn, t, messages))
+    except BadRecord as e:
+        return BadInput(location, e.kind, e.detail)
     non_system = [m for m in messages if m.role != "system"]
     if not non_system:
         return BadInput(location, "empty_conversation", "only a system prompt")
@@ -178,13 +240,86 @@ def normalise(record: dict, location: str, default_id: str, prompt_only: bool = 
             messages = messages[:-1]
         if not messages or messages[-1].role != "user":
             return BadInput(location, "no_user_turn", "a prompt must end on a user turn")
-        return Conversation(str(record.get("id") or default_id), tuple(messages), location)
+        return Conversation(str(record.get("id") or default_id), tuple(messages), location, tools)
     if not any(m.role == "assistant" for m in non_system):
         return BadInput(location, "no_assistant_turn", "no assistant turn to learn from")
     if non_system[-1].role == "user":
         return BadInput(location, "ends_on_user", "the last turn is a user turn with no answer")
+    if non_system[-1].role == "tool":
+        return BadInput(location, "ends_on_tool", "the last turn is a tool result with no answer")
     conv_id = str(record.get("id", default_id)) if record.get("id") is not None else default_id
-    return Conversation(conv_id, tuple(messages), location)
+    return Conversation(conv_id, tuple(messages), location, tools)
+
+
+class BadRecord(Exception):
+    """What is wrong with one record (a BadInput's kind and detail, without its location)."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(detail)
+        self.kind, self.detail = kind, detail
+
+
+def parse_message(turn, t: int, before: list[Message]) -> Message:
+    """Turn `t` as a Message; `before`: the turns so far (a tool result must answer the last call)."""
+    if not isinstance(turn, dict):
+        raise BadRecord("missing_role", f"turn {t} is not an object")
+    role = turn.get("role", turn.get("from"))
+    content = turn.get("content", turn.get("value"))
+    if role is None:
+        raise BadRecord("missing_role", f"turn {t} has no 'role' or 'from'")
+    if str(role).lower() not in ROLE_ALIASES:
+        raise BadRecord("unknown_role", f"turn {t} has unknown role {role!r}")
+    role = ROLE_ALIASES[str(role).lower()]
+    calls = parse_tool_calls(turn.get("tool_calls"), t) if role == "assistant" else ()
+    if content is None and calls:
+        content = ""  # an assistant message that only calls tools
+    if not isinstance(content, str):
+        raise BadRecord("missing_content", f"turn {t} has no text content")
+    if role != "tool":
+        return Message(role, content, calls)
+    call_id, name = turn.get("tool_call_id"), turn.get("name")
+    exchange = next((m for m in reversed(before) if m.role != "tool"), None)
+    if exchange is None or not exchange.tool_calls:
+        raise BadRecord("orphan_tool_result", f"turn {t} is a tool result that follows no assistant tool call")
+    if call_id is not None and str(call_id) not in {c.id for c in exchange.tool_calls}:
+        raise BadRecord("orphan_tool_result",
+                        f"turn {t} answers call {call_id!r}, which the assistant turn before did not make")
+    return Message("tool", content, (), None if call_id is None else str(call_id), None if name is None else str(name))
+
+
+def parse_tool_calls(calls, t: int) -> tuple[ToolCall, ...]:
+    """An assistant turn's tool_calls (OpenAI's {"id", "function": {"name", "arguments"}} or the
+    flat {"name", "arguments"}), arguments given as JSON text or an object."""
+    if calls is None:
+        return ()
+    if not isinstance(calls, list):
+        raise BadRecord("bad_tool_call", f"turn {t}: tool_calls is not a list")
+    out = []
+    for k, call in enumerate(calls):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise BadRecord("bad_tool_call", f"turn {t} tool call {k} has no function name")
+        try:
+            arguments = arguments_value(fn.get("arguments"))
+        except json.JSONDecodeError as e:
+            raise BadRecord("bad_tool_call", f"turn {t} tool call {k}: arguments are not JSON ({e.msg})") from e
+        call_id = call.get("id")
+        out.append(ToolCall(fn["name"], arguments, None if call_id is None else str(call_id)))
+    return tuple(out)
+
+
+def parse_tools(tools) -> tuple[dict, ...] | None:
+    """A record's tools list (a list of objects, or its JSON text)."""
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise BadRecord("bad_tools", f"'tools' is not JSON ({e.msg})") from e
+    if not isinstance(tools, list) or not all(isinstance(x, dict) for x in tools):
+        raise BadRecord("bad_tools", "'tools' is not a list of objects")
+    return tuple(tools) or None
 
 
 def load_conversations(source: str | Path, strict: bool = False, limit: int | None = None,

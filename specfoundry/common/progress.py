@@ -8,17 +8,21 @@ from tqdm.auto import tqdm
 
 
 class Progress:
-    """A bar over items (conversations, samples, steps) that also shows a token rate."""
+    """A bar over items (conversations, samples, steps) that also shows a token rate, and what
+    `status()` says where given (the openai fleet: servers up of all)."""
 
-    def __init__(self, total: int | None, unit: str, desc: str, silent: bool = False, initial: int = 0):
+    def __init__(self, total: int | None, unit: str, desc: str, silent: bool = False, initial: int = 0,
+                 status=None):
         self.bar = tqdm(total=total, unit=unit, desc=desc, disable=silent, initial=initial, dynamic_ncols=True)
         self.tokens = 0
         self.start = time.perf_counter()
+        self.status = status
 
     def update(self, items: int, tokens: int = 0) -> None:
         self.tokens += tokens
         elapsed = max(time.perf_counter() - self.start, 1e-9)
-        self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tok/s", refresh=False)
+        extra = f", {self.status()}" if self.status is not None else ""
+        self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tok/s{extra}", refresh=False)
         self.bar.update(items)
 
     def close(self) -> None:

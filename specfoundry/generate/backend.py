@@ -1,11 +1,19 @@
-"""The generation backend interface and the sampling settings every backend honours."""
+"""The generation backend interface and the sampling settings every backend honours.
+
+A backend answers `Request`s. `serve(backend, requests, sampling, on_done)` generates every
+request and every follow-up that `on_done(request, generation)` returns for it (the next turn of
+that conversation): a backend with its own `serve` (hf's slot engine, the openai fleet) streams
+them, the others answer in rounds (all pending requests at once, then their follow-ups).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from specfoundry.common.cli import setting, shared
+from specfoundry.common.conversations import ToolCall
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,7 +25,7 @@ class SamplingConfig:
     top_k: int = setting(0, help="Sample only from the k most likely tokens (0 = off).")
     # an answer that reaches the cap is 'truncated'
     max_new_tokens: int = shared("max_new_tokens", 512)
-    # each generation call derives its own seed from this one, so reruns reproduce
+    # each request derives its own seed from this one, so reruns reproduce
     seed: int = shared("seed", 0)
 
     @property
@@ -27,25 +35,62 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class Generation:
-    text: str
+    text: str  # the answer's text; where it calls tools, the text outside the calls
     finish_reason: str  # "stop" (end of turn), "length" (hit max_new_tokens) or "error"
     token_ids: tuple[int, ...] | None  # None where the backend does not return ids
     num_tokens: int
     error: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()  # the calls the answer makes (requests with tools only)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation: the next assistant turn after `messages` (rendered with `tools`), or, when
+    `text` is set, a raw continuation of that text (prompt synthesis)."""
+
+    tag: object  # the caller's handle, handed back with the generation
+    seed: int  # fixes what this request samples, whatever else is generated beside it
+    messages: tuple[dict, ...] = ()
+    tools: tuple[dict, ...] | None = None
+    text: str | None = None
+
+
+OnDone = Callable[[Request, Generation], Iterable[Request] | None]
 
 
 class Backend(Protocol):
     name: str
     tokenizer: object | None  # a transformers tokenizer where the backend has one
 
-    def chat(self, prompts: list[list[dict]], sampling: SamplingConfig, seed: int) -> list[Generation]:
-        """Generate the next assistant turn for each message list."""
-
-    def complete(self, prefixes: list[str], sampling: SamplingConfig, seed: int) -> list[Generation]:
-        """Sample one raw continuation of each text prefix (used to synthesise user prompts)."""
+    def generate(self, requests: list[Request], sampling: SamplingConfig) -> list[Generation]:
+        """One generation per request, in order."""
 
     def identity(self) -> dict:
         """What to record in the manifest about the model behind this backend."""
+
+
+def serve(backend: Backend, requests: list[Request], sampling: SamplingConfig, on_done: OnDone) -> None:
+    """Generate `requests` and the follow-ups `on_done` returns, until none is left."""
+    if hasattr(backend, "serve"):
+        backend.serve(requests, sampling, on_done)
+    else:
+        serve_in_rounds(backend.generate, requests, sampling, on_done)
+
+
+def generate_by_serving(serve_fn, requests: list[Request], sampling: SamplingConfig) -> list[Generation]:
+    """One generation per request, in order, from a streaming backend's `serve`."""
+    results: dict[int, Generation] = {}
+    numbered = [replace(r, tag=i) for i, r in enumerate(requests)]
+    serve_fn(numbered, sampling, lambda r, g: results.__setitem__(r.tag, g))
+    return [results[i] for i in range(len(requests))]
+
+
+def serve_in_rounds(generate, requests: list[Request], sampling: SamplingConfig, on_done: OnDone) -> None:
+    """Every pending request in one `generate` call, then all their follow-ups in the next."""
+    pending = list(requests)
+    while pending:
+        gens = generate(pending, sampling)
+        pending = [nxt for r, g in zip(pending, gens, strict=True) for nxt in (on_done(r, g) or ())]
 
 
 def derive_seed(*parts: int) -> int:
@@ -64,17 +109,20 @@ def make_backend(cfg) -> Backend:
     if cfg.backend == "hf":
         from specfoundry.generate.hf_backend import HFBackend
 
-        return HFBackend(cfg.target, device=cfg.device, batch_size=cfg.batch_size, chat_template=cfg.chat_template)
+        return HFBackend(cfg.target, device=cfg.device, batch_size=cfg.batch_size, chat_template=cfg.chat_template,
+                         engine=cfg.hf_engine)
     if cfg.backend == "openai":
+        from specfoundry.generate.fleet import FleetConfig, server_urls
         from specfoundry.generate.openai_backend import OpenAIBackend
 
         if cfg.chat_template is not None:
             raise ValueError("--chat-template renders conversations here (hf and sglang backends); an OpenAI-compatible "
                              "server renders them with its own template: start the server with that template")
-        if not cfg.openai_url:
-            raise ValueError("--backend openai needs --openai-url (e.g. http://127.0.0.1:30000/v1)")
-        return OpenAIBackend(cfg.openai_url, model=cfg.openai_model, target=cfg.target,
-                             concurrency=cfg.concurrency, retries=cfg.retries)
+        urls = server_urls(cfg.openai_url, cfg.openai_urls_file)
+        if not urls:
+            raise ValueError("--backend openai needs --openai-url (e.g. http://127.0.0.1:30000/v1) or --openai-urls-file")
+        fleet = FleetConfig(concurrency=cfg.concurrency, retries=cfg.retries, request_timeout_s=cfg.request_timeout)
+        return OpenAIBackend(urls, model=cfg.openai_model, target=cfg.target, fleet=fleet)
     if cfg.backend == "sglang":
         from specfoundry.generate.sglang_backend import SGLangBackend
 

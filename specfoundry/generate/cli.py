@@ -24,7 +24,9 @@ def run(greedy, recipe, silent, **options):
     with --synthesize N and no SOURCE, answer N prompts the target writes itself.
 
     Bad records are reported with their file and line, counted in the manifest and skipped
-    (--strict stops instead). Rerunning the same command resumes."""
+    (--strict stops instead). Conversations with tools keep their tool results and, where the
+    target's calls differ from the recorded ones, the recorded exchange. Rerunning the same
+    command resumes."""
     cfg = resolve_config(RegenConfig, "regen", recipe, options, **({"temperature": 0.0} if greedy else {}))
     manifest = run_regen(cfg, silent=silent)
     for bad in manifest["bad_inputs"]:
@@ -36,6 +38,9 @@ def run(greedy, recipe, silent, **options):
         f"loops trimmed {t.get('turns_loop_trimmed', 0)}, "
         f"failed {t.get('turns_failed', 0)}; bad inputs {len(manifest['bad_inputs'])})"
     )
+    exchanges = [t.get(f"tool_exchanges_{k}", 0) for k in ("kept", "replaced", "dropped")]
+    if any(exchanges):
+        click.echo("tool exchanges: kept {}, replaced by the recorded ones {}, dropped {}".format(*exchanges))
 
 
 if __name__ == "__main__":

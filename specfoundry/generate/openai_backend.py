@@ -1,8 +1,10 @@
-"""Generation against an OpenAI-compatible HTTP server (SGLang, vLLM, llama.cpp servers).
+"""Generation against OpenAI-compatible HTTP servers (SGLang, vLLM, llama.cpp servers): one, or a
+fleet that survives servers dying or stalling (generate/fleet.py).
 
-Requests run concurrently (at most ``concurrency`` in flight) with retries and exponential
-backoff on connection errors, timeouts, 429 and 5xx. A request that still fails becomes a
-Generation with finish_reason "error": the caller counts it, the run goes on.
+Requests stream: as a turn's answer arrives, the conversation's next request is sent (`serve`),
+so turns of different conversations interleave over the servers. A request the server refuses
+(a 4xx) becomes a Generation with finish_reason "error", which the caller counts; the run stops
+only when the fleet cannot go on (FleetError).
 """
 
 from __future__ import annotations
@@ -11,21 +13,19 @@ import asyncio
 
 import httpx
 
-from specfoundry.generate.backend import Generation, SamplingConfig
-
-RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
+from specfoundry.common.conversations import ToolCall, arguments_value, with_json_arguments
+from specfoundry.generate.backend import Generation, OnDone, Request, SamplingConfig, generate_by_serving
+from specfoundry.generate.fleet import Fleet, FleetConfig, RequestFailed
 
 
 class OpenAIBackend:
     name = "openai"
 
-    def __init__(self, base_url: str, model: str | None, target: str | None,
-                 concurrency: int = 16, retries: int = 4, timeout_s: float = 600.0):
-        self.base_url = base_url.rstrip("/")
+    def __init__(self, urls: str | list[str], model: str | None, target: str | None,
+                 fleet: FleetConfig = FleetConfig()):
+        self.urls = [urls] if isinstance(urls, str) else list(urls)
         self.model = model
-        self.concurrency = concurrency
-        self.retries = retries
-        self.timeout_s = timeout_s
+        self.fleet = Fleet([u.rstrip("/") for u in self.urls], fleet)
         self.tokenizer = None
         if target:  # a local tokenizer, only for prompt-length checks; never fetched from a hub
             try:
@@ -36,64 +36,77 @@ class OpenAIBackend:
                 self.tokenizer = None
 
     def identity(self) -> dict:
-        return {"backend": self.name, "base_url": self.base_url, "model": self.model}
+        return {"backend": self.name, "servers": [s.url for s in self.fleet.servers], "model": self.model}
 
-    def payload(self, sampling: SamplingConfig, seed: int) -> dict:
-        body = {
-            "max_tokens": sampling.max_new_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "seed": seed,
-        }
+    def status(self) -> str:
+        return self.fleet.status()
+
+    def body(self, request: Request, sampling: SamplingConfig) -> tuple[str, dict]:
+        """(path, JSON body) of one request."""
+        body = {"max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+                "top_p": sampling.top_p, "seed": request.seed}
         if sampling.top_k:
             body["top_k"] = sampling.top_k  # an extension SGLang, vLLM and llama.cpp accept
         if self.model:
             body["model"] = self.model
-        return body
-
-    async def post(self, client: httpx.AsyncClient, gate: asyncio.Semaphore, path: str, body: dict) -> dict:
-        delay = 0.5
-        for attempt in range(self.retries + 1):
-            async with gate:
-                try:
-                    r = await client.post(self.base_url + path, json=body)
-                    if r.status_code not in RETRYABLE_STATUS:
-                        r.raise_for_status()
-                        return r.json()
-                    problem = f"HTTP {r.status_code}"
-                except (httpx.TransportError, httpx.TimeoutException) as e:
-                    problem = f"{type(e).__name__}: {e}"
-            if attempt == self.retries:
-                raise RuntimeError(f"{path} failed after {self.retries + 1} tries: {problem}")
-            await asyncio.sleep(delay)
-            delay *= 2
-        raise AssertionError("unreachable")
+        if request.text is not None:
+            return "/completions", {**body, "prompt": request.text}
+        body["messages"] = [with_json_arguments(m) for m in request.messages]  # the API's form
+        if request.tools:
+            body["tools"] = list(request.tools)
+        return "/chat/completions", body
 
     @staticmethod
-    def to_generation(choice: dict, text: str, usage: dict | None) -> Generation:
-        reason = choice.get("finish_reason") or "stop"
-        reason = "length" if reason == "length" else "stop"
-        tokens = (usage or {}).get("completion_tokens", 0)
-        return Generation(text, reason, None, int(tokens))
+    def to_generation(data: dict, completion: bool) -> Generation:
+        choice = data["choices"][0]
+        reason = "length" if choice.get("finish_reason") == "length" else "stop"
+        tokens = int((data.get("usage") or {}).get("completion_tokens", 0))
+        if completion:
+            return Generation(choice.get("text") or "", reason, None, tokens)
+        message = choice.get("message") or {}
+        calls = tuple(ToolCall(c["function"]["name"], returned_arguments(c["function"].get("arguments")))
+                      for c in message.get("tool_calls") or ())
+        return Generation(message.get("content") or "", reason, None, tokens, tool_calls=calls)
 
-    async def run_all(self, path: str, bodies: list[dict], text_of) -> list[Generation]:
-        gate = asyncio.Semaphore(self.concurrency)
-        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+    async def answer(self, client: httpx.AsyncClient, request: Request, sampling: SamplingConfig) -> Generation:
+        path, body = self.body(request, sampling)
+        try:
+            data = await self.fleet.post(client, path, body)
+            return self.to_generation(data, request.text is not None)
+        except (RequestFailed, KeyError, IndexError, TypeError, ValueError) as e:  # this request's own failure
+            return Generation("", "error", None, 0, error=str(e) or type(e).__name__)
 
-            async def one(body: dict) -> Generation:
-                try:
-                    data = await self.post(client, gate, path, body)
-                    choice = data["choices"][0]
-                    return self.to_generation(choice, text_of(choice), data.get("usage"))
-                except Exception as e:  # noqa: BLE001 - any failure is recorded per request
-                    return Generation("", "error", None, 0, error=str(e))
+    async def stream(self, requests: list[Request], sampling: SamplingConfig, on_done: OnDone) -> None:
+        self.fleet.changed = asyncio.Condition()
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(limits=limits) as client:
 
-            return list(await asyncio.gather(*(one(b) for b in bodies)))
+            async def one(request: Request):
+                return request, await self.answer(client, request, sampling)
 
-    def chat(self, prompts: list[list[dict]], sampling: SamplingConfig, seed: int) -> list[Generation]:
-        bodies = [{**self.payload(sampling, seed + i), "messages": m} for i, m in enumerate(prompts)]
-        return asyncio.run(self.run_all("/chat/completions", bodies, lambda c: c["message"]["content"] or ""))
+            pending = {asyncio.ensure_future(one(r)) for r in requests}
+            try:
+                while pending:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        request, generation = task.result()  # a FleetError ends the run here
+                        pending |= {asyncio.ensure_future(one(r)) for r in on_done(request, generation) or ()}
+            finally:
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
 
-    def complete(self, prefixes: list[str], sampling: SamplingConfig, seed: int) -> list[Generation]:
-        bodies = [{**self.payload(sampling, seed + i), "prompt": p} for i, p in enumerate(prefixes)]
-        return asyncio.run(self.run_all("/completions", bodies, lambda c: c.get("text") or ""))
+    def serve(self, requests: list[Request], sampling: SamplingConfig, on_done: OnDone) -> None:
+        asyncio.run(self.stream(requests, sampling, on_done))
+
+    def generate(self, requests: list[Request], sampling: SamplingConfig) -> list[Generation]:
+        return generate_by_serving(self.serve, requests, sampling)
+
+
+def returned_arguments(arguments):
+    """A returned call's arguments (JSON text, or with some servers the object); text that is not
+    JSON is kept as it is: it equals no recorded call's arguments."""
+    try:
+        return arguments_value(arguments)
+    except ValueError:
+        return arguments

@@ -6,12 +6,16 @@ Layout of the output folder:
   data/shard-00000.parquet one row per kept conversation (see ROW_SCHEMA)
 
 Work is split into fixed shards of the (deterministically ordered) input, written and resumed
-through common/shards.py (regen_config.json, data/<shard>.done.json marks). Every generation
-call derives its seed from (seed, shard, turn), so a resumed run writes byte-identical shards.
+through common/shards.py (regen_config.json, data/<shard>.done.json marks). Every conversation
+goes turn by turn, and the turns of different conversations stream through the backend together
+(backend.serve), over a group of shards at a time (group_size) that keeps the batch full. Every
+request derives its seed from (seed, shard, conversation, turn), and a resumed run generates a
+partly written group whole again, so it writes byte-identical shards.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
@@ -28,33 +32,45 @@ from specfoundry.common.conversations import (
     ConversationFormatError,
     Message,
     load_conversations,
+    with_json_arguments,
 )
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json, checksum
 from specfoundry.common.progress import Progress
 from specfoundry.common.shards import ShardedOutput, check_output_folder, record_config
-from specfoundry.common.target import EMBEDDED_DEFAULT
+from specfoundry.common.target import EMBEDDED_DEFAULT, chat_template_source
 from specfoundry.generate.backend import (
     BACKENDS,
     Backend,
     Generation,
+    Request,
     SamplingConfig,
     derive_seed,
     make_backend,
+    serve,
 )
+from specfoundry.generate.hf_backend import ENGINES
 from specfoundry.generate.repetition import loop_cut
 from specfoundry.generate.synth import DEFAULT_STARTERS, read_starters, starter_for, user_turn_prefix
+from specfoundry.generate.tools import same_calls, template_renders_tools, with_recorded_ids
 
 FORMAT = "specfoundry.regen"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SYNTH_PHASE = 1_000_000  # seed part that keeps prompt synthesis apart from turn generation
+GROUP_BATCHES = 4  # a group of shards holds this many batches of conversations (Regenerator.group_size)
 ON_EMPTY = ("drop", "flag")  # what --on-empty may do with an empty answer
 ON_TRUNCATED = ("drop", "flag", "trim")  # what --on-truncated may do with an answer cut at the cap
+ON_TOOL_MISMATCH = ("recorded", "drop")  # what --on-tool-mismatch does when the target's calls differ
 
+TOOL_CALL = pa.struct([("id", pa.string()), ("type", pa.string()),
+                       ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("tool_calls", pa.list_(TOOL_CALL)),
+                     ("tool_call_id", pa.string()), ("name", pa.string())])
 ROW_SCHEMA = pa.schema([
     ("id", pa.string()),
-    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    ("messages", pa.list_(MESSAGE)),  # OpenAI shape; tool call arguments as JSON text
+    ("tools", pa.string()),  # the conversation's tools list as JSON text, null without tools
     ("source", pa.string()),
-    ("finish_reasons", pa.list_(pa.string())),
+    ("finish_reasons", pa.list_(pa.string())),  # per assistant turn; "recorded": the record's turn was kept
     ("gen_token_ids", pa.list_(pa.list_(pa.int32()))),
     ("flags", pa.list_(pa.string())),
 ])
@@ -99,12 +115,23 @@ class RegenConfig:
              f"many kinds of request: 'default' ({len(DEFAULT_STARTERS)} built-in openings such as 'Why', "
              "'Explain', 'Write a'), 'none' (plain Magpie), or a text file with one opening per line.")
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    batch_size: int = setting(32, help="Sequences generated together (hf, sglang).")
+    batch_size: int = setting(32, help="Sequences generated together (hf, sglang); the hf backend's KV cache "
+                              "holds this many.")
+    hf_engine: str = setting(
+        "auto", choices=ENGINES,
+        help="hf backend: 'slots' (continuous batching: a finished sequence frees its slot for the next prompt, "
+             "and turns of different conversations interleave), 'generate' (model.generate on length-sorted "
+             "batches, turn by turn), 'auto' (slots where it can drive the model). Greedy output is the same; "
+             "samples differ, so the choice is part of the settings.")
     shard_size: int = setting(128, help="Conversations per output shard (the unit of resumption).")
     max_prompt_tokens: int = setting(2048, help="A conversation whose prompt before an assistant turn is longer "
                                      "is reported as bad input.")
     on_empty: str = setting("drop", choices=ON_EMPTY, help="Drop a conversation with an empty regenerated "
                             "answer, or keep it flagged.")
+    on_tool_mismatch: str = setting(
+        "recorded", choices=ON_TOOL_MISMATCH,
+        help="A regenerated turn whose tool calls differ from the recorded ones (name or arguments): keep the "
+             "recorded exchange in its place ('recorded', counted as replaced), or drop the conversation.")
     on_truncated: str = setting(
         "flag", choices=ON_TRUNCATED,
         help="Drop a conversation with an answer cut at --max-new-tokens, keep it flagged, or 'trim': cut an "
@@ -113,11 +140,19 @@ class RegenConfig:
     strict: bool = shared("strict", False)
     limit: int | None = shared("limit", None)
     device: str | None = shared("device", None, resume=False)
-    openai_url: str | None = setting(None, resume=False, help="Base URL of the OpenAI-compatible server, e.g. "
-                                     "http://127.0.0.1:30000/v1 (openai backend).")
+    openai_url: tuple[str, ...] = setting(
+        (), resume=False, repeatable=True, shown="none",
+        help="Base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:30000/v1; repeat it for a fleet, "
+             "over which requests are spread (openai backend).")
+    openai_urls_file: str | None = setting(
+        None, resume=False, shown="none",
+        help="A text file of server URLs, one per line (# comments), added to --openai-url (openai backend).")
     openai_model: str | None = setting(None, help="Model name sent to the server, if it needs one (openai backend).")
-    concurrency: int = setting(16, resume=False, help="Requests in flight at once (openai backend).")
-    retries: int = setting(4, resume=False, help="Retries per request, with exponential backoff (openai backend).")
+    concurrency: int = setting(16, resume=False, help="Requests in flight at once per server (openai backend).")
+    retries: int = setting(4, resume=False, help="Retries per request, on another server where one is up, with "
+                           "exponential backoff; the run stops when a request has used them all (openai backend).")
+    request_timeout: float = setting(600.0, resume=False, help="Seconds a server may take for one request before "
+                                     "it counts as stalled and the request is retried elsewhere (openai backend).")
 
     def prompt_sampling(self) -> SamplingConfig:
         """How synthesised user prompts are sampled: always at a temperature above 0."""
@@ -133,14 +168,19 @@ class RegenConfig:
 def over_long_prompt(conv: Conversation, tokenizer, max_tokens: int) -> BadInput | None:
     """Over-long prompt check on the original conversation, turn by turn."""
     history = []
+    extra = {"tools": list(conv.tools)} if conv.tools else {}
     for m in conv.messages:
         if m.role == "assistant":
-            ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
+            ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, **extra)
             n = len(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
             if n > max_tokens:
                 return BadInput(conv.location, "over_long_prompt", f"prompt has {n} tokens > {max_tokens}")
-        history.append({"role": m.role, "content": m.content})
+        history.append(m.to_dict())
     return None
+
+
+def uses_tools(conv: Conversation) -> bool:
+    return bool(conv.tools) or conv.num_tool_exchanges > 0
 
 
 @dataclass
@@ -150,6 +190,7 @@ class ShardCounts:
     dropped_empty: int = 0
     dropped_truncated: int = 0
     dropped_failed: int = 0
+    dropped_tool_mismatch: int = 0
     turns_ok: int = 0
     turns_empty: int = 0
     turns_truncated: int = 0
@@ -158,30 +199,43 @@ class ShardCounts:
     turns_failed: int = 0
     generated_tokens: int = 0
     synthetic_prompts_empty: int = 0
+    # every recorded tool exchange of the conversations in ends as one of these three
+    tool_exchanges_kept: int = 0  # the target made the recorded calls: its turn is kept
+    tool_exchanges_replaced: int = 0  # it did not: the recorded turn is kept in its place
+    tool_exchanges_dropped: int = 0  # in a conversation that was not written
+    tool_calls_unrecorded: int = 0  # the target called a tool where the record answers: the record's answer kept
 
 
 @dataclass
 class ConversationState:
     conv: Conversation
+    index: int  # position in its shard; with the turn, it picks the request's seed
     built: list[dict] = field(default_factory=list)
     cursor: int = 0  # next original message to copy
+    turn: int = 0  # assistant turns answered
     finish_reasons: list[str] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
     flags: list[str] = field(default_factory=list)
-    status: str = "ok"  # ok | empty | truncated | failed
+    status: str = "ok"  # ok | empty | truncated | failed | tool_mismatch
+    tool_exchanges: Counter = field(default_factory=Counter)  # kept / replaced
 
-    def prompt_for_next_turn(self) -> list[dict]:
-        """Copy original system/user turns up to the next assistant turn; return the history."""
+    def next_request(self, shard: int, seed: int) -> Request | None:
+        """The request for the next assistant turn (the original turns before it copied into the
+        history), or None when the conversation is finished or dropped."""
+        if self.status != "ok" or self.turn == self.conv.num_assistant_turns:
+            return None
         msgs = self.conv.messages
         while msgs[self.cursor].role != "assistant":
-            self.built.append({"role": msgs[self.cursor].role, "content": msgs[self.cursor].content})
+            self.built.append(msgs[self.cursor].to_dict())
             self.cursor += 1
-        return list(self.built)
+        return Request(tag=self.index, seed=derive_seed(seed, shard, self.index, self.turn),
+                       messages=tuple(self.built), tools=self.conv.tools)
 
     def row(self) -> dict:
         return {
             "id": self.conv.id,
-            "messages": self.built,
+            "messages": [with_json_arguments(m) for m in self.built],
+            "tools": json.dumps(list(self.conv.tools)) if self.conv.tools else None,
             "source": self.conv.location,
             "finish_reasons": self.finish_reasons,
             "gen_token_ids": self.token_ids,
@@ -214,6 +268,7 @@ class Regenerator:
             raise RegenError(str(e)) from e
         conversations, bad = [], list(loaded.bad)
         tokenizer = self.backend.tokenizer
+        self.check_tools_template(loaded.conversations)
         for conv in loaded.conversations:
             problem = tokenizer and over_long_prompt(conv, tokenizer, cfg.max_prompt_tokens)
             if problem:
@@ -224,72 +279,149 @@ class Regenerator:
                 conversations.append(conv)
         return conversations, bad, math.ceil(len(conversations) / cfg.shard_size)
 
+    def check_tools_template(self, conversations: list[Conversation]) -> None:
+        """Refuse tool conversations where the chat template we render with would drop the tools."""
+        tokenizer = self.backend.tokenizer
+        first = next((c for c in conversations if uses_tools(c)), None)
+        if first is None or tokenizer is None or template_renders_tools(tokenizer):
+            return
+        source = chat_template_source(tokenizer)
+        template = "the target's own" if source == "target" else source
+        raise RegenError(
+            f"{first.location}: a conversation with tools, but the chat template ({template}) does not render "
+            "tools, tool calls and tool results: give --chat-template FILE with one that does (docs/stages.md, "
+            "Conversations with tools)")
+
     # ---- one shard ------------------------------------------------------------------------
 
-    def synthesise(self, shard: int, counts: ShardCounts) -> list[Conversation]:
+    def synthesise(self, shards: list[int], counts: dict[int, ShardCounts]) -> dict[int, list[Conversation]]:
+        """The synthesised prompts of `shards`, written by the target in one call."""
         cfg = self.cfg
-        first = shard * cfg.shard_size
-        n = min(cfg.shard_size, cfg.synthesize - first)
         if self.backend.tokenizer is None:
             raise RegenError("--synthesize needs the target's tokenizer (pass --target)")
         prefix = user_turn_prefix(self.backend.tokenizer)
-        starters = [starter_for(cfg.prompt_starters, first + i) for i in range(n)]
-        gens = self.backend.complete([prefix + s for s in starters], cfg.prompt_sampling(),
-                                     derive_seed(cfg.sampling.seed, shard, SYNTH_PHASE))
-        convs = []
-        for i, g in enumerate(gens):
+        index = [(shard, i) for shard in shards
+                 for i in range(min(cfg.shard_size, cfg.synthesize - shard * cfg.shard_size))]
+        starters = [starter_for(cfg.prompt_starters, shard * cfg.shard_size + i) for shard, i in index]
+        requests = [Request(tag=k, seed=derive_seed(cfg.sampling.seed, shard, SYNTH_PHASE, i), text=prefix + starter)
+                    for k, ((shard, i), starter) in enumerate(zip(index, starters, strict=True))]
+        gens = self.backend.generate(requests, cfg.prompt_sampling())
+        convs: dict[int, list[Conversation]] = {shard: [] for shard in shards}
+        for (shard, i), starter, g in zip(index, starters, gens, strict=True):
             # the opening and its continuation are one text: no space is added or removed between them
-            text = (starters[i] + g.text).strip()
+            text = (starter + g.text).strip()
             if g.finish_reason != "stop" or not g.text.strip():
-                counts.synthetic_prompts_empty += 1  # an unfinished or empty question is no prompt
+                counts[shard].synthetic_prompts_empty += 1  # an unfinished or empty question is no prompt
                 continue
+            n = shard * cfg.shard_size + i
             messages = (Message("user", text), Message("assistant", ""))
-            convs.append(Conversation(f"synth-{first + i}", messages, f"synthetic:{first + i}"))
+            convs[shard].append(Conversation(f"synth-{n}", messages, f"synthetic:{n}"))
         return convs
 
-    def regenerate(self, shard: int, convs: list[Conversation], counts: ShardCounts, progress: Progress) -> list[dict]:
-        cfg = self.cfg
-        states = [ConversationState(c) for c in convs]
+    def regenerate(self, convs: dict[int, list[Conversation]], counts: dict[int, ShardCounts], progress: Progress,
+                   shard_done) -> None:
+        """Every conversation of the shards `convs`, turn by turn, the turns of all of them
+        interleaved; `shard_done(shard, rows, counts)` as each shard is complete, in shard order."""
+        seed = self.cfg.sampling.seed
+        states = {shard: [ConversationState(c, i) for i, c in enumerate(cs)] for shard, cs in convs.items()}
+        left = {shard: len(cs) for shard, cs in states.items()}
+        order = sorted(states)
+        flat = [(shard, s) for shard in order for s in states[shard]]
+
+        def flush() -> None:
+            while order and left[order[0]] == 0:  # shards complete in order, whatever finished first
+                done = order.pop(0)
+                shard_done(done, self.shard_rows(states[done], counts[done]), counts[done])
+
+        def on_done(request: Request, g: Generation) -> list[Request]:
+            shard, s = flat[request.tag]
+            self.record_turn(s, g, counts[shard])
+            progress.update(0, g.num_tokens)
+            following = s.next_request(shard, seed)
+            if following is not None:
+                return [replace(following, tag=request.tag)]
+            left[shard] -= 1
+            progress.update(1)
+            flush()
+            return []
+
+        first = [replace(s.next_request(shard, seed), tag=k) for k, (shard, s) in enumerate(flat)]
+        flush()  # shards without conversations (every prompt synthesis failed) at the front
+        serve(self.backend, first, self.cfg.sampling, on_done)
+        assert not order, "every shard of the group completed"
+
+    def shard_rows(self, states: list[ConversationState], counts: ShardCounts) -> list[dict]:
+        """The rows of a finished shard's conversations, its counts completed."""
         counts.conversations_in += len(states)
-        for turn in range(max((c.num_assistant_turns for c in convs), default=0)):
-            active = [s for s in states if s.status == "ok" and s.conv.num_assistant_turns > turn]
-            prompts = [s.prompt_for_next_turn() for s in active]
-            gens = self.backend.chat(prompts, cfg.sampling, derive_seed(cfg.sampling.seed, shard, turn))
-            for s, g in zip(active, gens, strict=True):
-                s.cursor += 1  # past the original assistant turn we replace
-                counts.generated_tokens += g.num_tokens
-                if g.finish_reason == "length" and cfg.on_truncated == "trim":
-                    g = self.trim_loop(g, counts)
-                s.built.append({"role": "assistant", "content": g.text})
-                s.finish_reasons.append(g.finish_reason)
-                s.token_ids.append(list(g.token_ids) if g.token_ids is not None else [])
-                if g.finish_reason == "error":
-                    counts.turns_failed += 1
-                    s.status = "failed"
-                    s.flags.append(f"turn {turn}: failed: {g.error}")
-                elif not g.text.strip():
-                    counts.turns_empty += 1
-                    s.flags.append(f"turn {turn}: empty")
-                    s.status = "empty" if cfg.on_empty == "drop" else s.status
-                elif g.finish_reason == "loop":
-                    counts.turns_loop_trimmed += 1
-                    s.flags.append(f"turn {turn}: loop trimmed")
-                elif g.finish_reason == "length":
-                    counts.turns_truncated += 1
-                    s.flags.append(f"turn {turn}: truncated")
-                    s.status = "truncated" if cfg.on_truncated == "drop" else s.status
-                else:
-                    counts.turns_ok += 1
-            progress.update(0, sum(g.num_tokens for g in gens))
         rows = []
         for s in states:
             if s.status == "ok":
                 rows.append(s.row())
+                counts.tool_exchanges_kept += s.tool_exchanges["kept"]
+                counts.tool_exchanges_replaced += s.tool_exchanges["replaced"]
             else:
                 setattr(counts, f"dropped_{s.status}", getattr(counts, f"dropped_{s.status}") + 1)
+                counts.tool_exchanges_dropped += s.conv.num_tool_exchanges
         counts.conversations_written += len(rows)
-        progress.update(len(states))
         return rows
+
+    def record_turn(self, s: ConversationState, g: Generation, counts: ShardCounts) -> None:
+        """Put the generation `g` for s's next assistant turn into its history (or the recorded
+        turn where the tool calls disagree), and count what it was."""
+        cfg = self.cfg
+        recorded = s.conv.messages[s.cursor]
+        s.cursor += 1  # past the original assistant turn we replace
+        turn, s.turn = s.turn, s.turn + 1
+        counts.generated_tokens += g.num_tokens
+        if g.finish_reason != "error" and (recorded.tool_calls or g.tool_calls):
+            if recorded.tool_calls and same_calls(g.tool_calls, recorded.tool_calls):
+                s.tool_exchanges["kept"] += 1
+                g = Generation(g.text, g.finish_reason, g.token_ids, g.num_tokens,
+                               tool_calls=with_recorded_ids(g.tool_calls, recorded.tool_calls))
+            else:
+                self.keep_recorded(s, recorded, turn, counts)
+                return
+        if g.finish_reason == "length" and cfg.on_truncated == "trim" and not g.tool_calls:
+            g = self.trim_loop(g, counts)
+        message = {"role": "assistant", "content": g.text}
+        if g.tool_calls:
+            message["tool_calls"] = [c.to_dict() for c in g.tool_calls]
+        s.built.append(message)
+        s.finish_reasons.append(g.finish_reason)
+        s.token_ids.append(list(g.token_ids) if g.token_ids is not None else [])
+        if g.finish_reason == "error":
+            counts.turns_failed += 1
+            s.status = "failed"
+            s.flags.append(f"turn {turn}: failed: {g.error}")
+        elif not g.text.strip() and not g.tool_calls:
+            counts.turns_empty += 1
+            s.flags.append(f"turn {turn}: empty")
+            s.status = "empty" if cfg.on_empty == "drop" else s.status
+        elif g.finish_reason == "loop":
+            counts.turns_loop_trimmed += 1
+            s.flags.append(f"turn {turn}: loop trimmed")
+        elif g.finish_reason == "length":
+            counts.turns_truncated += 1
+            s.flags.append(f"turn {turn}: truncated")
+            s.status = "truncated" if cfg.on_truncated == "drop" else s.status
+        else:
+            counts.turns_ok += 1
+
+    def keep_recorded(self, s: ConversationState, recorded: Message, turn: int, counts: ShardCounts) -> None:
+        """The target's calls differ from the record's (or it called a tool where the record
+        answers): the recorded turn goes into the history, or the conversation is dropped."""
+        if recorded.tool_calls and self.cfg.on_tool_mismatch == "drop":
+            s.status = "tool_mismatch"
+            return
+        if recorded.tool_calls:
+            s.tool_exchanges["replaced"] += 1
+            s.flags.append(f"turn {turn}: recorded tool calls kept")
+        else:
+            counts.tool_calls_unrecorded += 1
+            s.flags.append(f"turn {turn}: recorded answer kept (the target called a tool)")
+        s.built.append(recorded.to_dict())
+        s.finish_reasons.append("recorded")
+        s.token_ids.append([])
 
     def trim_loop(self, g: Generation, counts: ShardCounts) -> Generation:
         """`g` cut after the first repeat of the loop it ends in (finish reason 'loop'), or `g`
@@ -340,26 +472,42 @@ class Regenerator:
 
         self.shards.commit(shard_path(shard), write, {"index": shard, "counts": asdict(counts)})
 
+    def group_size(self) -> int:
+        """Shards generated together: enough conversations to keep `GROUP_BATCHES` batches in
+        flight, so the backend's batch stays full however small the shards are."""
+        return max(1, math.ceil(GROUP_BATCHES * self.cfg.batch_size / self.cfg.shard_size))
+
     def run(self) -> dict:
         conversations, bad, num_shards = self.plan()
         record_config(self.out, "regen", self.cfg)
         atomic_write_bytes(self.out / "README.md", DATASET_CARD.encode())
         pending = set(self.shards.pending([shard_path(i) for i in range(num_shards)]))
-        todo = [i for i in range(num_shards) if shard_path(i) in pending]
         manifest = self.manifest(bad, num_shards)
         atomic_write_json(self.out / "manifest.json", manifest)
         total = self.cfg.synthesize or len(conversations or [])
-        done = sum(s["counts"]["conversations_in"] + s["counts"]["synthetic_prompts_empty"] for s in manifest["shards"])
-        with Progress(total, "conv", "sf-regen", self.silent, initial=done) as progress:
-            for shard in todo:
-                counts = ShardCounts()
-                if conversations is None:
-                    convs = self.synthesise(shard, counts)
-                    progress.update(counts.synthetic_prompts_empty)
-                else:
-                    convs = conversations[shard * self.cfg.shard_size : (shard + 1) * self.cfg.shard_size]
-                self.write_shard(shard, self.regenerate(shard, convs, counts, progress), counts)
+        size, per_group = self.cfg.shard_size, self.group_size()
+
+        def commit(i: int, rows: list[dict], counts: ShardCounts) -> None:
+            if shard_path(i) in pending:  # a shard of a resumed group that is already written is not again
+                self.write_shard(i, rows, counts)
                 atomic_write_json(self.out / "manifest.json", self.manifest(bad, num_shards))
+
+        with Progress(total, "conv", "sf-regen", self.silent, status=getattr(self.backend, "status", None)) as progress:
+            for start in range(0, num_shards, per_group):
+                group = list(range(start, min(start + per_group, num_shards)))
+                if not any(shard_path(i) in pending for i in group):
+                    progress.update(min(total, (group[-1] + 1) * size) - start * size)
+                    continue
+                # A group is generated whole, its finished shards too: what a shard holds depends
+                # on the requests generated beside it (batch composition), so only the same group
+                # gives the same bytes.
+                counts = {i: ShardCounts() for i in group}
+                if conversations is None:
+                    convs = self.synthesise(group, counts)
+                    progress.update(sum(c.synthetic_prompts_empty for c in counts.values()))
+                else:
+                    convs = {i: conversations[i * size : (i + 1) * size] for i in group}
+                self.regenerate(convs, counts, progress, commit)
         self.shards.remove_partials("data")
         manifest = self.manifest(bad, num_shards)
         atomic_write_json(self.out / "manifest.json", manifest)
@@ -373,10 +521,16 @@ def shard_path(index: int) -> str:
 def run_regen(cfg: RegenConfig, backend: Backend | None = None, silent: bool = False) -> dict:
     """Run (or resume) a regen into cfg.output and return the final manifest. `backend`: an
     already built backend (tests, the gate); by default the one cfg names is loaded."""
-    if cfg.on_empty not in ON_EMPTY or cfg.on_truncated not in ON_TRUNCATED:
-        raise RegenError(f"--on-empty takes one of {', '.join(ON_EMPTY)}; --on-truncated one of {', '.join(ON_TRUNCATED)}")
+    if cfg.on_empty not in ON_EMPTY or cfg.on_truncated not in ON_TRUNCATED or cfg.on_tool_mismatch not in ON_TOOL_MISMATCH:
+        raise RegenError(f"--on-empty takes one of {', '.join(ON_EMPTY)}; --on-truncated one of {', '.join(ON_TRUNCATED)}; "
+                         f"--on-tool-mismatch one of {', '.join(ON_TOOL_MISMATCH)}")
     if bool(cfg.synthesize) == bool(cfg.source):
         raise RegenError("give either a source or --synthesize N, not both" if cfg.source else
                          "no source given: pass a conversation file/folder or --synthesize N")
     check_output_folder(Path(cfg.output), "regen", cfg)  # before loading the target
-    return Regenerator(cfg, backend if backend is not None else make_backend(cfg), silent).run()
+    if backend is None:
+        try:
+            backend = make_backend(cfg)
+        except ValueError as e:  # a setting that names no usable backend (target, servers, engine)
+            raise RegenError(str(e)) from e
+    return Regenerator(cfg, backend, silent).run()

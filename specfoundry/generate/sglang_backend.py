@@ -7,7 +7,8 @@ backend without it installed fails at once with how to install it.
 from __future__ import annotations
 
 from specfoundry.common.target import load_tokenizer, resolve_target, target_identity
-from specfoundry.generate.backend import Generation, SamplingConfig
+from specfoundry.generate.backend import Generation, Request, SamplingConfig
+from specfoundry.generate.tools import parse_tool_calls
 
 INSTALL_HINT = "the sglang backend needs SGLang: pip install 'specfoundry[sglang]' on a CUDA machine"
 
@@ -37,20 +38,22 @@ class SGLangBackend:
             "sampling_seed": seed,
         }
 
-    def generate_text(self, prompts: list[str], sampling: SamplingConfig, seed: int) -> list[Generation]:
-        outputs = self.engine.generate(prompts, [self.params(sampling, seed + i) for i in range(len(prompts))])
+    def text(self, request: Request) -> str:
+        if request.text is not None:
+            return request.text
+        extra = {"tools": list(request.tools)} if request.tools else {}
+        return self.tokenizer.apply_chat_template(list(request.messages), add_generation_prompt=True,
+                                                  tokenize=False, **extra)
+
+    def generate(self, requests: list[Request], sampling: SamplingConfig) -> list[Generation]:
+        outputs = self.engine.generate([self.text(r) for r in requests],
+                                       [self.params(sampling, r.seed) for r in requests])
         gens = []
-        for out in outputs:
+        for request, out in zip(requests, outputs, strict=True):
             meta = out.get("meta_info", {})
             reason = (meta.get("finish_reason") or {}).get("type", "stop")
             ids = meta.get("output_ids")
-            gens.append(Generation(out["text"], "length" if reason == "length" else "stop",
-                                   tuple(ids) if ids else None, int(meta.get("completion_tokens", 0))))
+            text, calls = parse_tool_calls(out["text"]) if request.tools else (out["text"], ())
+            gens.append(Generation(text, "length" if reason == "length" else "stop", tuple(ids) if ids else None,
+                                   int(meta.get("completion_tokens", 0)), tool_calls=calls))
         return gens
-
-    def chat(self, prompts: list[list[dict]], sampling: SamplingConfig, seed: int) -> list[Generation]:
-        texts = [self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in prompts]
-        return self.generate_text(texts, sampling, seed)
-
-    def complete(self, prefixes: list[str], sampling: SamplingConfig, seed: int) -> list[Generation]:
-        return self.generate_text(prefixes, sampling, seed)

@@ -1,0 +1,117 @@
+"""The hf backend's slot engine (continuous batching) against `model.generate` on a tiny random
+Llama in fp32: greedy output token for token, with prompts of spread lengths, more requests than
+slots, and follow-up requests joining while others run; seeded samples that do not depend on
+which requests share the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specfoundry.generate.backend import Request, SamplingConfig
+from specfoundry.generate.hf_backend import HFBackend
+from specfoundry.generate.sampling import next_tokens, uniform
+from specfoundry.generate.slots import SlotEngine, supported
+
+STOP = 13  # a token this random model emits in some answers: some stop early, others hit the cap
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(config).eval()
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(8, 96, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def reference(model, prompt: list[int], max_new: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
+                         eos_token_id=STOP, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def run(model, items, sampling, slots, follow=lambda tag, ids: (), sync_every=None):
+    results = {}
+
+    def on_done(tag, ids):
+        results[tag] = ids
+        return follow(tag, ids)
+
+    SlotEngine(model, slots=slots, stop_ids=[STOP], sampling=sampling, sync_every=sync_every).run(items, on_done)
+    return results
+
+
+# a CPU looks at the slots after every step; a GPU every few (finished slots step on, unchanged)
+@pytest.mark.parametrize("sync_every", [1, 5])
+def test_greedy_equals_model_generate_with_refills_and_follow_ups(model, sync_every):
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=20)
+    first = prompts(9)
+
+    def follow(tag, ids):  # each of the first requests asks once more, on its answer (a second turn)
+        return [(first[tag] + ids + [5, 6], 0, ("again", tag))] if isinstance(tag, int) else []
+
+    results = run(model, [(p, 0, i) for i, p in enumerate(first)], sampling, slots=3, follow=follow,
+                  sync_every=sync_every)
+    assert len(results) == 18
+    stopped = 0
+    for i, p in enumerate(first):
+        assert results[i] == reference(model, p, 20), f"request {i}"
+        again = first[i] + results[i] + [5, 6]
+        assert results[("again", i)] == reference(model, again, 20), f"follow-up of {i}"
+        stopped += results[i][-1] == STOP
+    assert 0 < stopped < 9  # both kinds of finish were exercised
+
+
+def test_samples_depend_on_the_seed_not_on_the_batch(model):
+    sampling = SamplingConfig(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=12)
+    items = [(p, 100 + i, i) for i, p in enumerate(prompts(7, seed=1))]
+    alone = {i: run(model, [item], sampling, slots=1)[i] for i, item in enumerate(items)}
+    assert run(model, items, sampling, slots=3) == alone
+    assert run(model, items[::-1], sampling, slots=7) == alone
+    reseeded = run(model, [(p, seed + 1, tag) for p, seed, tag in items], sampling, slots=3)
+    assert reseeded != alone
+
+
+def test_the_sampler_draws_from_the_filtered_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(20000, 4)
+    seeds = torch.arange(20000)
+    counts = torch.bincount(next_tokens(logits, SamplingConfig(temperature=1.0), seeds, seeds * 0), minlength=4)
+    torch.testing.assert_close(counts / 20000, probs, atol=0.015, rtol=0)  # ~4 standard errors at 20,000 draws
+    top = next_tokens(logits, SamplingConfig(temperature=1.0, top_k=2), seeds, seeds * 0)
+    assert set(top.tolist()) == {0, 1}
+    nucleus = next_tokens(logits, SamplingConfig(temperature=1.0, top_p=0.7), seeds, seeds * 0)
+    assert set(nucleus.tolist()) == {0, 1}  # 0.5 + 0.3 covers 0.7
+    u = uniform(seeds, seeds * 0 + 3)
+    assert 0 < u.min() and u.max() < 1 and not torch.equal(u, uniform(seeds, seeds * 0 + 4))
+
+
+def test_the_backend_falls_back_to_generate_where_the_engine_cannot_run(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1)).eval()
+    assert HFBackend(None, model=model, tokenizer=tok).engine == "slots"
+    model.config._attn_implementation = "flash_attention_2"  # a kernel that ignores our 4D masks
+    try:
+        assert not supported(model) and HFBackend(None, model=model, tokenizer=tok).engine == "generate"
+        with pytest.raises(ValueError, match="--hf-engine slots cannot drive this model"):
+            HFBackend(None, model=model, tokenizer=tok, engine="slots")
+    finally:
+        model.config._attn_implementation = "sdpa"
+    # both engines answer a round of requests alike (greedy)
+    requests = [Request(tag=i, seed=0, text=t) for i, t in enumerate(["a b c", "hello there, how", "x"])]
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=10)
+    slots = HFBackend(None, model=model, tokenizer=tok, batch_size=2).generate(requests, sampling)
+    plain = HFBackend(None, model=model, tokenizer=tok, batch_size=2, engine="generate").generate(requests, sampling)
+    assert [g.token_ids for g in slots] == [g.token_ids for g in plain]
