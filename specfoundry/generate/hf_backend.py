@@ -5,7 +5,8 @@ Two engines, chosen by --hf-engine:
   different conversations stream through it, each follow-up turn joining as soon as it is made;
 - `generate`: `model.generate` over length-sorted, left-padded batches, in rounds (every pending
   request of a turn at once). It drives any model transformers can generate with.
-`auto` takes `slots` wherever the engine can drive the model (slots.supported), else `generate`.
+`auto` takes `slots` on a GPU wherever the engine can drive the model (slots.supported), else
+`generate`: on a CPU the arithmetic bounds both alike and `generate` is the faster at batch 1.
 Greedy output is the same token for token; samples differ (slots draws per request,
 generate per batch).
 """
@@ -49,7 +50,8 @@ class HFBackend:
         if engine == "slots" and not supported(self.model):
             raise ValueError("--hf-engine slots cannot drive this model (its attention is neither full nor "
                              "sliding-window over sdpa or eager): use --hf-engine generate")
-        self.engine = engine if engine != "auto" else ("slots" if supported(self.model) else "generate")
+        fast = self.model.device.type == "cuda" and supported(self.model)
+        self.engine = engine if engine != "auto" else ("slots" if fast else "generate")
 
     def identity(self) -> dict:
         target = self.target.to_dict() if self.target else {"name": str(self.model.config.name_or_path)}

@@ -121,8 +121,8 @@ class RegenConfig:
         "auto", choices=ENGINES,
         help="hf backend: 'slots' (continuous batching: a finished sequence frees its slot for the next prompt, "
              "and turns of different conversations interleave), 'generate' (model.generate on length-sorted "
-             "batches, turn by turn), 'auto' (slots where it can drive the model). Greedy output is the same; "
-             "samples differ, so the choice is part of the settings.")
+             "batches, turn by turn), 'auto' (slots on a GPU where it can drive the model, else generate). "
+             "Greedy output is the same; samples differ, so the choice is part of the settings.")
     shard_size: int = setting(128, help="Conversations per output shard (the unit of resumption).")
     max_prompt_tokens: int = setting(2048, help="A conversation whose prompt before an assistant turn is longer "
                                      "is reported as bad input.")
