@@ -101,7 +101,8 @@ def test_the_backend_falls_back_to_generate_where_the_engine_cannot_run(smollm2_
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1)).eval()
-    assert HFBackend(None, model=model, tokenizer=tok).engine == "slots"
+    assert supported(model) and HFBackend(None, model=model, tokenizer=tok, engine="slots").engine == "slots"
+    assert HFBackend(None, model=model, tokenizer=tok).engine == "generate"  # auto: the slot engine on a GPU only
     model.config._attn_implementation = "flash_attention_2"  # a kernel that ignores our 4D masks
     try:
         assert not supported(model) and HFBackend(None, model=model, tokenizer=tok).engine == "generate"
