@@ -166,7 +166,8 @@ def test_over_long_prompt_is_bad_input(tmp_path, backend):
 @pytest.mark.slow
 def test_sigkill_midway_then_resume_gives_identical_shards(tmp_path):
     src = write_jsonl(tmp_path / "chat.jsonl", CHAT)
-    args = [sys.executable, "-m", "specfoundry.generate.cli", "run", str(src), "--shard-size", "1",
+    # batch 1: groups of 4 one-conversation shards, so the kill lands in a group, with a later one to come
+    args = [sys.executable, "-m", "specfoundry.generate.cli", "run", str(src), "--shard-size", "1", "--batch-size", "1",
             "--max-new-tokens", "20", "--seed", "3", "--silent"]
     subprocess.run(args + ["-o", str(tmp_path / "whole")], check=True, capture_output=True)
 

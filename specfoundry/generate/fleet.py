@@ -70,7 +70,8 @@ class Server:
         return (1 if self.failures else concurrency) - self.inflight
 
     def up(self, now: float) -> bool:
-        return not self.dead and now >= self.down_until
+        """Healthy: answering (not given up, not cooling down, not on trial after a failure)."""
+        return not self.dead and not self.failures and now >= self.down_until
 
 
 def server_urls(urls: tuple[str, ...] | list[str], urls_file: str | None) -> list[str]:

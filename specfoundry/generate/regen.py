@@ -219,16 +219,16 @@ class ConversationState:
     status: str = "ok"  # ok | empty | truncated | failed | tool_mismatch
     tool_exchanges: Counter = field(default_factory=Counter)  # kept / replaced
 
-    def next_request(self, shard: int, seed: int) -> Request | None:
-        """The request for the next assistant turn (the original turns before it copied into the
-        history), or None when the conversation is finished or dropped."""
+    def next_request(self, shard: int, seed: int, tag: int) -> Request | None:
+        """The request (tagged `tag`) for the next assistant turn, the original turns before it
+        copied into the history; None when the conversation is finished or dropped."""
         if self.status != "ok" or self.turn == self.conv.num_assistant_turns:
             return None
         msgs = self.conv.messages
         while msgs[self.cursor].role != "assistant":
             self.built.append(msgs[self.cursor].to_dict())
             self.cursor += 1
-        return Request(tag=self.index, seed=derive_seed(seed, shard, self.index, self.turn),
+        return Request(tag=tag, seed=derive_seed(seed, shard, self.index, self.turn),
                        messages=tuple(self.built), tools=self.conv.tools)
 
     def row(self) -> dict:
@@ -337,15 +337,15 @@ class Regenerator:
             shard, s = flat[request.tag]
             self.record_turn(s, g, counts[shard])
             progress.update(0, g.num_tokens)
-            following = s.next_request(shard, seed)
+            following = s.next_request(shard, seed, request.tag)
             if following is not None:
-                return [replace(following, tag=request.tag)]
+                return [following]
             left[shard] -= 1
             progress.update(1)
             flush()
             return []
 
-        first = [replace(s.next_request(shard, seed), tag=k) for k, (shard, s) in enumerate(flat)]
+        first = [s.next_request(shard, seed, k) for k, (shard, s) in enumerate(flat)]
         flush()  # shards without conversations (every prompt synthesis failed) at the front
         serve(self.backend, first, self.cfg.sampling, on_done)
         assert not order, "every shard of the group completed"
