@@ -59,16 +59,30 @@ def write_random_featureset(root: Path, n: int, t: int, cfg: Eagle3Config | DFla
     return FeatureSet(root)
 
 
-def random_ttt_module(cfg: Eagle3Config, vocab_stride: int, head_scale: float,
-                      compile_elementwise: bool = True) -> TTTModule:
-    """A draft of shape `cfg` with random weights (seed 0), every `vocab_stride`-th target token
-    in its vocabulary, and a random bf16 teacher head of scale `head_scale`, on the CPU: the
-    caller moves or wraps it. compile_elementwise: as TTTModule's."""
+def random_eagle3_draft(cfg: Eagle3Config, vocab_stride: int, first_id: int = 0,
+                        norms_off_one: bool = False) -> Eagle3Draft:
+    """A draft of shape `cfg` with random weights (seed 0) and every `vocab_stride`-th target token
+    from `first_id` in its vocabulary. norms_off_one: norm weights drawn from U(0.5, 1.5), so that
+    a skipped or misplaced norm shows."""
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
-    d2t, t2d = vocab_maps(torch.arange(0, cfg.vocab_size, vocab_stride)[: cfg.draft_vocab_size], cfg.vocab_size)
+    d2t, t2d = vocab_maps(torch.arange(first_id, cfg.vocab_size, vocab_stride)[: cfg.draft_vocab_size],
+                          cfg.vocab_size)
     draft.d2t.copy_(d2t)
     draft.t2d.copy_(t2d)
+    if norms_off_one:
+        with torch.no_grad():
+            for name, p in draft.named_parameters():
+                if "norm" in name:
+                    p.uniform_(0.5, 1.5)
+    return draft
+
+
+def random_ttt_module(cfg: Eagle3Config, vocab_stride: int, head_scale: float,
+                      compile_elementwise: bool = True) -> TTTModule:
+    """random_eagle3_draft with a random bf16 teacher head of scale `head_scale`, on the CPU: the
+    caller moves or wraps it. compile_elementwise: as TTTModule's."""
+    draft = random_eagle3_draft(cfg, vocab_stride)
     lm_head = (torch.randn(cfg.vocab_size, cfg.hidden_size) * head_scale).to(torch.bfloat16)
     return TTTModule(draft, lm_head, compile_elementwise)
 

@@ -22,6 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specfoundry.capture.runner import HFCaptureRunner
 from specfoundry.common.taps import default_aux_layers
 from specfoundry.eval.draft import DraftLoadError, load_draft
+from specfoundry.testing import random_eagle3_draft
 from specfoundry.train.cli import export_main
 from specfoundry.train.eagle3.config import Eagle3Config, Eagle3Options
 from specfoundry.train.eagle3.export import export_draft
@@ -29,7 +30,6 @@ from specfoundry.train.eagle3.family import EAGLE3
 from specfoundry.train.eagle3.formats import read_eagle3
 from specfoundry.train.eagle3.model import Eagle3Draft, KVCache, TTTCache
 from specfoundry.train.family import DRAFT_FILE
-from specfoundry.train.vocab import vocab_maps
 from tests.test_families import TINY, random_draft
 
 OPTIONS = [{}, {"fc_norm": True}, {"norm_output": True}, {"fc_norm": True, "norm_output": True}]
@@ -400,16 +400,7 @@ def test_an_export_read_back_gives_the_same_logits(tmp_path, layout, options, ou
 
 def small_draft(**options) -> Eagle3Draft:
     """random_draft's kind of draft (norms away from 1, a vocabulary map), as wide as the target."""
-    torch.manual_seed(0)
-    draft = Eagle3Draft(Eagle3Config(**SMALL, **options))
-    d2t, t2d = vocab_maps(torch.arange(1, 97, 2)[:40], 97)
-    draft.d2t.copy_(d2t)
-    draft.t2d.copy_(t2d)
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    return draft.eval()
+    return random_eagle3_draft(Eagle3Config(**SMALL, **options), vocab_stride=2, first_id=1, norms_off_one=True).eval()
 
 
 def other_tools_sglang_dir(tmp_path, draft, prefix: str, layer: str, ids_nested: bool):

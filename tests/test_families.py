@@ -13,13 +13,13 @@ from specfoundry.common.taps import default_aux_layers, dflash_default_layers
 from specfoundry.eval.draft import find_draft_files
 from specfoundry.eval.speculative import DraftRunner
 from specfoundry.featureset.manifest import FeatureSetError
+from specfoundry.testing import random_eagle3_draft
 from specfoundry.train.dflash.options import DFlashOptions
 from specfoundry.train.eagle3.config import Eagle3Config, Eagle3Options
 from specfoundry.train.eagle3.export import expected_tensors, export_draft, validate
 from specfoundry.train.eagle3.model import Eagle3Draft, TTTCache
 from specfoundry.train.eagle3.ttt import shift
 from specfoundry.train.family import get_family, select_layers
-from specfoundry.train.vocab import vocab_maps
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
             vocab_size=97, draft_vocab_size=40, target_hidden_size=24, aux_layer_ids=(1, 2, 3))
@@ -63,16 +63,7 @@ def test_each_family_takes_its_layers_from_a_union_set_and_names_a_missing_one()
 
 
 def random_draft(**options) -> Eagle3Draft:
-    torch.manual_seed(0)
-    draft = Eagle3Draft(Eagle3Config(**TINY, **options))
-    d2t, t2d = vocab_maps(torch.arange(0, 97, 2)[:40], 97)
-    draft.d2t.copy_(d2t)
-    draft.t2d.copy_(t2d)
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            if "norm" in name:  # norms away from 1, so that a skipped or misplaced norm shows
-                p.uniform_(0.5, 1.5)
-    return draft.eval()
+    return random_eagle3_draft(Eagle3Config(**TINY, **options), vocab_stride=2, norms_off_one=True).eval()
 
 
 @pytest.mark.parametrize("options", [{}, {"fc_norm": True}, {"norm_output": True},
