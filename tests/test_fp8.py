@@ -89,6 +89,16 @@ def test_random_rows_round_trip_within_the_e4m3_bound(dtype):
     assert (values.float().abs().amax(-1) == 448).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantize_gives_the_float32_product_cast_once(dtype):
+    """Every e4m3fn bit pattern (NaN included) times scales from 0 through subnormal-making to huge:
+    dequantize's bf16-then-mul path gives the bits of the float32 product cast to dtype."""
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).repeat(6, 1)  # [6, 256]
+    scale = torch.tensor([0.0, 1e-30, 2.0**-9 / 448, 0.37, 1.0, 3e4])  # [6]
+    ref = (values.float() * scale.unsqueeze(-1)).to(dtype)
+    torch.testing.assert_close(fp8.dequantize(values, scale, dtype), ref, rtol=0, atol=0, equal_nan=True)
+
+
 def test_zero_rows_round_trip_exactly_and_nonfinite_rows_are_found():
     x = torch.randn(4, 3, 16)
     x[1, 2] = 0.0

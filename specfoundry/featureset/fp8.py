@@ -41,8 +41,15 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """(values [..., H] float8_e4m3fn, scale [...] float32) -> [..., H] in dtype, on their device.
-    The product is taken in float32 (exact up to its rounding), then cast once to dtype."""
-    return (values.float() * scale.unsqueeze(-1)).to(dtype)
+    The product is taken in float32 (exact up to its rounding), then cast once to dtype.
+
+    Two passes over the values, 7 bytes moved per value: float8 -> bfloat16 is exact (e4m3's 4
+    significant bits and 2^-9..448 range sit inside bfloat16's), and one mul reads that and the
+    scale, multiplies in float32 (the promoted dtype) and writes dtype. This gives the bits of
+    (values.float() * scale).to(dtype), which moves 15 bytes per value through two float32
+    temporaries (torch does not promote float8, so the mul cannot read it directly)."""
+    out = torch.empty(values.shape, dtype=dtype, device=values.device)
+    return torch.mul(values.to(torch.bfloat16), scale.unsqueeze(-1), out=out)
 
 
 def find_nonfinite(scale: torch.Tensor) -> tuple[int, ...] | None:
