@@ -1,16 +1,25 @@
 """sf-train step throughput on one GPU at the Llama-3.1-8B draft shape, features from disk.
 
     python -m benchmarks.train_step [--seq 4096] [--steps 8] [--profile] [--storage bfloat16,float8_e4m3fn]
+                                    [--impls ours,eager,plain]
 
 Shape: H 4096, 32 heads, 8 KV heads, head_dim 128, intermediate 14336, target vocab 128256,
 draft vocab 32000, T = 4096, TTT 7, batch 1. Random features are written to a safetensors
 feature-set shard first and read back through the training loader (background workers).
 Ours (FlexAttention BlockMask + in-place Triton loss + compiled elementwise chains), ours with
 the elementwise chains eager, and the plain torch path (eager EAGLE-3 attention + reference
-loss) run the same loop: teacher, 7-step TTT forward, backward, AdamW. Each further --storage
-(float8: the loader hands float8 values + scales, copied to the GPU and dequantised there by
-Batch.to) runs ours again from a set of that storage, beside the bf16 one. --profile also prints
+loss) run the same loop: teacher, 7-step TTT forward, backward, AdamW. --profile also prints
 where ours spends its GPU time (torch.profiler, CUDA kernels by total time).
+
+With more than one --storage (float8: the loader hands float8 values + scales, copied to the GPU
+and dequantised there by Batch.to), ours also runs once per storage *interleaved*: one model,
+optimizer and loader per storage, all warmed up first, then rounds of `--block` steps of each in
+turn, every block timed by CUDA events. Timed one after the other, the storages differed by what
+came before them (the first run's compile gives its loader seconds to fill its prefetch queue, a
+later run starts with an empty one) and by the card's clock drift; interleaved, both fall on every
+storage alike. Beside it, for each storage: the data path alone (Batch.to: the host-to-device copy,
+and float8's dequantisation, on batches already in pinned memory) and the loader alone (batches/s
+of the same 2-worker pinned loader, no GPU work; the shards are in the page cache).
 
 FLOPs per token (written out so the MFU can be checked), with A = 2*H*H*... per layer:
     fc        2 * 3H * H                              (step 0 only)
@@ -22,14 +31,17 @@ FLOPs per token (written out so the MFU can be checked), with A = 2*H*H*... per 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 from benchmarks.common import MATMUL_TFLOPS, print_table, write_result
 from specfoundry.featureset.store import FeatureSet
-from specfoundry.testing import LLAMA8B_DRAFT, llama8b_ttt_module, write_random_featureset
+from specfoundry.testing import LLAMA8B_DRAFT, llama8b_ttt_module, random_ttt_module, write_random_featureset
+from specfoundry.train.eagle3.config import Eagle3Config
 from specfoundry.train.loader import FeatureLoader
 
 
@@ -79,23 +91,113 @@ def profile_table(step, steps: int = PROFILED_STEPS) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90)
 
 
-def run(impl: str, fs: FeatureSet, t: int, steps: int, ttt: int, profile: bool = False) -> dict:
-    cfg = LLAMA8B_DRAFT
-    attention, loss_kernel, compiled = IMPLS[impl]
-    model = llama8b_ttt_module(compiled).cuda()
-    opt = torch.optim.AdamW(model.draft.trainable_parameters(), lr=1e-4, fused=True)
-    loader = iter(FeatureLoader(fs, list(range(len(fs))), max_tokens=t, seed=0, num_workers=2, pin_memory=True))
+TINY_DRAFT = Eagle3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, vocab_size=1024, draft_vocab_size=256, target_hidden_size=64,
+                          aux_layer_ids=(1, 3, 4))
+"""--tiny: a draft small enough to check the script on a CPU (plain torch paths there)."""
+
+
+def storage_label(fs: FeatureSet) -> str:
+    return fs.dtype if fs.dtype == fs.final_dtype else f"{fs.dtype}+{fs.final_dtype}"
+
+
+def make_step(impl: str, fs: FeatureSet, t: int, ttt: int, cfg=LLAMA8B_DRAFT, device: str = "cuda"):
+    """One training step of `impl` over its own loader of fs: next batch, to the device (float8
+    dequantised there), teacher + TTT forward, backward, AdamW. On a CPU every impl runs the plain
+    torch paths (no Triton, no FlexAttention)."""
+    attention, loss_kernel, compiled = IMPLS[impl] if device == "cuda" else ("sdpa", "reference", False)
+    if cfg is LLAMA8B_DRAFT:
+        model = llama8b_ttt_module(compiled)
+    else:
+        model = random_ttt_module(cfg, vocab_stride=4, head_scale=0.02, compile_elementwise=compiled)
+    model = model.to(device)
+    opt = torch.optim.AdamW(model.draft.trainable_parameters(), lr=1e-4, fused=device == "cuda")
+    loader = iter(FeatureLoader(fs, list(range(len(fs))), max_tokens=t, seed=0, num_workers=2,
+                                pin_memory=device == "cuda"))
 
     def step():
-        batch = next(loader).to("cuda", torch.bfloat16)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        batch = next(loader).to(device, torch.bfloat16)
+        with torch.autocast(device, dtype=torch.bfloat16):
             loss, _ = model(batch, ttt_length=ttt, attention=attention, loss_kernel=loss_kernel)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    row = {"impl": impl, "features": fs.dtype if fs.dtype == fs.final_dtype else f"{fs.dtype}+{fs.final_dtype}",
-           "T": t, "ttt": ttt}
+    return step
+
+
+class Clock:
+    """Elapsed ms of a span of work: CUDA events on a GPU (no sync inside the span), the host clock
+    after a sync elsewhere."""
+
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+
+    def time(self, fn) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end)
+        t = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t)
+
+
+def run_interleaved(fss: list[FeatureSet], t: int, steps: int, ttt: int, block: int, cfg=LLAMA8B_DRAFT,
+                    device: str = "cuda") -> list[dict]:
+    """Ours once per feature set, interleaved (see the module docstring): 2 warm-up steps each,
+    then rounds of `block` steps of each set in turn until every set has run `steps` timed steps;
+    ms_per_step is the median over the rounds' blocks, with their min and max beside it."""
+    impl = next(iter(IMPLS))
+    step_of = [make_step(impl, fs, t, ttt, cfg, device) for fs in fss]
+    for step in step_of:
+        for _ in range(2):
+            step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    clock = Clock(device)
+    blocks: list[list[float]] = [[] for _ in fss]
+    for _ in range(max(1, steps // block)):
+        for k, step in enumerate(step_of):
+            blocks[k].append(clock.time(lambda step=step: [step() for _ in range(block)]) / block)
+    rows = []
+    for fs, ms in zip(fss, blocks, strict=True):
+        med = statistics.median(ms)
+        rows.append({"impl": f"{impl}, interleaved", "features": storage_label(fs), "T": t, "ttt": ttt,
+                     "ms_per_step": med, "ms_min": min(ms), "ms_max": max(ms), "rounds": len(ms), "block": block,
+                     "tokens_per_s": t / (med * 1e-3),
+                     "TFLOPs": flops_per_token(cfg, t, ttt) * t / (med * 1e-3) / 1e12})
+        rows[-1]["MFU_%"] = 100 * rows[-1]["TFLOPs"] / MATMUL_TFLOPS
+    for row in rows[1:]:
+        row["vs_first_storage_%"] = 100 * row["tokens_per_s"] / rows[0]["tokens_per_s"]
+    return rows
+
+
+def data_path(fs: FeatureSet, t: int, device: str = "cuda", batches: int = 6) -> dict:
+    """The loader alone (ms per batch of a fresh 2-worker loader after its first batch, no device
+    work) and Batch.to alone (median ms over batches already in host memory, pinned on a GPU)."""
+    loader = iter(FeatureLoader(fs, list(range(len(fs))), max_tokens=t, seed=0, num_workers=2,
+                                pin_memory=device == "cuda"))
+    held = [next(loader)]
+    start = time.perf_counter()
+    held += [next(loader) for _ in range(batches)]
+    loader_ms = 1e3 * (time.perf_counter() - start) / batches
+    clock = Clock(device)
+    to_ms = statistics.median(clock.time(lambda b=b: b.to(device, torch.bfloat16)) for b in held)
+    b = held[0]
+    host_bytes = sum(x.numel() * x.element_size() for x in (b.input_ids, b.loss_mask, b.aux_hidden, b.final_hidden,
+                                                            b.aux_scale, b.final_scale) if x is not None)
+    return {"features": storage_label(fs), "loader_ms_per_batch": loader_ms, "to_device_ms": to_ms,
+            "host_to_device_MB": host_bytes / 1e6}
+
+
+def run(impl: str, fs: FeatureSet, t: int, steps: int, ttt: int, profile: bool = False) -> dict:
+    cfg = LLAMA8B_DRAFT
+    step = make_step(impl, fs, t, ttt)
+    row = {"impl": impl, "features": storage_label(fs), "T": t, "ttt": ttt}
     try:
         ms = time_steps(step, steps)
         if profile:
@@ -116,27 +218,42 @@ def main():
     ap.add_argument("--profile", action="store_true", help="Also print the top CUDA kernels of ours.")
     ap.add_argument("--storage", default="bfloat16,float8_e4m3fn",
                     help="Feature storage to compare, comma-separated (a dtype, or AUX+FINAL): every impl reads "
-                         "the first; ours reads each other one too.")
+                         "the first; with more than one, ours reads each, interleaved.")
+    ap.add_argument("--impls", default="ours,eager,plain",
+                    help="Which of ours, eager, plain run one after the other on the first storage ('' for none).")
+    ap.add_argument("--block", type=int, default=2, help="Interleaved storages: steps per timed block.")
+    ap.add_argument("--tiny", action="store_true", help="A tiny draft on the CPU, to check the script (no JSON).")
     args = ap.parse_args()
     storages = [tuple(x.split("+")) if "+" in x else (x, x) for x in args.storage.split(",")]
-    ours = next(iter(IMPLS))
+    impls = [name for short, name in zip(("ours", "eager", "plain"), IMPLS, strict=True)
+             if short in args.impls.split(",")]
+    cfg, device = (TINY_DRAFT, "cpu") if args.tiny else (LLAMA8B_DRAFT, "cuda")
     with tempfile.TemporaryDirectory() as d:
         # every run reads steps + warm-up (+ profiled) samples
-        sets = [write_random_featureset(Path(d) / str(k), args.steps + 6, args.seq, LLAMA8B_DRAFT, "safetensors",
+        sets = [write_random_featureset(Path(d) / str(k), args.steps + 6, args.seq, cfg, "safetensors",
                                         aux, final) for k, (aux, final) in enumerate(storages)]
         rows = [run(impl, sets[0], args.seq, args.steps, args.ttt, profile=args.profile and k == 0)
-                for k, impl in enumerate(IMPLS)]
-        rows += [run(ours, fs, args.seq, args.steps, args.ttt) for fs in sets[1:]]
-    plain = rows[len(IMPLS) - 1].get("ms_per_step")
+                for k, impl in enumerate(impls) if not args.tiny]
+        paths = []
+        if len(sets) > 1:
+            rows += run_interleaved(sets, args.seq, args.steps, args.ttt, args.block, cfg, device)
+            paths = [data_path(fs, args.seq, device) for fs in sets]
+    plain = next((r.get("ms_per_step") for r in rows if r["impl"] == list(IMPLS)[-1]), None)
     for row in rows:
-        if row["impl"] != list(IMPLS)[-1] and isinstance(plain, float) and isinstance(row.get("ms_per_step"), float):
+        if row["impl"] in list(IMPLS)[:-1] and isinstance(plain, float) and isinstance(row.get("ms_per_step"), float):
             row["speedup_vs_plain"] = plain / row["ms_per_step"]
-        if row["impl"] == ours and row is not rows[0] and isinstance(row.get("tokens_per_s"), float) \
-                and isinstance(rows[0].get("tokens_per_s"), float):
-            row["vs_first_storage_%"] = 100 * row["tokens_per_s"] / rows[0]["tokens_per_s"]
-    print_table(rows, ["impl", "features", "T", "ttt", "ms_per_step", "tokens_per_s", "TFLOPs", "MFU_%", "peak_GiB",
-                       "speedup_vs_plain", "vs_first_storage_%"])
-    print(write_result("train_step", rows, {"flops_per_token": flops_per_token(LLAMA8B_DRAFT, args.seq, args.ttt)}))
+    print_table(rows, ["impl", "features", "T", "ttt", "ms_per_step", "ms_min", "ms_max", "tokens_per_s", "TFLOPs",
+                       "MFU_%", "peak_GiB", "speedup_vs_plain", "vs_first_storage_%"])
+    if paths:
+        print_table(paths, ["features", "loader_ms_per_batch", "to_device_ms", "host_to_device_MB"])
+    extra = {"flops_per_token": flops_per_token(cfg, args.seq, args.ttt), "data_path": paths}
+    interleaved = [r for r in rows if r["impl"].endswith("interleaved")]
+    if interleaved:
+        extra["summary"] = {"storage_tokens_per_s": {r["features"]: r["tokens_per_s"] for r in interleaved},
+                            "storage_vs_first_%": {r["features"]: r.get("vs_first_storage_%", 100.0)
+                                                   for r in interleaved}}
+    if not args.tiny:
+        print(write_result("train_step", rows, extra))
 
 
 if __name__ == "__main__":
