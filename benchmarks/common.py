@@ -116,6 +116,54 @@ def write_result(name: str, rows: list[dict], extra: dict | None = None) -> Path
     return path
 
 
+KERNEL_KINDS = (  # (kind, substrings of a kernel name, lowercase): the first match names the kind
+    ("memcpy / memset", ("memcpy", "memset")),
+    ("attention", ("flex_attention", "flash", "fmha", "attention", "sdpa", "scaled_dot_product", "triton_tem")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "sm90_", "sm80_", "cublas", "matmul", "splitk", "aten::mm", "addmm",
+                "bmm", "aten::linear")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("triton elementwise / reductions", ("triton_",)),
+    ("softmax / reductions", ("softmax", "reduce", "argmax", "cumsum", "sort", "scan")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "index", "scatter", "gather", "cat", "copy", "fill")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def profile_summary(prof, top: int = 12, device: bool = True) -> dict:
+    """From a finished torch.profiler run: total self time (device kernels, or host ops when not
+    `device`) in ms, the `top` entries by it, and the time per kind of kernel (KERNEL_KINDS)."""
+    from torch.autograd import DeviceType
+
+    def counted(e) -> bool:  # as torch's own table totals device time: device-side events only
+        if not device:
+            return True
+        return e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)
+
+    def self_ms(e) -> float:
+        return (e.self_device_time_total if device else e.self_cpu_time_total) / 1e3
+
+    events = [(e.key, self_ms(e), e.count) for e in prof.key_averages() if counted(e)]
+    events = sorted((e for e in events if e[1] > 0), key=lambda e: -e[1])
+    total = sum(ms for _, ms, _ in events)
+    kinds: dict[str, float] = {}
+    for name, ms, _ in events:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
+    return {"total_ms": total,
+            "top": [{"name": name[:120], "ms": ms, "calls": n, "share_%": 100 * ms / total} for name, ms, n in events[:top]],
+            "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1]))}
+
+
+def print_profile_summary(title: str, summary: dict) -> None:
+    print(f"== {title}: {summary['total_ms']:.1f} ms of self time ==")
+    print_table(summary["top"], ["name", "ms", "calls", "share_%"])
+    print("by kind: " + ", ".join(f"{k} {v:.1f} ms ({100 * v / max(summary['total_ms'], 1e-9):.0f}%)"
+                                  for k, v in summary["kinds_ms"].items()))
+
+
 def print_table(rows: list[dict], columns: list[str]) -> None:
     widths = {c: max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in columns}
     print(" | ".join(c.ljust(widths[c]) for c in columns))

@@ -1,6 +1,6 @@
 """sf-train's DFlash step on one GPU at the Qwen3-8B DFlash shape, context features from disk.
 
-    python -m benchmarks.dflash_train_step [--seq 3072] [--steps 6] [--batches 1,2,4,6]
+    python -m benchmarks.dflash_train_step [--seq 3072] [--steps 6] [--batches 1,2,4,6] [--profile]
 
 Shape: 5 layers, H 4096, intermediate 12288, 32 query / 8 KV heads of 128, block 16, target vocab
 151936, 512 anchors per sample, T = 3072 context tokens per sample. Random features of 5 target
@@ -9,7 +9,8 @@ layers are written to a safetensors feature-set shard and read back through the 
 forward, loss, backward, AdamW. Ours (FlexAttention BlockMask from the mask_mod, compiled
 elementwise chains, chunked loss) and our plain path (dense SDPA mask from the same mask_mod,
 eager elementwise) run the same loop at each batch size; tokens/s counts the T context tokens
-of each sample.
+of each sample. --profile: where one step of ours spends its GPU time at the largest batch that
+ran (torch.profiler: the top kernels and the time per kind), in the JSON's summary.profile.
 
 FLOPs per sample (Q = anchors * block query tokens, K = 5 layers of H, A the mean keys a query
 sees: half the context plus its block):
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import MATMUL_TFLOPS, print_table, write_result
+from benchmarks.common import MATMUL_TFLOPS, print_profile_summary, print_table, profile_summary, write_result
 from benchmarks.train_step import time_steps
 from specfoundry.testing import QWEN3_8B_DFLASH, write_random_featureset
 from specfoundry.train.dflash.loss import DFlashModule
@@ -62,7 +63,18 @@ def module(compiled: bool) -> DFlashModule:
     return DFlashModule(draft, lm_head, num_anchors=ANCHORS, gamma=7.0, compile_elementwise=compiled).cuda()
 
 
-def run(impl: str, fs, t: int, batch: int, steps: int) -> dict:
+def profile_step(step) -> dict:
+    """One step under torch.profiler (CUDA kernels), after the timing's warm-up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return profile_summary(prof, top=15)
+
+
+def run(impl: str, fs, t: int, batch: int, steps: int, profile: bool = False) -> dict:
     attention, compiled = IMPLS[impl]
     row = {"impl": impl, "T": t, "batch": batch}
     model = module(compiled)
@@ -85,6 +97,9 @@ def run(impl: str, fs, t: int, batch: int, steps: int) -> dict:
         row["TFLOPs"] = batch * flops_per_sample(QWEN3_8B_DFLASH, t) / (ms * 1e-3) / 1e12
         row["MFU_%"] = 100 * row["TFLOPs"] / MATMUL_TFLOPS
         row["flop_limit_ms"] = batch * flops_per_sample(QWEN3_8B_DFLASH, t) / (MATMUL_TFLOPS * 1e12) * 1e3
+        if profile:
+            row["profile"] = profile_step(step)
+            print_profile_summary(f"one step of {impl} at batch {batch}", row["profile"])
     except torch.cuda.OutOfMemoryError:
         row["ms_per_step"] = "OOM"
     return row
@@ -96,6 +111,7 @@ def main():
     ap.add_argument("--steps", type=int, default=6, help="Timed steps after 2 warm-up steps.")
     ap.add_argument("--batches", default="1,2,4,6", help="Batch sizes (samples per step) to run.")
     ap.add_argument("--impls", default="ours,plain", help="Which of ours, plain to run.")
+    ap.add_argument("--profile", action="store_true", help="Profile one step of ours at the largest batch.")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     impls = [name for name in IMPLS if name.split()[0] in args.impls.split(",")]
@@ -103,10 +119,11 @@ def main():
     with tempfile.TemporaryDirectory() as d:
         # every run reads (steps + 2 warm-up) * batch samples, all in the loader's first epoch (a new
         # epoch starts new loader workers, which a timed step would wait for)
-        fs = write_random_featureset(Path(d), (args.steps + 3) * max(batches), args.seq, QWEN3_8B_DFLASH)
+        fs = write_random_featureset(Path(d), (args.steps + 4) * max(batches), args.seq, QWEN3_8B_DFLASH)
         for batch in batches:
             for impl in impls:
-                rows.append(run(impl, fs, args.seq, batch, args.steps))
+                rows.append(run(impl, fs, args.seq, batch, args.steps,
+                                profile=args.profile and batch == max(batches) and impl.startswith("ours")))
                 torch.cuda.empty_cache()  # the run's model, optimizer state and loader are gone with it
                 print_table(rows[-1:], list(rows[-1]))
                 path = save(rows, args.seq)  # after every row: a run cut short keeps what it measured
@@ -121,6 +138,14 @@ def save(rows: list[dict], t: int):
     flops = flops_per_sample(QWEN3_8B_DFLASH, t)
     summary = {"context_tokens_per_s": best.get("context_tokens_per_s"), "peak_GiB": best.get("peak_GiB"),
                "batch": best.get("batch"), "flop_limit_ms_per_sample": flops / (MATMUL_TFLOPS * 1e12) * 1e3}
+    if best:
+        summary["ms_per_step"] = best["ms_per_step"]
+        summary["flop_limit_ms"] = best["flop_limit_ms"]
+        summary["times_flop_limit"] = best["ms_per_step"] / best["flop_limit_ms"]
+        summary["MFU_%"] = best["MFU_%"]
+    profiled = next((r for r in rows if "profile" in r), None)
+    if profiled:
+        summary["profile"] = {"batch": profiled["batch"], **profiled["profile"]}
     return write_result("dflash_train_step", rows, {"summary": summary, "flops_per_sample": flops})
 
 
