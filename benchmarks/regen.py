@@ -2,7 +2,7 @@
 `model.generate` batch, in the same run.
 
     python -m benchmarks.regen [--conversations 2048] [--max-new-tokens 256] [--batch-size 2048]
-                               [--llama8b-conversations 256] [--llama8b-batch-size 256]
+                               [--llama8b-conversations 256] [--llama8b-batch-size 256] [--profile]
 
 For each target, tokens generated per second of:
 - `before`: the regen stage as it was: `model.generate` over length-sorted, left-padded batches,
@@ -13,7 +13,17 @@ For each target, tokens generated per second of:
   one generating max-new-tokens (no early stop): the padding-free, finish-free static batch;
 - `slots_fixed_length`: the slot engine on that same fixed-length workload (its overhead alone).
 The stage figures count every generated token over the stage's wall time (rendering, tokenising,
-writing the shards included).
+writing the shards included). The `after` row also splits the slot engine's wall time by phase
+(`phases_s`, timers around its methods): `step` (the host queueing one decode step; it blocks
+only when the launch queue is full), `collect` (the look every few steps: it waits for the device
+to finish what was queued), `on_done` (the stage's host work per finished request: decoding,
+recording, rendering and tokenising the next turn; the device idles, nothing being queued) and
+`refill` (admitting waiting prompts: host tensors and the prefill forwards).
+
+--profile adds, per target, torch.profiler over 8 decode steps at the full batch (64-token prompts,
+after 8 warm-up steps) of the slot engine and of transformers' own decode step (the model's
+forward over a DynamicCache, as model.generate runs it): wall ms per step, the device's kernel
+time per step by kind, and the top kernels and host ops (JSON: `profile`, tables in the log).
 
 Targets: SmolLM2-135M-Instruct with its real weights (the embedded GGUF, common/target.py), on
 `--conversations` conversations synthesised from the shipped prompt sets (spread prompt lengths,
@@ -26,23 +36,24 @@ on a CPU; the JSON goes to results/regen.json only from a GPU run (or to --out).
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import random
 import tempfile
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from unittest.mock import patch
 
 import torch
 
-from benchmarks.common import print_table, write_result
+from benchmarks.common import print_profile_summary, print_table, profile_summary, write_result
 from specfoundry.common.target import load_target
 from specfoundry.eval.evaluate import prompt_source
 from specfoundry.generate.backend import SamplingConfig
 from specfoundry.generate.hf_backend import HFBackend
 from specfoundry.generate.regen import RegenConfig, Regenerator, run_regen
-from specfoundry.generate.slots import SlotEngine
+from specfoundry.generate.slots import COLUMN_ROUND, SlotEngine, Waiting, round_up
 
 FILLER = ("The report covers the quarter's results across every region. Sales rose in the north and fell "
           "slightly in the south, while costs stayed flat. The team plans to hire two engineers and to move "
@@ -73,21 +84,52 @@ def sync():
         torch.cuda.synchronize()
 
 
+@contextmanager
+def slot_phases(acc: dict):
+    """Adds to acc the wall seconds (and calls) of every SlotEngine run's phases: step, collect,
+    refill, and the caller's on_done per finished request (see the module docstring)."""
+    original = {name: getattr(SlotEngine, name) for name in ("step", "collect", "refill", "run")}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                acc[name] = acc.get(name, 0.0) + time.perf_counter() - t
+                acc[f"{name}_calls"] = acc.get(f"{name}_calls", 0) + 1
+        return wrapper
+
+    def run(self, first, on_done):
+        return original["run"](self, first, timed("on_done", on_done))
+
+    with patch.object(SlotEngine, "step", timed("step", original["step"])), \
+            patch.object(SlotEngine, "collect", timed("collect", original["collect"])), \
+            patch.object(SlotEngine, "refill", timed("refill", original["refill"])), \
+            patch.object(SlotEngine, "run", timed("run", run)):
+        yield
+
+
 def stage(backend: HFBackend, source: Path, work: Path, name: str, max_new: int, batch: int, shard_size: int,
           grouped: bool = True) -> dict:
     """The regen stage's tokens/s with this backend; not `grouped`: one shard at a time, as the
-    stage generated before it grouped shards."""
+    stage generated before it grouped shards. With the slot engine, also its phases' seconds."""
     cfg = RegenConfig(output=str(work / name), source=str(source), shard_size=shard_size, batch_size=batch,
                       hf_engine=backend.engine, sampling=SamplingConfig(temperature=0.0, max_new_tokens=max_new))
+    phases: dict = {}
     sync()
     t = time.perf_counter()
-    with patch.object(Regenerator, "group_size", return_value=1) if not grouped else nullcontext():
+    with patch.object(Regenerator, "group_size", return_value=1) if not grouped else nullcontext(), \
+            slot_phases(phases) if backend.engine == "slots" else nullcontext():
         manifest = run_regen(cfg, backend, silent=True)
     sync()
     seconds = time.perf_counter() - t
     tokens = manifest["totals"]["generated_tokens"]
-    return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
-            "turns": manifest["totals"]["turns_ok"] + manifest["totals"]["turns_truncated"]}
+    row = {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
+           "turns": manifest["totals"]["turns_ok"] + manifest["totals"]["turns_truncated"]}
+    if phases:
+        row["phases_s"] = phases
+    return row
 
 
 def answers(work: Path, name: str) -> dict[tuple[str, int], list[int]]:
@@ -123,8 +165,75 @@ def fixed_length(model, stop_ids: list[int], batch: int, max_new: int, prompt_le
     return rows
 
 
+def profile_decode(model, batch: int, steps: int = 8, prompt_len: int = 64) -> dict:
+    """torch.profiler over `steps` decode steps at `batch` rows (prompts of prompt_len tokens, after
+    `steps` warm-up steps) of the slot engine and of the model's forward over a DynamicCache (what
+    model.generate runs per step): wall ms per step (timed apart, without the profiler), the
+    device's kernel time per step and its top kernels and kinds, the host's top ops."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, 40000, (batch, prompt_len), generator=g)  # [B, T]
+    engine = SlotEngine(model, slots=batch, stop_ids=[], sampling=SamplingConfig(temperature=0.0,
+                                                                                 max_new_tokens=4 * steps + 2))
+
+    @torch.inference_mode()
+    def slot_setup():
+        engine.allocate(round_up(prompt_len + engine.max_new, COLUMN_ROUND))
+        queue = [Waiting((-prompt_len, i), row, 0, i) for i, row in enumerate(ids.tolist())]
+        heapq.heapify(queue)
+        engine.refill(queue, list(range(batch)))
+        return engine.step
+
+    @torch.inference_mode()
+    def cache_setup():
+        cache = DynamicCache()
+        mask = torch.ones(batch, prompt_len, dtype=torch.long, device=device)
+        out = model(input_ids=ids.to(device), attention_mask=mask, past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)
+        state = {"token": out.logits[:, -1].argmax(-1, keepdim=True), "mask": mask}
+
+        def step():
+            state["mask"] = torch.cat([state["mask"], state["mask"][:, :1]], dim=1)
+            o = model(input_ids=state["token"], attention_mask=state["mask"], past_key_values=cache, use_cache=True,
+                      logits_to_keep=1)
+            state["token"] = o.logits[:, -1].float().argmax(-1, keepdim=True)
+        return step
+
+    out = {}
+    for name, setup in (("slots", slot_setup), ("dynamic_cache", cache_setup)):
+        step = setup()
+        with torch.inference_mode():
+            for _ in range(steps):
+                step()
+            sync()
+            t = time.perf_counter()
+            for _ in range(steps):
+                step()
+            sync()
+            wall_ms = 1e3 * (time.perf_counter() - t) / steps
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with profile(activities=activities) as prof:
+                for _ in range(steps):
+                    step()
+                sync()
+        kernels = profile_summary(prof, top=12, device=True) if cuda else None
+        host = profile_summary(prof, top=10, device=False)
+        out[name] = {"batch": batch, "steps": steps, "wall_ms_per_step": wall_ms,
+                     "device_kernel_ms_per_step": kernels["total_ms"] / steps if kernels else None,
+                     "kernels": kernels, "host_ops": host}
+        print(f"== decode step, {name}, batch {batch}: {wall_ms:.2f} ms per step (wall)")
+        if kernels:
+            print_profile_summary(f"{name}: device kernels over {steps} steps", kernels)
+        print_profile_summary(f"{name}: host ops over {steps} steps (self CPU time)", host)
+    return out
+
+
 def measure(label: str, model, tokenizer, conversations: int, batch: int, max_new: int, shard_size: int,
-            work: Path) -> list[dict]:
+            work: Path, profile: bool = False) -> tuple[list[dict], dict | None]:
     source = work / f"{label}.jsonl"
     source.write_text("".join(json.dumps(c) + "\n" for c in synthetic_conversations(conversations)))
     before = HFBackend(None, model=model, tokenizer=tokenizer, batch_size=batch, engine="generate")
@@ -137,7 +246,8 @@ def measure(label: str, model, tokenizer, conversations: int, batch: int, max_ne
     # bf16 logits differ in the last bit between batch shapes, so greedy answers can part ways
     rows["after"]["same_answers_as_before"] = sum(b.get(k) == ids for k, ids in a.items()) / len(a)
     rows.update(fixed_length(model, before.stop_ids, batch, max_new))
-    return [{"target": label, "path": k, "conversations": conversations, "batch": batch, **v} for k, v in rows.items()]
+    rows = [{"target": label, "path": k, "conversations": conversations, "batch": batch, **v} for k, v in rows.items()]
+    return rows, (profile_decode(model, batch) if profile else None)
 
 
 def llama8b(tiny: bool, device: str):
@@ -168,28 +278,40 @@ def main():
                     help="The second target: the 8B shape, or a tiny Llama to check the script on a CPU.")
     ap.add_argument("--out", default=None, help="Result name under benchmarks/results/ (default: regen on a GPU, "
                     "none on a CPU).")
+    ap.add_argument("--profile", action="store_true", help="Also profile 8 decode steps of the slot engine and of "
+                    "transformers' DynamicCache step at the full batch, per target.")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer, _ = load_target("smollm2", device=device)
+    profiles = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        rows = measure("smollm2", model, tokenizer, args.conversations, args.batch_size, args.max_new_tokens,
-                       args.shard_size, work)
+        rows, profiles["smollm2"] = measure("smollm2", model, tokenizer, args.conversations, args.batch_size,
+                                            args.max_new_tokens, args.shard_size, work, args.profile)
         del model
         if args.llama8b_conversations:
             big = llama8b(args.second_target == "tiny", device)
-            rows += measure(args.second_target, big, tokenizer, args.llama8b_conversations, args.llama8b_batch_size,
-                            args.max_new_tokens, args.shard_size, work)
+            more, profiles[args.second_target] = measure(args.second_target, big, tokenizer, args.llama8b_conversations,
+                                                         args.llama8b_batch_size, args.max_new_tokens, args.shard_size,
+                                                         work, args.profile)
+            rows += more
     summary = {f"{t}_tokens_per_s": {r["path"]: r["tokens_per_s"] for r in rows if r["target"] == t}
                for t in dict.fromkeys(r["target"] for r in rows)}
     for t in summary.values():
         t["after_over_before"] = t["after"] / t["before"]
     print_table(rows, ["target", "path", "conversations", "batch", "output_tokens", "seconds", "tokens_per_s",
                        "same_answers_as_before"])
+    for r in rows:
+        if "phases_s" in r:
+            print(f"{r['target']} {r['path']} phases (s): "
+                  + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r["phases_s"].items()))
     print(json.dumps(summary, indent=2))
     out = args.out or ("regen" if device == "cuda" else None)
+    extra = {"summary": summary, "settings": vars(args)}
+    if args.profile:
+        extra["profile"] = profiles
     if out:
-        print(write_result(out, rows, {"summary": summary, "settings": vars(args)}))
+        print(write_result(out, rows, extra))
 
 
 if __name__ == "__main__":
