@@ -117,15 +117,15 @@ def main():
     impls = [name for name in IMPLS if name.split()[0] in args.impls.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as d:
-        # every run reads (steps + 2 warm-up) * batch samples, all in the loader's first epoch (a new
-        # epoch starts new loader workers, which a timed step would wait for)
+        # every run reads (steps + 2 warm-up + 1 profiled) * batch samples, all in the loader's first
+        # epoch (a new epoch starts new loader workers, which a timed step would wait for)
         fs = write_random_featureset(Path(d), (args.steps + 4) * max(batches), args.seq, QWEN3_8B_DFLASH)
         for batch in batches:
             for impl in impls:
                 rows.append(run(impl, fs, args.seq, batch, args.steps,
                                 profile=args.profile and batch == max(batches) and impl.startswith("ours")))
                 torch.cuda.empty_cache()  # the run's model, optimizer state and loader are gone with it
-                print_table(rows[-1:], list(rows[-1]))
+                print_table(rows[-1:], [k for k in rows[-1] if k != "profile"])
                 path = save(rows, args.seq)  # after every row: a run cut short keeps what it measured
     print_table(rows, ["impl", "T", "batch", "ms_per_step", "context_tokens_per_s", "TFLOPs", "MFU_%", "peak_GiB",
                        "flop_limit_ms"])
