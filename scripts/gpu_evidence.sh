@@ -1,0 +1,200 @@
+#!/usr/bin/env bash
+# Issue 28's GPU measurements in one unattended run on one GPU machine, in priority order:
+#   1. the regen benchmark (timing, alone on the GPU)
+#   2. fp8 acceptance: sf-regen of ~5,000 synthesised SmolLM2 conversations, one capture in bf16
+#      and one in float8, EAGLE-3 from each with two seeds (4 trainings side by side), sf-eval
+#      chain k=7 on every chat and code prompt (4 evals side by side); `pytest -m gpu` runs beside
+#      these (none of them is timed)
+#   3. the DFlash train step across batches, 4. the train step and the capture, bf16 against
+#      float8 (timing, each alone on the GPU)
+# Every step logs to $EV/logs/<step>.log and appends "step rc start end seconds" to $EV/status.tsv;
+# a step is skipped when its estimate would end it past the deadline: the epoch second in
+# $EV/deadline_epoch when that file exists (a later command may write it), else $DEADLINE seconds
+# after the plan began.
+#
+# Schedule on one H200 (estimates from the kit's timings at 8dd38ca; the step's skip estimate in
+# brackets), device time ~1800 s in all:
+#   machine start + setup (wheels, editable install)              ~150 s
+#   regen_bench   python -m benchmarks.regen --profile             ~330 s  [420]
+#   sf_regen      5,504 synthesised conversations (~5,290 kept)     ~150 s  [240]  + gpu tests beside
+#   capture       bf16 and float8, side by side                      ~60 s  [120]
+#   train         4 x EAGLE-3, 2 epochs, warm-up 30, side by side   ~300 s  [420]
+#   eval          4 x sf-eval k=7 chain, chat + code, side by side  ~120 s  [240]
+#   dflash_train_step  --batches 1,2,4,8 --impls ours --profile     ~180 s  [240]
+#   train_step    --storage bfloat16,float8_e4m3fn --impls ours     ~100 s  [150]
+#   capture_bench --storage bfloat16,float8_e4m3fn --batches 20     ~100 s  [150]
+#   total ~1,490 s; what does not fit is skipped from the end (priority order).
+#
+#   bash scripts/gpu_evidence.sh start      copy the tree to $EV/repo, start `plan` in the background
+#   bash scripts/gpu_evidence.sh wait [S]   wait until the plan ends or S seconds pass, then pack the
+#                                           results into $OUT/evidence.tar.gz and print the status
+#   bash scripts/gpu_evidence.sh stop       end the plan's process group
+# The plan waits for $EV/gguf.ok (the SmolLM2 weights, joined by a later command) before step 1.
+# DRY=1: tiny sizes on the CPU, the GPU-only benchmarks as --help or --tiny, to check the script.
+set -uo pipefail
+EV=${EV:-$HOME/ev}
+RUN=$EV/run
+LOGS=$EV/logs
+RECIPE=recipes/smollm2-h200.yaml
+DEADLINE=${DEADLINE:-1380}
+if [ "${DRY:-0}" = 1 ]; then
+  DEV=cpu SYNTH=${SYNTH:-6} EPOCHS=1
+else
+  DEV=cuda SYNTH=${SYNTH:-5504} EPOCHS=${EPOCHS:-2}
+fi
+SEEDS="0 1"
+STORAGES="bf16:bfloat16 fp8:float8_e4m3fn"
+
+elapsed() { echo $(( $(date +%s) - $(cat "$EV/t0") )); }
+deadline() {  # seconds since the plan began by which a step must end
+  if [ -f "$EV/deadline_epoch" ]; then echo $(( $(cat "$EV/deadline_epoch") - $(cat "$EV/t0") )); else echo "$DEADLINE"; fi
+}
+
+# step NAME ESTIMATE_S CMD...: run CMD, logged; skipped when it would end past the deadline
+step() {
+  local name=$1 est=$2; shift 2
+  local start now rc
+  now=$(elapsed)
+  if [ $(( now + est )) -gt "$(deadline)" ]; then
+    printf '%s\tskipped\t%s\t-\t-\n' "$name" "$now" >> "$EV/status.tsv"
+    echo "[$now s] skip $name (estimate ${est}s past the $(deadline)s deadline)"
+    return 99
+  fi
+  start=$now
+  echo "[$start s] start $name: $*"
+  "$@" > "$LOGS/$name.log" 2>&1
+  rc=$?
+  now=$(elapsed)
+  printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$start" "$now" $(( now - start )) >> "$EV/status.tsv"
+  echo "[$now s] end $name rc=$rc ($(( now - start )) s)"
+  return $rc
+}
+
+# together NAME EST "CMD" "CMD" ...: the commands side by side (one GPU), each logged as NAME-k;
+# rc is the first non-zero one
+together() {
+  local name=$1 est=$2; shift 2
+  local k=0 pids=() rc=0 start now
+  now=$(elapsed)
+  if [ $(( now + est )) -gt "$(deadline)" ]; then
+    printf '%s\tskipped\t%s\t-\t-\n' "$name" "$now" >> "$EV/status.tsv"
+    echo "[$now s] skip $name (estimate ${est}s past the $(deadline)s deadline)"
+    return 99
+  fi
+  start=$now
+  for cmd in "$@"; do
+    echo "[$start s] start $name-$k: $cmd"
+    bash -c "$cmd" > "$LOGS/$name-$k.log" 2>&1 &
+    pids+=($!)
+    k=$((k + 1))
+  done
+  k=0
+  for pid in "${pids[@]}"; do
+    wait "$pid"; local r=$?
+    [ $r -ne 0 ] && [ $rc -eq 0 ] && rc=$r
+    printf '%s-%s\t%s\t%s\t%s\t%s\n' "$name" "$k" "$r" "$start" "$(elapsed)" $(( $(elapsed) - start )) >> "$EV/status.tsv"
+    k=$((k + 1))
+  done
+  now=$(elapsed)
+  echo "[$now s] end $name rc=$rc ($(( now - start )) s)"
+  return $rc
+}
+
+plan() {
+  cd "$EV/repo"
+  export PYTHONPATH=$EV/repo${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+  date +%s > "$EV/t0"
+  echo "plan: commit ${GIT_COMMIT:-?}, device $DEV, synthesize $SYNTH, epochs $EPOCHS, deadline ${DEADLINE}s"
+  [ "$DEV" = cuda ] && nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
+  for _ in $(seq 150); do [ -f "$EV/gguf.ok" ] && break; sleep 2; done
+  [ -f "$EV/gguf.ok" ] || { echo "no SmolLM2 weights after 300 s"; echo done > "$EV/done"; return 1; }
+  echo "[$(elapsed) s] SmolLM2 weights here"
+
+  # 1. regen throughput (alone): before / generate_grouped / after (slots) / ceiling, SmolLM2 and 8B
+  if [ "$DEV" = cuda ]; then
+    step regen_bench 420 python -m benchmarks.regen --profile
+  elif [ "${SKIP_REGEN_BENCH:-0}" = 0 ]; then
+    step regen_bench 900 python -m benchmarks.regen --conversations 4 --batch-size 4 --max-new-tokens 4 \
+      --second-target tiny --llama8b-conversations 2 --llama8b-batch-size 2 --profile --out dry_regen
+  fi
+
+  # 2. fp8 acceptance (shared GPU); the GPU tests beside it
+  if [ "$DEV" = cuda ]; then
+    LOG=$EV/gpu_tests.log bash benchmarks/gpu_tests.sh > "$LOGS/gpu_tests.out" 2>&1 &
+    local tests=$!
+  fi
+  local regen_opts=(--synthesize "$SYNTH" --device "$DEV")
+  [ "$DEV" = cpu ] && regen_opts+=(--batch-size 4 --max-new-tokens 16)
+  if step sf_regen 240 sf-regen run -o "$RUN/regen" --recipe "$RECIPE" "${regen_opts[@]}"; then
+    local caps=()
+    for s in $STORAGES; do
+      caps+=("sf-capture run $RUN/regen -o $RUN/feat_${s%%:*} --recipe $RECIPE --storage-dtype ${s#*:} --device $DEV")
+    done
+    if together capture 120 "${caps[@]}"; then
+      local trains=() evals=()
+      local train_opts="--epochs $EPOCHS --warmup-steps 30 --num-workers 3"
+      [ "$DEV" = cpu ] && train_opts="--epochs 1 --warmup-steps 1 --num-workers 0 --draft-vocab-size 512 --ttt-length 2"
+      for s in $STORAGES; do
+        for seed in $SEEDS; do
+          trains+=("sf-train run $RUN/feat_${s%%:*} -o $RUN/train_${s%%:*}_seed$seed --recipe $RECIPE $train_opts --seed $seed")
+          evals+=("sf-eval run $RUN/train_${s%%:*}_seed$seed -o $RUN/eval_${s%%:*}_seed$seed --recipe $RECIPE --prompts chat,code --no-baseline --device $DEV$([ "$DEV" = cpu ] && echo ' --max-new-tokens 4 --limit 2')")
+        done
+      done
+      together train 420 "${trains[@]}"
+      together eval 240 "${evals[@]}"
+    fi
+  fi
+  if [ -n "${tests:-}" ]; then
+    wait "$tests"; printf 'gpu_tests\t%s\t-\t%s\t-\n' "$?" "$(elapsed)" >> "$EV/status.tsv"
+  fi
+
+  # 3, 4. timing benchmarks, each alone
+  if [ "$DEV" = cuda ]; then
+    step dflash_train_step 240 python -m benchmarks.dflash_train_step --batches 1,2,4,8 --impls ours --steps 4 --profile
+    step train_step 150 python -m benchmarks.train_step --storage bfloat16,float8_e4m3fn --impls ours
+    step capture_bench 150 python -m benchmarks.capture --storage bfloat16,float8_e4m3fn --batches 20
+  else
+    step dflash_train_step 60 python -m benchmarks.dflash_train_step --help
+    step train_step 300 python -m benchmarks.train_step --tiny --seq 64 --steps 2 --ttt 2
+    step capture_bench 60 python -m benchmarks.capture --help
+  fi
+  echo "[$(elapsed) s] plan done"
+  echo done > "$EV/done"
+}
+
+pack() {
+  local out=${OUT:-$EV/out}
+  mkdir -p "$out"
+  (cd "$EV" && tar czf "$out/evidence.tar.gz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' \
+    --exclude='checkpoints' --exclude='shards' --exclude='data' --exclude='*.parquet' --exclude='*.zarr' \
+    status.tsv logs orchestrator.log run $(ls gpu_tests.log 2>/dev/null) \
+    $(find repo/benchmarks/results -type f -newer t0 2>/dev/null))
+  ls -la "$out"
+}
+
+show() {
+  echo "== status ($(elapsed) s since the plan began; done: $([ -f "$EV/done" ] && echo yes || echo no))"
+  column -t -s $'\t' "$EV/status.tsv" 2>/dev/null
+  echo "== orchestrator (tail)"; tail -n 8 "$EV/orchestrator.log"
+  for f in $(ls -t "$LOGS"/*.log 2>/dev/null | head -n 3); do echo "== $f"; tail -n 4 "$f"; done
+  [ "${DRY:-0}" = 1 ] || nvidia-smi --query-gpu=utilization.gpu,memory.used,clocks.sm,temperature.gpu --format=csv,noheader
+}
+
+case "${1:-}" in
+  start)
+    rm -rf "$EV" && mkdir -p "$EV/repo" "$LOGS" "$RUN"
+    touch "$EV/status.tsv"
+    tar cf - --exclude=./.devkit --exclude=./.git --exclude=./.venv --exclude=./runs . | (cd "$EV/repo" && tar xf -)
+    setsid nohup bash "$EV/repo/scripts/gpu_evidence.sh" plan > "$EV/orchestrator.log" 2>&1 < /dev/null &
+    echo $! > "$EV/pid"
+    sleep 2; echo "plan started (pid $(cat "$EV/pid")) in $EV"; tail -n 3 "$EV/orchestrator.log" ;;
+  plan) plan ;;
+  wait)
+    limit=${2:-540}; t=$(date +%s)
+    while [ ! -f "$EV/done" ] && [ $(( $(date +%s) - t )) -lt "$limit" ]; do sleep 5; done
+    pack; show ;;
+  pack) pack ;;
+  show) show ;;
+  stop) kill -- -"$(cat "$EV/pid")" && echo "stopped the plan's process group $(cat "$EV/pid")" ;;
+  *) echo "usage: $0 start|wait [S]|pack|show|stop" >&2; exit 2 ;;
+esac
