@@ -116,3 +116,20 @@ def test_the_backend_falls_back_to_generate_where_the_engine_cannot_run(smollm2_
     slots = HFBackend(None, model=model, tokenizer=tok, batch_size=2).generate(requests, sampling)
     plain = HFBackend(None, model=model, tokenizer=tok, batch_size=2, engine="generate").generate(requests, sampling)
     assert [g.token_ids for g in slots] == [g.token_ids for g in plain]
+
+
+def test_the_memory_check_counts_what_the_caching_allocator_holds_unused(model, monkeypatch):
+    """A KV cache that fits only in blocks torch's allocator has cached (left by an earlier
+    model.generate batch, say) is allowed; one larger than free plus cached memory is refused."""
+    from specfoundry.generate.slots import EngineMemoryError, kv_bytes_per_token
+
+    engine = SlotEngine(model, slots=8, stop_ids=[STOP], sampling=SamplingConfig(temperature=0.0, max_new_tokens=4))
+    engine.device = torch.device("cuda")  # the check runs on a GPU only; its memory readings are faked below
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 140 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 100 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 30 * gib)
+    per_slot_token = kv_bytes_per_token(model)
+    engine.check_memory(8, 40 * gib // (8 * per_slot_token))  # 40 GiB: 10 free + 70 cached unused
+    with pytest.raises(EngineMemoryError, match="lower --batch-size"):
+        engine.check_memory(8, 75 * gib // (8 * per_slot_token))  # over 0.9 x 80 GiB

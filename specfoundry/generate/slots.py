@@ -177,7 +177,10 @@ class SlotEngine:
         if self.device.type != "cuda" or per_token is None:
             return
         need = slots * capacity * per_token
-        free, _ = torch.cuda.mem_get_info(self.device)
+        # the driver's free memory plus the blocks torch's caching allocator holds unused, which it
+        # releases before it gives up: after a model.generate batch those can be most of the card
+        free = (torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device)
+                - torch.cuda.memory_allocated(self.device))
         if need > 0.9 * free:
             raise EngineMemoryError(
                 f"the KV cache for --batch-size {slots} at {capacity} tokens per sequence needs "
