@@ -162,6 +162,7 @@ def fixed_length(model, stop_ids: list[int], batch: int, max_new: int, prompt_le
         sync()
         seconds = time.perf_counter() - t
         rows[name] = {"seconds": seconds, "output_tokens": batch * max_new, "tokens_per_s": batch * max_new / seconds}
+        print(f"{name}: {batch * max_new} tokens in {seconds:.1f} s, {batch * max_new / seconds:,.0f} tokens/s", flush=True)
     return rows
 
 
@@ -239,9 +240,13 @@ def measure(label: str, model, tokenizer, conversations: int, batch: int, max_ne
     before = HFBackend(None, model=model, tokenizer=tokenizer, batch_size=batch, engine="generate")
     after = HFBackend(None, model=model, tokenizer=tokenizer, batch_size=batch, engine="slots")
     stage(after, source, work, f"{label}-warmup", 8, min(batch, 8), shard_size)  # kernels, allocator warmed up
-    rows = {"before": stage(before, source, work, f"{label}-before", max_new, batch, shard_size, grouped=False),
-            "generate_grouped": stage(before, source, work, f"{label}-grouped", max_new, batch, shard_size),
-            "after": stage(after, source, work, f"{label}-after", max_new, batch, shard_size)}
+    rows = {}
+    for path, backend, grouped in (("before", before, False), ("generate_grouped", before, True),
+                                   ("after", after, True)):
+        rows[path] = stage(backend, source, work, f"{label}-{path}", max_new, batch, shard_size, grouped=grouped)
+        # each figure in the log as it is measured: a later failure keeps it
+        print(f"{label} {path}: {rows[path]['output_tokens']} tokens in {rows[path]['seconds']:.1f} s, "
+              f"{rows[path]['tokens_per_s']:,.0f} tokens/s", flush=True)
     a, b = answers(work, f"{label}-before"), answers(work, f"{label}-after")
     # bf16 logits differ in the last bit between batch shapes, so greedy answers can part ways
     rows["after"]["same_answers_as_before"] = sum(b.get(k) == ids for k, ids in a.items()) / len(a)
