@@ -194,7 +194,7 @@ def record_acceptance(run: Path, commit: str | None) -> Path:
                "--recipe ... --storage-dtype bfloat16 | float8_e4m3fn; sf-train --recipe ... --epochs E "
                "--warmup-steps 30 --num-workers 3 --seed 0|1 (4 side by side); sf-eval --recipe ... --prompts "
                "chat,code --no-baseline (k=7 chain, greedy, fp32 target, 96 new tokens, every prompt)",
-        "regen_totals": regen.get("totals"), "regen_settings": regen.get("settings"), "captures": captures,
+        "regen_totals": regen.get("totals"), "regen_config": regen.get("config"), "captures": captures,
         "runs": runs, "verdict": verdict}
     data["not_measured"] = ("capture and train-step speed, bf16 against float8, are in results/capture.json "
                             "and results/train_step.json")
