@@ -37,7 +37,7 @@ from unittest.mock import patch
 import torch
 
 from benchmarks.common import print_table, write_result
-from specfoundry.common.target import load_target
+from specfoundry.common.target import Target
 from specfoundry.eval.evaluate import prompt_source
 from specfoundry.generate.backend import SamplingConfig
 from specfoundry.generate.hf_backend import HFBackend
@@ -111,7 +111,7 @@ def fixed_length(model, stop_ids: list[int], batch: int, max_new: int, prompt_le
             ids.to(device), attention_mask=torch.ones_like(ids).to(device), do_sample=False, max_new_tokens=max_new,
             min_new_tokens=max_new, eos_token_id=stop_ids, pad_token_id=stop_ids[0])),
         ("slots_fixed_length", lambda: SlotEngine(
-            model, slots=batch, stop_ids=[], sampling=SamplingConfig(temperature=0.0, max_new_tokens=max_new)).run(
+            Target.wrap(model), slots=batch, stop_ids=[], sampling=SamplingConfig(temperature=0.0, max_new_tokens=max_new)).run(
             [(r, 0, i) for i, r in enumerate(ids.tolist())], lambda tag, out: ())),
     ):
         sync()
@@ -127,8 +127,8 @@ def measure(label: str, model, tokenizer, conversations: int, batch: int, max_ne
             work: Path) -> list[dict]:
     source = work / f"{label}.jsonl"
     source.write_text("".join(json.dumps(c) + "\n" for c in synthetic_conversations(conversations)))
-    before = HFBackend(None, model=model, tokenizer=tokenizer, batch_size=batch, engine="generate")
-    after = HFBackend(None, model=model, tokenizer=tokenizer, batch_size=batch, engine="slots")
+    before = HFBackend(Target.wrap(model, tokenizer), batch_size=batch, engine="generate")
+    after = HFBackend(Target.wrap(model, tokenizer), batch_size=batch, engine="slots")
     stage(after, source, work, f"{label}-warmup", 8, min(batch, 8), shard_size)  # kernels, allocator warmed up
     rows = {"before": stage(before, source, work, f"{label}-before", max_new, batch, shard_size, grouped=False),
             "generate_grouped": stage(before, source, work, f"{label}-grouped", max_new, batch, shard_size),
@@ -170,12 +170,13 @@ def main():
                     "none on a CPU).")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer, _ = load_target("smollm2", device=device)
+    smollm2 = Target.load("smollm2", device=device)
+    model, tokenizer = smollm2.model, smollm2.tokenizer
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         rows = measure("smollm2", model, tokenizer, args.conversations, args.batch_size, args.max_new_tokens,
                        args.shard_size, work)
-        del model
+        del model, smollm2
         if args.llama8b_conversations:
             big = llama8b(args.second_target == "tiny", device)
             rows += measure(args.second_target, big, tokenizer, args.llama8b_conversations, args.llama8b_batch_size,

@@ -107,10 +107,12 @@ BACKENDS = ("hf", "openai", "sglang")
 def make_backend(cfg) -> Backend:
     """The backend a RegenConfig names, loaded (its target too)."""
     if cfg.backend == "hf":
+        from specfoundry.common.target import Target
         from specfoundry.generate.hf_backend import HFBackend
 
-        return HFBackend(cfg.target, device=cfg.device, batch_size=cfg.batch_size, chat_template=cfg.chat_template,
-                         engine=cfg.hf_engine)
+        target = Target.load(cfg.target, device=cfg.device, placement=cfg.placement, chat_template=cfg.chat_template,
+                             command="sf-regen run")
+        return HFBackend(target, batch_size=cfg.batch_size, engine=cfg.hf_engine)
     if cfg.backend == "openai":
         from specfoundry.generate.fleet import FleetConfig, server_urls
         from specfoundry.generate.openai_backend import OpenAIBackend
