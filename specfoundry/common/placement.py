@@ -260,7 +260,8 @@ def distributed_config(config, placement: Placement):
     if heads % n or kv_heads % n:
         # keep q/k/v/o whole on every rank: each rank computes the whole attention (its weights are
         # replicated), and the layers' MLPs / experts stay split
-        attention = {rule: REPLICATED for rule, style in layer_rules.items()
+        prefix = base_model_prefix(config)
+        attention = {f"{prefix}{rule}": REPLICATED for rule, style in layer_rules.items()
                      if ".self_attn." in rule and style in ("colwise", "rowwise")}
         if attention and not supports_style(REPLICATED):
             raise PlacementError(f"--tp {n} does not divide {arch}'s {heads} attention / {kv_heads} KV heads, and this "
@@ -270,6 +271,18 @@ def distributed_config(config, placement: Placement):
         fields = DistributedConfig.__dataclass_fields__
         kwargs.update({"ep_size": n} if "ep_size" in fields else {"enable_expert_parallel": True})
     return DistributedConfig(**kwargs)
+
+
+def base_model_prefix(config) -> str:
+    """How the causal LM names its base model's modules ('model.'), which a plan override's keys
+    start with."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        prefix = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].base_model_prefix
+    except KeyError:
+        prefix = "model"
+    return f"{prefix}." if prefix else ""
 
 
 def check_width(arch: str, what: str, size: int | None, n: int, split: bool) -> None:
