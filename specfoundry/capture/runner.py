@@ -100,10 +100,14 @@ class HFCaptureRunner:
     and the writers carry.
     """
 
-    def __init__(self, target: Target, aux_layers: list[int], storage: tuple[str, str] | None = None):
+    def __init__(self, target: Target, aux_layers: list[int], storage: tuple[str, str] | None = None,
+                 keep: bool = True):
         """storage: the (aux, final) storage dtypes (featureset STORAGE_DTYPES); None hands the
-        features out in the model's dtype, unencoded."""
+        features out in the model's dtype, unencoded. keep=False: run the prefill and hand back
+        nothing (a tensor-parallel rank beside its group's writer: its part of the collectives,
+        none of the encoding and copying)."""
         self.target = target
+        self.keep = keep
         self.tap = target.tap(aux_layers)
         self.aux_layers = self.tap.aux_layers
         self.storage = storage
@@ -140,11 +144,13 @@ class HFCaptureRunner:
         for r, x in enumerate(batch):
             ids[r, : len(x)] = torch.tensor(x)
         aux, final = self.target.prefill(ids, self.tap)  # [B, T, K*H] the aux layers, ascending; [B, T, H] normed
+        layers = [f"layer {i}" for i in self.aux_layers]
+        if not self.keep:
+            return PendingCapture(lengths, {}, None, index, layers)
         # the padded batch is encoded (padding too), then only the real rows are gathered, all arrays
         # in one copy: a gather before encoding would copy the features once more
         arrays = self.encode(aux, final)
         pieces = {name: [a[r, :n] for r, n in enumerate(lengths)] for name, a in arrays.items()}
-        layers = [f"layer {i}" for i in self.aux_layers]
         if not self.cuda:  # already in host memory: every sample's rows back to back, [sum(T), ...]
             return PendingCapture(lengths, {name: torch.cat(p) for name, p in pieces.items()}, None, index, layers)
         packed, views = pack(pieces)  # [bytes of every array]: one copy for the whole batch

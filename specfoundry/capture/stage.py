@@ -318,7 +318,8 @@ def run_capture(cfg: CaptureConfig, silent: bool = False, target: Target | None 
     total = sum(len(plan.part(s)) for s in mine)
     done = total - sum(len(plan.part(s)) for s in todo)
     runner = HFCaptureRunner(target, list(plan.cfg.aux_layers), storage=(plan.base["storage_dtype"],
-                                                                         plan.base["final_storage_dtype"]))
+                                                                         plan.base["final_storage_dtype"]),
+                             keep=ranks.is_writer)
     try:
         with Progress(total, "sample", f"sf-capture[{ranks.group}]", silent or not ranks.is_writer,
                       initial=done) as progress:

@@ -44,8 +44,8 @@ class PlacementError(ValueError):
 
 
 def parse_max_memory(spec) -> dict | None:
-    """--max-memory: comma-separated DEVICE=SIZE, e.g. '0=70GiB,1=70GiB,cpu=200GiB' (a recipe may
-    give a mapping). Devices are GPU indices, 'cpu' or 'disk'; sizes as accelerate reads them."""
+    """--max-memory: comma-separated DEVICE=SIZE (a recipe may give a mapping). Devices are GPU
+    indices, 'cpu' or 'disk'; sizes as accelerate reads them (a byte count, or with a unit)."""
     if spec is None:
         return None
     items = spec.items() if isinstance(spec, dict) else [p.split("=", 1) for p in str(spec).split(",") if p.strip()]
