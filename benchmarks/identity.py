@@ -43,25 +43,33 @@ OPERATIONS = {
     "weight_fingerprint": "from specfoundry.common.weights import weight_fingerprint; weight_fingerprint(D)",
     "weight_fingerprint_v1": ("from specfoundry.common.weights import weight_fingerprint_v1; "
                               "weight_fingerprint_v1(D)"),
-    "target_lm_head": "from specfoundry.common.weights import target_lm_head; target_lm_head(D)",
-    "target_embeddings": "from specfoundry.common.weights import target_embeddings; target_embeddings(D)",
+    "target_lm_head": "from specfoundry.common.weights import target_lm_head; out = target_lm_head(D)",
+    "target_embeddings": "from specfoundry.common.weights import target_embeddings; out = target_embeddings(D)",
     "identity": ("from specfoundry.common.target import target_identity, load_tokenizer; "
                  "from specfoundry.featureset.manifest import tokenizer_hashes; "
                  "target_identity(str(D), D); tokenizer_hashes(load_tokenizer(D))"),
 }
 
 PROBE = """
-import resource, time, sys
+import time, sys
 from pathlib import Path
-import specfoundry.common.weights, specfoundry.common.target, specfoundry.featureset.manifest  # imports first
+import torch
+import transformers, tokenizers  # imports first: their time is no read of the checkpoint
+import specfoundry.common.weights, specfoundry.common.target, specfoundry.featureset.manifest
 D = Path(sys.argv[1])
+def status(key):
+    return int(next(l for l in open('/proc/self/status') if l.startswith(key)).split()[1])  # KiB
 def io():
     return int(next(l for l in open('/proc/self/io') if l.startswith('read_bytes')).split()[1])
-idle = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-before, t = io(), time.perf_counter()
+open('/proc/self/clear_refs', 'w').write('5')  # the peak resident size starts from here
+rss, before, t = status('VmRSS'), io(), time.perf_counter()
 {op}
+x = locals().get('out')
+nbytes = x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+if nbytes:
+    x.clone()  # a memory-mapped tensor is read when touched: touch every byte
 seconds = time.perf_counter() - t
-print(io() - before, seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - idle)
+print(io() - before, seconds, status('VmHWM') - rss, nbytes)
 """
 
 
@@ -126,8 +134,21 @@ def measure(root: Path, op: str) -> dict:
     evict(root)
     out = subprocess.run([sys.executable, "-c", PROBE.format(op=OPERATIONS[op]), str(root)], capture_output=True,
                          text=True, check=True, cwd=Path(__file__).resolve().parents[1])
-    read, seconds, rss_kib = out.stdout.split()[-3:]
-    return {"operation": op, "MB_read": int(read) / 1e6, "seconds": float(seconds), "peak_rss_MiB": int(rss_kib) / 1024}
+    read, seconds, rss_kib, tensor = out.stdout.split()[-4:]
+    return {"operation": op, "MB_read": int(read) / 1e6, "tensor_MB": int(tensor) / 1e6,
+            "MB_read_beyond_the_tensor": (int(read) - int(tensor)) / 1e6, "seconds": float(seconds),
+            "peak_rss_MiB": int(rss_kib) / 1024}
+
+
+def disk_read_speed(root: Path) -> float:
+    """MB/s of a cold sequential read of the largest shard: what a tensor read is bound by."""
+    f = max(root.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    evict(root)
+    t = time.perf_counter()
+    with open(f, "rb") as fh:
+        while fh.read(64 << 20):
+            pass
+    return f.stat().st_size / 1e6 / (time.perf_counter() - t)
 
 
 def main():
@@ -145,15 +166,20 @@ def main():
         checkpoint = write_checkpoint(root, args.gib, resolve_target("smollm2"))
         checkpoint["write_seconds"] = time.perf_counter() - t
         rows = [{**measure(root, op), "checkpoint_GB": checkpoint["bytes"] / 1e9} for op in OPERATIONS]
+        disk = disk_read_speed(root)
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
-    print_table(rows, ["operation", "checkpoint_GB", "MB_read", "seconds", "peak_rss_MiB"])
-    ok = all(r["MB_read"] < 100 and r["seconds"] < 5 for r in rows)
-    print(f"bar (under 100 MB read and 5 s each): {'met' if ok else 'NOT met'}")
-    print(write_result("identity", rows, {"checkpoint": checkpoint, "bar_met": ok,
-                                          "summary": {r["operation"]: {k: r[k] for k in ("MB_read", "seconds",
-                                                                                         "peak_rss_MiB")}
+    print_table(rows, ["operation", "checkpoint_GB", "MB_read", "tensor_MB", "MB_read_beyond_the_tensor", "seconds",
+                       "peak_rss_MiB"])
+    # the bar: under 100 MB read and 5 s for what identifies the target; for a tensor sf-train needs,
+    # its own bytes must be read, so the bar is on what is read beyond them
+    ok = all(r["MB_read_beyond_the_tensor"] < 100 and (r["tensor_MB"] > 0 or r["seconds"] < 5) for r in rows)
+    print(f"bar (under 100 MB read beyond the tensors asked for, identity checks under 5 s): "
+          f"{'met' if ok else 'NOT met'}")
+    print(write_result("identity", rows, {"checkpoint": checkpoint, "bar_met": ok, "disk_read_MB_per_s": disk,
+                                          "summary": {r["operation"]: {k: r[k] for k in ("MB_read", "MB_read_beyond_the_tensor",
+                                                                                         "seconds", "peak_rss_MiB")}
                                                       for r in rows}}))
 
 
