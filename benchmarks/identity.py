@@ -54,7 +54,10 @@ PROBE = """
 import time, sys
 from pathlib import Path
 import torch
-import transformers, tokenizers  # imports first: their time is no read of the checkpoint
+# imports first: their time is no read of the checkpoint (transformers imports its modules lazily,
+# on first use: the tokenizer and model classes are touched here)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+import transformers.models.llama.modeling_llama
 import specfoundry.common.weights, specfoundry.common.target, specfoundry.featureset.manifest
 D = Path(sys.argv[1])
 def status(key):
@@ -65,9 +68,9 @@ open('/proc/self/clear_refs', 'w').write('5')  # the peak resident size starts f
 rss, before, t = status('VmRSS'), io(), time.perf_counter()
 {op}
 x = locals().get('out')
-nbytes = x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+nbytes = x.numel() * 2 if isinstance(x, torch.Tensor) else 0  # its bytes on disk (bf16)
 if nbytes:
-    x.clone()  # a memory-mapped tensor is read when touched: touch every byte
+    x.sum()  # a memory-mapped tensor is read when touched: touch every byte (no copy)
 seconds = time.perf_counter() - t
 print(io() - before, seconds, status('VmHWM') - rss, nbytes)
 """
