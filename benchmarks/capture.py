@@ -36,6 +36,7 @@ from specfoundry.capture.stage import CaptureConfig, write_one
 from specfoundry.capture.writer import BackgroundWriter
 from specfoundry.common.shards import ShardedOutput
 from specfoundry.common.taps import default_aux_layers
+from specfoundry.common.target import Target
 
 
 def llama8b(layers: int = 32):
@@ -145,7 +146,7 @@ def main():
         print("/dev/shm is missing or too small: the RAM variant is left out")
     for storage in storages:
         label = storage[0] if storage[0] == storage[1] else "+".join(storage)
-        runner = HFCaptureRunner(model, default_aux_layers(32), storage=storage)
+        runner = HFCaptureRunner(Target.wrap(model), default_aux_layers(32), storage=storage)
         # where the time goes: hooks, encoding and copies alone, nothing written; then written to the
         # disk and to RAM (/dev/shm), which tells our pipeline's limit apart from the disk's
         row = measure(f"capture runner only (hooks + async copy to host), not written, {label}",

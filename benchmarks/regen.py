@@ -48,7 +48,7 @@ from unittest.mock import patch
 import torch
 
 from benchmarks.common import print_profile_summary, print_table, profile_summary, write_result
-from specfoundry.common.target import load_target
+from specfoundry.common.target import Target
 from specfoundry.eval.evaluate import prompt_source
 from specfoundry.generate.backend import SamplingConfig
 from specfoundry.generate.hf_backend import HFBackend
@@ -153,7 +153,7 @@ def fixed_length(model, stop_ids: list[int], batch: int, max_new: int, prompt_le
             ids.to(device), attention_mask=torch.ones_like(ids).to(device), do_sample=False, max_new_tokens=max_new,
             min_new_tokens=max_new, eos_token_id=stop_ids, pad_token_id=stop_ids[0])),
         ("slots_fixed_length", lambda: SlotEngine(
-            model, slots=batch, stop_ids=[], sampling=SamplingConfig(temperature=0.0, max_new_tokens=max_new)).run(
+            Target.wrap(model), slots=batch, stop_ids=[], sampling=SamplingConfig(temperature=0.0, max_new_tokens=max_new)).run(
             [(r, 0, i) for i, r in enumerate(ids.tolist())], lambda tag, out: ())),
     ):
         sync()
@@ -178,8 +178,8 @@ def profile_decode(model, batch: int, steps: int = 8, prompt_len: int = 64) -> d
     cuda = device.type == "cuda"
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 40000, (batch, prompt_len), generator=g)  # [B, T]
-    engine = SlotEngine(model, slots=batch, stop_ids=[], sampling=SamplingConfig(temperature=0.0,
-                                                                                 max_new_tokens=4 * steps + 2))
+    engine = SlotEngine(Target.wrap(model), slots=batch, stop_ids=[],
+                        sampling=SamplingConfig(temperature=0.0, max_new_tokens=4 * steps + 2))
 
     @torch.inference_mode()
     def slot_setup():
@@ -237,8 +237,8 @@ def measure(label: str, model, tokenizer, conversations: int, batch: int, max_ne
             work: Path, profile: bool = False) -> tuple[list[dict], dict | None]:
     source = work / f"{label}.jsonl"
     source.write_text("".join(json.dumps(c) + "\n" for c in synthetic_conversations(conversations)))
-    before = HFBackend(None, model=model, tokenizer=tokenizer, batch_size=batch, engine="generate")
-    after = HFBackend(None, model=model, tokenizer=tokenizer, batch_size=batch, engine="slots")
+    before = HFBackend(Target.wrap(model, tokenizer), batch_size=batch, engine="generate")
+    after = HFBackend(Target.wrap(model, tokenizer), batch_size=batch, engine="slots")
     stage(after, source, work, f"{label}-warmup", 8, min(batch, 8), shard_size)  # kernels, allocator warmed up
     rows = {}
     for path, backend, grouped in (("before", before, False), ("generate_grouped", before, True),
@@ -287,13 +287,14 @@ def main():
                     "transformers' DynamicCache step at the full batch, per target.")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer, _ = load_target("smollm2", device=device)
+    smollm2 = Target.load("smollm2", device=device)
+    model, tokenizer = smollm2.model, smollm2.tokenizer
     profiles = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         rows, profiles["smollm2"] = measure("smollm2", model, tokenizer, args.conversations, args.batch_size,
                                             args.max_new_tokens, args.shard_size, work, args.profile)
-        del model
+        del model, smollm2
         if args.llama8b_conversations:
             big = llama8b(args.second_target == "tiny", device)
             more, profiles[args.second_target] = measure(args.second_target, big, tokenizer, args.llama8b_conversations,

@@ -37,18 +37,12 @@ import torch
 from specfoundry.capture.stage import CaptureConfig, run_capture
 from specfoundry.common.cli import setting, shared
 from specfoundry.common.conversations import load_conversations
+from specfoundry.common.placement import Placement
 from specfoundry.common.shards import record_config
-from specfoundry.common.target import (
-    EMBEDDED_DEFAULT,
-    default_dtype,
-    end_of_turn_ids,
-    load_target,
-    pick_device,
-    resolve_target,
-)
+from specfoundry.common.target import EMBEDDED_DEFAULT, Target, resolve_target
 from specfoundry.eval.block import BlockDraftRunner, block_generate
 from specfoundry.eval.draft import DraftLoadError, find_draft_files, load_draft
-from specfoundry.eval.evaluate import prompt_ids
+from specfoundry.eval.evaluate import one_copy, prompt_ids
 from specfoundry.eval.speculative import DraftRunner, Sampler, TargetRunner, speculative_generate
 from specfoundry.featureset.store import FeatureSet
 from specfoundry.generate.backend import SamplingConfig
@@ -89,6 +83,7 @@ class GateConfig:
     export: str | None = setting(None, resume=False, help="Check this exported draft against the gate's run "
                                  "instead of the run's own export.")
     device: str | None = shared("device", None, resume=False)
+    placement: Placement = Placement()
 
     @property
     def bar(self) -> float:
@@ -102,30 +97,69 @@ class Check:
     detail: str
 
 
-def build(cfg: GateConfig, silent: bool = True) -> Path:
+def load_gate_target(cfg: GateConfig) -> Target:
+    """The target, loaded once for every stage of the gate (regen, capture, the checks)."""
+    target = Target.load(cfg.target, device=cfg.device, placement=cfg.placement, chat_template=cfg.chat_template,
+                         command="sf-eval gate")
+    one_copy(target, "sf-eval gate")
+    return target
+
+
+def build(cfg: GateConfig, target: Target | None = None, silent: bool = True) -> Path:
     """Regen, capture and train the one-conversation run; every stage resumes. Returns the export."""
     work = Path(cfg.output)
     resolve_target(cfg.target)  # a bad target is refused before the folder records it
-    record_config(work, "gate", cfg)
-    source = work / "prompt.jsonl"
-    # the answer here is a placeholder: sf-regen replaces it with the target's greedy answer
-    source.write_text(json.dumps({"id": "gate", "messages": [{"role": "user", "content": cfg.prompt},
-                                                             {"role": "assistant", "content": "-"}]}) + "\n")
-    run_regen(RegenConfig(output=str(work / "regen"), source=str(source), target=cfg.target,
+    target = target or load_gate_target(cfg)
+    if target.is_writer:
+        record_config(work, "gate", cfg)
+        # the answer here is a placeholder: sf-regen replaces it with the target's greedy answer
+        (work / "prompt.jsonl").write_text(json.dumps({"id": "gate", "messages": [
+            {"role": "user", "content": cfg.prompt}, {"role": "assistant", "content": "-"}]}) + "\n")
+    target.ranks.group_barrier()
+    run_regen(RegenConfig(output=str(work / "regen"), source=str(work / "prompt.jsonl"), target=cfg.target,
                           chat_template=cfg.chat_template, batch_size=1, shard_size=1,
                           sampling=SamplingConfig(temperature=0.0, max_new_tokens=cfg.max_new_tokens)),
-              HFBackend(cfg.target, device=cfg.device, batch_size=1, chat_template=cfg.chat_template), silent=silent)
+              HFBackend(target, batch_size=1), silent=silent)
     run_capture(CaptureConfig(source=str(work / "regen"), output=str(work / "features"), target=cfg.target,
                               chat_template=cfg.chat_template, shard_size=1, device=cfg.device,
-                              families=(cfg.family,)), silent=silent)
-    on_gpu = pick_device(cfg.device).type == "cuda"
-    result = run_train(TrainConfig(featureset=str(work / "features"), output=str(work / "train"), target=cfg.target,
-                               family=cfg.family,
-                               eagle3=Eagle3Options(draft_vocab_size=cfg.draft_vocab_size, ttt_length=cfg.k),
-                               dflash=DFlashOptions(block_size=cfg.k + 1), lr=cfg.lr, warmup_steps=10,
-                               max_steps=cfg.max_steps, eval_fraction=0.0, save_every=cfg.max_steps, keep_last=1,
-                               num_workers=0, loss="auto" if on_gpu else "reference", log_every=10**9), silent=silent)
-    return Path(result["export"])
+                              families=(cfg.family,)), silent=silent, target=target)
+    train = TrainConfig(featureset=str(work / "features"), output=str(work / "train"), target=cfg.target,
+                        family=cfg.family, eagle3=Eagle3Options(draft_vocab_size=cfg.draft_vocab_size, ttt_length=cfg.k),
+                        dflash=DFlashOptions(block_size=cfg.k + 1), lr=cfg.lr, warmup_steps=10,
+                        max_steps=cfg.max_steps, eval_fraction=0.0, save_every=cfg.max_steps, keep_last=1,
+                        num_workers=0, loss="auto" if target.input_device.type == "cuda" else "reference",
+                        log_every=10**9)
+    if target.ranks.world == 1:
+        export = Path(run_train(train, silent=silent)["export"])
+    else:  # the draft trains on one process: the writer, in a process of its own (outside the launch)
+        export = Path(train_alone(train, silent) if target.is_writer else "")
+        export = Path(target.ranks.from_writer(str(export)))
+    return export
+
+
+def train_alone(train: TrainConfig, silent: bool) -> str:
+    """sf-train in a child process outside this torchrun launch (whose ranks would otherwise join
+    its data parallelism), as the public command runs it; returns the export folder."""
+    import os
+    import subprocess
+    import sys
+
+    from specfoundry.common.cli import config_dict
+
+    recipe = Path(train.output).with_suffix(".recipe.json")
+    flat = {k: v for k, v in config_dict(train).items() if not isinstance(v, dict)}
+    flat.update(config_dict(getattr(train, train.family)))
+    flat = {k: v for k, v in flat.items() if v is not None}
+    recipe.write_text(json.dumps({"train": flat}))
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    subprocess.run([sys.executable, "-m", "specfoundry.train.cli", "run", "--recipe", str(recipe)]
+                   + (["--silent"] if silent else []), check=True, env=env)
+    return str(Path(train.output) / "export")
+
+
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+              "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+              "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_ERROR_FILE")
 
 
 def check_vocab_map(cfg_draft, tensors: dict, fs: FeatureSet) -> Check:
@@ -260,7 +294,7 @@ def check_dflash_positions_and_fit(runner: BlockDraftRunner, sample) -> list[Che
     return checks
 
 
-def run_dflash_checks(cfg: GateConfig, export: Path, fs: FeatureSet, sample, device, dtype) -> list[Check]:
+def run_dflash_checks(cfg: GateConfig, export: Path, fs: FeatureSet, sample, target: Target) -> list[Check]:
     work = Path(cfg.output)
     dcfg, tensors = find_draft_files(export)
     ckpts = complete_checkpoints(work / "train")
@@ -273,17 +307,19 @@ def run_dflash_checks(cfg: GateConfig, export: Path, fs: FeatureSet, sample, dev
                                     trained.mask_token_id),
               check_trained_setting("layers", "dflash_config.target_layer_ids", list(dcfg.target_layer_ids),
                                     list(trained.target_layer_ids))]
-    model, tokenizer, _ = load_target(cfg.target, device=str(device), dtype=dtype, chat_template=cfg.chat_template)
-    target = TargetRunner(model, list(dcfg.target_layer_ids))
-    checks.append(check_features(target, fs, sample, "layers"))
-    draft = load_draft(export, resolve_target(cfg.target), device, dtype)
-    runner = BlockDraftRunner(draft, model.get_output_embeddings().weight)
-    checks += check_dflash_positions_and_fit(runner, sample)
-    conv = load_conversations(work / "regen").conversations[0].to_messages()
-    result = block_generate(target, runner, prompt_ids(tokenizer, conv[:-1]), max_new_tokens=int(sample.loss_mask.sum()),
-                            eos=set(end_of_turn_ids(model, tokenizer)), sampler=Sampler())
-    checks.append(decode_check(cfg, result, f"block {dcfg.block_size}"))
-    target.remove_hooks()
+    runner_target = TargetRunner(target, list(dcfg.target_layer_ids))
+    try:
+        checks.append(check_features(runner_target, fs, sample, "layers"))
+        draft = load_draft(export, target.path, target.input_device, target.dtype)
+        runner = BlockDraftRunner(draft, target.lm_head())
+        checks += check_dflash_positions_and_fit(runner, sample)
+        conv = load_conversations(work / "regen").conversations[0].to_messages()
+        result = block_generate(runner_target, runner, prompt_ids(target.tokenizer, conv[:-1]),
+                                max_new_tokens=int(sample.loss_mask.sum()), eos=set(target.end_of_turn_ids()),
+                                sampler=Sampler())
+        checks.append(decode_check(cfg, result, f"block {dcfg.block_size}"))
+    finally:
+        runner_target.remove_hooks()
     return checks
 
 
@@ -296,34 +332,34 @@ def decode_check(cfg: GateConfig, result, shape: str) -> Check:
                     "its own states) disagree with training"))
 
 
-def run_checks(cfg: GateConfig, export: Path) -> list[Check]:
+def run_checks(cfg: GateConfig, export: Path, target: Target | None = None) -> list[Check]:
     work = Path(cfg.output)
-    device = pick_device(cfg.device)
-    dtype = default_dtype(device)
+    target = target or load_gate_target(cfg)
     fs = FeatureSet(work / "features")
     sample = fs[0]
     if cfg.family == "dflash":
-        return run_dflash_checks(cfg, export, fs, sample, device, dtype)
+        return run_dflash_checks(cfg, export, fs, sample, target)
     try:
         cfg_draft, tensors = find_draft_files(export)
     except DraftLoadError as e:  # a folder an engine would misread or not load: nothing after it can run
         return [Check("export", False, str(e))]
     checks = [check_vocab_map(cfg_draft, tensors, fs), check_export(export, cfg_draft, tensors, work / "train")]
-    model, tokenizer, _ = load_target(cfg.target, device=str(device), dtype=dtype, chat_template=cfg.chat_template)
-    target = TargetRunner(model, list(cfg_draft.aux_layer_ids))
-    checks.append(check_features(target, fs, sample))
-    runner = DraftRunner(load_draft(export, resolve_target(cfg.target), device, dtype))
-    cached = teacher_forced_logits(runner, sample)
-    checks.append(check_positions(runner, sample, cached))
-    history_path = work / "train" / "history.json"
-    history = json.loads(history_path.read_text()) if history_path.exists() else []
-    checks.append(check_fit(runner, sample, cached, history))
-    conv = load_conversations(work / "regen").conversations[0].to_messages()
-    answer = int(sample.loss_mask.sum())
-    result = speculative_generate(target, runner, prompt_ids(tokenizer, conv[:-1]), k=cfg.k, max_new_tokens=answer,
-                                  eos=set(end_of_turn_ids(model, tokenizer)), sampler=Sampler())
-    checks.append(decode_check(cfg, result, f"k={cfg.k}"))
-    target.remove_hooks()
+    runner_target = TargetRunner(target, list(cfg_draft.aux_layer_ids))
+    try:
+        checks.append(check_features(runner_target, fs, sample))
+        runner = DraftRunner(load_draft(export, target.path, target.input_device, target.dtype))
+        cached = teacher_forced_logits(runner, sample)
+        checks.append(check_positions(runner, sample, cached))
+        history_path = work / "train" / "history.json"
+        history = json.loads(history_path.read_text()) if history_path.exists() else []
+        checks.append(check_fit(runner, sample, cached, history))
+        conv = load_conversations(work / "regen").conversations[0].to_messages()
+        answer = int(sample.loss_mask.sum())
+        result = speculative_generate(runner_target, runner, prompt_ids(target.tokenizer, conv[:-1]), k=cfg.k,
+                                      max_new_tokens=answer, eos=set(target.end_of_turn_ids()), sampler=Sampler())
+        checks.append(decode_check(cfg, result, f"k={cfg.k}"))
+    finally:
+        runner_target.remove_hooks()
     return checks
 
 
@@ -335,7 +371,10 @@ def verdict(checks: list[Check]) -> tuple[bool, str]:
 
 
 def run_gate(cfg: GateConfig, silent: bool = True) -> tuple[list[Check], bool, str]:
-    """Build the one-conversation run (resuming what exists), check it: (checks, passed, verdict)."""
-    export = build(cfg, silent=silent)
-    checks = run_checks(cfg, export if cfg.export is None else Path(cfg.export))
+    """Build the one-conversation run (resuming what exists), check it: (checks, passed, verdict).
+    The target is loaded once, for every stage."""
+    resolve_target(cfg.target)  # a bad target is refused before anything loads
+    target = load_gate_target(cfg)
+    export = build(cfg, target, silent=silent)
+    checks = run_checks(cfg, export if cfg.export is None else Path(cfg.export), target)
     return (checks, *verdict(checks))

@@ -109,6 +109,13 @@ TINY_TARGETS = {
 """transformers model_type -> what its tiny target sets beyond TINY_SHAPE. The 16-token windows are
 shorter than the gate's conversation, so the sliding layers really cut."""
 
+TINY_PARALLEL_TARGETS = {
+    "glm4_moe": dict(head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                     moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1),
+}
+"""More tiny targets, for the tensor-parallel tests only: GLM-4-MoE (one dense layer first, then
+routed and shared experts)."""
+
 QWEN3_STYLE_TEMPLATE = (
     "{%- set ns = namespace(last_user=-1) %}"
     "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
@@ -143,16 +150,17 @@ LOGIT_SHARPNESS = 25.0
 so that its greedy choices have the margins a trained model's have and the draft a teacher to fit."""
 
 
-def write_tiny_target(model_type: str, out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+def write_tiny_target(model_type: str, out: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
     """A randomly initialised `model_type` target (TINY_TARGETS) built from its transformers config,
     saved with the tokenizer of `tokenizer_dir` (whose vocabulary it takes) and its chat template, or
-    the family's own (TINY_TEMPLATES)."""
+    the family's own (TINY_TEMPLATES). `overrides`: config fields set otherwise."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                  **TINY_SHAPE, **TINY_TARGETS[model_type])
+                                  **{**TINY_SHAPE, **{**TINY_TARGETS, **TINY_PARALLEL_TARGETS}[model_type],
+                                     **overrides})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)

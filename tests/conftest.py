@@ -50,6 +50,14 @@ def smollm2_dir() -> Path:
     return resolve_target(EMBEDDED_DEFAULT)
 
 
+@pytest.fixture(scope="session")
+def smollm2_target(smollm2_dir):
+    """SmolLM2 loaded once for the session (fp32 on the CPU), for the tests that run it in process."""
+    from specfoundry.common.target import Target
+
+    return Target.load(EMBEDDED_DEFAULT, device="cpu")
+
+
 def write_jsonl(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specfoundry.common.taps import default_aux_layers, dflash_default_layers
-from specfoundry.common.target import resolve_target
+from specfoundry.common.target import Target, resolve_target
 from specfoundry.common.weights import target_embeddings, target_lm_head
 from specfoundry.eval.speculative import (
     DraftRunner,
@@ -109,7 +109,7 @@ def test_decoding_past_the_sliding_window_equals_the_targets_greedy(tiny_targets
     draft.d2t.copy_(d2t)
     draft.t2d.copy_(t2d)
     draft.embed_tokens.weight.copy_(target_embeddings(path))
-    target = TargetRunner(model, list(dcfg.aux_layer_ids))
+    target = TargetRunner(Target.wrap(model), list(dcfg.aux_layer_ids))
     prompt = list(range(1000, 1030))  # 30 tokens: the window is passed before decoding starts
     own = target_generate(target, prompt, max_new_tokens=24, eos=set(), sampler=Sampler()).tokens
     chain = speculative_generate(target, DraftRunner(draft), prompt, k=3, max_new_tokens=24, eos=set(),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from specfoundry.common.target import end_of_turn_ids, load_target
 from specfoundry.eval.block import BlockDraftRunner, accept_block, block_generate
 from specfoundry.eval.draft import load_draft
 from specfoundry.eval.evaluate import BUILTIN_SETS, EvalConfig, load_prompts, run_eval
@@ -13,18 +12,18 @@ from specfoundry.eval.speculative import Sampler, TargetRunner
 from specfoundry.featureset.store import FeatureSet
 
 
-def test_greedy_block_decoding_equals_the_targets_generate(dflash_gate_run, smollm2_dir):
+def test_greedy_block_decoding_equals_the_targets_generate(dflash_gate_run, smollm2_dir, smollm2_target):
     """On a prompt of every held-out set (where the one-conversation draft is mostly rejected) and
     on the gate's own prompt (where it is mostly accepted): both paths of verification."""
     cfg, export = dflash_gate_run
-    model, tokenizer, _ = load_target("smollm2", device="cpu", dtype=torch.float32)
+    model, tokenizer = smollm2_target.model, smollm2_target.tokenizer
     draft = load_draft(export, smollm2_dir, torch.device("cpu"), torch.float32)
-    target = TargetRunner(model, list(draft.cfg.target_layer_ids))
-    runner = BlockDraftRunner(draft, model.get_output_embeddings().weight)
+    target = TargetRunner(smollm2_target, list(draft.cfg.target_layer_ids))
+    runner = BlockDraftRunner(draft, smollm2_target.lm_head())
     sample = FeatureSet(f"{cfg.output}/features")[0]
     prompts = [p for name in BUILTIN_SETS for p in load_prompts(name, tokenizer, 1)]
     prompts.append(("gate", sample.input_ids[: int(sample.loss_mask.nonzero()[0])].tolist()))
-    eos = set(end_of_turn_ids(model, tokenizer))
+    eos = set(smollm2_target.end_of_turn_ids())
     accepted = []
     for pid, ids in prompts:
         n = 40 if pid == "gate" else 12

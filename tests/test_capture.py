@@ -18,20 +18,20 @@ from specfoundry.capture.runner import HFCaptureRunner
 from specfoundry.capture.stage import CaptureConfig, auto_shard_size, run_capture
 from specfoundry.capture.verify import verify_featureset
 from specfoundry.common.shards import OutputFolderError
-from specfoundry.common.target import load_target
+from specfoundry.common.target import Target
 from specfoundry.featureset.manifest import FeatureSetError, check_matches_target
 from specfoundry.featureset.store import FeatureSet
 from tests.conftest import CHAT, write_jsonl
 
 
-@pytest.fixture(scope="module")
-def target():
-    return load_target("smollm2", device="cpu")
+@pytest.fixture
+def target(smollm2_target):
+    return smollm2_target
 
 
 def test_hooked_features_equal_output_hidden_states_with_mixed_lengths(target):
-    model, tok, _ = target
-    runner = HFCaptureRunner(model, [1, 14, 26])
+    model, tok = target.model, target.tokenizer
+    runner = HFCaptureRunner(target, [1, 14, 26])
     texts = ["Hello there, how are you today?", "Hi", "A somewhat longer sentence about the weather in Paris."]
     batch = [tok(t)["input_ids"] for t in texts]
     captured = runner(batch)  # one padded batch
@@ -65,7 +65,7 @@ def test_pipelined_gpu_capture_equals_each_sample_alone(storage):
     cfg = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
                       num_attention_heads=4, num_key_value_heads=2)
     model = LlamaForCausalLM(cfg).cuda().eval()
-    runner = HFCaptureRunner(model, [1, 2, 4], storage=storage)
+    runner = HFCaptureRunner(Target.wrap(model), [1, 2, 4], storage=storage)
     g = torch.Generator().manual_seed(1)
     lengths = [[300, 17, 128], [5], [511, 64], [90, 90, 3, 250], [1000]]  # five batches, odd widths
     batches = [[torch.randint(0, 1000, (n,), generator=g).tolist() for n in b] for b in lengths]
@@ -95,12 +95,11 @@ def test_pipelined_gpu_capture_equals_each_sample_alone(storage):
 
 @pytest.mark.parametrize("codec", ["zarr", "safetensors"])
 def test_capture_roundtrip_within_bf16_rounding(tmp_path, chat_file, target, codec):
-    model, tok, _ = target
     cfg = CaptureConfig(source=str(chat_file), output=str(tmp_path / "fs"), shard_size=4, codec=codec)
     manifest = run_capture(cfg, silent=True)
     assert manifest["complete"] and manifest["counts"]["samples"] == len(CHAT)
     fs = FeatureSet(tmp_path / "fs")
-    runner = HFCaptureRunner(model, manifest["aux_layer_ids"])
+    runner = HFCaptureRunner(target, manifest["aux_layer_ids"])
     for i in (0, 1, 5):
         s = fs[i]
         fresh = runner([s.input_ids.tolist()])[0]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specfoundry.common.target import load_target
+from specfoundry.common.target import Target
 from specfoundry.eval.draft import load_draft, untrained_like
 from specfoundry.eval.evaluate import BUILTIN_SETS, EvalConfig, EvalError, load_prompts, run_eval
 from specfoundry.eval.speculative import DraftRunner, Sampler, TargetRunner, speculative_generate
@@ -28,9 +28,9 @@ class Decoding:
     gate_ids: the conversation the draft was fitted to (prompt and answer); gate_answer: where
     its answer starts."""
 
-    def __init__(self, export, smollm2_dir, gate_features: Path):
-        self.model, self.tokenizer, _ = load_target("smollm2", device="cpu", dtype=torch.float32)
-        self.target = TargetRunner(self.model, [1, 14, 26])
+    def __init__(self, target: Target, export, smollm2_dir, gate_features: Path):
+        self.model, self.tokenizer = target.model, target.tokenizer
+        self.target = TargetRunner(target, [1, 14, 26])
         self.draft = DraftRunner(load_draft(export, smollm2_dir, torch.device("cpu"), torch.float32))
         sample = FeatureSet(gate_features)[0]
         self.gate_ids = sample.input_ids.tolist()
@@ -59,8 +59,8 @@ class Decoding:
 
 
 @pytest.fixture(scope="module")
-def decoding(gate_run, smollm2_dir):
-    return Decoding(gate_run[1], smollm2_dir, Path(gate_run[0].output) / "features")
+def decoding(gate_run, smollm2_dir, smollm2_target):
+    return Decoding(smollm2_target, gate_run[1], smollm2_dir, Path(gate_run[0].output) / "features")
 
 
 def greedy_equality(decoding, limit, max_new_tokens, tree=None):
@@ -126,7 +126,7 @@ def test_tree_decoding_on_a_tiny_target_is_exact(branching):
     target's greedy output, branches beyond the top-1 get accepted, and a tree of branching 1
     is exactly the chain of the same depth."""
     model, draft_model = tiny_pair()
-    target, draft = TargetRunner(model, [0, 1, 2]), DraftRunner(draft_model)
+    target, draft = TargetRunner(Target.wrap(model), [0, 1, 2]), DraftRunner(draft_model)
     tree_total, chain_total = 0, 0
     for prompt in ([1, 2, 3], [4, 0, 5, 2, 2], [3]):
         out = tree_generate(target, draft, prompt, branching=branching, max_new_tokens=30, eos=set())
@@ -148,7 +148,7 @@ def test_tree_decoding_on_a_tiny_target_is_exact_on_gpu():
     the target's own greedy decoding, on the same tiny pair as above."""
     model, draft_model = tiny_pair()
     model, draft_model = model.cuda(), draft_model.cuda()
-    target, draft = TargetRunner(model, [0, 1, 2]), DraftRunner(draft_model)
+    target, draft = TargetRunner(Target.wrap(model), [0, 1, 2]), DraftRunner(draft_model)
     for prompt in ([1, 2, 3], [4, 0, 5, 2, 2], [3]):
         ids = list(prompt)
         with torch.no_grad():
@@ -162,7 +162,7 @@ def test_draft_tree_nodes_are_the_chain_along_their_branch():
     """Each node's children are the top-k of the draft run as a chain along the node's branch:
     siblings and cousins are invisible, positions and hidden inputs are the chain's."""
     model, draft_model = tiny_pair()
-    target, draft = TargetRunner(model, [0, 1, 2]), DraftRunner(draft_model)
+    target, draft = TargetRunner(Target.wrap(model), [0, 1, 2]), DraftRunner(draft_model)
     prompt = [1, 2, 3, 4]
     target.reset()
     draft.reset()
@@ -225,7 +225,7 @@ def exact_two_token_distribution(model, prompt, temperature):
 def test_sampling_output_is_distributed_as_the_target():
     vocab, prompt, temperature, n = 6, [1, 2, 3], 1.0, 2000
     model, draft_model = tiny_pair(vocab)
-    target, draft = TargetRunner(model, [0, 1, 2]), DraftRunner(draft_model)
+    target, draft = TargetRunner(Target.wrap(model), [0, 1, 2]), DraftRunner(draft_model)
     sampler = Sampler(temperature, torch.Generator().manual_seed(0))
     counts = torch.zeros(vocab * vocab, dtype=torch.float64)
     rejected = 0

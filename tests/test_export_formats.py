@@ -21,6 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specfoundry.capture.runner import HFCaptureRunner
 from specfoundry.common.taps import default_aux_layers
+from specfoundry.common.target import Target
 from specfoundry.eval.draft import DraftLoadError, load_draft
 from specfoundry.testing import random_eagle3_draft
 from specfoundry.train.cli import export_main
@@ -152,7 +153,7 @@ def test_each_engine_feeds_the_draft_exactly_the_layers_sf_capture_stored(tmp_pa
     config = config_of(export(tmp_path, draft, layout))
     model = target[1]
     ids = torch.randint(0, 97, (11,)).tolist()
-    stored = HFCaptureRunner(model, list(layers))([ids])[0]["aux_hidden"]  # sf-capture's features [T, 3H]
+    stored = HFCaptureRunner(Target.wrap(model), list(layers))([ids])[0]["aux_hidden"]  # sf-capture's features [T, 3H]
     with torch.no_grad():
         inputs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states  # [i]: the input of layer i
     served = engine_inputs(config, engine)

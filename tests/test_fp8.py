@@ -34,7 +34,6 @@ from specfoundry.capture.verify import verify_featureset
 from specfoundry.common.cli import build_config, config_dict
 from specfoundry.common.progress import Progress
 from specfoundry.common.shards import OutputFolderError, ShardedOutput, check_output_folder
-from specfoundry.common.target import load_target
 from specfoundry.featureset import fp8
 from specfoundry.featureset.manifest import MANIFEST, FeatureSetError
 from specfoundry.featureset.store import FeatureSet, ShardReader, decode_state, encode_state, write_shard
@@ -263,9 +262,9 @@ def test_one_packed_copy_gives_every_array_back_and_names_a_nonfinite_row():
 
 # ---- SmolLM2 -------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def target():
-    return load_target("smollm2", device="cpu")
+@pytest.fixture
+def target(smollm2_target):
+    return smollm2_target
 
 
 @pytest.fixture(scope="module")
@@ -280,11 +279,11 @@ def fp8_features(tmp_path_factory):
 
 
 def test_smollm2_features_round_trip_within_the_bound_massive_rows_included(target, chat_file):
-    model, tok, _ = target
+    tok = target.tokenizer
     samples, _, _ = prepare_samples(CaptureConfig(source=str(chat_file), output="unused"), tok)
     batch = [s["input_ids"] for s in samples]  # mixed lengths: one right-padded batch
-    plain = HFCaptureRunner(model, [1, 14, 26])(batch)  # fp32, as the model computes them
-    encoded = HFCaptureRunner(model, [1, 14, 26], storage=(FP8, "bfloat16"))(batch)  # padded batch, one pass
+    plain = HFCaptureRunner(target, [1, 14, 26])(batch)  # fp32, as the model computes them
+    encoded = HFCaptureRunner(target, [1, 14, 26], storage=(FP8, "bfloat16"))(batch)  # padded batch, one pass
     massive = 0
     for p, e in zip(plain, encoded, strict=True):
         t = len(p["aux_hidden"])
@@ -302,7 +301,7 @@ def test_smollm2_features_round_trip_within_the_bound_massive_rows_included(targ
 
 
 def test_a_nonfinite_row_is_refused_naming_sample_token_and_layer(tmp_path, target):
-    model, tok, identity = target
+    model, tok, identity = target.model, target.tokenizer, target.identity
     src = write_jsonl(tmp_path / "chat.jsonl", CHAT)
     cfg = CaptureConfig(source=str(src), output=str(tmp_path / "fs"), shard_size=3, max_length=64, storage_dtype=FP8)
     plan = plan_capture(cfg, tok, identity)
@@ -314,7 +313,7 @@ def test_a_nonfinite_row_is_refused_naming_sample_token_and_layer(tmp_path, targ
         (output[0] if isinstance(output, tuple) else output)[:, 2, 5] = float("inf")  # token 2 of every row
 
     hook = layer.register_forward_hook(overflow)  # before the runner's tap, so the tap sees it
-    runner = HFCaptureRunner(model, list(plan.cfg.aux_layers), storage=(FP8, FP8))
+    runner = HFCaptureRunner(target, list(plan.cfg.aux_layers), storage=(FP8, FP8))
     try:
         with pytest.raises(CaptureError) as e, Progress(None, "sample", "t", silent=True) as progress:
             capture_shards(plan, runner, [0], ShardedOutput(tmp_path / "fs"), progress)

@@ -19,7 +19,7 @@ import httpx
 import pyarrow.parquet as pq
 import pytest
 
-from specfoundry.common.target import embedded_gguf_path
+from specfoundry.common.embedded import embedded_gguf_path
 from specfoundry.generate.backend import SamplingConfig
 from specfoundry.generate.fleet import FleetConfig
 from specfoundry.generate.openai_backend import OpenAIBackend

@@ -24,8 +24,8 @@ from tests.conftest import CHAT, write_jsonl
 
 
 @pytest.fixture(scope="module")
-def backend(smollm2_dir):
-    return HFBackend("smollm2", device="cpu", batch_size=4)
+def backend(smollm2_target):
+    return HFBackend(smollm2_target, batch_size=4)
 
 
 def rows(out):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specfoundry.common.target import Target
 from specfoundry.generate.backend import Request, SamplingConfig
 from specfoundry.generate.hf_backend import HFBackend
 from specfoundry.generate.sampling import next_tokens, uniform
@@ -45,7 +46,7 @@ def run(model, items, sampling, slots, follow=lambda tag, ids: (), sync_every=No
         results[tag] = ids
         return follow(tag, ids)
 
-    SlotEngine(model, slots=slots, stop_ids=[STOP], sampling=sampling, sync_every=sync_every).run(items, on_done)
+    SlotEngine(Target.wrap(model), slots=slots, stop_ids=[STOP], sampling=sampling, sync_every=sync_every).run(items, on_done)
     return results
 
 
@@ -101,20 +102,20 @@ def test_the_backend_falls_back_to_generate_where_the_engine_cannot_run(smollm2_
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1)).eval()
-    assert supported(model) and HFBackend(None, model=model, tokenizer=tok, engine="slots").engine == "slots"
-    assert HFBackend(None, model=model, tokenizer=tok).engine == "generate"  # auto: the slot engine on a GPU only
+    assert supported(model) and HFBackend(Target.wrap(model, tok), engine="slots").engine == "slots"
+    assert HFBackend(Target.wrap(model, tok)).engine == "generate"  # auto: the slot engine on a GPU only
     model.config._attn_implementation = "flash_attention_2"  # a kernel that ignores our 4D masks
     try:
-        assert not supported(model) and HFBackend(None, model=model, tokenizer=tok).engine == "generate"
+        assert not supported(model) and HFBackend(Target.wrap(model, tok)).engine == "generate"
         with pytest.raises(ValueError, match="--hf-engine slots cannot drive this model"):
-            HFBackend(None, model=model, tokenizer=tok, engine="slots")
+            HFBackend(Target.wrap(model, tok), engine="slots")
     finally:
         model.config._attn_implementation = "sdpa"
     # both engines answer a round of requests alike (greedy)
     requests = [Request(tag=i, seed=0, text=t) for i, t in enumerate(["a b c", "hello there, how", "x"])]
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=10)
-    slots = HFBackend(None, model=model, tokenizer=tok, batch_size=2).generate(requests, sampling)
-    plain = HFBackend(None, model=model, tokenizer=tok, batch_size=2, engine="generate").generate(requests, sampling)
+    slots = HFBackend(Target.wrap(model, tok), batch_size=2).generate(requests, sampling)
+    plain = HFBackend(Target.wrap(model, tok), batch_size=2, engine="generate").generate(requests, sampling)
     assert [g.token_ids for g in slots] == [g.token_ids for g in plain]
 
 
@@ -123,7 +124,8 @@ def test_the_memory_check_counts_what_the_caching_allocator_holds_unused(model, 
     model.generate batch, say) is allowed; one larger than free plus cached memory is refused."""
     from specfoundry.generate.slots import EngineMemoryError, kv_bytes_per_token
 
-    engine = SlotEngine(model, slots=8, stop_ids=[STOP], sampling=SamplingConfig(temperature=0.0, max_new_tokens=4))
+    engine = SlotEngine(Target.wrap(model), slots=8, stop_ids=[STOP],
+                        sampling=SamplingConfig(temperature=0.0, max_new_tokens=4))
     engine.device = torch.device("cuda")  # the check runs on a GPU only; its memory readings are faked below
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 140 * gib))

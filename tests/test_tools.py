@@ -11,7 +11,7 @@ import pytest
 
 from specfoundry.capture.template import masked_texts, render_with_mask
 from specfoundry.common.conversations import ToolCall, load_conversations
-from specfoundry.common.target import load_tokenizer
+from specfoundry.common.target import Target, load_tokenizer
 from specfoundry.generate.backend import Generation, SamplingConfig
 from specfoundry.generate.hf_backend import HFBackend
 from specfoundry.generate.regen import RegenConfig, RegenError, run_regen
@@ -209,7 +209,7 @@ def test_smollm2_regenerates_tool_conversations(tmp_path, smollm2_dir, tool_toke
     """The real target through the hf backend: every exchange accounted for, the records kept."""
     template = tmp_path / "tools.jinja"
     template.write_text(TOOL_TEMPLATE)
-    backend = HFBackend("smollm2", device="cpu", batch_size=4, chat_template=str(template))
+    backend = HFBackend(Target.load("smollm2", device="cpu", chat_template=str(template)), batch_size=4)
     src = write_jsonl(tmp_path / "tools.jsonl", TOOL_CHATS)
     cfg = RegenConfig(output=str(tmp_path / "out"), source=str(src), chat_template=str(template),
                       sampling=SamplingConfig(temperature=0.0, max_new_tokens=32))

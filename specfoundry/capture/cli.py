@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import os
-
 import click
 
 from specfoundry.capture.stage import CaptureConfig, CaptureError, run_capture
 from specfoundry.capture.verify import verify_featureset
 from specfoundry.common.cli import CONTEXT, expected_failures, resolve_config, shared_option, stage_command
 from specfoundry.common.conversations import ConversationFormatError
+from specfoundry.common.placement import PlacementError, launch_env
 from specfoundry.common.shards import OutputFolderError
 from specfoundry.common.target import TargetError
 from specfoundry.featureset.manifest import FeatureSetError
 
 FAILURES = (CaptureError, FeatureSetError, OutputFolderError, ConversationFormatError, TargetError,
-            FileNotFoundError)
+            PlacementError, FileNotFoundError)
 
 
 @click.group(context_settings=CONTEXT)
@@ -23,31 +22,16 @@ def main():
     """Capture the target's hidden states (chosen layers + the final state) into a feature set."""
 
 
-def init_distributed(device: str | None) -> tuple[int, int, str | None]:
-    """(rank, world size, device) under `accelerate launch` / `torchrun`; one GPU per process."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if world > 1:
-        import torch
-        import torch.distributed as dist
-
-        if device is None and torch.cuda.is_available():
-            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-        dist.init_process_group("nccl" if device and device.startswith("cuda") else "gloo")
-    return rank, world, device
-
-
 @stage_command(main, "run", CaptureConfig, *FAILURES)
 def run(recipe, silent, **options):
     """Render SOURCE (conversations or an sf-regen output) with the target's chat template,
     compute the assistant-only loss mask, prefill the target and store its features.
 
-    Under `accelerate launch`/`torchrun` each process takes its share of the shards. Rerunning
-    the same command resumes."""
+    Under `torchrun` each copy of the target (one process, or --tp N processes) takes its share
+    of the shards. Rerunning the same command resumes."""
     cfg = resolve_config(CaptureConfig, "capture", recipe, options)
-    rank, world, device = init_distributed(cfg.device)
-    manifest = run_capture(resolve_config(CaptureConfig, "capture", recipe, options, device=device),
-                           rank=rank, world=world, silent=silent)
-    if rank == 0:
+    manifest = run_capture(cfg, silent=silent)
+    if launch_env()[0] == 0:
         for bad in manifest.get("bad_inputs", []):
             click.echo(f"bad input: {bad['location']}: {bad['kind']}: {bad['detail']}", err=True)
         c = manifest["counts"]

@@ -1,8 +1,9 @@
-"""The hf capture runner: target prefill with forward hooks on the chosen decoder layers.
+"""The capture runner: the target's prefill (Target.prefill) with its tap on the chosen layers.
 
-Only the base model runs (`model.model`), so the full-vocabulary logits are never computed;
-its output is the final normed hidden state (the lm_head input). Forward hooks copy the K
-aux layers' outputs as they are produced, so all layers' hidden states are never held at once.
+Only the base model runs, so the full-vocabulary logits are never computed; its output is the
+final normed hidden state (the lm_head input). Forward hooks keep the K aux layers' outputs as
+they are produced, so all layers' hidden states are never held at once. Wherever the target is
+placed, the features arrive on its input device, where they are encoded and copied out.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from specfoundry.common.taps import AuxLayerTap, decoder_layers
+from specfoundry.common.target import Target
 from specfoundry.featureset import fp8
 from specfoundry.featureset.store import encode_state
 
@@ -99,18 +100,24 @@ class HFCaptureRunner:
     and the writers carry.
     """
 
-    def __init__(self, model, aux_layers: list[int], storage: tuple[str, str] | None = None):
+    def __init__(self, target: Target, aux_layers: list[int], storage: tuple[str, str] | None = None,
+                 keep: bool = True):
         """storage: the (aux, final) storage dtypes (featureset STORAGE_DTYPES); None hands the
-        features out in the model's dtype, unencoded."""
-        self.model = model
-        self.base, _ = decoder_layers(model)
-        self.tap = AuxLayerTap(model, aux_layers)
+        features out in the model's dtype, unencoded. keep=False: run the prefill and hand back
+        nothing (a tensor-parallel rank beside its group's writer: its part of the collectives,
+        none of the encoding and copying)."""
+        self.target = target
+        self.keep = keep
+        self.tap = target.tap(aux_layers)
         self.aux_layers = self.tap.aux_layers
         self.storage = storage
-        self.device = next(model.parameters()).device
-        self.hidden = model.config.hidden_size
+        self.device = target.input_device
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+
+    def close(self) -> None:
+        """Remove the tap's hooks from the target (which may run on for another stage)."""
+        self.tap.remove()
 
     def encode(self, aux: torch.Tensor, final: torch.Tensor) -> dict[str, torch.Tensor]:
         """aux [B, T, K*H], final [B, T, H] -> the stored arrays of the batch ([B, T, ...] each), on
@@ -136,15 +143,14 @@ class HFCaptureRunner:
         ids = torch.zeros(len(batch), width, dtype=torch.long)  # [B, T]
         for r, x in enumerate(batch):
             ids[r, : len(x)] = torch.tensor(x)
-        self.tap.clear()
-        out = self.base(input_ids=ids.to(self.device, non_blocking=True), use_cache=False)
-        aux = self.tap.take()  # [B, T, K*H]: the aux layers, ascending
-        final = out.last_hidden_state  # [B, T, H]: final normed
+        aux, final = self.target.prefill(ids, self.tap)  # [B, T, K*H] the aux layers, ascending; [B, T, H] normed
+        layers = [f"layer {i}" for i in self.aux_layers]
+        if not self.keep:
+            return PendingCapture(lengths, {}, None, index, layers)
         # the padded batch is encoded (padding too), then only the real rows are gathered, all arrays
         # in one copy: a gather before encoding would copy the features once more
         arrays = self.encode(aux, final)
         pieces = {name: [a[r, :n] for r, n in enumerate(lengths)] for name, a in arrays.items()}
-        layers = [f"layer {i}" for i in self.aux_layers]
         if not self.cuda:  # already in host memory: every sample's rows back to back, [sum(T), ...]
             return PendingCapture(lengths, {name: torch.cat(p) for name, p in pieces.items()}, None, index, layers)
         packed, views = pack(pieces)  # [bytes of every array]: one copy for the whole batch

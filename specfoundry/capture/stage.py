@@ -4,9 +4,10 @@
 deterministic sample order); `capture_shards` runs the target over the shards still to do and
 writes them through common/shards.py (partial name, rename, done mark), so a rerun with the
 same settings skips finished shards and ends byte-identical to an uninterrupted run. With
-several processes (`accelerate launch` / `torchrun`) rank r takes shards r, r+W, r+2W...; rank 0
-assembles the manifest from the done marks once every rank is done. Writing runs in
-background threads, overlapping the next shard's prefill.
+several processes (`torchrun`) the target's copies (common/placement.py: one process each, or
+--tp N ranks each) split the shards: copy g of G takes shards g, g+G, g+2G..., its first rank
+writes them, and rank 0 assembles the manifest from the done marks once every rank is done.
+Writing runs in background threads, overlapping the next shard's prefill.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from specfoundry.capture.writer import BackgroundWriter
 from specfoundry.common.cli import config_dict, setting, shared
 from specfoundry.common.conversations import BadInput, ConversationFormatError, load_conversations
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
+from specfoundry.common.placement import Placement
 from specfoundry.common.progress import Progress
 from specfoundry.common.shards import ShardedOutput, check_output_folder, record_config, writable_folder
 from specfoundry.common.taps import FAMILY_DEFAULT_LAYERS, parse_layer_ids
-from specfoundry.common.target import EMBEDDED_DEFAULT, chat_template_source, load_target
+from specfoundry.common.target import EMBEDDED_DEFAULT, Target, chat_template_source
 from specfoundry.common.weights import weight_fingerprint
 from specfoundry.featureset.manifest import (
     FORMAT,
@@ -112,6 +114,7 @@ class CaptureConfig:
                             "refusing it.")
     limit: int | None = shared("limit", None)
     device: str | None = shared("device", None, resume=False)
+    placement: Placement = Placement()
     writers: int = setting(factory=lambda: min(4, os.cpu_count() or 1), resume=False,
                            shown="min(4, CPU cores)",
                            help="Threads writing finished shards in the background; up to writers + 2 shards "
@@ -229,9 +232,10 @@ def plan_capture(cfg: CaptureConfig, tokenizer, identity) -> CapturePlan:
 
 
 def capture_shards(plan: CapturePlan, runner: HFCaptureRunner, shards: list[int], out: ShardedOutput,
-                   progress: Progress) -> None:
-    """Capture and write `shards`. Every batch of every shard is queued in order, so the runner
-    keeps one batch computing while the previous one is copied out, across shard boundaries."""
+                   progress: Progress, write: bool = True) -> None:
+    """Capture and write `shards` (`write` False: a tensor-parallel rank that runs the same batches
+    as its group's writer and keeps nothing). Every batch of every shard is queued in order, so the
+    runner keeps one batch computing while the previous one is copied out, across shard boundaries."""
     jobs = []
     for s in shards:
         part = plan.part(s)
@@ -247,7 +251,8 @@ def capture_shards(plan: CapturePlan, runner: HFCaptureRunner, shards: list[int]
                 outputs[i] = arrays
             progress.update(len(batch), sum(len(part[i]["input_ids"]) for i in batch))
             if last:
-                writer.put(s, part, outputs)
+                if write:
+                    writer.put(s, part, outputs)
                 outputs = []
     except NonFiniteFeatures as e:
         writer.close(quiet=True)
@@ -289,39 +294,42 @@ def build_manifest(plan: CapturePlan, out: ShardedOutput) -> dict:
     return manifest
 
 
-def run_capture(cfg: CaptureConfig, rank: int = 0, world: int = 1, silent: bool = False) -> dict:
-    """Run (or resume) a capture into cfg.output; returns the manifest (rank 0) or its base."""
+def run_capture(cfg: CaptureConfig, silent: bool = False, target: Target | None = None) -> dict:
+    """Run (or resume) a capture into cfg.output; returns the manifest (rank 0) or its base.
+    `target`: the target already loaded (the gate), else cfg's is loaded and placed."""
     writable_folder(Path(cfg.output))  # before loading the target; the settings once they are resolved
-    model, tokenizer, identity = load_target(cfg.target, device=cfg.device, chat_template=cfg.chat_template)
-    plan = plan_capture(cfg, tokenizer, identity)
+    if target is None:
+        target = Target.load(cfg.target, device=cfg.device, placement=cfg.placement, chat_template=cfg.chat_template,
+                             command="sf-capture run")
+    ranks = target.ranks
+    plan = plan_capture(cfg, target.tokenizer, target.identity)
     out = ShardedOutput(Path(cfg.output))
-    if rank == 0:
+    if ranks.rank == 0:
         record_config(out.root, "capture", plan.cfg)
-    if world > 1:  # no rank writes into the folder before rank 0 has checked it and recorded the run
-        wait_for_every_rank()
-    mine = [s for s in range(plan.num_shards) if s % world == rank]
-    # a kept shard must hold the samples the plan puts there (a --partial source may have grown since)
-    expected = {shard_name(s, plan.cfg.codec): [x["id"] for x in plan.part(s)] for s in mine}
-    pending = set(out.pending(list(expected), holds=lambda rel, mark: mark.get("sample_ids") == expected[rel]))
-    todo = [s for s in mine if shard_name(s, plan.cfg.codec) in pending]
+    ranks.barrier()  # no rank writes into the folder before rank 0 has checked it and recorded the run
+    mine = [s for s in range(plan.num_shards) if s % ranks.groups == ranks.group]
+    todo = None
+    if ranks.is_writer:
+        # a kept shard must hold the samples the plan puts there (a --partial source may have grown since)
+        expected = {shard_name(s, plan.cfg.codec): [x["id"] for x in plan.part(s)] for s in mine}
+        pending = set(out.pending(list(expected), holds=lambda rel, mark: mark.get("sample_ids") == expected[rel]))
+        todo = [s for s in mine if shard_name(s, plan.cfg.codec) in pending]
+    todo = ranks.from_writer(todo)  # the group's other ranks run the same batches
     total = sum(len(plan.part(s)) for s in mine)
     done = total - sum(len(plan.part(s)) for s in todo)
-    runner = HFCaptureRunner(model, list(plan.cfg.aux_layers), storage=(plan.base["storage_dtype"],
-                                                                        plan.base["final_storage_dtype"]))
-    with Progress(total, "sample", f"sf-capture[{rank}]", silent, initial=done) as progress:
-        capture_shards(plan, runner, todo, out, progress)
-    if world > 1:  # every rank's shards must be marked before rank 0 lists them
-        wait_for_every_rank()
-        if rank != 0:
-            return plan.base
+    runner = HFCaptureRunner(target, list(plan.cfg.aux_layers), storage=(plan.base["storage_dtype"],
+                                                                         plan.base["final_storage_dtype"]),
+                             keep=ranks.is_writer)
+    try:
+        with Progress(total, "sample", f"sf-capture[{ranks.group}]", silent or not ranks.is_writer,
+                      initial=done) as progress:
+            capture_shards(plan, runner, todo, out, progress, write=ranks.is_writer)
+    finally:
+        runner.close()
+    ranks.barrier()  # every copy's shards must be marked before rank 0 lists them
+    if ranks.rank != 0:
+        return plan.base
     return build_manifest(plan, out)
-
-
-def wait_for_every_rank() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 def write_one(out: ShardedOutput, shard: int, part: list[dict], outputs: list, cfg: CaptureConfig) -> None:

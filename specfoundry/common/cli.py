@@ -21,7 +21,7 @@ import click
 import yaml
 from click.core import ParameterSource
 
-from specfoundry.common.target import EMBEDDED_DEFAULT
+from specfoundry.common.embedded import EMBEDDED_DEFAULT
 
 
 class CommandError(click.ClickException):

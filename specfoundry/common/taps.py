@@ -74,12 +74,15 @@ class AuxLayerTap:
     """Forward hooks on chosen decoder layers that keep each layer's output of the latest
     forward, for the capture runner and for sf-eval's target alike."""
 
-    def __init__(self, model, aux_layers: list[int]):
+    def __init__(self, model, aux_layers: list[int], device: torch.device | None = None):
+        """device: where take() gathers the layers' outputs (under a device map they come from
+        several devices); None leaves them where they are."""
         _, layers = decoder_layers(model)
         bad = [i for i in aux_layers if not 0 <= i < len(layers)]
         if bad:
             raise ValueError(f"aux layer ids {bad} are outside the target's {len(layers)} layers")
         self.aux_layers = list(aux_layers)
+        self.device = device
         self.captured: dict[int, torch.Tensor] = {}
         self.hooks = [layers[i].register_forward_hook(self._keep(i)) for i in self.aux_layers]
 
@@ -95,7 +98,10 @@ class AuxLayerTap:
     def take(self, *extra: torch.Tensor) -> torch.Tensor:
         """The kept outputs [..., K*H] in aux-layer order (then `extra`), concatenated on the last
         dim; forgets them."""
-        out = torch.cat([self.captured[i] for i in self.aux_layers] + list(extra), dim=-1)
+        kept = [self.captured[i] for i in self.aux_layers] + list(extra)
+        if self.device is not None:
+            kept = [x.to(self.device) for x in kept]
+        out = torch.cat(kept, dim=-1)
         self.captured.clear()
         return out
 

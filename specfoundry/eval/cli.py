@@ -6,6 +6,7 @@ import click
 
 from specfoundry.common.cli import CONTEXT, resolve_config, stage_command
 from specfoundry.common.conversations import ConversationFormatError
+from specfoundry.common.placement import PlacementError, launch_env
 from specfoundry.common.shards import OutputFolderError
 from specfoundry.common.target import TargetError
 from specfoundry.eval.draft import DraftLoadError
@@ -13,8 +14,8 @@ from specfoundry.eval.evaluate import EvalConfig, EvalError, format_table, run_e
 from specfoundry.featureset.manifest import FeatureSetError
 from specfoundry.gate import GateConfig, run_gate
 
-FAILURES = (EvalError, DraftLoadError, TargetError, OutputFolderError, ConversationFormatError, FeatureSetError,
-            FileNotFoundError)
+FAILURES = (EvalError, DraftLoadError, TargetError, PlacementError, OutputFolderError, ConversationFormatError,
+            FeatureSetError, FileNotFoundError)
 
 
 @click.group(context_settings=CONTEXT)
@@ -25,9 +26,12 @@ def main():
 @stage_command(main, "run", EvalConfig, *FAILURES)
 def run(recipe, silent, **options):
     """Decode each prompt with DRAFT (an exported folder, an sf-train run folder, or one of its
-    checkpoints/step-N) proposing and the target verifying, and report acceptance length."""
+    checkpoints/step-N) proposing and the target verifying, and report acceptance length. With
+    --tp N, launch it under `torchrun --nproc-per-node N` (one copy of the target)."""
     cfg = resolve_config(EvalConfig, "eval", recipe, options)
     report = run_eval(cfg, silent=silent)
+    if launch_env()[0] != 0:  # under torchrun (--tp), rank 0 reports
+        return
     click.echo(format_table(report))
     if cfg.output:
         click.echo(f"wrote {cfg.output}/eval.json, eval.txt, acceptance.png")
@@ -42,6 +46,8 @@ def gate(recipe, silent, **options):
     decode) and exits with status 1 (2: the gate could not run)."""
     cfg = resolve_config(GateConfig, "gate", recipe, options)
     checks, ok, message = run_gate(cfg, silent=silent)
+    if launch_env()[0] != 0:  # under torchrun (--tp), rank 0 reports; every rank exits with the verdict
+        raise SystemExit(0 if ok else 1)
     for c in checks:
         click.echo(f"{'ok  ' if c.ok else 'FAIL'} {c.name:<10} {c.detail}")
     click.echo(message)

@@ -43,7 +43,7 @@ def check_trained_for(path: str | Path, target_dir: Path, allow_other: bool) -> 
     if recorded is None:
         return None
     here = {"config_sha256": target_identity(str(target_dir), target_dir).config_sha256,
-            "weight_fingerprint": weight_fingerprint(target_dir),
+            "weight_fingerprint": weight_fingerprint(target_dir, like=recorded.get("weight_fingerprint")),
             "tokenizer_sha256": tokenizer_hashes(load_tokenizer(target_dir))[0]}
     differ = [k for k, v in here.items() if recorded.get(k) is not None and recorded[k] != v]
     if not differ:

@@ -20,16 +20,10 @@ import torch
 from specfoundry.common.cli import config_dict, setting, shared
 from specfoundry.common.conversations import load_conversations
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
+from specfoundry.common.placement import Placement, PlacementError
 from specfoundry.common.progress import Progress
 from specfoundry.common.shards import check_output_folder
-from specfoundry.common.target import (
-    EMBEDDED_DEFAULT,
-    default_dtype,
-    end_of_turn_ids,
-    load_target,
-    pick_device,
-    resolve_target,
-)
+from specfoundry.common.target import EMBEDDED_DEFAULT, Target, default_dtype, pick_device
 from specfoundry.eval.block import BlockDraftRunner, block_generate
 from specfoundry.eval.draft import DraftLoadError, check_trained_for, load_draft, locate_draft, untrained_like
 from specfoundry.eval.speculative import (
@@ -88,6 +82,7 @@ class EvalConfig:
     compare_untrained: bool = setting(False, help="Also evaluate a freshly initialised draft with the same config "
                                       "and vocabulary (the floor).")
     device: str | None = shared("device", None, resume=False)
+    placement: Placement = Placement()
     # fp32 makes greedy decoding exactly reproducible across the batch shapes of verification and plain decoding
     dtype: str | None = shared("dtype", None, choices=("float32", "bfloat16"))
 
@@ -213,27 +208,38 @@ def decode_sets(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict,
     return out
 
 
-def run_eval(cfg: EvalConfig, silent: bool = False) -> dict:
+def one_copy(target: Target, command: str) -> None:
+    """Decoding runs one sequence on one copy of the target: a launch of several copies is refused."""
+    if target.ranks.groups > 1:
+        raise PlacementError(f"{command} decodes on one copy of the target: launch as many processes as --tp / --ep "
+                             f"({target.ranks.group_size}), not {target.ranks.world}")
+
+
+def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None) -> dict:
     """Decode every prompt set with the draft (and the target alone); the report, also written
-    to cfg.output when given. Everything is loaded and checked before the first decode."""
+    to cfg.output (by the writing rank) when given. Everything is loaded and checked before the
+    first decode. `target`: the target already loaded (the gate), else cfg's is loaded."""
     cfg = check_config(cfg)
     device = pick_device(cfg.device)
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(device)
-    model, tokenizer, identity = load_target(cfg.target, device=str(device), dtype=dtype,
-                                             chat_template=cfg.chat_template)
-    warning = check_trained_for(cfg.draft, resolve_target(cfg.target), cfg.allow_other_target)
-    if warning:
+    if target is None:
+        target = Target.load(cfg.target, device=cfg.device, dtype=dtype, placement=cfg.placement,
+                             chat_template=cfg.chat_template, command="sf-eval run")
+    one_copy(target, "sf-eval run")
+    device, tokenizer, identity, target_dir = target.input_device, target.tokenizer, target.identity, target.path
+    warning = check_trained_for(cfg.draft, target_dir, cfg.allow_other_target)
+    if warning and target.is_writer:
         print(f"warning: {warning}", file=sys.stderr)
-    draft = load_draft(cfg.draft, resolve_target(cfg.target), device, dtype)
+    draft = load_draft(cfg.draft, target_dir, device, dtype)
     if draft.cfg.vocab_size != identity.vocab_size:
         raise EvalError(f"draft {cfg.draft} has vocab {draft.cfg.vocab_size}, target {cfg.target} {identity.vocab_size}")
     sets = {name: load_prompts(name, tokenizer, cfg.limit) for name in cfg.prompt_sets}
     block = isinstance(draft, DFlashDraft)
     aux = list(draft.cfg.target_layer_ids if block else draft.cfg.aux_layer_ids)
-    target = TargetRunner(model, aux)
+    runner_target = TargetRunner(target, aux)
 
     def runner(d):  # DFlash takes its logits from the target's own lm_head
-        return BlockDraftRunner(d, model.get_output_embeddings().weight) if block else DraftRunner(d)
+        return BlockDraftRunner(d, target.lm_head()) if block else DraftRunner(d)
 
     drafts = {"trained": runner(draft)}
     if cfg.compare_untrained:
@@ -241,12 +247,15 @@ def run_eval(cfg: EvalConfig, silent: bool = False) -> dict:
     report = {"config": config_dict(cfg), "convention": "accept_length = mean tokens per target verify forward, "
               "counting the target's own token (k+1 at most); the prompt's first token is not counted",
               "family": "dflash" if block else "eagle3", "aux_layer_ids": aux, "device": str(device),
-              "dtype": str(dtype)}
-    report["sets"] = decode_sets(cfg, target, drafts, sets, set(end_of_turn_ids(model, tokenizer)), silent)
+              "dtype": str(dtype), "placement": config_dict(target.placement)}
+    try:
+        report["sets"] = decode_sets(cfg, runner_target, drafts, sets, set(target.end_of_turn_ids()),
+                                     silent or not target.is_writer)
+    finally:
+        runner_target.remove_hooks()
     report["environment"] = {"python": platform.python_version(), "torch": torch.__version__,
                              "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None}
-    target.remove_hooks()
-    if cfg.output:
+    if cfg.output and target.is_writer:
         try:
             write_report(report, Path(cfg.output))
         except OSError:

@@ -26,13 +26,12 @@ target's own token. The first token (from the prompt's prefill) is not part of a
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from specfoundry.common.taps import AuxLayerTap
+from specfoundry.common.target import Target
 from specfoundry.train.eagle3.model import Eagle3Draft, KVCache
 from specfoundry.train.vocab import draft_ids_from_d2t
 
@@ -43,20 +42,19 @@ def sync(device: torch.device) -> None:
 
 
 class TargetRunner:
-    """The target with a KV cache; forward hooks keep the aux layers' outputs of each call."""
+    """The target (common/target.Target) with a KV cache for one sequence; its tap keeps the aux
+    layers' outputs of each call."""
 
-    def __init__(self, model, aux_layers: list[int]):
+    def __init__(self, target: Target, aux_layers: list[int]):
         from transformers import DynamicCache
 
-        self.model = model
-        self.tap = AuxLayerTap(model, aux_layers)
+        self.target = target
+        self.model = target.model
+        self.tap = target.tap(aux_layers)
         self.aux_layers = self.tap.aux_layers
-        self.device = next(model.parameters()).device
+        self.device = target.input_device
         self.cache_cls = DynamicCache
         self.cache = None
-        # newer transformers name the cache argument `cache` (and warn on the old name)
-        params = inspect.signature(model.forward).parameters
-        self.cache_arg = "cache" if "cache" in params else "past_key_values"
 
     def remove_hooks(self) -> None:
         self.tap.remove()
@@ -77,19 +75,19 @@ class TargetRunner:
         the final normed hidden state [T, H]. By default the tokens follow the cache causally;
         a token tree passes its own `positions` and `mask` ([T, cache + T] bool, True = may
         attend), which goes to the model as a ready 4D additive mask."""
+        if self.cache is None:
+            self.reset()
         start = len(self)
         x = torch.tensor([ids], device=self.device)
         if positions is None:
             positions = list(range(start, start + len(ids)))
-        extra = {}
-        if mask is not None:
-            extra["attention_mask"] = self.custom_masks(mask, start, positions)
-        out = self.model(input_ids=x, position_ids=torch.tensor([positions], device=self.device), use_cache=True,
-                         output_hidden_states=want_hidden, **{self.cache_arg: self.cache}, **extra)
-        self.cache = getattr(out, "cache", None) or out.past_key_values
+        custom = self.custom_masks(mask, start, positions) if mask is not None else None
+        step = self.target.forward(x, positions=torch.tensor([positions], device=self.device), mask=custom,
+                                   cache=self.cache, hidden=want_hidden)
+        self.cache = step.cache
         aux = self.tap.take()[0]  # [T, 3H]
-        final = out.hidden_states[-1][0] if want_hidden else None
-        return out.logits[0].float(), aux, final
+        final = step.final[0] if want_hidden else None
+        return step.logits[0], aux, final
 
     def custom_masks(self, mask: torch.Tensor, start: int, positions: list[int]):
         """`mask` [T, start + T] as the model takes a ready mask: one additive [1, 1, T, start + T]

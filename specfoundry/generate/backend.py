@@ -107,10 +107,19 @@ BACKENDS = ("hf", "openai", "sglang")
 def make_backend(cfg) -> Backend:
     """The backend a RegenConfig names, loaded (its target too)."""
     if cfg.backend == "hf":
+        from specfoundry.common.target import Target
         from specfoundry.generate.hf_backend import HFBackend
 
-        return HFBackend(cfg.target, device=cfg.device, batch_size=cfg.batch_size, chat_template=cfg.chat_template,
-                         engine=cfg.hf_engine)
+        target = Target.load(cfg.target, device=cfg.device, placement=cfg.placement, chat_template=cfg.chat_template,
+                             command="sf-regen run")
+        return HFBackend(target, batch_size=cfg.batch_size, engine=cfg.hf_engine)
+    if cfg.placement != type(cfg.placement)():
+        if cfg.backend == "openai":
+            raise ValueError("--tp, --ep and --device-map place the target of the hf and sglang backends; OpenAI-compatible "
+                             "servers place their own (vllm serve --tensor-parallel-size N, sglang --tp N: "
+                             "docs/scaling.md)")
+        if cfg.placement.device_map:
+            raise ValueError("--device-map places the hf backend's target; the sglang backend takes --tp / --ep")
     if cfg.backend == "openai":
         from specfoundry.generate.fleet import FleetConfig, server_urls
         from specfoundry.generate.openai_backend import OpenAIBackend
@@ -126,5 +135,6 @@ def make_backend(cfg) -> Backend:
     if cfg.backend == "sglang":
         from specfoundry.generate.sglang_backend import SGLangBackend
 
-        return SGLangBackend(cfg.target, batch_size=cfg.batch_size, chat_template=cfg.chat_template)
+        return SGLangBackend(cfg.target, batch_size=cfg.batch_size, chat_template=cfg.chat_template,
+                             tp=cfg.placement.tp, ep=cfg.placement.ep)
     raise ValueError(f"unknown backend {cfg.backend!r}: choose {', '.join(BACKENDS)}")

@@ -6,6 +6,7 @@ import click
 
 from specfoundry.common.cli import CONTEXT, resolve_config, stage_command
 from specfoundry.common.conversations import ConversationFormatError
+from specfoundry.common.placement import launch_env
 from specfoundry.common.shards import OutputFolderError
 from specfoundry.generate.regen import RegenConfig, RegenError, run_regen
 
@@ -26,9 +27,12 @@ def run(greedy, recipe, silent, **options):
     Bad records are reported with their file and line, counted in the manifest and skipped
     (--strict stops instead). Conversations with tools keep their tool results and, where the
     target's calls differ from the recorded ones, the recorded exchange. Rerunning the same
-    command resumes."""
+    command resumes. With --tp N (hf backend), launch it under `torchrun --nproc-per-node W`:
+    W/N copies of the target split the shards."""
     cfg = resolve_config(RegenConfig, "regen", recipe, options, **({"temperature": 0.0} if greedy else {}))
     manifest = run_regen(cfg, silent=silent)
+    if launch_env()[0] != 0:  # under torchrun, rank 0 reports
+        return
     for bad in manifest["bad_inputs"]:
         click.echo(f"bad input: {bad['location']}: {bad['kind']}: {bad['detail']}", err=True)
     t = manifest["totals"]

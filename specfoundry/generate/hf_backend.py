@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from specfoundry.common.target import end_of_turn_ids, load_target
+from specfoundry.common.target import Target
 from specfoundry.generate.backend import (
     Generation,
     OnDone,
@@ -33,28 +33,27 @@ ENGINES = ("auto", "slots", "generate")
 class HFBackend:
     name = "hf"
 
-    def __init__(self, target: str | None, device: str | None = None, batch_size: int = 32, *, model=None,
-                 tokenizer=None, chat_template: str | None = None, engine: str = "auto"):
-        """Load `target` (its tokenizer rendering with `chat_template`), or wrap an already loaded
-        (model, tokenizer) when target is None."""
-        if target is None:
-            self.model, self.tokenizer, self.target = model, tokenizer, None
-        else:
-            self.model, self.tokenizer, self.target = load_target(target, device=device, chat_template=chat_template)
-        self.device = next(self.model.parameters()).device
+    def __init__(self, target: Target, batch_size: int = 32, *, engine: str = "auto"):
+        """Generate with `target` (loaded and placed: Target.load; its tokenizer renders with the
+        chat template it was loaded with)."""
+        self.target = target
+        self.ranks = target.ranks
+        self.model, self.tokenizer = target.model, target.tokenizer
+        self.device = target.input_device
         self.batch_size = batch_size
-        self.stop_ids = end_of_turn_ids(self.model, self.tokenizer)
+        self.stop_ids = target.end_of_turn_ids()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
         if engine not in ENGINES:
             raise ValueError(f"--hf-engine takes one of {', '.join(ENGINES)}, not {engine!r}")
         if engine == "slots" and not supported(self.model):
             raise ValueError("--hf-engine slots cannot drive this model (its attention is neither full nor "
                              "sliding-window over sdpa or eager): use --hf-engine generate")
-        fast = self.model.device.type == "cuda" and supported(self.model)
+        fast = self.device.type == "cuda" and supported(self.model)
         self.engine = engine if engine != "auto" else ("slots" if fast else "generate")
 
     def identity(self) -> dict:
-        target = self.target.to_dict() if self.target else {"name": str(self.model.config.name_or_path)}
+        identity = self.target.identity
+        target = identity.to_dict() if identity else {"name": str(self.model.config.name_or_path)}
         return {"backend": self.name, **target, "dtype": str(self.model.dtype), "engine": self.engine}
 
     def render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
@@ -75,7 +74,7 @@ class HFBackend:
         if self.engine == "generate":
             serve_in_rounds(self.generate, requests, sampling, on_done)
             return
-        engine = SlotEngine(self.model, slots=self.batch_size, stop_ids=self.stop_ids, sampling=sampling)
+        engine = SlotEngine(self.target, slots=self.batch_size, stop_ids=self.stop_ids, sampling=sampling)
 
         def finished(request: Request, tokens: list[int]):
             follow = on_done(request, self.to_generation(tokens, request))
@@ -108,9 +107,9 @@ class HFBackend:
             for row, i in enumerate(batch):
                 input_ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
                 attention[row, width - len(prompts[i]) :] = 1
-            out = self.model.generate(
-                input_ids=input_ids.to(self.device),
-                attention_mask=attention.to(self.device),
+            out = self.target.generate(
+                input_ids,
+                attention_mask=attention,
                 max_new_tokens=sampling.max_new_tokens,
                 eos_token_id=self.stop_ids,
                 pad_token_id=self.pad_id,

@@ -35,6 +35,7 @@ from specfoundry.common.conversations import (
     with_json_arguments,
 )
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json, checksum
+from specfoundry.common.placement import Placement, Ranks
 from specfoundry.common.progress import Progress
 from specfoundry.common.shards import ShardedOutput, check_output_folder, record_config
 from specfoundry.common.target import EMBEDDED_DEFAULT, chat_template_source
@@ -140,6 +141,7 @@ class RegenConfig:
     strict: bool = shared("strict", False)
     limit: int | None = shared("limit", None)
     device: str | None = shared("device", None, resume=False)
+    placement: Placement = Placement()  # hf backend
     openai_url: tuple[str, ...] = setting(
         (), resume=False, repeatable=True, shown="none",
         help="Base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:30000/v1; repeat it for a fleet, "
@@ -478,23 +480,36 @@ class Regenerator:
         return max(1, math.ceil(GROUP_BATCHES * self.cfg.batch_size / self.cfg.shard_size))
 
     def run(self) -> dict:
+        """Generate every pending shard. Under torchrun the target's copies (common/placement.py)
+        take whole groups of shards in turn (group k of the run to copy k mod G), each copy's
+        first rank writing; rank 0 records the run and writes the final manifest."""
+        ranks: Ranks = getattr(self.backend, "ranks", None) or Ranks()
         conversations, bad, num_shards = self.plan()
-        record_config(self.out, "regen", self.cfg)
-        atomic_write_bytes(self.out / "README.md", DATASET_CARD.encode())
-        pending = set(self.shards.pending([shard_path(i) for i in range(num_shards)]))
-        manifest = self.manifest(bad, num_shards)
-        atomic_write_json(self.out / "manifest.json", manifest)
-        total = self.cfg.synthesize or len(conversations or [])
+        if ranks.rank == 0:
+            record_config(self.out, "regen", self.cfg)
+            atomic_write_bytes(self.out / "README.md", DATASET_CARD.encode())
+            self.shards.pending([shard_path(i) for i in range(num_shards)])  # drops stale marks
+            atomic_write_json(self.out / "manifest.json", self.manifest(bad, num_shards))
+        ranks.barrier()  # nothing is written before rank 0 has checked the folder and recorded the run
         size, per_group = self.cfg.shard_size, self.group_size()
+        groups = [list(range(start, min(start + per_group, num_shards))) for start in range(0, num_shards, per_group)]
+        mine = groups[ranks.group :: ranks.groups]
+        pending = None
+        if ranks.is_writer:
+            pending = set(self.shards.pending([shard_path(i) for group in mine for i in group]))
+        pending = ranks.from_writer(pending)  # the group's other ranks generate the same requests
+        total = self.cfg.synthesize or len(conversations or [])
+        shards_total = sum(min(total, (g[-1] + 1) * size) - g[0] * size for g in mine)
 
         def commit(i: int, rows: list[dict], counts: ShardCounts) -> None:
-            if shard_path(i) in pending:  # a shard of a resumed group that is already written is not again
+            if ranks.is_writer and shard_path(i) in pending:  # a finished shard of a resumed group is not rewritten
                 self.write_shard(i, rows, counts)
                 atomic_write_json(self.out / "manifest.json", self.manifest(bad, num_shards))
 
-        with Progress(total, "conv", "sf-regen", self.silent, status=getattr(self.backend, "status", None)) as progress:
-            for start in range(0, num_shards, per_group):
-                group = list(range(start, min(start + per_group, num_shards)))
+        with Progress(shards_total, "conv", "sf-regen", self.silent or not ranks.is_writer,
+                      status=getattr(self.backend, "status", None)) as progress:
+            for group in mine:
+                start = group[0]
                 if not any(shard_path(i) in pending for i in group):
                     progress.update(min(total, (group[-1] + 1) * size) - start * size)
                     continue
@@ -508,9 +523,11 @@ class Regenerator:
                 else:
                     convs = {i: conversations[i * size : (i + 1) * size] for i in group}
                 self.regenerate(convs, counts, progress, commit)
-        self.shards.remove_partials("data")
+        ranks.barrier()  # every copy's shards are marked before rank 0 lists them
         manifest = self.manifest(bad, num_shards)
-        atomic_write_json(self.out / "manifest.json", manifest)
+        if ranks.rank == 0:
+            self.shards.remove_partials("data")
+            atomic_write_json(self.out / "manifest.json", manifest)
         return manifest
 
 

@@ -16,7 +16,10 @@ INSTALL_HINT = "the sglang backend needs SGLang: pip install 'specfoundry[sglang
 class SGLangBackend:
     name = "sglang"
 
-    def __init__(self, target: str, batch_size: int = 256, chat_template: str | None = None):
+    def __init__(self, target: str, batch_size: int = 256, chat_template: str | None = None, tp: int = 1,
+                 ep: int = 1):
+        """tp / ep: the engine's own tensor / expert parallelism (SGLang starts a worker per GPU
+        itself: sf-regen runs as one process, not under torchrun)."""
         try:
             import sglang
         except ImportError as e:
@@ -24,7 +27,8 @@ class SGLangBackend:
         path = resolve_target(target)
         self.target = target_identity(target, path)
         self.tokenizer = load_tokenizer(path, chat_template)  # the engine is handed rendered text
-        self.engine = sglang.Engine(model_path=str(path), max_running_requests=batch_size)
+        parallel = {"tp_size": max(tp, ep), **({"ep_size": ep} if ep > 1 else {})}
+        self.engine = sglang.Engine(model_path=str(path), max_running_requests=batch_size, **parallel)
 
     def identity(self) -> dict:
         return {"backend": self.name, **self.target.to_dict()}

@@ -13,20 +13,22 @@ sequence ended (a static batch runs until its longest answer), the dynamic cache
 kernels, so launches run ahead of the device), and batch boundaries between turns (every request
 of a shard streams through one engine).
 
-The model runs through its own forward with a `SlotCache` in place of transformers' Cache and an
-explicit 4D mask (transformers passes a 4D mask through untouched), so any decoder whose layers
-are full or sliding-window attention over sdpa or eager works (`supported`).
+The model runs through its own forward (Target.forward) with a `SlotCache` in place of
+transformers' Cache and an explicit 4D mask (transformers passes a 4D mask through untouched),
+so any decoder whose layers are full or sliding-window attention over sdpa or eager works
+(`supported`), wherever the target is placed: each layer's cache lives on that layer's device,
+and under tensor parallelism holds that rank's KV heads.
 """
 
 from __future__ import annotations
 
 import heapq
-import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
+from specfoundry.common.target import Target
 from specfoundry.generate.backend import SamplingConfig
 from specfoundry.generate.sampling import next_tokens
 
@@ -74,22 +76,32 @@ class SlotCache:
         self.rows: torch.Tensor | None = None  # [n] slot of each prefill row
         self.columns: torch.Tensor | None = None  # [slots] column each slot writes in decode
         self.window = 0
-        self.slot_ids: torch.Tensor | None = None  # [slots] 0..slots-1
+        self.slot_ids: dict[torch.device, torch.Tensor] = {}  # per device: 0..slots-1
+
+    def on(self, name: str, device: torch.device) -> torch.Tensor:
+        """rows, columns or slot_ids on `device` (a device map puts the layers on several)."""
+        if name == "slot_ids":
+            if device not in self.slot_ids:
+                self.slot_ids[device] = torch.arange(self.slots, device=device)
+            return self.slot_ids[device]
+        t = getattr(self, name)
+        return t if t.device == device else t.to(device)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         if layer_idx not in self.keys:
             shape = (self.slots, key.shape[1], self.capacity, key.shape[3])
             self.keys[layer_idx] = key.new_zeros(shape)
             self.values[layer_idx] = value.new_zeros(shape[:3] + (value.shape[3],))
-            self.slot_ids = torch.arange(self.slots, device=key.device)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if self.rows is not None:
             width = key.shape[2]
-            keys[self.rows, :, :width] = key
-            values[self.rows, :, :width] = value
+            rows = self.on("rows", key.device)
+            keys[rows, :, :width] = key
+            values[rows, :, :width] = value
             return key, value
-        keys[self.slot_ids, :, self.columns] = key[:, :, 0]  # [slots, kv_heads, head_dim]
-        values[self.slot_ids, :, self.columns] = value[:, :, 0]
+        slot_ids, columns = self.on("slot_ids", key.device), self.on("columns", key.device)
+        keys[slot_ids, :, columns] = key[:, :, 0]  # [slots, kv_heads, head_dim]
+        values[slot_ids, :, columns] = value[:, :, 0]
         return keys[:, :, : self.window], values[:, :, : self.window]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -135,19 +147,16 @@ class SlotEngine:
     as each request finishes (new_ids: its generated tokens, the stop token included when it
     stopped) and returns follow-up requests of the same shape, which join the queue."""
 
-    def __init__(self, model, *, slots: int, stop_ids: list[int], sampling: SamplingConfig,
+    def __init__(self, target: Target, *, slots: int, stop_ids: list[int], sampling: SamplingConfig,
                  sync_every: int | None = None):
-        self.model, self.slots, self.sampling = model, slots, sampling
+        self.target, self.model, self.slots, self.sampling = target, target.model, slots, sampling
         self.max_new = sampling.max_new_tokens
-        self.device = next(model.parameters()).device
-        self.layout = mask_layout(model)
+        self.device = target.input_device
+        self.layout = mask_layout(self.model)
         assert self.layout is not None, "the slot engine cannot drive this model (see supported())"
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        config = target.config
         self.window_size = getattr(config, "sliding_window", None)
         self.additive = config._attn_implementation == "eager"  # eager adds its mask to the scores
-        params = inspect.signature(model.forward).parameters
-        self.cache_arg = "cache" if "cache" in params else "past_key_values"
-        self.keeps_logits = "logits_to_keep" in params
         # on a GPU the host looks every few steps, so launches run ahead; on a CPU nothing runs
         # ahead and a finished slot would only idle
         self.sync_every = sync_every or (8 if self.device.type == "cuda" else 1)
@@ -174,9 +183,9 @@ class SlotEngine:
 
     def check_memory(self, slots: int, capacity: int) -> None:
         per_token = kv_bytes_per_token(self.model)
-        if self.device.type != "cuda" or per_token is None:
-            return
-        need = slots * capacity * per_token
+        if self.device.type != "cuda" or per_token is None or self.target.placement.device_map:
+            return  # (a device map spreads the cache over the layers' devices)
+        need = slots * capacity * per_token // self.target.placement.copy_size  # a rank holds 1/N of the KV heads
         # the driver's free memory plus the blocks torch's caching allocator holds unused, which it
         # releases before it gives up: after a model.generate batch those can be most of the card
         free = (torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device)
@@ -211,11 +220,8 @@ class SlotEngine:
 
     def forward(self, input_ids: torch.Tensor, mask, positions: torch.Tensor) -> torch.Tensor:
         """[B, V] fp32 logits of each row's last position."""
-        kwargs = {self.cache_arg: self.cache, "use_cache": True}
-        if self.keeps_logits:
-            kwargs["logits_to_keep"] = 1
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, **kwargs)
-        return out.logits[:, -1].float()
+        step = self.target.forward(input_ids, positions=positions, mask=mask, cache=self.cache, logits_to_keep=1)
+        return step.logits[:, -1]
 
     # ---- admission, steps, collection -----------------------------------------------------
 

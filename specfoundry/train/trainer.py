@@ -119,7 +119,8 @@ def check_featureset(fs: FeatureSet, cfg: TrainConfig, target_dir: Path):
         template_sha256 = None
     check_matches_target(manifest, hidden_size=identity.hidden_size, vocab_size=identity.vocab_size,
                          tokenizer_sha256=tokenizer_sha256, chat_template_sha256=template_sha256,
-                         config_sha256=identity.config_sha256, weight_fingerprint=weight_fingerprint(target_dir),
+                         config_sha256=identity.config_sha256, weight_fingerprint=weight_fingerprint(
+                             target_dir, like=manifest["target"].get("weight_fingerprint")),
                          source=f"feature set {cfg.featureset}")
     if cfg.max_length is not None and cfg.max_length > manifest["max_length"]:
         raise FeatureSetError(f"--max-length {cfg.max_length} is longer than feature set {cfg.featureset} was "
