@@ -22,7 +22,7 @@ from specfoundry import __version__
 from specfoundry.capture.runner import HFCaptureRunner, NonFiniteFeatures
 from specfoundry.capture.template import TemplateMaskError, render_with_mask
 from specfoundry.capture.writer import BackgroundWriter
-from specfoundry.common.cli import config_dict, setting, shared
+from specfoundry.common.cli import Range, Settings, config_dict, setting, shared
 from specfoundry.common.conversations import BadInput, ConversationFormatError, load_conversations
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.progress import Progress
@@ -47,7 +47,9 @@ class CaptureError(ValueError):
 
 def parse_families(spec) -> tuple[str, ...]:
     """--families: comma-separated family names (a recipe may give a list)."""
-    names = tuple(x.strip() for x in (spec.split(",") if isinstance(spec, str) else spec))
+    if not isinstance(spec, str | list | tuple):
+        raise ValueError(f"{spec!r} is not a comma-separated list of draft families")
+    names = tuple(str(x).strip() for x in (spec.split(",") if isinstance(spec, str) else spec))
     unknown = [n for n in names if n not in FAMILY_DEFAULT_LAYERS]
     if unknown or not names:
         raise ValueError(f"unknown draft famil{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown) or '(none)'}: "
@@ -72,7 +74,7 @@ def stored_layers(cfg: CaptureConfig, num_layers: int) -> list[int]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CaptureConfig:
+class CaptureConfig(Settings):
     """Settings of one sf-capture run (recorded in capture_config.json and the manifest)."""
 
     source: str = setting(argument=True, help="Conversation file or folder, or an sf-regen output folder.")
@@ -89,7 +91,7 @@ class CaptureConfig:
              "all of them: eagle3 [1, L//2-1, L-4], dflash round(1 + i(L-4)/4) for i = 0..4.")
     max_length: int = shared("max_length", 2048)
     shard_size: int | None = setting(
-        None, shown="as many samples as fit 4 GiB of features at --max-length, at most 256",
+        None, shown="as many samples as fit 4 GiB of features at --max-length, at most 256", valid=Range(1),
         help="Samples per shard: the unit of resumption and of work per rank. A shard's features stay in host "
              "memory until written.")
     max_batch_tokens: int = shared("max_batch_tokens", 16384)
@@ -112,16 +114,10 @@ class CaptureConfig:
                             "refusing it.")
     limit: int | None = shared("limit", None)
     device: str | None = shared("device", None, resume=False)
-    writers: int = setting(factory=lambda: min(4, os.cpu_count() or 1), resume=False,
+    writers: int = setting(factory=lambda: min(4, os.cpu_count() or 1), resume=False, valid=Range(1, 256),
                            shown="min(4, CPU cores)",
                            help="Threads writing finished shards in the background; up to writers + 2 shards "
                                 "are held in memory at once.")
-
-    def __post_init__(self):
-        if self.shard_size is not None and self.shard_size < 1:
-            raise ValueError(f"--shard-size must be >= 1, got {self.shard_size}")
-        if self.writers < 1:
-            raise ValueError(f"--writers must be >= 1, got {self.writers}")
 
 
 @dataclass

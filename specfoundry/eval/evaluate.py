@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from specfoundry.common.cli import config_dict, setting, shared
+from specfoundry.common.cli import Range, Settings, config_dict, setting, shared
 from specfoundry.common.conversations import load_conversations
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.progress import Progress
@@ -53,11 +53,17 @@ class EvalError(ValueError):
 
 def parse_tree(spec) -> tuple[int, ...] | None:
     """--tree as given on the command line ('4,2,2,1') or in a recipe (a list)."""
-    return None if spec is None else parse_branching(spec) if isinstance(spec, str) else tuple(spec)
+    if spec is None:
+        return None
+    if isinstance(spec, list | tuple):
+        spec = ",".join(map(str, spec))
+    if not isinstance(spec, str):
+        raise ValueError(f"tree branching must be comma-separated integers, got {spec!r}")
+    return parse_branching(spec)
 
 
 @dataclass(frozen=True, kw_only=True)
-class EvalConfig:
+class EvalConfig(Settings):
     """Settings of one sf-eval run (recorded in eval_config.json and in eval.json)."""
 
     draft: str = setting(argument=True, help="An exported draft folder, an sf-train run folder, or one of its "
@@ -75,8 +81,9 @@ class EvalConfig:
         None, parse=parse_tree,
         help="Draft a token tree instead of a chain: top-k branching per depth, e.g. 4,2,2,1 (depth 4, 44 nodes, "
              "all verified in one target forward). Greedy only; its depth replaces -k.")
-    temperature: float = setting(0.0, help="0: greedy verification. >0: sampling with the rejection rule (the "
-                                 "output is distributed as the target's).")
+    temperature: float = setting(0.0, valid=Range(0, zero="greedy verification"),
+                                 help="Above 0: sampling with the rejection rule (the output is distributed as the "
+                                      "target's).")
     max_new_tokens: int = shared("max_new_tokens", 128)
     # per prompt set
     limit: int | None = shared("limit", None)
@@ -90,6 +97,11 @@ class EvalConfig:
     device: str | None = shared("device", None, resume=False)
     # fp32 makes greedy decoding exactly reproducible across the batch shapes of verification and plain decoding
     dtype: str | None = shared("dtype", None, choices=("float32", "bfloat16"))
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.prompt_sets:
+            raise ValueError("--prompts names no prompt set")
 
 
 def prompt_source(name: str) -> Path:

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from specfoundry import __version__
-from specfoundry.common.cli import config_dict, setting, shared
+from specfoundry.common.cli import MAX_TOKENS, Range, Settings, config_dict, setting, shared
 from specfoundry.common.conversations import (
     BadInput,
     Conversation,
@@ -90,11 +90,15 @@ class RegenError(ValueError):
 
 def parse_starters(spec) -> tuple[str, ...]:
     """--prompt-starters as given on the command line or in a recipe: a name, a file, or a list."""
-    return read_starters(spec) if isinstance(spec, str) else tuple(spec)
+    if isinstance(spec, str):
+        return read_starters(spec)
+    if not isinstance(spec, list | tuple) or not all(isinstance(x, str) and x.strip() for x in spec):
+        raise ValueError(f"{spec!r} is neither 'default', 'none', a file nor a list of openings (texts)")
+    return tuple(spec)
 
 
 @dataclass(frozen=True, kw_only=True)
-class RegenConfig:
+class RegenConfig(Settings):
     """Settings of one sf-regen run (recorded in regen_config.json beside its output)."""
 
     source: str | None = setting(None, argument=True, help="Conversation file or folder (jsonl/json/parquet, "
@@ -104,10 +108,11 @@ class RegenConfig:
     chat_template: str | None = shared("chat_template", None)
     backend: str = setting("hf", choices=BACKENDS, help="hf: transformers in this process; openai: "
                            "OpenAI-compatible servers; sglang: offline sglang.Engine.")
-    synthesize: int = setting(0, help="No dataset: synthesise this many user prompts from the target (Magpie) "
+    synthesize: int = setting(0, valid=Range(0, MAX_TOKENS, zero="read SOURCE"),
+                              help="No dataset: synthesise this many user prompts from the target (Magpie) "
                               "instead of reading SOURCE.")
     prompt_temperature: float | None = setting(
-        None, shown="--temperature, or 1.0 when greedy",
+        None, shown="--temperature, or 1.0 when greedy", valid=Range(0, min_open=True),
         help="Temperature of synthesised prompts (greedy prompts would all be the same text).")
     prompt_starters: tuple[str, ...] = setting(
         DEFAULT_STARTERS, parse=parse_starters, shown="default",
@@ -115,7 +120,7 @@ class RegenConfig:
              f"many kinds of request: 'default' ({len(DEFAULT_STARTERS)} built-in openings such as 'Why', "
              "'Explain', 'Write a'), 'none' (plain Magpie), or a text file with one opening per line.")
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    batch_size: int = setting(32, help="Sequences generated together (hf, sglang); the hf backend's KV cache "
+    batch_size: int = setting(32, valid=Range(1, 1 << 16), help="Sequences generated together (hf, sglang); the hf backend's KV cache "
                               "holds this many.")
     hf_engine: str = setting(
         "auto", choices=ENGINES,
@@ -123,8 +128,8 @@ class RegenConfig:
              "and turns of different conversations interleave), 'generate' (model.generate on length-sorted "
              "batches, turn by turn), 'auto' (slots on a GPU where it can drive the model, else generate). "
              "Greedy output is the same; samples differ, so the choice is part of the settings.")
-    shard_size: int = setting(128, help="Conversations per output shard (the unit of resumption).")
-    max_prompt_tokens: int = setting(2048, help="A conversation whose prompt before an assistant turn is longer "
+    shard_size: int = setting(128, valid=Range(1), help="Conversations per output shard (the unit of resumption).")
+    max_prompt_tokens: int = setting(2048, valid=Range(1, MAX_TOKENS), help="A conversation whose prompt before an assistant turn is longer "
                                      "is reported as bad input.")
     on_empty: str = setting("drop", choices=ON_EMPTY, help="Drop a conversation with an empty regenerated "
                             "answer, or keep it flagged.")
@@ -148,10 +153,10 @@ class RegenConfig:
         None, resume=False, shown="none",
         help="A text file of server URLs, one per line (# comments), added to --openai-url (openai backend).")
     openai_model: str | None = setting(None, help="Model name sent to the server, if it needs one (openai backend).")
-    concurrency: int = setting(16, resume=False, help="Requests in flight at once per server (openai backend).")
-    retries: int = setting(4, resume=False, help="Retries per request, on another server where one is up, with "
+    concurrency: int = setting(16, resume=False, valid=Range(1, 4096), help="Requests in flight at once per server (openai backend).")
+    retries: int = setting(4, resume=False, valid=Range(0, 100, zero="a failed request stops the run"), help="Retries per request, on another server where one is up, with "
                            "exponential backoff; the run stops when a request has used them all (openai backend).")
-    request_timeout: float = setting(600.0, resume=False, help="Seconds a server may take for one request before "
+    request_timeout: float = setting(600.0, resume=False, valid=Range(0, 1e6, min_open=True), help="Seconds a server may take for one request before "
                                      "it counts as stalled and the request is retried elsewhere (openai backend).")
 
     def prompt_sampling(self) -> SamplingConfig:
