@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+from contextlib import contextmanager
 
 import pytest
 from click.testing import CliRunner
@@ -300,3 +302,39 @@ def test_a_truncated_shard_read_by_a_loader_worker_is_one_line(features, tmp_pat
     assert result.exit_code == 2, (result.output, result.exception)
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and f"{manifest['shards'][1]['path']} is damaged or truncated" in errors[0], result.output
+
+
+@contextmanager
+def deadline(seconds: int):
+    """Fail a test that is still running after `seconds` (a hang), from the main thread."""
+    def hung(*_):
+        raise TimeoutError(f"still running after {seconds} s: it hangs")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_training_split_without_a_batch_fails_at_once_naming_the_numbers(features, tmp_path):
+    # 6 samples, 95% held out: none left to train on (before: sf-train looped over empty epochs forever)
+    with deadline(60), pytest.raises(ValueError, match=r"the training split has no batch: feature set .* holds 6 "
+                                                      r"samples, --eval-fraction 0.95 holds out 6, and the 0 samples "
+                                                      r"make 0 batches of at most 256 tokens"):
+        run_train(tiny_cfg(features, tmp_path / "run", eval_fraction=0.95), silent=True)
+    assert not (tmp_path / "run" / "train_config.json").exists()
+
+
+def test_a_loader_with_more_ranks_than_batches_refuses_at_once(tmp_path):
+    from specfoundry.testing import SMOL_DRAFT, write_random_featureset
+    from specfoundry.train.loader import FeatureLoader
+
+    fs = write_random_featureset(tmp_path / "fs", n=2, t=8, cfg=SMOL_DRAFT)
+    loader = FeatureLoader(fs, [0, 1], max_tokens=64, seed=0, rank=1, world=4, num_workers=0)
+    assert loader.batches_per_epoch() == 0
+    with deadline(20), pytest.raises(ValueError, match=r"no batch for rank 1: 2 samples make 1 batches of at most 64 "
+                                                       r"tokens, shared by 4 ranks"):
+        next(iter(loader))

@@ -340,6 +340,11 @@ class Trainer:
                                     num_workers=cfg.num_workers, max_length=cfg.max_length,
                                     pad_multiple=resolved_pad_multiple(cfg, accel.device),
                                     pin_memory=accel.device.type == "cuda", **self.features)
+        if not self.loader.batches_per_epoch():  # the loader would wait for a batch forever
+            raise ValueError(f"the training split has no batch: feature set {cfg.featureset} holds {len(self.fs)} "
+                             f"samples, --eval-fraction {cfg.eval_fraction:g} holds out {len(self.eval_idx)}, and the "
+                             f"{self.loader.describe()}; lower --eval-fraction or --max-batch-tokens, or use fewer "
+                             "processes")
         self.total_steps = planned_steps(cfg, max(1, self.loader.batches_per_epoch() // cfg.grad_accum))
 
     # ---- resume ---------------------------------------------------------------------------------
