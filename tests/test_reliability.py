@@ -20,7 +20,7 @@ from specfoundry.featureset.manifest import MANIFEST, FeatureSetError
 from specfoundry.featureset.store import ShardReader, write_shard
 from specfoundry.train.family import TARGET_FILE
 from specfoundry.train.trainer import TrainConfig, run_train
-from tests.conftest import CHAT, write_jsonl
+from tests.conftest import CHAT, copies, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -142,10 +142,10 @@ def test_incomplete_regen_is_refused_unless_partial(tmp_path, chat_file):
 
 
 def test_invalid_utf8_is_one_records_bad_input(tmp_path):
-    good = json.dumps(CHAT[0]).encode() + b"\n"
+    good = [json.dumps(c).encode() + b"\n" for c in copies(CHAT[:1], 3)]
     bad = b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n'
-    (tmp_path / "a.jsonl").write_bytes(good + bad + good)
-    (tmp_path / "b.jsonl").write_bytes(good)
+    (tmp_path / "a.jsonl").write_bytes(good[0] + bad + good[1])
+    (tmp_path / "b.jsonl").write_bytes(good[2])
     loaded = load_conversations(tmp_path)
     assert len(loaded.conversations) == 3
     assert [(b.location, b.kind) for b in loaded.bad] == [(f"{tmp_path / 'a.jsonl'}:2", "invalid_utf8")]

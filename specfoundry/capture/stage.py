@@ -23,7 +23,13 @@ from specfoundry.capture.runner import HFCaptureRunner, NonFiniteFeatures
 from specfoundry.capture.template import TemplateMaskError, render_with_mask
 from specfoundry.capture.writer import BackgroundWriter
 from specfoundry.common.cli import Range, Settings, config_dict, setting, shared
-from specfoundry.common.conversations import BadInput, ConversationFormatError, load_conversations
+from specfoundry.common.conversations import (
+    BadInput,
+    Conversation,
+    ConversationFormatError,
+    load_conversations,
+    tools_template_problem,
+)
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.progress import Progress
 from specfoundry.common.shards import ShardedOutput, check_output_folder, record_config, writable_folder
@@ -159,10 +165,17 @@ def prepare_samples(cfg: CaptureConfig, tokenizer) -> tuple[list[dict], list[Bad
         loaded = load_conversations(cfg.source, strict=cfg.strict, partial=cfg.partial)
     except (ConversationFormatError, FileNotFoundError) as e:
         raise CaptureError(str(e)) from e
+    problem = tools_template_problem(loaded.conversations, tokenizer)  # the check sf-regen applies too
+    if problem:
+        raise CaptureError(problem)
     samples, bad, skipped = [], list(loaded.bad), 0
     for conv in loaded.conversations:
         if cfg.limit is not None and len(samples) >= cfg.limit:
             break
+        empty = empty_answer(conv)
+        if empty:
+            bad.append(empty)
+            continue
         try:
             r = render_with_mask(tokenizer, conv.to_messages(), cfg.max_length)
         except TemplateMaskError as e:
@@ -173,6 +186,15 @@ def prepare_samples(cfg: CaptureConfig, tokenizer) -> tuple[list[dict], list[Bad
             continue
         samples.append({"id": conv.id, "input_ids": r.input_ids, "loss_mask": r.loss_mask})
     return samples, bad, skipped
+
+
+def empty_answer(conv: Conversation) -> BadInput | None:
+    """An assistant turn with no text and no tool call: no token of it to learn (sf-regen
+    regenerates such a turn; a capture takes the text as it is)."""
+    for t, m in enumerate(conv.messages):
+        if m.role == "assistant" and not m.content.strip() and not m.tool_calls:
+            return BadInput(conv.location, "empty_answer", f"turn {t} is an empty assistant message: nothing to learn")
+    return None
 
 
 def length_batches(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:

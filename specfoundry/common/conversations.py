@@ -124,7 +124,7 @@ class Conversation:
 @dataclass(frozen=True)
 class BadInput:
     location: str
-    kind: str  # malformed_json | missing_role | missing_content | unknown_role | empty_conversation | ends_on_user | ends_on_tool | no_assistant_turn | over_long_prompt | no_user_turn | bad_tool_call | bad_tools | orphan_tool_result
+    kind: str  # malformed_json | missing_role | missing_content | unknown_role | empty_conversation | ends_on_user | ends_on_tool | no_assistant_turn | starts_on_assistant | over_long_prompt | no_user_turn | bad_tool_call | bad_tools | orphan_tool_result | duplicate_id | empty_answer | template
     detail: str
 
     def __str__(self) -> str:
@@ -243,6 +243,9 @@ def normalise(record: dict, location: str, default_id: str, prompt_only: bool = 
         return Conversation(str(record.get("id") or default_id), tuple(messages), location, tools)
     if not any(m.role == "assistant" for m in non_system):
         return BadInput(location, "no_assistant_turn", "no assistant turn to learn from")
+    if messages[0].role == "assistant":  # a chat template renders no prompt before it: nothing it answers
+        return BadInput(location, "starts_on_assistant", "turn 0 is an assistant turn with nothing before it (a "
+                                                         "greeting): no prompt to regenerate or train it from")
     if non_system[-1].role == "user":
         return BadInput(location, "ends_on_user", "the last turn is a user turn with no answer")
     if non_system[-1].role == "tool":
@@ -270,6 +273,9 @@ def parse_message(turn, t: int, before: list[Message]) -> Message:
     if str(role).lower() not in ROLE_ALIASES:
         raise BadRecord("unknown_role", f"turn {t} has unknown role {role!r}")
     role = ROLE_ALIASES[str(role).lower()]
+    if role != "assistant" and turn.get("tool_calls"):
+        raise BadRecord("bad_tool_call", f"turn {t} is a {role} message with tool_calls (only an assistant message "
+                                         "calls tools)")
     calls = parse_tool_calls(turn.get("tool_calls"), t) if role == "assistant" else ()
     if content is None and calls:
         content = ""  # an assistant message that only calls tools
@@ -330,6 +336,7 @@ def load_conversations(source: str | Path, strict: bool = False, limit: int | No
     with ``prompt_only`` records are prompts (see normalise); ``partial``: see data_files.
     """
     result = LoadResult()
+    first_of: dict[str, str] = {}  # a record's own id -> where it was first used
     for path in data_files(source, partial):
         for index, (where, record, error) in enumerate(iter_records(path)):
             if limit is not None and len(result.conversations) >= limit:
@@ -339,6 +346,11 @@ def load_conversations(source: str | Path, strict: bool = False, limit: int | No
                 if record is None
                 else normalise(record, where, default_id=f"{path.stem}-{index}", prompt_only=prompt_only)
             )
+            if isinstance(item, Conversation) and record.get("id") is not None:
+                if item.id in first_of:  # two outputs under one id: which one a later stage means is unclear
+                    item = BadInput(where, "duplicate_id", f"id {item.id!r} is used already, by {first_of[item.id]}")
+                else:
+                    first_of[item.id] = where
             if isinstance(item, BadInput):
                 if strict:
                     raise ConversationFormatError(str(item))
@@ -346,3 +358,47 @@ def load_conversations(source: str | Path, strict: bool = False, limit: int | No
             else:
                 result.conversations.append(item)
     return result
+
+
+# ---- what a chat template must render --------------------------------------------------------------
+
+PROBE = "specfoundry_probe"
+
+
+def template_renders_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template shows a tools list, an assistant's tool call and its
+    arguments, and a tool result (a template that ignores them would train the draft on text the
+    target never saw)."""
+    tools = [{"type": "function", "function": {"name": f"{PROBE}_tool", "description": "probe",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    messages = [{"role": "user", "content": "?"},
+                {"role": "assistant", "content": "", "tool_calls": [ToolCall(
+                    f"{PROBE}_call", {f"{PROBE}_argument": f"{PROBE}_value"}, "call_0").to_dict()]},
+                {"role": "tool", "tool_call_id": "call_0", "content": f"{PROBE}_result"},
+                {"role": "assistant", "content": "!"}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template may raise on a role or field it does not know
+        return False
+    return all(f"{PROBE}_{part}" in text for part in ("tool", "call", "argument", "value", "result"))
+
+
+def uses_tools(conv: Conversation) -> bool:
+    return bool(conv.tools) or conv.num_tool_exchanges > 0
+
+
+def tools_template_problem(conversations: list[Conversation], tokenizer) -> str | None:
+    """The check every stage that renders conversations (regen, capture, eval) applies: tool
+    conversations need a chat template that renders tools, calls and results. A template that
+    drops them (SmolLM2's) would turn each call into an empty assistant turn and lose the tools
+    list. The one-line refusal naming the first such conversation, or None."""
+    from specfoundry.common.target import chat_template_source
+
+    first = next((c for c in conversations if uses_tools(c)), None)
+    if first is None or tokenizer is None or template_renders_tools(tokenizer):
+        return None
+    source = chat_template_source(tokenizer)
+    template = "the target's own" if source == "target" else source
+    return (f"{first.location}: a conversation with tools, but the chat template ({template}) does not render "
+            "tools, tool calls and tool results: give --chat-template FILE with one that does (docs/stages.md, "
+            "Conversations with tools)")

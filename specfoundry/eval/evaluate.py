@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from specfoundry.common.cli import Range, Settings, config_dict, setting, shared
-from specfoundry.common.conversations import load_conversations
+from specfoundry.common.conversations import load_conversations, tools_template_problem
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.progress import Progress
 from specfoundry.common.shards import check_output_folder
@@ -121,12 +121,18 @@ def load_prompts(name: str, tokenizer, limit: int | None = None) -> list[tuple[s
         raise EvalError(f"bad prompt: {loaded.bad[0]}")
     if not loaded.conversations:
         raise EvalError(f"prompt set {name!r} has no prompts")
+    problem = tools_template_problem(loaded.conversations, tokenizer)  # the check sf-regen and sf-capture apply
+    if problem:
+        raise EvalError(problem)
     return [(conv.id, prompt_ids(tokenizer, conv.to_messages())) for conv in loaded.conversations]
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """The chat template up to the assistant's generation prompt, as token ids."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    """The chat template up to the assistant's generation prompt (with the conversation's tools,
+    where it has some), as token ids."""
+    tools = getattr(messages, "tools", None)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        **({"tools": tools} if tools else {}))
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # some versions return a BatchEncoding
 
 

@@ -32,12 +32,13 @@ from specfoundry.common.conversations import (
     ConversationFormatError,
     Message,
     load_conversations,
+    tools_template_problem,
     with_json_arguments,
 )
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json, checksum
 from specfoundry.common.progress import Progress
 from specfoundry.common.shards import ShardedOutput, check_output_folder, record_config
-from specfoundry.common.target import EMBEDDED_DEFAULT, chat_template_source
+from specfoundry.common.target import EMBEDDED_DEFAULT
 from specfoundry.generate.backend import (
     BACKENDS,
     Backend,
@@ -51,7 +52,7 @@ from specfoundry.generate.backend import (
 from specfoundry.generate.hf_backend import ENGINES
 from specfoundry.generate.repetition import loop_cut
 from specfoundry.generate.synth import DEFAULT_STARTERS, read_starters, starter_for, user_turn_prefix
-from specfoundry.generate.tools import same_calls, template_renders_tools, with_recorded_ids
+from specfoundry.generate.tools import same_calls, with_recorded_ids
 
 FORMAT = "specfoundry.regen"
 FORMAT_VERSION = 2
@@ -184,10 +185,6 @@ def over_long_prompt(conv: Conversation, tokenizer, max_tokens: int) -> BadInput
     return None
 
 
-def uses_tools(conv: Conversation) -> bool:
-    return bool(conv.tools) or conv.num_tool_exchanges > 0
-
-
 @dataclass
 class ShardCounts:
     conversations_in: int = 0
@@ -273,7 +270,9 @@ class Regenerator:
             raise RegenError(str(e)) from e
         conversations, bad = [], list(loaded.bad)
         tokenizer = self.backend.tokenizer
-        self.check_tools_template(loaded.conversations)
+        problem = tools_template_problem(loaded.conversations, tokenizer)
+        if problem:
+            raise RegenError(problem)
         for conv in loaded.conversations:
             problem = tokenizer and over_long_prompt(conv, tokenizer, cfg.max_prompt_tokens)
             if problem:
@@ -283,19 +282,6 @@ class Regenerator:
             elif cfg.limit is None or len(conversations) < cfg.limit:
                 conversations.append(conv)
         return conversations, bad, math.ceil(len(conversations) / cfg.shard_size)
-
-    def check_tools_template(self, conversations: list[Conversation]) -> None:
-        """Refuse tool conversations where the chat template we render with would drop the tools."""
-        tokenizer = self.backend.tokenizer
-        first = next((c for c in conversations if uses_tools(c)), None)
-        if first is None or tokenizer is None or template_renders_tools(tokenizer):
-            return
-        source = chat_template_source(tokenizer)
-        template = "the target's own" if source == "target" else source
-        raise RegenError(
-            f"{first.location}: a conversation with tools, but the chat template ({template}) does not render "
-            "tools, tool calls and tool results: give --chat-template FILE with one that does (docs/stages.md, "
-            "Conversations with tools)")
 
     # ---- one shard ------------------------------------------------------------------------
 

@@ -1,0 +1,126 @@
+"""What the stages make of their inputs: tool conversations under a template that drops tools, a
+conversation that opens with a greeting, empty answers, tool calls on a user message, duplicate
+ids, an output folder inside its source, and a source that changed under a resumed run. These run
+on SmolLM2's tokenizer and scripted backends: no model is loaded."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from specfoundry.capture.stage import CaptureConfig, CaptureError, prepare_samples
+from specfoundry.capture.template import masked_texts, render_with_mask
+from specfoundry.common.conversations import load_conversations
+from specfoundry.common.target import load_tokenizer
+from specfoundry.eval.evaluate import EvalError, load_prompts
+from specfoundry.generate.backend import SamplingConfig
+from specfoundry.generate.regen import RegenConfig, run_regen
+from tests.conftest import CHAT, write_jsonl
+from tests.test_regen import EchoBackend
+from tests.test_tools import TOOL_CHATS, TOOL_TEMPLATE
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    """SmolLM2's own tokenizer and template (ChatML; it ignores tools and tool calls)."""
+    return load_tokenizer(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def tool_tokenizer(smollm2_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("template") / "tools.jinja"
+    path.write_text(TOOL_TEMPLATE)
+    return load_tokenizer(smollm2_dir, str(path))
+
+
+def rows(out):
+    return [r for p in sorted((out / "data").glob("*.parquet")) for r in pq.read_table(p).to_pylist()]
+
+
+def capture_cfg(src, tmp_path, **kw) -> CaptureConfig:
+    return CaptureConfig(source=str(src), output=str(tmp_path / "fs"), max_length=256, **kw)
+
+
+# ---- item 1: every stage that renders conversations checks the template renders tools ---------------
+
+def test_capture_refuses_tool_conversations_whose_template_drops_the_tools(tmp_path, tokenizer, tool_tokenizer):
+    src = write_jsonl(tmp_path / "tools.jsonl", TOOL_CHATS)
+    conv = load_conversations(src).conversations[0]
+    # what sf-capture stored before: the call turn rendered as an empty assistant turn, its loss mask
+    # on <|im_end|> alone (the draft learnt to end the turn where the target calls a tool), no tools list
+    dropped = render_with_mask(tokenizer, conv.to_messages())
+    assert masked_texts(tokenizer, dropped)[0] == "<|im_end|>" and "get_weather" not in dropped.text
+    with pytest.raises(CaptureError, match=rf"^{src}:1: a conversation with tools, but the chat template \(the "
+                                           r"target's own\) does not render tools.*--chat-template FILE"):
+        prepare_samples(capture_cfg(src, tmp_path), tokenizer)
+    # with a template that renders them: the call is trained on, the tools are in the text
+    samples, bad, _ = prepare_samples(capture_cfg(src, tmp_path), tool_tokenizer)
+    assert [s["id"] for s in samples] == ["single", "parallel", "error"] and bad == []
+    first = tool_tokenizer.decode([t for t, m in zip(samples[0]["input_ids"], samples[0]["loss_mask"], strict=True)
+                                   if m])
+    assert first.startswith('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    assert "<tools>" in tool_tokenizer.decode(samples[0]["input_ids"])
+
+
+def test_eval_refuses_tool_prompts_whose_template_drops_the_tools_and_renders_them_otherwise(
+        tmp_path, tokenizer, tool_tokenizer):
+    prompts = [{"id": c["id"], "tools": c["tools"], "messages": c["messages"][:1]} for c in TOOL_CHATS]
+    src = write_jsonl(tmp_path / "prompts.jsonl", prompts)
+    with pytest.raises(EvalError, match=rf"^{src}:1: a conversation with tools, but the chat template"):
+        load_prompts(str(src), tokenizer)
+    (_, ids), *_ = load_prompts(str(src), tool_tokenizer)
+    assert '"name": "get_weather"' in tool_tokenizer.decode(ids)  # before: the tools list was left out
+
+
+# ---- item 12: a conversation that opens with an assistant greeting --------------------------------
+
+GREETING = {"id": "greet", "conversations": [{"from": "gpt", "value": "Hi! How can I help?"},
+                                             {"from": "human", "value": "What is 2+2?"}, {"from": "gpt", "value": "4"}]}
+
+
+def test_a_conversation_opening_with_a_greeting_is_one_bad_input_not_a_lost_run(tmp_path, tokenizer):
+    src = write_jsonl(tmp_path / "chat.jsonl", [GREETING, CHAT[0]])
+    cfg = RegenConfig(output=str(tmp_path / "out"), source=str(src), sampling=SamplingConfig(temperature=0.0))
+    manifest = run_regen(cfg, EchoBackend(tokenizer), silent=True)  # before: a ValueError traceback, no output
+    assert manifest["complete"] and [r["id"] for r in rows(tmp_path / "out")] == ["c0"]
+    assert [(b["location"], b["kind"]) for b in manifest["bad_inputs"]] == [(f"{src}:1", "starts_on_assistant")]
+    samples, bad, _ = prepare_samples(capture_cfg(src, tmp_path), tokenizer)  # sf-capture: the same report
+    assert [s["id"] for s in samples] == ["c0"] and [(b.location, b.kind) for b in bad] == [
+        (f"{src}:1", "starts_on_assistant")]
+    with_system = {"messages": [{"role": "system", "content": "Be brief."}, *GREETING["conversations"]]}
+    assert load_conversations(write_jsonl(tmp_path / "s.jsonl", [with_system])).bad == []  # it has a prompt
+
+
+# ---- item 17: an empty answer is named as one, not as a template problem ---------------------------
+
+def test_an_empty_assistant_message_is_reported_as_such(tmp_path, tokenizer):
+    empty = {"id": "e", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""},
+                                     {"role": "user", "content": "Still there?"},
+                                     {"role": "assistant", "content": "Yes."}]}
+    src = write_jsonl(tmp_path / "chat.jsonl", [CHAT[0], empty])
+    samples, bad, _ = prepare_samples(capture_cfg(src, tmp_path), tokenizer)
+    assert [s["id"] for s in samples] == ["c0"]
+    assert [str(b) for b in bad] == [f"{src}:2: empty_answer: turn 1 is an empty assistant message: nothing to learn"]
+
+
+# ---- item 8: tool calls on a user message, duplicate ids --------------------------------------------
+
+def test_tool_calls_on_a_user_message_and_a_duplicate_id_are_reported(tmp_path, tokenizer):
+    user_calls = {"id": "u", "messages": [
+        {"role": "user", "content": "x", "tool_calls": [{"id": "q", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "assistant", "content": "y"}]}
+    again = {**CHAT[5], "messages": [{"role": "user", "content": "Say it again."},
+                                     {"role": "assistant", "content": "Again."}]}
+    src = write_jsonl(tmp_path / "chat.jsonl", [CHAT[0], user_calls, CHAT[5], again])
+    loaded = load_conversations(src)
+    assert [c.id for c in loaded.conversations] == ["c0", "c5"]
+    assert [str(b) for b in loaded.bad] == [
+        f"{src}:2: bad_tool_call: turn 0 is a user message with tool_calls (only an assistant message calls tools)",
+        f"{src}:4: duplicate_id: id 'c5' is used already, by {src}:3"]
+    cfg = RegenConfig(output=str(tmp_path / "out"), source=str(src), sampling=SamplingConfig(temperature=0.0))
+    run_regen(cfg, EchoBackend(tokenizer), silent=True)
+    assert [r["id"] for r in rows(tmp_path / "out")] == ["c0", "c5"]  # before: c5 twice, and u without its call
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["bad_input_counts"] == {
+        "bad_tool_call": 1, "duplicate_id": 1}
