@@ -9,10 +9,11 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
+from click.testing import CliRunner
 
 from specfoundry.capture.stage import CaptureConfig, CaptureError, prepare_samples
 from specfoundry.capture.template import masked_texts, render_with_mask
-from specfoundry.common.conversations import load_conversations
+from specfoundry.common.conversations import ConversationFormatError, load_conversations
 from specfoundry.common.target import load_tokenizer
 from specfoundry.eval.evaluate import EvalError, load_prompts
 from specfoundry.generate.backend import SamplingConfig
@@ -124,3 +125,47 @@ def test_tool_calls_on_a_user_message_and_a_duplicate_id_are_reported(tmp_path, 
     assert [r["id"] for r in rows(tmp_path / "out")] == ["c0", "c5"]  # before: c5 twice, and u without its call
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["bad_input_counts"] == {
         "bad_tool_call": 1, "duplicate_id": 1}
+
+
+# ---- item 2: an output inside its source; a folder holding a run -----------------------------------
+
+@pytest.mark.parametrize("command", ["sf-regen", "sf-capture"])
+def test_an_output_inside_its_source_folder_is_refused_before_any_work(tmp_path, command):
+    from tests.test_cli_help import COMMANDS
+
+    src = tmp_path / "chats"
+    src.mkdir()
+    write_jsonl(src / "chat.jsonl", CHAT)
+    for out in (src / "out", src):
+        quick = ["--limit", "1", "--silent"] + (["--max-new-tokens", "1"] if command == "sf-regen" else [])
+        result = CliRunner().invoke(COMMANDS[command], ["run", str(src), "-o", str(out), *quick])
+        assert result.exit_code == 2, (result.output, result.exception)
+        errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+        assert errors == [f"Error: --output {out} is inside the source folder {src}: a rerun would read the "
+                          "output's own files as new input; choose an output folder outside it"]
+        assert sorted(p.name for p in src.iterdir()) == ["chat.jsonl"]
+
+
+def test_a_folder_holding_a_run_is_read_through_its_contract_only(tmp_path, tokenizer):
+    data = tmp_path / "data"
+    (data / "raw").mkdir(parents=True)
+    write_jsonl(data / "raw" / "a.jsonl", CHAT[:2])
+    regen = data / "regen"  # an sf-regen output beside the raw files: its manifest lists its shards
+    run_regen(RegenConfig(output=str(regen), source=str(write_jsonl(tmp_path / "b.jsonl", CHAT[2:4])),
+                          sampling=SamplingConfig(temperature=0.0)), EchoBackend(tokenizer), silent=True)
+    (regen / "data" / ".partial-shard-00001.parquet").write_bytes((regen / "data" / "shard-00000.parquet").read_bytes())
+    fs = data / "fs"  # another stage's run: no conversations in it
+    fs.mkdir()
+    (fs / "capture_config.json").write_text("{}")
+    (fs / "manifest.json").write_text(json.dumps({"format": "specfoundry.featureset", "shards": []}))
+    loaded = load_conversations(data)
+    # before: the regen run's config, done mark and manifest were 3 bad inputs, its partial shard data
+    assert loaded.bad == [] and [c.id for c in loaded.conversations] == ["c0", "c1", "c2", "c3"]
+    assert [c.location.removeprefix(f"{tmp_path}/") for c in loaded.conversations] == [
+        "data/raw/a.jsonl:1", "data/raw/a.jsonl:2", "data/regen/data/shard-00000.parquet:row 0",
+        "data/regen/data/shard-00000.parquet:row 1"]
+    (regen / "manifest.json").unlink()
+    with pytest.raises(ConversationFormatError, match=rf"^{regen} holds an sf-regen run without its manifest.json"):
+        load_conversations(data)
+    with pytest.raises(ConversationFormatError, match=rf"^{fs} holds an sf-capture run, not conversations"):
+        load_conversations(fs)

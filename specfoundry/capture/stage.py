@@ -32,7 +32,13 @@ from specfoundry.common.conversations import (
 )
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.progress import Progress
-from specfoundry.common.shards import ShardedOutput, check_output_folder, record_config, writable_folder
+from specfoundry.common.shards import (
+    ShardedOutput,
+    check_output_folder,
+    output_inside_source,
+    record_config,
+    writable_folder,
+)
 from specfoundry.common.taps import FAMILY_DEFAULT_LAYERS, parse_layer_ids
 from specfoundry.common.target import EMBEDDED_DEFAULT, chat_template_source, load_target
 from specfoundry.common.weights import weight_fingerprint
@@ -124,6 +130,12 @@ class CaptureConfig(Settings):
                            shown="min(4, CPU cores)",
                            help="Threads writing finished shards in the background; up to writers + 2 shards "
                                 "are held in memory at once.")
+
+    def __post_init__(self):
+        super().__post_init__()
+        problem = output_inside_source(self.source, self.output)
+        if problem:
+            raise ValueError(problem)
 
 
 @dataclass

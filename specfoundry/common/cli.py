@@ -428,8 +428,8 @@ def build_config(cls, values: dict, source: str = "options", origins: dict[str, 
         kwargs[path[0]] = hints[path[0]](**sub)
     try:
         return cls(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise CommandError(f"{source} {e}") from e
+    except (TypeError, ValueError) as e:  # a check of several settings together (__post_init__)
+        raise CommandError(str(e)) from e
 
 
 # ---- what a config records -------------------------------------------------------------------

@@ -137,6 +137,59 @@ class LoadResult:
     bad: list[BadInput] = field(default_factory=list)
 
 
+RUN_RECORDS = ("regen", "capture", "train", "eval", "export", "gate")
+"""The stages whose output folder holds `<stage>_config.json`, the record of its run."""
+
+
+def stage_run(folder: Path) -> str | None:
+    """The stage whose output `folder` holds ('regen', 'capture', ...), or None. Such a folder is
+    read through its stage's contract (a regen output through its manifest), never as loose files:
+    its config, done marks and manifest are no conversations, and a partial shard is no data."""
+    for stage in RUN_RECORDS:
+        if (folder / f"{stage}_config.json").is_file():
+            return stage
+    manifest = folder / MANIFEST_NAME
+    if manifest.is_file():
+        try:
+            record = json.loads(manifest.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        if isinstance(record, dict) and record.get("shards") is not None:
+            return "regen" if "regen" in str(record.get("format", "regen")) else "capture"
+    return None
+
+
+def regen_files(path: Path, partial: bool) -> list[Path]:
+    """The shards of an sf-regen output its manifest lists (refused while its run is incomplete,
+    unless `partial`: then its finished shards)."""
+    manifest = path / MANIFEST_NAME
+    if not manifest.is_file():
+        raise ConversationFormatError(f"{path} holds an sf-regen run without its {MANIFEST_NAME}: rerun the same "
+                                      "sf-regen command to finish it")
+    regen = json.loads(manifest.read_text())
+    if not regen.get("complete") and not partial:
+        raise ConversationFormatError(
+            f"{manifest}: the regen run is incomplete ({len(regen['shards'])} of {regen.get('num_shards')} "
+            "shards); rerun the same sf-regen command to finish it, or pass --partial to use what exists")
+    return [path / s["path"] for s in regen["shards"]]
+
+
+def loose_files(folder: Path, partial: bool) -> list[Path]:
+    """The data files under a folder that holds no stage's run; a sub-folder holding an sf-regen
+    run adds its listed shards, one holding another stage's run adds nothing. Hidden files (partial
+    shards, temporaries) and done marks are never data."""
+    found = []
+    for p in sorted(folder.iterdir()):
+        if p.name.startswith("."):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            run = stage_run(p)
+            found += regen_files(p, partial) if run == "regen" else [] if run else loose_files(p, partial)
+        elif p.suffix in DATA_SUFFIXES and p.name != MANIFEST_NAME and not p.name.endswith(".done.json"):
+            found.append(p)
+    return found
+
+
 def data_files(source: str | Path, partial: bool = False) -> list[Path]:
     """The data files of a source: a file, a folder of them, or a specfoundry regen output
     (refused while its run is incomplete, unless `partial`: then its finished shards)."""
@@ -145,16 +198,12 @@ def data_files(source: str | Path, partial: bool = False) -> list[Path]:
         return [path]
     if not path.is_dir():
         raise FileNotFoundError(f"no such file or folder: {path}")
-    manifest = path / MANIFEST_NAME
-    if manifest.is_file():
-        regen = json.loads(manifest.read_text())
-        if regen.get("shards") is not None:  # a regen output: only its completed, listed shards count
-            if not regen.get("complete") and not partial:
-                raise ConversationFormatError(
-                    f"{manifest}: the regen run is incomplete ({len(regen['shards'])} of {regen.get('num_shards')} "
-                    "shards); rerun the same sf-regen command to finish it, or pass --partial to use what exists")
-            return [path / s["path"] for s in regen["shards"]]
-    files = sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.name != MANIFEST_NAME)
+    run = stage_run(path)
+    if run == "regen":
+        return regen_files(path, partial)
+    if run:
+        raise ConversationFormatError(f"{path} holds an sf-{run} run, not conversations")
+    files = sorted(loose_files(path, partial))
     if not files:
         raise FileNotFoundError(f"{path} holds no .jsonl, .json or .parquet files")
     return files

@@ -56,6 +56,18 @@ def remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def output_inside_source(source: str | None, output: str | None) -> str | None:
+    """The refusal of an output folder inside (or equal to) its source folder, or None: a rerun
+    would read the output's own files as new input."""
+    if not source or not output or not Path(source).is_dir():
+        return None
+    src, out = Path(source).resolve(), Path(output).resolve()
+    if out == src or src in out.parents:
+        return (f"--output {output} is inside the source folder {source}: a rerun would read the output's own "
+                "files as new input; choose an output folder outside it")
+    return None
+
+
 def writable_folder(root: Path) -> None:
     """Refuse an output path that is a file, or whose nearest existing folder cannot be written."""
     if root.exists() and not root.is_dir():

@@ -37,7 +37,7 @@ from specfoundry.common.conversations import (
 )
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json, checksum
 from specfoundry.common.progress import Progress
-from specfoundry.common.shards import ShardedOutput, check_output_folder, record_config
+from specfoundry.common.shards import ShardedOutput, check_output_folder, output_inside_source, record_config
 from specfoundry.common.target import EMBEDDED_DEFAULT
 from specfoundry.generate.backend import (
     BACKENDS,
@@ -159,6 +159,12 @@ class RegenConfig(Settings):
                            "exponential backoff; the run stops when a request has used them all (openai backend).")
     request_timeout: float = setting(600.0, resume=False, valid=Range(0, 1e6, min_open=True), help="Seconds a server may take for one request before "
                                      "it counts as stalled and the request is retried elsewhere (openai backend).")
+
+    def __post_init__(self):
+        super().__post_init__()
+        problem = output_inside_source(self.source, self.output)
+        if problem:
+            raise ValueError(problem)
 
     def prompt_sampling(self) -> SamplingConfig:
         """How synthesised user prompts are sampled: always at a temperature above 0."""
