@@ -169,3 +169,68 @@ def test_a_folder_holding_a_run_is_read_through_its_contract_only(tmp_path, toke
         load_conversations(data)
     with pytest.raises(ConversationFormatError, match=rf"^{fs} holds an sf-capture run, not conversations"):
         load_conversations(fs)
+
+
+# ---- item 3: a rerun notices a source that changed ---------------------------------------------------
+
+def regen_files(out) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((out / "data").iterdir())}
+
+
+def test_regen_rerun_after_the_source_changed_equals_a_fresh_run(tmp_path, tokenizer, capsys):
+    src = write_jsonl(tmp_path / "chat.jsonl", CHAT)
+
+    def regen(out):  # shards of 1 at batch 1: groups of 4 shards, [0-3] and [4-5]
+        cfg = RegenConfig(output=str(out), source=str(src), shard_size=1, batch_size=1,
+                          sampling=SamplingConfig(temperature=0.0))
+        return run_regen(cfg, EchoBackend(tokenizer), silent=True)
+
+    regen(tmp_path / "out")
+    inserted = {"id": "new", "messages": [{"role": "user", "content": "A line inserted."},
+                                          {"role": "assistant", "content": "-"}]}
+    edited = {**CHAT[5], "messages": [{"role": "user", "content": "Capital of Spain?"},
+                                      {"role": "assistant", "content": "Madrid."}]}
+    write_jsonl(src, [CHAT[0], inserted, *CHAT[1:5], edited])  # shifts shards 1-5, edits the last (same id)
+    capsys.readouterr()
+    manifest = regen(tmp_path / "out")
+    assert f"sf-regen: {src} changed since data/shard-00001.parquet and 4 more were written: regenerating 7 shards" \
+        in capsys.readouterr().err
+    # before: shards 0-5 were kept as marked, so "new" was missing, c4 was written twice and c5 kept
+    # its old question
+    assert [r["id"] for r in rows(tmp_path / "out")] == ["c0", "new", "c1", "c2", "c3", "c4", "c5"]
+    assert rows(tmp_path / "out")[-1]["messages"][1]["content"] == "Capital of Spain?"[::-1]
+    regen(tmp_path / "fresh")
+    assert regen_files(tmp_path / "out") == regen_files(tmp_path / "fresh")
+    assert manifest["shards"][0]["source_sha256"] == json.loads(
+        (tmp_path / "fresh" / "data" / "shard-00000.parquet.done.json").read_text())["source_sha256"]
+
+
+@pytest.fixture(scope="module")
+def tiny_target(smollm2_dir, tmp_path_factory):
+    """A random 8-layer Llama of width 64 with SmolLM2's tokenizer: a capture of it takes no time."""
+    from specfoundry.testing import write_tiny_target
+
+    return write_tiny_target("llama", tmp_path_factory.mktemp("tiny") / "llama", smollm2_dir)
+
+
+def test_capture_rerun_after_the_source_changed_recaptures_the_changed_shard(tmp_path, tiny_target, capsys):
+    from specfoundry.capture.stage import run_capture
+
+    src = write_jsonl(tmp_path / "chat.jsonl", CHAT)
+
+    def capture(out):
+        cfg = CaptureConfig(source=str(src), output=str(out), target=str(tiny_target), shard_size=2, max_length=64,
+                            codec="safetensors", device="cpu")
+        return {s["path"]: s["sha256"] for s in run_capture(cfg, silent=True)["shards"]}
+
+    first = capture(tmp_path / "fs")
+    edited = {**CHAT[3], "messages": [CHAT[3]["messages"][0], {"role": "assistant", "content": "Rain on the roof."}]}
+    write_jsonl(src, [*CHAT[:3], edited, *CHAT[4:]])  # the same ids: only the answer of c3 differs
+    capsys.readouterr()
+    again = capture(tmp_path / "fs")
+    assert f"sf-capture: {src} changed since shards/shard-000001.safetensors was written: capturing it again" \
+        in capsys.readouterr().err
+    fresh = capture(tmp_path / "fresh")
+    assert again == fresh  # before: shard 1 was kept, holding the features of the old answer
+    assert again["shards/shard-000001.safetensors"] != first["shards/shard-000001.safetensors"]
+    assert [again[k] for k in again if "000001" not in k] == [first[k] for k in first if "000001" not in k]

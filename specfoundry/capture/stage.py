@@ -11,11 +11,14 @@ background threads, overlapping the next shard's prefill.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from specfoundry import __version__
@@ -153,6 +156,30 @@ class CapturePlan:
 
     def rels(self) -> list[str]:
         return [shard_name(s, self.cfg.codec) for s in range(self.num_shards)]
+
+    def still_holds(self, rel: str, mark: dict) -> bool:
+        """Whether the finished shard `rel` holds what the plan puts there: the same samples (a
+        --partial source may have grown since), made from the same tokens (an edited source, same
+        ids). A mark from before hashes were recorded is judged by its sample ids."""
+        part = self.part(int(rel.split("-")[-1].split(".")[0]))
+        if mark.get("sample_ids") != [x["id"] for x in part]:
+            return False
+        digest = samples_sha256(part)
+        if mark.get("source_sha256", digest) != digest:
+            print(f"sf-capture: {self.cfg.source} changed since {rel} was written: capturing it again",
+                  file=sys.stderr)
+            return False
+        return True
+
+
+def samples_sha256(part: list[dict]) -> str:
+    """What a shard is made from: a hash of its samples' ids, tokens and loss masks."""
+    h = hashlib.sha256()
+    for x in part:
+        h.update(str(x["id"]).encode() + b"\0")
+        h.update(np.asarray(x["input_ids"], dtype=np.int64).tobytes())
+        h.update(np.asarray(x["loss_mask"], dtype=np.uint8).tobytes())
+    return h.hexdigest()
 
 
 SHARD_BYTES = 4 << 30  # features one automatically sized shard may hold at max_length
@@ -330,9 +357,8 @@ def run_capture(cfg: CaptureConfig, rank: int = 0, world: int = 1, silent: bool 
     if world > 1:  # no rank writes into the folder before rank 0 has checked it and recorded the run
         wait_for_every_rank()
     mine = [s for s in range(plan.num_shards) if s % world == rank]
-    # a kept shard must hold the samples the plan puts there (a --partial source may have grown since)
-    expected = {shard_name(s, plan.cfg.codec): [x["id"] for x in plan.part(s)] for s in mine}
-    pending = set(out.pending(list(expected), holds=lambda rel, mark: mark.get("sample_ids") == expected[rel]))
+    # a kept shard must hold what the plan puts there (a --partial source may have grown, or been edited, since)
+    pending = set(out.pending([shard_name(s, plan.cfg.codec) for s in mine], holds=plan.still_holds))
     todo = [s for s in mine if shard_name(s, plan.cfg.codec) in pending]
     total = sum(len(plan.part(s)) for s in mine)
     done = total - sum(len(plan.part(s)) for s in todo)
@@ -370,6 +396,7 @@ def write_one(out: ShardedOutput, shard: int, part: list[dict], outputs: list, c
         "num_tokens": sum(len(x["input_ids"]) for x in part),
         "loss_tokens": sum(sum(x["loss_mask"]) for x in part),
         "sample_ids": [x["id"] for x in part],
+        "source_sha256": samples_sha256(part),
         "sample_lengths": [len(x["input_ids"]) for x in part],
         "token_counts": {str(k): v for k, v in sorted(counts.items())},
     })

@@ -13,6 +13,7 @@ skip, or fail under --strict).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -72,6 +73,14 @@ class Message:
         if self.name is not None:
             out["name"] = self.name
         return out
+
+
+def records_sha256(conversations: list[Conversation]) -> str:
+    """What a shard is made from: a hash of its conversations (ids, where each was read, messages,
+    tools), recorded in its done mark, so a rerun notices a source that changed since."""
+    records = [{"id": c.id, "location": c.location, "messages": [m.to_dict() for m in c.messages],
+                "tools": list(c.tools) if c.tools else None} for c in conversations]
+    return hashlib.sha256(json.dumps(records, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def arguments_value(arguments):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -32,6 +33,7 @@ from specfoundry.common.conversations import (
     ConversationFormatError,
     Message,
     load_conversations,
+    records_sha256,
     tools_template_problem,
     with_json_arguments,
 )
@@ -258,6 +260,7 @@ class Regenerator:
         self.silent = silent
         self.out = Path(cfg.output)
         self.shards = ShardedOutput(self.out)
+        self.made_from: list[str] | None = None  # per shard, the hash of its input records (pending_shards)
 
     # ---- planning -------------------------------------------------------------------------
 
@@ -467,7 +470,25 @@ class Regenerator:
             pq.write_table(pa.Table.from_pylist(rows, schema=ROW_SCHEMA), path)
             return checksum(path)
 
-        self.shards.commit(shard_path(shard), write, {"index": shard, "counts": asdict(counts)})
+        made_from = {"source_sha256": self.made_from[shard]} if self.made_from else {}
+        self.shards.commit(shard_path(shard), write, {"index": shard, "counts": asdict(counts), **made_from})
+
+    def pending_shards(self, conversations: list[Conversation] | None, num_shards: int) -> set[str]:
+        """The shards still to write. A finished shard whose done mark records other input records
+        than the source now gives (it was edited, or lines were inserted) is written again, with
+        every shard of its group (whose bytes depend on the requests generated beside them)."""
+        size, per_group, rels = self.cfg.shard_size, self.group_size(), [shard_path(i) for i in range(num_shards)]
+        self.made_from = None if conversations is None else [
+            records_sha256(conversations[i * size : (i + 1) * size]) for i in range(num_shards)]
+        changed = [i for i in range(num_shards) if self.made_from and (mark := self.shards.finished(rels[i]))
+                   and mark.get("source_sha256", self.made_from[i]) != self.made_from[i]]  # older marks: kept
+        redo = {rels[j] for i in changed for j in range(i // per_group * per_group,
+                                                        min(num_shards, (i // per_group + 1) * per_group))}
+        if changed:
+            print(f"sf-regen: {self.cfg.source} changed since {rels[changed[0]]}"
+                  f"{f' and {len(changed) - 1} more were' if len(changed) > 1 else ' was'} written: regenerating "
+                  f"{len(redo)} shards", file=sys.stderr)
+        return set(self.shards.pending(rels, holds=lambda rel, _: rel not in redo))
 
     def group_size(self) -> int:
         """Shards generated together: enough conversations to keep `GROUP_BATCHES` batches in
@@ -478,7 +499,7 @@ class Regenerator:
         conversations, bad, num_shards = self.plan()
         record_config(self.out, "regen", self.cfg)
         atomic_write_bytes(self.out / "README.md", DATASET_CARD.encode())
-        pending = set(self.shards.pending([shard_path(i) for i in range(num_shards)]))
+        pending = self.pending_shards(conversations, num_shards)
         manifest = self.manifest(bad, num_shards)
         atomic_write_json(self.out / "manifest.json", manifest)
         total = self.cfg.synthesize or len(conversations or [])
