@@ -113,6 +113,8 @@ def test_rerun_with_another_lr_or_featureset_is_refused_naming_each(features, tm
         run_train(tiny_cfg(other, out), silent=True)
     assert json.loads((out / "train_config.json").read_text()) == recorded  # the record is the run's own
     assert json.loads((out / "export" / TARGET_FILE).read_text())["config_sha256"]
+    # each checkpoint keeps a copy of the record, so a lost train_config.json can be restored
+    assert json.loads((out / "checkpoints" / "step-0000002" / "train_config.json").read_text()) == recorded
 
 
 def test_a_draft_trained_for_another_target_is_refused_by_eval(features, tmp_path, smollm2_dir):
@@ -338,3 +340,19 @@ def test_a_loader_with_more_ranks_than_batches_refuses_at_once(tmp_path):
     with deadline(20), pytest.raises(ValueError, match=r"no batch for rank 1: 2 samples make 1 batches of at most 64 "
                                                        r"tokens, shared by 4 ranks"):
         next(iter(loader))
+
+
+def test_a_run_folder_that_lost_its_record_says_what_is_missing_and_how_to_go_on(tmp_path):
+    from specfoundry.common.shards import check_output_folder
+
+    cfg = build_config(TrainConfig, {"featureset": "f", "output": str(tmp_path / "run")})
+    step = tmp_path / "run" / "checkpoints" / "step-0000004"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text("{}")
+    with pytest.raises(OutputFolderError, match=rf"^{tmp_path / 'run'} holds the checkpoints/ of an sf-train run but "
+                                                r"not train_config.json, the record of its settings.*: restore "):
+        check_output_folder(tmp_path / "run", "train", cfg)
+    (step / "train_config.json").write_text("{}")
+    with pytest.raises(OutputFolderError, match=rf": copy {step / 'train_config.json'} back to "
+                                                rf"{tmp_path / 'run' / 'train_config.json'} and rerun the same command"):
+        check_output_folder(tmp_path / "run", "train", cfg)  # before: "is not empty and holds no train run"

@@ -92,9 +92,26 @@ def check_output_folder(root: Path, stage: str, cfg) -> Path:
         if diffs:
             raise OutputFolderError(f"{root} holds a {stage} run with other settings ({'; '.join(diffs)}); "
                                     "rerun with the same settings to resume, or choose a new folder")
+    elif stage in STAGE_PARTS and (root / STAGE_PARTS[stage]).is_dir():
+        raise OutputFolderError(lost_record(root, stage))
     elif root.is_dir() and any(not p.name.startswith(".") for p in root.iterdir()):  # another rank's temporaries
         raise OutputFolderError(f"{root} is not empty and holds no {stage} run; choose a new or empty folder")
     return path
+
+
+STAGE_PARTS = {"regen": "data", "capture": "shards", "train": "checkpoints"}
+"""The folder of a stage's output that shows a run wrote there."""
+
+
+def lost_record(root: Path, stage: str) -> str:
+    """What to say of a folder holding a stage's output without its config record: what is
+    missing, and how to go on (sf-train keeps a copy of the record in each checkpoint)."""
+    record = root / f"{stage}_config.json"
+    copies = sorted(root.glob(f"{STAGE_PARTS[stage]}/*/{record.name}"))
+    how = (f"copy {copies[-1]} back to {record} and rerun the same command to resume" if copies else
+           f"restore {record} (the settings the run began with) and rerun the same command to resume")
+    return (f"{root} holds the {STAGE_PARTS[stage]}/ of an sf-{stage} run but not {record.name}, the record of its "
+            f"settings, so no rerun can tell whether it may continue it: {how}, or choose a new folder")
 
 
 def record_config(root: Path, stage: str, cfg) -> None:

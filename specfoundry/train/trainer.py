@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from specfoundry.common.cli import Range, Settings, setting, shared
+from specfoundry.common.cli import Range, Settings, config_dict, setting, shared
 from specfoundry.common.files import atomic_write_json, remove_temporaries
 from specfoundry.common.progress import Progress
 from specfoundry.common.shards import check_output_folder, record_config
@@ -451,6 +451,8 @@ class Trainer:
         else:
             states = [self.loader.state_dict()]
         if accel.is_main_process:
+            # a copy of the run's record: the checkpoint stays resumable if train_config.json is lost
+            atomic_write_json(tmp / "train_config.json", config_dict(self.cfg))
             atomic_write_json(tmp / TRAINER_STATE, {"step": self.step, "loader": states, "history": self.history})
             replace_dir(tmp, final)
             if self.cfg.keep_last > 0:
