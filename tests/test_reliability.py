@@ -7,6 +7,7 @@ import json
 import shutil
 import signal
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -356,3 +357,43 @@ def test_a_run_folder_that_lost_its_record_says_what_is_missing_and_how_to_go_on
     with pytest.raises(OutputFolderError, match=rf": copy {step / 'train_config.json'} back to "
                                                 rf"{tmp_path / 'run' / 'train_config.json'} and rerun the same command"):
         check_output_folder(tmp_path / "run", "train", cfg)  # before: "is not empty and holds no train run"
+
+
+def test_a_draft_vocabulary_larger_than_the_targets_is_refused_before_anything_is_recorded(features, tmp_path):
+    # before: cut to the vocabulary's 49152 while train_config.json recorded 60000
+    with pytest.raises(FeatureSetError, match=r"--draft-vocab-size 60000 is larger than the target's vocabulary "
+                                              r"\(49152 tokens\)"):
+        run_train(tiny_cfg(features, tmp_path / "run", draft_vocab_size=60000), silent=True)
+    assert not (tmp_path / "run" / "train_config.json").exists()
+
+
+@pytest.mark.parametrize("argv", [["sf-regen", "run", "SRC", "-o", "LINK"], ["sf-capture", "run", "SRC", "-o", "LINK"],
+                                  ["sf-train", "run", "SRC", "-o", "LINK/run"]])
+def test_an_output_that_is_a_symlink_to_nothing_is_named_as_such(tmp_path, chat_file, argv):
+    from tests.test_cli_help import COMMANDS
+
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    subs = {"SRC": str(chat_file), "LINK": str(tmp_path / "link"), "LINK/run": str(tmp_path / "link" / "run")}
+    result = CliRunner().invoke(COMMANDS[argv[0]], [subs.get(a, a) for a in argv[1:]])
+    assert result.exit_code == 2, (result.output, result.exception)
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    # before: "File exists: PATH"
+    assert errors == [f"Error: {tmp_path / 'link'} is a symlink to {tmp_path / 'gone'}, which does not exist: create "
+                      "that folder, or choose another output"], result.output
+
+
+def test_specfoundry_cache_empty_is_unset_and_a_file_is_named(tmp_path, monkeypatch, chat_file):
+    from specfoundry.capture.cli import main
+    from specfoundry.common.target import TargetError, cache_root
+
+    monkeypatch.setenv("SPECFOUNDRY_CACHE", "")  # before: the working directory, where a 517 MB model went
+    assert cache_root() == Path.home() / ".cache" / "specfoundry"
+    (tmp_path / "cache").write_text("x")
+    monkeypatch.setenv("SPECFOUNDRY_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(TargetError, match="is a file, not a folder for converted models"):
+        cache_root()
+    result = CliRunner().invoke(main, ["run", str(chat_file), "-o", str(tmp_path / "fs")])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert errors == [f"Error: SPECFOUNDRY_CACHE={tmp_path / 'cache'} is a file, not a folder for converted models: "
+                      "point it at a folder, or unset it for ~/.cache/specfoundry"]  # before: "File exists: PATH"

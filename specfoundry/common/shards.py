@@ -69,9 +69,16 @@ def output_inside_source(source: str | None, output: str | None) -> str | None:
 
 
 def writable_folder(root: Path) -> None:
-    """Refuse an output path that is a file, or whose nearest existing folder cannot be written."""
+    """Refuse an output path that is a file, a symlink to nothing, or whose nearest existing folder
+    cannot be written."""
     if root.exists() and not root.is_dir():
         raise OutputFolderError(f"{root} is a file, not an output folder")
+    for p in (root, *root.parents):
+        if p.is_symlink() and not p.exists():  # mkdir would fail with a bare "File exists"
+            raise OutputFolderError(f"{p} is a symlink to {os.readlink(p)}, which does not exist: create that "
+                                    f"folder, or choose another output")
+        if p.exists():
+            break
     existing = next(p for p in (root, *root.parents) if p.exists())
     if not os.access(existing, os.W_OK | os.X_OK):
         raise OutputFolderError(f"{root}: cannot write in {existing} (permission denied, or a read-only filesystem)")
