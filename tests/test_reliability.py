@@ -4,6 +4,7 @@ the message naming what is wrong and where."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 from contextlib import contextmanager
@@ -397,3 +398,49 @@ def test_specfoundry_cache_empty_is_unset_and_a_file_is_named(tmp_path, monkeypa
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert errors == [f"Error: SPECFOUNDRY_CACHE={tmp_path / 'cache'} is a file, not a folder for converted models: "
                       "point it at a folder, or unset it for ~/.cache/specfoundry"]  # before: "File exists: PATH"
+
+
+@pytest.mark.parametrize("argv", [["sf-regen", "run", "SRC", "-o", "OUT"], ["sf-capture", "run", "SRC", "-o", "OUT"],
+                                  ["sf-train", "run", "SRC", "-o", "OUT"], ["sf-eval", "run", "SRC", "-o", "OUT"],
+                                  ["sf-eval", "gate", "-o", "OUT"]])
+def test_a_second_run_into_a_folder_in_use_is_refused_in_one_line(tmp_path, chat_file, argv):
+    from specfoundry.common.shards import output_lock
+    from tests.test_cli_help import COMMANDS
+
+    out = tmp_path / "out"
+    stage = {"sf-regen": "regen", "sf-capture": "capture", "sf-train": "train", "sf-eval": "eval"}[argv[0]]
+    stage = "gate" if argv[1] == "gate" else stage
+    with output_lock(out, stage):  # the first run, still going (before: the second went on beside it)
+        result = CliRunner().invoke(COMMANDS[argv[0]], [{"SRC": str(chat_file), "OUT": str(out)}.get(a, a)
+                                                        for a in argv[1:]])
+        assert result.exit_code == 2, (result.output, result.exception)
+        errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+        assert errors == [f"Error: {out}: another sf-{stage} run is writing into this folder (it holds {out / '.lock'}); "
+                          "wait for it to end, or choose another folder"], result.output
+    assert not out.exists()  # the first run wrote nothing: its lock leaves nothing behind
+
+
+def test_the_lock_of_a_killed_run_never_blocks_a_rerun(tmp_path):
+    import subprocess
+    import sys
+
+    from specfoundry.common.shards import OutputFolderError, output_lock
+
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom specfoundry.common.shards import output_lock\n"
+                               f"with output_lock({str(out)!r}, 'regen'):\n    print('held', flush=True)\n"
+                               "    (__import__('pathlib').Path(sys.argv[1]) / 'shard').write_text('x')\n"
+                               "    time.sleep(120)\n", str(out)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(OutputFolderError, match="another sf-regen run is writing into this folder"):
+            with output_lock(out, "regen"):
+                pass
+    finally:
+        holder.kill()  # SIGKILL: no cleanup runs, its .lock file stays
+        holder.wait()
+    assert (out / ".lock").is_file()
+    with output_lock(out, "regen"):  # the rerun takes the folder over
+        assert (out / "shard").is_file()
+    assert sorted(p.name for p in out.iterdir()) == ["shard"]  # and leaves no lock file behind

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
 import click
 
@@ -18,7 +19,7 @@ from specfoundry.common.cli import (
     stage_command,
 )
 from specfoundry.common.conversations import ConversationFormatError
-from specfoundry.common.shards import OutputFolderError
+from specfoundry.common.shards import OutputFolderError, output_lock
 from specfoundry.common.target import TargetError
 from specfoundry.featureset.manifest import FeatureSetError
 
@@ -53,8 +54,9 @@ def run(recipe, silent, **options):
     the same command resumes."""
     cfg = resolve_config(CaptureConfig, "capture", recipe, options)
     rank, world, device = init_distributed(cfg.device)
-    manifest = run_capture(resolve_config(CaptureConfig, "capture", recipe, options, device=device),
-                           rank=rank, world=world, silent=silent)
+    with output_lock(cfg.output, "capture") if rank == 0 else nullcontext():  # rank 0 holds it for every rank
+        manifest = run_capture(resolve_config(CaptureConfig, "capture", recipe, options, device=device),
+                               rank=rank, world=world, silent=silent)
     if rank == 0:
         for bad in manifest.get("bad_inputs", []):
             click.echo(f"bad input: {bad['location']}: {bad['kind']}: {bad['detail']}", err=True)

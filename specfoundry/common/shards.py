@@ -11,7 +11,9 @@ and what the stage records about it). The mechanism guarantees:
   trusts only marked shards whose checksum matches, so a kill at any moment leaves either a
   shard that is redone on the rerun or one that is kept;
 - a rerun with the same settings skips the marked shards and redoes the rest, so, shards being
-  fixed units of a deterministic order, it ends byte-identical to an uninterrupted run.
+  fixed units of a deterministic order, it ends byte-identical to an uninterrupted run;
+- a shard's done mark records what it was made from, so a rerun redoes a shard whose source changed;
+- one run at a time writes into a folder (output_lock, held by each command for the run's life).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 from specfoundry.common.cli import config_dict, resume_settings
@@ -119,6 +122,44 @@ def lost_record(root: Path, stage: str) -> str:
            f"restore {record} (the settings the run began with) and rerun the same command to resume")
     return (f"{root} holds the {STAGE_PARTS[stage]}/ of an sf-{stage} run but not {record.name}, the record of its "
             f"settings, so no rerun can tell whether it may continue it: {how}, or choose a new folder")
+
+
+LOCK = ".lock"
+
+
+@contextmanager
+def output_lock(root: Path, stage: str):
+    """Hold the output folder for a run's life: a second run into it is refused in one line. The
+    lock is the operating system's (flock, through filelock) on <root>/.lock, so the lock of a
+    killed run ends with its process and the file it leaves never blocks a rerun. The file is
+    removed when the run ends, and so are the folders the run made if it wrote nothing in them."""
+    from filelock import FileLock, Timeout
+
+    root = Path(root)
+    writable_folder(root)
+    made = []  # the folders this run makes: root and the missing folders above it
+    for p in (root, *root.parents):
+        if p.exists():
+            break
+        made.append(p)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / LOCK
+    lock = FileLock(str(path), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise OutputFolderError(f"{root}: another sf-{stage} run is writing into this folder (it holds {path}); wait "
+                                "for it to end, or choose another folder") from None
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # while held: a run opening it now finds the file gone and tries again
+        lock.release()
+        for p in made:  # a run refused before it wrote anything leaves nothing behind
+            try:
+                p.rmdir()
+            except OSError:
+                break
 
 
 def record_config(root: Path, stage: str, cfg) -> None:
