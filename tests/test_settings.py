@@ -226,3 +226,15 @@ def test_synthesize_counts_prompts_and_zero_reads_the_source(tmp_path):
     assert list(tmp_path.iterdir()) == []
     help_text = CliRunner().invoke(COMMANDS["sf-regen"], ["run", "--help"]).output
     assert "0: read SOURCE." in " ".join(help_text.split())
+
+
+def test_a_negative_max_length_is_refused_before_the_target_loads(tmp_path):
+    # before: accepted; Python's negative slicing cut the last 5 tokens (the answer's end and its
+    # end-of-turn) off every sample, and the manifest recorded -5
+    src = tmp_path / "chat.jsonl"
+    src.write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n')
+    result = CliRunner().invoke(COMMANDS["sf-capture"], ["run", str(src), "-o", str(tmp_path / "fs"),
+                                                         "--max-length", "-5"])
+    assert result.exit_code == 2 and "Error: Invalid value for '--max-length': -5 is not in the range " \
+        "1<=x<=16,777,216." in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl"]

@@ -1,11 +1,13 @@
 """The command-line layer every stage shares.
 
 A stage's settings live in one frozen, keyword-only config dataclass; each field carries its
-default and its help (`setting(...)`, or `shared(...)` for a concept that means the same in
-every command). `config_options` turns those fields into click options, `resolve_config`
-merges a recipe section under the command-line values, and `expected_failures` turns the
-errors a user can cause into one-line click errors. So a setting, its default and its help are
-written once, and the same concept has the same name, flag and help in every command.
+default, its help and, for a number, its valid values (`setting(..., valid=Range(...))`, or
+`shared(...)` for a concept that means the same in every command). `config_options` turns those
+fields into click options, `resolve_config` merges a recipe section under the command-line
+values, and `expected_failures` turns the errors a user can cause into one-line click errors. So
+a setting, its default, its help and its range are written once, checked when the config is
+built (before any model loads or anything is recorded), and the same concept has the same name,
+flag, help and range in every command.
 """
 
 from __future__ import annotations
@@ -301,7 +303,7 @@ def read_recipe(path: str | None, section: str) -> dict:
         raise CommandError(f"{path}: the recipe is empty (a recipe has {', '.join(s + ':' for s in RECIPE_SECTIONS)} "
                            "sections)")
     if not isinstance(data, dict) or not isinstance(data.get(section, {}), dict | None):
-        raise CommandError(f"{path}: a recipe is a mapping of sections (regen:, capture:, train:, eval:)")
+        raise CommandError(f"{path}: a recipe is a mapping of sections ({', '.join(s + ':' for s in RECIPE_SECTIONS)})")
     unknown = [str(k) for k in data if k not in RECIPE_SECTIONS]
     if unknown:
         raise CommandError(f"{path}: unknown section{'s' if len(unknown) > 1 else ''} "
