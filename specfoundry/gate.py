@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from specfoundry.capture.stage import CaptureConfig, run_capture
-from specfoundry.common.cli import MAX_TOKENS, Range, Settings, setting, shared
+from specfoundry.common.cli import MAX_DRAFT, MAX_TOKENS, Range, Settings, setting, shared
 from specfoundry.common.conversations import load_conversations
 from specfoundry.common.shards import record_config
 from specfoundry.common.target import (
@@ -84,7 +84,7 @@ class GateConfig(Settings):
     max_steps: int = shared("max_steps", 200)
     lr: float = setting(3e-3, valid=Range(0, 1, min_open=True), help="Learning rate of the overfit.")
     draft_vocab_size: int = setting(1024, valid=Range(1, MAX_TOKENS), help="Draft vocabulary of the overfit draft.")
-    min_accept_length: float | None = setting(None, resume=False, shown="0.8*(k+1)", valid=Range(1, 65),
+    min_accept_length: float | None = setting(None, resume=False, shown="0.8*(k+1)", valid=Range(1, MAX_DRAFT + 1),
                                               help="Bar of the decode check, at most k+1 (a round accepts at most "
                                                    "k drafted tokens and the target's own).")
     export: str | None = setting(None, resume=False, help="Check this exported draft against the gate's run "

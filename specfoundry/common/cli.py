@@ -105,6 +105,8 @@ class FloatIn(_InRange, click.FloatRange):
 
 MAX_TOKENS = 1 << 24
 """The most tokens a length setting takes (16.8M: longer than any target's context)."""
+MAX_DRAFT = 256
+"""The most tokens a draft proposes per round, and TTT steps trained (a DFlash block: one more)."""
 MAX_SEED = 2**32 - 1
 """Seeds go to numpy too (through accelerate), which takes 0..2^32-1."""
 
@@ -124,7 +126,7 @@ SHARED = {
                          Range(1, 1 << 30)),
     "max_steps": (("--max-steps",), "Optimizer steps of the training run.", None, Range(1)),
     "draft_tokens": (("-k", "--draft-tokens"), "Tokens the draft proposes per round (a chain of k).", None,
-                     Range(1, 64)),
+                     Range(1, MAX_DRAFT)),
     "max_length": (("--max-length",), "Tokens per sample after the chat template, at most.", None,
                    Range(1, MAX_TOKENS)),
     "limit": (("--limit",), "Use only the first N inputs.", "all", Range(1)),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from specfoundry.common.cli import Range, Settings, config_dict, setting, shared
+from specfoundry.common.cli import MAX_DRAFT, Range, Settings, config_dict, setting, shared
 from specfoundry.common.conversations import load_conversations, tools_template_problem
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.progress import Progress
@@ -189,6 +189,9 @@ def check_config(cfg: EvalConfig) -> EvalConfig:
         if cfg.k != dcfg.block_size - 1 and cfg.k != EvalConfig.k:
             print(f"warning: -k {cfg.k} ignored: DFlash draft {cfg.draft} proposes block_size - 1 = "
                   f"{dcfg.block_size - 1} tokens per round", file=sys.stderr)
+        if dcfg.block_size - 1 > MAX_DRAFT:
+            raise EvalError(f"{cfg.draft} is a DFlash draft of blocks of {dcfg.block_size}; sf-eval decodes blocks of "
+                            f"at most {MAX_DRAFT + 1}")
         cfg = replace(cfg, k=dcfg.block_size - 1)
     if cfg.tree:
         if cfg.temperature > 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specfoundry.common.cli import MAX_TOKENS, Range, Settings, setting
+from specfoundry.common.cli import MAX_DRAFT, MAX_TOKENS, Range, Settings, setting
 
 TEACHERS = ("hard", "soft")
 
@@ -13,7 +13,7 @@ TEACHERS = ("hard", "soft")
 class DFlashOptions(Settings):
     num_draft_layers: int = setting(5, valid=Range(1, 256), help="DFlash: decoder layers of the draft (it reads as many target layers by "
                                     "default; --layers may give any number).")
-    block_size: int = setting(16, valid=Range(2, 1024), help="DFlash: positions per block, the anchor and block_size-1 proposals.")
+    block_size: int = setting(16, valid=Range(2, MAX_DRAFT + 1), help="DFlash: positions per block, the anchor and block_size-1 proposals.")
     num_anchors: int = setting(512, valid=Range(1, MAX_TOKENS), help="DFlash: anchors sampled per sample and step, among supervised positions.")
     gamma: float = setting(7.0, valid=Range(), help="DFlash: block position k's loss is weighted exp(-(k-1)/gamma) (<= 0: "
                            "uniform).")

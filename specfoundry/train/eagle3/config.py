@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specfoundry.common.cli import MAX_TOKENS, Range, Settings, setting
+from specfoundry.common.cli import MAX_DRAFT, MAX_TOKENS, Range, Settings, setting
 from specfoundry.common.target import draft_shape_of
 
 
@@ -15,7 +15,7 @@ class Eagle3Options(Settings):
 
     draft_vocab_size: int = setting(32000, valid=Range(1, MAX_TOKENS), help="EAGLE-3: draft vocabulary, this many most frequent loss-masked "
                                     "tokens.")
-    ttt_length: int = setting(7, valid=Range(1, 256), help="EAGLE-3: Training-Time Test steps unrolled per forward (the draft length "
+    ttt_length: int = setting(7, valid=Range(1, MAX_DRAFT), help="EAGLE-3: Training-Time Test steps unrolled per forward (the draft length "
                               "trained).")
     loss_decay: float = setting(0.8, valid=Range(0, 1, min_open=True), help="EAGLE-3: the loss of TTT step s is weighted decay^s.")
     fc_norm: bool = setting(False, help="EAGLE-3.1: an RMSNorm on each captured state before fc.")
