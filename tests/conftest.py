@@ -50,15 +50,15 @@ def smollm2_dir() -> Path:
     return resolve_target(EMBEDDED_DEFAULT)
 
 
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
 def copies(records: list[dict], n: int) -> list[dict]:
     """n copies of `records`, each under its own id (a source's ids are unique: a repeated one is
     reported as bad input)."""
     return [{**r, "id": f"{r.get('id', i)}-{k}"} for k in range(n) for i, r in enumerate(records)]
-
-
-def write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
 
 
 @pytest.fixture

@@ -193,8 +193,9 @@ def test_regen_rerun_after_the_source_changed_equals_a_fresh_run(tmp_path, token
     write_jsonl(src, [CHAT[0], inserted, *CHAT[1:5], edited])  # shifts shards 1-5, edits the last (same id)
     capsys.readouterr()
     manifest = regen(tmp_path / "out")
-    assert f"sf-regen: {src} changed since data/shard-00001.parquet and 4 more were written: regenerating 7 shards" \
-        in capsys.readouterr().err
+    # every shard of a group whose records changed (groups of 4: shards 0-3 and 4-5) is written again
+    assert f"{tmp_path / 'out'}: {src} changed since data/shard-00000.parquet and 5 more were written: writing them " \
+           "again" in capsys.readouterr().err
     # before: shards 0-5 were kept as marked, so "new" was missing, c4 was written twice and c5 kept
     # its old question
     assert [r["id"] for r in rows(tmp_path / "out")] == ["c0", "new", "c1", "c2", "c3", "c4", "c5"]
@@ -228,7 +229,7 @@ def test_capture_rerun_after_the_source_changed_recaptures_the_changed_shard(tmp
     write_jsonl(src, [*CHAT[:3], edited, *CHAT[4:]])  # the same ids: only the answer of c3 differs
     capsys.readouterr()
     again = capture(tmp_path / "fs")
-    assert f"sf-capture: {src} changed since shards/shard-000001.safetensors was written: capturing it again" \
+    assert f"{tmp_path / 'fs'}: {src} changed since shards/shard-000001.safetensors was written: writing it again" \
         in capsys.readouterr().err
     fresh = capture(tmp_path / "fresh")
     assert again == fresh  # before: shard 1 was kept, holding the features of the old answer

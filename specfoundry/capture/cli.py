@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
 
 import click
 
@@ -54,7 +53,7 @@ def run(recipe, silent, **options):
     the same command resumes."""
     cfg = resolve_config(CaptureConfig, "capture", recipe, options)
     rank, world, device = init_distributed(cfg.device)
-    with output_lock(cfg.output, "capture") if rank == 0 else nullcontext():  # rank 0 holds it for every rank
+    with output_lock(cfg.output, "capture"):
         manifest = run_capture(resolve_config(CaptureConfig, "capture", recipe, options, device=device),
                                rank=rank, world=world, silent=silent)
     if rank == 0:

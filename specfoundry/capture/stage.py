@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -129,8 +128,8 @@ class CaptureConfig(Settings):
                             "refusing it.")
     limit: int | None = shared("limit", None)
     device: str | None = shared("device", None, resume=False)
-    writers: int = setting(factory=lambda: min(4, os.cpu_count() or 1), resume=False, valid=Range(1, 256),
-                           shown="min(4, CPU cores)",
+    writers: int = setting(factory=lambda: min(4, os.cpu_count() or 1), resume=False,
+                           shown="min(4, CPU cores)", valid=Range(1, 256),
                            help="Threads writing finished shards in the background; up to writers + 2 shards "
                                 "are held in memory at once.")
 
@@ -157,19 +156,9 @@ class CapturePlan:
     def rels(self) -> list[str]:
         return [shard_name(s, self.cfg.codec) for s in range(self.num_shards)]
 
-    def still_holds(self, rel: str, mark: dict) -> bool:
-        """Whether the finished shard `rel` holds what the plan puts there: the same samples (a
-        --partial source may have grown since), made from the same tokens (an edited source, same
-        ids). A mark from before hashes were recorded is judged by its sample ids."""
-        part = self.part(int(rel.split("-")[-1].split(".")[0]))
-        if mark.get("sample_ids") != [x["id"] for x in part]:
-            return False
-        digest = samples_sha256(part)
-        if mark.get("source_sha256", digest) != digest:
-            print(f"sf-capture: {self.cfg.source} changed since {rel} was written: capturing it again",
-                  file=sys.stderr)
-            return False
-        return True
+    def made_from(self) -> dict[str, str]:
+        """Per shard, the hash of its samples (what its done mark records)."""
+        return {shard_name(s, self.cfg.codec): samples_sha256(self.part(s)) for s in range(self.num_shards)}
 
 
 def samples_sha256(part: list[dict]) -> str:
@@ -282,7 +271,11 @@ def plan_capture(cfg: CaptureConfig, tokenizer, identity) -> CapturePlan:
         "capture_config": config_dict(cfg),
     }
     num_shards = (len(samples) + cfg.shard_size - 1) // cfg.shard_size
-    return CapturePlan(cfg, samples, num_shards, base, identity.vocab_size)
+    plan = CapturePlan(cfg, samples, num_shards, base, identity.vocab_size)
+    # a finished shard made from other tokens than the source now gives (an edited record, the same
+    # ids) loses its done mark here, once the folder is known to hold this run: it is captured again
+    ShardedOutput(Path(cfg.output), plan.made_from(), cfg.source).pending(plan.rels())
+    return plan
 
 
 def capture_shards(plan: CapturePlan, runner: HFCaptureRunner, shards: list[int], out: ShardedOutput,
@@ -357,8 +350,9 @@ def run_capture(cfg: CaptureConfig, rank: int = 0, world: int = 1, silent: bool 
     if world > 1:  # no rank writes into the folder before rank 0 has checked it and recorded the run
         wait_for_every_rank()
     mine = [s for s in range(plan.num_shards) if s % world == rank]
-    # a kept shard must hold what the plan puts there (a --partial source may have grown, or been edited, since)
-    pending = set(out.pending([shard_name(s, plan.cfg.codec) for s in mine], holds=plan.still_holds))
+    # a kept shard must hold the samples the plan puts there (a --partial source may have grown since)
+    expected = {shard_name(s, plan.cfg.codec): [x["id"] for x in plan.part(s)] for s in mine}
+    pending = set(out.pending(list(expected), holds=lambda rel, mark: mark.get("sample_ids") == expected[rel]))
     todo = [s for s in mine if shard_name(s, plan.cfg.codec) in pending]
     total = sum(len(plan.part(s)) for s in mine)
     done = total - sum(len(plan.part(s)) for s in todo)
@@ -396,7 +390,7 @@ def write_one(out: ShardedOutput, shard: int, part: list[dict], outputs: list, c
         "num_tokens": sum(len(x["input_ids"]) for x in part),
         "loss_tokens": sum(sum(x["loss_mask"]) for x in part),
         "sample_ids": [x["id"] for x in part],
-        "source_sha256": samples_sha256(part),
+        "source_sha256": samples_sha256(part),  # what plan_capture compares on a rerun
         "sample_lengths": [len(x["input_ids"]) for x in part],
         "token_counts": {str(k): v for k, v in sorted(counts.items())},
     })

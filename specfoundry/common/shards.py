@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -132,9 +133,13 @@ def output_lock(root: Path, stage: str):
     """Hold the output folder for a run's life: a second run into it is refused in one line. The
     lock is the operating system's (flock, through filelock) on <root>/.lock, so the lock of a
     killed run ends with its process and the file it leaves never blocks a rerun. The file is
-    removed when the run ends, and so are the folders the run made if it wrote nothing in them."""
+    removed when the run ends, and so are the folders the run made if it wrote nothing in them.
+    Under torchrun, rank 0 holds it for every rank of the launch."""
     from filelock import FileLock, Timeout
 
+    if int(os.environ.get("RANK", "0")) != 0:
+        yield
+        return
     root = Path(root)
     writable_folder(root)
     made = []  # the folders this run makes: root and the missing folders above it
@@ -170,10 +175,17 @@ def record_config(root: Path, stage: str, cfg) -> None:
 
 
 class ShardedOutput:
-    """The shards of one output folder: which are finished, and writing one so that it appears whole."""
+    """The shards of one output folder: which are finished, and writing one so that it appears whole.
 
-    def __init__(self, root: Path):
+    `made_from`: per shard, a hash of the input records it is made from (the stage's own choice of
+    what to hash). Each done mark records it; a finished shard whose mark records another (its
+    source changed since: an edited record, an inserted line) is no longer finished, so a rerun
+    writes it again, saying so. A mark without one (written before hashes were recorded) is kept."""
+
+    def __init__(self, root: Path, made_from: dict[str, str] | None = None, source: str | None = None):
         self.root = Path(root)
+        self.made_from = dict(made_from or {})
+        self.source = source  # what the records come from, for the message
 
     def mark_path(self, rel: str) -> Path:
         return self.root / (rel + ".done.json")
@@ -189,10 +201,26 @@ class ShardedOutput:
             return None
         return entry if checksum(self.root / rel) == entry.get("sha256") else None
 
+    def changed(self, rel: str, mark: dict) -> bool:
+        """Whether finished shard `rel` was made from other input records than it is made from now."""
+        want = self.made_from.get(rel)
+        return want is not None and mark.get("source_sha256", want) != want
+
     def pending(self, rels: list[str], holds=None) -> list[str]:
-        """The shards of `rels` still to write; a stale mark of one (its shard damaged or gone, or,
-        with `holds(rel, mark)`, not holding what the plan puts there) is dropped."""
-        todo = [rel for rel in rels if (mark := self.finished(rel)) is None or (holds and not holds(rel, mark))]
+        """The shards of `rels` still to write; a stale mark of one (its shard damaged or gone, made
+        from other input records, or, with `holds(rel, mark)`, not holding what the plan puts
+        there) is dropped."""
+        todo, changed = [], []
+        for rel in rels:
+            mark = self.finished(rel)
+            if mark is not None and self.changed(rel, mark):
+                changed.append(rel)
+            if mark is None or rel in changed[-1:] or (holds and not holds(rel, mark)):
+                todo.append(rel)
+        if changed:
+            more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
+            print(f"{self.root}: {self.source or 'the source'} changed since {changed[0]}{more} "
+                  f"{'were' if more else 'was'} written: writing {'them' if more else 'it'} again", file=sys.stderr)
         for rel in todo:
             self.mark_path(rel).unlink(missing_ok=True)
         return todo
@@ -214,7 +242,8 @@ class ShardedOutput:
             raise OSError(e.errno, e.strerror, str(final)) from e
         remove(final)
         os.replace(partial, final)
-        entry = {**mark, "path": rel, "sha256": digest}
+        made_from = {"source_sha256": self.made_from[rel]} if rel in self.made_from else {}
+        entry = {**mark, **made_from, "path": rel, "sha256": digest}
         atomic_write_json(self.mark_path(rel), entry)
         return entry
 

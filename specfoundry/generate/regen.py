@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -260,7 +259,6 @@ class Regenerator:
         self.silent = silent
         self.out = Path(cfg.output)
         self.shards = ShardedOutput(self.out)
-        self.made_from: list[str] | None = None  # per shard, the hash of its input records (pending_shards)
 
     # ---- planning -------------------------------------------------------------------------
 
@@ -290,7 +288,20 @@ class Regenerator:
                 bad.append(problem)
             elif cfg.limit is None or len(conversations) < cfg.limit:
                 conversations.append(conv)
-        return conversations, bad, math.ceil(len(conversations) / cfg.shard_size)
+        num_shards = math.ceil(len(conversations) / cfg.shard_size)
+        self.shards.made_from, self.shards.source = self.made_from(conversations, num_shards), cfg.source
+        return conversations, bad, num_shards
+
+    def made_from(self, conversations: list[Conversation], num_shards: int) -> dict[str, str]:
+        """Per shard, the hash of the records of its whole group: what a shard holds depends on the
+        requests generated beside it, so a changed record has its group written again."""
+        size, per_group = self.cfg.shard_size, self.group_size()
+        out = {}
+        for start in range(0, num_shards, per_group):
+            group = range(start, min(start + per_group, num_shards))
+            digest = records_sha256(conversations[start * size : (group[-1] + 1) * size])
+            out.update({shard_path(i): digest for i in group})
+        return out
 
     # ---- one shard ------------------------------------------------------------------------
 
@@ -470,25 +481,7 @@ class Regenerator:
             pq.write_table(pa.Table.from_pylist(rows, schema=ROW_SCHEMA), path)
             return checksum(path)
 
-        made_from = {"source_sha256": self.made_from[shard]} if self.made_from else {}
-        self.shards.commit(shard_path(shard), write, {"index": shard, "counts": asdict(counts), **made_from})
-
-    def pending_shards(self, conversations: list[Conversation] | None, num_shards: int) -> set[str]:
-        """The shards still to write. A finished shard whose done mark records other input records
-        than the source now gives (it was edited, or lines were inserted) is written again, with
-        every shard of its group (whose bytes depend on the requests generated beside them)."""
-        size, per_group, rels = self.cfg.shard_size, self.group_size(), [shard_path(i) for i in range(num_shards)]
-        self.made_from = None if conversations is None else [
-            records_sha256(conversations[i * size : (i + 1) * size]) for i in range(num_shards)]
-        changed = [i for i in range(num_shards) if self.made_from and (mark := self.shards.finished(rels[i]))
-                   and mark.get("source_sha256", self.made_from[i]) != self.made_from[i]]  # older marks: kept
-        redo = {rels[j] for i in changed for j in range(i // per_group * per_group,
-                                                        min(num_shards, (i // per_group + 1) * per_group))}
-        if changed:
-            print(f"sf-regen: {self.cfg.source} changed since {rels[changed[0]]}"
-                  f"{f' and {len(changed) - 1} more were' if len(changed) > 1 else ' was'} written: regenerating "
-                  f"{len(redo)} shards", file=sys.stderr)
-        return set(self.shards.pending(rels, holds=lambda rel, _: rel not in redo))
+        self.shards.commit(shard_path(shard), write, {"index": shard, "counts": asdict(counts)})
 
     def group_size(self) -> int:
         """Shards generated together: enough conversations to keep `GROUP_BATCHES` batches in
@@ -499,7 +492,7 @@ class Regenerator:
         conversations, bad, num_shards = self.plan()
         record_config(self.out, "regen", self.cfg)
         atomic_write_bytes(self.out / "README.md", DATASET_CARD.encode())
-        pending = self.pending_shards(conversations, num_shards)
+        pending = set(self.shards.pending([shard_path(i) for i in range(num_shards)]))
         manifest = self.manifest(bad, num_shards)
         atomic_write_json(self.out / "manifest.json", manifest)
         total = self.cfg.synthesize or len(conversations or [])

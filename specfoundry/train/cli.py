@@ -3,9 +3,6 @@ write a draft in the layout a serving engine loads."""
 
 from __future__ import annotations
 
-import os
-from contextlib import nullcontext
-
 import click
 
 from specfoundry.common.cli import CONTEXT, resolve_config, stage_command
@@ -31,8 +28,7 @@ def run(recipe, silent, **options):
     Runs as one process (CPU or GPU) or under `accelerate launch` on many GPUs (ZeRO-2 with
     recipes/accelerate_zero2.yaml). Rerunning into the same --output resumes exactly."""
     cfg = resolve_config(TrainConfig, "train", recipe, options)
-    main_process = int(os.environ.get("RANK", "0")) == 0  # under accelerate launch, it holds the lock for all
-    with output_lock(cfg.output, "train") if main_process else nullcontext():
+    with output_lock(cfg.output, "train"):
         result = run_train(cfg, silent=silent)
     last = result["history"][-1] if result["history"] else {}
     click.echo(f"trained {result['steps']} steps; exported to {result['export']}; "
