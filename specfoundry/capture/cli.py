@@ -18,7 +18,7 @@ from specfoundry.common.cli import (
     stage_command,
 )
 from specfoundry.common.conversations import ConversationFormatError
-from specfoundry.common.shards import OutputFolderError, output_lock
+from specfoundry.common.shards import OutputFolderError
 from specfoundry.common.target import TargetError
 from specfoundry.featureset.manifest import FeatureSetError
 
@@ -53,9 +53,8 @@ def run(recipe, silent, **options):
     the same command resumes."""
     cfg = resolve_config(CaptureConfig, "capture", recipe, options)
     rank, world, device = init_distributed(cfg.device)
-    with output_lock(cfg.output, "capture"):
-        manifest = run_capture(resolve_config(CaptureConfig, "capture", recipe, options, device=device),
-                               rank=rank, world=world, silent=silent)
+    manifest = run_capture(resolve_config(CaptureConfig, "capture", recipe, options, device=device),
+                           rank=rank, world=world, silent=silent)
     if rank == 0:
         for bad in manifest.get("bad_inputs", []):
             click.echo(f"bad input: {bad['location']}: {bad['kind']}: {bad['detail']}", err=True)

@@ -385,7 +385,8 @@ def _typed(value, typ):
 def resolve_config(cls, section: str, recipe: str | None, options: dict, **fixed):
     """cls built from its defaults, then the recipe's `section`, then the options given on the
     command line, then `fixed`. Unknown recipe keys, missing required settings and values a
-    setting cannot take are one-line errors naming the option, or the recipe file and key."""
+    setting cannot take are one-line errors naming the option, or the recipe file and key.
+    Inside a command, the output folder is then held for the command's life (hold_output)."""
     values = read_recipe(recipe, section)
     origins = {k: f"{recipe}: {section}: {k}" for k in values}
     ctx = click.get_current_context(silent=True)
@@ -395,7 +396,28 @@ def resolve_config(cls, section: str, recipe: str | None, options: dict, **fixed
     values.update(fixed)
     for k in (*given, *fixed):
         origins.pop(k, None)
-    return build_config(cls, values, source=f"{recipe}: {section}:" if recipe else "options", origins=origins)
+    cfg = build_config(cls, values, source=f"{recipe}: {section}:" if recipe else "options", origins=origins)
+    if ctx is not None and section in LOCKED and getattr(cfg, "output", None):
+        hold_output(ctx, cfg.output, section)
+    return cfg
+
+
+LOCKED = ("regen", "capture", "train", "eval", "gate")
+"""The commands that hold their output folder for the run's life (sf-export writes its folder
+whole and renames it into place)."""
+
+
+def hold_output(ctx: click.Context, output: str, stage: str) -> None:
+    """Inside a command: hold the output folder's lock (shards.output_lock) until the command
+    ends, so one run at a time writes into it; once per folder, however often the command
+    resolves its config."""
+    from specfoundry.common.shards import output_lock  # shards builds on this module
+
+    held = ctx.meta.setdefault("specfoundry.held_outputs", set())
+    key = str(Path(output).resolve())
+    if key not in held:
+        ctx.with_resource(output_lock(output, stage))
+        held.add(key)
 
 
 def build_config(cls, values: dict, source: str = "options", origins: dict[str, str] | None = None):

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import click
 
 from specfoundry.common.cli import CONTEXT, resolve_config, stage_command
 from specfoundry.common.conversations import ConversationFormatError
-from specfoundry.common.shards import OutputFolderError, output_lock
+from specfoundry.common.shards import OutputFolderError
 from specfoundry.common.target import TargetError
 from specfoundry.eval.draft import DraftLoadError
 from specfoundry.eval.evaluate import EvalConfig, EvalError, format_table, run_eval
@@ -29,8 +27,7 @@ def run(recipe, silent, **options):
     """Decode each prompt with DRAFT (an exported folder, an sf-train run folder, or one of its
     checkpoints/step-N) proposing and the target verifying, and report acceptance length."""
     cfg = resolve_config(EvalConfig, "eval", recipe, options)
-    with output_lock(cfg.output, "eval") if cfg.output else nullcontext():
-        report = run_eval(cfg, silent=silent)
+    report = run_eval(cfg, silent=silent)
     click.echo(format_table(report))
     if cfg.output:
         click.echo(f"wrote {cfg.output}/eval.json, eval.txt, acceptance.png")
@@ -44,8 +41,7 @@ def gate(recipe, silent, **options):
     on failure it names the stage that disagrees (vocab map, export, features, positions, fit,
     decode) and exits with status 1 (2: the gate could not run)."""
     cfg = resolve_config(GateConfig, "gate", recipe, options)
-    with output_lock(cfg.output, "gate"):
-        checks, ok, message = run_gate(cfg, silent=silent)
+    checks, ok, message = run_gate(cfg, silent=silent)
     for c in checks:
         click.echo(f"{'ok  ' if c.ok else 'FAIL'} {c.name:<10} {c.detail}")
     click.echo(message)

@@ -6,7 +6,7 @@ import click
 
 from specfoundry.common.cli import CONTEXT, resolve_config, stage_command
 from specfoundry.common.conversations import ConversationFormatError
-from specfoundry.common.shards import OutputFolderError, output_lock
+from specfoundry.common.shards import OutputFolderError
 from specfoundry.generate.regen import RegenConfig, RegenError, run_regen
 
 
@@ -28,8 +28,7 @@ def run(greedy, recipe, silent, **options):
     target's calls differ from the recorded ones, the recorded exchange. Rerunning the same
     command resumes."""
     cfg = resolve_config(RegenConfig, "regen", recipe, options, **({"temperature": 0.0} if greedy else {}))
-    with output_lock(cfg.output, "regen"):
-        manifest = run_regen(cfg, silent=silent)
+    manifest = run_regen(cfg, silent=silent)
     for bad in manifest["bad_inputs"]:
         click.echo(f"bad input: {bad['location']}: {bad['kind']}: {bad['detail']}", err=True)
     t = manifest["totals"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from specfoundry.common.cli import CONTEXT, resolve_config, stage_command
-from specfoundry.common.shards import OutputFolderError, output_lock
+from specfoundry.common.shards import OutputFolderError
 from specfoundry.common.target import TargetError
 from specfoundry.featureset.manifest import FeatureSetError
 from specfoundry.kernels.tree_attention import TooManyShapesError
@@ -28,8 +28,7 @@ def run(recipe, silent, **options):
     Runs as one process (CPU or GPU) or under `accelerate launch` on many GPUs (ZeRO-2 with
     recipes/accelerate_zero2.yaml). Rerunning into the same --output resumes exactly."""
     cfg = resolve_config(TrainConfig, "train", recipe, options)
-    with output_lock(cfg.output, "train"):
-        result = run_train(cfg, silent=silent)
+    result = run_train(cfg, silent=silent)
     last = result["history"][-1] if result["history"] else {}
     click.echo(f"trained {result['steps']} steps; exported to {result['export']}; "
                f"last sim_accept_len {last.get('sim_accept_len', float('nan')):.2f}")
