@@ -122,8 +122,9 @@ class RegenConfig(Settings):
              f"many kinds of request: 'default' ({len(DEFAULT_STARTERS)} built-in openings such as 'Why', "
              "'Explain', 'Write a'), 'none' (plain Magpie), or a text file with one opening per line.")
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    batch_size: int = setting(32, valid=Range(1, 1 << 16), help="Sequences generated together (hf, sglang); the hf backend's KV cache "
-                              "holds this many.")
+    batch_size: int = setting(32, valid=Range(1, 1 << 16),
+                              help="Sequences generated together (hf, sglang); the hf backend's KV cache holds this "
+                                   "many.")
     hf_engine: str = setting(
         "auto", choices=ENGINES,
         help="hf backend: 'slots' (continuous batching: a finished sequence frees its slot for the next prompt, "
@@ -131,8 +132,9 @@ class RegenConfig(Settings):
              "batches, turn by turn), 'auto' (slots on a GPU where it can drive the model, else generate). "
              "Greedy output is the same; samples differ, so the choice is part of the settings.")
     shard_size: int = setting(128, valid=Range(1), help="Conversations per output shard (the unit of resumption).")
-    max_prompt_tokens: int = setting(2048, valid=Range(1, MAX_TOKENS), help="A conversation whose prompt before an assistant turn is longer "
-                                     "is reported as bad input.")
+    max_prompt_tokens: int = setting(2048, valid=Range(1, MAX_TOKENS),
+                                     help="A conversation whose prompt before an assistant turn is longer is reported "
+                                          "as bad input.")
     on_empty: str = setting("drop", choices=ON_EMPTY, help="Drop a conversation with an empty regenerated "
                             "answer, or keep it flagged.")
     on_tool_mismatch: str = setting(
@@ -155,11 +157,14 @@ class RegenConfig(Settings):
         None, resume=False, shown="none",
         help="A text file of server URLs, one per line (# comments), added to --openai-url (openai backend).")
     openai_model: str | None = setting(None, help="Model name sent to the server, if it needs one (openai backend).")
-    concurrency: int = setting(16, resume=False, valid=Range(1, 4096), help="Requests in flight at once per server (openai backend).")
-    retries: int = setting(4, resume=False, valid=Range(0, 100, zero="a failed request stops the run"), help="Retries per request, on another server where one is up, with "
-                           "exponential backoff; the run stops when a request has used them all (openai backend).")
-    request_timeout: float = setting(600.0, resume=False, valid=Range(0, 1e6, min_open=True), help="Seconds a server may take for one request before "
-                                     "it counts as stalled and the request is retried elsewhere (openai backend).")
+    concurrency: int = setting(16, resume=False, valid=Range(1, 4096),
+                               help="Requests in flight at once per server (openai backend).")
+    retries: int = setting(4, resume=False, valid=Range(0, 100, zero="a failed request stops the run"),
+                           help="Retries per request, on another server where one is up, with exponential backoff; "
+                                "the run stops when a request has used them all (openai backend).")
+    request_timeout: float = setting(600.0, resume=False, valid=Range(0, 1e6, min_open=True),
+                                     help="Seconds a server may take for one request before it counts as stalled and "
+                                          "the request is retried elsewhere (openai backend).")
 
     def __post_init__(self):
         super().__post_init__()
