@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from specfoundry.capture.stage import CaptureConfig, run_capture
-from specfoundry.common.cli import setting, shared
+from specfoundry.common.cli import MAX_DRAFT, MAX_TOKENS, Range, Settings, setting, shared
 from specfoundry.common.conversations import load_conversations
 from specfoundry.common.placement import Placement
 from specfoundry.common.shards import record_config
@@ -63,7 +63,7 @@ DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 
 
 @dataclass(frozen=True, kw_only=True)
-class GateConfig:
+class GateConfig(Settings):
     """Settings of one gate run (recorded in gate_config.json in its folder)."""
 
     output: str = shared("output", resume=False)
@@ -76,14 +76,21 @@ class GateConfig:
     # also the TTT length trained (EAGLE-3), or the block's proposals (DFlash: block_size k+1)
     k: int = shared("draft_tokens", 4)
     max_steps: int = shared("max_steps", 200)
-    lr: float = setting(3e-3, help="Learning rate of the overfit.")
-    draft_vocab_size: int = setting(1024, help="Draft vocabulary of the overfit draft.")
-    min_accept_length: float | None = setting(None, resume=False, shown="0.8*(k+1)",
-                                              help="Bar of the decode check.")
+    lr: float = setting(3e-3, valid=Range(0, 1, min_open=True), help="Learning rate of the overfit.")
+    draft_vocab_size: int = setting(1024, valid=Range(1, MAX_TOKENS), help="Draft vocabulary of the overfit draft.")
+    min_accept_length: float | None = setting(None, resume=False, shown="0.8*(k+1)", valid=Range(1, MAX_DRAFT + 1),
+                                              help="Bar of the decode check, at most k+1 (a round accepts at most "
+                                                   "k drafted tokens and the target's own).")
     export: str | None = setting(None, resume=False, help="Check this exported draft against the gate's run "
                                  "instead of the run's own export.")
     device: str | None = shared("device", None, resume=False)
     placement: Placement = Placement()
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.min_accept_length is not None and self.min_accept_length > self.k + 1:
+            raise ValueError(f"--min-accept-length {self.min_accept_length:g} can never be reached: a round accepts "
+                             f"at most k + 1 = {self.k + 1} tokens")
 
     @property
     def bar(self) -> float:

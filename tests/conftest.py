@@ -63,6 +63,12 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
     return path
 
 
+def copies(records: list[dict], n: int) -> list[dict]:
+    """n copies of `records`, each under its own id (a source's ids are unique: a repeated one is
+    reported as bad input)."""
+    return [{**r, "id": f"{r.get('id', i)}-{k}"} for k in range(n) for i, r in enumerate(records)]
+
+
 @pytest.fixture
 def chat_file(tmp_path) -> Path:
     return write_jsonl(tmp_path / "chat.jsonl", CHAT)

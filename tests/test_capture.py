@@ -21,7 +21,7 @@ from specfoundry.common.shards import OutputFolderError
 from specfoundry.common.target import Target
 from specfoundry.featureset.manifest import FeatureSetError, check_matches_target
 from specfoundry.featureset.store import FeatureSet
-from tests.conftest import CHAT, write_jsonl
+from tests.conftest import CHAT, copies, write_jsonl
 
 
 @pytest.fixture
@@ -115,7 +115,7 @@ def test_capture_roundtrip_within_bf16_rounding(tmp_path, chat_file, target, cod
 # the default run keeps tests/test_faults.py's SIGKILL-and-rerun of sf-capture
 @pytest.mark.slow
 def test_kill_and_resume_gives_identical_checksums(tmp_path):
-    src = write_jsonl(tmp_path / "chat.jsonl", CHAT * 2)
+    src = write_jsonl(tmp_path / "chat.jsonl", copies(CHAT, 2))
     args = [sys.executable, "-m", "specfoundry.capture.cli", "run", str(src), "--shard-size", "2", "--silent"]
     subprocess.run(args + ["-o", str(tmp_path / "whole")], check=True, capture_output=True)
     killed = tmp_path / "killed"

@@ -59,7 +59,7 @@ def test_folder_of_json_and_parquet(tmp_path):
     import pyarrow.parquet as pq
 
     (tmp_path / "a.json").write_text(json.dumps([GOOD_OPENAI, GOOD_SHAREGPT]))
-    pq.write_table(pa.Table.from_pylist([GOOD_OPENAI]), tmp_path / "b.parquet")
+    pq.write_table(pa.Table.from_pylist([{**GOOD_OPENAI, "id": "g2"}]), tmp_path / "b.parquet")
     result = load_conversations(tmp_path)
     assert [c.location.split("/")[-1] for c in result.conversations] == ["a.json:row 0", "a.json:row 1", "b.parquet:row 0"]
     assert not result.bad

@@ -562,3 +562,51 @@ def test_sf_export_takes_a_training_checkpoint(tmp_path, target_dir):
     assert replace(cfg, max_position_embeddings=draft.cfg.max_position_embeddings) == draft.cfg
     state = draft.state_dict()
     assert all(torch.equal(t, state[k].to(t.dtype)) for k, t in tensors.items())
+
+
+# ---- damaged draft folders: one line naming the file and the field, in sf-export and sf-eval ----------
+
+def export_error(src, out, target_dir) -> str:
+    result = CliRunner().invoke(export_main, ["run", str(src), "-o", str(out), "--target", str(target_dir)])
+    assert result.exit_code == 2 and "Traceback" not in result.output, (result.output, result.exception)
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and not out.exists(), result.output
+    return errors[0].removeprefix("Error: ")
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"intermediate_size": "sixty-four"}, "config.json: intermediate_size is 'sixty-four', not an integer"),
+    ({"rms_norm_eps": "small"}, "config.json: rms_norm_eps is 'small', not a number"),
+    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": "1,2,3"}},
+     "config.json: eagle_config.eagle_aux_hidden_state_layer_ids is '1,2,3', not a list of layer ids"),
+])
+def test_a_config_json_field_that_is_no_number_is_named(tmp_path, target_dir, change, words):
+    out = export(tmp_path, small_draft(), "sglang")
+    (out / "config.json").write_text(json.dumps({**config_of(out), **change}))
+    assert export_error(out, tmp_path / "out", target_dir) == f"{out}/{words}"  # before: a traceback or no name
+    with pytest.raises(DraftLoadError, match=f"^{out}/{words}"):
+        load_draft(out, target_dir, torch.device("cpu"), torch.float32)  # what sf-eval reads it with
+
+
+def test_a_config_json_that_is_not_an_object_or_a_truncated_tensor_file_is_named(tmp_path, target_dir):
+    out = export(tmp_path, small_draft(), "sglang")
+    (out / "config.json").write_text("[1, 2]")
+    assert export_error(out, tmp_path / "o1", target_dir) == f"{out}/config.json: not a JSON object of settings, but a list"
+    out = export(tmp_path, small_draft(), "sglang", "second")
+    data = (out / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(data[: len(data) // 2])
+    words = f"{out}/model.safetensors: not a readable safetensors file"
+    assert export_error(out, tmp_path / "o2", target_dir).startswith(words)  # before: a SafetensorError traceback
+    with pytest.raises(DraftLoadError, match=f"^{words}.*damaged or truncated"):
+        load_draft(out, target_dir, torch.device("cpu"), torch.float32)
+
+
+def test_the_config_json_the_engines_read_is_checked_against_the_weights_not_our_record(tmp_path, target_dir):
+    out = export(tmp_path, small_draft(), "sglang")
+    (out / "config.json").write_text(json.dumps({**config_of(out), "intermediate_size": 48}))
+    assert (out / DRAFT_FILE).is_file()  # our record still says 64, as the weights do
+    # before: sf-export and sf-eval read specfoundry_draft.json over it and passed a folder SGLang cannot load
+    assert export_error(out, tmp_path / "out", target_dir) == (
+        f"{out}: tensor midlayer.mlp.gate_proj.weight has shape (64, 32), its config.json implies (48, 32)")
+    with pytest.raises(DraftLoadError, match="its config.json implies"):
+        load_draft(out, target_dir, torch.device("cpu"), torch.float32)

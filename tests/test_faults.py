@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import CHAT, write_jsonl
+from tests.conftest import CHAT, copies, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULTS = ROOT / "tests" / "faults.py"
@@ -214,7 +214,7 @@ def test_capture_killed_then_rerun_equals_an_uninterrupted_run(tmp_path, inputs,
 
 @pytest.fixture(scope="module")
 def train_features(inputs) -> Path:
-    src = write_jsonl(inputs / "chat2.jsonl", CHAT * 2)
+    src = write_jsonl(inputs / "chat2.jsonl", copies(CHAT, 2))
     ok(finish(start(CAPTURE, [src, "--shard-size", 8, "--max-length", 96, "--silent", "-o", inputs / "fs"])))
     return inputs / "fs"
 

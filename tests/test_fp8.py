@@ -372,3 +372,26 @@ def test_a_capture_begun_before_final_storage_dtype_existed_still_resumes(tmp_pa
     check_output_folder(tmp_path, "capture", cfg)
     with pytest.raises(OutputFolderError, match=r"final_storage_dtype: '<unset>' -> 'bfloat16'"):
         check_output_folder(tmp_path, "capture", replace(cfg, final_storage_dtype="bfloat16"))
+
+
+@pytest.mark.parametrize("bad, words", [(-0.5, "-0.5"), (0.0, "0.0")])
+def test_verify_names_an_impossible_scale(fp8_features, tmp_path, bad, words):
+    """A negative scale flips every value's sign, a zero one beside non-zero values reads the row as
+    zeros: both decode to finite numbers, so verify checks the scales themselves (before: ok)."""
+    manifest = json.loads((fp8_features / MANIFEST).read_text())
+    fs = tmp_path / "fs"
+    shutil.copytree(fp8_features, fs)
+    entry = manifest["shards"][1]
+    reader = ShardReader(fs / entry["path"], "safetensors", FP8)
+    rows = [reader.sample(i, decode=False) for i in range(len(reader))]
+    rows = [{"input_ids": s.input_ids, "loss_mask": s.loss_mask, "aux_hidden": s.aux_hidden, "final_hidden": s.final_hidden,
+             "aux_scale": s.aux_scale.clone(), "final_scale": s.final_scale} for s in rows]
+    del reader
+    assert bool((rows[2]["aux_hidden"][4].view(torch.uint8) & 0x7F).any())  # the row holds non-zero values
+    rows[2]["aux_scale"][4, 1] = bad  # token 4, the second stored layer
+    entry["sha256"] = write_shard(fs, entry["path"], rows, "safetensors", FP8)
+    (fs / MANIFEST).write_text(json.dumps(manifest))
+    layer = manifest["aux_layer_ids"][1]
+    assert verify_featureset(fs) == [f"{entry['path']}: aux_scale holds an impossible scale, {words} at sample 2, "
+                                     f"token 4, layer {layer} (a scale is absmax/448: never negative, and 0 only for "
+                                     "a row of zeros)"]

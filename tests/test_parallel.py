@@ -186,7 +186,7 @@ def test_tp_without_torchrun_names_the_launch():
 
 
 @pytest.mark.parametrize("settings, message", [
-    (dict(tp=0), "--tp must be >= 1"),
+    (dict(tp=0), "--tp: 0 is not in the range 1<=x<=1,024"),
     (dict(tp=2, ep=4), "give one size"),
     (dict(tp=2, device_map="auto"), "choose one"),
     (dict(max_memory={"cpu": "1GB"}), "give --device-map auto too"),

@@ -4,7 +4,11 @@ the message naming what is wrong and where."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -18,7 +22,7 @@ from specfoundry.featureset.manifest import MANIFEST, FeatureSetError
 from specfoundry.featureset.store import ShardReader, write_shard
 from specfoundry.train.family import TARGET_FILE
 from specfoundry.train.trainer import TrainConfig, run_train
-from tests.conftest import CHAT, write_jsonl
+from tests.conftest import CHAT, copies, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +48,28 @@ def copy_set(fs, tmp_path):
     return out, json.loads((out / MANIFEST).read_text())
 
 
-def test_a_nan_in_the_features_stops_training_naming_shard_and_sample(features, tmp_path):
-    fs, manifest = copy_set(features, tmp_path)
-    entry = manifest["shards"][1]
+def rewrite_shard(fs, manifest, shard: int, change) -> dict:
+    """Shard `shard` of the copied set `fs` written again as a sound file of the rows `change`
+    (a function of the list of rows) leaves, its manifest entry updated; returns the entry."""
+    entry = manifest["shards"][shard]
     reader = ShardReader(fs / entry["path"], "safetensors", "bfloat16")
     rows = [reader.sample(i) for i in range(len(reader))]
     rows = [{"input_ids": s.input_ids, "loss_mask": s.loss_mask, "aux_hidden": s.aux_hidden.clone(),
              "final_hidden": s.final_hidden} for s in rows]
-    rows[2]["aux_hidden"][1, 5] = float("nan")
     del reader
-    entry["sha256"] = write_shard(fs, entry["path"], rows, "safetensors", "bfloat16")  # a sound file of bad values
+    change(rows)
+    entry["sha256"] = write_shard(fs, entry["path"], rows, "safetensors", "bfloat16")
     (fs / MANIFEST).write_text(json.dumps(manifest))
+    return entry
+
+
+def test_a_nan_in_the_features_stops_training_naming_shard_and_sample(features, tmp_path):
+    fs, manifest = copy_set(features, tmp_path)
+
+    def nan(rows):
+        rows[2]["aux_hidden"][1, 5] = float("nan")
+
+    entry = rewrite_shard(fs, manifest, 1, nan)  # a sound file of bad values
     with pytest.raises(FeatureSetError, match=rf"shard {entry['path']} sample 2 .*non-finite"):
         run_train(tiny_cfg(fs, tmp_path / "run", max_steps=4), silent=True)
     assert not (tmp_path / "run" / "export").exists()
@@ -100,6 +115,8 @@ def test_rerun_with_another_lr_or_featureset_is_refused_naming_each(features, tm
         run_train(tiny_cfg(other, out), silent=True)
     assert json.loads((out / "train_config.json").read_text()) == recorded  # the record is the run's own
     assert json.loads((out / "export" / TARGET_FILE).read_text())["config_sha256"]
+    # each checkpoint keeps a copy of the record, so a lost train_config.json can be restored
+    assert json.loads((out / "checkpoints" / "step-0000002" / "train_config.json").read_text()) == recorded
 
 
 def test_a_draft_trained_for_another_target_is_refused_by_eval(features, tmp_path, smollm2_dir):
@@ -129,10 +146,10 @@ def test_incomplete_regen_is_refused_unless_partial(tmp_path, chat_file):
 
 
 def test_invalid_utf8_is_one_records_bad_input(tmp_path):
-    good = json.dumps(CHAT[0]).encode() + b"\n"
+    good = [json.dumps(c).encode() + b"\n" for c in copies(CHAT[:1], 3)]
     bad = b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n'
-    (tmp_path / "a.jsonl").write_bytes(good + bad + good)
-    (tmp_path / "b.jsonl").write_bytes(good)
+    (tmp_path / "a.jsonl").write_bytes(good[0] + bad + good[1])
+    (tmp_path / "b.jsonl").write_bytes(good[2])
     loaded = load_conversations(tmp_path)
     assert len(loaded.conversations) == 3
     assert [(b.location, b.kind) for b in loaded.bad] == [(f"{tmp_path / 'a.jsonl'}:2", "invalid_utf8")]
@@ -183,8 +200,18 @@ def test_a_bad_target_is_one_line_for_eval_and_gate(tmp_path, features):
 
 
 def test_a_non_finite_loss_stops_before_any_checkpoint(features, tmp_path):
+    # --lr takes no infinite or absurd rate any more: the forward overflows on finite features as
+    # large as bf16 holds instead (fc sums 3H of them)
+    fs, manifest = copy_set(features, tmp_path)
+
+    def huge(rows):
+        for row in rows:
+            row["aux_hidden"].fill_(3e38)
+
+    for shard in range(len(manifest["shards"])):
+        rewrite_shard(fs, manifest, shard, huge)
     with pytest.raises(ValueError, match=r"step \d: loss_0.* not finite .*diverged"):
-        run_train(tiny_cfg(features, tmp_path / "run", lr=float("inf")), silent=True)
+        run_train(tiny_cfg(fs, tmp_path / "run"), silent=True)
     assert not list((tmp_path / "run").glob("checkpoints/step-*")) and not (tmp_path / "run" / "export").exists()
 
 
@@ -240,7 +267,8 @@ def test_greedy_flag_and_recipe_values_reach_the_config(tmp_path, monkeypatch):
         cfg = resolve_config(EvalConfig, "eval", str(recipe), {}, draft="d")
     assert (cfg.k, cfg.prompt_sets, cfg.temperature) == (6, ("chat", "code"), 1e-4)
     recipe.write_text("eval:\n  draft_tokens: 6.5\n")
-    with click.Context(click.Command("x")), pytest.raises(click.BadParameter, match="6.5 is not a int"):
+    with click.Context(click.Command("x")), pytest.raises(click.ClickException,
+                                                          match=rf"^{recipe}: eval: draft_tokens: 6.5 is not an int"):
         resolve_config(EvalConfig, "eval", str(recipe), {}, draft="d")
 
 
@@ -278,3 +306,141 @@ def test_a_truncated_shard_read_by_a_loader_worker_is_one_line(features, tmp_pat
     assert result.exit_code == 2, (result.output, result.exception)
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and f"{manifest['shards'][1]['path']} is damaged or truncated" in errors[0], result.output
+
+
+@contextmanager
+def deadline(seconds: int):
+    """Fail a test that is still running after `seconds` (a hang), from the main thread."""
+    def hung(*_):
+        raise TimeoutError(f"still running after {seconds} s: it hangs")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_training_split_without_a_batch_fails_at_once_naming_the_numbers(features, tmp_path):
+    # 6 samples, 95% held out: none left to train on (before: sf-train looped over empty epochs forever)
+    with deadline(60), pytest.raises(ValueError, match=r"the training split has no batch: feature set .* holds 6 "
+                                                      r"samples, --eval-fraction 0.95 holds out 6, and the 0 samples "
+                                                      r"make 0 batches of at most 256 tokens"):
+        run_train(tiny_cfg(features, tmp_path / "run", eval_fraction=0.95), silent=True)
+    assert not (tmp_path / "run" / "train_config.json").exists()
+
+
+def test_a_loader_with_more_ranks_than_batches_refuses_at_once(tmp_path):
+    from specfoundry.testing import SMOL_DRAFT, write_random_featureset
+    from specfoundry.train.loader import FeatureLoader
+
+    fs = write_random_featureset(tmp_path / "fs", n=2, t=8, cfg=SMOL_DRAFT)
+    loader = FeatureLoader(fs, [0, 1], max_tokens=64, seed=0, rank=1, world=4, num_workers=0)
+    assert loader.batches_per_epoch() == 0
+    with deadline(20), pytest.raises(ValueError, match=r"no batch for rank 1: 2 samples make 1 batches of at most 64 "
+                                                       r"tokens, shared by 4 ranks"):
+        next(iter(loader))
+
+
+def test_a_run_folder_that_lost_its_record_says_what_is_missing_and_how_to_go_on(tmp_path):
+    from specfoundry.common.shards import check_output_folder
+
+    cfg = build_config(TrainConfig, {"featureset": "f", "output": str(tmp_path / "run")})
+    step = tmp_path / "run" / "checkpoints" / "step-0000004"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text("{}")
+    with pytest.raises(OutputFolderError, match=rf"^{tmp_path / 'run'} holds the checkpoints/ of an sf-train run but "
+                                                r"not train_config.json, the record of its settings.*: restore "):
+        check_output_folder(tmp_path / "run", "train", cfg)
+    (step / "train_config.json").write_text("{}")
+    with pytest.raises(OutputFolderError, match=rf": copy {step / 'train_config.json'} back to "
+                                                rf"{tmp_path / 'run' / 'train_config.json'} and rerun the same command"):
+        check_output_folder(tmp_path / "run", "train", cfg)  # before: "is not empty and holds no train run"
+
+
+def test_a_draft_vocabulary_larger_than_the_targets_is_refused_before_anything_is_recorded(features, tmp_path):
+    # before: cut to the vocabulary's 49152 while train_config.json recorded 60000
+    with pytest.raises(FeatureSetError, match=r"--draft-vocab-size 60000 is larger than the target's vocabulary "
+                                              r"\(49152 tokens\)"):
+        run_train(tiny_cfg(features, tmp_path / "run", draft_vocab_size=60000), silent=True)
+    assert not (tmp_path / "run" / "train_config.json").exists()
+
+
+@pytest.mark.parametrize("argv", [["sf-regen", "run", "SRC", "-o", "LINK"], ["sf-capture", "run", "SRC", "-o", "LINK"],
+                                  ["sf-train", "run", "SRC", "-o", "LINK/run"]])
+def test_an_output_that_is_a_symlink_to_nothing_is_named_as_such(tmp_path, chat_file, argv):
+    from tests.test_cli_help import COMMANDS
+
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    subs = {"SRC": str(chat_file), "LINK": str(tmp_path / "link"), "LINK/run": str(tmp_path / "link" / "run")}
+    result = CliRunner().invoke(COMMANDS[argv[0]], [subs.get(a, a) for a in argv[1:]])
+    assert result.exit_code == 2, (result.output, result.exception)
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    # before: "File exists: PATH"
+    assert errors == [f"Error: {tmp_path / 'link'} is a symlink to {tmp_path / 'gone'}, which does not exist: create "
+                      "that folder, or choose another output"], result.output
+
+
+def test_specfoundry_cache_empty_is_unset_and_a_file_is_named(tmp_path, monkeypatch, chat_file):
+    from specfoundry.capture.cli import main
+    from specfoundry.common.target import TargetError, cache_root
+
+    monkeypatch.setenv("SPECFOUNDRY_CACHE", "")  # before: the working directory, where a 517 MB model went
+    assert cache_root() == Path.home() / ".cache" / "specfoundry"
+    (tmp_path / "cache").write_text("x")
+    monkeypatch.setenv("SPECFOUNDRY_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(TargetError, match="is a file, not a folder for converted models"):
+        cache_root()
+    result = CliRunner().invoke(main, ["run", str(chat_file), "-o", str(tmp_path / "fs")])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert errors == [f"Error: SPECFOUNDRY_CACHE={tmp_path / 'cache'} is a file, not a folder for converted models: "
+                      "point it at a folder, or unset it for ~/.cache/specfoundry"]  # before: "File exists: PATH"
+
+
+@pytest.mark.parametrize("argv", [["sf-regen", "run", "SRC", "-o", "OUT"], ["sf-capture", "run", "SRC", "-o", "OUT"],
+                                  ["sf-train", "run", "SRC", "-o", "OUT"], ["sf-eval", "run", "SRC", "-o", "OUT"],
+                                  ["sf-eval", "gate", "-o", "OUT"]])
+def test_a_second_run_into_a_folder_in_use_is_refused_in_one_line(tmp_path, chat_file, argv):
+    from specfoundry.common.shards import output_lock
+    from tests.test_cli_help import COMMANDS
+
+    out = tmp_path / "out"
+    stage = {"sf-regen": "regen", "sf-capture": "capture", "sf-train": "train", "sf-eval": "eval"}[argv[0]]
+    stage = "gate" if argv[1] == "gate" else stage
+    with output_lock(out, stage):  # the first run, still going (before: the second went on beside it)
+        result = CliRunner().invoke(COMMANDS[argv[0]], [{"SRC": str(chat_file), "OUT": str(out)}.get(a, a)
+                                                        for a in argv[1:]])
+        assert result.exit_code == 2, (result.output, result.exception)
+        errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+        assert errors == [f"Error: {out}: another sf-{stage} run is writing into this folder (it holds {out / '.lock'}); "
+                          "wait for it to end, or choose another folder"], result.output
+    assert not out.exists()  # the first run wrote nothing: its lock leaves nothing behind
+
+
+def test_the_lock_of_a_killed_run_never_blocks_a_rerun(tmp_path):
+    import subprocess
+    import sys
+
+    from specfoundry.common.shards import OutputFolderError, output_lock
+
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom specfoundry.common.shards import output_lock\n"
+                               f"with output_lock({str(out)!r}, 'regen'):\n    print('held', flush=True)\n"
+                               "    (__import__('pathlib').Path(sys.argv[1]) / 'shard').write_text('x')\n"
+                               "    time.sleep(120)\n", str(out)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(OutputFolderError, match="another sf-regen run is writing into this folder"):
+            with output_lock(out, "regen"):
+                pass
+    finally:
+        holder.kill()  # SIGKILL: no cleanup runs, its .lock file stays
+        holder.wait()
+    assert (out / ".lock").is_file()
+    with output_lock(out, "regen"):  # the rerun takes the folder over
+        assert (out / "shard").is_file()
+    assert sorted(p.name for p in out.iterdir()) == ["shard"]  # and leaves no lock file behind

@@ -21,7 +21,7 @@ from specfoundry.train.eagle3.ttt import ttt_loss
 from specfoundry.train.loader import Batch, BatchDataset, FeatureLoader, plan_batches
 from specfoundry.train.trainer import TrainConfig, Trainer, resolved_pad_multiple, run_train
 from specfoundry.train.vocab import choose_draft_vocab, vocab_maps
-from tests.conftest import CHAT, write_jsonl
+from tests.conftest import CHAT, copies, write_jsonl
 
 TINY = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                    vocab_size=97, draft_vocab_size=40, target_hidden_size=24, aux_layer_ids=(1, 2, 3))
@@ -296,7 +296,7 @@ def test_export_has_exactly_sglangs_names_and_shapes(tmp_path):
 @pytest.fixture(scope="module")
 def smol_features(tmp_path_factory):
     root = tmp_path_factory.mktemp("fs")
-    src = write_jsonl(root / "chat.jsonl", CHAT * 4)
+    src = write_jsonl(root / "chat.jsonl", copies(CHAT, 4))
     run_capture(CaptureConfig(source=str(src), output=str(root / "fs"), shard_size=8, max_length=96), silent=True)
     return root / "fs"
 

@@ -6,7 +6,15 @@ import click
 
 from specfoundry.capture.stage import CaptureConfig, CaptureError, run_capture
 from specfoundry.capture.verify import verify_featureset
-from specfoundry.common.cli import CONTEXT, expected_failures, resolve_config, shared_option, stage_command
+from specfoundry.common.cli import (
+    CONTEXT,
+    IntIn,
+    Range,
+    expected_failures,
+    resolve_config,
+    shared_option,
+    stage_command,
+)
 from specfoundry.common.conversations import ConversationFormatError
 from specfoundry.common.placement import PlacementError, launch_env
 from specfoundry.common.shards import OutputFolderError
@@ -41,8 +49,8 @@ def run(recipe, silent, **options):
 
 @main.command("verify", context_settings=CONTEXT)
 @click.argument("featureset", type=click.Path())
-@click.option("--recompute", type=int, default=0, show_default=True,
-              help="Also rerun the target on this many samples and compare.")
+@click.option("--recompute", type=IntIn(Range(0)), default=0, show_default=True,
+              help="Also rerun the target on this many samples and compare. 0: none.")
 @shared_option("device")
 @expected_failures(*FAILURES)
 def verify(featureset, recompute, device):

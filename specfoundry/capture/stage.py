@@ -12,23 +12,37 @@ Writing runs in background threads, overlapping the next shard's prefill.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from specfoundry import __version__
 from specfoundry.capture.runner import HFCaptureRunner, NonFiniteFeatures
 from specfoundry.capture.template import TemplateMaskError, render_with_mask
 from specfoundry.capture.writer import BackgroundWriter
-from specfoundry.common.cli import config_dict, setting, shared
-from specfoundry.common.conversations import BadInput, ConversationFormatError, load_conversations
+from specfoundry.common.cli import Range, Settings, config_dict, setting, shared
+from specfoundry.common.conversations import (
+    BadInput,
+    Conversation,
+    ConversationFormatError,
+    load_conversations,
+    tools_template_problem,
+)
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.placement import Placement
 from specfoundry.common.progress import Progress
-from specfoundry.common.shards import ShardedOutput, check_output_folder, record_config, writable_folder
+from specfoundry.common.shards import (
+    ShardedOutput,
+    check_output_folder,
+    output_inside_source,
+    record_config,
+    writable_folder,
+)
 from specfoundry.common.taps import FAMILY_DEFAULT_LAYERS, parse_layer_ids
 from specfoundry.common.target import EMBEDDED_DEFAULT, Target, chat_template_source
 from specfoundry.common.weights import weight_fingerprint
@@ -49,7 +63,9 @@ class CaptureError(ValueError):
 
 def parse_families(spec) -> tuple[str, ...]:
     """--families: comma-separated family names (a recipe may give a list)."""
-    names = tuple(x.strip() for x in (spec.split(",") if isinstance(spec, str) else spec))
+    if not isinstance(spec, str | list | tuple):
+        raise ValueError(f"{spec!r} is not a comma-separated list of draft families")
+    names = tuple(str(x).strip() for x in (spec.split(",") if isinstance(spec, str) else spec))
     unknown = [n for n in names if n not in FAMILY_DEFAULT_LAYERS]
     if unknown or not names:
         raise ValueError(f"unknown draft famil{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown) or '(none)'}: "
@@ -74,7 +90,7 @@ def stored_layers(cfg: CaptureConfig, num_layers: int) -> list[int]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CaptureConfig:
+class CaptureConfig(Settings):
     """Settings of one sf-capture run (recorded in capture_config.json and the manifest)."""
 
     source: str = setting(argument=True, help="Conversation file or folder, or an sf-regen output folder.")
@@ -91,7 +107,7 @@ class CaptureConfig:
              "all of them: eagle3 [1, L//2-1, L-4], dflash round(1 + i(L-4)/4) for i = 0..4.")
     max_length: int = shared("max_length", 2048)
     shard_size: int | None = setting(
-        None, shown="as many samples as fit 4 GiB of features at --max-length, at most 256",
+        None, shown="as many samples as fit 4 GiB of features at --max-length, at most 256", valid=Range(1),
         help="Samples per shard: the unit of resumption and of work per rank. A shard's features stay in host "
              "memory until written.")
     max_batch_tokens: int = shared("max_batch_tokens", 16384)
@@ -116,15 +132,15 @@ class CaptureConfig:
     device: str | None = shared("device", None, resume=False)
     placement: Placement = Placement()
     writers: int = setting(factory=lambda: min(4, os.cpu_count() or 1), resume=False,
-                           shown="min(4, CPU cores)",
+                           shown="min(4, CPU cores)", valid=Range(1, 256),
                            help="Threads writing finished shards in the background; up to writers + 2 shards "
                                 "are held in memory at once.")
 
     def __post_init__(self):
-        if self.shard_size is not None and self.shard_size < 1:
-            raise ValueError(f"--shard-size must be >= 1, got {self.shard_size}")
-        if self.writers < 1:
-            raise ValueError(f"--writers must be >= 1, got {self.writers}")
+        super().__post_init__()
+        problem = output_inside_source(self.source, self.output)
+        if problem:
+            raise ValueError(problem)
 
 
 @dataclass
@@ -142,6 +158,20 @@ class CapturePlan:
 
     def rels(self) -> list[str]:
         return [shard_name(s, self.cfg.codec) for s in range(self.num_shards)]
+
+    def made_from(self) -> dict[str, str]:
+        """Per shard, the hash of its samples (what its done mark records)."""
+        return {shard_name(s, self.cfg.codec): samples_sha256(self.part(s)) for s in range(self.num_shards)}
+
+
+def samples_sha256(part: list[dict]) -> str:
+    """What a shard is made from: a hash of its samples' ids, tokens and loss masks."""
+    h = hashlib.sha256()
+    for x in part:
+        h.update(str(x["id"]).encode() + b"\0")
+        h.update(np.asarray(x["input_ids"], dtype=np.int64).tobytes())
+        h.update(np.asarray(x["loss_mask"], dtype=np.uint8).tobytes())
+    return h.hexdigest()
 
 
 SHARD_BYTES = 4 << 30  # features one automatically sized shard may hold at max_length
@@ -166,10 +196,17 @@ def prepare_samples(cfg: CaptureConfig, tokenizer) -> tuple[list[dict], list[Bad
         loaded = load_conversations(cfg.source, strict=cfg.strict, partial=cfg.partial)
     except (ConversationFormatError, FileNotFoundError) as e:
         raise CaptureError(str(e)) from e
+    problem = tools_template_problem(loaded.conversations, tokenizer)  # the check sf-regen applies too
+    if problem:
+        raise CaptureError(problem)
     samples, bad, skipped = [], list(loaded.bad), 0
     for conv in loaded.conversations:
         if cfg.limit is not None and len(samples) >= cfg.limit:
             break
+        empty = empty_answer(conv)
+        if empty:
+            bad.append(empty)
+            continue
         try:
             r = render_with_mask(tokenizer, conv.to_messages(), cfg.max_length)
         except TemplateMaskError as e:
@@ -180,6 +217,15 @@ def prepare_samples(cfg: CaptureConfig, tokenizer) -> tuple[list[dict], list[Bad
             continue
         samples.append({"id": conv.id, "input_ids": r.input_ids, "loss_mask": r.loss_mask})
     return samples, bad, skipped
+
+
+def empty_answer(conv: Conversation) -> BadInput | None:
+    """An assistant turn with no text and no tool call: no token of it to learn (sf-regen
+    regenerates such a turn; a capture takes the text as it is)."""
+    for t, m in enumerate(conv.messages):
+        if m.role == "assistant" and not m.content.strip() and not m.tool_calls:
+            return BadInput(conv.location, "empty_answer", f"turn {t} is an empty assistant message: nothing to learn")
+    return None
 
 
 def length_batches(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
@@ -228,7 +274,11 @@ def plan_capture(cfg: CaptureConfig, tokenizer, identity) -> CapturePlan:
         "capture_config": config_dict(cfg),
     }
     num_shards = (len(samples) + cfg.shard_size - 1) // cfg.shard_size
-    return CapturePlan(cfg, samples, num_shards, base, identity.vocab_size)
+    plan = CapturePlan(cfg, samples, num_shards, base, identity.vocab_size)
+    # a finished shard made from other tokens than the source now gives (an edited record, the same
+    # ids) loses its done mark here, once the folder is known to hold this run: it is captured again
+    ShardedOutput(Path(cfg.output), plan.made_from(), cfg.source).pending(plan.rels())
+    return plan
 
 
 def capture_shards(plan: CapturePlan, runner: HFCaptureRunner, shards: list[int], out: ShardedOutput,
@@ -348,6 +398,7 @@ def write_one(out: ShardedOutput, shard: int, part: list[dict], outputs: list, c
         "num_tokens": sum(len(x["input_ids"]) for x in part),
         "loss_tokens": sum(sum(x["loss_mask"]) for x in part),
         "sample_ids": [x["id"] for x in part],
+        "source_sha256": samples_sha256(part),  # what plan_capture compares on a rerun
         "sample_lengths": [len(x["input_ids"]) for x in part],
         "token_counts": {str(k): v for k, v in sorted(counts.items())},
     })

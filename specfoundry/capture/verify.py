@@ -32,6 +32,12 @@ def expected_arrays(manifest: dict, n: int) -> dict[str, tuple[tuple[int, ...], 
     return out
 
 
+def located(r: ShardReader, token: int, layer: str) -> str:
+    """'sample j, token t, layer ...' of a token of the shard's flat token axis."""
+    j = int((torch.from_numpy(r.offsets[1:]) <= token).sum())
+    return f"sample {j}, token {token - int(r.offsets[j])}, {layer}"
+
+
 def first_nonfinite(r: ShardReader, state: str, n: int, layers: list[str]) -> str | None:
     """Where the first NaN or Inf of a state lies after decoding ('sample j, token t, layer ...'), or None."""
     for start in range(0, n, CHUNK):
@@ -39,9 +45,20 @@ def first_nonfinite(r: ShardReader, state: str, n: int, layers: list[str]) -> st
         x = decode_state(values, scale, torch.float32)  # [rows, L*H]
         bad = (~torch.isfinite(x.unflatten(-1, (len(layers), -1)))).any(-1).nonzero()  # [?, 2]: (row, layer)
         if len(bad):
-            token, layer = start + int(bad[0, 0]), int(bad[0, 1])
-            j = int((torch.from_numpy(r.offsets[1:]) <= token).sum())
-            return f"sample {j}, token {token - int(r.offsets[j])}, {layers[layer]}"
+            return located(r, start + int(bad[0, 0]), layers[int(bad[0, 1])])
+    return None
+
+
+def first_impossible_scale(r: ShardReader, state: str, n: int, layers: list[str]) -> str | None:
+    """A float8 state's first scale no capture writes (fp8.impossible_scales): its value and where."""
+    for start in range(0, n, CHUNK):
+        values, scale = r.state(state, start, min(n, start + CHUNK))
+        if scale is None:
+            return None
+        bad = fp8.impossible_scales(values, scale).nonzero()  # [?, 2]: (row, layer)
+        if len(bad):
+            row, layer = int(bad[0, 0]), int(bad[0, 1])
+            return f"{float(scale[row, layer])} at {located(r, start + row, layers[layer])}"
     return None
 
 
@@ -75,6 +92,10 @@ def check_shard(root: Path, manifest: dict, entry: dict) -> tuple[list[str], dic
             where = first_nonfinite(r, state, n, layers)
             if where:
                 problems.append(f"{entry['path']}: {state}_hidden holds NaN or Inf at {where}")
+            scale = None if where else first_impossible_scale(r, state, n, layers)
+            if scale:
+                problems.append(f"{entry['path']}: {state}_scale holds an impossible scale, {scale} (a scale is "
+                                "absmax/448: never negative, and 0 only for a row of zeros)")
     return problems, {"samples": len(r), "tokens": n, "loss_tokens": int(mask.sum())}
 
 

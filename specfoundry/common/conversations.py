@@ -13,6 +13,7 @@ skip, or fail under --strict).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -74,6 +75,14 @@ class Message:
         return out
 
 
+def records_sha256(conversations: list[Conversation]) -> str:
+    """What a shard is made from: a hash of its conversations (ids, where each was read, messages,
+    tools), recorded in its done mark, so a rerun notices a source that changed since."""
+    records = [{"id": c.id, "location": c.location, "messages": [m.to_dict() for m in c.messages],
+                "tools": list(c.tools) if c.tools else None} for c in conversations]
+    return hashlib.sha256(json.dumps(records, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def arguments_value(arguments):
     """Tool-call arguments given as JSON text or as the object itself -> the object (a
     json.JSONDecodeError, a ValueError, when the text is not JSON)."""
@@ -124,7 +133,7 @@ class Conversation:
 @dataclass(frozen=True)
 class BadInput:
     location: str
-    kind: str  # malformed_json | missing_role | missing_content | unknown_role | empty_conversation | ends_on_user | ends_on_tool | no_assistant_turn | over_long_prompt | no_user_turn | bad_tool_call | bad_tools | orphan_tool_result
+    kind: str  # malformed_json | missing_role | missing_content | unknown_role | empty_conversation | ends_on_user | ends_on_tool | no_assistant_turn | starts_on_assistant | over_long_prompt | no_user_turn | bad_tool_call | bad_tools | orphan_tool_result | duplicate_id | empty_answer | template
     detail: str
 
     def __str__(self) -> str:
@@ -137,6 +146,59 @@ class LoadResult:
     bad: list[BadInput] = field(default_factory=list)
 
 
+RUN_RECORDS = ("regen", "capture", "train", "eval", "export", "gate")
+"""The stages whose output folder holds `<stage>_config.json`, the record of its run."""
+
+
+def stage_run(folder: Path) -> str | None:
+    """The stage whose output `folder` holds ('regen', 'capture', ...), or None. Such a folder is
+    read through its stage's contract (a regen output through its manifest), never as loose files:
+    its config, done marks and manifest are no conversations, and a partial shard is no data."""
+    for stage in RUN_RECORDS:
+        if (folder / f"{stage}_config.json").is_file():
+            return stage
+    manifest = folder / MANIFEST_NAME
+    if manifest.is_file():
+        try:
+            record = json.loads(manifest.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        if isinstance(record, dict) and record.get("shards") is not None:
+            return "regen" if "regen" in str(record.get("format", "regen")) else "capture"
+    return None
+
+
+def regen_files(path: Path, partial: bool) -> list[Path]:
+    """The shards of an sf-regen output its manifest lists (refused while its run is incomplete,
+    unless `partial`: then its finished shards)."""
+    manifest = path / MANIFEST_NAME
+    if not manifest.is_file():
+        raise ConversationFormatError(f"{path} holds an sf-regen run without its {MANIFEST_NAME}: rerun the same "
+                                      "sf-regen command to finish it")
+    regen = json.loads(manifest.read_text())
+    if not regen.get("complete") and not partial:
+        raise ConversationFormatError(
+            f"{manifest}: the regen run is incomplete ({len(regen['shards'])} of {regen.get('num_shards')} "
+            "shards); rerun the same sf-regen command to finish it, or pass --partial to use what exists")
+    return [path / s["path"] for s in regen["shards"]]
+
+
+def loose_files(folder: Path, partial: bool) -> list[Path]:
+    """The data files under a folder that holds no stage's run; a sub-folder holding an sf-regen
+    run adds its listed shards, one holding another stage's run adds nothing. Hidden files (partial
+    shards, temporaries) and done marks are never data."""
+    found = []
+    for p in sorted(folder.iterdir()):
+        if p.name.startswith("."):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            run = stage_run(p)
+            found += regen_files(p, partial) if run == "regen" else [] if run else loose_files(p, partial)
+        elif p.suffix in DATA_SUFFIXES and p.name != MANIFEST_NAME and not p.name.endswith(".done.json"):
+            found.append(p)
+    return found
+
+
 def data_files(source: str | Path, partial: bool = False) -> list[Path]:
     """The data files of a source: a file, a folder of them, or a specfoundry regen output
     (refused while its run is incomplete, unless `partial`: then its finished shards)."""
@@ -145,16 +207,12 @@ def data_files(source: str | Path, partial: bool = False) -> list[Path]:
         return [path]
     if not path.is_dir():
         raise FileNotFoundError(f"no such file or folder: {path}")
-    manifest = path / MANIFEST_NAME
-    if manifest.is_file():
-        regen = json.loads(manifest.read_text())
-        if regen.get("shards") is not None:  # a regen output: only its completed, listed shards count
-            if not regen.get("complete") and not partial:
-                raise ConversationFormatError(
-                    f"{manifest}: the regen run is incomplete ({len(regen['shards'])} of {regen.get('num_shards')} "
-                    "shards); rerun the same sf-regen command to finish it, or pass --partial to use what exists")
-            return [path / s["path"] for s in regen["shards"]]
-    files = sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.name != MANIFEST_NAME)
+    run = stage_run(path)
+    if run == "regen":
+        return regen_files(path, partial)
+    if run:
+        raise ConversationFormatError(f"{path} holds an sf-{run} run, not conversations")
+    files = sorted(loose_files(path, partial))
     if not files:
         raise FileNotFoundError(f"{path} holds no .jsonl, .json or .parquet files")
     return files
@@ -243,6 +301,9 @@ def normalise(record: dict, location: str, default_id: str, prompt_only: bool = 
         return Conversation(str(record.get("id") or default_id), tuple(messages), location, tools)
     if not any(m.role == "assistant" for m in non_system):
         return BadInput(location, "no_assistant_turn", "no assistant turn to learn from")
+    if messages[0].role == "assistant":  # a chat template renders no prompt before it: nothing it answers
+        return BadInput(location, "starts_on_assistant", "turn 0 is an assistant turn with nothing before it (a "
+                                                         "greeting): no prompt to regenerate or train it from")
     if non_system[-1].role == "user":
         return BadInput(location, "ends_on_user", "the last turn is a user turn with no answer")
     if non_system[-1].role == "tool":
@@ -270,6 +331,9 @@ def parse_message(turn, t: int, before: list[Message]) -> Message:
     if str(role).lower() not in ROLE_ALIASES:
         raise BadRecord("unknown_role", f"turn {t} has unknown role {role!r}")
     role = ROLE_ALIASES[str(role).lower()]
+    if role != "assistant" and turn.get("tool_calls"):
+        raise BadRecord("bad_tool_call", f"turn {t} is a {role} message with tool_calls (only an assistant message "
+                                         "calls tools)")
     calls = parse_tool_calls(turn.get("tool_calls"), t) if role == "assistant" else ()
     if content is None and calls:
         content = ""  # an assistant message that only calls tools
@@ -330,6 +394,7 @@ def load_conversations(source: str | Path, strict: bool = False, limit: int | No
     with ``prompt_only`` records are prompts (see normalise); ``partial``: see data_files.
     """
     result = LoadResult()
+    first_of: dict[str, str] = {}  # a record's own id -> where it was first used
     for path in data_files(source, partial):
         for index, (where, record, error) in enumerate(iter_records(path)):
             if limit is not None and len(result.conversations) >= limit:
@@ -339,6 +404,11 @@ def load_conversations(source: str | Path, strict: bool = False, limit: int | No
                 if record is None
                 else normalise(record, where, default_id=f"{path.stem}-{index}", prompt_only=prompt_only)
             )
+            if isinstance(item, Conversation) and record.get("id") is not None:
+                if item.id in first_of:  # two outputs under one id: which one a later stage means is unclear
+                    item = BadInput(where, "duplicate_id", f"id {item.id!r} is used already, by {first_of[item.id]}")
+                else:
+                    first_of[item.id] = where
             if isinstance(item, BadInput):
                 if strict:
                     raise ConversationFormatError(str(item))
@@ -346,3 +416,47 @@ def load_conversations(source: str | Path, strict: bool = False, limit: int | No
             else:
                 result.conversations.append(item)
     return result
+
+
+# ---- what a chat template must render --------------------------------------------------------------
+
+PROBE = "specfoundry_probe"
+
+
+def template_renders_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template shows a tools list, an assistant's tool call and its
+    arguments, and a tool result (a template that ignores them would train the draft on text the
+    target never saw)."""
+    tools = [{"type": "function", "function": {"name": f"{PROBE}_tool", "description": "probe",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    messages = [{"role": "user", "content": "?"},
+                {"role": "assistant", "content": "", "tool_calls": [ToolCall(
+                    f"{PROBE}_call", {f"{PROBE}_argument": f"{PROBE}_value"}, "call_0").to_dict()]},
+                {"role": "tool", "tool_call_id": "call_0", "content": f"{PROBE}_result"},
+                {"role": "assistant", "content": "!"}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template may raise on a role or field it does not know
+        return False
+    return all(f"{PROBE}_{part}" in text for part in ("tool", "call", "argument", "value", "result"))
+
+
+def uses_tools(conv: Conversation) -> bool:
+    return bool(conv.tools) or conv.num_tool_exchanges > 0
+
+
+def tools_template_problem(conversations: list[Conversation], tokenizer) -> str | None:
+    """The check every stage that renders conversations (regen, capture, eval) applies: tool
+    conversations need a chat template that renders tools, calls and results. A template that
+    drops them (SmolLM2's) would turn each call into an empty assistant turn and lose the tools
+    list. The one-line refusal naming the first such conversation, or None."""
+    from specfoundry.common.target import chat_template_source
+
+    first = next((c for c in conversations if uses_tools(c)), None)
+    if first is None or tokenizer is None or template_renders_tools(tokenizer):
+        return None
+    source = chat_template_source(tokenizer)
+    template = "the target's own" if source == "target" else source
+    return (f"{first.location}: a conversation with tools, but the chat template ({template}) does not render "
+            "tools, tool calls and tool results: give --chat-template FILE with one that does (docs/stages.md, "
+            "Conversations with tools)")

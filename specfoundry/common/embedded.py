@@ -61,8 +61,13 @@ class TargetError(ValueError):
 
 
 def cache_root() -> Path:
-    """Folder for converted models; SPECFOUNDRY_CACHE overrides ~/.cache/specfoundry."""
-    return Path(os.environ.get("SPECFOUNDRY_CACHE", Path.home() / ".cache" / "specfoundry"))
+    """Folder for converted models; SPECFOUNDRY_CACHE overrides ~/.cache/specfoundry (set but
+    empty, it is unset: not the working directory)."""
+    root = Path(os.environ.get("SPECFOUNDRY_CACHE", "").strip() or Path.home() / ".cache" / "specfoundry")
+    if root.exists() and not root.is_dir():
+        raise TargetError(f"SPECFOUNDRY_CACHE={root} is a file, not a folder for converted models: point it at a "
+                          "folder, or unset it for ~/.cache/specfoundry")
+    return root
 
 
 def package_dir(name: str, embedded: EmbeddedTarget) -> Path:

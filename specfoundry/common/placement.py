@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from specfoundry.common.cli import setting
+from specfoundry.common.cli import Range, Settings, setting
 
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
@@ -60,14 +60,17 @@ def parse_max_memory(spec) -> dict | None:
     return out
 
 
+MAX_RANKS = 1024  # ranks per copy of the target, at most
+
+
 @dataclass(frozen=True, kw_only=True)
-class Placement:
+class Placement(Settings):
     """How the target's weights are spread (docs/scaling.md)."""
 
-    tp: int = setting(1, resume=False, help="Tensor parallelism: ranks that share one copy of the target, each "
+    tp: int = setting(1, resume=False, valid=Range(1, MAX_RANKS), help="Tensor parallelism: ranks that share one copy of the target, each "
                       "holding 1/N of every sharded layer (transformers' tensor-parallel plan). Launch with "
                       "`torchrun --nproc-per-node W`, W a multiple of N: W/N copies split the work.")
-    ep: int = setting(1, resume=False, help="Expert parallelism for MoE targets: the experts spread over N ranks "
+    ep: int = setting(1, resume=False, valid=Range(1, MAX_RANKS), help="Expert parallelism for MoE targets: the experts spread over N ranks "
                       "(transformers' expert-parallel plan), the dense layers tensor-parallel over the same N. "
                       "With --tp, the two are equal.")
     device_map: str | None = setting(None, resume=False, choices=DEVICE_MAPS, shown="off: the whole target on "
@@ -80,9 +83,7 @@ class Placement:
                                            "then disk.")
 
     def __post_init__(self):
-        for name in ("tp", "ep"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        super().__post_init__()
         if self.tp > 1 and self.ep > 1 and self.tp != self.ep:
             raise ValueError(f"--tp {self.tp} and --ep {self.ep}: expert parallelism runs over the tensor-parallel "
                              "ranks, so give one size (or both equal)")

@@ -11,7 +11,9 @@ and what the stage records about it). The mechanism guarantees:
   trusts only marked shards whose checksum matches, so a kill at any moment leaves either a
   shard that is redone on the rerun or one that is kept;
 - a rerun with the same settings skips the marked shards and redoes the rest, so, shards being
-  fixed units of a deterministic order, it ends byte-identical to an uninterrupted run.
+  fixed units of a deterministic order, it ends byte-identical to an uninterrupted run;
+- a shard's done mark records what it was made from, so a rerun redoes a shard whose source changed;
+- one run at a time writes into a folder (output_lock, held by each command for the run's life).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 from specfoundry.common.cli import config_dict, resume_settings
@@ -56,10 +60,29 @@ def remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def output_inside_source(source: str | None, output: str | None) -> str | None:
+    """The refusal of an output folder inside (or equal to) its source folder, or None: a rerun
+    would read the output's own files as new input."""
+    if not source or not output or not Path(source).is_dir():
+        return None
+    src, out = Path(source).resolve(), Path(output).resolve()
+    if out == src or src in out.parents:
+        return (f"--output {output} is inside the source folder {source}: a rerun would read the output's own "
+                "files as new input; choose an output folder outside it")
+    return None
+
+
 def writable_folder(root: Path) -> None:
-    """Refuse an output path that is a file, or whose nearest existing folder cannot be written."""
+    """Refuse an output path that is a file, a symlink to nothing, or whose nearest existing folder
+    cannot be written."""
     if root.exists() and not root.is_dir():
         raise OutputFolderError(f"{root} is a file, not an output folder")
+    for p in (root, *root.parents):
+        if p.is_symlink() and not p.exists():  # mkdir would fail with a bare "File exists"
+            raise OutputFolderError(f"{p} is a symlink to {os.readlink(p)}, which does not exist: create that "
+                                    f"folder, or choose another output")
+        if p.exists():
+            break
     existing = next(p for p in (root, *root.parents) if p.exists())
     if not os.access(existing, os.W_OK | os.X_OK):
         raise OutputFolderError(f"{root}: cannot write in {existing} (permission denied, or a read-only filesystem)")
@@ -80,9 +103,68 @@ def check_output_folder(root: Path, stage: str, cfg) -> Path:
         if diffs:
             raise OutputFolderError(f"{root} holds a {stage} run with other settings ({'; '.join(diffs)}); "
                                     "rerun with the same settings to resume, or choose a new folder")
+    elif stage in STAGE_PARTS and (root / STAGE_PARTS[stage]).is_dir():
+        raise OutputFolderError(lost_record(root, stage))
     elif root.is_dir() and any(not p.name.startswith(".") for p in root.iterdir()):  # another rank's temporaries
         raise OutputFolderError(f"{root} is not empty and holds no {stage} run; choose a new or empty folder")
     return path
+
+
+STAGE_PARTS = {"regen": "data", "capture": "shards", "train": "checkpoints"}
+"""The folder of a stage's output that shows a run wrote there."""
+
+
+def lost_record(root: Path, stage: str) -> str:
+    """What to say of a folder holding a stage's output without its config record: what is
+    missing, and how to go on (sf-train keeps a copy of the record in each checkpoint)."""
+    record = root / f"{stage}_config.json"
+    copies = sorted(root.glob(f"{STAGE_PARTS[stage]}/*/{record.name}"))
+    how = (f"copy {copies[-1]} back to {record} and rerun the same command to resume" if copies else
+           f"restore {record} (the settings the run began with) and rerun the same command to resume")
+    return (f"{root} holds the {STAGE_PARTS[stage]}/ of an sf-{stage} run but not {record.name}, the record of its "
+            f"settings, so no rerun can tell whether it may continue it: {how}, or choose a new folder")
+
+
+LOCK = ".lock"
+
+
+@contextmanager
+def output_lock(root: Path, stage: str):
+    """Hold the output folder for a run's life: a second run into it is refused in one line. The
+    lock is the operating system's (flock, through filelock) on <root>/.lock, so the lock of a
+    killed run ends with its process and the file it leaves never blocks a rerun. The file is
+    removed when the run ends, and so are the folders the run made if it wrote nothing in them.
+    Under torchrun, rank 0 holds it for every rank of the launch."""
+    from filelock import FileLock, Timeout
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        yield
+        return
+    root = Path(root)
+    writable_folder(root)
+    made = []  # the folders this run makes: root and the missing folders above it
+    for p in (root, *root.parents):
+        if p.exists():
+            break
+        made.append(p)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / LOCK
+    lock = FileLock(str(path), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise OutputFolderError(f"{root}: another sf-{stage} run is writing into this folder (it holds {path}); wait "
+                                "for it to end, or choose another folder") from None
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # while held: a run opening it now finds the file gone and tries again
+        lock.release()
+        for p in made:  # a run refused before it wrote anything leaves nothing behind
+            try:
+                p.rmdir()
+            except OSError:
+                break
 
 
 def record_config(root: Path, stage: str, cfg) -> None:
@@ -93,10 +175,17 @@ def record_config(root: Path, stage: str, cfg) -> None:
 
 
 class ShardedOutput:
-    """The shards of one output folder: which are finished, and writing one so that it appears whole."""
+    """The shards of one output folder: which are finished, and writing one so that it appears whole.
 
-    def __init__(self, root: Path):
+    `made_from`: per shard, a hash of the input records it is made from (the stage's own choice of
+    what to hash). Each done mark records it; a finished shard whose mark records another (its
+    source changed since: an edited record, an inserted line) is no longer finished, so a rerun
+    writes it again, saying so. A mark without one (written before hashes were recorded) is kept."""
+
+    def __init__(self, root: Path, made_from: dict[str, str] | None = None, source: str | None = None):
         self.root = Path(root)
+        self.made_from = dict(made_from or {})
+        self.source = source  # what the records come from, for the message
 
     def mark_path(self, rel: str) -> Path:
         return self.root / (rel + ".done.json")
@@ -112,10 +201,26 @@ class ShardedOutput:
             return None
         return entry if checksum(self.root / rel) == entry.get("sha256") else None
 
+    def changed(self, rel: str, mark: dict) -> bool:
+        """Whether finished shard `rel` was made from other input records than it is made from now."""
+        want = self.made_from.get(rel)
+        return want is not None and mark.get("source_sha256", want) != want
+
     def pending(self, rels: list[str], holds=None) -> list[str]:
-        """The shards of `rels` still to write; a stale mark of one (its shard damaged or gone, or,
-        with `holds(rel, mark)`, not holding what the plan puts there) is dropped."""
-        todo = [rel for rel in rels if (mark := self.finished(rel)) is None or (holds and not holds(rel, mark))]
+        """The shards of `rels` still to write; a stale mark of one (its shard damaged or gone, made
+        from other input records, or, with `holds(rel, mark)`, not holding what the plan puts
+        there) is dropped."""
+        todo, changed = [], []
+        for rel in rels:
+            mark = self.finished(rel)
+            if mark is not None and self.changed(rel, mark):
+                changed.append(rel)
+            if mark is None or rel in changed[-1:] or (holds and not holds(rel, mark)):
+                todo.append(rel)
+        if changed:
+            more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
+            print(f"{self.root}: {self.source or 'the source'} changed since {changed[0]}{more} "
+                  f"{'were' if more else 'was'} written: writing {'them' if more else 'it'} again", file=sys.stderr)
         for rel in todo:
             self.mark_path(rel).unlink(missing_ok=True)
         return todo
@@ -137,7 +242,8 @@ class ShardedOutput:
             raise OSError(e.errno, e.strerror, str(final)) from e
         remove(final)
         os.replace(partial, final)
-        entry = {**mark, "path": rel, "sha256": digest}
+        made_from = {"source_sha256": self.made_from[rel]} if rel in self.made_from else {}
+        entry = {**mark, **made_from, "path": rel, "sha256": digest}
         atomic_write_json(self.mark_path(rel), entry)
         return entry
 

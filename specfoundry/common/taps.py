@@ -57,9 +57,12 @@ def parse_layer_ids(spec) -> tuple[int, ...] | None:
         return None
     items = spec.split(",") if isinstance(spec, str) else spec
     try:
-        return tuple(int(x) for x in items)
-    except ValueError as e:
+        ids = tuple(int(x) for x in items)
+    except (TypeError, ValueError) as e:
         raise ValueError(f"{spec!r} is not a comma-separated list of layer ids") from e
+    if any(i < 0 for i in ids):
+        raise ValueError(f"{spec!r}: a layer id is the output of decoder layer i, 0 or more")
+    return ids
 
 
 def decoder_layers(model):

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from specfoundry.common.cli import config_dict, setting, shared
-from specfoundry.common.conversations import load_conversations
+from specfoundry.common.cli import MAX_DRAFT, Range, Settings, config_dict, setting, shared
+from specfoundry.common.conversations import load_conversations, tools_template_problem
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.placement import Placement, PlacementError
 from specfoundry.common.progress import Progress
@@ -47,11 +47,17 @@ class EvalError(ValueError):
 
 def parse_tree(spec) -> tuple[int, ...] | None:
     """--tree as given on the command line ('4,2,2,1') or in a recipe (a list)."""
-    return None if spec is None else parse_branching(spec) if isinstance(spec, str) else tuple(spec)
+    if spec is None:
+        return None
+    if isinstance(spec, list | tuple):
+        spec = ",".join(map(str, spec))
+    if not isinstance(spec, str):
+        raise ValueError(f"tree branching must be comma-separated integers, got {spec!r}")
+    return parse_branching(spec)
 
 
 @dataclass(frozen=True, kw_only=True)
-class EvalConfig:
+class EvalConfig(Settings):
     """Settings of one sf-eval run (recorded in eval_config.json and in eval.json)."""
 
     draft: str = setting(argument=True, help="An exported draft folder, an sf-train run folder, or one of its "
@@ -69,8 +75,9 @@ class EvalConfig:
         None, parse=parse_tree,
         help="Draft a token tree instead of a chain: top-k branching per depth, e.g. 4,2,2,1 (depth 4, 44 nodes, "
              "all verified in one target forward). Greedy only; its depth replaces -k.")
-    temperature: float = setting(0.0, help="0: greedy verification. >0: sampling with the rejection rule (the "
-                                 "output is distributed as the target's).")
+    temperature: float = setting(0.0, valid=Range(0, zero="greedy verification"),
+                                 help="Above 0: sampling with the rejection rule (the output is distributed as the "
+                                      "target's).")
     max_new_tokens: int = shared("max_new_tokens", 128)
     # per prompt set
     limit: int | None = shared("limit", None)
@@ -85,6 +92,11 @@ class EvalConfig:
     placement: Placement = Placement()
     # fp32 makes greedy decoding exactly reproducible across the batch shapes of verification and plain decoding
     dtype: str | None = shared("dtype", None, choices=("float32", "bfloat16"))
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.prompt_sets:
+            raise ValueError("--prompts names no prompt set")
 
 
 def prompt_source(name: str) -> Path:
@@ -104,12 +116,18 @@ def load_prompts(name: str, tokenizer, limit: int | None = None) -> list[tuple[s
         raise EvalError(f"bad prompt: {loaded.bad[0]}")
     if not loaded.conversations:
         raise EvalError(f"prompt set {name!r} has no prompts")
+    problem = tools_template_problem(loaded.conversations, tokenizer)  # the check sf-regen and sf-capture apply
+    if problem:
+        raise EvalError(problem)
     return [(conv.id, prompt_ids(tokenizer, conv.to_messages())) for conv in loaded.conversations]
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """The chat template up to the assistant's generation prompt, as token ids."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    """The chat template up to the assistant's generation prompt (with the conversation's tools,
+    where it has some), as token ids."""
+    tools = getattr(messages, "tools", None)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        **({"tools": tools} if tools else {}))
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # some versions return a BatchEncoding
 
 
@@ -166,6 +184,9 @@ def check_config(cfg: EvalConfig) -> EvalConfig:
         if cfg.k != dcfg.block_size - 1 and cfg.k != EvalConfig.k:
             print(f"warning: -k {cfg.k} ignored: DFlash draft {cfg.draft} proposes block_size - 1 = "
                   f"{dcfg.block_size - 1} tokens per round", file=sys.stderr)
+        if dcfg.block_size - 1 > MAX_DRAFT:
+            raise EvalError(f"{cfg.draft} is a DFlash draft of blocks of {dcfg.block_size}; sf-eval decodes blocks of "
+                            f"at most {MAX_DRAFT + 1}")
         cfg = replace(cfg, k=dcfg.block_size - 1)
     if cfg.tree:
         if cfg.temperature > 0:

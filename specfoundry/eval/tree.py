@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specfoundry.common.cli import MAX_DRAFT
 from specfoundry.eval.speculative import DecodeResult, DraftRunner, TargetRunner, finish, sync
 
 
@@ -66,8 +67,9 @@ def parse_branching(text: str) -> tuple[int, ...]:
 
 
 def check_branching(branching: tuple[int, ...]) -> None:
-    if not branching or min(branching) < 1:
-        raise ValueError(f"tree branching needs at least one depth, each >= 1, got {','.join(map(str, branching))!r}")
+    if not branching or min(branching) < 1 or len(branching) > MAX_DRAFT:
+        raise ValueError(f"tree branching needs 1 to {MAX_DRAFT} depths, each >= 1, got "
+                         f"{','.join(map(str, branching))!r}")
 
 
 def shape_name(k: int, tree: tuple[int, ...] | None) -> str:

@@ -63,3 +63,13 @@ def is_finite(values: torch.Tensor, scale: torch.Tensor) -> bool:
     e4m3fn's NaN (S.1111.111; it has no Inf) and every scale is finite with room for 448x."""
     nan = (values.view(torch.uint8) & 0x7F) == 0x7F
     return not bool(nan.any()) and bool(torch.isfinite(scale * E4M3_MAX).all())
+
+
+def impossible_scales(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[..., L] bool: rows whose scale no quantize() gives, read back as wrong finite numbers
+    without a sign: a negative scale (every value's sign flipped), or 0 beside non-zero values
+    (the row read as zeros). values [..., L*H] float8_e4m3fn, scale [..., L]. A NaN or Inf scale
+    reads back as NaN or Inf, which the non-finite checks name."""
+    bits = values.view(torch.uint8).unflatten(-1, (scale.shape[-1], -1))  # [..., L, H]
+    nonzero = ((bits & 0x7F) != 0).any(-1)  # a value other than +0 and -0
+    return (scale < 0) | ((scale == 0) & nonzero)

@@ -12,17 +12,18 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from specfoundry.common.cli import setting, shared
+from specfoundry.common.cli import MAX_TOKENS, Range, Settings, setting, shared
 from specfoundry.common.conversations import ToolCall
 
 
 @dataclass(frozen=True, kw_only=True)
-class SamplingConfig:
+class SamplingConfig(Settings):
     """How each assistant turn is sampled."""
 
-    temperature: float = setting(0.8, help="Sampling temperature (0.8 as in the SpecForge paper; 0 is greedy).")
-    top_p: float = setting(1.0, help="Nucleus sampling mass (1 = off).")
-    top_k: int = setting(0, help="Sample only from the k most likely tokens (0 = off).")
+    temperature: float = setting(0.8, valid=Range(0, zero="greedy"),
+                                 help="Sampling temperature (0.8 as in the SpecForge paper).")
+    top_p: float = setting(1.0, valid=Range(0, 1, min_open=True), help="Nucleus sampling mass (1 = off).")
+    top_k: int = setting(0, valid=Range(0, MAX_TOKENS, zero="off"), help="Sample only from the k most likely tokens.")
     # an answer that reaches the cap is 'truncated'
     max_new_tokens: int = shared("max_new_tokens", 512)
     # each request derives its own seed from this one, so reruns reproduce

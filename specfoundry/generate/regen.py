@@ -25,20 +25,22 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from specfoundry import __version__
-from specfoundry.common.cli import config_dict, setting, shared
+from specfoundry.common.cli import MAX_TOKENS, Range, Settings, config_dict, setting, shared
 from specfoundry.common.conversations import (
     BadInput,
     Conversation,
     ConversationFormatError,
     Message,
     load_conversations,
+    records_sha256,
+    tools_template_problem,
     with_json_arguments,
 )
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json, checksum
 from specfoundry.common.placement import Placement, Ranks
 from specfoundry.common.progress import Progress
-from specfoundry.common.shards import ShardedOutput, check_output_folder, record_config
-from specfoundry.common.target import EMBEDDED_DEFAULT, chat_template_source
+from specfoundry.common.shards import ShardedOutput, check_output_folder, output_inside_source, record_config
+from specfoundry.common.target import EMBEDDED_DEFAULT
 from specfoundry.generate.backend import (
     BACKENDS,
     Backend,
@@ -52,7 +54,7 @@ from specfoundry.generate.backend import (
 from specfoundry.generate.hf_backend import ENGINES
 from specfoundry.generate.repetition import loop_cut
 from specfoundry.generate.synth import DEFAULT_STARTERS, read_starters, starter_for, user_turn_prefix
-from specfoundry.generate.tools import same_calls, template_renders_tools, with_recorded_ids
+from specfoundry.generate.tools import same_calls, with_recorded_ids
 
 FORMAT = "specfoundry.regen"
 FORMAT_VERSION = 2
@@ -91,11 +93,15 @@ class RegenError(ValueError):
 
 def parse_starters(spec) -> tuple[str, ...]:
     """--prompt-starters as given on the command line or in a recipe: a name, a file, or a list."""
-    return read_starters(spec) if isinstance(spec, str) else tuple(spec)
+    if isinstance(spec, str):
+        return read_starters(spec)
+    if not isinstance(spec, list | tuple) or not all(isinstance(x, str) and x.strip() for x in spec):
+        raise ValueError(f"{spec!r} is neither 'default', 'none', a file nor a list of openings (texts)")
+    return tuple(spec)
 
 
 @dataclass(frozen=True, kw_only=True)
-class RegenConfig:
+class RegenConfig(Settings):
     """Settings of one sf-regen run (recorded in regen_config.json beside its output)."""
 
     source: str | None = setting(None, argument=True, help="Conversation file or folder (jsonl/json/parquet, "
@@ -105,10 +111,11 @@ class RegenConfig:
     chat_template: str | None = shared("chat_template", None)
     backend: str = setting("hf", choices=BACKENDS, help="hf: transformers in this process; openai: "
                            "OpenAI-compatible servers; sglang: offline sglang.Engine.")
-    synthesize: int = setting(0, help="No dataset: synthesise this many user prompts from the target (Magpie) "
+    synthesize: int = setting(0, valid=Range(0, MAX_TOKENS, zero="read SOURCE"),
+                              help="No dataset: synthesise this many user prompts from the target (Magpie) "
                               "instead of reading SOURCE.")
     prompt_temperature: float | None = setting(
-        None, shown="--temperature, or 1.0 when greedy",
+        None, shown="--temperature, or 1.0 when greedy", valid=Range(0, min_open=True),
         help="Temperature of synthesised prompts (greedy prompts would all be the same text).")
     prompt_starters: tuple[str, ...] = setting(
         DEFAULT_STARTERS, parse=parse_starters, shown="default",
@@ -116,17 +123,19 @@ class RegenConfig:
              f"many kinds of request: 'default' ({len(DEFAULT_STARTERS)} built-in openings such as 'Why', "
              "'Explain', 'Write a'), 'none' (plain Magpie), or a text file with one opening per line.")
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    batch_size: int = setting(32, help="Sequences generated together (hf, sglang); the hf backend's KV cache "
-                              "holds this many.")
+    batch_size: int = setting(32, valid=Range(1, 1 << 16),
+                              help="Sequences generated together (hf, sglang); the hf backend's KV cache holds this "
+                                   "many.")
     hf_engine: str = setting(
         "auto", choices=ENGINES,
         help="hf backend: 'slots' (continuous batching: a finished sequence frees its slot for the next prompt, "
              "and turns of different conversations interleave), 'generate' (model.generate on length-sorted "
              "batches, turn by turn), 'auto' (slots on a GPU where it can drive the model, else generate). "
              "Greedy output is the same; samples differ, so the choice is part of the settings.")
-    shard_size: int = setting(128, help="Conversations per output shard (the unit of resumption).")
-    max_prompt_tokens: int = setting(2048, help="A conversation whose prompt before an assistant turn is longer "
-                                     "is reported as bad input.")
+    shard_size: int = setting(128, valid=Range(1), help="Conversations per output shard (the unit of resumption).")
+    max_prompt_tokens: int = setting(2048, valid=Range(1, MAX_TOKENS),
+                                     help="A conversation whose prompt before an assistant turn is longer is reported "
+                                          "as bad input.")
     on_empty: str = setting("drop", choices=ON_EMPTY, help="Drop a conversation with an empty regenerated "
                             "answer, or keep it flagged.")
     on_tool_mismatch: str = setting(
@@ -150,11 +159,20 @@ class RegenConfig:
         None, resume=False, shown="none",
         help="A text file of server URLs, one per line (# comments), added to --openai-url (openai backend).")
     openai_model: str | None = setting(None, help="Model name sent to the server, if it needs one (openai backend).")
-    concurrency: int = setting(16, resume=False, help="Requests in flight at once per server (openai backend).")
-    retries: int = setting(4, resume=False, help="Retries per request, on another server where one is up, with "
-                           "exponential backoff; the run stops when a request has used them all (openai backend).")
-    request_timeout: float = setting(600.0, resume=False, help="Seconds a server may take for one request before "
-                                     "it counts as stalled and the request is retried elsewhere (openai backend).")
+    concurrency: int = setting(16, resume=False, valid=Range(1, 4096),
+                               help="Requests in flight at once per server (openai backend).")
+    retries: int = setting(4, resume=False, valid=Range(0, 100, zero="a failed request stops the run"),
+                           help="Retries per request, on another server where one is up, with exponential backoff; "
+                                "the run stops when a request has used them all (openai backend).")
+    request_timeout: float = setting(600.0, resume=False, valid=Range(0, 1e6, min_open=True),
+                                     help="Seconds a server may take for one request before it counts as stalled and "
+                                          "the request is retried elsewhere (openai backend).")
+
+    def __post_init__(self):
+        super().__post_init__()
+        problem = output_inside_source(self.source, self.output)
+        if problem:
+            raise ValueError(problem)
 
     def prompt_sampling(self) -> SamplingConfig:
         """How synthesised user prompts are sampled: always at a temperature above 0."""
@@ -179,10 +197,6 @@ def over_long_prompt(conv: Conversation, tokenizer, max_tokens: int) -> BadInput
                 return BadInput(conv.location, "over_long_prompt", f"prompt has {n} tokens > {max_tokens}")
         history.append(m.to_dict())
     return None
-
-
-def uses_tools(conv: Conversation) -> bool:
-    return bool(conv.tools) or conv.num_tool_exchanges > 0
 
 
 @dataclass
@@ -270,7 +284,9 @@ class Regenerator:
             raise RegenError(str(e)) from e
         conversations, bad = [], list(loaded.bad)
         tokenizer = self.backend.tokenizer
-        self.check_tools_template(loaded.conversations)
+        problem = tools_template_problem(loaded.conversations, tokenizer)
+        if problem:
+            raise RegenError(problem)
         for conv in loaded.conversations:
             problem = tokenizer and over_long_prompt(conv, tokenizer, cfg.max_prompt_tokens)
             if problem:
@@ -279,20 +295,20 @@ class Regenerator:
                 bad.append(problem)
             elif cfg.limit is None or len(conversations) < cfg.limit:
                 conversations.append(conv)
-        return conversations, bad, math.ceil(len(conversations) / cfg.shard_size)
+        num_shards = math.ceil(len(conversations) / cfg.shard_size)
+        self.shards.made_from, self.shards.source = self.made_from(conversations, num_shards), cfg.source
+        return conversations, bad, num_shards
 
-    def check_tools_template(self, conversations: list[Conversation]) -> None:
-        """Refuse tool conversations where the chat template we render with would drop the tools."""
-        tokenizer = self.backend.tokenizer
-        first = next((c for c in conversations if uses_tools(c)), None)
-        if first is None or tokenizer is None or template_renders_tools(tokenizer):
-            return
-        source = chat_template_source(tokenizer)
-        template = "the target's own" if source == "target" else source
-        raise RegenError(
-            f"{first.location}: a conversation with tools, but the chat template ({template}) does not render "
-            "tools, tool calls and tool results: give --chat-template FILE with one that does (docs/stages.md, "
-            "Conversations with tools)")
+    def made_from(self, conversations: list[Conversation], num_shards: int) -> dict[str, str]:
+        """Per shard, the hash of the records of its whole group: what a shard holds depends on the
+        requests generated beside it, so a changed record has its group written again."""
+        size, per_group = self.cfg.shard_size, self.group_size()
+        out = {}
+        for start in range(0, num_shards, per_group):
+            group = range(start, min(start + per_group, num_shards))
+            digest = records_sha256(conversations[start * size : (group[-1] + 1) * size])
+            out.update({shard_path(i): digest for i in group})
+        return out
 
     # ---- one shard ------------------------------------------------------------------------
 

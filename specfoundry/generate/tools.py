@@ -1,5 +1,5 @@
 """Conversations with tools: the target's calls read from its text, compared with the recorded
-ones, and the check that a chat template renders tools at all.
+ones (common/conversations.py holds the check that a chat template renders tools at all).
 
 Regeneration is semi-on-policy where tools are involved. The results of a tool exist only for the
 calls the record made, so a regenerated assistant turn that calls tools is kept only when its
@@ -15,7 +15,9 @@ import json
 import re
 from collections import Counter
 
-from specfoundry.common.conversations import ToolCall, arguments_value
+from specfoundry.common.conversations import ToolCall, arguments_value, template_renders_tools
+
+__all__ = ["calls_in", "parse_tool_calls", "same_calls", "template_renders_tools", "with_recorded_ids"]
 
 CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 MISTRAL_CALLS = "[TOOL_CALLS]"
@@ -84,24 +86,3 @@ def with_recorded_ids(generated: tuple[ToolCall, ...], recorded: tuple[ToolCall,
         unused.remove(match)
         out.append(ToolCall(call.name, call.arguments, match.id))
     return tuple(out)
-
-
-PROBE = "specfoundry_probe"
-
-
-def template_renders_tools(tokenizer) -> bool:
-    """Whether the tokenizer's chat template shows a tools list, an assistant's tool call and its
-    arguments, and a tool result (a template that ignores them would train the draft on text the
-    target never saw)."""
-    tools = [{"type": "function", "function": {"name": f"{PROBE}_tool", "description": "probe",
-                                               "parameters": {"type": "object", "properties": {}}}}]
-    messages = [{"role": "user", "content": "?"},
-                {"role": "assistant", "content": "", "tool_calls": [ToolCall(
-                    f"{PROBE}_call", {f"{PROBE}_argument": f"{PROBE}_value"}, "call_0").to_dict()]},
-                {"role": "tool", "tool_call_id": "call_0", "content": f"{PROBE}_result"},
-                {"role": "assistant", "content": "!"}]
-    try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
-    except Exception:  # noqa: BLE001 - a template may raise on a role or field it does not know
-        return False
-    return all(f"{PROBE}_{part}" in text for part in ("tool", "call", "argument", "value", "result"))

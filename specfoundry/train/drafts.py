@@ -9,13 +9,19 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from specfoundry.train.dflash.config import DFlashConfig
 from specfoundry.train.dflash.export import config_from_sglang as dflash_config_from_sglang
 from specfoundry.train.eagle3.config import Eagle3Config
 from specfoundry.train.eagle3.formats import read_eagle3, read_eagle3_config
-from specfoundry.train.family import TARGET_FILE, DraftLoadError, family_of_export, get_family
+from specfoundry.train.family import (
+    TARGET_FILE,
+    DraftLoadError,
+    family_of_export,
+    get_family,
+    load_tensors,
+    read_config_json,
+)
 
 __all__ = ["DraftLoadError", "find_draft_files", "locate_draft", "read_config", "target_num_layers", "trained_for"]
 
@@ -28,7 +34,7 @@ def target_num_layers(target_dir: Path) -> int:
 def read_dflash_config(path: Path) -> DFlashConfig:
     """A DFlash export's config, read from its config.json alone, as SGLang reads it (a hand-edited
     field must be honoured, and every field our export records is there)."""
-    engine = json.loads((path / "config.json").read_text())
+    engine = read_config_json(path)
     try:
         return dflash_config_from_sglang(engine)
     except KeyError as e:
@@ -61,8 +67,11 @@ def locate_draft(path: Path, num_target_layers: int | None = None) -> tuple[Eagl
         return read_config(path, num_target_layers), path, ""
     run = path.parent.parent  # <run>/checkpoints/step-N
     if (path / "model.safetensors").is_file() and (run / "draft_config.json").is_file():
-        d = json.loads((run / "draft_config.json").read_text())
-        return get_family(d.get("family", "eagle3")).config_from_dict(d), path / "model.safetensors", "draft."
+        d = read_config_json(run, "draft_config.json")
+        try:
+            return get_family(d.get("family", "eagle3")).config_from_dict(d), path / "model.safetensors", "draft."
+        except (KeyError, TypeError, ValueError) as e:
+            raise DraftLoadError(f"{run / 'draft_config.json'}: {e}") from None
     raise DraftLoadError(f"{path} is not an exported draft (config.json + model.safetensors), an sf-train run "
                          "folder or one of its checkpoints/step-N folders")
 
@@ -76,7 +85,7 @@ def find_draft_files(path: Path, num_target_layers: int | None = None) -> tuple[
         if isinstance(cfg, Eagle3Config):
             return read_eagle3(where, num_target_layers)
         where = where / "model.safetensors"
-    tensors = load_file(str(where))
+    tensors = load_tensors(where)
     return cfg, {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
 
 
@@ -85,5 +94,5 @@ def trained_for(path: str | Path) -> dict | None:
     path = Path(path)
     for folder in (path, path / "export", path.parent.parent / "export"):
         if (folder / TARGET_FILE).is_file():
-            return json.loads((folder / TARGET_FILE).read_text())
+            return read_config_json(folder, TARGET_FILE)
     return None

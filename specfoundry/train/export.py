@@ -13,7 +13,7 @@ import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specfoundry.common.cli import config_dict, setting, shared
+from specfoundry.common.cli import Settings, config_dict, setting, shared
 from specfoundry.common.files import atomic_write_json
 from specfoundry.common.shards import check_output_folder
 from specfoundry.common.target import EMBEDDED_DEFAULT, resolve_target, target_identity
@@ -28,7 +28,7 @@ EMBEDDED_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 @dataclass(frozen=True, kw_only=True)
-class ExportConfig:
+class ExportConfig(Settings):
     """Settings of one sf-export run (recorded in export_config.json in the output)."""
 
     draft: str = setting(argument=True, help="The draft: an exported folder (ours, or another tool's in SGLang or "

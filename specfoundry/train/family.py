@@ -111,9 +111,67 @@ def get_family(name: str) -> DraftFamily:
 def family_of_export(path: Path) -> str:
     """The family of an exported draft folder, from the architecture its config.json names (what an
     engine goes by, ours or another tool's)."""
-    config = json.loads((path / "config.json").read_text())
-    arch = " ".join(config.get("architectures") or [])
+    arch = " ".join(map(str, read_config_json(path).get("architectures") or []))
     return "dflash" if "DFlash" in arch else "eagle3"
+
+
+# ---- reading a draft folder's files: each failure one line naming the file (and the field) --------
+
+INT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "max_position_embeddings", "vocab_size", "draft_vocab_size", "target_hidden_size",
+              "block_size", "mask_token_id", "sliding_window")
+FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
+ID_LISTS = ("eagle_aux_hidden_state_layer_ids", "target_layer_ids", "aux_layer_ids")
+
+
+def read_json(file: Path):
+    try:
+        return json.loads(Path(file).read_text())
+    except FileNotFoundError:
+        raise DraftLoadError(f"{Path(file).parent} has no {Path(file).name}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DraftLoadError(f"{file}: not JSON ({e})") from None
+
+
+def read_config_json(path: Path, name: str = "config.json") -> dict:
+    """A draft folder's config.json (or draft_config.json) as a mapping whose numeric settings are
+    numbers: an engine, and every reader here, would fail on anything else further on."""
+    file = Path(path) / name
+    config = read_json(file)
+    if not isinstance(config, dict):
+        raise DraftLoadError(f"{file}: not a JSON object of settings, but a {type(config).__name__}")
+    check_numbers(config, file)
+    return config
+
+
+def check_numbers(config: dict, file: Path, where: str = "") -> None:
+    """Refuse a numeric setting that is no number, naming the file and the field ('a.b' nested)."""
+    for key, value in config.items():
+        if isinstance(value, dict):
+            check_numbers(value, file, f"{where}{key}.")
+            continue
+        whole = isinstance(value, int) and not isinstance(value, bool)
+        if key in INT_FIELDS and value is not None and not whole:
+            raise DraftLoadError(f"{file}: {where}{key} is {value!r}, not an integer")
+        if key in FLOAT_FIELDS and value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise DraftLoadError(f"{file}: {where}{key} is {value!r}, not a number")
+        if key in ID_LISTS and value is not None and not (
+                isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)):
+            raise DraftLoadError(f"{file}: {where}{key} is {value!r}, not a list of layer ids")
+
+
+def load_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; a damaged or truncated one is named, not a SafetensorError."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not Path(file).is_file():
+        raise DraftLoadError(f"{Path(file).parent} holds no {Path(file).name}")
+    try:
+        return load_file(str(file))
+    except (SafetensorError, ValueError) as e:
+        raise DraftLoadError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0]}): it is damaged "
+                             "or truncated") from None
 
 
 def select_layers(manifest: dict, family: DraftFamily, options, explicit: tuple[int, ...] | None,

@@ -229,14 +229,25 @@ class FeatureLoader:
     def batches_per_epoch(self) -> int:
         return len(self.plan(0))
 
+    def describe(self) -> str:
+        """What the split makes: its samples, its batches in all, the ranks that share them."""
+        every = plan_batches(self.lengths, self.indices, self.max_tokens, 0, self.seed, 0, 1, self.max_length,
+                             self.pad_multiple)
+        return (f"{len(self.indices)} samples make {len(every)} batches of at most {self.max_tokens} tokens, "
+                f"shared by {self.world} rank{'s' if self.world > 1 else ''} taking whole batches")
+
     def plan(self, epoch: int) -> list[list[int]]:
         return plan_batches(self.lengths, self.indices, self.max_tokens, epoch, self.seed, self.rank, self.world,
                             self.max_length, self.pad_multiple)
 
     def __iter__(self):
-        """Yields batches forever, epoch after epoch, from the saved position on."""
+        """Yields batches forever, epoch after epoch, from the saved position on; refuses at once
+        a split that gives this rank no batch (it would loop over empty epochs forever)."""
         while True:
-            remaining = self.plan(self.state.epoch)[self.state.position :]
+            plan = self.plan(self.state.epoch)
+            if not plan:
+                raise ValueError(f"no batch for rank {self.rank}: {self.describe()}")
+            remaining = plan[self.state.position :]
             dataset = BatchDataset(self.fs, remaining, self.max_length, self.pad_multiple, self.max_tokens,
                                    self.layers, self.final, self.state.epoch)
             loader = DataLoader(dataset, batch_size=None, shuffle=False,

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from specfoundry.common.cli import setting, shared
+from specfoundry.common.cli import Range, Settings, config_dict, setting, shared
 from specfoundry.common.files import atomic_write_json, remove_temporaries
 from specfoundry.common.progress import Progress
 from specfoundry.common.shards import check_output_folder, record_config
@@ -53,7 +53,7 @@ LOSS_KERNELS = ("auto", "triton", "reference")
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig:
+class TrainConfig(Settings):
     """Settings of one sf-train run (recorded in train_config.json beside the checkpoints)."""
 
     featureset: str = setting(argument=True, help="Feature-set folder written by sf-capture.")
@@ -66,37 +66,41 @@ class TrainConfig:
                                              help="Comma-separated ids of the stored target layers the draft reads.")
     eagle3: Eagle3Options = field(default_factory=Eagle3Options)
     dflash: DFlashOptions = field(default_factory=DFlashOptions)
-    lr: float = setting(1e-4, help="Peak AdamW learning rate.")
-    weight_decay: float = setting(0.0, help="AdamW weight decay.")
-    warmup_steps: int = setting(50, help="Linear warmup steps before the cosine decay.")
+    lr: float = setting(1e-4, valid=Range(0, 1, min_open=True), help="Peak AdamW learning rate.")
+    weight_decay: float = setting(0.0, valid=Range(0, 1, zero="off"), help="AdamW weight decay.")
+    warmup_steps: int = setting(50, valid=Range(0, zero="no warmup"), help="Linear warmup steps before the cosine "
+                                "decay.")
     max_steps: int = shared("max_steps", 1000)
-    epochs: float | None = setting(None, help="Train this many passes over the training split instead of "
+    epochs: float | None = setting(None, valid=Range(0, min_open=True), help="Train this many passes over the training split instead of "
                                    "--max-steps.")
     # per micro-batch and rank; batches are length-grouped
     max_batch_tokens: int = shared("max_batch_tokens", 8192)
     # samples are truncated to it; it may not exceed the length the feature set was captured at
     max_length: int | None = shared("max_length", None, shown="the feature set's")
-    pad_multiple: int | None = setting(None, shown="128 with FlexAttention, else 1",
+    pad_multiple: int | None = setting(None, shown="128 with FlexAttention, else 1", valid=Range(1, 4096),
                                        help="Round batch widths up to a multiple of this, so compiled kernels see "
                                             "few shapes.")
-    grad_accum: int = setting(1, help="Micro-batches per optimizer step.")
-    clip_grad: float = setting(0.5, help="Gradient-norm clip (0 = off).")
+    grad_accum: int = setting(1, valid=Range(1, 4096), help="Micro-batches per optimizer step.")
+    clip_grad: float = setting(0.5, valid=Range(0, zero="off"), help="Gradient-norm clip.")
     seed: int = shared("seed", 0)
-    eval_fraction: float = setting(0.05, help="Held-out fraction of samples for evaluation.")
-    eval_every: int = setting(200, help="Evaluate every N optimizer steps (and at the end).")
-    save_every: int = setting(500, resume=False, help="Checkpoint every N optimizer steps (and at the end).")
-    keep_last: int = setting(2, resume=False, help="Complete checkpoints kept.")
+    eval_fraction: float = setting(0.05, valid=Range(0, 1, max_open=True, zero="no evaluation"),
+                                   help="Held-out fraction of samples for evaluation.")
+    eval_every: int = setting(200, valid=Range(1), help="Evaluate every N optimizer steps (and at the end).")
+    save_every: int = setting(500, resume=False, valid=Range(1),
+                              help="Checkpoint every N optimizer steps (and at the end).")
+    keep_last: int = setting(2, resume=False, valid=Range(0, zero="every one"), help="Complete checkpoints kept.")
     attention: str = setting("auto", choices=ATTENTIONS, help="auto: FlexAttention on CUDA, SDPA with the dense "
                              "tree mask on CPU; eager: the original EAGLE-3 formulation.")
     loss: str = setting("auto", choices=LOSS_KERNELS, help="auto: the in-place Triton kernel on CUDA; "
                         "reference: plain torch.")
-    num_workers: int = setting(2, resume=False, help="Background loader workers per rank.")
+    num_workers: int = setting(2, resume=False, valid=Range(0, 256, zero="read in the training process"),
+                               help="Background loader workers per rank.")
     verify_shards: bool = setting(True, resume=False, help="Check each shard's checksum when a loader process "
                                   "first opens it (one extra read of the set per worker), so a damaged shard is "
                                   "named instead of trained on.")
     init_from: str | None = setting(None, help="An exported draft to fine-tune (keeps its vocabulary map).")
     tensorboard: bool = setting(False, resume=False, help="Log to <output>/tensorboard.")
-    log_every: int = setting(10, resume=False, help="Print metrics every N optimizer steps.")
+    log_every: int = setting(10, resume=False, valid=Range(1), help="Print metrics every N optimizer steps.")
 
 
 class NonFiniteError(ValueError):
@@ -126,6 +130,11 @@ def check_featureset(fs: FeatureSet, cfg: TrainConfig, target_dir: Path):
         raise FeatureSetError(f"--max-length {cfg.max_length} is longer than feature set {cfg.featureset} was "
                               f"captured for (max_length {manifest['max_length']})")
     return identity
+
+
+def planned_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    """Optimizer steps of the run: --epochs passes over the training split when given, else --max-steps."""
+    return int(math.ceil(cfg.epochs * steps_per_epoch)) if cfg.epochs is not None else cfg.max_steps
 
 
 def resolved_pad_multiple(cfg: TrainConfig, device: torch.device) -> int:
@@ -332,8 +341,12 @@ class Trainer:
                                     num_workers=cfg.num_workers, max_length=cfg.max_length,
                                     pad_multiple=resolved_pad_multiple(cfg, accel.device),
                                     pin_memory=accel.device.type == "cuda", **self.features)
-        per_epoch = max(1, self.loader.batches_per_epoch() // cfg.grad_accum)
-        self.total_steps = int(math.ceil(cfg.epochs * per_epoch)) if cfg.epochs else cfg.max_steps
+        if not self.loader.batches_per_epoch():  # the loader would wait for a batch forever
+            raise ValueError(f"the training split has no batch: feature set {cfg.featureset} holds {len(self.fs)} "
+                             f"samples, --eval-fraction {cfg.eval_fraction:g} holds out {len(self.eval_idx)}, and the "
+                             f"{self.loader.describe()}; lower --eval-fraction or --max-batch-tokens, or use fewer "
+                             "processes")
+        self.total_steps = planned_steps(cfg, max(1, self.loader.batches_per_epoch() // cfg.grad_accum))
 
     # ---- resume ---------------------------------------------------------------------------------
 
@@ -439,6 +452,8 @@ class Trainer:
         else:
             states = [self.loader.state_dict()]
         if accel.is_main_process:
+            # a copy of the run's record: the checkpoint stays resumable if train_config.json is lost
+            atomic_write_json(tmp / "train_config.json", config_dict(self.cfg))
             atomic_write_json(tmp / TRAINER_STATE, {"step": self.step, "loader": states, "history": self.history})
             replace_dir(tmp, final)
             if self.cfg.keep_last > 0:

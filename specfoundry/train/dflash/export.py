@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from specfoundry.common.target import rope_settings
 from specfoundry.train.dflash.config import DFlashConfig
-from specfoundry.train.family import DRAFT_FILE, TARGET_FILE, check_tensors
+from specfoundry.train.family import DRAFT_FILE, TARGET_FILE, check_tensors, load_tensors, read_config_json
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -134,10 +134,8 @@ def config_from_sglang(config: dict) -> DFlashConfig:
 
 def load_export(path: str | Path) -> tuple[DFlashConfig, dict[str, torch.Tensor]]:
     """A DFlash export (ours, or another tool's), read from its config.json as SGLang reads it."""
-    from safetensors.torch import load_file
-
     path = Path(path)
-    config = json.loads((path / "config.json").read_text())
+    config = read_config_json(path)
     if ARCHITECTURE not in (config.get("architectures") or []):
         raise ValueError(f"{path} is not a DFlash draft (architectures {config.get('architectures')}); "
                          "pass the --family it was trained as")
@@ -145,4 +143,4 @@ def load_export(path: str | Path) -> tuple[DFlashConfig, dict[str, torch.Tensor]
         cfg = config_from_sglang(config)
     except KeyError as e:
         raise ValueError(f"draft {path / 'config.json'} lacks {e.args[0]!r}") from None
-    return cfg, load_file(str(path / "model.safetensors"))
+    return cfg, load_tensors(path / "model.safetensors")

@@ -5,19 +5,19 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specfoundry.common.cli import setting
+from specfoundry.common.cli import MAX_DRAFT, MAX_TOKENS, Range, Settings, setting
 from specfoundry.common.target import draft_shape_of
 
 
 @dataclass(frozen=True, kw_only=True)
-class Eagle3Options:
+class Eagle3Options(Settings):
     """sf-train settings of the EAGLE-3 family (recorded in train_config.json under `eagle3`)."""
 
-    draft_vocab_size: int = setting(32000, help="EAGLE-3: draft vocabulary, this many most frequent loss-masked "
+    draft_vocab_size: int = setting(32000, valid=Range(1, MAX_TOKENS), help="EAGLE-3: draft vocabulary, this many most frequent loss-masked "
                                     "tokens.")
-    ttt_length: int = setting(7, help="EAGLE-3: Training-Time Test steps unrolled per forward (the draft length "
+    ttt_length: int = setting(7, valid=Range(1, MAX_DRAFT), help="EAGLE-3: Training-Time Test steps unrolled per forward (the draft length "
                               "trained).")
-    loss_decay: float = setting(0.8, help="EAGLE-3: the loss of TTT step s is weighted decay^s.")
+    loss_decay: float = setting(0.8, valid=Range(0, 1, min_open=True), help="EAGLE-3: the loss of TTT step s is weighted decay^s.")
     fc_norm: bool = setting(False, help="EAGLE-3.1: an RMSNorm on each captured state before fc.")
     norm_output: bool = setting(False, help="EAGLE-3.1: the next draft step receives the post-norm state instead "
                                 "of the pre-norm one.")

@@ -46,7 +46,10 @@ class Eagle3Family(DraftFamily):
             model.load_state_dict(tensors, strict=False)
         else:
             counts = fs.token_counts()
-            draft_ids = choose_draft_vocab(counts, min(options.draft_vocab_size, counts.numel()))
+            if options.draft_vocab_size > counts.numel():  # before, it was cut to the vocabulary unsaid
+                raise FeatureSetError(f"--draft-vocab-size {options.draft_vocab_size} is larger than the target's "
+                                      f"vocabulary ({counts.numel()} tokens), of which the draft's is a part")
+            draft_ids = choose_draft_vocab(counts, options.draft_vocab_size)
             dcfg = draft_config_from_target(target_dir, len(draft_ids), layers,
                                             {"fc_norm": options.fc_norm, "norm_output": options.norm_output})
             model = Eagle3Draft(dcfg)

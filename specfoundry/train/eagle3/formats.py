@@ -19,17 +19,15 @@ Layouts (config.json + model.safetensors):
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from specfoundry.common.taps import default_aux_layers
 from specfoundry.common.target import rope_settings
 from specfoundry.train.eagle3.config import Eagle3Config
-from specfoundry.train.family import DRAFT_FILE, DraftLoadError
+from specfoundry.train.family import DraftLoadError, load_tensors, read_config_json, read_json
 
 LAYOUTS = ("sglang", "speculators")
 # written by other tools beside the draft's own weights, and not the draft's: the target's
@@ -170,11 +168,14 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """model.safetensors, or the shards a model.safetensors.index.json names."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return {k: v for f in files for k, v in load_file(str(path / f)).items()}
+        weight_map = read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict):
+            raise DraftLoadError(f"{index}: no weight_map of tensor names to files")
+        return {k: v for f in sorted(set(map(str, weight_map.values()))) for k, v in load_tensors(path / f).items()}
     if not (path / "model.safetensors").is_file():
         raise DraftLoadError(f"{path} holds no model.safetensors (nor a model.safetensors.index.json)")
-    return load_file(str(path / "model.safetensors"))
+    return load_tensors(path / "model.safetensors")
 
 
 def vocab_maps_of(tensors: dict, cfg: Eagle3Config, source: str) -> None:
@@ -229,23 +230,18 @@ def draft_tensors(raw: dict[str, torch.Tensor], cfg: Eagle3Config, source: str, 
 
 
 def read_eagle3_config(path: str | Path, num_target_layers: int | None = None) -> tuple[Eagle3Config, str]:
-    """(config, layout) of an EAGLE-3 directory. The engine's config.json is what a server reads;
-    it wins where it names the layers (a hand-edited list must be honoured), ours
-    (specfoundry_draft.json, where there) gives the rest. A config naming no layers gets the
-    engines' shared default for a target of `num_target_layers`."""
+    """(config, layout) of an EAGLE-3 directory, from its config.json alone: what a server reads
+    (a hand-edited field is honoured), so the tensors are checked against what will be served.
+    Our own specfoundry_draft.json beside it is a record, never read over it. A config naming no
+    layers gets the engines' shared default for a target of `num_target_layers`."""
     path = Path(path)
+    config = read_config_json(path)
     try:
-        config = json.loads((path / "config.json").read_text())
-    except FileNotFoundError:
-        raise DraftLoadError(f"{path} has no config.json") from None
-    except json.JSONDecodeError as e:
-        raise DraftLoadError(f"{path / 'config.json'}: not JSON ({e})") from None
-    cfg = config_from_engine(config, str(path))
-    if (path / DRAFT_FILE).is_file():
-        own = Eagle3Config.from_dict(json.loads((path / DRAFT_FILE).read_text()))
-        # what the engines read from config.json (layers, the EAGLE-3.1 switches) is taken from it
-        cfg = replace(own, aux_layer_ids=cfg.aux_layer_ids or own.aux_layer_ids, fc_norm=cfg.fc_norm,
-                      norm_output=cfg.norm_output)
+        cfg = config_from_engine(config, str(path))
+    except (TypeError, ValueError) as e:
+        if isinstance(e, DraftLoadError):
+            raise
+        raise DraftLoadError(f"{path / 'config.json'}: {e}") from None
     if not cfg.aux_layer_ids and num_target_layers:
         cfg = replace(cfg, aux_layer_ids=tuple(default_aux_layers(num_target_layers)))
     return cfg, layout_of(config)
