@@ -385,7 +385,7 @@ def test_an_output_that_is_a_symlink_to_nothing_is_named_as_such(tmp_path, chat_
 
 def test_specfoundry_cache_empty_is_unset_and_a_file_is_named(tmp_path, monkeypatch, chat_file):
     from specfoundry.capture.cli import main
-    from specfoundry.common.target import TargetError, cache_root
+    from specfoundry.common.embedded import TargetError, cache_root
 
     monkeypatch.setenv("SPECFOUNDRY_CACHE", "")  # before: the working directory, where a 517 MB model went
     assert cache_root() == Path.home() / ".cache" / "specfoundry"
