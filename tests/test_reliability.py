@@ -428,8 +428,9 @@ def test_the_lock_of_a_killed_run_never_blocks_a_rerun(tmp_path):
 
     out = tmp_path / "out"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom specfoundry.common.shards import output_lock\n"
-                               f"with output_lock({str(out)!r}, 'regen'):\n    print('held', flush=True)\n"
+                               f"with output_lock({str(out)!r}, 'regen'):\n"
                                "    (__import__('pathlib').Path(sys.argv[1]) / 'shard').write_text('x')\n"
+                               "    print('held', flush=True)\n"
                                "    time.sleep(120)\n", str(out)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     try:
