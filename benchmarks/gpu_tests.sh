@@ -15,5 +15,5 @@ LOG=${LOG:-benchmarks/results/gpu_tests.log}
   echo "# commit ${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}, $(date -u +%Y-%m-%dT%H:%MZ)"
   python3 -c "import torch, triton; print(f'# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}')"
 } > "$LOG"
-python3 -m pytest -m gpu -p no:cacheprovider -rA --show-capture=stdout -q "$@" 2>&1 | tee -a "$LOG"
+python3 -m pytest -m gpu -n 0 -p no:cacheprovider -rA --show-capture=stdout -q "$@" 2>&1 | tee -a "$LOG"
 exit "${PIPESTATUS[0]}"

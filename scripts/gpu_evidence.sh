@@ -25,7 +25,8 @@
 #   capture_bench --storage bfloat16,float8_e4m3fn --batches 20     ~100 s  [150]
 #   total ~1,490 s; what does not fit is skipped from the end (priority order).
 #
-#   bash scripts/gpu_evidence.sh start      copy the tree to $EV/repo, start `plan` in the background
+#   bash scripts/gpu_evidence.sh start      copy the tree to $EV/repo, start `plan` (PLAN=rest: `plan_rest`,
+#                                           below) in the background
 #   bash scripts/gpu_evidence.sh wait [S]   wait until the plan ends or S seconds pass, then pack the
 #                                           results into $OUT/evidence.tar.gz and print the status
 #   bash scripts/gpu_evidence.sh stop       end the plan's process group
@@ -162,6 +163,36 @@ plan() {
   echo done > "$EV/done"
 }
 
+# PLAN=rest: what the first run left (issue 28) and issue 26's one-GPU measurement, each alone on
+# the GPU, in priority order (estimates on one H200, setup included ~150 s; ~1,450 s in all):
+#   regen_bench        python -m benchmarks.regen --profile (the slot engine's memory check fixed)  ~420 s
+#   capture_placement  capture through Target against 8dd38ca's runner; half the weights
+#                      offloaded to CPU memory against all on the GPU (8B Llama, T=4096)           ~360 s
+#   capture_bench      --storage bfloat16,float8_e4m3fn, disk-bound case included                 ~150 s
+#   gpu_tests          pytest -m gpu, alone                                                       ~200 s
+plan_rest() {
+  cd "$EV/repo"
+  export PYTHONPATH=$EV/repo${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+  date +%s > "$EV/t0"
+  echo "plan rest: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s"
+  [ "$DEV" = cuda ] && nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
+  for _ in $(seq 150); do [ -f "$EV/gguf.ok" ] && break; sleep 2; done
+  [ -f "$EV/gguf.ok" ] || { echo "no SmolLM2 weights after 300 s"; echo done > "$EV/done"; return 1; }
+  if [ "$DEV" = cuda ]; then
+    step regen_bench 420 python -m benchmarks.regen --profile
+    step capture_placement 360 python -m benchmarks.capture_placement
+    step capture_bench 150 python -m benchmarks.capture --storage bfloat16,float8_e4m3fn --batches 20
+    step gpu_tests 200 env LOG="$EV/gpu_tests.log" bash benchmarks/gpu_tests.sh
+  else
+    step regen_bench 900 python -m benchmarks.regen --conversations 4 --batch-size 4 --max-new-tokens 4 \
+      --second-target tiny --llama8b-conversations 2 --llama8b-batch-size 2 --out dry_regen
+    step capture_placement 300 python -m benchmarks.capture_placement --tiny
+    step capture_bench 60 python -m benchmarks.capture --help
+  fi
+  echo "[$(elapsed) s] plan done"
+  echo done > "$EV/done"
+}
+
 pack() {
   local out=${OUT:-$EV/out}
   mkdir -p "$out"
@@ -185,10 +216,11 @@ case "${1:-}" in
     rm -rf "$EV" && mkdir -p "$EV/repo" "$LOGS" "$RUN"
     touch "$EV/status.tsv"
     tar cf - --exclude=./.devkit --exclude=./.git --exclude=./.venv --exclude=./runs . | (cd "$EV/repo" && tar xf -)
-    setsid nohup bash "$EV/repo/scripts/gpu_evidence.sh" plan > "$EV/orchestrator.log" 2>&1 < /dev/null &
+    setsid nohup bash "$EV/repo/scripts/gpu_evidence.sh" "${PLAN:-plan}" > "$EV/orchestrator.log" 2>&1 < /dev/null &
     echo $! > "$EV/pid"
     sleep 2; echo "plan started (pid $(cat "$EV/pid")) in $EV"; tail -n 3 "$EV/orchestrator.log" ;;
   plan) plan ;;
+  rest) plan_rest ;;
   wait)
     limit=${2:-540}; t=$(date +%s)
     while [ ! -f "$EV/done" ] && [ $(( $(date +%s) - t )) -lt "$limit" ]; do sleep 5; done

@@ -11,6 +11,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (the default run, `-n 2` in pyproject.toml) each worker takes one core: torch
+# and the processes a test starts use one thread, so the workers do not fight over the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 import json  # noqa: E402
 import random
 from pathlib import Path
@@ -34,6 +40,37 @@ CHAT = [
     {"id": "c5", "messages": [{"role": "user", "content": "What is the capital of France?"},
                               {"role": "assistant", "content": "Paris."}]},
 ]
+
+
+GATE_GROUPS = {"test_eval.py": "gate", "test_gate.py": "gate",
+               "test_block_decoding.py": "dflash-gate", "test_gate_dflash.py": "dflash-gate"}
+"""The files that decode with one of the session's gate runs (gate_run, dflash_gate_run): under
+xdist one worker runs each group, so each run is built once."""
+
+HEAVY_FIRST = ("test_block_decoding.py", "test_gate_dflash.py", "test_eval.py", "test_gate.py", "test_parallel.py",
+               "test_train.py", "test_faults.py", "test_regen.py", "test_architectures.py", "test_capture.py")
+"""The files that take longest (a minute or more on one core), handed out first so that the two
+workers finish together."""
+
+
+def pytest_collection_modifyitems(config, items):
+    heavy = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: heavy.get(item.path.name, len(heavy)))  # stable: the rest keep their order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """The default run (`-n 2 --dist loadfile` in pyproject.toml) sends each file's tests to one
+    worker, so a module fixture is built once; this scheduler also keeps each gate group's files
+    together. (xdist's own `loadgroup` marks do not reach pytest 9's node ids.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return GATE_GROUPS.get(Path(file).name, file)
+
+    return ByFile(config, log)
 
 
 @pytest.fixture(autouse=True)
@@ -75,24 +112,24 @@ def chat_file(tmp_path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def gate_run(tmp_path_factory, smollm2_dir):
+def gate_run(tmp_path_factory, smollm2_target):
     """The gate's one-conversation run on SmolLM2 (regen, capture, train, export), built once:
     an overfitted draft that the eval and gate tests decode with."""
     from specfoundry.gate import GateConfig, build
 
     cfg = GateConfig(output=str(tmp_path_factory.mktemp("gate")), max_steps=120, device="cpu")
-    return cfg, build(cfg)
+    return cfg, build(cfg, smollm2_target)
 
 
 @pytest.fixture(scope="session")
-def dflash_gate_run(tmp_path_factory, smollm2_dir):
+def dflash_gate_run(tmp_path_factory, smollm2_target):
     """The gate's one-conversation run with a DFlash draft (block 5, 5 layers): it fits the answer
     by step ~50 on SmolLM2's features."""
     from specfoundry.gate import GateConfig, build
 
     cfg = GateConfig(output=str(tmp_path_factory.mktemp("gate-dflash")), family="dflash", max_steps=60,
                      device="cpu")
-    return cfg, build(cfg)
+    return cfg, build(cfg, smollm2_target)
 
 
 @pytest.fixture(scope="session")

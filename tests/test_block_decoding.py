@@ -55,10 +55,10 @@ def test_the_block_rule_samples_as_the_target():
     assert chi2 < 20.5, (chi2, counts, expected)  # the 0.999 quantile of chi-square(5)
 
 
-def test_sf_eval_run_decodes_a_dflash_draft_in_blocks(dflash_gate_run, tmp_path):
+def test_sf_eval_run_decodes_a_dflash_draft_in_blocks(dflash_gate_run, tmp_path, smollm2_target):
     cfg, export = dflash_gate_run
     report = run_eval(EvalConfig(draft=str(export), output=str(tmp_path / "eval"), prompt_sets=("chat",), limit=2,
-                                 max_new_tokens=12, device="cpu", dtype="float32"), silent=True)
+                                 max_new_tokens=12, device="cpu", dtype="float32"), silent=True, target=smollm2_target)
     assert report["family"] == "dflash" and report["config"]["k"] == cfg.k  # block k+1: k proposals per round
     chat = report["sets"]["chat"]["trained"]
     assert chat["identical_to_target"] == "2/2" and len(chat["accept_rate_by_position"]) == cfg.k

@@ -252,13 +252,13 @@ def test_sampling_output_is_distributed_as_the_target():
     assert stat_draft > chi2_critical(vocab - 1)
 
 
-def test_eval_report_and_untrained_floor(gate_run, tmp_path):
+def test_eval_report_and_untrained_floor(gate_run, tmp_path, smollm2_target):
     cfg, export = gate_run
     out = tmp_path / "eval"
     # the gate's regen output as a dataset file: its prompt is the one the draft has overfitted
     own = str(Path(cfg.output) / "regen")
     report = run_eval(EvalConfig(draft=str(export), prompt_sets=(own, "chat"), limit=1, k=4, max_new_tokens=20,
-                                 compare_untrained=True, device="cpu", output=str(out)))
+                                 compare_untrained=True, device="cpu", output=str(out)), target=smollm2_target)
     for entry in report["sets"].values():
         for label in ("trained", "untrained"):
             s = entry[label]

@@ -385,7 +385,7 @@ def test_an_output_that_is_a_symlink_to_nothing_is_named_as_such(tmp_path, chat_
 
 def test_specfoundry_cache_empty_is_unset_and_a_file_is_named(tmp_path, monkeypatch, chat_file):
     from specfoundry.capture.cli import main
-    from specfoundry.common.target import TargetError, cache_root
+    from specfoundry.common.embedded import TargetError, cache_root
 
     monkeypatch.setenv("SPECFOUNDRY_CACHE", "")  # before: the working directory, where a 517 MB model went
     assert cache_root() == Path.home() / ".cache" / "specfoundry"
@@ -428,8 +428,9 @@ def test_the_lock_of_a_killed_run_never_blocks_a_rerun(tmp_path):
 
     out = tmp_path / "out"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom specfoundry.common.shards import output_lock\n"
-                               f"with output_lock({str(out)!r}, 'regen'):\n    print('held', flush=True)\n"
+                               f"with output_lock({str(out)!r}, 'regen'):\n"
                                "    (__import__('pathlib').Path(sys.argv[1]) / 'shard').write_text('x')\n"
+                               "    print('held', flush=True)\n"
                                "    time.sleep(120)\n", str(out)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     try:

@@ -317,6 +317,10 @@ def test_flex_attention_on_cpu_is_refused_in_one_line(tmp_path, smol_features):
                   silent=True)
 
 
+# the default run keeps the gate's overfit of SmolLM2's features (test_gate.py: 120 steps, then
+# the exported draft decodes the answer at >= 0.8 (k+1) tokens a round) and the falling loss
+# curve of test_two_gloo_processes_match_one_process_with_the_same_global_batch
+@pytest.mark.slow
 def test_training_on_smollm2_features_learns(tmp_path, smol_features):
     result = run_train(small_cfg(smol_features, tmp_path / "run"), silent=True)
     h = result["history"]

@@ -28,6 +28,7 @@ through that store.
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 from dataclasses import dataclass, field
@@ -201,6 +202,7 @@ def join_launch(placement: Placement, device: str | None, command: str = "the co
         return ranks, device
     if n in (1, world):
         dist.init_process_group(backend)
+        atexit.register(leave_launch, ranks)
         return ranks, device
     env = os.environ
     hosts_store = env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0  # else torchrun's agent does
@@ -209,7 +211,18 @@ def join_launch(placement: Placement, device: str | None, command: str = "the co
     dist.init_process_group(backend, store=dist.PrefixStore(f"specfoundry/group{ranks.group}/", store),
                             rank=ranks.group_rank, world_size=n)
     ranks.store = store
+    atexit.register(leave_launch, ranks)
     return ranks, device
+
+
+def leave_launch(ranks: Ranks) -> None:
+    """At exit: the group's process group and the store connection closed before the interpreter
+    tears down their threads (which otherwise can abort the process after its work is done)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    ranks.store = None
 
 
 # ---- transformers' tensor / expert parallel plans ----------------------------------------------
