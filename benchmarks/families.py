@@ -29,10 +29,12 @@ def gather(run: Path) -> list[dict]:
         if not report_path.is_file():
             raise SystemExit(f"{folder}: no eval.json (an unfinished sf-eval run? rerun its command)")
         report = json.loads(report_path.read_text())
+        if "family" not in report:  # never guessed: a draft of another family would be mislabelled
+            raise SystemExit(f"{report_path}: names no draft family (rerun its sf-eval command)")
         draft = folder.name[len(PREFIX):]
         for name, entry in report["sets"].items():
             s = entry["trained"]
-            rows.append({"draft": draft, "family": report.get("family", "eagle3"),
+            rows.append({"draft": draft, "family": report["family"],
                          "shape": report["config"]["tree"] or f"k={report['config']['k']}", "set": name,
                          "prompts": s["prompts"], "accept_length": s["accept_length"],
                          "tokens_per_s": s["tokens_per_s"], "alone_tokens_per_s": entry.get("target_alone_tokens_per_s"),

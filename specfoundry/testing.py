@@ -38,13 +38,14 @@ QWEN3_8B_DFLASH = DFlashConfig(hidden_size=4096, intermediate_size=12288, num_hi
 8 KV heads of 128, block 16, target vocab 151936, target layers [1, 9, 17, 25, 33]."""
 
 
-def write_random_featureset(root: Path, n: int, t: int, cfg: Eagle3Config | DFlashConfig, codec: str = "safetensors",
+def write_random_featureset(root: Path, n: int, t: int, cfg, codec: str = "safetensors",
                             dtype: str = "bfloat16", final_dtype: str | None = None) -> FeatureSet:
     """A one-shard feature set (safetensors, bf16 unless told) of n samples of t tokens for a
-    target of cfg's shape, holding the layers cfg reads, random features (seed 0; float8 is
-    quantised from the same bf16 values), every token in the loss; opened with FeatureSet."""
+    target of the shape of cfg, a draft config of any family, holding the layers it reads
+    (target_layers), random features (seed 0; float8 is quantised from the same bf16 values),
+    every token in the loss; opened with FeatureSet."""
     g = torch.Generator().manual_seed(0)
-    layers = cfg.target_layer_ids if isinstance(cfg, DFlashConfig) else cfg.aux_layer_ids
+    layers = cfg.target_layers
     samples = [{"input_ids": torch.randint(0, cfg.vocab_size, (t,), generator=g),
                 "loss_mask": torch.ones(t, dtype=torch.bool),
                 "aux_hidden": torch.randn(t, len(layers) * cfg.hidden_size, generator=g).to(torch.bfloat16),

@@ -130,3 +130,12 @@ def dflash_gate_run(tmp_path_factory, smollm2_target):
     cfg = GateConfig(output=str(tmp_path_factory.mktemp("gate-dflash")), family="dflash", max_steps=60,
                      device="cpu")
     return cfg, build(cfg, smollm2_target)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """A tiny random Llama target (testing.TINY_SHAPE: width 64, 8 layers) with SmolLM2's tokenizer,
+    saved once for the session: cheap to load, and every family's build reads it like a real one."""
+    from specfoundry.testing import write_tiny_target
+
+    return write_tiny_target("llama", tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)

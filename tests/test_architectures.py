@@ -147,7 +147,7 @@ def test_gemma3_270m_end_to_end(tmp_path):
     from specfoundry.eval.evaluate import EvalConfig, run_eval
     from specfoundry.generate.backend import SamplingConfig
     from specfoundry.generate.regen import RegenConfig, run_regen
-    from specfoundry.train.eagle3.config import Eagle3Options
+    from specfoundry.train.eagle3.options import Eagle3Options
     from specfoundry.train.trainer import TrainConfig, run_train
 
     prompts = tmp_path / "prompts.jsonl"

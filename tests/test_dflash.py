@@ -474,7 +474,8 @@ def test_batch_anchors_do_not_depend_on_the_batching():
 
 def reference_loss(model, batch, head, *, num_anchors, gamma, seed, teacher):
     """The loss spelled out block by block through the decoding path (a cache of the context
-    before each anchor, then decode_block) and full logits: (loss, {k: [ce of each valid slot]})."""
+    before each anchor, then decode_block) and full logits, the draft's own (block_logits, given
+    each slot and its block's true tokens): (loss, {k: [ce of each valid slot]})."""
     b = model.cfg.block_size
     context = model.project_context(batch.aux_hidden)
     num, den, per_slot = 0.0, 0.0, {k: [] for k in range(1, b)}
@@ -486,15 +487,18 @@ def reference_loss(model, batch, head, *, num_anchors, gamma, seed, teacher):
             if a:
                 cache.append_context(model, context[r : r + 1, :a], torch.arange(a)[None])
             ids = torch.tensor([[int(batch.input_ids[r, a])] + [model.cfg.mask_token_id] * (b - 1)])
-            logits = model.decode_block(ids, torch.arange(a, a + b)[None], cache)[0] @ head.T  # [B, V]
+            states = model.decode_block(ids, torch.arange(a, a + b)[None], cache)[0]  # [B, H]
+            tokens = batch.input_ids[r, torch.arange(a, a + b).clamp(max=batch.input_ids.shape[1] - 1)]
+            # [B-1, V]: row k-1 is slot k's
+            logits = model.block_logits(states[1:], head, torch.arange(1, b), tokens.expand(b - 1, b))
             for k in range(1, b):
                 if not (a + k < n and batch.loss_mask[r, a + k]):
                     continue
                 if teacher == "hard":
-                    ce = F.cross_entropy(logits[k], batch.input_ids[r, a + k])
+                    ce = F.cross_entropy(logits[k - 1], batch.input_ids[r, a + k])
                 else:
                     p = torch.softmax(batch.final_hidden[r, a + k - 1] @ head.T, -1)
-                    ce = -(p * torch.log_softmax(logits[k], -1)).sum()
+                    ce = -(p * torch.log_softmax(logits[k - 1], -1)).sum()
                 w = math.exp(-(k - 1) / gamma) if gamma > 0 else 1.0
                 num, den = num + w * ce, den + w
                 per_slot[k].append(ce.detach())
@@ -538,6 +542,49 @@ def test_loss_and_gradients_match_the_block_by_block_reference(teacher, gamma, l
         if per_slot[k]:
             torch.testing.assert_close(m["loss"], torch.stack(per_slot[k]).mean(), atol=1e-5, rtol=1e-5)
     assert sum(int(m["valid"]) for m in metrics) > 10
+
+
+class HeadedDraft(DFlashDraft):
+    """A draft with a head of its own, teacher-forced as Domino's is: a learned logit bias from the
+    token before each slot (the anchor for slot 1)."""
+
+    plain_head = False
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.prev_bias = torch.nn.Parameter(torch.zeros(cfg.vocab_size, cfg.vocab_size))
+
+    def block_logits(self, states, head, slots=None, tokens=None):
+        prev = tokens.gather(1, (slots - 1)[:, None])[:, 0]  # [rows]
+        return super().block_logits(states, head) + self.prev_bias[prev].to(states.dtype)
+
+
+@pytest.mark.parametrize("teacher", ["hard", "soft"])
+def test_a_head_with_parameters_trains_through_the_drafts_logits(teacher):
+    """The loss reads the draft's block_logits: a head with parameters gets the gradient of the
+    full-logits reference, and with its parameters at zero equals the plain draft's hand-written path."""
+    plain = random_draft()
+    headed = HeadedDraft(TINY)
+    headed.load_state_dict(plain.state_dict(), strict=False)
+    head = torch.randn(TINY.vocab_size, TINY.hidden_size)
+    batch = make_batch([14, 9], seed=4)
+    kw = dict(num_anchors=5, gamma=2.0, seed=3, teacher=teacher)
+    loss0, grads0 = loss_and_grads(headed, lambda: dflash_loss(headed, batch, head, label_chunk=2, attention="sdpa",
+                                                                **kw)[0])
+    ref0, plain_grads = loss_and_grads(plain, lambda: dflash_loss(plain, batch, head, label_chunk=2, attention="sdpa",
+                                                                   loss_kernel="reference", **kw)[0])
+    torch.testing.assert_close(loss0, ref0, atol=1e-5, rtol=1e-5)
+    for name, g in plain_grads.items():
+        torch.testing.assert_close(grads0[name], g, atol=1e-5, rtol=1e-4, msg=name)
+    with torch.no_grad():
+        headed.prev_bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    loss, grads = loss_and_grads(headed, lambda: dflash_loss(headed, batch, head, label_chunk=2, attention="sdpa",
+                                                              **kw)[0])
+    ref_loss, ref_grads = loss_and_grads(headed, lambda: reference_loss(headed, batch, head, **kw)[0])
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    assert grads["prev_bias"].abs().sum() > 0
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_slot_weights_by_hand():

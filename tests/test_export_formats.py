@@ -25,11 +25,12 @@ from specfoundry.common.target import Target
 from specfoundry.eval.draft import DraftLoadError, load_draft
 from specfoundry.testing import random_eagle3_draft
 from specfoundry.train.cli import export_main
-from specfoundry.train.eagle3.config import Eagle3Config, Eagle3Options
+from specfoundry.train.eagle3.config import Eagle3Config
 from specfoundry.train.eagle3.export import export_draft
 from specfoundry.train.eagle3.family import EAGLE3
 from specfoundry.train.eagle3.formats import read_eagle3
 from specfoundry.train.eagle3.model import Eagle3Draft, KVCache, TTTCache
+from specfoundry.train.eagle3.options import Eagle3Options
 from specfoundry.train.family import DRAFT_FILE
 from tests.test_families import TINY, random_draft
 

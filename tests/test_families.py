@@ -1,25 +1,32 @@
-"""Draft families: the interface's layer choice, one capture for every family, and the EAGLE-3.1
-options (shapes, export fields, decoding equal to training)."""
+"""Draft families: the interface's layer choice, one capture for every family, the EAGLE-3.1
+options (shapes, export fields, decoding equal to training), the contract every registered family
+keeps, no fallback for an unknown family or architecture, and the catalogue's own rules."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from specfoundry.capture.stage import CaptureConfig, CaptureError, stored_layers
+from specfoundry.common.cli import Settings, setting
 from specfoundry.common.taps import default_aux_layers, dflash_default_layers
 from specfoundry.eval.draft import find_draft_files
 from specfoundry.eval.speculative import DraftRunner
+from specfoundry.families import FAMILIES, get_family
 from specfoundry.featureset.manifest import FeatureSetError
 from specfoundry.testing import random_eagle3_draft
 from specfoundry.train.dflash.options import DFlashOptions
-from specfoundry.train.eagle3.config import Eagle3Config, Eagle3Options
+from specfoundry.train.eagle3.config import Eagle3Config
 from specfoundry.train.eagle3.export import expected_tensors, export_draft, validate
 from specfoundry.train.eagle3.model import Eagle3Draft, TTTCache
+from specfoundry.train.eagle3.options import Eagle3Options
 from specfoundry.train.eagle3.ttt import shift
-from specfoundry.train.family import get_family, select_layers
+from specfoundry.train.family import select_layers
+from specfoundry.train.loader import Batch
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
             vocab_size=97, draft_vocab_size=40, target_hidden_size=24, aux_layer_ids=(1, 2, 3))
@@ -198,10 +205,10 @@ def test_a_bad_dflash_config_or_another_familys_draft_is_one_line(tmp_path):
 
     draft = tiny_dflash()
     out = export_draft(draft.state_dict(), draft.cfg, tmp_path / "export")
-    with pytest.raises(ValueError, match="is a DFlash draft: pass --family dflash"):
+    with pytest.raises(ValueError, match="is a draft of family dflash, not eagle3: pass --family dflash"):
         load_eagle3(out)
     eagle = export_draft_eagle3(tmp_path / "eagle3")
-    with pytest.raises(ValueError, match="is not a DFlash draft"):
+    with pytest.raises(ValueError, match="is a draft of family eagle3, not dflash: pass --family eagle3"):
         load_dflash(eagle)
     config = json.loads((out / "config.json").read_text())
     config["dflash_config"]["target_layer_ids"] = [5, 3, 1]
@@ -213,3 +220,282 @@ def test_a_bad_dflash_config_or_another_familys_draft_is_one_line(tmp_path):
 def export_draft_eagle3(out):
     draft = random_draft()
     return export_draft(draft.state_dict(), draft.cfg, out)
+
+
+# ---- the catalogue: every registered family keeps the contract --------------------------------------
+
+
+def stub_featureset(root, target_dir, layers):
+    """What a family's build reads of a feature set: the target's shape, the stored layers and the
+    token counts (the first 200 ids seen, most often the lowest)."""
+    config = json.loads((target_dir / "config.json").read_text())
+    vocab = config["vocab_size"]
+    counts = torch.zeros(vocab, dtype=torch.int64)
+    counts[:200] = torch.arange(200, 0, -1)
+    target = {"vocab_size": vocab, "hidden_size": config["hidden_size"], "num_layers": config["num_hidden_layers"]}
+    return SimpleNamespace(root=root, manifest={"target": target, "aux_layer_ids": list(layers)},
+                           token_counts=lambda: counts)
+
+
+def family_options(name, tmp_path):
+    """The options of the gate's overfit (k = 3; EAGLE-3's draft vocabulary the tiny target's whole
+    one, so that the random teacher's choices are all in it), as TrainConfig holds them."""
+    from specfoundry.gate import GateConfig
+    from specfoundry.train.trainer import TrainConfig
+
+    groups = get_family(name).gate_options(GateConfig(output=str(tmp_path / "gate"), k=3, draft_vocab_size=49152))
+    cfg = TrainConfig(featureset="fs", output=str(tmp_path / "run"), family=name, **groups)
+    return FAMILIES.options_for(cfg, name)
+
+
+def random_batch(layers, hidden, vocab, lengths=(16, 12)):
+    g = torch.Generator().manual_seed(0)
+    width = max(lengths)
+    mask = torch.arange(width)[None] < torch.tensor(lengths)[:, None]
+    return Batch(torch.randint(0, 200, (len(lengths), width), generator=g), mask,
+                 torch.randn(len(lengths), width, len(layers) * hidden, generator=g),
+                 torch.randn(len(lengths), width, hidden, generator=g), list(lengths), list(range(len(lengths))))
+
+
+@pytest.mark.parametrize("name", FAMILIES.names())
+def test_every_registered_family_keeps_the_contract(name, tiny_llama_dir, tmp_path):
+    """Through its provider alone: build on a tiny target, a finite loss with finite gradients,
+    an export its architecture is recognised by and that reads back as built, and a first decode
+    round of the read-back draft equal to the training forward at the same positions."""
+    from specfoundry.common.weights import target_lm_head
+    from specfoundry.eval.draft import load_draft
+    from specfoundry.train.drafts import family_of_export
+
+    family, options = get_family(name), family_options(name, tmp_path)
+    layers = family.default_layers(8, options)
+    torch.manual_seed(0)
+    draft, dcfg = family.build(options, stub_featureset(tmp_path, tiny_llama_dir, layers), tiny_llama_dir, layers, None)
+    assert dcfg.family == name and list(dcfg.target_layers) == layers
+    module = family.module(draft, tiny_llama_dir, torch.float32, options, 0)
+    loss, metrics = module(random_batch(layers, dcfg.target_hidden_size, dcfg.vocab_size), attention="sdpa",
+                           loss_kernel="reference")
+    loss.backward()
+    grads = [p.grad for p in draft.parameters() if p.grad is not None]
+    assert torch.isfinite(loss) and metrics and grads and all(torch.isfinite(g).all() for g in grads)
+    assert any(g.abs().sum() > 0 for g in grads)
+
+    out = family.export(draft.state_dict(), dcfg, tmp_path / "export", {"num_layers": 8})
+    assert family_of_export(out) == name
+    cfg, tensors = find_draft_files(out, 8)
+    assert cfg == dcfg
+    state = draft.state_dict()
+    for tensor, t in tensors.items():
+        want = state[tensor].to(torch.bfloat16) if state[tensor].is_floating_point() else state[tensor]
+        torch.testing.assert_close(t.to(want.dtype), want, rtol=0, atol=0, msg=tensor)
+    loaded = load_draft(out, tiny_llama_dir, torch.device("cpu"), torch.float32)
+    assert type(loaded) is type(draft)
+
+    batch = random_batch(layers, dcfg.target_hidden_size, dcfg.vocab_size, lengths=(11,))
+    decoded, trained = family.decode_matches_training(loaded, target_lm_head(tiny_llama_dir).float(),
+                                                      batch.input_ids[0], batch.aux_hidden[0])
+    assert decoded.shape == trained.shape and decoded.shape[0] >= 1
+    torch.testing.assert_close(decoded, trained, rtol=1e-4, atol=1e-4)
+
+
+# ---- no fallback: an unknown architecture or family is one line at every entry point -----------------
+
+
+def bogus_export(path, architectures):
+    """A draft folder whose config.json names `architectures` (no family exports them)."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"architectures": architectures, "hidden_size": 64}))
+    save_file({"fc.weight": torch.zeros(1)}, str(path / "model.safetensors"))
+    return path
+
+
+def one_line(fn, words, error=ValueError):
+    with pytest.raises(error) as e:
+        fn()
+    assert "\n" not in str(e.value) and words in str(e.value), str(e.value)
+
+
+def cli_one_line(command, argv, words):
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(command, argv)
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert result.exit_code == 2 and "Traceback" not in result.output, (result.output, result.exception)
+    assert len(errors) == 1 and words in errors[0], result.output
+
+
+def test_an_unknown_architecture_is_one_line_at_every_entry_point(tiny_llama_dir, tmp_path):
+    from specfoundry.eval.cli import main as eval_main
+    from specfoundry.eval.draft import load_draft, locate_draft, read_config
+    from specfoundry.gate import GateConfig, run_checks
+    from specfoundry.train.cli import export_main
+    from specfoundry.train.drafts import family_of_export
+
+    bogus = bogus_export(tmp_path / "bogus", ["BogusForCausalLM"])
+    unnamed = bogus_export(tmp_path / "unnamed", [])
+    words = "which no draft family exports"
+    for folder in (bogus, unnamed):
+        for fn in (lambda f=folder: family_of_export(f), lambda f=folder: read_config(f),
+                   lambda f=folder: locate_draft(f), lambda f=folder: find_draft_files(f),
+                   lambda f=folder: load_draft(f, tiny_llama_dir, torch.device("cpu"), torch.float32)):
+            one_line(fn, words)
+    for name in FAMILIES.names():  # --init-from, which each family reads itself
+        family = get_family(name)
+        options = family_options(name, tmp_path)
+        layers = family.default_layers(8, options)
+        fs = stub_featureset(tmp_path, tiny_llama_dir, layers)
+        one_line(lambda f=family, o=options, s=fs, la=layers: f.build(o, s, tiny_llama_dir, la, str(bogus)), words)
+    checks = run_checks(GateConfig(output=str(tmp_path / "gate")), bogus)  # sf-eval gate --export
+    assert [c.name for c in checks] == ["export"] and not checks[0].ok and words in checks[0].detail
+    cli_one_line(export_main, ["run", str(bogus), "-o", str(tmp_path / "out"), "--target", str(tiny_llama_dir)], words)
+    cli_one_line(eval_main, ["run", str(bogus), "--target", str(tiny_llama_dir), "--prompts", "chat", "--limit", "1",
+                             "--device", "cpu"], words)
+
+
+def test_an_unknown_family_is_one_line_at_every_entry_point(tmp_path):
+    from specfoundry.capture.cli import main as capture_main
+    from specfoundry.eval.cli import main as eval_main
+    from specfoundry.gate import GateConfig
+    from specfoundry.train.cli import export_main
+    from specfoundry.train.cli import main as train_main
+    from specfoundry.train.trainer import TrainConfig
+
+    words = "unknown draft family 'bogus'"
+    one_line(lambda: get_family("bogus"), words)
+    one_line(lambda: FAMILIES.default_layers("bogus", 8), words)
+    one_line(lambda: TrainConfig(featureset="fs", output="o", family="bogus"), words)
+    one_line(lambda: GateConfig(output="o", family="bogus"), words)
+    one_line(lambda: CaptureConfig(source="s", output="o", families=("eagle3", "bogus")), "unknown draft family bogus")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  family: bogus\n")
+    cli_one_line(train_main, ["run", "fs", "-o", str(tmp_path / "o"), "--family", "bogus"], "'bogus' is not one of")
+    cli_one_line(train_main, ["run", "fs", "-o", str(tmp_path / "o"), "--recipe", str(recipe)], "'bogus' is not one of")
+    cli_one_line(capture_main, ["run", "src", "-o", str(tmp_path / "c"), "--families", "bogus"],
+                 "unknown draft family bogus")
+    cli_one_line(eval_main, ["gate", "-o", str(tmp_path / "g"), "--family", "bogus"], "'bogus' is not one of")
+    # a checkpoint whose run records an unknown family, or none (sf-eval run, sf-export run, --init-from)
+    for record, said in (({"family": "bogus"}, words), ({}, "names no family")):
+        run = tmp_path / f"run-{len(record)}"
+        step = run / "checkpoints" / "step-1"
+        step.mkdir(parents=True)
+        (step / "model.safetensors").write_bytes(b"")
+        (run / "draft_config.json").write_text(json.dumps(record))
+        one_line(lambda s=step: find_draft_files(s), said)
+        cli_one_line(export_main, ["run", str(step), "-o", str(tmp_path / f"out-{len(record)}")], said)
+
+
+# ---- the catalogue's own rules ---------------------------------------------------------------------
+
+
+def entry(name, options, extends=None, architectures=None):
+    from specfoundry.families import Family
+
+    return Family(name=name, summary=name, options=f"tests.test_families:{options}",
+                  default_layers="tests.test_families:no_layers", layers_help=name,
+                  architectures=architectures or (f"{name.title()}Model",), provider="tests.test_families:nothing",
+                  extends=extends)
+
+
+def no_layers(num_target_layers, options):
+    return []
+
+
+def config_of_groups(registry):
+    """A stage config whose family groups come from `registry`, as TrainConfig's come from FAMILIES."""
+    from dataclasses import dataclass
+
+    from specfoundry.common.cli import Settings, setting, unique_options
+
+    @unique_options
+    @dataclass(frozen=True, kw_only=True)
+    @registry.option_groups(after="family")
+    class Config(Settings):
+        family: str = setting("a", help="which")
+        lr: float = setting(1.0, help="lr")
+
+    return Config
+
+
+def test_options_cannot_collide_and_a_child_reads_its_parents_group_on_purpose():
+    from specfoundry.families import Extended, Registry
+
+    ok = Registry((entry("a", "ParentOptions"), entry("b", "ChildOptions", extends="a")))
+    cfg = config_of_groups(ok)(family="b")
+    assert [f.name for f in ok.chain("b")] == ["a", "b"]
+    assert ok.options_for(cfg, "b") == Extended(cfg.a, cfg.b) and ok.options_for(cfg, "a") is cfg.a
+    assert ok.options_for(cfg, "b").parent.block_size == 16  # the parent's setting, read through the parent
+    clash = Registry((entry("a", "ParentOptions"), entry("b", "ClashingOptions", extends="a")))
+    with pytest.raises(TypeError, match="option 'block_size' of b.block_size collides with a.block_size"):
+        config_of_groups(clash)
+    shadow = Registry((entry("a", "ShadowingOptions"),))
+    with pytest.raises(TypeError, match="option 'lr' of lr collides with a.lr"):
+        config_of_groups(shadow)
+    with pytest.raises(TypeError, match="registered twice"):
+        Registry((entry("a", "ParentOptions"), entry("a", "ChildOptions")))
+    with pytest.raises(TypeError, match="extends 'c', which is not an earlier entry"):
+        Registry((entry("b", "ChildOptions", extends="c"),))
+    with pytest.raises(TypeError, match="architecture 'XModel' names two families"):
+        Registry((entry("a", "ParentOptions", architectures=("XModel",)),
+                  entry("b", "ChildOptions", architectures=("XModel",))))
+
+
+def test_each_registered_architecture_names_its_family_and_the_catalogue_loads_no_torch():
+    import subprocess
+    import sys
+
+    for name in FAMILIES.names():
+        for arch in FAMILIES.get(name).architectures:
+            assert FAMILIES.family_of_config({"architectures": [arch]}, "c") == name
+    assert FAMILIES.family_of_config({"speculators_model_type": "eagle3"}, "c") == "eagle3"
+    code = ("import sys; from specfoundry.families import FAMILIES; FAMILIES.get('dflash'); "
+            "FAMILIES.family_of_config({'architectures': ['DFlashDraftModel']}, 'c'); "
+            "loaded = [m for m in sys.modules if m == 'torch' or m.startswith('specfoundry.train')]; "
+            "assert not loaded, loaded")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_no_import_circle_through_the_family_interface_or_the_backend_interface():
+    """Imports inside functions count: the catalogue names providers by string, so neither
+    interface module (train/family.py, generate/backend.py) is on a circle."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    modules = {".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): f
+               for f in (root / "specfoundry").rglob("*.py")}
+    graph = {m: set() for m in modules}
+    for m, f in modules.items():
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("specfoundry"):
+                graph[m] |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                             for a in node.names}
+            elif isinstance(node, ast.Import):
+                graph[m] |= {a.name for a in node.names if a.name in modules}
+
+    def reaches(start, goal, seen):
+        return any(n == goal or (n not in seen and not seen.add(n) and reaches(n, goal, seen))
+                   for n in graph.get(start, ()))
+
+    for interface in ("specfoundry.train.family", "specfoundry.generate.backend", "specfoundry.families"):
+        assert not reaches(interface, interface, set()), interface
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParentOptions(Settings):
+    block_size: int = setting(16, help="A parent's option.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChildOptions(Settings):
+    gru_hidden_dim: int = setting(8, help="A child's own option.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClashingOptions(Settings):
+    block_size: int = setting(8, help="A child redefining its parent's option.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShadowingOptions(Settings):
+    lr: float = setting(0.1, help="A family option named as a stage setting.")

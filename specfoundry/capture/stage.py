@@ -43,9 +43,10 @@ from specfoundry.common.shards import (
     record_config,
     writable_folder,
 )
-from specfoundry.common.taps import FAMILY_DEFAULT_LAYERS, parse_layer_ids
+from specfoundry.common.taps import parse_layer_ids
 from specfoundry.common.target import EMBEDDED_DEFAULT, Target, chat_template_source
 from specfoundry.common.weights import weight_fingerprint
+from specfoundry.families import FAMILIES
 from specfoundry.featureset.manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -66,11 +67,16 @@ def parse_families(spec) -> tuple[str, ...]:
     if not isinstance(spec, str | list | tuple):
         raise ValueError(f"{spec!r} is not a comma-separated list of draft families")
     names = tuple(str(x).strip() for x in (spec.split(",") if isinstance(spec, str) else spec))
-    unknown = [n for n in names if n not in FAMILY_DEFAULT_LAYERS]
+    check_families(names)
+    return names
+
+
+def check_families(names: tuple[str, ...]) -> None:
+    """Refuse an unknown family name (or none), naming it and the registered ones."""
+    unknown = [n for n in names if n not in FAMILIES.names()]
     if unknown or not names:
         raise ValueError(f"unknown draft famil{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown) or '(none)'}: "
-                         f"choose from {', '.join(FAMILY_DEFAULT_LAYERS)}")
-    return names
+                         f"choose from {', '.join(FAMILIES.names())}")
 
 
 def stored_layers(cfg: CaptureConfig, num_layers: int) -> list[int]:
@@ -81,7 +87,7 @@ def stored_layers(cfg: CaptureConfig, num_layers: int) -> list[int]:
         if len(set(layers)) != len(layers):
             raise CaptureError(f"--aux-layers {','.join(map(str, layers))} names a layer twice")
     else:
-        layers = [i for name in cfg.families for i in FAMILY_DEFAULT_LAYERS[name](num_layers)]
+        layers = [i for name in cfg.families for i in FAMILIES.default_layers(name, num_layers)]
     bad = [i for i in layers if not 0 <= i < num_layers - 1]
     if bad:  # the last layer's output is the final state before the norm, which no engine taps
         raise CaptureError(f"layer ids {bad} are outside 0..{num_layers - 2} (the target has {num_layers} layers; "
@@ -104,7 +110,7 @@ class CaptureConfig(Settings):
     families: tuple[str, ...] = setting(
         ("eagle3",), parse=parse_families,
         help="Without --aux-layers, store the union of these draft families' default layers, so one capture serves "
-             "all of them: eagle3 [1, L//2-1, L-4], dflash round(1 + i(L-4)/4) for i = 0..4.")
+             "all of them: " + ", ".join(f.layers_help for f in FAMILIES.families.values()) + ".")
     max_length: int = shared("max_length", 2048)
     shard_size: int | None = setting(
         None, shown="as many samples as fit 4 GiB of features at --max-length, at most 256", valid=Range(1),
@@ -138,6 +144,7 @@ class CaptureConfig(Settings):
 
     def __post_init__(self):
         super().__post_init__()
+        check_families(self.families)
         problem = output_inside_source(self.source, self.output)
         if problem:
             raise ValueError(problem)

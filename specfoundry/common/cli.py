@@ -25,6 +25,7 @@ import yaml
 from click.core import ParameterSource
 
 from specfoundry.common.embedded import EMBEDDED_DEFAULT
+from specfoundry.families import FAMILIES
 
 
 class CommandError(click.ClickException):
@@ -130,8 +131,8 @@ SHARED = {
     "max_length": (("--max-length",), "Tokens per sample after the chat template, at most.", None,
                    Range(1, MAX_TOKENS)),
     "limit": (("--limit",), "Use only the first N inputs.", "all", Range(1)),
-    "family": (("--family",), "Draft family: eagle3 (EAGLE-3 and its 3.1 options, Training-Time Test) or dflash "
-               "(block-parallel).", None, None),
+    "family": (("--family",), "Draft family: " + "; ".join(f"{f.name}: {f.summary}" for f in FAMILIES.families.values())
+               + ".", None, None),
     "chat_template": (("--chat-template",), "How conversations become text: a Jinja chat template file (for a base "
                       "model without one, or to replace the target's), or 'completion' (plain text: the messages back "
                       "to back after BOS, each assistant text, then EOS, the loss region). Give the same one to every "
@@ -218,6 +219,23 @@ def config_fields(cls) -> list[tuple[dataclasses.Field, type, tuple[str, ...]]]:
     return out
 
 
+def unique_options(cls):
+    """Class decorator: refuse, when the class is defined, a config whose options collide: two fields
+    (nested groups flattened: a family's options) of one name, or one flag given twice. A recipe
+    key and an option name one field each, so a key can never reach another group's setting."""
+    seen: dict[str, str] = {}
+    for f, _, path in config_fields(cls):
+        where = ".".join((*path, f.name))
+        keys = {f.name, *(x.lstrip("-").replace("-", "_") for x in f.metadata.get("flags", ()) if x.startswith("--"))}
+        keys |= {x for x in f.metadata.get("flags", ()) if not x.startswith("--")}  # short flags as given
+        for key in keys:
+            if key in seen and seen[key] != where:
+                raise TypeError(f"{cls.__name__}: option {key!r} of {where} collides with {seen[key]}'s: every "
+                                "option name is one setting (a family reads its parent's group, never redefines it)")
+            seen[key] = where
+    return cls
+
+
 def default_of(f: dataclasses.Field):
     if f.default is not MISSING:
         return f.default
@@ -259,7 +277,9 @@ def _option(f: dataclasses.Field, hint):
 
 
 def config_options(cls, *, skip: tuple[str, ...] = ()):
-    """Decorator: one click option (or the positional argument) per field of `cls`."""
+    """Decorator: one click option (or the positional argument) per field of `cls` (whose option
+    names must not collide: unique_options)."""
+    unique_options(cls)
 
     def decorate(fn):
         for f, hint, _ in reversed(config_fields(cls)):

@@ -46,10 +46,6 @@ def dflash_default_layers(num_layers: int, num_draft_layers: int = 5) -> list[in
     return layers
 
 
-FAMILY_DEFAULT_LAYERS = {"eagle3": default_aux_layers, "dflash": dflash_default_layers}
-"""Each draft family's default layers for a target of L layers (sf-capture --families takes their union)."""
-
-
 def parse_layer_ids(spec) -> tuple[int, ...] | None:
     """A layer list option (sf-capture --aux-layers, sf-train --layers): comma-separated decoder
     layer ids, or a recipe's list."""

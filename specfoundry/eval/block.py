@@ -8,7 +8,8 @@ own choice after them, not read yet. Invariants at the start of a round:
 A round:
     1. propose  one draft forward over the block [b, M, ..., M] (M the mask token, B positions
                 p..p+B-1, bidirectional within the block, seeing all of the context); slot j
-                (1 <= j < B) proposes d_j = argmax of the target's lm_head at it, the token at p+j.
+                (1 <= j < B) proposes d_j = argmax of the draft's logits there (block_logits: the
+                target's lm_head over its state), the token at p+j.
     2. verify   the target reads [b, d_1..d_{B-1}] at positions p..p+B-1 in one forward; row r of
                 its logits predicts the token at p+r+1.
     3. accept   greedy: the longest prefix with d_j == argmax(row j-1); sampling: the draft's
@@ -29,7 +30,7 @@ from specfoundry.train.dflash.model import DFlashCache, DFlashDraft
 
 
 class BlockDraftRunner:
-    """The DFlash draft with its context cache, and the target's lm_head for its logits."""
+    """The DFlash draft with its context cache, and the target's lm_head its block_logits read."""
 
     def __init__(self, draft: DFlashDraft, lm_head: torch.Tensor):
         self.draft = draft
@@ -62,7 +63,7 @@ class BlockDraftRunner:
         ids[0, 0] = bonus
         positions = torch.arange(p, p + self.block_size, device=device)[None]
         states = self.draft.decode_block(ids, positions, self.cache)  # [1, B, H]
-        logits = (states[0, 1:] @ self.lm_head.T.to(states.dtype)).float()  # [B-1, V]
+        logits = self.draft.block_logits(states[0, 1:], self.lm_head).float()  # [B-1, V], the draft's own
         return logits.argmax(-1).tolist(), logits
 
 

@@ -1,5 +1,6 @@
 """Load a draft for decoding: an exported directory (ours, or another tool's in SGLang or
-speculators layout), a training run, or one of its checkpoints (train/drafts.py reads them).
+speculators layout), a training run, or one of its checkpoints (train/drafts.py reads them; the
+draft's family, from the catalogue, builds its module).
 
 Exports carry no token embeddings (the engines share the target's), so they are read from the
 target, exactly as a server would do it.
@@ -14,25 +15,23 @@ import torch
 from specfoundry.common.target import load_tokenizer, target_identity
 from specfoundry.common.weights import target_embeddings, weight_fingerprint
 from specfoundry.featureset.manifest import tokenizer_hashes
-from specfoundry.train.dflash.config import DFlashConfig
-from specfoundry.train.dflash.model import DFlashDraft
 from specfoundry.train.drafts import (
     DraftLoadError,
+    family_of,
     find_draft_files,
     locate_draft,
     read_config,
     target_num_layers,
     trained_for,
 )
-from specfoundry.train.eagle3.config import Eagle3Config
-from specfoundry.train.eagle3.model import Eagle3Draft
 
 __all__ = ["DraftLoadError", "check_trained_for", "draft_module", "find_draft_files", "load_draft", "locate_draft",
            "read_config", "trained_for", "untrained_like"]
 
 
-def draft_module(cfg: Eagle3Config | DFlashConfig) -> Eagle3Draft | DFlashDraft:
-    return DFlashDraft(cfg) if isinstance(cfg, DFlashConfig) else Eagle3Draft(cfg)
+def draft_module(cfg) -> torch.nn.Module:
+    """A fresh draft of config `cfg`, built by its family."""
+    return family_of(cfg).draft_module(cfg)
 
 
 def check_trained_for(path: str | Path, target_dir: Path, allow_other: bool) -> str | None:
@@ -56,7 +55,7 @@ def check_trained_for(path: str | Path, target_dir: Path, allow_other: bool) -> 
 
 
 def load_draft(path: str | Path, target_dir: Path, device: torch.device,
-               dtype: torch.dtype) -> Eagle3Draft | DFlashDraft:
+               dtype: torch.dtype) -> torch.nn.Module:
     cfg, tensors = find_draft_files(Path(path), target_num_layers(target_dir))
     draft = draft_module(cfg)
     tensors = {k: v for k, v in tensors.items() if not k.startswith("embed_tokens.")}
@@ -72,7 +71,7 @@ def load_draft(path: str | Path, target_dir: Path, device: torch.device,
     return draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def untrained_like(draft: Eagle3Draft | DFlashDraft, seed: int = 0) -> Eagle3Draft | DFlashDraft:
+def untrained_like(draft: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """A freshly initialised draft with the same config, vocabulary map and embeddings: the
     baseline a trained draft must beat."""
     with torch.random.fork_rng(devices=[]):

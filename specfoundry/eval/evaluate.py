@@ -17,26 +17,17 @@ from pathlib import Path
 
 import torch
 
-from specfoundry.common.cli import MAX_DRAFT, Range, Settings, config_dict, setting, shared
+from specfoundry.common.cli import Range, Settings, config_dict, setting, shared
 from specfoundry.common.conversations import load_conversations, tools_template_problem
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.placement import Placement, PlacementError
 from specfoundry.common.progress import Progress
 from specfoundry.common.shards import check_output_folder
 from specfoundry.common.target import EMBEDDED_DEFAULT, Target, default_dtype, pick_device
-from specfoundry.eval.block import BlockDraftRunner, block_generate
 from specfoundry.eval.draft import DraftLoadError, check_trained_for, load_draft, locate_draft, untrained_like
-from specfoundry.eval.speculative import (
-    DecodeResult,
-    DraftRunner,
-    Sampler,
-    TargetRunner,
-    speculative_generate,
-    target_generate,
-)
-from specfoundry.eval.tree import check_branching, parse_branching, shape_name, tree_generate
-from specfoundry.train.dflash.config import DFlashConfig
-from specfoundry.train.dflash.model import DFlashDraft
+from specfoundry.eval.speculative import DecodeResult, Sampler, TargetRunner, target_generate
+from specfoundry.eval.tree import check_branching, parse_branching, shape_name
+from specfoundry.train.drafts import family_of
 
 BUILTIN_SETS = ("chat", "code", "math", "multiturn")
 
@@ -150,44 +141,38 @@ def summarise_set(results: list[DecodeResult], k: int) -> dict:
     }
 
 
-def decode_set(target: TargetRunner, draft: DraftRunner | None, prompts, cfg: EvalConfig, eos: set[int],
+def decode_set(target: TargetRunner, decoder, prompts, cfg: EvalConfig, eos: set[int],
                desc: str, silent: bool = False) -> list[DecodeResult]:
+    """Each prompt decoded by the family's `decoder` (its generate), or by the target alone (None)."""
     sampler = Sampler(cfg.temperature, torch.Generator(device=target.device).manual_seed(cfg.seed))
     results = []
     with Progress(len(prompts), "prompt", desc, silent) as progress:
         for _, ids in prompts:
-            if draft is None:
+            if decoder is None:
                 r = target_generate(target, ids, max_new_tokens=cfg.max_new_tokens, eos=eos, sampler=sampler)
-            elif isinstance(draft, BlockDraftRunner):
-                r = block_generate(target, draft, ids, max_new_tokens=cfg.max_new_tokens, eos=eos, sampler=sampler)
-            elif cfg.tree:
-                r = tree_generate(target, draft, ids, branching=cfg.tree, max_new_tokens=cfg.max_new_tokens, eos=eos)
             else:
-                r = speculative_generate(target, draft, ids, k=cfg.k, max_new_tokens=cfg.max_new_tokens, eos=eos,
-                                         sampler=sampler)
+                r = decoder.generate(target, ids, max_new_tokens=cfg.max_new_tokens, eos=eos, sampler=sampler)
             results.append(r)
             progress.update(1, len(r.tokens))
     return results
 
 
 def check_config(cfg: EvalConfig) -> EvalConfig:
-    """cfg with k resolved from the tree, or from a DFlash draft's block (block_size - 1 proposals
-    per round); refuses what cannot be decoded."""
+    """cfg with k and the tree as the draft's family decodes them (a DFlash draft: its block less
+    one), k resolved from a tree; refuses what cannot be decoded."""
     try:
         dcfg = locate_draft(Path(cfg.draft))[0]
     except DraftLoadError:  # named later, in the order run_eval checks its inputs
         dcfg = None
-    if isinstance(dcfg, DFlashConfig):
-        if cfg.tree:
-            raise EvalError(f"--tree drafts EAGLE-3 token trees; {cfg.draft} is a DFlash draft, which proposes "
-                            f"blocks of {dcfg.block_size}")
-        if cfg.k != dcfg.block_size - 1 and cfg.k != EvalConfig.k:
-            print(f"warning: -k {cfg.k} ignored: DFlash draft {cfg.draft} proposes block_size - 1 = "
-                  f"{dcfg.block_size - 1} tokens per round", file=sys.stderr)
-        if dcfg.block_size - 1 > MAX_DRAFT:
-            raise EvalError(f"{cfg.draft} is a DFlash draft of blocks of {dcfg.block_size}; sf-eval decodes blocks of "
-                            f"at most {MAX_DRAFT + 1}")
-        cfg = replace(cfg, k=dcfg.block_size - 1)
+    if dcfg is not None:
+        try:
+            k, tree, warning = family_of(dcfg).decode_settings(dcfg, k=cfg.k, tree=cfg.tree, temperature=cfg.temperature,
+                                                               k_given=cfg.k != EvalConfig.k, source=cfg.draft)
+        except ValueError as e:
+            raise EvalError(str(e)) from e
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
+        cfg = replace(cfg, k=k, tree=tree)
     if cfg.tree:
         if cfg.temperature > 0:
             raise EvalError("--tree verifies greedily; use the chain (-k) with --temperature > 0")
@@ -255,19 +240,15 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
     if draft.cfg.vocab_size != identity.vocab_size:
         raise EvalError(f"draft {cfg.draft} has vocab {draft.cfg.vocab_size}, target {cfg.target} {identity.vocab_size}")
     sets = {name: load_prompts(name, tokenizer, cfg.limit) for name in cfg.prompt_sets}
-    block = isinstance(draft, DFlashDraft)
-    aux = list(draft.cfg.target_layer_ids if block else draft.cfg.aux_layer_ids)
+    family = family_of(draft.cfg)
+    aux = list(draft.cfg.target_layers)
     runner_target = TargetRunner(target, aux)
-
-    def runner(d):  # DFlash takes its logits from the target's own lm_head
-        return BlockDraftRunner(d, target.lm_head()) if block else DraftRunner(d)
-
-    drafts = {"trained": runner(draft)}
+    drafts = {"trained": family.decoder(draft, target, k=cfg.k, tree=cfg.tree)}
     if cfg.compare_untrained:
-        drafts["untrained"] = runner(untrained_like(draft, cfg.seed))
+        drafts["untrained"] = family.decoder(untrained_like(draft, cfg.seed), target, k=cfg.k, tree=cfg.tree)
     report = {"config": config_dict(cfg), "convention": "accept_length = mean tokens per target verify forward, "
               "counting the target's own token (k+1 at most); the prompt's first token is not counted",
-              "family": "dflash" if block else "eagle3", "aux_layer_ids": aux, "device": str(device),
+              "family": family.name, "aux_layer_ids": aux, "device": str(device),
               "dtype": str(dtype), "placement": config_dict(target.placement)}
     try:
         report["sets"] = decode_sets(cfg, runner_target, drafts, sets, set(target.end_of_turn_ids()),

@@ -41,16 +41,8 @@ from specfoundry.common.placement import Placement, Ranks
 from specfoundry.common.progress import Progress
 from specfoundry.common.shards import ShardedOutput, check_output_folder, output_inside_source, record_config
 from specfoundry.common.target import EMBEDDED_DEFAULT
-from specfoundry.generate.backend import (
-    BACKENDS,
-    Backend,
-    Generation,
-    Request,
-    SamplingConfig,
-    derive_seed,
-    make_backend,
-    serve,
-)
+from specfoundry.generate.backend import Backend, Generation, Request, SamplingConfig, derive_seed, serve
+from specfoundry.generate.backends import BACKENDS, make_backend
 from specfoundry.generate.hf_backend import ENGINES
 from specfoundry.generate.repetition import loop_cut
 from specfoundry.generate.synth import DEFAULT_STARTERS, read_starters, starter_for, user_turn_prefix

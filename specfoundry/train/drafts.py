@@ -1,6 +1,10 @@
 """Reading a draft back from whichever folder holds it: an export (ours, or another tool's in
 SGLang or speculators layout), an sf-train run folder (its export), or one of its
 checkpoints/step-N. sf-eval, sf-export, the gate and --init-from all read drafts through here.
+
+The family of an export is what the catalogue recognises from its config.json's architectures
+(families.py); the family of a checkpoint is the one its run's draft_config.json records. A
+folder that names no known family is refused in one line, never read as another family's.
 """
 
 from __future__ import annotations
@@ -10,20 +14,11 @@ from pathlib import Path
 
 import torch
 
-from specfoundry.train.dflash.config import DFlashConfig
-from specfoundry.train.dflash.export import config_from_sglang as dflash_config_from_sglang
-from specfoundry.train.eagle3.config import Eagle3Config
-from specfoundry.train.eagle3.formats import read_eagle3, read_eagle3_config
-from specfoundry.train.family import (
-    TARGET_FILE,
-    DraftLoadError,
-    family_of_export,
-    get_family,
-    load_tensors,
-    read_config_json,
-)
+from specfoundry.families import FAMILIES, DraftLoadError, UnknownFamilyError
+from specfoundry.train.family import TARGET_FILE, DraftFamily, load_tensors, read_config_json
 
-__all__ = ["DraftLoadError", "find_draft_files", "locate_draft", "read_config", "target_num_layers", "trained_for"]
+__all__ = ["DraftLoadError", "family_of", "family_of_export", "find_draft_files", "locate_draft", "read_config",
+           "target_num_layers", "trained_for"]
 
 
 def target_num_layers(target_dir: Path) -> int:
@@ -31,24 +26,20 @@ def target_num_layers(target_dir: Path) -> int:
     return int(config.get("text_config", config)["num_hidden_layers"])
 
 
-def read_dflash_config(path: Path) -> DFlashConfig:
-    """A DFlash export's config, read from its config.json alone, as SGLang reads it (a hand-edited
-    field must be honoured, and every field our export records is there)."""
-    engine = read_config_json(path)
-    try:
-        return dflash_config_from_sglang(engine)
-    except KeyError as e:
-        raise DraftLoadError(f"draft {path / 'config.json'} lacks {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise DraftLoadError(f"draft {path / 'config.json'}: {e}") from None
+def family_of_export(path: Path) -> str:
+    """The family of an exported draft folder, from its config.json (ours or another tool's)."""
+    return FAMILIES.family_of_config(read_config_json(path), str(Path(path) / "config.json"))
 
 
-def read_config(path: Path, num_target_layers: int | None = None) -> Eagle3Config | DFlashConfig:
+def family_of(cfg) -> DraftFamily:
+    """The provider of a draft config's family."""
+    return FAMILIES.provider(cfg.family)
+
+
+def read_config(path: Path, num_target_layers: int | None = None):
     """The config of an exported draft folder (`num_target_layers`: where its config names no
     layers, the engines' default for that target)."""
-    if family_of_export(path) == "dflash":
-        return read_dflash_config(path)
-    return read_eagle3_config(path, num_target_layers)[0]
+    return FAMILIES.provider(family_of_export(path)).read_config(Path(path), num_target_layers)
 
 
 def is_export(path: Path) -> bool:
@@ -56,7 +47,20 @@ def is_export(path: Path) -> bool:
         (path / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json"))
 
 
-def locate_draft(path: Path, num_target_layers: int | None = None) -> tuple[Eagle3Config | DFlashConfig, Path, str]:
+def checkpoint_config(run: Path):
+    """The draft config a training run records (draft_config.json), of the family it names."""
+    d = read_config_json(run, "draft_config.json")
+    if "family" not in d:
+        raise DraftLoadError(f"{run / 'draft_config.json'} names no family (one of {', '.join(FAMILIES.names())})")
+    try:
+        return FAMILIES.provider(d["family"]).config_from_dict(d)
+    except UnknownFamilyError as e:
+        raise DraftLoadError(f"{run / 'draft_config.json'}: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise DraftLoadError(f"{run / 'draft_config.json'}: {e}") from None
+
+
+def locate_draft(path: Path, num_target_layers: int | None = None) -> tuple[object, Path, str]:
     """(config, the folder or tensor file holding it, the prefix of the draft's names in it) for
     whichever kind of folder `path` is: an export, a training run (its export), or one of its
     checkpoints/step-N."""
@@ -67,24 +71,18 @@ def locate_draft(path: Path, num_target_layers: int | None = None) -> tuple[Eagl
         return read_config(path, num_target_layers), path, ""
     run = path.parent.parent  # <run>/checkpoints/step-N
     if (path / "model.safetensors").is_file() and (run / "draft_config.json").is_file():
-        d = read_config_json(run, "draft_config.json")
-        try:
-            return get_family(d.get("family", "eagle3")).config_from_dict(d), path / "model.safetensors", "draft."
-        except (KeyError, TypeError, ValueError) as e:
-            raise DraftLoadError(f"{run / 'draft_config.json'}: {e}") from None
+        return checkpoint_config(run), path / "model.safetensors", "draft."
     raise DraftLoadError(f"{path} is not an exported draft (config.json + model.safetensors), an sf-train run "
                          "folder or one of its checkpoints/step-N folders")
 
 
-def find_draft_files(path: Path, num_target_layers: int | None = None) -> tuple[Eagle3Config | DFlashConfig,
-                                                                                dict[str, torch.Tensor]]:
+def find_draft_files(path: Path, num_target_layers: int | None = None) -> tuple[object, dict[str, torch.Tensor]]:
     """(config, tensors named as in the family's draft module) from whichever kind of folder `path`
-    is; an EAGLE-3 export of any layout comes back checked, under our names, with its maps."""
+    is; an export comes back as its family reads it (an EAGLE-3 one of any layout checked, under
+    our names, with its maps)."""
     cfg, where, prefix = locate_draft(Path(path), num_target_layers)
     if where.is_dir():
-        if isinstance(cfg, Eagle3Config):
-            return read_eagle3(where, num_target_layers)
-        where = where / "model.safetensors"
+        return family_of(cfg).read_export(where, num_target_layers)
     tensors = load_tensors(where)
     return cfg, {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
 

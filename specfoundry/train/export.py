@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from specfoundry.common.cli import Settings, config_dict, setting, shared
 from specfoundry.common.files import atomic_write_json
 from specfoundry.common.shards import check_output_folder
 from specfoundry.common.target import EMBEDDED_DEFAULT, resolve_target, target_identity
-from specfoundry.train.drafts import find_draft_files, locate_draft, trained_for
-from specfoundry.train.eagle3.config import Eagle3Config
-from specfoundry.train.family import DraftLoadError, get_family
+from specfoundry.train.drafts import family_of, find_draft_files, locate_draft, trained_for
+from specfoundry.train.family import DraftLoadError
 from specfoundry.train.trainer import TMP_SUFFIX, replace_dir
 
 EXPORT_FORMATS = ("sglang", "speculators")
@@ -47,11 +46,11 @@ class ExportConfig(Settings):
 
 def check_fits_target(dcfg, identity, layout: str) -> None:
     """Refuse a draft whose vocabulary, width or layers the target cannot feed."""
-    width = getattr(dcfg, "target_hidden_size", identity.hidden_size)
+    width = dcfg.target_hidden_size
     if (dcfg.vocab_size, width) != (identity.vocab_size, identity.hidden_size):
         raise DraftLoadError(f"the draft reads a target of vocabulary {dcfg.vocab_size} and width {width}; target "
                              f"{identity.name} has {identity.vocab_size} and {identity.hidden_size} (pass --target)")
-    layers = list(getattr(dcfg, "aux_layer_ids", ()))
+    layers = list(dcfg.target_layers)
     # SGLang captures a layer's output as the input of the next one: the last layer's has no next
     if layers and layout == "sglang" and max(layers) > identity.num_layers - 2:
         raise DraftLoadError(f"the draft reads the output of layer {max(layers)}, which SGLang cannot capture from a "
@@ -68,7 +67,7 @@ def verifier_of(cfg: ExportConfig, target: str, target_dir: Path) -> dict:
 def run_export(cfg: ExportConfig) -> Path:
     """Read cfg.draft, write it to cfg.output in cfg.format (whole or not at all); returns the folder."""
     source = Path(cfg.draft)
-    family = get_family("dflash" if not isinstance(locate_draft(source)[0], Eagle3Config) else "eagle3")
+    family = family_of(locate_draft(source)[0])
     if cfg.format not in family.layouts:
         raise DraftLoadError(f"{source} is a {family.name} draft, which specfoundry exports as "
                              f"{', '.join(family.layouts)} only")
@@ -80,10 +79,7 @@ def run_export(cfg: ExportConfig) -> Path:
     check_fits_target(dcfg, identity, cfg.format)
     out = Path(cfg.output)
     check_output_folder(out, "export", cfg)
-    text = json.loads((target_dir / "config.json").read_text())
-    max_positions = text.get("text_config", text).get("max_position_embeddings", 0)
-    if isinstance(dcfg, Eagle3Config) and dcfg.max_position_embeddings < max_positions:
-        dcfg = replace(dcfg, max_position_embeddings=max_positions)  # vLLM refuses a draft shorter than its target
+    dcfg = family.for_serving(dcfg, json.loads((target_dir / "config.json").read_text()))
     tmp = out.with_name(f".{out.name}{TMP_SUFFIX}")
     shutil.rmtree(tmp, ignore_errors=True)
     family.export(tensors, dcfg, tmp, recorded, layout=cfg.format, verifier=verifier_of(cfg, target, target_dir),

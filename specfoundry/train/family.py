@@ -1,16 +1,23 @@
-"""Draft families: what one family supplies to the shared Trainer, loader, checkpoints and exports.
+"""The family interface: what one draft family supplies to the shared stages.
 
-The Trainer, the loader, checkpoints, Accelerate/ZeRO-2, resume, recipes and commands are the
-same for every family. A family supplies (train side):
+The Trainer, the loader, checkpoints, Accelerate/ZeRO-2, resume, recipes, sf-export, sf-eval's
+decoding loop and the gate's driver are the same for every family; the catalogue
+(specfoundry/families.py) names the families and their providers. A provider supplies:
     layers        the captured target layers it reads (the set's, or its default for the target),
                   and whether it reads the final state (the teacher's input)
     build         its draft config, derived from the target's config and the feature set, and its
                   model (fresh, or from an export given with --init-from)
     module        the nn.Module whose forward(batch) returns (loss, per-position metrics)
-    export        the directory an engine serves, and the reading back of it
-sf-eval holds the decoding of each family (eval/: chain and tree for EAGLE-3, block for DFlash),
-and gate.py its gate case. The family's name is recorded in every checkpoint's
-draft_config.json and every export's specfoundry_draft.json.
+    export        the directories an engine serves, and the reading back of them (the catalogue
+                  recognises a folder by its config.json's architectures; the family reads it)
+    decoding      its decoder for sf-eval (eval/speculative.py decode_rounds' callables, or a
+                  loop of its own), its decode settings, and the check that the decoder's first
+                  round equals the training forward at the same positions
+    gate          the options of the gate's overfit and the gate's checks of its draft
+This module imports no family: each family's provider (train/<name>/family.py) subclasses
+DraftFamily. A draft's config names its family (`family`, recorded in every checkpoint's
+draft_config.json and every export's specfoundry_draft.json) and the target layers it reads
+(`target_layers`).
 """
 
 from __future__ import annotations
@@ -20,7 +27,11 @@ from pathlib import Path
 
 import torch
 
+from specfoundry.families import FAMILIES, DraftLoadError
 from specfoundry.featureset.manifest import FeatureSetError
+
+__all__ = ["DRAFT_FILE", "TARGET_FILE", "DraftFamily", "DraftLoadError", "check_tensors", "expect_family", "load_tensors",
+           "read_config_json", "read_json", "select_layers"]
 
 TARGET_FILE = "specfoundry_target.json"
 """Beside every export: the identity of the target it was trained for (from the feature set)."""
@@ -28,17 +39,16 @@ DRAFT_FILE = "specfoundry_draft.json"
 """Beside every export: our own config of the draft, with its family."""
 
 
-class DraftLoadError(ValueError):
-    """A draft folder that cannot be read back: a missing file, setting or tensor, a shape its
-    config disagrees with, an option specfoundry's draft does not have (one line, naming it)."""
-
-
 class DraftFamily:
-    """The interface; each family subclasses it (train/eagle3/family.py, train/dflash/family.py)."""
+    """The interface; each family subclasses it (train/eagle3/family.py, train/dflash/family.py).
+    `options` below is what the catalogue's options_for gives: the family's own options group,
+    or an Extended(parent's, own) for a family that extends another."""
 
     name: str
-    options_field: str
-    """The TrainConfig field holding this family's options (a nested config)."""
+    config_class: type
+    """The draft's config: frozen, with to_dict/from_dict, `family` and `target_layers`."""
+
+    # ---- layers ------------------------------------------------------------------------------
 
     def default_layers(self, num_target_layers: int, options) -> list[int]:
         raise NotImplementedError
@@ -54,6 +64,8 @@ class DraftFamily:
     def needs_final_state(self, options) -> bool:
         raise NotImplementedError
 
+    # ---- training ----------------------------------------------------------------------------
+
     def build(self, options, fs, target_dir: Path, layers: list[int], init_from: str | None):
         """(draft nn.Module with the target's embeddings copied in, its config)."""
         raise NotImplementedError
@@ -63,6 +75,15 @@ class DraftFamily:
         [{loss, hits, valid}] per predicted position); `seed` seeds the family's own sampling."""
         raise NotImplementedError
 
+    def draft_module(self, cfg) -> torch.nn.Module:
+        """A freshly initialised draft of config `cfg` (its embeddings not yet the target's)."""
+        raise NotImplementedError
+
+    def config_from_dict(self, d: dict):
+        return self.config_class.from_dict(d)
+
+    # ---- export and reading back -------------------------------------------------------------
+
     layouts: tuple[str, ...] = ("sglang",)
     """The directory layouts its export writes (sf-export --format); the first is sf-train's."""
 
@@ -71,7 +92,47 @@ class DraftFamily:
         """Write `layout`; a speculators export names its verifier and its speculative tokens."""
         raise NotImplementedError
 
-    def config_from_dict(self, d: dict):
+    def read_config(self, path: Path, num_target_layers: int | None = None):
+        """The config of an export folder of this family (ours or another tool's), from its config.json
+        alone, as an engine reads it; DraftLoadError (one line) for what cannot be read."""
+        raise NotImplementedError
+
+    def read_export(self, path: Path, num_target_layers: int | None = None) -> tuple[object, dict[str, torch.Tensor]]:
+        """(config, tensors under the draft module's names, checked) of an export folder of this family."""
+        raise NotImplementedError
+
+    def for_serving(self, cfg, target_config: dict):
+        """cfg as sf-export writes it for a target of config.json `target_config` (unchanged by default)."""
+        return cfg
+
+    # ---- sf-eval -----------------------------------------------------------------------------
+
+    def decode_settings(self, cfg, *, k: int, tree: tuple[int, ...] | None, temperature: float, k_given: bool,
+                        source: str) -> tuple[int, tuple[int, ...] | None, str | None]:
+        """(k, tree, a warning or None) sf-eval decodes draft `cfg` with, from the settings given
+        (k_given: -k was set); ValueError (one line) for settings it cannot decode with."""
+        raise NotImplementedError
+
+    def decoder(self, draft, target, *, k: int, tree: tuple[int, ...] | None):
+        """The draft's decoder for sf-eval: generate(target_runner, prompt, max_new_tokens=, eos=,
+        sampler=) -> DecodeResult (eval/speculative.py). `target`: common/target.Target."""
+        raise NotImplementedError
+
+    def decode_matches_training(self, draft, lm_head: torch.Tensor, ids: torch.Tensor,
+                                aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits of the decoder's first round, logits of the training forward at the same positions)
+        for one sequence: token ids [T], the target's features aux [T, K*Ht] at the draft's layers;
+        `lm_head` the target's [V, H]. The gate and the family contract test compare them."""
+        raise NotImplementedError
+
+    # ---- the gate ----------------------------------------------------------------------------
+
+    def gate_options(self, gate) -> dict:
+        """{options group: options} of the gate's overfit (gate.GateConfig `gate`), for TrainConfig."""
+        raise NotImplementedError
+
+    def gate_checks(self, gate, export: Path, fs, sample, target) -> list:
+        """The gate's checks of the exported draft, in order (gate_checks.Check each)."""
         raise NotImplementedError
 
 
@@ -92,29 +153,6 @@ def check_tensors(tensors: dict[str, torch.Tensor], spec: dict[str, tuple[tuple[
             raise ValueError(f"export tensor {name} has dtype {t.dtype}, expected {dtype}")
 
 
-def family_names() -> tuple[str, ...]:
-    return ("eagle3", "dflash")
-
-
-def get_family(name: str) -> DraftFamily:
-    if name == "eagle3":
-        from specfoundry.train.eagle3.family import EAGLE3
-
-        return EAGLE3
-    if name == "dflash":
-        from specfoundry.train.dflash.family import DFLASH
-
-        return DFLASH
-    raise ValueError(f"unknown draft family {name!r}: choose one of {', '.join(family_names())}")
-
-
-def family_of_export(path: Path) -> str:
-    """The family of an exported draft folder, from the architecture its config.json names (what an
-    engine goes by, ours or another tool's)."""
-    arch = " ".join(map(str, read_config_json(path).get("architectures") or []))
-    return "dflash" if "DFlash" in arch else "eagle3"
-
-
 # ---- reading a draft folder's files: each failure one line naming the file (and the field) --------
 
 INT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -122,6 +160,13 @@ INT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_atte
               "block_size", "mask_token_id", "sliding_window")
 FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
 ID_LISTS = ("eagle_aux_hidden_state_layer_ids", "target_layer_ids", "aux_layer_ids")
+
+
+def expect_family(path: Path, name: str) -> None:
+    """Refuse a draft folder whose config.json names another family than `name`, or none (one line)."""
+    found = FAMILIES.family_of_config(read_config_json(path), str(Path(path) / "config.json"))
+    if found != name:
+        raise DraftLoadError(f"{path} is a draft of family {found}, not {name}: pass --family {found}")
 
 
 def read_json(file: Path):

@@ -23,12 +23,12 @@ import math
 import os
 import shutil
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from specfoundry.common.cli import Range, Settings, config_dict, setting, shared
+from specfoundry.common.cli import Range, Settings, config_dict, setting, shared, unique_options
 from specfoundry.common.files import atomic_write_json, remove_temporaries
 from specfoundry.common.progress import Progress
 from specfoundry.common.shards import check_output_folder, record_config
@@ -41,20 +41,23 @@ from specfoundry.common.target import (
     target_identity,
 )
 from specfoundry.common.weights import weight_fingerprint
+from specfoundry.families import FAMILIES, family_names, get_family
 from specfoundry.featureset.manifest import FeatureSetError, check_matches_target, tokenizer_hashes
 from specfoundry.featureset.store import FeatureSet
-from specfoundry.train.dflash.options import DFlashOptions
-from specfoundry.train.eagle3.config import Eagle3Options
-from specfoundry.train.family import family_names, get_family, select_layers
+from specfoundry.train.family import select_layers
 from specfoundry.train.loader import Batch, FeatureLoader, split_indices
 
 ATTENTIONS = ("auto", "flex", "sdpa", "eager")
 LOSS_KERNELS = ("auto", "triton", "reference")
 
 
+@unique_options
 @dataclass(frozen=True, kw_only=True)
+@FAMILIES.option_groups(after="layers")
 class TrainConfig(Settings):
-    """Settings of one sf-train run (recorded in train_config.json beside the checkpoints)."""
+    """Settings of one sf-train run (recorded in train_config.json beside the checkpoints). After
+    `layers`, one field per registered family (families.py) holds its options group: eagle3,
+    dflash, ...; every option name is unique across the groups (unique_options, at import)."""
 
     featureset: str = setting(argument=True, help="Feature-set folder written by sf-capture.")
     output: str = shared("output", resume=False)
@@ -64,8 +67,6 @@ class TrainConfig(Settings):
                                              shown="the set's layers if it holds as many as the family reads, else "
                                                    "the family's default",
                                              help="Comma-separated ids of the stored target layers the draft reads.")
-    eagle3: Eagle3Options = field(default_factory=Eagle3Options)
-    dflash: DFlashOptions = field(default_factory=DFlashOptions)
     lr: float = setting(1e-4, valid=Range(0, 1, min_open=True), help="Peak AdamW learning rate.")
     weight_decay: float = setting(0.0, valid=Range(0, 1, zero="off"), help="AdamW weight decay.")
     warmup_steps: int = setting(50, valid=Range(0, zero="no warmup"), help="Linear warmup steps before the cosine "
@@ -101,6 +102,10 @@ class TrainConfig(Settings):
     init_from: str | None = setting(None, help="An exported draft to fine-tune (keeps its vocabulary map).")
     tensorboard: bool = setting(False, resume=False, help="Log to <output>/tensorboard.")
     log_every: int = setting(10, resume=False, valid=Range(1), help="Print metrics every N optimizer steps.")
+
+    def __post_init__(self):
+        super().__post_init__()
+        FAMILIES.get(self.family)  # an unknown name is refused however the config is built
 
 
 class NonFiniteError(ValueError):
@@ -290,7 +295,7 @@ class Trainer:
         self.fs = FeatureSet(cfg.featureset, verify=cfg.verify_shards)
         identity = check_featureset(self.fs, cfg, self.target_dir)
         self.family = get_family(cfg.family)
-        options = getattr(cfg, self.family.options_field)
+        options = FAMILIES.options_for(cfg, cfg.family)
         layers = select_layers(self.fs.manifest, self.family, options, cfg.layers, identity.num_layers,
                                f"feature set {cfg.featureset}")
         draft, self.dcfg = self.family.build(options, self.fs, self.target_dir, layers, cfg.init_from)

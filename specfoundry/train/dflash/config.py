@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from specfoundry.common.target import draft_shape_of, text_config
 
@@ -20,6 +21,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 class DFlashConfig:
     """Shape of the DFlash draft (SGLang's `DFlashDraftModel`, a Qwen3-style decoder stack)."""
 
+    family: ClassVar[str] = "dflash"
     hidden_size: int
     """The draft's width; must equal the target's (the block embeddings are the target's)."""
     intermediate_size: int
@@ -70,11 +72,16 @@ class DFlashConfig:
         if self.block_size < 2:
             raise ValueError(f"block_size must be at least 2 (slot 0 holds the anchor), got {self.block_size}")
 
+    @property
+    def target_layers(self) -> tuple[int, ...]:
+        """The target layers the draft reads (every family's config has this property)."""
+        return tuple(self.target_layer_ids)
+
     def layer_type(self, i: int) -> str:
         return self.layer_types[i] if self.layer_types else "full_attention"
 
     def to_dict(self) -> dict:
-        d = {"family": "dflash", **asdict(self)}
+        d = {"family": self.family, **asdict(self)}
         d["target_layer_ids"] = list(self.target_layer_ids)
         d["layer_types"] = list(self.layer_types)
         return d

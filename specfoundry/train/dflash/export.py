@@ -25,7 +25,15 @@ from safetensors.torch import save_file
 
 from specfoundry.common.target import rope_settings
 from specfoundry.train.dflash.config import DFlashConfig
-from specfoundry.train.family import DRAFT_FILE, TARGET_FILE, check_tensors, load_tensors, read_config_json
+from specfoundry.train.family import (
+    DRAFT_FILE,
+    TARGET_FILE,
+    DraftLoadError,
+    check_tensors,
+    expect_family,
+    load_tensors,
+    read_config_json,
+)
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -132,15 +140,23 @@ def config_from_sglang(config: dict) -> DFlashConfig:
     )
 
 
-def load_export(path: str | Path) -> tuple[DFlashConfig, dict[str, torch.Tensor]]:
-    """A DFlash export (ours, or another tool's), read from its config.json as SGLang reads it."""
+def read_config(path: str | Path) -> DFlashConfig:
+    """A DFlash export's config, read from its config.json alone, as SGLang reads it (a hand-edited
+    field must be honoured, and every field our export records is there)."""
     path = Path(path)
-    config = read_config_json(path)
-    if ARCHITECTURE not in (config.get("architectures") or []):
-        raise ValueError(f"{path} is not a DFlash draft (architectures {config.get('architectures')}); "
-                         "pass the --family it was trained as")
     try:
-        cfg = config_from_sglang(config)
+        return config_from_sglang(read_config_json(path))
     except KeyError as e:
-        raise ValueError(f"draft {path / 'config.json'} lacks {e.args[0]!r}") from None
-    return cfg, load_tensors(path / "model.safetensors")
+        raise DraftLoadError(f"draft {path / 'config.json'} lacks {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, DraftLoadError):
+            raise
+        raise DraftLoadError(f"draft {path / 'config.json'}: {e}") from None
+
+
+def load_export(path: str | Path) -> tuple[DFlashConfig, dict[str, torch.Tensor]]:
+    """A DFlash export (ours, or another tool's), read from its config.json as SGLang reads it; a
+    draft of another family is refused, naming it."""
+    path = Path(path)
+    expect_family(path, "dflash")
+    return read_config(path), load_tensors(path / "model.safetensors")

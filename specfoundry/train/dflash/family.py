@@ -1,6 +1,7 @@
-"""The DFlash family on the family interface (train/family.py): K captured layers (one per draft
-layer by default), no final state unless the soft teacher reads it, a stack of decoder layers on
-the target's frozen embedding and lm_head, trained on sampled anchors, SGLang's DFlash export."""
+"""The DFlash family's provider (train/family.py's interface, registered in specfoundry/families.py):
+K captured layers (one per draft layer by default), no final state unless the soft teacher reads
+it, a stack of decoder layers on the target's frozen embedding and lm_head, trained on sampled
+anchors, SGLang's DFlash export, block decoding, its gate checks."""
 
 from __future__ import annotations
 
@@ -8,16 +9,16 @@ from pathlib import Path
 
 import torch
 
-from specfoundry.common.taps import dflash_default_layers
 from specfoundry.common.target import load_tokenizer
 from specfoundry.common.weights import target_embeddings, target_lm_head
 from specfoundry.featureset.manifest import FeatureSetError
+from specfoundry.train.dflash import options as dflash_options
 from specfoundry.train.dflash.config import DFlashConfig, dflash_config_from_target
-from specfoundry.train.dflash.export import export_draft, load_export
+from specfoundry.train.dflash.export import export_draft, load_export, read_config
 from specfoundry.train.dflash.loss import DFlashModule
 from specfoundry.train.dflash.model import DFlashDraft
 from specfoundry.train.dflash.options import DFlashOptions
-from specfoundry.train.family import DraftFamily
+from specfoundry.train.family import DraftFamily, load_tensors
 
 
 def choose_mask_token(vocab_size: int, tokenizer_size: int, counts: torch.Tensor) -> int:
@@ -34,11 +35,11 @@ def choose_mask_token(vocab_size: int, tokenizer_size: int, counts: torch.Tensor
 
 class DFlashFamily(DraftFamily):
     name = "dflash"
-    options_field = "dflash"
+    config_class = DFlashConfig
     any_layer_count = True
 
     def default_layers(self, num_target_layers: int, options: DFlashOptions) -> list[int]:
-        return dflash_default_layers(num_target_layers, options.num_draft_layers)
+        return dflash_options.default_layers(num_target_layers, options)
 
     def layer_count(self, options: DFlashOptions) -> int:
         return options.num_draft_layers
@@ -76,8 +77,40 @@ class DFlashFamily(DraftFamily):
         assert layout == "sglang", layout  # sf-export offers only the family's layouts
         return export_draft(state, draft_config, out, target=target)
 
-    def config_from_dict(self, d: dict) -> DFlashConfig:
-        return DFlashConfig.from_dict(d)
+    def draft_module(self, cfg: DFlashConfig) -> DFlashDraft:
+        return DFlashDraft(cfg)
+
+    def read_config(self, path: Path, num_target_layers: int | None = None) -> DFlashConfig:
+        return read_config(path)  # the layers are always named (dflash_config.target_layer_ids)
+
+    def read_export(self, path: Path, num_target_layers: int | None = None):
+        return read_config(path), load_tensors(Path(path) / "model.safetensors")
+
+    def decode_settings(self, cfg: DFlashConfig, *, k, tree, temperature, k_given, source):
+        from specfoundry.train.dflash.decode import decode_settings
+
+        return decode_settings(cfg, k=k, tree=tree, k_given=k_given, source=source)
+
+    def decoder(self, draft: DFlashDraft, target, *, k, tree):
+        from specfoundry.eval.block import BlockDraftRunner
+        from specfoundry.train.dflash.decode import DFlashDecoder
+
+        return DFlashDecoder(BlockDraftRunner(draft, target.lm_head()))  # the logits read the target's lm_head
+
+    def decode_matches_training(self, draft: DFlashDraft, lm_head, ids, aux):
+        from specfoundry.train.dflash.decode import decode_matches_training
+
+        return decode_matches_training(draft, lm_head, ids, aux)
+
+    def gate_options(self, gate) -> dict:
+        from specfoundry.train.dflash.gate import gate_options
+
+        return gate_options(gate)
+
+    def gate_checks(self, gate, export, fs, sample, target) -> list:
+        from specfoundry.train.dflash.gate import gate_checks
+
+        return gate_checks(gate, export, fs, sample, target)
 
 
 DFLASH = DFlashFamily()

@@ -14,9 +14,13 @@ normalised over the micro-batch's valid slots, not per block: a block cut short 
 sample weighs less, as its slots do at serving time. teacher "hard": ce against x_{a+k}; "soft":
 against the target's distribution for that token, softmax(lm_head(final_hidden[a+k-1])).
 
-The logits [rows, V] (V = 151936 for Qwen3, rows up to N*(B-1) per sample) are never held whole:
-they are computed chunk by chunk, and each chunk's loss and gradient with respect to the block
-states are taken at once, so the backward only scales that stored [rows, H] gradient.
+The logits are the draft's own (model.block_logits, the target's lm_head over the states unless a
+family adds a head of its own). Their [rows, V] (V = 151936 for Qwen3, rows up to N*(B-1) per
+sample) are never held whole: they are computed chunk by chunk. For a head without parameters
+(model.plain_head) each chunk's loss and gradient with respect to the block states are taken at
+once, so the backward only scales that stored [rows, H] gradient; a head with parameters goes
+through autograd, each chunk's logits recomputed in the backward (activation checkpointing), so
+its parameters train and no chunk's logits outlive it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from specfoundry.kernels.soft_ce import soft_target_cross_entropy
 from specfoundry.train.dflash.model import DFlashDraft
@@ -134,12 +140,14 @@ class AttachGradient(torch.autograd.Function):
 
 
 @torch.no_grad()
-def hard_chunk(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor, want_grad: bool):
-    """h [c, H] rows of one slot k, labels [c]; coef [c] = w_k * announced / sum(w).
+def hard_chunk(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor, want_grad: bool,
+               logits):
+    """h [c, H] rows of one slot k, labels [c]; coef [c] = w_k * announced / sum(w); logits(h): the
+    draft's logits of the rows, h W^T (a plain head, whose W the gradient below multiplies by).
     Returns (ce [c] fp32, hits [c], dL/dh [c, H] or None). With z = h W^T and lse = logsumexp(z):
         ce = lse - z[y],     d ce / dz = softmax(z) - onehot(y)
     computed in one fp32 [c, V] buffer (softmax written over z in place)."""
-    z = (h @ head.T).float()  # [c, V]
+    z = logits(h).float()  # [c, V]
     hits = z.argmax(-1) == labels
     lse = torch.logsumexp(z, dim=-1)
     ce = lse - z.gather(1, labels[:, None]).squeeze(1)
@@ -152,8 +160,9 @@ def hard_chunk(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, coef: 
 
 
 def soft_chunk(h: torch.Tensor, head: torch.Tensor, teacher_h: torch.Tensor, weight: float, normaliser: torch.Tensor,
-               announced: float, loss_kernel: str, want_grad: bool):
-    """h [c, H] rows of one slot k, teacher_h [c, H] the target's final states one position before.
+               announced: float, loss_kernel: str, want_grad: bool, logits):
+    """h [c, H] rows of one slot k, teacher_h [c, H] the target's final states one position before;
+    logits(h): the draft's logits of the rows, h W^T (a plain head).
     Returns (sum of the rows' ce (fp32 0-d), hits [c], dL/dh [c, H] or None) through the in-place
     soft-target CE (its row mask carries the weight w_k; normaliser = sum(w))."""
     with torch.no_grad():
@@ -162,10 +171,10 @@ def soft_chunk(h: torch.Tensor, head: torch.Tensor, teacher_h: torch.Tensor, wei
         p = p.to(h.dtype)
     with torch.enable_grad():
         leaf = h.detach().requires_grad_(want_grad)
-        logits = leaf @ head.T  # [c, V], consumed by the loss kernel
-        hits = logits.detach().argmax(-1) == target_ids  # before the kernel overwrites the logits
+        z = logits(leaf)  # [c, V], consumed by the loss kernel
+        hits = z.detach().argmax(-1) == target_ids  # before the kernel overwrites the logits
         rows = torch.full((len(h),), weight, device=h.device)
-        loss = soft_target_cross_entropy(logits, p, rows, normaliser=normaliser, impl=loss_kernel,
+        loss = soft_target_cross_entropy(z, p, rows, normaliser=normaliser, impl=loss_kernel,
                                          grad_scale=announced)
         grad = torch.autograd.grad(loss, leaf, torch.tensor(announced, device=h.device))[0] if want_grad else None
     return (loss.detach() * normaliser / weight), hits, grad
@@ -183,10 +192,11 @@ def scored_rows(states: torch.Tensor, valid: torch.Tensor, anchors: torch.Tensor
 
 
 def chunked_loss(rows, head, counts, weights, targets, teacher: str, *, chunk: int, announced: float,
-                 loss_kernel: str, want_grad: bool):
+                 loss_kernel: str, want_grad: bool, logits):
     """loss = sum_k w_k sum_{rows of k} ce / sum_k w_k n_k, chunk by chunk within each slot k.
     rows: detached (the gradient is computed here, not recorded). targets: labels [M] (hard) or
-    the teacher's final states [M, H] (soft). Returns (loss fp32 0-d,
+    the teacher's final states [M, H] (soft). logits(h): the draft's logits of rows, a plain head's
+    h W^T (the gradient below is that product's). Returns (loss fp32 0-d,
     dloss/drows [M, H] for the upstream gradient `announced` or None, per-k ce sums [B-1], per-k
     hits [B-1])."""
     device = rows.device
@@ -200,10 +210,11 @@ def chunked_loss(rows, head, counts, weights, targets, teacher: str, *, chunk: i
             e = min(s + chunk, start + count)
             if teacher == "hard":
                 coef = torch.full((e - s,), w * announced, device=device) / norm
-                ce, hit, g = hard_chunk(rows[s:e], head, targets[s:e], coef, want_grad)
+                ce, hit, g = hard_chunk(rows[s:e], head, targets[s:e], coef, want_grad, logits)
                 ce = ce.sum()
             else:
-                ce, hit, g = soft_chunk(rows[s:e], head, targets[s:e], w, norm, announced, loss_kernel, want_grad)
+                ce, hit, g = soft_chunk(rows[s:e], head, targets[s:e], w, norm, announced, loss_kernel, want_grad,
+                                        logits)
             ce_sums[k] += ce
             hits[k] += hit.sum()
             if g is not None:
@@ -211,6 +222,48 @@ def chunked_loss(rows, head, counts, weights, targets, teacher: str, *, chunk: i
         start += count
     weight_of = torch.tensor(weights, device=device)
     return (ce_sums * weight_of).sum() / norm, grad, ce_sums, hits
+
+
+def chunk_ce(model: DFlashDraft, rows, head, slots, tokens, targets, teacher: str):
+    """ce [c] fp32 and hits [c] of a chunk of rows through the draft's own head (autograd)."""
+    z = model.block_logits(rows, head, slots, tokens).float()  # [c, V]
+    if teacher == "hard":
+        return F.cross_entropy(z, targets, reduction="none"), z.detach().argmax(-1) == targets
+    p = torch.softmax((targets @ head.T).float(), dim=-1)  # the target's distribution
+    return -(p * torch.log_softmax(z, dim=-1)).sum(-1), z.detach().argmax(-1) == p.argmax(-1)
+
+
+def head_loss(model: DFlashDraft, rows, head, counts, weights, targets, teacher: str, *, chunk: int, slots, tokens):
+    """chunked_loss's loss for a draft whose head has parameters (plain_head False), through autograd:
+    each chunk's logits are recomputed in the backward (checkpoint), so the gradient reaches the
+    head's parameters and the rows, and no chunk's [c, V] logits are kept. slots [M]: each row's
+    slot k; tokens [M, B]: its block's true tokens. Returns (loss fp32 0-d, per-k ce sums, per-k hits)."""
+    device = rows.device
+    norm = max(sum(w * c for w, c in zip(weights, counts, strict=True)), 1e-6)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    ce_sums = torch.zeros(len(counts), dtype=torch.float32, device=device)
+    hits = torch.zeros(len(counts), dtype=torch.int64, device=device)
+    start = 0
+    for k, (w, count) in enumerate(zip(weights, counts, strict=True)):
+        for s in range(start, start + count, chunk):
+            e = min(s + chunk, start + count)
+            ce, hit = checkpoint(chunk_ce, model, rows[s:e], head, slots[s:e], tokens[s:e], targets[s:e], teacher,
+                                 use_reentrant=False)
+            total = total + w * ce.sum()
+            ce_sums[k] += ce.detach().sum()
+            hits[k] += hit.sum()
+        start += count
+    return total / norm, ce_sums, hits
+
+
+def block_tokens(input_ids: torch.Tensor, b_idx: torch.Tensor, target_pos: torch.Tensor, counts: list[int],
+                 block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """slots [M] (each scored row's k) and tokens [M, B] (x_a..x_{a+B-1} of its block, the last
+    position repeated past the row's end) of scored_rows' rows."""
+    device = target_pos.device
+    slots = torch.repeat_interleave(torch.arange(1, block_size, device=device), torch.tensor(counts, device=device))
+    span = (target_pos - slots)[:, None] + torch.arange(block_size, device=device)  # [M, B]
+    return slots, input_ids[b_idx[:, None], span.clamp(max=input_ids.shape[1] - 1)]
 
 
 def dflash_loss(model: DFlashDraft, batch: Batch, lm_head: torch.Tensor, *, num_anchors: int = 512,
@@ -244,10 +297,16 @@ def dflash_loss(model: DFlashDraft, batch: Batch, lm_head: torch.Tensor, *, num_
     want_grad = torch.is_grad_enabled() and rows.requires_grad
     if want_grad and not (math.isfinite(loss_scale) and loss_scale > 0):
         raise ValueError(f"dflash_loss: loss_scale must be a positive finite number, got {loss_scale}")
-    value, grad, ce_sums, hits = chunked_loss(rows.detach(), head, counts, slot_weights(b, gamma), targets, teacher,
-                                              chunk=label_chunk or logit_rows(head.shape[0]), announced=loss_scale, loss_kernel=loss_kernel,
-                                              want_grad=want_grad)
-    total = AttachGradient.apply(rows, value, grad, loss_scale) if want_grad else value
+    chunk = label_chunk or logit_rows(head.shape[0])
+    if model.plain_head:
+        value, grad, ce_sums, hits = chunked_loss(rows.detach(), head, counts, slot_weights(b, gamma), targets,
+                                                  teacher, chunk=chunk, announced=loss_scale, loss_kernel=loss_kernel,
+                                                  want_grad=want_grad, logits=lambda h: model.block_logits(h, head))
+        total = AttachGradient.apply(rows, value, grad, loss_scale) if want_grad else value
+    else:
+        slots, tokens = block_tokens(batch.input_ids, b_idx, target_pos, counts, b)
+        total, ce_sums, hits = head_loss(model, rows, head, counts, slot_weights(b, gamma), targets, teacher,
+                                         chunk=chunk, slots=slots, tokens=tokens)
     n_valid = torch.tensor(counts, device=rows.device)
     metrics = [{"loss": ce_sums[k] / max(counts[k], 1), "hits": hits[k], "valid": n_valid[k]}
                for k in range(b - 1)]

@@ -12,11 +12,13 @@ token at position p + t. The context is the target's features of positions 0..p-
       K, V = [RoPE(k_norm(k_proj(c))) | RoPE(k_norm(k_proj(x)))],  [v_proj(c) | v_proj(x)]
       h    = h + o_proj(attention(q, K, V))             non-causal: all context + the whole block
       h    = h + down(silu(gate(y)) * up(y)),  y = post_attention_layernorm(h)
-    out    = norm(h)                                   [B, H]; logits = the target's lm_head(out)
+    out    = norm(h)                                   [B, H]
+    logits = block_logits(out) = out @ W^T             W: the target's lm_head [V, H]
 
 Two forwards share these weights: `train_forward` (training: N anchored blocks per row against
 the row's whole context under the DFlash mask, kernels/dflash_attention.py) and `decode_block`
-(sf-eval: one block after a DFlashCache of context keys and values). Parallelism and checkpoints
+(sf-eval: one block after a DFlashCache of context keys and values); `block_logits` turns either's
+states into logits, for the loss, the decoder and the gate alike. Parallelism and checkpoints
 live elsewhere (train/trainer.py); the building blocks shared with other families, in
 train/layers.py.
 """
@@ -185,6 +187,11 @@ class DFlashDecoderLayer(CompiledElementwise):
 
 
 class DFlashDraft(nn.Module):
+    plain_head = True
+    """block_logits is states @ W^T, W the target's frozen lm_head, with no parameter of the draft:
+    the loss may then take its gradient by hand, chunk by chunk (train/dflash/loss.py). A draft
+    that adds a head of its own sets it False, and the loss goes through autograd instead."""
+
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.cfg = cfg
@@ -235,6 +242,14 @@ class DFlashDraft(nn.Module):
         for layer in self.layers:
             h = layer(h, attend)
         return self.norm(h)
+
+    def block_logits(self, states: torch.Tensor, head: torch.Tensor, slots: torch.Tensor | None = None,
+                     tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [..., V] of final-normed block states [..., H]; head: the target's lm_head [V, H].
+        slots: each row's block slot k (1..B-1; None: a block's slots 1..B-1 in order); tokens:
+        [rows, B] each row's block tokens, the anchor then the ones before its slot (the true ones
+        in training, the drafted ones in decoding). This draft's head reads neither."""
+        return states @ head.T.to(states.dtype)
 
     def compile_elementwise(self, on: bool = True) -> DFlashDraft:
         """Run RMSNorm, SwiGLU and RoPE through torch.compile on GPU tensors (training)."""

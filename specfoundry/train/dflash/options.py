@@ -22,3 +22,10 @@ class DFlashOptions(Settings):
                                         help="DFlash: the token id of the block's mask positions.")
     teacher: str = setting("hard", choices=TEACHERS, help="DFlash: hard: the conversation's tokens; soft: the "
                            "target's distribution from the stored final state.")
+
+
+def default_layers(num_target_layers: int, options: DFlashOptions) -> list[int]:
+    """One target layer per draft layer, spread from layer 1 to L-3 (common/taps.py dflash_default_layers)."""
+    from specfoundry.common.taps import dflash_default_layers
+
+    return dflash_default_layers(num_target_layers, options.num_draft_layers)

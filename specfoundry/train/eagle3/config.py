@@ -1,32 +1,20 @@
-"""The EAGLE-3 draft's architecture config (generated from the target's) and its training options."""
+"""The EAGLE-3 draft's architecture config, generated from the target's (its training options:
+train/eagle3/options.py)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
-from specfoundry.common.cli import MAX_DRAFT, MAX_TOKENS, Range, Settings, setting
 from specfoundry.common.target import draft_shape_of
-
-
-@dataclass(frozen=True, kw_only=True)
-class Eagle3Options(Settings):
-    """sf-train settings of the EAGLE-3 family (recorded in train_config.json under `eagle3`)."""
-
-    draft_vocab_size: int = setting(32000, valid=Range(1, MAX_TOKENS), help="EAGLE-3: draft vocabulary, this many most frequent loss-masked "
-                                    "tokens.")
-    ttt_length: int = setting(7, valid=Range(1, MAX_DRAFT), help="EAGLE-3: Training-Time Test steps unrolled per forward (the draft length "
-                              "trained).")
-    loss_decay: float = setting(0.8, valid=Range(0, 1, min_open=True), help="EAGLE-3: the loss of TTT step s is weighted decay^s.")
-    fc_norm: bool = setting(False, help="EAGLE-3.1: an RMSNorm on each captured state before fc.")
-    norm_output: bool = setting(False, help="EAGLE-3.1: the next draft step receives the post-norm state instead "
-                                "of the pre-norm one.")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Eagle3Config:
     """Shape of the EAGLE-3 draft (one decoder layer); fields follow the target's config."""
 
+    family: ClassVar[str] = "eagle3"
     hidden_size: int
     intermediate_size: int
     num_attention_heads: int
@@ -52,12 +40,17 @@ class Eagle3Config:
     """EAGLE-3.1: the next draft step receives the post-norm state (else the pre-norm one)."""
 
     @property
+    def target_layers(self) -> tuple[int, ...]:
+        """The target layers the draft reads (every family's config has this property)."""
+        return tuple(self.aux_layer_ids)
+
+    @property
     def num_aux(self) -> int:
         """Captured layers fc reads (three unless the layer list says otherwise)."""
         return len(self.aux_layer_ids) or 3
 
     def to_dict(self) -> dict:
-        d = {"family": "eagle3", **asdict(self)}
+        d = {"family": self.family, **asdict(self)}
         d["aux_layer_ids"] = list(self.aux_layer_ids)
         return d
 

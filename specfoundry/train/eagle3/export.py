@@ -34,7 +34,7 @@ from specfoundry.train.eagle3.formats import (
     read_eagle3,
     to_vllm_ids,
 )
-from specfoundry.train.family import DRAFT_FILE, TARGET_FILE, check_tensors, read_config_json
+from specfoundry.train.family import DRAFT_FILE, TARGET_FILE, check_tensors, expect_family
 
 __all__ = ["expected_tensors", "export_draft", "load_export", "sglang_config", "speculators_config", "validate"]
 
@@ -155,8 +155,7 @@ def export_draft(state_dict: dict[str, torch.Tensor], cfg: Eagle3Config, out_dir
 
 
 def load_export(path: str | Path, num_target_layers: int | None = None) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
-    """An EAGLE-3 directory in either layout, ours or another tool's (formats.read_eagle3)."""
-    config = read_config_json(Path(path)) if (Path(path) / "config.json").is_file() else {}
-    if "DFlashDraftModel" in (config.get("architectures") or []):
-        raise ValueError(f"{path} is a DFlash draft: pass --family dflash")
+    """An EAGLE-3 directory in either layout, ours or another tool's (formats.read_eagle3); a draft
+    of another family is refused, naming it."""
+    expect_family(Path(path), "eagle3")
     return read_eagle3(path, num_target_layers)

@@ -1,18 +1,23 @@
-"""The EAGLE-3 family on the family interface (train/family.py): three captured layers and the
-final state (the teacher's input), one decoder layer, Training-Time Test, exports for SGLang and vLLM."""
+"""The EAGLE-3 family's provider (train/family.py's interface, registered in specfoundry/families.py):
+three captured layers and the final state (the teacher's input), one decoder layer, Training-Time
+Test, exports for SGLang and vLLM, chain and tree decoding, its gate checks."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from specfoundry.common.taps import default_aux_layers
+from specfoundry.common.target import text_config
 from specfoundry.common.weights import target_embeddings, target_lm_head
 from specfoundry.featureset.manifest import FeatureSetError
-from specfoundry.train.eagle3.config import Eagle3Config, Eagle3Options, draft_config_from_target
+from specfoundry.train.eagle3 import options as eagle3_options
+from specfoundry.train.eagle3.config import Eagle3Config, draft_config_from_target
 from specfoundry.train.eagle3.export import export_draft, load_export
+from specfoundry.train.eagle3.formats import read_eagle3, read_eagle3_config
 from specfoundry.train.eagle3.model import Eagle3Draft
+from specfoundry.train.eagle3.options import Eagle3Options
 from specfoundry.train.eagle3.ttt import TTTModule
 from specfoundry.train.family import DraftFamily
 from specfoundry.train.vocab import choose_draft_vocab, vocab_maps
@@ -20,10 +25,10 @@ from specfoundry.train.vocab import choose_draft_vocab, vocab_maps
 
 class Eagle3Family(DraftFamily):
     name = "eagle3"
-    options_field = "eagle3"
+    config_class = Eagle3Config
 
     def default_layers(self, num_target_layers: int, options: Eagle3Options) -> list[int]:
-        return default_aux_layers(num_target_layers)
+        return eagle3_options.default_layers(num_target_layers, options)
 
     def layer_count(self, options: Eagle3Options) -> int:
         return 3
@@ -70,8 +75,45 @@ class Eagle3Family(DraftFamily):
         return export_draft(state, draft_config, out, target=target, layout=layout, verifier=verifier,
                             speculative_tokens=speculative_tokens)
 
-    def config_from_dict(self, d: dict) -> Eagle3Config:
-        return Eagle3Config.from_dict(d)
+    def draft_module(self, cfg: Eagle3Config) -> Eagle3Draft:
+        return Eagle3Draft(cfg)
+
+    def read_config(self, path: Path, num_target_layers: int | None = None) -> Eagle3Config:
+        return read_eagle3_config(path, num_target_layers)[0]
+
+    def read_export(self, path: Path, num_target_layers: int | None = None):
+        return read_eagle3(path, num_target_layers)
+
+    def for_serving(self, cfg: Eagle3Config, target_config: dict) -> Eagle3Config:
+        # vLLM refuses a draft shorter than its target
+        max_positions = text_config(target_config).get("max_position_embeddings", 0)
+        return replace(cfg, max_position_embeddings=max_positions) if cfg.max_position_embeddings < max_positions else cfg
+
+    def decode_settings(self, cfg: Eagle3Config, *, k, tree, temperature, k_given, source):
+        from specfoundry.train.eagle3.decode import decode_settings
+
+        return decode_settings(k, tree)
+
+    def decoder(self, draft: Eagle3Draft, target, *, k, tree):
+        from specfoundry.eval.speculative import DraftRunner
+        from specfoundry.train.eagle3.decode import Eagle3Decoder
+
+        return Eagle3Decoder(DraftRunner(draft), k, tree)
+
+    def decode_matches_training(self, draft: Eagle3Draft, lm_head, ids, aux):
+        from specfoundry.train.eagle3.decode import decode_matches_training
+
+        return decode_matches_training(draft, ids, aux)  # the draft's own lm_head: the target's is not read
+
+    def gate_options(self, gate) -> dict:
+        from specfoundry.train.eagle3.gate import gate_options
+
+        return gate_options(gate)
+
+    def gate_checks(self, gate, export, fs, sample, target) -> list:
+        from specfoundry.train.eagle3.gate import gate_checks
+
+        return gate_checks(gate, export, fs, sample, target)
 
 
 EAGLE3 = Eagle3Family()

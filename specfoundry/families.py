@@ -1,0 +1,218 @@
+"""The draft families: one torch-free catalogue, the only place a family is named.
+
+Each entry says what every stage needs to know about a family without loading it: its name,
+its options group (a frozen config class, one nested section of sf-train's config), the family
+it extends (whose group it reads on purpose), its default target layers, the architectures its
+exports carry in config.json (how a draft folder is recognised), and its provider: the object
+on the interface of train/family.py that builds, trains, exports, reads back, decodes and gates
+it. Everything but the names is given as "module:attribute" and imported on first use, so
+importing this module loads neither torch nor any family, and no family module is imported by
+the interface it implements (train/family.py) or by this catalogue's import.
+
+Adding a family is its folder (train/<name>/) plus one entry in FAMILIES (docs/families.md,
+"Adding a family"). A name or an architecture that no entry knows is a one-line error wherever
+it is met, never a fallback to another family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+
+
+class UnknownFamilyError(ValueError):
+    """A family name that no entry of the catalogue has."""
+
+
+class DraftLoadError(ValueError):
+    """A draft folder that cannot be read back: a missing file, setting or tensor, a shape its
+    config disagrees with, an option specfoundry's draft does not have, an architecture no family
+    exports (one line, naming it)."""
+
+
+def resolve(spec: str):
+    """The object a "module:attribute" string names."""
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    """One catalogue entry."""
+
+    name: str
+    """The --family value, the name recorded in checkpoints and exports, and its options group's field."""
+    summary: str
+    """One line for --family's help."""
+    options: str
+    """"module:Class" of its options, a frozen keyword-only Settings dataclass (train/<name>/options.py)."""
+    default_layers: str
+    """"module:function" (num_target_layers, options) -> the target layers it reads by default."""
+    layers_help: str
+    """Its default layers in words, for sf-capture --families' help."""
+    architectures: tuple[str, ...]
+    """config.json `architectures` values its exports carry, ours and other tools'; each names one family."""
+    provider: str
+    """"module:object" of its provider, on train/family.py's DraftFamily interface."""
+    extends: str | None = None
+    """The family it extends: its options group is read as the parent's (options_for), so the
+    child adds options of its own and can never shadow the parent's."""
+    speculators_types: tuple[str, ...] = ()
+    """speculators_model_type values (vLLM's speculators format) that name this family."""
+
+
+@dataclass(frozen=True)
+class Extended:
+    """The options of a family that extends another: its parent's group (itself an Extended where
+    the parent extends a third) and its own. The child's code reads `parent` on purpose."""
+
+    parent: object
+    own: object
+
+
+class Registry:
+    """The families, checked when built: distinct names, architectures and speculators types; a
+    parent that is an earlier entry."""
+
+    def __init__(self, families: tuple[Family, ...]):
+        self.families: dict[str, Family] = {}
+        self.by_architecture: dict[str, str] = {}
+        self.by_speculators_type: dict[str, str] = {}
+        for f in families:
+            if f.name in self.families:
+                raise TypeError(f"family {f.name!r} is registered twice")
+            if f.extends is not None and f.extends not in self.families:
+                raise TypeError(f"family {f.name!r} extends {f.extends!r}, which is not an earlier entry")
+            for arch in f.architectures:
+                if arch in self.by_architecture:
+                    raise TypeError(f"architecture {arch!r} names two families: {self.by_architecture[arch]} and {f.name}")
+                self.by_architecture[arch] = f.name
+            for kind in f.speculators_types:
+                if kind in self.by_speculators_type:
+                    raise TypeError(f"speculators_model_type {kind!r} names two families: "
+                                    f"{self.by_speculators_type[kind]} and {f.name}")
+                self.by_speculators_type[kind] = f.name
+            self.families[f.name] = f
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.families)
+
+    def get(self, name: str) -> Family:
+        family = self.families.get(name) if isinstance(name, str) else None
+        if family is None:
+            raise UnknownFamilyError(f"unknown draft family {name!r}: choose one of {', '.join(self.families)}")
+        return family
+
+    def chain(self, name: str) -> list[Family]:
+        """The family and the families it extends, root first."""
+        out = [self.get(name)]
+        while out[0].extends is not None:
+            out.insert(0, self.get(out[0].extends))
+        return out
+
+    def provider(self, name: str):
+        """The family's provider (train/family.py's interface), imported on first use."""
+        return resolve(self.get(name).provider)
+
+    def options_class(self, name: str) -> type:
+        return resolve(self.get(name).options)
+
+    def options_for(self, cfg, name: str):
+        """The options `name` reads from a config holding every family's group (TrainConfig): its
+        own group, or Extended(parent's options, own group) for a family that extends another."""
+        options = None
+        for f in self.chain(name):
+            own = getattr(cfg, f.name)
+            options = own if options is None else Extended(options, own)
+        return options
+
+    def default_options(self, name: str):
+        """options_for a config of every group's defaults."""
+        options = None
+        for f in self.chain(name):
+            own = self.options_class(f.name)()
+            options = own if options is None else Extended(options, own)
+        return options
+
+    def default_layers(self, name: str, num_target_layers: int, options=None) -> list[int]:
+        """The target layers `name` reads by default (with its default options unless given)."""
+        options = self.default_options(name) if options is None else options
+        return list(resolve(self.get(name).default_layers)(num_target_layers, options))
+
+    def family_of_config(self, config: dict, source: str) -> str:
+        """The family of a draft folder whose config.json is `config` (ours or another tool's),
+        from the architectures it names or its speculators_model_type."""
+        archs = config.get("architectures") or []
+        archs = archs if isinstance(archs, list) else [archs]
+        found = {self.by_architecture[a] for a in archs if isinstance(a, str) and a in self.by_architecture}
+        kind = config.get("speculators_model_type")
+        if isinstance(kind, str) and kind in self.by_speculators_type:
+            found.add(self.by_speculators_type[kind])
+        if len(found) == 1:
+            return found.pop()
+        known = ", ".join(f"{f.name}: {'/'.join(f.architectures)}" for f in self.families.values())
+        if found:
+            raise DraftLoadError(f"{source}: architectures {archs} name several families ({', '.join(sorted(found))})")
+        what = f"architectures {archs}" if archs else "no architectures"
+        if kind is not None:
+            what += f", speculators_model_type {kind!r}"
+        raise DraftLoadError(f"{source} names {what}, which no draft family exports ({known})")
+
+    def option_groups(self, after: str):
+        """Class decorator for a config class, applied before @dataclass: one field per family,
+        named after it, holding its options group (defaults: the group's defaults), inserted
+        after the field `after` in declaration order."""
+
+        def decorate(cls):
+            annotations = dict(cls.__dict__.get("__annotations__", {}))
+            if after not in annotations:
+                raise TypeError(f"{cls.__name__} has no field {after!r} to put the family options after")
+            out = {}
+            for name, hint in annotations.items():
+                out[name] = hint
+                if name == after:
+                    for f in self.families.values():
+                        if f.name in annotations:
+                            raise TypeError(f"{cls.__name__}.{f.name} is both a setting and family {f.name}'s options")
+                        options = self.options_class(f.name)
+                        out[f.name] = options
+                        setattr(cls, f.name, dataclasses.field(default_factory=options))
+            cls.__annotations__ = out
+            return cls
+
+        return decorate
+
+
+FAMILIES = Registry((
+    Family(
+        name="eagle3",
+        summary="EAGLE-3 and its 3.1 options: one decoder layer over three target layers, Training-Time Test",
+        options="specfoundry.train.eagle3.options:Eagle3Options",
+        default_layers="specfoundry.train.eagle3.options:default_layers",
+        layers_help="eagle3 [1, L//2-1, L-4]",
+        # SGLang's (ours), vLLM's own, and speculators' classes (ours writes Eagle3DraftModel)
+        architectures=("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3DraftModel", "Eagle3Speculator"),
+        speculators_types=("eagle3",),
+        provider="specfoundry.train.eagle3.family:EAGLE3",
+    ),
+    Family(
+        name="dflash",
+        summary="DFlash: a block of proposals in one forward on the target's embedding and lm_head",
+        options="specfoundry.train.dflash.options:DFlashOptions",
+        default_layers="specfoundry.train.dflash.options:default_layers",
+        layers_help="dflash round(1 + i(L-4)/4) for i = 0..4",
+        architectures=("DFlashDraftModel",),
+        provider="specfoundry.train.dflash.family:DFLASH",
+    ),
+))
+"""Every family specfoundry trains, in the order --help lists them."""
+
+
+def family_names() -> tuple[str, ...]:
+    return FAMILIES.names()
+
+
+def get_family(name: str):
+    """The provider of family `name` (UnknownFamilyError, one line, for a name no entry has)."""
+    return FAMILIES.provider(name)

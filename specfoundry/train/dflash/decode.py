@@ -1,0 +1,68 @@
+"""DFlash in sf-eval: block decoding (eval/block.py, decode_rounds' callables), its settings, and
+its first round against the training forward at the same positions. Imported by sf-eval and the
+gate only, through the family's provider."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specfoundry.common.cli import MAX_DRAFT
+from specfoundry.eval.block import BlockDraftRunner, block_generate
+from specfoundry.eval.speculative import DecodeResult, Sampler, TargetRunner
+from specfoundry.train.dflash.config import DFlashConfig
+from specfoundry.train.dflash.loss import block_inputs
+from specfoundry.train.dflash.model import DFlashDraft
+
+
+@dataclass
+class DFlashDecoder:
+    """One block of block_size - 1 proposals per round."""
+
+    runner: BlockDraftRunner
+
+    def generate(self, target: TargetRunner, prompt: list[int], *, max_new_tokens: int, eos: set[int],
+                 sampler: Sampler) -> DecodeResult:
+        return block_generate(target, self.runner, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler)
+
+
+def decode_settings(cfg: DFlashConfig, *, k: int, tree, k_given: bool, source: str):
+    """(block_size - 1, no tree, a warning where -k asked for another number): a block is what it
+    proposes; a tree or a block longer than sf-eval decodes is refused."""
+    if tree:
+        raise ValueError(f"--tree drafts EAGLE-3 token trees; {source} is a DFlash draft, which proposes blocks of "
+                         f"{cfg.block_size}")
+    if cfg.block_size - 1 > MAX_DRAFT:
+        raise ValueError(f"{source} is a DFlash draft of blocks of {cfg.block_size}; sf-eval decodes blocks of at most "
+                         f"{MAX_DRAFT + 1}")
+    warning = None
+    if k_given and k != cfg.block_size - 1:
+        warning = (f"-k {k} ignored: DFlash draft {source} proposes block_size - 1 = {cfg.block_size - 1} tokens per "
+                   "round")
+    return cfg.block_size - 1, None, warning
+
+
+@torch.inference_mode()
+def training_block_logits(draft: DFlashDraft, lm_head: torch.Tensor, ids: torch.Tensor, aux: torch.Tensor,
+                          anchor: int) -> torch.Tensor:
+    """The training forward's logits [B-1, V] of the block anchored at `anchor` (context: aux before it)."""
+    cfg = draft.cfg
+    device, dtype = draft.fc.weight.device, draft.fc.weight.dtype
+    anchors = torch.tensor([[anchor]], device=device)
+    block_ids, positions = block_inputs(ids[None].to(device), anchors, cfg.block_size, cfg.mask_token_id)
+    context = draft.project_context(aux[None].to(device, dtype))
+    keep = torch.ones_like(anchors, dtype=torch.bool)
+    states = draft.train_forward(context, block_ids, positions, anchors, keep, [len(ids)], "sdpa")[0]  # [B, H]
+    return draft.block_logits(states[1:], lm_head).float()
+
+
+def decode_matches_training(draft: DFlashDraft, lm_head: torch.Tensor, ids: torch.Tensor, aux: torch.Tensor):
+    """(the first round's block logits after the prompt ids[:-1], the training forward's at the
+    same anchor), [B-1, V] each: the decoder reads the prompt's features and proposes after the
+    bonus token ids[-1]."""
+    p = len(ids) - 1
+    runner = BlockDraftRunner(draft, lm_head)
+    runner.extend(aux[:p].to(lm_head.device))
+    _, decoded = runner.propose(int(ids[p]))
+    return decoded, training_block_logits(draft, lm_head, ids, aux, p)
