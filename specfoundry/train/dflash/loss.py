@@ -123,6 +123,15 @@ def slot_weights(block_size: int, gamma: float) -> list[float]:
     return [math.exp(-(k - 1) / gamma) if gamma > 0 else 1.0 for k in range(1, block_size)]
 
 
+def slot_chunks(counts: list[int], chunk: int):
+    """(k index, start, end) of each chunk of at most `chunk` rows within each slot's rows."""
+    start = 0
+    for k, count in enumerate(counts):
+        for s in range(start, start + count, chunk):
+            yield k, s, min(s + chunk, start + count)
+        start += count
+
+
 class AttachGradient(torch.autograd.Function):
     """`value`, computed without autograd, as a function of x whose gradient was computed with it:
     grad is d(value)/dx for the upstream gradient `announced`; backward scales it to the actual."""
@@ -204,22 +213,18 @@ def chunked_loss(rows, head, counts, weights, targets, teacher: str, *, chunk: i
     grad = torch.zeros_like(rows) if want_grad else None
     ce_sums = torch.zeros(len(counts), dtype=torch.float32, device=device)
     hits = torch.zeros(len(counts), dtype=torch.int64, device=device)
-    start = 0
-    for k, (w, count) in enumerate(zip(weights, counts, strict=True)):
-        for s in range(start, start + count, chunk):
-            e = min(s + chunk, start + count)
-            if teacher == "hard":
-                coef = torch.full((e - s,), w * announced, device=device) / norm
-                ce, hit, g = hard_chunk(rows[s:e], head, targets[s:e], coef, want_grad, logits)
-                ce = ce.sum()
-            else:
-                ce, hit, g = soft_chunk(rows[s:e], head, targets[s:e], w, norm, announced, loss_kernel, want_grad,
-                                        logits)
-            ce_sums[k] += ce
-            hits[k] += hit.sum()
-            if g is not None:
-                grad[s:e] = g
-        start += count
+    for k, s, e in slot_chunks(counts, chunk):
+        w = weights[k]
+        if teacher == "hard":
+            coef = torch.full((e - s,), w * announced, device=device) / norm
+            ce, hit, g = hard_chunk(rows[s:e], head, targets[s:e], coef, want_grad, logits)
+            ce = ce.sum()
+        else:
+            ce, hit, g = soft_chunk(rows[s:e], head, targets[s:e], w, norm, announced, loss_kernel, want_grad, logits)
+        ce_sums[k] += ce
+        hits[k] += hit.sum()
+        if g is not None:
+            grad[s:e] = g
     weight_of = torch.tensor(weights, device=device)
     return (ce_sums * weight_of).sum() / norm, grad, ce_sums, hits
 
@@ -243,16 +248,12 @@ def head_loss(model: DFlashDraft, rows, head, counts, weights, targets, teacher:
     total = torch.zeros((), dtype=torch.float32, device=device)
     ce_sums = torch.zeros(len(counts), dtype=torch.float32, device=device)
     hits = torch.zeros(len(counts), dtype=torch.int64, device=device)
-    start = 0
-    for k, (w, count) in enumerate(zip(weights, counts, strict=True)):
-        for s in range(start, start + count, chunk):
-            e = min(s + chunk, start + count)
-            ce, hit = checkpoint(chunk_ce, model, rows[s:e], head, slots[s:e], tokens[s:e], targets[s:e], teacher,
-                                 use_reentrant=False)
-            total = total + w * ce.sum()
-            ce_sums[k] += ce.detach().sum()
-            hits[k] += hit.sum()
-        start += count
+    for k, s, e in slot_chunks(counts, chunk):
+        ce, hit = checkpoint(chunk_ce, model, rows[s:e], head, slots[s:e], tokens[s:e], targets[s:e], teacher,
+                             use_reentrant=False)
+        total = total + weights[k] * ce.sum()
+        ce_sums[k] += ce.detach().sum()
+        hits[k] += hit.sum()
     return total / norm, ce_sums, hits
 
 
