@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from specfoundry.common.cli import MAX_DRAFT, MAX_TOKENS, Range, Settings, setting
 
 TEACHERS = ("hard", "soft")
+OBJECTIVES = ("dflash", "dpace")
 
 
 @dataclass(frozen=True, kw_only=True)
