@@ -1,16 +1,24 @@
 """DFlash's D-PACE objective (--objective dpace): the loss and its gradient against a block-by-block
-reference with the products written out, weights that carry no gradient, chunking."""
+reference with the products written out, weights that carry no gradient, chunking, the option."""
 
 from __future__ import annotations
 
 import math
 
+import click
 import pytest
 import torch
 import torch.nn.functional as F
+from click.testing import CliRunner
 
+from specfoundry.common.cli import config_dict, resolve_config
+from specfoundry.train.cli import main as train_main
+from specfoundry.train.dflash import family
 from specfoundry.train.dflash.loss import DFlashModule, anchor_seed, dflash_loss, sample_anchors
 from specfoundry.train.dflash.model import DFlashCache
+from specfoundry.train.dflash.options import DFlashOptions
+from specfoundry.train.trainer import TrainConfig
+from tests.test_cli_help import leaf_commands, options
 from tests.test_dflash import TINY, HeadedDraft, loss_and_grads, make_batch, random_draft
 
 
@@ -220,3 +228,40 @@ def test_an_unknown_objective_is_a_one_line_error_naming_the_choices():
     batch = make_batch([9], seed=9)
     with pytest.raises(ValueError, match=r"^unknown DFlash objective 'dpace2': choose dflash or dpace$"):
         dflash_loss(model, batch, torch.randn(TINY.vocab_size, TINY.hidden_size), objective="dpace2")
+
+
+def test_the_option_is_checked_on_the_command_line_and_in_recipes_and_recorded(tmp_path):
+    result = CliRunner().invoke(train_main, ["run", str(tmp_path / "IN"), "-o", str(tmp_path / "OUT"), "--objective", "x"])
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert "--objective" in errors[0] and "'dflash'" in errors[0] and "'dpace'" in errors[0], errors[0]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  objective: D-PACE\n")
+    with pytest.raises(click.ClickException) as e:
+        resolve_config(TrainConfig, "train", str(recipe), {}, featureset="f", output="o")
+    message = e.value.format_message()
+    assert message.startswith(f"{recipe}: train: objective: ") and "dflash, dpace" in message, message
+    assert "\n" not in message
+    recipe.write_text("train:\n  family: dflash\n  objective: dpace\n  dpace_alpha: 0.2\n")
+    cfg = resolve_config(TrainConfig, "train", str(recipe), {}, featureset="f", output="o")
+    assert (cfg.dflash.objective, cfg.dflash.dpace_alpha) == ("dpace", 0.2)
+    # recorded in train_config.json under dflash, and among what a resumed run must repeat
+    for record in (config_dict(cfg), config_dict(cfg, resume_only=True)):
+        assert (record["dflash"]["objective"], record["dflash"]["dpace_alpha"]) == ("dpace", 0.2)
+
+
+def test_help_shows_the_options_and_their_defaults():
+    cmd = leaf_commands()["sf-train run"]
+    ctx = click.Context(cmd, info_name="sf-train run")
+    by_flag = {p.opts[-1]: p.get_help_record(ctx) for p in options(cmd)}
+    names, text = by_flag["--objective"]
+    assert "dflash|dpace" in names and "D-PACE" in text and "[default: dflash]" in text, (names, text)
+    names, text = by_flag["--dpace-alpha"]
+    assert "0: the raw label probabilities" in text and "[default: 0.5; 0<=x<=1]" in text, text
+
+
+def test_the_family_passes_the_objective_to_its_module(monkeypatch):
+    monkeypatch.setattr(family, "target_lm_head", lambda target_dir: torch.zeros(TINY.vocab_size, TINY.hidden_size))
+    module = family.DFLASH.module(random_draft(), "unused", torch.float32,
+                                  DFlashOptions(objective="dpace", dpace_alpha=0.2), seed=1)
+    assert (module.options["objective"], module.options["dpace_alpha"]) == ("dpace", 0.2)
