@@ -239,11 +239,14 @@ def test_the_process_groups_of_several_copies_are_their_own(tmp_path):
               "dist.all_reduce(x)\n"
               "ranks.barrier()\n"
               "shared = ranks.from_writer(f'group {ranks.group} writer {ranks.rank}' if ranks.is_writer else None)\n"
-              "print(ranks.rank, ranks.group, dist.get_world_size(), x.item(), shared, flush=True)\n")
+              "import sys, pathlib\n"  # a file per rank: the ranks' stdout lines can interleave
+              "line = f'{ranks.rank} {ranks.group} {dist.get_world_size()} {x.item()} {shared}'\n"
+              "(pathlib.Path(sys.argv[1]) / f'rank{ranks.rank}.txt').write_text(line)\n")
     (tmp_path / "groups.py").write_text(script)
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
-                          "29564", str(tmp_path / "groups.py")], capture_output=True, text=True, env=ENV, cwd=ROOT)
+                          "29564", str(tmp_path / "groups.py"), str(tmp_path)], capture_output=True, text=True, env=ENV,
+                         cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
-    lines = sorted(tuple(line.split(" ", 4)) for line in run.stdout.splitlines())
+    lines = sorted(tuple(f.read_text().split(" ", 4)) for f in tmp_path.glob("rank*.txt"))
     assert lines == [("0", "0", "2", "1.0", "group 0 writer 0"), ("1", "0", "2", "1.0", "group 0 writer 0"),
                      ("2", "1", "2", "5.0", "group 1 writer 2"), ("3", "1", "2", "5.0", "group 1 writer 2")]
