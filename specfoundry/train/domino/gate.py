@@ -45,12 +45,14 @@ def check_positions_and_fit(runner: DominoRunner, sample) -> list[Check]:
                   [n], [0])
     anchors = sample_anchors(sample.loss_mask, n, b, n, 0)[None].to(device)
     keep = torch.ones_like(anchors, dtype=torch.bool)
-    worst = 0.0
+    worst, same = 0.0, True
     for i in sorted({0, anchors.shape[1] // 2, anchors.shape[1] - 1}):
         a = int(anchors[0, i])
         decoded, trained = decode_matches_training(model, runner.lm_head, sample.input_ids[: a + 1].cpu(),
                                                    sample.aux_hidden[: a + 1].cpu())
         worst = max(worst, ((decoded - trained).abs().max() / trained.abs().max()).item())
+        # teacher-forced on the round's proposals, the training forward proposes them again
+        same = same and torch.equal(decoded.argmax(-1), trained.argmax(-1))
     with torch.inference_mode():
         ids, positions = block_inputs(batch.input_ids, anchors, b, dcfg.mask_token_id)
         context = model.project_context(sample.aux_hidden[None].to(device, dtype))
@@ -62,9 +64,10 @@ def check_positions_and_fit(runner: DominoRunner, sample) -> list[Check]:
                                     tokens[0].repeat_interleave(b, dim=0))
         predicted = logits.argmax(-1).view(-1, b)
     acc = (predicted == labels[0])[valid[0]].float().mean().item()
-    return [Check("positions", worst <= 1e-2, f"the first decoding round (sequential GRU) "
-                  f"{'equals' if worst <= 1e-2 else 'differs from'} the teacher-forced training forward (max rel diff "
-                  f"{worst:.2g})"),
+    ok = worst <= 1e-2 and same
+    return [Check("positions", ok, f"the first decoding round (sequential GRU) {'equals' if ok else 'differs from'} "
+                  f"the training forward teacher-forced on its proposals (max rel diff {worst:.2g}, the same "
+                  f"proposals: {'yes' if same else 'no'})"),
             Check("fit", acc >= 0.9, f"the draft predicts {acc:.0%} of the answer's block tokens from the stored "
                   "features" + ("" if acc >= 0.9 else "; train longer (--max-steps) or with another --lr"))]
 
