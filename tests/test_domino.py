@@ -149,6 +149,16 @@ def test_with_lambda_one_only_the_backbone_learns():
     assert draft.fc.weight.grad.abs().sum() > 0
 
 
+def test_nothing_to_learn_gives_zero_loss_and_zero_gradients():
+    batch = tiny_batch()
+    batch.loss_mask[:] = False
+    draft = tiny_draft()
+    loss, metrics = domino_loss(draft, batch, torch.randn(97, 32), base_weight=0.5, attention="sdpa")
+    loss.backward()
+    assert loss.item() == 0 and all(int(m["valid"]) == 0 for m in metrics)
+    assert all(p.grad is not None and p.grad.abs().sum() == 0 for p in draft.parameters())
+
+
 # ---- the curriculum --------------------------------------------------------------------------------
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from specfoundry.train.dflash.loss import batch_anchors, block_inputs
-from specfoundry.train.domino.model import DominoDraft
+from specfoundry.train.domino.model import DominoDraft, correction_parameters
 from specfoundry.train.loader import Batch
 from specfoundry.train.teacher import logit_rows
 
@@ -84,7 +84,8 @@ def domino_loss(draft: DominoDraft, batch: Batch, lm_head: torch.Tensor, *, base
     w = shifted_slot_weights(b, gamma).to(rows.device)[j_idx]  # [M]
     norm = w.sum().clamp(min=1e-6)
     chunk = label_chunk or logit_rows(head.shape[0])
-    total = torch.zeros((), dtype=torch.float32, device=rows.device)
+    # 0 that reaches every parameter: a micro-batch with nothing to learn still gives (zero) gradients
+    total = 0.0 * (states.sum() + sum(p.sum() for p in correction_parameters(draft))).float()
     ce_sums = torch.zeros(b, dtype=torch.float32, device=rows.device)
     hits = torch.zeros(b, dtype=torch.int64, device=rows.device)
     for s in range(0, len(rows), chunk):
