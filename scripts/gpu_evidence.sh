@@ -101,14 +101,20 @@ together() {
   return $rc
 }
 
-plan() {
+# what every plan does first: the environment, its start time and heading, the GPU's clocks, and a
+# wait for the SmolLM2 weights (the gguf call brings them)
+begin_plan() {
   cd "$EV/repo"
   export PYTHONPATH=$EV/repo${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
   date +%s > "$EV/t0"
-  echo "plan: commit ${GIT_COMMIT:-?}, device $DEV, synthesize $SYNTH, epochs $EPOCHS, deadline ${DEADLINE}s"
+  echo "$1"
   [ "$DEV" = cuda ] && nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
   for _ in $(seq 150); do [ -f "$EV/gguf.ok" ] && break; sleep 2; done
   [ -f "$EV/gguf.ok" ] || { echo "no SmolLM2 weights after 300 s"; echo done > "$EV/done"; return 1; }
+}
+
+plan() {
+  begin_plan "plan: commit ${GIT_COMMIT:-?}, device $DEV, synthesize $SYNTH, epochs $EPOCHS, deadline ${DEADLINE}s" || return 1
   echo "[$(elapsed) s] SmolLM2 weights here"
 
   # 1. regen throughput (alone): before / generate_grouped / after (slots) / ceiling, SmolLM2 and 8B
@@ -171,13 +177,7 @@ plan() {
 #   capture_bench      --storage bfloat16,float8_e4m3fn, disk-bound case included                 ~150 s
 #   gpu_tests          pytest -m gpu, alone                                                       ~200 s
 plan_rest() {
-  cd "$EV/repo"
-  export PYTHONPATH=$EV/repo${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-  date +%s > "$EV/t0"
-  echo "plan rest: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s"
-  [ "$DEV" = cuda ] && nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
-  for _ in $(seq 150); do [ -f "$EV/gguf.ok" ] && break; sleep 2; done
-  [ -f "$EV/gguf.ok" ] || { echo "no SmolLM2 weights after 300 s"; echo done > "$EV/done"; return 1; }
+  begin_plan "plan rest: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s" || return 1
   if [ "$DEV" = cuda ]; then
     step regen_bench 420 python -m benchmarks.regen --profile
     step capture_placement 360 python -m benchmarks.capture_placement

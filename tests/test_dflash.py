@@ -733,9 +733,11 @@ def test_loss_with_flex_matches_sdpa_on_gpu(teacher):
 
 
 @pytest.mark.gpu
-def test_loss_at_the_real_shape_holds_no_full_logits():
+@pytest.mark.parametrize("objective", ["dflash", "dpace"])
+def test_loss_at_the_real_shape_holds_no_full_logits(objective):
     """Qwen3-8B's width and vocabulary, one row of 3072 tokens, 512 anchors of 16: the loss and its
-    backward never hold an fp32 [N*B, V] logits tensor (5 GB) beyond the step's activations."""
+    backward never hold an fp32 [N*B, V] logits tensor (5 GB) beyond the step's activations, with
+    either objective (D-PACE's weights wait for every chunk, its logits do not)."""
     cfg = DFlashConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=1, num_attention_heads=32,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, target_hidden_size=4096,
                        target_layer_ids=(1, 9, 17, 25, 33), block_size=16, mask_token_id=151669,
@@ -750,7 +752,7 @@ def test_loss_at_the_real_shape_holds_no_full_logits():
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    loss, metrics = dflash_loss(model, batch, head, num_anchors=512, attention="flex")
+    loss, metrics = dflash_loss(model, batch, head, num_anchors=512, attention="flex", objective=objective)
     loss.backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base

@@ -328,6 +328,15 @@ def test_a_nonfinite_row_is_refused_naming_sample_token_and_layer(tmp_path, targ
     assert not list((tmp_path / "fs").glob("shards/*.done.json"))  # nothing of it is stored
 
 
+def stored_rows(shard):
+    """A float8 shard's samples as stored (codes and scales, not decoded), one dict each, the
+    scales copied so that a test can damage them and write the shard again."""
+    reader = ShardReader(shard, "safetensors", FP8)
+    rows = [reader.sample(i, decode=False) for i in range(len(reader))]
+    return [{"input_ids": s.input_ids, "loss_mask": s.loss_mask, "aux_hidden": s.aux_hidden, "final_hidden": s.final_hidden,
+             "aux_scale": s.aux_scale.clone(), "final_scale": s.final_scale} for s in rows]
+
+
 def test_verify_checks_a_float8_set_and_names_a_nonfinite_row(fp8_features, tmp_path):
     assert verify_featureset(fp8_features) == []
     manifest = json.loads((fp8_features / MANIFEST).read_text())
@@ -335,12 +344,8 @@ def test_verify_checks_a_float8_set_and_names_a_nonfinite_row(fp8_features, tmp_
     fs = tmp_path / "fs"
     shutil.copytree(fp8_features, fs)
     entry = manifest["shards"][1]
-    reader = ShardReader(fs / entry["path"], "safetensors", FP8)
-    rows = [reader.sample(i, decode=False) for i in range(len(reader))]
-    rows = [{"input_ids": s.input_ids, "loss_mask": s.loss_mask, "aux_hidden": s.aux_hidden, "final_hidden": s.final_hidden,
-             "aux_scale": s.aux_scale.clone(), "final_scale": s.final_scale} for s in rows]
+    rows = stored_rows(fs / entry["path"])
     rows[2]["aux_scale"][4, 3] = float("nan")  # token 4, the fourth stored layer
-    del reader
     entry["sha256"] = write_shard(fs, entry["path"], rows, "safetensors", FP8)  # a sound file of bad values
     (fs / MANIFEST).write_text(json.dumps(manifest))
     layer = manifest["aux_layer_ids"][3]
@@ -382,11 +387,7 @@ def test_verify_names_an_impossible_scale(fp8_features, tmp_path, bad, words):
     fs = tmp_path / "fs"
     shutil.copytree(fp8_features, fs)
     entry = manifest["shards"][1]
-    reader = ShardReader(fs / entry["path"], "safetensors", FP8)
-    rows = [reader.sample(i, decode=False) for i in range(len(reader))]
-    rows = [{"input_ids": s.input_ids, "loss_mask": s.loss_mask, "aux_hidden": s.aux_hidden, "final_hidden": s.final_hidden,
-             "aux_scale": s.aux_scale.clone(), "final_scale": s.final_scale} for s in rows]
-    del reader
+    rows = stored_rows(fs / entry["path"])
     assert bool((rows[2]["aux_hidden"][4].view(torch.uint8) & 0x7F).any())  # the row holds non-zero values
     rows[2]["aux_scale"][4, 1] = bad  # token 4, the second stored layer
     entry["sha256"] = write_shard(fs, entry["path"], rows, "safetensors", FP8)

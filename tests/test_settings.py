@@ -59,6 +59,7 @@ ACCEPTED = {
     ("sf-train run", "--warmup-steps", "0"), ("sf-train run", "--clip-grad", "0"),
     ("sf-train run", "--eval-fraction", "0"), ("sf-train run", "--keep-last", "0"),
     ("sf-train run", "--num-workers", "0"), ("sf-eval run", "--temperature", "0"),
+    ("sf-train run", "--dpace-alpha", "0"),  # D-PACE on the raw label probabilities, unsmoothed
     ("sf-capture verify", "--recompute", "0"),
     # 0 is an ordinary value
     ("sf-regen run", "--seed", "0"), ("sf-train run", "--seed", "0"), ("sf-eval run", "--seed", "0"),

@@ -70,7 +70,8 @@ class DFlashFamily(DraftFamily):
 
     def module(self, draft: DFlashDraft, target_dir: Path, dtype: torch.dtype, options: DFlashOptions, seed: int):
         return DFlashModule(draft, target_lm_head(target_dir).to(dtype), num_anchors=options.num_anchors,
-                            gamma=options.gamma, teacher=options.teacher, seed=seed)
+                            gamma=options.gamma, teacher=options.teacher, seed=seed, objective=options.objective,
+                            dpace_alpha=options.dpace_alpha)
 
     def export(self, state, draft_config: DFlashConfig, out: Path, target: dict | None, layout: str = "sglang",
                verifier: dict | None = None, speculative_tokens: int = 3) -> Path:

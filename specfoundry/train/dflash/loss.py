@@ -1,4 +1,4 @@
-"""DFlash training: many anchored blocks per sample, one forward, a decayed per-slot loss.
+"""DFlash training: many anchored blocks per sample, one forward, a weighted per-slot loss.
 
 With a row's tokens x_0..x_{n-1} (n its real length) and its loss mask m, N anchors a are drawn
 (sample_anchors). The block of anchor a is
@@ -21,6 +21,29 @@ sample) are never held whole: they are computed chunk by chunk. For a head witho
 once, so the backward only scales that stored [rows, H] gradient; a head with parameters goes
 through autograd, each chunk's logits recomputed in the backward (activation checkpointing), so
 its parameters train and no chunk's logits outlive it.
+
+D-PACE (objective "dpace"; Wu et al., "D-PACE: Dynamic Position-Aware Cross-Entropy for Parallel
+Speculative Drafting", arXiv 2605.18810) replaces the fixed w_k with weights from the draft's own
+confidence, recomputed every step and held without gradient. Per block, with m_k whether slot k
+counts and q_k = exp(-ce(a, k)) (hard teacher: the draft's probability of the label x_{a+k}, the
+paper's case; soft, our extension: the exp of the slot's soft cross entropy, so that w_k below is
+still the weight of that slot's own loss in the gradient of tau),
+    s_k = (1 - alpha) q_k + alpha  where m_k, else 1    a slot that does not count is a no-op
+    P_k = prod_{j <= k} s_j                              slots 1..k all accepted (smoothed)
+    tau = sum_k m_k P_k                                  the surrogate of the expected accepted length
+    w_k = sum_{j >= k} m_j P_j  (= d tau / d log s_k)    every later acceptance that needs slot k
+    loss = sum_{counted} w_k * ce  /  sum_{counted} w_k  over the micro-batch
+so the signal moves to the positions that currently limit the accepted length. The weights are
+those of the authors' code (github.com/Lucas-TY/D-PACE, specforge/core/dflash.py) and of
+SpecForge's `--loss-type dpace`; alpha (dpace_alpha) defaults to their 0.5. The normaliser is ours:
+they divide sum w * ce by the batch size, here it is sum w, as for the dflash objective. Both are
+constants of the micro-batch, so the gradient's direction is theirs; its scale stays that of a
+mean cross entropy, comparable with the dflash objective's, and a recipe's learning rate and
+gradient clip carry over (theirs grows with the anchors per sample and as the draft improves).
+The weights need every slot of a block, which later chunks compute: each chunk writes its
+gradient for a unit weight and keeps its rows' ce [M]; after the last chunk the weights are
+computed from them and the stored [M, H] gradient rows scaled by w / sum(w). One pass over the
+logits as before, no [M, V] tensor; in bf16 the scaled gradient is rounded once more.
 """
 
 from __future__ import annotations
@@ -33,10 +56,13 @@ from torch.utils.checkpoint import checkpoint
 
 from specfoundry.kernels.soft_ce import soft_target_cross_entropy
 from specfoundry.train.dflash.model import DFlashDraft
+from specfoundry.train.dflash.options import OBJECTIVES
 from specfoundry.train.loader import Batch
 from specfoundry.train.teacher import logit_rows
 
 MASK64 = (1 << 64) - 1
+TINY_SUM = torch.finfo(torch.float32).tiny
+"""D-PACE's normaliser at least: only an all-zero sum of weights (nothing counts) reaches it."""
 
 
 def _splitmix64(z: int) -> int:
@@ -123,6 +149,29 @@ def slot_weights(block_size: int, gamma: float) -> list[float]:
     return [math.exp(-(k - 1) / gamma) if gamma > 0 else 1.0 for k in range(1, block_size)]
 
 
+@torch.no_grad()
+def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, where, alpha: float) -> torch.Tensor:
+    """D-PACE's weight of each scored row (module docstring), without gradient: ce [M] fp32 of the
+    rows, valid [Bsz, N, B-1] the slots that count, where: scored_rows' (k-1, b, n) of each row.
+    Returns w [M] fp32. The blocks are laid out [B-1, Bsz, N], so the products and sums run over
+    the first axis; a slot that does not count is 1 in the products and 0 in the sums. Indexed by
+    `where`, not by the mask: no host sync."""
+    by_slot = valid.permute(2, 0, 1)  # [B-1, Bsz, N]
+    s = torch.ones(by_slot.shape, dtype=torch.float32, device=ce.device)
+    s[where] = (1.0 - alpha) * torch.exp(-ce.float()) + alpha
+    prefix = torch.cumprod(s, dim=0) * by_slot  # m_k P_k
+    return prefix.flip(0).cumsum(0).flip(0)[where]  # w_k = sum_{j >= k} m_j P_j
+
+
+def slot_chunks(counts: list[int], chunk: int):
+    """(k index, start, end) of each chunk of at most `chunk` rows within each slot's rows."""
+    start = 0
+    for k, count in enumerate(counts):
+        for s in range(start, start + count, chunk):
+            yield k, s, min(s + chunk, start + count)
+        start += count
+
+
 class AttachGradient(torch.autograd.Function):
     """`value`, computed without autograd, as a function of x whose gradient was computed with it:
     grad is d(value)/dx for the upstream gradient `announced`; backward scales it to the actual."""
@@ -160,35 +209,41 @@ def hard_chunk(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, coef: 
 
 
 def soft_chunk(h: torch.Tensor, head: torch.Tensor, teacher_h: torch.Tensor, weight: float, normaliser: torch.Tensor,
-               announced: float, loss_kernel: str, want_grad: bool, logits):
+               announced: float, loss_kernel: str, want_grad: bool, logits, rows_ce: bool = False):
     """h [c, H] rows of one slot k, teacher_h [c, H] the target's final states one position before;
     logits(h): the draft's logits of the rows, h W^T (a plain head).
     Returns (sum of the rows' ce (fp32 0-d), hits [c], dL/dh [c, H] or None) through the in-place
-    soft-target CE (its row mask carries the weight w_k; normaliser = sum(w))."""
+    soft-target CE (its row mask carries the weight w_k; normaliser = sum(w)). rows_ce (D-PACE):
+    the rows' ce [c] fp32 instead of their sum, taken before the kernel consumes the logits (two
+    more [c, V] fp32 temporaries)."""
     with torch.no_grad():
         p = torch.softmax((teacher_h @ head.T).float(), dim=-1)  # [c, V] the target's distribution
         target_ids = p.argmax(-1)
+        p32 = p if rows_ce else None  # held only for rows_ce: the kernel reads p in h's dtype
         p = p.to(h.dtype)
     with torch.enable_grad():
         leaf = h.detach().requires_grad_(want_grad)
         z = logits(leaf)  # [c, V], consumed by the loss kernel
         hits = z.detach().argmax(-1) == target_ids  # before the kernel overwrites the logits
+        if rows_ce:
+            with torch.no_grad():
+                ce = torch.log_softmax(z.detach().float(), dim=-1).mul_(p32).sum(-1).neg_()  # [c]
         rows = torch.full((len(h),), weight, device=h.device)
         loss = soft_target_cross_entropy(z, p, rows, normaliser=normaliser, impl=loss_kernel,
                                          grad_scale=announced)
         grad = torch.autograd.grad(loss, leaf, torch.tensor(announced, device=h.device))[0] if want_grad else None
-    return (loss.detach() * normaliser / weight), hits, grad
+    return (ce if rows_ce else loss.detach() * normaliser / weight), hits, grad
 
 
 def scored_rows(states: torch.Tensor, valid: torch.Tensor, anchors: torch.Tensor):
     """The block states of the valid slots, grouped by slot k (k = 1 first).
-    states [Bsz, N*B, H]; valid [Bsz, N, B-1]. Returns (rows [M, H], row b [M], target position
-    a + k [M], counts: rows per k, a list of B-1 ints)."""
+    states [Bsz, N*B, H]; valid [Bsz, N, B-1]. Returns (rows [M, H], where: the rows' (k-1, row b,
+    anchor index n), three [M], target position a + k [M], counts: rows per k, a list of B-1 ints)."""
     bsz, n, slots = valid.shape
     k_idx, b_idx, n_idx = torch.nonzero(valid.permute(2, 0, 1), as_tuple=True)  # sorted by k, then b, n
     counts = torch.bincount(k_idx, minlength=slots).tolist()  # the host needs the group sizes
     rows = states.view(bsz, n, slots + 1, -1)[b_idx, n_idx, k_idx + 1]  # [M, H]
-    return rows, b_idx, anchors[b_idx, n_idx] + k_idx + 1, counts
+    return rows, (k_idx, b_idx, n_idx), anchors[b_idx, n_idx] + k_idx + 1, counts
 
 
 def chunked_loss(rows, head, counts, weights, targets, teacher: str, *, chunk: int, announced: float,
@@ -204,24 +259,50 @@ def chunked_loss(rows, head, counts, weights, targets, teacher: str, *, chunk: i
     grad = torch.zeros_like(rows) if want_grad else None
     ce_sums = torch.zeros(len(counts), dtype=torch.float32, device=device)
     hits = torch.zeros(len(counts), dtype=torch.int64, device=device)
-    start = 0
-    for k, (w, count) in enumerate(zip(weights, counts, strict=True)):
-        for s in range(start, start + count, chunk):
-            e = min(s + chunk, start + count)
-            if teacher == "hard":
-                coef = torch.full((e - s,), w * announced, device=device) / norm
-                ce, hit, g = hard_chunk(rows[s:e], head, targets[s:e], coef, want_grad, logits)
-                ce = ce.sum()
-            else:
-                ce, hit, g = soft_chunk(rows[s:e], head, targets[s:e], w, norm, announced, loss_kernel, want_grad,
-                                        logits)
-            ce_sums[k] += ce
-            hits[k] += hit.sum()
-            if g is not None:
-                grad[s:e] = g
-        start += count
+    for k, s, e in slot_chunks(counts, chunk):
+        w = weights[k]
+        if teacher == "hard":
+            coef = torch.full((e - s,), w * announced, device=device) / norm
+            ce, hit, g = hard_chunk(rows[s:e], head, targets[s:e], coef, want_grad, logits)
+            ce = ce.sum()
+        else:
+            ce, hit, g = soft_chunk(rows[s:e], head, targets[s:e], w, norm, announced, loss_kernel, want_grad, logits)
+        ce_sums[k] += ce
+        hits[k] += hit.sum()
+        if g is not None:
+            grad[s:e] = g
     weight_of = torch.tensor(weights, device=device)
     return (ce_sums * weight_of).sum() / norm, grad, ce_sums, hits
+
+
+def dpace_chunked_loss(rows, head, counts, valid, where, alpha: float, targets, teacher: str, *, chunk: int,
+                       announced: float, loss_kernel: str, want_grad: bool, logits):
+    """chunked_loss with D-PACE's weights (module docstring): loss = sum w ce / sum w over the rows,
+    w = dpace_weights of the rows' own ce (valid, where: dpace_weights'). Each chunk writes its
+    gradient for a unit weight; once every row's ce is known, the gradient rows are scaled by
+    w / sum(w). Returns chunked_loss's four values."""
+    device = rows.device
+    unit = torch.ones((), device=device)  # the soft kernel's normaliser for a unit weight
+    grad = torch.zeros_like(rows) if want_grad else None
+    ce = torch.zeros(len(rows), dtype=torch.float32, device=device)
+    ce_sums = torch.zeros(len(counts), dtype=torch.float32, device=device)
+    hits = torch.zeros(len(counts), dtype=torch.int64, device=device)
+    for k, s, e in slot_chunks(counts, chunk):
+        if teacher == "hard":
+            coef = torch.full((e - s,), announced, device=device)
+            ce[s:e], hit, g = hard_chunk(rows[s:e], head, targets[s:e], coef, want_grad, logits)
+        else:
+            ce[s:e], hit, g = soft_chunk(rows[s:e], head, targets[s:e], 1.0, unit, announced, loss_kernel, want_grad,
+                                         logits, rows_ce=True)
+        ce_sums[k] += ce[s:e].sum()
+        hits[k] += hit.sum()
+        if g is not None:
+            grad[s:e] = g
+    w = dpace_weights(ce, valid, where, alpha)
+    norm = w.sum().clamp(min=TINY_SUM)
+    if grad is not None:
+        grad.mul_((w / norm).to(grad.dtype)[:, None])
+    return (w * ce).sum() / norm, grad, ce_sums, hits
 
 
 def chunk_ce(model: DFlashDraft, rows, head, slots, tokens, targets, teacher: str):
@@ -243,17 +324,33 @@ def head_loss(model: DFlashDraft, rows, head, counts, weights, targets, teacher:
     total = torch.zeros((), dtype=torch.float32, device=device)
     ce_sums = torch.zeros(len(counts), dtype=torch.float32, device=device)
     hits = torch.zeros(len(counts), dtype=torch.int64, device=device)
-    start = 0
-    for k, (w, count) in enumerate(zip(weights, counts, strict=True)):
-        for s in range(start, start + count, chunk):
-            e = min(s + chunk, start + count)
-            ce, hit = checkpoint(chunk_ce, model, rows[s:e], head, slots[s:e], tokens[s:e], targets[s:e], teacher,
-                                 use_reentrant=False)
-            total = total + w * ce.sum()
-            ce_sums[k] += ce.detach().sum()
-            hits[k] += hit.sum()
-        start += count
+    for k, s, e in slot_chunks(counts, chunk):
+        ce, hit = checkpoint(chunk_ce, model, rows[s:e], head, slots[s:e], tokens[s:e], targets[s:e], teacher,
+                             use_reentrant=False)
+        total = total + weights[k] * ce.sum()
+        ce_sums[k] += ce.detach().sum()
+        hits[k] += hit.sum()
     return total / norm, ce_sums, hits
+
+
+def dpace_head_loss(model: DFlashDraft, rows, head, counts, valid, where, alpha: float, targets, teacher: str, *,
+                    chunk: int, slots, tokens):
+    """head_loss with D-PACE's weights: the chunks' ce [c] (each with its checkpointed graph, no
+    logits) are gathered, and the loss is sum w ce / sum w with w = dpace_weights of their values.
+    Returns head_loss's three values."""
+    device = rows.device
+    ces = []
+    ce_sums = torch.zeros(len(counts), dtype=torch.float32, device=device)
+    hits = torch.zeros(len(counts), dtype=torch.int64, device=device)
+    for k, s, e in slot_chunks(counts, chunk):
+        ce, hit = checkpoint(chunk_ce, model, rows[s:e], head, slots[s:e], tokens[s:e], targets[s:e], teacher,
+                             use_reentrant=False)
+        ces.append(ce)
+        ce_sums[k] += ce.detach().sum()
+        hits[k] += hit.sum()
+    ce = torch.cat(ces) if ces else torch.zeros(0, dtype=torch.float32, device=device)
+    w = dpace_weights(ce.detach(), valid, where, alpha)
+    return (w * ce).sum() / w.sum().clamp(min=TINY_SUM), ce_sums, hits
 
 
 def block_tokens(input_ids: torch.Tensor, b_idx: torch.Tensor, target_pos: torch.Tensor, counts: list[int],
@@ -268,10 +365,12 @@ def block_tokens(input_ids: torch.Tensor, b_idx: torch.Tensor, target_pos: torch
 
 def dflash_loss(model: DFlashDraft, batch: Batch, lm_head: torch.Tensor, *, num_anchors: int = 512,
                 gamma: float = 7.0, seed: int = 0, attention: str = "auto", loss_kernel: str = "auto",
-                loss_scale: float = 1.0, teacher: str = "hard", label_chunk: int | None = None):
+                loss_scale: float = 1.0, teacher: str = "hard", label_chunk: int | None = None,
+                objective: str = "dflash", dpace_alpha: float = 0.5):
     """Returns (total loss, per-slot metrics [{loss, hits, valid}] for k = 1..B-1).
 
-    lm_head: [V, H] the target's (frozen). gamma: the slot decay (module docstring). seed: the run's
+    lm_head: [V, H] the target's (frozen). objective: "dflash", the slots weighted by the decay
+    gamma, or "dpace", by D-PACE with the smoothing dpace_alpha (module docstring). seed: the run's
     seed; a sample's anchors are drawn with anchor_seed(seed, batch.epoch, its index). loss_kernel:
     the soft-target CE (auto, triton, reference; the hard CE is plain torch). loss_scale: the
     gradient that will flow into the total (1 / accumulation steps), announced so that each chunk
@@ -280,6 +379,10 @@ def dflash_loss(model: DFlashDraft, batch: Batch, lm_head: torch.Tensor, *, num_
     argmax matches with x_{a+k} (hard) or the target's argmax (soft)."""
     if teacher not in ("hard", "soft"):
         raise ValueError(f"unknown DFlash teacher {teacher!r}: choose hard or soft")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown DFlash objective {objective!r}: choose {' or '.join(OBJECTIVES)}")
+    if not 0.0 <= dpace_alpha <= 1.0:
+        raise ValueError(f"dpace_alpha must be in [0, 1], got {dpace_alpha}")
     if teacher == "soft" and batch.final_hidden is None:
         raise ValueError("the soft teacher reads the target's final hidden states; the batch holds none")
     b = model.cfg.block_size
@@ -288,7 +391,8 @@ def dflash_loss(model: DFlashDraft, batch: Batch, lm_head: torch.Tensor, *, num_
     context = model.project_context(batch.aux_hidden)  # [Bsz, T, H]
     states = model.train_forward(context, ids, positions, anchors, keep, batch.lengths, attention)
     valid = valid_slots(batch, anchors, keep, b)
-    rows, b_idx, target_pos, counts = scored_rows(states, valid, anchors)
+    rows, where, target_pos, counts = scored_rows(states, valid, anchors)
+    b_idx = where[1]
     head = lm_head.to(rows.dtype)
     if teacher == "hard":
         targets = batch.input_ids[b_idx, target_pos]
@@ -298,15 +402,19 @@ def dflash_loss(model: DFlashDraft, batch: Batch, lm_head: torch.Tensor, *, num_
     if want_grad and not (math.isfinite(loss_scale) and loss_scale > 0):
         raise ValueError(f"dflash_loss: loss_scale must be a positive finite number, got {loss_scale}")
     chunk = label_chunk or logit_rows(head.shape[0])
+    # the slots' weights: fixed per slot (dflash), or computed from the rows' own ce (dpace)
+    weighting = (slot_weights(b, gamma),) if objective == "dflash" else (valid, where, dpace_alpha)
     if model.plain_head:
-        value, grad, ce_sums, hits = chunked_loss(rows.detach(), head, counts, slot_weights(b, gamma), targets,
-                                                  teacher, chunk=chunk, announced=loss_scale, loss_kernel=loss_kernel,
-                                                  want_grad=want_grad, logits=lambda h: model.block_logits(h, head))
+        loss_fn = chunked_loss if objective == "dflash" else dpace_chunked_loss
+        value, grad, ce_sums, hits = loss_fn(rows.detach(), head, counts, *weighting, targets, teacher, chunk=chunk,
+                                             announced=loss_scale, loss_kernel=loss_kernel, want_grad=want_grad,
+                                             logits=lambda h: model.block_logits(h, head))
         total = AttachGradient.apply(rows, value, grad, loss_scale) if want_grad else value
     else:
         slots, tokens = block_tokens(batch.input_ids, b_idx, target_pos, counts, b)
-        total, ce_sums, hits = head_loss(model, rows, head, counts, slot_weights(b, gamma), targets, teacher,
-                                         chunk=chunk, slots=slots, tokens=tokens)
+        loss_fn = head_loss if objective == "dflash" else dpace_head_loss
+        total, ce_sums, hits = loss_fn(model, rows, head, counts, *weighting, targets, teacher, chunk=chunk,
+                                       slots=slots, tokens=tokens)
     n_valid = torch.tensor(counts, device=rows.device)
     metrics = [{"loss": ce_sums[k] / max(counts[k], 1), "hits": hits[k], "valid": n_valid[k]}
                for k in range(b - 1)]
@@ -320,12 +428,12 @@ class DFlashModule(torch.nn.Module):
 
     def __init__(self, draft: DFlashDraft, lm_head: torch.Tensor, *, num_anchors: int = 512, gamma: float = 7.0,
                  seed: int = 0, teacher: str = "hard", label_chunk: int | None = None,
-                 compile_elementwise: bool = True):
+                 compile_elementwise: bool = True, objective: str = "dflash", dpace_alpha: float = 0.5):
         super().__init__()
         self.draft = draft.compile_elementwise(compile_elementwise)
         self.register_buffer("lm_head", lm_head, persistent=False)
         self.options = dict(num_anchors=num_anchors, gamma=gamma, seed=seed, teacher=teacher,
-                            label_chunk=label_chunk)
+                            label_chunk=label_chunk, objective=objective, dpace_alpha=dpace_alpha)
 
     def forward(self, batch: Batch, attention: str = "auto", loss_kernel: str = "auto", loss_scale: float = 1.0):
         return dflash_loss(self.draft, batch, self.lm_head, attention=attention, loss_kernel=loss_kernel,

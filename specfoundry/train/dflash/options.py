@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from specfoundry.common.cli import MAX_DRAFT, MAX_TOKENS, Range, Settings, setting
 
 TEACHERS = ("hard", "soft")
+OBJECTIVES = ("dflash", "dpace")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -16,12 +17,19 @@ class DFlashOptions(Settings):
     block_size: int = setting(16, valid=Range(2, MAX_DRAFT + 1), help="DFlash: positions per block, the anchor and block_size-1 proposals.")
     num_anchors: int = setting(512, valid=Range(1, MAX_TOKENS), help="DFlash: anchors sampled per sample and step, among supervised positions.")
     gamma: float = setting(7.0, valid=Range(), help="DFlash: block position k's loss is weighted exp(-(k-1)/gamma) (<= 0: "
-                           "uniform).")
+                           "uniform); the dflash objective only.")
     mask_token_id: int | None = setting(None, valid=Range(0, MAX_TOKENS), shown="the first embedding row past the tokenizer's vocabulary, else "
                                         "the highest id never seen in the feature set",
                                         help="DFlash: the token id of the block's mask positions.")
     teacher: str = setting("hard", choices=TEACHERS, help="DFlash: hard: the conversation's tokens; soft: the "
                            "target's distribution from the stored final state.")
+    objective: str = setting("dflash", choices=OBJECTIVES, help="DFlash: dflash: the slot losses weighted "
+                             "exp(-(k-1)/gamma); dpace: D-PACE (arXiv 2605.18810), each slot weighted through the "
+                             "draft's smoothed prefix products of its label probabilities (a surrogate of the expected "
+                             "accepted length), recomputed each step, without gradient (docs/families.md).")
+    dpace_alpha: float = setting(0.5, valid=Range(0, 1, zero="the raw label probabilities"),
+                                 help="DFlash, objective dpace: each slot's label probability q enters the prefix "
+                                 "products smoothed as (1-alpha) q + alpha (1: a fixed linear schedule).")
 
 
 def default_layers(num_target_layers: int, options: DFlashOptions) -> list[int]:

@@ -60,6 +60,8 @@ class DominoFamily(DFlashFamily):
         dflash, own = options.parent, options.own
         if dflash.teacher != "hard":
             raise ValueError("Domino trains on the conversation's tokens: --teacher soft is DFlash's only")
+        if dflash.objective != "dflash":
+            raise ValueError(f"Domino trains its own curriculum loss: --objective {dflash.objective} is DFlash's only")
         return DominoModule(draft, target_lm_head(target_dir).to(dtype), num_anchors=dflash.num_anchors,
                             gamma=dflash.gamma, seed=seed, base_weight_start=own.base_weight_start,
                             base_weight_end=own.base_weight_end, base_decay_fraction=own.base_decay_fraction)
