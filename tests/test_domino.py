@@ -370,3 +370,15 @@ def test_domino_gate_passes_on_the_tiny_target_and_names_broken_pieces(tiny_llam
     for kw, where in (({"tensors": rename}, "export names"), ({"config": other_mask}, "mask token")):
         ok, message = verdict(run_checks(cfg, broken_copy(export, tmp_path / where.replace(" ", "-"), **kw)))
         assert not ok and message.startswith(f"gate failed at {where}"), message
+
+
+def test_dflash_only_objectives_are_refused():
+    from specfoundry.families import Extended, get_family
+    from specfoundry.train.dflash.options import DFlashOptions
+    from specfoundry.train.domino.options import DominoOptions
+
+    family = get_family("domino")
+    for parent, words in ((DFlashOptions(teacher="soft"), "--teacher soft"), (DFlashOptions(objective="dpace"),
+                                                                            "--objective dpace")):
+        with pytest.raises(ValueError, match=words):
+            family.module(tiny_draft(), "unused", torch.float32, Extended(parent, DominoOptions()), 0)
