@@ -350,7 +350,7 @@ def test_the_positions_check_names_a_gru_fed_the_wrong_tokens_and_fit_an_untrain
 @pytest.mark.slow
 def test_domino_gate_passes_on_the_tiny_target_and_names_broken_pieces(tiny_llama_dir, tmp_path):
     """The whole gate (regen, capture, train 60 steps, export, checks) on the tiny Llama target:
-    about 2.5 minutes on one core, hence slow; its checks' fail cases are also covered fast above
+    about 25 s alone on one core, minutes on shared cores, hence slow; its checks' fail cases are also covered fast above
     (positions, fit) and by the export tests (names, fields)."""
     from specfoundry.gate import GateConfig, run_checks, run_gate, verdict
     from tests.test_gate import broken_copy
