@@ -60,6 +60,9 @@ class Family:
     child adds options of its own and can never shadow the parent's."""
     speculators_types: tuple[str, ...] = ()
     """speculators_model_type values (vLLM's speculators format) that name this family."""
+    projector_types: tuple[str, ...] = ()
+    """dflash_config.projector_type values that name this family where config.json names its
+    parent's architecture (SGLang serves Domino as DFlashDraftModel with projector_type "domino")."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class Registry:
         self.families: dict[str, Family] = {}
         self.by_architecture: dict[str, str] = {}
         self.by_speculators_type: dict[str, str] = {}
+        self.by_projector_type: dict[str, str] = {}
         for f in families:
             if f.name in self.families:
                 raise TypeError(f"family {f.name!r} is registered twice")
@@ -93,6 +97,10 @@ class Registry:
                     raise TypeError(f"speculators_model_type {kind!r} names two families: "
                                     f"{self.by_speculators_type[kind]} and {f.name}")
                 self.by_speculators_type[kind] = f.name
+            for kind in f.projector_types:
+                if kind in self.by_projector_type or f.extends is None:
+                    raise TypeError(f"projector_type {kind!r} of {f.name} must name one family that extends another")
+                self.by_projector_type[kind] = f.name
             self.families[f.name] = f
 
     def names(self) -> tuple[str, ...]:
@@ -149,6 +157,15 @@ class Registry:
         kind = config.get("speculators_model_type")
         if isinstance(kind, str) and kind in self.by_speculators_type:
             found.add(self.by_speculators_type[kind])
+        dflash_config = config.get("dflash_config")
+        projector = dflash_config.get("projector_type") if isinstance(dflash_config, dict) else None
+        if projector is not None and found:  # a head on its parent's architecture: the child, or no family
+            child = self.by_projector_type.get(projector) if isinstance(projector, str) else None
+            if child is None:
+                raise DraftLoadError(f"{source}: dflash_config.projector_type {projector!r} names no draft family "
+                                     f"(known: {', '.join(self.by_projector_type) or 'none'})")
+            if found <= {child, self.get(child).extends}:
+                found = {child}
         if len(found) == 1:
             return found.pop()
         known = ", ".join(f"{f.name}: {'/'.join(f.architectures)}" for f in self.families.values())
@@ -204,6 +221,19 @@ FAMILIES = Registry((
         layers_help="dflash round(1 + i(L-4)/4) for i = 0..4",
         architectures=("DFlashDraftModel",),
         provider="specfoundry.train.dflash.family:DFLASH",
+    ),
+    Family(
+        name="domino",
+        summary="Domino: DFlash plus a prefix GRU and a residual logit correction, base-anchored curriculum",
+        options="specfoundry.train.domino.options:DominoOptions",
+        default_layers="specfoundry.train.domino.options:default_layers",
+        layers_help="domino as dflash",
+        # SGLang serves it as DFlashDraftModel with dflash_config.projector_type "domino";
+        # upstream's (SpecForge) configs name DominoDraftModel
+        architectures=("DominoDraftModel",),
+        projector_types=("domino",),
+        provider="specfoundry.train.domino.family:DOMINO",
+        extends="dflash",
     ),
 ))
 """Every family specfoundry trains, in the order --help lists them."""

@@ -64,6 +64,7 @@ ACCEPTED = {
     # 0 is an ordinary value
     ("sf-regen run", "--seed", "0"), ("sf-train run", "--seed", "0"), ("sf-eval run", "--seed", "0"),
     ("sf-train run", "--mask-token-id", "0"),
+    ("sf-train run", "--base-weight-start", "0"), ("sf-train run", "--base-weight-end", "0"),  # Domino's lambda
     # DFlash's gamma: <= 0 weighs the block positions uniformly, a huge one nearly so
     ("sf-train run", "--gamma", "0"), ("sf-train run", "--gamma", "-1"), ("sf-train run", "--gamma", "1e12"),
     # "at most N", "every N", "N in a shard", "a long run": a huge N works as it says
@@ -79,7 +80,7 @@ ACCEPTED = {
     ("sf-regen run", "--temperature", "1e12"), ("sf-regen run", "--prompt-temperature", "1e12"),
     ("sf-eval run", "--temperature", "1e12"),
 }
-ORDINARY_ZERO = {"--seed", "--mask-token-id", "--gamma"}
+ORDINARY_ZERO = {"--seed", "--mask-token-id", "--gamma", "--base-weight-start", "--base-weight-end"}
 
 
 class Ran(Exception):

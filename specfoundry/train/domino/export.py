@@ -1,0 +1,122 @@
+"""Export a Domino draft as the directory SGLang serves with `--speculative-algorithm DFLASH`.
+
+Written from SGLang's public Domino code: python/sglang/srt/speculative/domino_utils.py
+(validate_domino_runtime: a bias-free GRU of input size H, embed_proj.0 of H + G inputs,
+embed_proj.2 of V outputs; domino_greedy_rollout: the decoding), its loader test
+test_dflash_domino.py (TestDFlashDominoConfig / TestDFlashDominoWeights: the dflash_config fields,
+each of the four head tensors required, shapes checked) and python/sglang/srt/models/dflash.py
+(the backbone's names, as train/dflash/export.py). Upstream's configs (SpecForge
+configs/qwen3-8b-domino.json, as the speculators converter's test reproduces it) name the
+architecture DominoDraftModel; SGLang serves the DFlash architecture with projector_type "domino",
+which is what this export writes (and the catalogue reads either as Domino).
+
+config.json = DFlash's (train/dflash/export.py sglang_config), plus
+    dflash_config.projector_type        "domino"
+    dflash_config.shift_label           true   (slot j predicts the token at p+j+1)
+    dflash_config.pure_draft_prefix_len 1      (slot 0 keeps the base logits)
+    dflash_config.gru_hidden_dim        G
+    dflash_config.emb_dim               E      (and emb_dim at the top level, as upstream writes it;
+                                                SGLang refuses the two when they differ)
+tensors = DFlash's (fc, hidden_norm, norm, layers.N.*), plus
+    prefix_gru.weight_ih_l0   [3G, H]
+    prefix_gru.weight_hh_l0   [3G, G]
+    embed_proj.0.weight       [E, H + G]
+    embed_proj.2.weight       [V, E]
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from specfoundry.train.dflash import export as dflash_export
+from specfoundry.train.domino.config import PROJECTOR_TYPE, PURE_DRAFT_PREFIX_LEN, DominoConfig
+from specfoundry.train.family import (
+    DRAFT_FILE,
+    TARGET_FILE,
+    DraftLoadError,
+    check_tensors,
+    expect_family,
+    load_tensors,
+    read_config_json,
+)
+
+
+def expected_tensors(cfg: DominoConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name SGLang's Domino loader fills, with its shape."""
+    h, g, e = cfg.hidden_size, cfg.gru_hidden_dim, cfg.emb_dim
+    return {**dflash_export.expected_tensors(cfg),
+            "prefix_gru.weight_ih_l0": (3 * g, h), "prefix_gru.weight_hh_l0": (3 * g, g),
+            "embed_proj.0.weight": (e, h + g), "embed_proj.2.weight": (cfg.vocab_size, e)}
+
+
+def sglang_config(cfg: DominoConfig, num_target_layers: int | None) -> dict:
+    config = dflash_export.sglang_config(cfg, num_target_layers)
+    config["emb_dim"] = cfg.emb_dim
+    config["dflash_config"].update(projector_type=PROJECTOR_TYPE, shift_label=True,
+                                   pure_draft_prefix_len=PURE_DRAFT_PREFIX_LEN, gru_hidden_dim=cfg.gru_hidden_dim,
+                                   emb_dim=cfg.emb_dim)
+    return config
+
+
+def validate(tensors: dict[str, torch.Tensor], cfg: DominoConfig) -> None:
+    check_tensors(tensors, {name: (shape, None) for name, shape in expected_tensors(cfg).items()}, "SGLang", "Domino")
+
+
+def export_draft(state_dict: dict[str, torch.Tensor], cfg: DominoConfig, out_dir: str | Path,
+                 dtype: torch.dtype = torch.bfloat16, target: dict | None = None) -> Path:
+    """Write the SGLang directory (train/dflash/export.py export_draft, with the head)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().cpu().to(dtype).contiguous() for name, t in state_dict.items()
+               if not name.startswith(("embed_tokens.", "rotary."))}
+    validate(tensors, cfg)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    num_target_layers = (target or {}).get("num_layers")
+    (out / "config.json").write_text(json.dumps(sglang_config(cfg, num_target_layers), indent=2) + "\n")
+    (out / DRAFT_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    if target is not None:
+        (out / TARGET_FILE).write_text(json.dumps(target, indent=2) + "\n")
+    return out
+
+
+def config_from_sglang(config: dict) -> DominoConfig:
+    """A DominoConfig from a Domino config.json, read as SGLang reads it (ValueError for the
+    head settings SGLang refuses; KeyError naming a missing field)."""
+    dflash = config.get("dflash_config") or {}
+    if dflash.get("projector_type") != PROJECTOR_TYPE:
+        raise ValueError(f"dflash_config.projector_type is {dflash.get('projector_type')!r}, not {PROJECTOR_TYPE!r}")
+    if dflash.get("shift_label") is not True:
+        raise ValueError(f"dflash_config.shift_label is {dflash.get('shift_label')!r}; Domino is served with true only")
+    if dflash.get("pure_draft_prefix_len") != PURE_DRAFT_PREFIX_LEN:
+        raise ValueError(f"dflash_config.pure_draft_prefix_len is {dflash.get('pure_draft_prefix_len')!r}; Domino is "
+                         f"served with {PURE_DRAFT_PREFIX_LEN} only")
+    emb = dflash.get("emb_dim", config.get("emb_dim"))
+    if "emb_dim" in dflash and config.get("emb_dim") not in (None, dflash["emb_dim"]):
+        raise ValueError(f"emb_dim differs: {config['emb_dim']} at the top level, {dflash['emb_dim']} in dflash_config")
+    if emb is None:
+        raise KeyError("dflash_config.emb_dim")
+    d = dflash_export.config_from_sglang(config).to_dict()
+    d.update(gru_hidden_dim=dflash["gru_hidden_dim"], emb_dim=emb)
+    return DominoConfig.from_dict(d)
+
+
+def read_config(path: str | Path) -> DominoConfig:
+    path = Path(path)
+    try:
+        return config_from_sglang(read_config_json(path))
+    except KeyError as e:
+        raise DraftLoadError(f"draft {path / 'config.json'} lacks {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, DraftLoadError):
+            raise
+        raise DraftLoadError(f"draft {path / 'config.json'}: {e}") from None
+
+
+def load_export(path: str | Path) -> tuple[DominoConfig, dict[str, torch.Tensor]]:
+    path = Path(path)
+    expect_family(path, "domino")
+    return read_config(path), load_tensors(path / "model.safetensors")

@@ -1,0 +1,104 @@
+"""The Domino family's provider (train/family.py's interface, registered in specfoundry/families.py
+with extends="dflash"): DFlash's layers, block, anchors and mask token (options.parent), its own
+head (options.own), the curriculum loss, SGLang's DFlash export with the Domino fields, block
+decoding with the sequential GRU, its gate checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specfoundry.common.target import load_tokenizer
+from specfoundry.common.weights import target_embeddings, target_lm_head
+from specfoundry.featureset.manifest import FeatureSetError
+from specfoundry.train.dflash.family import DFlashFamily, choose_mask_token
+from specfoundry.train.domino.config import DominoConfig, domino_config_from_target
+from specfoundry.train.domino.export import export_draft, load_export, read_config
+from specfoundry.train.domino.loss import DominoModule
+from specfoundry.train.domino.model import DominoDraft
+from specfoundry.train.family import load_tensors
+
+
+class DominoFamily(DFlashFamily):
+    name = "domino"
+    config_class = DominoConfig
+
+    def default_layers(self, num_target_layers: int, options) -> list[int]:
+        return super().default_layers(num_target_layers, options.parent)
+
+    def layer_count(self, options) -> int:
+        return options.parent.num_draft_layers
+
+    def needs_final_state(self, options) -> bool:
+        return False  # hard labels only (the module refuses --teacher soft)
+
+    def build(self, options, fs, target_dir: Path, layers: list[int], init_from: str | None):
+        dflash, own = options.parent, options.own
+        if init_from:
+            dcfg, tensors = load_export(init_from)
+            if list(dcfg.target_layer_ids) != list(layers):
+                raise FeatureSetError(f"--init-from {init_from} reads layers {list(dcfg.target_layer_ids)}, but the "
+                                      f"run reads layers {layers} of feature set {fs.root}")
+        else:
+            vocab = fs.manifest["target"]["vocab_size"]
+            mask = dflash.mask_token_id
+            if mask is None:
+                mask = choose_mask_token(vocab, len(load_tokenizer(target_dir)), fs.token_counts())
+            elif not 0 <= mask < vocab:
+                raise ValueError(f"--mask-token-id {mask} is outside the target's vocabulary (0..{vocab - 1})")
+            dcfg = domino_config_from_target(target_dir, layers, dflash.num_draft_layers, dflash.block_size, mask,
+                                             own.gru_hidden_dim, own.correction_dim)
+            tensors = None
+        model = DominoDraft(dcfg)
+        if tensors is not None:
+            model.load_state_dict(tensors, strict=False)
+        model.embed_tokens.weight.data.copy_(target_embeddings(target_dir).float())
+        return model, dcfg
+
+    def module(self, draft: DominoDraft, target_dir: Path, dtype: torch.dtype, options, seed: int):
+        dflash, own = options.parent, options.own
+        if dflash.teacher != "hard":
+            raise ValueError("Domino trains on the conversation's tokens: --teacher soft is DFlash's only")
+        if dflash.objective != "dflash":
+            raise ValueError(f"Domino trains its own curriculum loss: --objective {dflash.objective} is DFlash's only")
+        return DominoModule(draft, target_lm_head(target_dir).to(dtype), num_anchors=dflash.num_anchors,
+                            gamma=dflash.gamma, seed=seed, base_weight_start=own.base_weight_start,
+                            base_weight_end=own.base_weight_end, base_decay_fraction=own.base_decay_fraction)
+
+    def export(self, state, draft_config: DominoConfig, out: Path, target: dict | None, layout: str = "sglang",
+               verifier: dict | None = None, speculative_tokens: int = 3) -> Path:
+        assert layout == "sglang", layout
+        return export_draft(state, draft_config, out, target=target)
+
+    def draft_module(self, cfg: DominoConfig) -> DominoDraft:
+        return DominoDraft(cfg)
+
+    def read_config(self, path: Path, num_target_layers: int | None = None) -> DominoConfig:
+        return read_config(path)
+
+    def read_export(self, path: Path, num_target_layers: int | None = None):
+        return read_config(path), load_tensors(Path(path) / "model.safetensors")
+
+    def decoder(self, draft: DominoDraft, target, *, k, tree):
+        from specfoundry.train.domino.decode import DominoDecoder, DominoRunner
+
+        return DominoDecoder(DominoRunner(draft, target.lm_head()))
+
+    def decode_matches_training(self, draft: DominoDraft, lm_head, ids, aux):
+        from specfoundry.train.domino.decode import decode_matches_training
+
+        return decode_matches_training(draft, lm_head, ids, aux)
+
+    def gate_options(self, gate) -> dict:
+        from specfoundry.train.domino.gate import gate_options
+
+        return gate_options(gate)
+
+    def gate_checks(self, gate, export, fs, sample, target) -> list:
+        from specfoundry.train.domino.gate import gate_checks
+
+        return gate_checks(gate, export, fs, sample, target)
+
+
+DOMINO = DominoFamily()

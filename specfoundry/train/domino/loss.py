@@ -1,0 +1,128 @@
+"""Domino training: DFlash's sampled anchors and blocks (train/dflash/loss.py), shifted labels,
+and the base-anchored curriculum.
+
+Per sample of tokens x_0..x_{n-1} and loss mask m, anchors a are drawn as DFlash draws them
+(sample_anchors: m[a] and m[a+1]); the block of anchor a is [x_a, M, ..., M] at a..a+B-1 and its
+slot j (0 <= j < B) predicts y = x_{a+j+1} (model.py). Slot j counts iff a+j+1 < n and m[a+j+1].
+With w_j = exp(-j / gamma) (gamma <= 0: 1), final_j and base_j the logits of model.py (the GRU
+reading the sample's own x_a..x_{a+j}: teacher forcing) and
+    CE_f = sum_{valid} w_j ce(final_j, y) / sum_{valid} w_j,   CE_b the same with base_j,
+    loss = (1 - lambda) CE_f + lambda CE_b,
+    lambda(step) = start + (end - start) * min(1, step / max(1, round(fraction * total_steps)))
+(--base-weight-start/-end, --base-decay-fraction; step: optimizer steps done). lambda = 1 trains
+the DFlash backbone alone, then the correction takes over. The Trainer announces the step through
+DominoModule.set_progress before each optimizer step. The logits are taken chunk by chunk under
+activation checkpointing, so no [rows, V] tensor is kept for the backward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from specfoundry.train.dflash.loss import batch_anchors, block_inputs
+from specfoundry.train.domino.model import DominoDraft, correction_parameters
+from specfoundry.train.loader import Batch
+from specfoundry.train.teacher import logit_rows
+
+
+def base_weight_at(step: int, total_steps: int, start: float, end: float, fraction: float) -> float:
+    """lambda after `step` optimizer steps of `total_steps` (module docstring)."""
+    span = max(1, round(fraction * total_steps))
+    return start + (end - start) * min(1.0, step / span)
+
+
+def shifted_slot_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """w_j = exp(-j / gamma) for j = 0..B-1 (gamma <= 0: uniform)."""
+    return torch.tensor([math.exp(-j / gamma) if gamma > 0 else 1.0 for j in range(block_size)])
+
+
+def shifted_targets(batch: Batch, anchors: torch.Tensor, keep: torch.Tensor, block_size: int):
+    """(labels [Bsz, N, B], valid [Bsz, N, B], tokens [Bsz, N, B]): slot j's label x_{a+j+1}, whether
+    it counts, and the block's tokens x_{a+j} (the GRU's inputs), clamped to the padded width."""
+    width = batch.input_ids.shape[1]
+    j = torch.arange(block_size, device=anchors.device)
+    target = anchors[:, :, None] + 1 + j  # [Bsz, N, B]
+    lengths = torch.as_tensor(batch.lengths, device=anchors.device)
+    flat = target.clamp(max=width - 1).flatten(1)
+    labels = batch.input_ids.gather(1, flat).view_as(target)
+    supervised = batch.loss_mask.gather(1, flat).view_as(target).to(torch.bool)
+    valid = keep[:, :, None] & (target < lengths[:, None, None]) & supervised
+    tokens = batch.input_ids.gather(1, (target - 1).clamp(max=width - 1).flatten(1)).view_as(target)
+    return labels, valid, tokens
+
+
+def chunk_losses(draft: DominoDraft, rows, head, slots, prefix, labels):
+    """ce of the final and of the base logits [c] fp32, and the final logits' hits [c]."""
+    final, base = draft.corrected_logits(rows, head, slots, prefix)
+    final, base = final.float(), base.float()
+    return (F.cross_entropy(final, labels, reduction="none"), F.cross_entropy(base, labels, reduction="none"),
+            final.detach().argmax(-1) == labels)
+
+
+def domino_loss(draft: DominoDraft, batch: Batch, lm_head: torch.Tensor, *, base_weight: float,
+                num_anchors: int = 512, gamma: float = 7.0, seed: int = 0, attention: str = "auto",
+                label_chunk: int | None = None):
+    """(total loss, per-slot metrics [{loss, hits, valid}] for j = 0..B-1: loss the mean final ce of
+    slot j's valid rows, hits argmax(final) == x_{a+j+1})."""
+    b = draft.cfg.block_size
+    anchors, keep = batch_anchors(batch, num_anchors, b, seed)
+    ids, positions = block_inputs(batch.input_ids, anchors, b, draft.cfg.mask_token_id)
+    context = draft.project_context(batch.aux_hidden)  # [Bsz, T, H]
+    states = draft.train_forward(context, ids, positions, anchors, keep, batch.lengths, attention)  # [Bsz, N*B, H]
+    labels, valid, tokens = shifted_targets(batch, anchors, keep, b)
+    bsz, n = anchors.shape
+    prefix = draft.prefix_states(tokens.view(bsz * n, b)).view(bsz, n, b, -1)  # teacher-forced GRU states
+    j_idx, b_idx, n_idx = torch.nonzero(valid.permute(2, 0, 1), as_tuple=True)  # sorted by slot j
+    rows = states.view(bsz, n, b, -1)[b_idx, n_idx, j_idx]  # [M, H]
+    g = prefix[b_idx, n_idx, j_idx]  # [M, G]
+    y = labels[b_idx, n_idx, j_idx]
+    head = lm_head.to(rows.dtype)
+    w = shifted_slot_weights(b, gamma).to(rows.device)[j_idx]  # [M]
+    norm = w.sum().clamp(min=1e-6)
+    chunk = label_chunk or logit_rows(head.shape[0])
+    # 0 that reaches every parameter: a micro-batch with nothing to learn still gives (zero) gradients
+    total = 0.0 * (states.sum() + sum(p.sum() for p in correction_parameters(draft))).float()
+    ce_sums = torch.zeros(b, dtype=torch.float32, device=rows.device)
+    hits = torch.zeros(b, dtype=torch.int64, device=rows.device)
+    for s in range(0, len(rows), chunk):
+        e = min(s + chunk, len(rows))
+        ce_f, ce_b, hit = checkpoint(chunk_losses, draft, rows[s:e], head, j_idx[s:e], g[s:e], y[s:e],
+                                     use_reentrant=False)
+        total = total + (w[s:e] * ((1.0 - base_weight) * ce_f + base_weight * ce_b)).sum()
+        ce_sums.index_add_(0, j_idx[s:e], ce_f.detach())
+        hits.index_add_(0, j_idx[s:e], hit.long())
+    counts = torch.bincount(j_idx, minlength=b)
+    metrics = [{"loss": ce_sums[j] / counts[j].clamp(min=1), "hits": hits[j], "valid": counts[j]} for j in range(b)]
+    return total / norm, metrics
+
+
+class DominoModule(torch.nn.Module):
+    """The whole loss in one forward (DDP/FSDP see every parameter use); the target's lm_head is a
+    frozen buffer. set_progress(step, total_steps) is the Trainer's hook for the curriculum."""
+
+    def __init__(self, draft: DominoDraft, lm_head: torch.Tensor, *, num_anchors: int = 512, gamma: float = 7.0,
+                 seed: int = 0, base_weight_start: float = 1.0, base_weight_end: float = 0.0,
+                 base_decay_fraction: float = 1.0, label_chunk: int | None = None, compile_elementwise: bool = True):
+        super().__init__()
+        self.draft = draft.compile_elementwise(compile_elementwise)
+        self.register_buffer("lm_head", lm_head, persistent=False)
+        self.options = dict(num_anchors=num_anchors, gamma=gamma, seed=seed, label_chunk=label_chunk)
+        self.schedule = (base_weight_start, base_weight_end, base_decay_fraction)
+        self.progress = (0, 1)
+
+    def set_progress(self, step: int, total_steps: int) -> None:
+        self.progress = (step, total_steps)
+
+    @property
+    def base_weight(self) -> float:
+        return base_weight_at(*self.progress, *self.schedule)
+
+    def forward(self, batch: Batch, attention: str = "auto", loss_kernel: str = "auto", loss_scale: float = 1.0):
+        # autograd carries the gradient (loss_scale is applied by the backward); no soft-target kernel
+        del loss_kernel, loss_scale
+        return domino_loss(self.draft, batch, self.lm_head, base_weight=self.base_weight, attention=attention,
+                           **self.options)
