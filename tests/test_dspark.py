@@ -376,3 +376,30 @@ def test_the_positions_check_names_a_bias_fed_the_wrong_tokens_and_fit_an_untrai
     draft.step_logits = masked
     positions, _ = check_positions_and_fit(runner, sample)
     assert not positions.ok and "differs" in positions.detail, positions
+
+
+@pytest.mark.slow
+def test_dspark_gate_passes_on_the_tiny_target_and_names_broken_pieces(tiny_llama_dir, tmp_path):
+    """The whole gate (regen, capture, train, export, checks) on the tiny Llama target: a minute or
+    more on shared cores, hence slow; its checks' fail cases are also covered fast above (positions,
+    fit) and by the export tests (names, fields)."""
+    from specfoundry.gate import GateConfig, run_checks, run_gate, verdict
+    from tests.test_gate import broken_copy
+
+    cfg = GateConfig(output=str(tmp_path / "gate"), target=str(tiny_llama_dir), max_steps=60, max_new_tokens=32,
+                     device="cpu", family="dspark")
+    checks, ok, message = run_gate(cfg)
+    assert ok, message
+    assert [c.name for c in checks] == ["export names", "mask token", "layers", "layers", "positions", "fit", "decode"]
+    export = tmp_path / "gate" / "train" / "export"
+
+    def rename(t):  # SGLang requires the Markov head's tensors under their names
+        t["markov_head.w2.weight"] = t.pop("markov_head.markov_w2.weight")
+
+    def other_mask(c):  # both places the engines read it
+        c["dflash_config"]["mask_token_id"] -= 1
+        c["mask_token_id"] -= 1
+
+    for kw, where in (({"tensors": rename}, "export names"), ({"config": other_mask}, "mask token")):
+        ok, message = verdict(run_checks(cfg, broken_copy(export, tmp_path / where.replace(" ", "-"), **kw)))
+        assert not ok and message.startswith(f"gate failed at {where}"), message
