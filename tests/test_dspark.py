@@ -380,9 +380,9 @@ def test_the_positions_check_names_a_bias_fed_the_wrong_tokens_and_fit_an_untrai
 
 @pytest.mark.slow
 def test_dspark_gate_passes_on_the_tiny_target_and_names_broken_pieces(tiny_llama_dir, tmp_path):
-    """The whole gate (regen, capture, train, export, checks) on the tiny Llama target: a minute or
-    more on shared cores, hence slow; its checks' fail cases are also covered fast above (positions,
-    fit) and by the export tests (names, fields)."""
+    """The whole gate (regen, capture, train 60 steps, export, checks) on the tiny Llama target: 204 s
+    on 2 shared cores, hence slow; its checks' fail cases are also covered fast above (positions, fit)
+    and by the export tests (names, fields)."""
     from specfoundry.gate import GateConfig, run_checks, run_gate, verdict
     from tests.test_gate import broken_copy
 
