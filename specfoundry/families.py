@@ -235,6 +235,17 @@ FAMILIES = Registry((
         provider="specfoundry.train.domino.family:DOMINO",
         extends="dflash",
     ),
+    Family(
+        name="dspark",
+        summary="DSpark: DFlash plus a Markov previous-token logit bias and a confidence head, CE + L1 + BCE",
+        options="specfoundry.train.dspark.options:DSparkOptions",
+        default_layers="specfoundry.train.dspark.options:default_layers",
+        layers_help="dspark as dflash",
+        # ours and SGLang's entry class (vLLM's name too); SGLang's and vLLM's other name for it
+        architectures=("Qwen3DSparkModel", "DSparkDraftModel"),
+        provider="specfoundry.train.dspark.family:DSPARK",
+        extends="dflash",
+    ),
 ))
 """Every family specfoundry trains, in the order --help lists them."""
 
