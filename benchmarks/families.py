@@ -7,7 +7,9 @@ RUN holds one sf-eval output folder per draft, `eval_<draft>` (eval_eagle3_chain
 eval_eagle3_tree, eval_dflash_b16, ...), each with its eval.json. Every figure comes from those
 reports: acceptance length per held-out set (tokens per target verify forward, the target's own
 token counted), tokens/s with the draft and, where the report decoded the target alone too,
-without it. The summary's `accept_length` maps each draft to {set: accept length}.
+without it. The summary's `accept_length` maps each draft to {set: accept length}, and its
+`tokens_per_s` each draft to {set: tokens/s with the draft}, plus `target_alone` {set: tokens/s}
+(the first report that decoded the target alone on that set).
 """
 
 from __future__ import annotations
@@ -52,10 +54,13 @@ def main() -> None:
     rows = gather(args.run)
     print_table(rows, ["draft", "shape", "set", "prompts", "accept_length", "tokens_per_s", "alone_tokens_per_s",
                        "speedup", "greedy_equal"])
-    accept = {}
+    accept, speed = {}, {}
     for r in rows:
         accept.setdefault(r["draft"], {})[r["set"]] = r["accept_length"]
-    path = write_result("families", rows, {"summary": {"accept_length": accept}})
+        speed.setdefault(r["draft"], {})[r["set"]] = r["tokens_per_s"]
+        if r["alone_tokens_per_s"] is not None:
+            speed.setdefault("target_alone", {}).setdefault(r["set"], r["alone_tokens_per_s"])
+    path = write_result("families", rows, {"summary": {"accept_length": accept, "tokens_per_s": speed}})
     print(f"wrote {path}")
 
 
