@@ -33,6 +33,32 @@ def choose_mask_token(vocab_size: int, tokenizer_size: int, counts: torch.Tensor
     return int(unseen[-1])
 
 
+def build_block_draft(dflash: DFlashOptions, fs, target_dir: Path, layers: list[int], init_from: str | None,
+                      load_export, draft_class, make_config):
+    """(draft, config) of a family on DFlash's backbone (DFlash, Domino, DSpark): read back with
+    the family's `load_export` from --init-from, whose layers must be the run's, or a fresh
+    `make_config(mask token)`, the mask token chosen for the target unless given (and then checked);
+    the target's embeddings copied in either way."""
+    if init_from:
+        dcfg, tensors = load_export(init_from)
+        if list(dcfg.target_layer_ids) != list(layers):
+            raise FeatureSetError(f"--init-from {init_from} reads layers {list(dcfg.target_layer_ids)}, but the "
+                                  f"run reads layers {layers} of feature set {fs.root}")
+    else:
+        vocab = fs.manifest["target"]["vocab_size"]
+        mask = dflash.mask_token_id
+        if mask is None:
+            mask = choose_mask_token(vocab, len(load_tokenizer(target_dir)), fs.token_counts())
+        elif not 0 <= mask < vocab:
+            raise ValueError(f"--mask-token-id {mask} is outside the target's vocabulary (0..{vocab - 1})")
+        dcfg, tensors = make_config(mask), None
+    model = draft_class(dcfg)
+    if tensors is not None:
+        model.load_state_dict(tensors, strict=False)
+    model.embed_tokens.weight.data.copy_(target_embeddings(target_dir).float())
+    return model, dcfg
+
+
 class DFlashFamily(DraftFamily):
     name = "dflash"
     config_class = DFlashConfig
@@ -48,25 +74,9 @@ class DFlashFamily(DraftFamily):
         return options.teacher == "soft"
 
     def build(self, options: DFlashOptions, fs, target_dir: Path, layers: list[int], init_from: str | None):
-        if init_from:
-            dcfg, tensors = load_export(init_from)
-            if list(dcfg.target_layer_ids) != list(layers):
-                raise FeatureSetError(f"--init-from {init_from} reads layers {list(dcfg.target_layer_ids)}, but the "
-                                      f"run reads layers {layers} of feature set {fs.root}")
-        else:
-            vocab = fs.manifest["target"]["vocab_size"]
-            mask = options.mask_token_id
-            if mask is None:
-                mask = choose_mask_token(vocab, len(load_tokenizer(target_dir)), fs.token_counts())
-            elif not 0 <= mask < vocab:
-                raise ValueError(f"--mask-token-id {mask} is outside the target's vocabulary (0..{vocab - 1})")
-            dcfg = dflash_config_from_target(target_dir, layers, options.num_draft_layers, options.block_size, mask)
-            tensors = None
-        model = DFlashDraft(dcfg)
-        if tensors is not None:
-            model.load_state_dict(tensors, strict=False)
-        model.embed_tokens.weight.data.copy_(target_embeddings(target_dir).float())
-        return model, dcfg
+        return build_block_draft(options, fs, target_dir, layers, init_from, load_export, DFlashDraft,
+                                 lambda mask: dflash_config_from_target(target_dir, layers, options.num_draft_layers,
+                                                                        options.block_size, mask))
 
     def module(self, draft: DFlashDraft, target_dir: Path, dtype: torch.dtype, options: DFlashOptions, seed: int):
         return DFlashModule(draft, target_lm_head(target_dir).to(dtype), num_anchors=options.num_anchors,

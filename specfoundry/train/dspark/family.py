@@ -9,10 +9,8 @@ from pathlib import Path
 
 import torch
 
-from specfoundry.common.target import load_tokenizer
-from specfoundry.common.weights import target_embeddings, target_lm_head
-from specfoundry.featureset.manifest import FeatureSetError
-from specfoundry.train.dflash.family import DFlashFamily, choose_mask_token
+from specfoundry.common.weights import target_lm_head
+from specfoundry.train.dflash.family import DFlashFamily, build_block_draft
 from specfoundry.train.dspark.config import DSparkConfig, dspark_config_from_target
 from specfoundry.train.dspark.export import export_draft, load_export, read_config
 from specfoundry.train.dspark.loss import DSparkModule
@@ -35,26 +33,9 @@ class DSparkFamily(DFlashFamily):
 
     def build(self, options, fs, target_dir: Path, layers: list[int], init_from: str | None):
         dflash, own = options.parent, options.own
-        if init_from:
-            dcfg, tensors = load_export(init_from)
-            if list(dcfg.target_layer_ids) != list(layers):
-                raise FeatureSetError(f"--init-from {init_from} reads layers {list(dcfg.target_layer_ids)}, but the "
-                                      f"run reads layers {layers} of feature set {fs.root}")
-        else:
-            vocab = fs.manifest["target"]["vocab_size"]
-            mask = dflash.mask_token_id
-            if mask is None:
-                mask = choose_mask_token(vocab, len(load_tokenizer(target_dir)), fs.token_counts())
-            elif not 0 <= mask < vocab:
-                raise ValueError(f"--mask-token-id {mask} is outside the target's vocabulary (0..{vocab - 1})")
-            dcfg = dspark_config_from_target(target_dir, layers, dflash.num_draft_layers, dflash.block_size, mask,
-                                             own.markov_rank, own.confidence_with_markov)
-            tensors = None
-        model = DSparkDraft(dcfg)
-        if tensors is not None:
-            model.load_state_dict(tensors, strict=False)
-        model.embed_tokens.weight.data.copy_(target_embeddings(target_dir).float())
-        return model, dcfg
+        return build_block_draft(dflash, fs, target_dir, layers, init_from, load_export, DSparkDraft,
+                                 lambda mask: dspark_config_from_target(target_dir, layers, dflash.num_draft_layers,
+                                                                        dflash.block_size, mask, own.markov_rank, own.confidence_with_markov))
 
     def module(self, draft: DSparkDraft, target_dir: Path, dtype: torch.dtype, options, seed: int):
         dflash, own = options.parent, options.own
