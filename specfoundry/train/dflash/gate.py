@@ -76,6 +76,16 @@ def check_positions_and_fit(runner: BlockDraftRunner, sample) -> list[Check]:
 
 
 def gate_checks(gate, export: Path, fs: FeatureSet, sample, target) -> list[Check]:
+    return block_gate_checks(gate, export, fs, sample, target, validate=validate, runner_class=BlockDraftRunner,
+                             decoder_class=DFlashDecoder, positions_and_fit=check_positions_and_fit)
+
+
+def block_gate_checks(gate, export: Path, fs: FeatureSet, sample, target, *, validate, runner_class, decoder_class,
+                      positions_and_fit) -> list[Check]:
+    """The gate's checks of a draft on DFlash's backbone (DFlash, Domino, DSpark), in order: its
+    export's names (`validate`: the family's spec), the mask token and layers against the trained
+    checkpoint, the target's features, `positions_and_fit(runner, sample)` (the family's first
+    round against its training forward, and the overfit), and the decoded prompt."""
     work = Path(gate.output)
     dcfg, tensors = find_draft_files(export)
     ckpts = complete_checkpoints(work / "train")
@@ -91,9 +101,9 @@ def gate_checks(gate, export: Path, fs: FeatureSet, sample, target) -> list[Chec
     runner_target = TargetRunner(target, list(dcfg.target_layers))
     try:
         checks.append(check_features(runner_target, fs, sample, "layers"))
-        runner = BlockDraftRunner(load_draft(export, target.path, target.input_device, target.dtype), target.lm_head())
-        checks += check_positions_and_fit(runner, sample)
-        checks.append(decode_prompt(gate, target, DFlashDecoder(runner), runner_target, sample,
+        runner = runner_class(load_draft(export, target.path, target.input_device, target.dtype), target.lm_head())
+        checks += positions_and_fit(runner, sample)
+        checks.append(decode_prompt(gate, target, decoder_class(runner), runner_target, sample,
                                     f"block {dcfg.block_size}"))
     finally:
         runner_target.remove_hooks()

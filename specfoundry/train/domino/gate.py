@@ -16,19 +16,16 @@ from pathlib import Path
 
 import torch
 
-from specfoundry.eval.draft import load_draft
-from specfoundry.eval.speculative import TargetRunner
 from specfoundry.featureset.store import FeatureSet
-from specfoundry.gate_checks import Check, check_export, check_features, check_trained_setting, decode_prompt
+from specfoundry.gate_checks import Check
+from specfoundry.train.dflash.gate import block_gate_checks
 from specfoundry.train.dflash.loss import block_inputs, sample_anchors
 from specfoundry.train.dflash.options import DFlashOptions
 from specfoundry.train.domino.decode import DominoDecoder, DominoRunner, decode_matches_training
 from specfoundry.train.domino.export import validate
 from specfoundry.train.domino.loss import shifted_targets
 from specfoundry.train.domino.options import DominoOptions
-from specfoundry.train.drafts import find_draft_files
 from specfoundry.train.loader import Batch
-from specfoundry.train.trainer import complete_checkpoints
 
 
 def gate_options(gate) -> dict:
@@ -73,25 +70,5 @@ def check_positions_and_fit(runner: DominoRunner, sample) -> list[Check]:
 
 
 def gate_checks(gate, export: Path, fs: FeatureSet, sample, target) -> list[Check]:
-    work = Path(gate.output)
-    dcfg, tensors = find_draft_files(export)
-    ckpts = complete_checkpoints(work / "train")
-    export_check = check_export(export, dcfg, tensors, work / "train", validate, "export names")
-    if not ckpts or not export_check.ok:
-        return [export_check]
-    trained, _ = find_draft_files(ckpts[-1])
-    checks = [export_check,
-              check_trained_setting("mask token", "dflash_config.mask_token_id", dcfg.mask_token_id,
-                                    trained.mask_token_id),
-              check_trained_setting("layers", "dflash_config.target_layer_ids", list(dcfg.target_layer_ids),
-                                    list(trained.target_layer_ids))]
-    runner_target = TargetRunner(target, list(dcfg.target_layers))
-    try:
-        checks.append(check_features(runner_target, fs, sample, "layers"))
-        runner = DominoRunner(load_draft(export, target.path, target.input_device, target.dtype), target.lm_head())
-        checks += check_positions_and_fit(runner, sample)
-        checks.append(decode_prompt(gate, target, DominoDecoder(runner), runner_target, sample,
-                                    f"block {dcfg.block_size}"))
-    finally:
-        runner_target.remove_hooks()
-    return checks
+    return block_gate_checks(gate, export, fs, sample, target, validate=validate, runner_class=DominoRunner,
+                             decoder_class=DominoDecoder, positions_and_fit=check_positions_and_fit)

@@ -16,19 +16,16 @@ from pathlib import Path
 
 import torch
 
-from specfoundry.eval.draft import load_draft
-from specfoundry.eval.speculative import TargetRunner
 from specfoundry.featureset.store import FeatureSet
-from specfoundry.gate_checks import Check, check_export, check_features, check_trained_setting, decode_prompt
+from specfoundry.gate_checks import Check
+from specfoundry.train.dflash.gate import block_gate_checks
 from specfoundry.train.dflash.loss import block_inputs, sample_anchors
 from specfoundry.train.dflash.options import DFlashOptions
-from specfoundry.train.drafts import find_draft_files
 from specfoundry.train.dspark.decode import DSparkDecoder, DSparkRunner, decode_matches_training
 from specfoundry.train.dspark.export import validate
 from specfoundry.train.dspark.loss import anchor_targets
 from specfoundry.train.dspark.options import DSparkOptions
 from specfoundry.train.loader import Batch
-from specfoundry.train.trainer import complete_checkpoints
 
 
 def gate_options(gate) -> dict:
@@ -71,25 +68,5 @@ def check_positions_and_fit(runner: DSparkRunner, sample) -> list[Check]:
 
 
 def gate_checks(gate, export: Path, fs: FeatureSet, sample, target) -> list[Check]:
-    work = Path(gate.output)
-    dcfg, tensors = find_draft_files(export)
-    ckpts = complete_checkpoints(work / "train")
-    export_check = check_export(export, dcfg, tensors, work / "train", validate, "export names")
-    if not ckpts or not export_check.ok:
-        return [export_check]
-    trained, _ = find_draft_files(ckpts[-1])
-    checks = [export_check,
-              check_trained_setting("mask token", "dflash_config.mask_token_id", dcfg.mask_token_id,
-                                    trained.mask_token_id),
-              check_trained_setting("layers", "dflash_config.target_layer_ids", list(dcfg.target_layer_ids),
-                                    list(trained.target_layer_ids))]
-    runner_target = TargetRunner(target, list(dcfg.target_layers))
-    try:
-        checks.append(check_features(runner_target, fs, sample, "layers"))
-        runner = DSparkRunner(load_draft(export, target.path, target.input_device, target.dtype), target.lm_head())
-        checks += check_positions_and_fit(runner, sample)
-        checks.append(decode_prompt(gate, target, DSparkDecoder(runner), runner_target, sample,
-                                    f"block {dcfg.block_size}"))
-    finally:
-        runner_target.remove_hooks()
-    return checks
+    return block_gate_checks(gate, export, fs, sample, target, validate=validate, runner_class=DSparkRunner,
+                             decoder_class=DSparkDecoder, positions_and_fit=check_positions_and_fit)
