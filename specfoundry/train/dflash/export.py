@@ -99,6 +99,14 @@ def export_draft(state_dict: dict[str, torch.Tensor], cfg: DFlashConfig, out_dir
                  dtype: torch.dtype = torch.bfloat16, target: dict | None = None) -> Path:
     """Write the SGLang directory; `target`: the identity of the target the draft was trained for,
     kept beside it (its num_layers is also SGLang's num_target_layers)."""
+    return write_block_export(state_dict, cfg, out_dir, dtype, target, validate, sglang_config)
+
+
+def write_block_export(state_dict: dict[str, torch.Tensor], cfg, out_dir: str | Path, dtype: torch.dtype,
+                       target: dict | None, validate, sglang_config) -> Path:
+    """The SGLang directory of a draft on DFlash's backbone (DFlash, Domino, DSpark): its tensors but
+    the target's embedding, checked by the family's `validate`, the family's `sglang_config`
+    (cfg, num_target_layers) as config.json, our config, and the target's identity when given."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().cpu().to(dtype).contiguous() for name, t in state_dict.items()

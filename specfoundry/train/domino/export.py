@@ -26,17 +26,13 @@ tensors = DFlash's (fc, hidden_norm, norm, layers.N.*), plus
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from specfoundry.train.dflash import export as dflash_export
 from specfoundry.train.domino.config import PROJECTOR_TYPE, PURE_DRAFT_PREFIX_LEN, DominoConfig
 from specfoundry.train.family import (
-    DRAFT_FILE,
-    TARGET_FILE,
     DraftLoadError,
     check_tensors,
     expect_family,
@@ -68,19 +64,8 @@ def validate(tensors: dict[str, torch.Tensor], cfg: DominoConfig) -> None:
 
 def export_draft(state_dict: dict[str, torch.Tensor], cfg: DominoConfig, out_dir: str | Path,
                  dtype: torch.dtype = torch.bfloat16, target: dict | None = None) -> Path:
-    """Write the SGLang directory (train/dflash/export.py export_draft, with the head)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().cpu().to(dtype).contiguous() for name, t in state_dict.items()
-               if not name.startswith(("embed_tokens.", "rotary."))}
-    validate(tensors, cfg)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    num_target_layers = (target or {}).get("num_layers")
-    (out / "config.json").write_text(json.dumps(sglang_config(cfg, num_target_layers), indent=2) + "\n")
-    (out / DRAFT_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    if target is not None:
-        (out / TARGET_FILE).write_text(json.dumps(target, indent=2) + "\n")
-    return out
+    """Write the SGLang directory (train/dflash/export.py write_block_export, with the head)."""
+    return dflash_export.write_block_export(state_dict, cfg, out_dir, dtype, target, validate, sglang_config)
 
 
 def config_from_sglang(config: dict) -> DominoConfig:

@@ -38,17 +38,13 @@ tensors = DFlash's (fc, hidden_norm, norm, layers.N.*), plus
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from specfoundry.train.dflash import export as dflash_export
 from specfoundry.train.dspark.config import MARKOV_HEAD_TYPE, DSparkConfig
 from specfoundry.train.family import (
-    DRAFT_FILE,
-    TARGET_FILE,
     DraftLoadError,
     check_tensors,
     expect_family,
@@ -82,19 +78,8 @@ def validate(tensors: dict[str, torch.Tensor], cfg: DSparkConfig) -> None:
 
 def export_draft(state_dict: dict[str, torch.Tensor], cfg: DSparkConfig, out_dir: str | Path,
                  dtype: torch.dtype = torch.bfloat16, target: dict | None = None) -> Path:
-    """Write the SGLang directory (train/dflash/export.py export_draft, with the heads)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().cpu().to(dtype).contiguous() for name, t in state_dict.items()
-               if not name.startswith(("embed_tokens.", "rotary."))}
-    validate(tensors, cfg)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    num_target_layers = (target or {}).get("num_layers")
-    (out / "config.json").write_text(json.dumps(sglang_config(cfg, num_target_layers), indent=2) + "\n")
-    (out / DRAFT_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    if target is not None:
-        (out / TARGET_FILE).write_text(json.dumps(target, indent=2) + "\n")
-    return out
+    """Write the SGLang directory (train/dflash/export.py write_block_export, with the heads)."""
+    return dflash_export.write_block_export(state_dict, cfg, out_dir, dtype, target, validate, sglang_config)
 
 
 def field(config: dict, name: str, default=None):
