@@ -163,6 +163,11 @@ def test_real_shapes_on_gpu_without_a_second_buffer(dtype, atol, rtol, n, v):
     buf = h @ w.T  # [N, V]
     ref_loss, ref_grad = reference_grad(buf, p, mask, g)
     torch.cuda.synchronize()
+    # The caching allocator hands out a cached block whole when what would remain of it is under
+    # 1 MiB, and counts the whole block as allocated. After test_dflash's GPU tests the 3 MiB dw
+    # took such a block: 0.9 MB more than asked, which failed the (300, 49152) bf16 case. Emptying
+    # the cache makes the count what this test asked for, whatever ran before it.
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     loss = soft_target_cross_entropy(buf, p, mask, impl="triton")
