@@ -68,11 +68,46 @@ def check_positions_and_fit(runner: BlockDraftRunner, sample) -> list[Check]:
     truth = sample.input_ids.to(device)[(anchors[0, :, None] + torch.arange(1, bsz, device=device)).clamp(
         max=len(sample.input_ids) - 1)]
     acc = (predicted == truth)[valid].float().mean().item()
-    checks = [Check("positions", worst <= 1e-2, f"cached block decoding {'equals' if worst <= 1e-2 else 'differs from'}"
-                    f" the training forward on the same context (max rel diff {worst:.2g})")]
-    checks.append(Check("fit", acc >= 0.9, f"the draft predicts {acc:.0%} of the answer's block tokens from the "
-                        "stored features" + ("" if acc >= 0.9 else "; train longer (--max-steps) or with another --lr")))
-    return checks
+    return [Check("positions", worst <= 1e-2, f"cached block decoding {'equals' if worst <= 1e-2 else 'differs from'}"
+                  f" the training forward on the same context (max rel diff {worst:.2g})"),
+            fit_check(acc)]
+
+
+def fit_check(acc: float) -> Check:
+    """fit: the share of the answer's block tokens the training forward predicts, at least 90%."""
+    return Check("fit", acc >= 0.9, f"the draft predicts {acc:.0%} of the answer's block tokens from the stored "
+                 "features" + ("" if acc >= 0.9 else "; train longer (--max-steps) or with another --lr"))
+
+
+def sequential_rounds_and_training(runner, sample, decode_matches_training, head: str):
+    """For a family whose head runs sequentially in decoding (Domino's GRU, DSpark's Markov bias):
+    its first decoding round against the training forward teacher-forced on that round's proposals,
+    at the first, a middle and the last anchor, as the positions Check (`head` names the head); and
+    the training forward over every anchor: (positions check, batch, anchors, keep, states [N*B, H])."""
+    model, dcfg = runner.draft, runner.draft.cfg
+    device, dtype, b = model.fc.weight.device, model.fc.weight.dtype, dcfg.block_size
+    n = len(sample.input_ids)
+    batch = Batch(sample.input_ids[None].to(device), sample.loss_mask[None].to(device), sample.aux_hidden[None], None,
+                  [n], [0])
+    anchors = sample_anchors(sample.loss_mask, n, b, n, 0)[None].to(device)
+    keep = torch.ones_like(anchors, dtype=torch.bool)
+    worst, same = 0.0, True
+    for i in sorted({0, anchors.shape[1] // 2, anchors.shape[1] - 1}):
+        a = int(anchors[0, i])
+        decoded, trained = decode_matches_training(model, runner.lm_head, sample.input_ids[: a + 1].cpu(),
+                                                   sample.aux_hidden[: a + 1].cpu())
+        worst = max(worst, ((decoded - trained).abs().max() / trained.abs().max()).item())
+        # teacher-forced on the round's proposals, the training forward proposes them again
+        same = same and torch.equal(decoded.argmax(-1), trained.argmax(-1))
+    with torch.inference_mode():
+        ids, positions = block_inputs(batch.input_ids, anchors, b, dcfg.mask_token_id)
+        context = model.project_context(sample.aux_hidden[None].to(device, dtype))
+        states = model.train_forward(context, ids, positions, anchors, keep, batch.lengths, "sdpa")[0]
+    ok = worst <= 1e-2 and same
+    check = Check("positions", ok, f"the first decoding round (sequential {head}) {'equals' if ok else 'differs from'}"
+                  f" the training forward teacher-forced on its proposals (max rel diff {worst:.2g}, the same "
+                  f"proposals: {'yes' if same else 'no'})")
+    return check, batch, anchors, keep, states
 
 
 def gate_checks(gate, export: Path, fs: FeatureSet, sample, target) -> list[Check]:

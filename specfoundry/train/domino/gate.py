@@ -18,14 +18,12 @@ import torch
 
 from specfoundry.featureset.store import FeatureSet
 from specfoundry.gate_checks import Check
-from specfoundry.train.dflash.gate import block_gate_checks
-from specfoundry.train.dflash.loss import block_inputs, sample_anchors
+from specfoundry.train.dflash.gate import block_gate_checks, fit_check, sequential_rounds_and_training
 from specfoundry.train.dflash.options import DFlashOptions
 from specfoundry.train.domino.decode import DominoDecoder, DominoRunner, decode_matches_training
 from specfoundry.train.domino.export import validate
 from specfoundry.train.domino.loss import shifted_targets
 from specfoundry.train.domino.options import DominoOptions
-from specfoundry.train.loader import Batch
 
 
 def gate_options(gate) -> dict:
@@ -35,38 +33,17 @@ def gate_options(gate) -> dict:
 
 
 def check_positions_and_fit(runner: DominoRunner, sample) -> list[Check]:
-    model, dcfg = runner.draft, runner.draft.cfg
-    device, dtype, b = model.fc.weight.device, model.fc.weight.dtype, dcfg.block_size
-    n = len(sample.input_ids)
-    batch = Batch(sample.input_ids[None].to(device), sample.loss_mask[None].to(device), sample.aux_hidden[None], None,
-                  [n], [0])
-    anchors = sample_anchors(sample.loss_mask, n, b, n, 0)[None].to(device)
-    keep = torch.ones_like(anchors, dtype=torch.bool)
-    worst, same = 0.0, True
-    for i in sorted({0, anchors.shape[1] // 2, anchors.shape[1] - 1}):
-        a = int(anchors[0, i])
-        decoded, trained = decode_matches_training(model, runner.lm_head, sample.input_ids[: a + 1].cpu(),
-                                                   sample.aux_hidden[: a + 1].cpu())
-        worst = max(worst, ((decoded - trained).abs().max() / trained.abs().max()).item())
-        # teacher-forced on the round's proposals, the training forward proposes them again
-        same = same and torch.equal(decoded.argmax(-1), trained.argmax(-1))
+    positions, batch, anchors, keep, states = sequential_rounds_and_training(runner, sample, decode_matches_training,
+                                                                             "GRU")
+    model, b = runner.draft, runner.draft.cfg.block_size
     with torch.inference_mode():
-        ids, positions = block_inputs(batch.input_ids, anchors, b, dcfg.mask_token_id)
-        context = model.project_context(sample.aux_hidden[None].to(device, dtype))
-        states = model.train_forward(context, ids, positions, anchors, keep, batch.lengths, "sdpa")[0]
         labels, valid, tokens = shifted_targets(batch, anchors, keep, b)
         rows = states.view(-1, b, states.shape[-1])  # [N, B, H]
-        slots = torch.arange(b, device=device).repeat(rows.shape[0])
+        slots = torch.arange(b, device=rows.device).repeat(rows.shape[0])
         logits = model.block_logits(rows.reshape(-1, rows.shape[-1]), runner.lm_head, slots,
                                     tokens[0].repeat_interleave(b, dim=0))
         predicted = logits.argmax(-1).view(-1, b)
-    acc = (predicted == labels[0])[valid[0]].float().mean().item()
-    ok = worst <= 1e-2 and same
-    return [Check("positions", ok, f"the first decoding round (sequential GRU) {'equals' if ok else 'differs from'} "
-                  f"the training forward teacher-forced on its proposals (max rel diff {worst:.2g}, the same "
-                  f"proposals: {'yes' if same else 'no'})"),
-            Check("fit", acc >= 0.9, f"the draft predicts {acc:.0%} of the answer's block tokens from the stored "
-                  "features" + ("" if acc >= 0.9 else "; train longer (--max-steps) or with another --lr"))]
+    return [positions, fit_check((predicted == labels[0])[valid[0]].float().mean().item())]
 
 
 def gate_checks(gate, export: Path, fs: FeatureSet, sample, target) -> list[Check]:
