@@ -148,12 +148,12 @@ def config_from_sglang(config: dict) -> DFlashConfig:
     )
 
 
-def read_config(path: str | Path) -> DFlashConfig:
-    """A DFlash export's config, read from its config.json alone, as SGLang reads it (a hand-edited
-    field must be honoured, and every field our export records is there)."""
+def read_config_with(path: str | Path, parse):
+    """A block draft's config from its config.json alone, through `parse` (the family's reader of
+    SGLang's fields): a missing field or a bad value is one DraftLoadError naming the file."""
     path = Path(path)
     try:
-        return config_from_sglang(read_config_json(path))
+        return parse(read_config_json(path))
     except KeyError as e:
         raise DraftLoadError(f"draft {path / 'config.json'} lacks {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
@@ -162,9 +162,20 @@ def read_config(path: str | Path) -> DFlashConfig:
         raise DraftLoadError(f"draft {path / 'config.json'}: {e}") from None
 
 
+def load_export_with(path: str | Path, family: str, parse):
+    """(config, tensors) of an export of `family` (a draft of another family is refused, naming it)."""
+    path = Path(path)
+    expect_family(path, family)
+    return read_config_with(path, parse), load_tensors(path / "model.safetensors")
+
+
+def read_config(path: str | Path) -> DFlashConfig:
+    """A DFlash export's config, read from its config.json alone, as SGLang reads it (a hand-edited
+    field must be honoured, and every field our export records is there)."""
+    return read_config_with(path, config_from_sglang)
+
+
 def load_export(path: str | Path) -> tuple[DFlashConfig, dict[str, torch.Tensor]]:
     """A DFlash export (ours, or another tool's), read from its config.json as SGLang reads it; a
     draft of another family is refused, naming it."""
-    path = Path(path)
-    expect_family(path, "dflash")
-    return read_config(path), load_tensors(path / "model.safetensors")
+    return load_export_with(path, "dflash", config_from_sglang)

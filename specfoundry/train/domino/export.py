@@ -32,13 +32,7 @@ import torch
 
 from specfoundry.train.dflash import export as dflash_export
 from specfoundry.train.domino.config import PROJECTOR_TYPE, PURE_DRAFT_PREFIX_LEN, DominoConfig
-from specfoundry.train.family import (
-    DraftLoadError,
-    check_tensors,
-    expect_family,
-    load_tensors,
-    read_config_json,
-)
+from specfoundry.train.family import check_tensors
 
 
 def expected_tensors(cfg: DominoConfig) -> dict[str, tuple[int, ...]]:
@@ -90,18 +84,8 @@ def config_from_sglang(config: dict) -> DominoConfig:
 
 
 def read_config(path: str | Path) -> DominoConfig:
-    path = Path(path)
-    try:
-        return config_from_sglang(read_config_json(path))
-    except KeyError as e:
-        raise DraftLoadError(f"draft {path / 'config.json'} lacks {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        if isinstance(e, DraftLoadError):
-            raise
-        raise DraftLoadError(f"draft {path / 'config.json'}: {e}") from None
+    return dflash_export.read_config_with(path, config_from_sglang)
 
 
 def load_export(path: str | Path) -> tuple[DominoConfig, dict[str, torch.Tensor]]:
-    path = Path(path)
-    expect_family(path, "domino")
-    return read_config(path), load_tensors(path / "model.safetensors")
+    return dflash_export.load_export_with(path, "domino", config_from_sglang)

@@ -44,13 +44,7 @@ import torch
 
 from specfoundry.train.dflash import export as dflash_export
 from specfoundry.train.dspark.config import MARKOV_HEAD_TYPE, DSparkConfig
-from specfoundry.train.family import (
-    DraftLoadError,
-    check_tensors,
-    expect_family,
-    load_tensors,
-    read_config_json,
-)
+from specfoundry.train.family import check_tensors
 
 ARCHITECTURE = "Qwen3DSparkModel"
 
@@ -124,18 +118,8 @@ def config_from_sglang(config: dict) -> DSparkConfig:
 
 
 def read_config(path: str | Path) -> DSparkConfig:
-    path = Path(path)
-    try:
-        return config_from_sglang(read_config_json(path))
-    except KeyError as e:
-        raise DraftLoadError(f"draft {path / 'config.json'} lacks {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        if isinstance(e, DraftLoadError):
-            raise
-        raise DraftLoadError(f"draft {path / 'config.json'}: {e}") from None
+    return dflash_export.read_config_with(path, config_from_sglang)
 
 
 def load_export(path: str | Path) -> tuple[DSparkConfig, dict[str, torch.Tensor]]:
-    path = Path(path)
-    expect_family(path, "dspark")
-    return read_config(path), load_tensors(path / "model.safetensors")
+    return dflash_export.load_export_with(path, "dspark", config_from_sglang)
