@@ -17,14 +17,19 @@ from specfoundry.train.dflash.model import DFlashDraft
 
 
 @dataclass
-class DFlashDecoder:
-    """One block of block_size - 1 proposals per round."""
+class BlockDecoder:
+    """sf-eval's decoder of a draft on DFlash's backbone (DFlash, Domino, DSpark): one block of
+    proposals a round, the runner's `propose` (block_size - 1 of them for DFlash and Domino,
+    block_size for DSpark)."""
 
     runner: BlockDraftRunner
 
     def generate(self, target: TargetRunner, prompt: list[int], *, max_new_tokens: int, eos: set[int],
                  sampler: Sampler) -> DecodeResult:
         return block_generate(target, self.runner, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler)
+
+
+DFlashDecoder = BlockDecoder
 
 
 def decode_settings(cfg: DFlashConfig, *, k: int, tree, k_given: bool, source: str):
@@ -44,17 +49,35 @@ def decode_settings(cfg: DFlashConfig, *, k: int, tree, k_given: bool, source: s
 
 
 @torch.inference_mode()
-def training_block_logits(draft: DFlashDraft, lm_head: torch.Tensor, ids: torch.Tensor, aux: torch.Tensor,
-                          anchor: int) -> torch.Tensor:
-    """The training forward's logits [B-1, V] of the block anchored at `anchor` (context: aux before it)."""
+def training_block_states(draft: DFlashDraft, ids: torch.Tensor, aux: torch.Tensor, anchor: int) -> torch.Tensor:
+    """The training forward's final-normed states [B, H] of the block anchored at `anchor` (context:
+    aux before it), for a draft on DFlash's backbone."""
     cfg = draft.cfg
     device, dtype = draft.fc.weight.device, draft.fc.weight.dtype
     anchors = torch.tensor([[anchor]], device=device)
     block_ids, positions = block_inputs(ids[None].to(device), anchors, cfg.block_size, cfg.mask_token_id)
     context = draft.project_context(aux[None].to(device, dtype))
     keep = torch.ones_like(anchors, dtype=torch.bool)
-    states = draft.train_forward(context, block_ids, positions, anchors, keep, [len(ids)], "sdpa")[0]  # [B, H]
-    return draft.block_logits(states[1:], lm_head).float()
+    return draft.train_forward(context, block_ids, positions, anchors, keep, [len(ids)], "sdpa")[0]
+
+
+def training_block_logits(draft: DFlashDraft, lm_head: torch.Tensor, ids: torch.Tensor, aux: torch.Tensor,
+                          anchor: int) -> torch.Tensor:
+    """The training forward's logits [B-1, V] of the block anchored at `anchor` (context: aux before it)."""
+    with torch.inference_mode():
+        return draft.block_logits(training_block_states(draft, ids, aux, anchor)[1:], lm_head).float()
+
+
+def sequential_first_round(runner, lm_head: torch.Tensor, ids: torch.Tensor, aux: torch.Tensor, training_logits):
+    """For a head run sequentially in decoding (Domino's GRU, DSpark's Markov bias): (the first
+    round's logits after the prompt ids[:-1] and the bonus ids[-1], `training_logits` at the same
+    anchor teacher-forced on the round's own proposals), [proposals, V] each. runner: a fresh one."""
+    p = len(ids) - 1
+    runner.extend(aux[:p].to(lm_head.device))
+    drafts, decoded = runner.propose(int(ids[p]))
+    forced = torch.cat([ids[: p + 1].cpu(), torch.tensor(drafts)])  # the sequence the round drafted
+    features = torch.cat([aux[: p + 1].cpu(), aux.new_zeros(len(drafts), aux.shape[1]).cpu()])  # unseen after p
+    return decoded, training_logits(runner.draft, lm_head, forced, features, p)
 
 
 def decode_matches_training(draft: DFlashDraft, lm_head: torch.Tensor, ids: torch.Tensor, aux: torch.Tensor):

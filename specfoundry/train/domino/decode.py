@@ -10,13 +10,10 @@ proposals are verified as DFlash's are (point masses; greedy output equals the t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from specfoundry.eval.block import BlockDraftRunner, block_generate
-from specfoundry.eval.speculative import DecodeResult, Sampler, TargetRunner
-from specfoundry.train.dflash.loss import block_inputs
+from specfoundry.eval.block import BlockDraftRunner
+from specfoundry.train.dflash.decode import sequential_first_round, training_block_states
 from specfoundry.train.domino.model import DominoDraft
 
 
@@ -44,29 +41,13 @@ class DominoRunner(BlockDraftRunner):
         return drafts, torch.stack(rows)
 
 
-@dataclass
-class DominoDecoder:
-    """One block of block_size - 1 proposals per round."""
-
-    runner: DominoRunner
-
-    def generate(self, target: TargetRunner, prompt: list[int], *, max_new_tokens: int, eos: set[int],
-                 sampler: Sampler) -> DecodeResult:
-        return block_generate(target, self.runner, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler)
-
-
 @torch.inference_mode()
 def training_block_logits(draft: DominoDraft, lm_head: torch.Tensor, ids: torch.Tensor, aux: torch.Tensor,
                           anchor: int) -> torch.Tensor:
     """The training forward's final logits [B-1, V] of slots 0..B-2 of the block anchored at
     `anchor`, the GRU teacher-forced on ids[anchor..anchor+B-2] (ids must reach that far)."""
-    cfg = draft.cfg
-    device, dtype = draft.fc.weight.device, draft.fc.weight.dtype
-    anchors = torch.tensor([[anchor]], device=device)
-    block_ids, positions = block_inputs(ids[None].to(device), anchors, cfg.block_size, cfg.mask_token_id)
-    context = draft.project_context(aux[None].to(device, dtype))
-    keep = torch.ones_like(anchors, dtype=torch.bool)
-    states = draft.train_forward(context, block_ids, positions, anchors, keep, [len(ids)], "sdpa")[0]  # [B, H]
+    cfg, device = draft.cfg, draft.fc.weight.device
+    states = training_block_states(draft, ids, aux, anchor)  # [B, H]
     n = cfg.block_size - 1
     tokens = ids[anchor:anchor + n].to(device)
     return draft.block_logits(states[:n], lm_head, torch.arange(n, device=device), tokens).float()
@@ -75,10 +56,4 @@ def training_block_logits(draft: DominoDraft, lm_head: torch.Tensor, ids: torch.
 def decode_matches_training(draft: DominoDraft, lm_head: torch.Tensor, ids: torch.Tensor, aux: torch.Tensor):
     """(the first round's final logits after the prompt ids[:-1] and the bonus ids[-1], the training
     forward's at the same anchor teacher-forced on the round's own proposals), [B-1, V] each."""
-    p = len(ids) - 1
-    runner = DominoRunner(draft, lm_head)
-    runner.extend(aux[:p].to(lm_head.device))
-    drafts, decoded = runner.propose(int(ids[p]))
-    forced = torch.cat([ids[: p + 1].cpu(), torch.tensor(drafts)])  # the sequence the round drafted
-    features = torch.cat([aux[: p + 1].cpu(), aux.new_zeros(len(drafts), aux.shape[1]).cpu()])  # unseen after p
-    return decoded, training_block_logits(draft, lm_head, forced, features, p)
+    return sequential_first_round(DominoRunner(draft, lm_head), lm_head, ids, aux, training_block_logits)

@@ -62,9 +62,10 @@ class DominoFamily(DFlashFamily):
         return read_config(path), load_tensors(Path(path) / "model.safetensors")
 
     def decoder(self, draft: DominoDraft, target, *, k, tree):
-        from specfoundry.train.domino.decode import DominoDecoder, DominoRunner
+        from specfoundry.train.dflash.decode import BlockDecoder
+        from specfoundry.train.domino.decode import DominoRunner
 
-        return DominoDecoder(DominoRunner(draft, target.lm_head()))
+        return BlockDecoder(DominoRunner(draft, target.lm_head()))
 
     def decode_matches_training(self, draft: DominoDraft, lm_head, ids, aux):
         from specfoundry.train.domino.decode import decode_matches_training

@@ -18,9 +18,10 @@ import torch
 
 from specfoundry.featureset.store import FeatureSet
 from specfoundry.gate_checks import Check
+from specfoundry.train.dflash.decode import BlockDecoder
 from specfoundry.train.dflash.gate import block_gate_checks, fit_check, sequential_rounds_and_training
 from specfoundry.train.dflash.options import DFlashOptions
-from specfoundry.train.domino.decode import DominoDecoder, DominoRunner, decode_matches_training
+from specfoundry.train.domino.decode import DominoRunner, decode_matches_training
 from specfoundry.train.domino.export import validate
 from specfoundry.train.domino.loss import shifted_targets
 from specfoundry.train.domino.options import DominoOptions
@@ -48,4 +49,4 @@ def check_positions_and_fit(runner: DominoRunner, sample) -> list[Check]:
 
 def gate_checks(gate, export: Path, fs: FeatureSet, sample, target) -> list[Check]:
     return block_gate_checks(gate, export, fs, sample, target, validate=validate, runner_class=DominoRunner,
-                             decoder_class=DominoDecoder, positions_and_fit=check_positions_and_fit)
+                             decoder_class=BlockDecoder, positions_and_fit=check_positions_and_fit)

@@ -15,14 +15,11 @@ accepted, so calibration can be measured; stopping a block early on it is left t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from specfoundry.common.cli import MAX_DRAFT
-from specfoundry.eval.block import BlockDraftRunner, block_generate
-from specfoundry.eval.speculative import DecodeResult, Sampler, TargetRunner
-from specfoundry.train.dflash.loss import block_inputs
+from specfoundry.eval.block import BlockDraftRunner
+from specfoundry.train.dflash.decode import sequential_first_round, training_block_states
 from specfoundry.train.dspark.config import DSparkConfig
 from specfoundry.train.dspark.model import DSparkDraft
 
@@ -60,17 +57,6 @@ class DSparkRunner(BlockDraftRunner):
         return drafts, torch.stack(rows)
 
 
-@dataclass
-class DSparkDecoder:
-    """One block of block_size proposals per round."""
-
-    runner: DSparkRunner
-
-    def generate(self, target: TargetRunner, prompt: list[int], *, max_new_tokens: int, eos: set[int],
-                 sampler: Sampler) -> DecodeResult:
-        return block_generate(target, self.runner, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler)
-
-
 def decode_settings(cfg: DSparkConfig, *, k: int, tree, k_given: bool, source: str):
     """(block_size, no tree, a warning where -k asked for another number): a block proposes B tokens."""
     if tree:
@@ -90,13 +76,8 @@ def training_block_logits(draft: DSparkDraft, lm_head: torch.Tensor, ids: torch.
                           anchor: int) -> torch.Tensor:
     """The training forward's logits [B, V] of the block anchored at `anchor`, the Markov bias
     teacher-forced on ids[anchor..anchor+B-1] (ids must reach that far)."""
-    cfg = draft.cfg
-    device, dtype = draft.fc.weight.device, draft.fc.weight.dtype
-    anchors = torch.tensor([[anchor]], device=device)
-    block_ids, positions = block_inputs(ids[None].to(device), anchors, cfg.block_size, cfg.mask_token_id)
-    context = draft.project_context(aux[None].to(device, dtype))
-    keep = torch.ones_like(anchors, dtype=torch.bool)
-    states = draft.train_forward(context, block_ids, positions, anchors, keep, [len(ids)], "sdpa")[0]  # [B, H]
+    cfg, device = draft.cfg, draft.fc.weight.device
+    states = training_block_states(draft, ids, aux, anchor)  # [B, H]
     b = cfg.block_size
     tokens = ids[anchor:anchor + b].to(device)
     return draft.block_logits(states, lm_head, torch.arange(b, device=device), tokens).float()
@@ -105,10 +86,4 @@ def training_block_logits(draft: DSparkDraft, lm_head: torch.Tensor, ids: torch.
 def decode_matches_training(draft: DSparkDraft, lm_head: torch.Tensor, ids: torch.Tensor, aux: torch.Tensor):
     """(the first round's logits after the prompt ids[:-1] and the bonus ids[-1], the training
     forward's at the same anchor teacher-forced on the round's own proposals), [B, V] each."""
-    p = len(ids) - 1
-    runner = DSparkRunner(draft, lm_head)
-    runner.extend(aux[:p].to(lm_head.device))
-    drafts, decoded = runner.propose(int(ids[p]))
-    forced = torch.cat([ids[: p + 1].cpu(), torch.tensor(drafts)])  # the sequence the round drafted
-    features = torch.cat([aux[: p + 1].cpu(), aux.new_zeros(len(drafts), aux.shape[1]).cpu()])  # unseen after p
-    return decoded, training_block_logits(draft, lm_head, forced, features, p)
+    return sequential_first_round(DSparkRunner(draft, lm_head), lm_head, ids, aux, training_block_logits)

@@ -68,9 +68,10 @@ class DSparkFamily(DFlashFamily):
         return decode_settings(cfg, k=k, tree=tree, k_given=k_given, source=source)
 
     def decoder(self, draft: DSparkDraft, target, *, k, tree):
-        from specfoundry.train.dspark.decode import DSparkDecoder, DSparkRunner
+        from specfoundry.train.dflash.decode import BlockDecoder
+        from specfoundry.train.dspark.decode import DSparkRunner
 
-        return DSparkDecoder(DSparkRunner(draft, target.lm_head()))
+        return BlockDecoder(DSparkRunner(draft, target.lm_head()))
 
     def decode_matches_training(self, draft: DSparkDraft, lm_head, ids, aux):
         from specfoundry.train.dspark.decode import decode_matches_training

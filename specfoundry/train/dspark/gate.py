@@ -18,9 +18,10 @@ import torch
 
 from specfoundry.featureset.store import FeatureSet
 from specfoundry.gate_checks import Check
+from specfoundry.train.dflash.decode import BlockDecoder
 from specfoundry.train.dflash.gate import block_gate_checks, fit_check, sequential_rounds_and_training
 from specfoundry.train.dflash.options import DFlashOptions
-from specfoundry.train.dspark.decode import DSparkDecoder, DSparkRunner, decode_matches_training
+from specfoundry.train.dspark.decode import DSparkRunner, decode_matches_training
 from specfoundry.train.dspark.export import validate
 from specfoundry.train.dspark.loss import anchor_targets
 from specfoundry.train.dspark.options import DSparkOptions
@@ -44,4 +45,4 @@ def check_positions_and_fit(runner: DSparkRunner, sample) -> list[Check]:
 
 def gate_checks(gate, export: Path, fs: FeatureSet, sample, target) -> list[Check]:
     return block_gate_checks(gate, export, fs, sample, target, validate=validate, runner_class=DSparkRunner,
-                             decoder_class=DSparkDecoder, positions_and_fit=check_positions_and_fit)
+                             decoder_class=BlockDecoder, positions_and_fit=check_positions_and_fit)
