@@ -1,19 +1,34 @@
 """The hf backend's slot engine (continuous batching) against `model.generate` on a tiny random
 Llama in fp32: greedy output token for token, with prompts of spread lengths, more requests than
 slots, and follow-up requests joining while others run; seeded samples that do not depend on
-which requests share the batch."""
+which requests share the batch. Its decode step attends over the unexpanded KV cache (full,
+sliding-window and mixed layouts), to the same result as transformers' repeat_kv path."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+from transformers.integrations import sdpa_attention
 
 from specfoundry.common.target import Target
 from specfoundry.generate.backend import Request, SamplingConfig
 from specfoundry.generate.hf_backend import HFBackend
 from specfoundry.generate.sampling import next_tokens, uniform
-from specfoundry.generate.slots import SlotEngine, supported
+from specfoundry.generate.slots import (
+    SLOT_ATTENTION,
+    SlotEngine,
+    folded_sdpa_attention,
+    mask_layout,
+    supported,
+)
 
 STOP = 13  # a token this random model emits in some answers: some stop early, others hit the cap
 
@@ -135,3 +150,115 @@ def test_the_memory_check_counts_what_the_caching_allocator_holds_unused(model, 
     engine.check_memory(8, 40 * gib // (8 * per_slot_token))  # 40 GiB: 10 free + 70 cached unused
     with pytest.raises(EngineMemoryError, match="lower --batch-size"):
         engine.check_memory(8, 75 * gib // (8 * per_slot_token))  # over 0.9 x 80 GiB
+
+
+def gqa_model(layout: str, attention: str = "sdpa"):
+    """A tiny random decoder whose layers attend as `layout` says ('sliding': window 8, 'mixed': a
+    full layer then a sliding one), 6 query heads over 2 KV heads (G = 3), fp32."""
+    shape = dict(vocab_size=96, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=256, attn_implementation=attention)
+    torch.manual_seed(0)
+    if layout == "full":
+        model = LlamaForCausalLM(LlamaConfig(**shape))
+    elif layout == "sliding":
+        model = MistralForCausalLM(MistralConfig(sliding_window=8, **shape))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=1, **shape))
+    assert mask_layout(model) == layout and model.config._attn_implementation == attention
+    return model.eval()
+
+
+def engine_tokens(model, fold: bool = True) -> dict:
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=12)
+    engine = SlotEngine(Target.wrap(model), slots=3, stop_ids=[STOP], sampling=sampling)
+    engine.fold = engine.fold and fold  # False: transformers' own sdpa path
+    results = {}
+    engine.run([(p, 0, i) for i, p in enumerate(prompts(6, seed=2))], lambda tag, ids: results.update({tag: ids}))
+    return results
+
+
+@pytest.mark.parametrize("layout", ["full", "sliding", "mixed"])
+def test_a_decode_step_attends_over_the_unexpanded_cache(layout, monkeypatch):
+    """In every decode step each layer's SDPA call gets the cache's keys and values with their 2 KV
+    heads and the 6 query heads folded onto them as 3 query rows each, through the engine's
+    attention function; transformers' repeat_kv is not called; each call's output equals the
+    repeat_kv path's (the same queries, head by head, against the repeated cache) to fp32
+    rounding; and the greedy tokens equal those of the engine on transformers' own sdpa path."""
+    model = gqa_model(layout)
+    sdpa, repeat_kv = torch.nn.functional.scaled_dot_product_attention, sdpa_attention.repeat_kv
+    seen = {"decoding": False, "calls": 0, "repeats": 0}
+
+    def spy_sdpa(query, key, value, attn_mask=None, **kwargs):
+        out = sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+        if seen["decoding"]:
+            seen["calls"] += 1
+            b, kv_heads, g, d = query.shape
+            assert (kv_heads, g) == (2, 3) and key.shape[1] == value.shape[1] == 2, (query.shape, key.shape)
+            assert model.config._attn_implementation == SLOT_ATTENTION  # (transformers 5.24 folds on its own)
+            assert attn_mask.shape == (b, 1, 1, key.shape[2])
+            per_head = sdpa(query.reshape(b, 6, 1, d), repeat_kv(key, 3), repeat_kv(value, 3), attn_mask=attn_mask,
+                            **kwargs)  # [B, 6, 1, D]
+            torch.testing.assert_close(out.reshape(b, 6, 1, -1), per_head, rtol=1e-5, atol=1e-6)
+        return out
+
+    def counting_repeat_kv(hidden, n_rep):
+        seen["repeats"] += seen["decoding"] and n_rep > 1
+        return repeat_kv(hidden, n_rep)
+
+    step = SlotEngine.step
+
+    def spied_step(engine):
+        seen["decoding"] = True
+        try:
+            step(engine)
+        finally:
+            seen["decoding"] = False
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.nn.functional, "scaled_dot_product_attention", spy_sdpa)
+        m.setattr(sdpa_attention, "repeat_kv", counting_repeat_kv)
+        m.setattr(SlotEngine, "step", spied_step)
+        folded = engine_tokens(model)
+    assert seen["calls"] >= 2 * 12 and seen["repeats"] == 0  # 2 layers, at least max_new_tokens steps
+    assert model.config._attn_implementation == "sdpa"  # restored after the engine's forwards
+    assert len(folded) == 6 and folded == engine_tokens(model, fold=False)
+
+
+def test_the_folded_attention_of_one_ranks_heads_and_what_it_leaves_to_transformers():
+    """A tensor-parallel rank's shard (3 of 6 query heads, 1 of 2 KV heads; the module still says
+    G = 3) over a column window of a larger cache, with a padded, partly masked row: equal to the
+    repeat_kv path. Prefill (several queries per row) is transformers' sdpa path, bit for bit."""
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    cache_k, cache_v = torch.randn(4, 1, 64, 16), torch.randn(4, 1, 64, 16)
+    key, value = cache_k[:, :, :40], cache_v[:, :, :40]  # the engine's window: a view, not contiguous
+    query = torch.randn(4, 1, 3, 16).transpose(1, 2)  # [B, 3, 1, D] as a layer makes it
+    mask = torch.rand(4, 1, 1, 40) > 0.3
+    mask[:, :, :, 0] = True
+    out, _ = folded_sdpa_attention(module, query, key, value, mask, scaling=0.25)
+    per_head = torch.nn.functional.scaled_dot_product_attention(
+        query, sdpa_attention.repeat_kv(key, 3), sdpa_attention.repeat_kv(value, 3), attn_mask=mask, scale=0.25)
+    torch.testing.assert_close(out, per_head.transpose(1, 2), rtol=1e-5, atol=1e-6)  # [B, 1, 3, D]
+    prefill = torch.randn(4, 3, 40, 16)
+    causal = torch.ones(40, 40, dtype=torch.bool).tril()[None, None].expand(4, 1, 40, 40)
+    got, _ = folded_sdpa_attention(module, prefill, key, value, causal, scaling=0.25)
+    want, _ = sdpa_attention.sdpa_attention_forward(module, prefill, key, value, causal, scaling=0.25)
+    assert torch.equal(got, want)
+
+
+def test_eager_targets_keep_their_attention(monkeypatch):
+    model = gqa_model("full", attention="eager")
+    kinds = set()
+    forward = Target.forward
+
+    def spied(target, *args, **kwargs):
+        kinds.add(target.config._attn_implementation)
+        return forward(target, *args, **kwargs)
+
+    monkeypatch.setattr(Target, "forward", spied)
+    engine = SlotEngine(Target.wrap(model), slots=2, stop_ids=[STOP], sampling=SamplingConfig(temperature=0.0,
+                                                                                                max_new_tokens=4))
+    assert not engine.fold
+    engine.run([([10, 11, 12], 0, 0)], lambda tag, ids: ())
+    assert kinds == {"eager"}

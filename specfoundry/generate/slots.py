@@ -18,15 +18,29 @@ transformers' Cache and an explicit 4D mask (transformers passes a 4D mask throu
 so any decoder whose layers are full or sliding-window attention over sdpa or eager works
 (`supported`), wherever the target is placed: each layer's cache lives on that layer's device,
 and under tensor parallelism holds that rank's KV heads.
+
+A decode step of an sdpa target attends over the stored keys and values as they are, never
+expanded to the query heads. Given an explicit mask, transformers' sdpa attention (5.17, the H200
+image's; 5.24 folds a single query itself, as below) does not use SDPA's `enable_gqa` (on CUDA a
+masked GQA call falls back to the math kernel) but `repeat_kv`: a copy of every layer's attended
+cache, keys and values, at G = heads / kv_heads times its size, at every step; on an H200
+(SmolLM2-135M, 2048 slots) that copy was 57% of the decode step's device time. The engine's
+forward runs the layers with `folded_sdpa_attention` instead (registered with transformers as
+SLOT_ATTENTION and selected for the engine's forward only: `slot_attention`): with one query per
+row, the G query heads that share a KV head become G query rows against that head's keys, which
+gives each (head, query) the same softmax over the same keys (the math at the function).
+Prefill, eager targets and what the fold does not cover run transformers' own path.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from specfoundry.common.target import Target
 from specfoundry.generate.backend import SamplingConfig
@@ -59,6 +73,67 @@ def mask_layout(model) -> str | None:
 
 def supported(model) -> bool:
     return mask_layout(model) is not None
+
+
+SLOT_ATTENTION = "specfoundry_slot_sdpa"  # transformers' name of folded_sdpa_attention
+PLAIN_ONLY = ("softcap", "position_bias", "s_aux")  # sdpa's extras: the fold leaves them to transformers' path
+
+
+def folded_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                          is_causal: bool | None = None, **kwargs):
+    """transformers' sdpa attention function, except that one query per row (a decode step) of a
+    grouped-query layer attends over key / value [B, kv_heads, L, D] as they are, without repeat_kv.
+
+    Query head h uses KV head h // G (G = heads / kv_heads: repeat_kv's order). For one query per
+    row, the G heads of KV head j are G independent queries against the same keys and values, so
+        out[b, j*G + g, 0] = softmax(q[b, j*G + g, 0] . K[b, j]^T * scale + mask[b, 0, 0]) V[b, j]
+    is SDPA over q viewed as [B, kv_heads, G, D] (a view: the G heads are adjacent), K / V as they
+    are, and the mask [B, 1, 1, L] broadcast over the kv_heads and the G query rows; the output
+    [B, kv_heads, G, Dv] is viewed back as [B, heads, 1, Dv]. Nothing is expanded or copied but the
+    small output. G comes from the tensors, not the module: under tensor parallelism a rank holds
+    heads / N query heads and kv_heads / N KV heads, the same G. More queries per row (prefill),
+    layers without groups, a mask per head and what sdpa's extras need go to transformers' path."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads = key.shape[1]
+    if (q_len != 1 or heads == kv_heads or heads % kv_heads or value.shape[1] != kv_heads
+            or (attention_mask is not None and (attention_mask.dim() != 4 or attention_mask.shape[1] != 1))
+            or any(kwargs.get(k) is not None for k in PLAIN_ONLY) or kwargs.get("output_attentions")
+            or torch.jit.is_tracing()):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    folded = query.reshape(batch, kv_heads, heads // kv_heads, head_dim)  # [B, kv_heads, G, D]
+    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling)  # [B, kv_heads, G, Dv]
+    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None  # [B, 1, heads, Dv]
+
+
+def register_slot_attention() -> None:
+    """Make SLOT_ATTENTION a name transformers knows (attention function and mask builder)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(SLOT_ATTENTION, folded_sdpa_attention)
+    # the engine's masks are 4D, which mask creation passes through; sdpa's builder where one is built
+    AttentionMaskInterface.register(SLOT_ATTENTION, AttentionMaskInterface._global_mapping["sdpa"])
+
+
+@contextmanager
+def slot_attention(config, use: bool = True):
+    """Run the layers of `config` (the text config the attention modules read) with
+    folded_sdpa_attention, then restore what they had. A no-op unless `use` and the target is sdpa
+    (eager keeps eager: its masks are additive and it repeats the cache in its own code)."""
+    before = config._attn_implementation
+    if not use or before != "sdpa":
+        yield
+        return
+    config._attn_implementation = SLOT_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 class SlotCache:
@@ -162,6 +237,9 @@ class SlotEngine:
         self.sync_every = sync_every or (8 if self.device.type == "cuda" else 1)
         self.refill_at = max(1, slots // 8)  # free slots worth one prefill forward
         self.stop = torch.tensor(stop_ids, dtype=torch.long, device=self.device)
+        self.fold = config._attn_implementation == "sdpa"  # attend over the unexpanded cache (slot_attention)
+        if self.fold:
+            register_slot_attention()
 
     # ---- device state ---------------------------------------------------------------------
 
@@ -220,7 +298,8 @@ class SlotEngine:
 
     def forward(self, input_ids: torch.Tensor, mask, positions: torch.Tensor) -> torch.Tensor:
         """[B, V] fp32 logits of each row's last position."""
-        step = self.target.forward(input_ids, positions=positions, mask=mask, cache=self.cache, logits_to_keep=1)
+        with slot_attention(self.target.config, self.fold):
+            step = self.target.forward(input_ids, positions=positions, mask=mask, cache=self.cache, logits_to_keep=1)
         return step.logits[:, -1]
 
     # ---- admission, steps, collection -----------------------------------------------------
