@@ -21,7 +21,9 @@ recording, rendering and tokenising the next turn; the device idles, nothing bei
 `refill` (admitting waiting prompts: host tensors and the prefill forwards).
 
 --profile adds, per target, torch.profiler over 8 decode steps at the full batch (64-token prompts,
-after 8 warm-up steps) of the slot engine and of transformers' own decode step (the model's
+after 8 warm-up steps) of the slot engine, of the slot engine on transformers' own sdpa path
+(`slots_repeat_kv`: the query heads not folded, which under transformers 5.17 copies the attended
+cache G times per layer; sdpa targets only) and of transformers' own decode step (the model's
 forward over a DynamicCache, as model.generate runs it): wall ms per step, the device's kernel
 time per step by kind, and the top kernels and host ops (JSON: `profile`, tables in the log).
 
@@ -204,8 +206,13 @@ def profile_decode(model, batch: int, steps: int = 8, prompt_len: int = 64) -> d
             state["token"] = o.logits[:, -1].float().argmax(-1, keepdim=True)
         return step
 
+    def unfolded_setup():  # the engine as it was before it folded the query heads (transformers' sdpa path)
+        engine.fold = False
+        return slot_setup()
+
     out = {}
-    for name, setup in (("slots", slot_setup), ("dynamic_cache", cache_setup)):
+    paths = (("slots", slot_setup), ("slots_repeat_kv", unfolded_setup), ("dynamic_cache", cache_setup))
+    for name, setup in paths if engine.fold else (paths[0], paths[2]):
         step = setup()
         with torch.inference_mode():
             for _ in range(steps):
