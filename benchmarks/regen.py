@@ -277,6 +277,22 @@ def llama8b(tiny: bool, device: str):
     return model.eval().requires_grad_(False)
 
 
+def profile_only(model, args, device: str) -> None:
+    """--profile-only: the decode-step profiles of each target at its batch, one row per path."""
+    profiles = {"smollm2": profile_decode(model, args.batch_size)}
+    if args.llama8b_conversations:
+        del model
+        profiles[args.second_target] = profile_decode(llama8b(args.second_target == "tiny", device),
+                                                      args.llama8b_batch_size)
+    rows = [{"target": t, "path": path, "batch": p["batch"], "wall_ms_per_step": p["wall_ms_per_step"],
+             "device_kernel_ms_per_step": p["device_kernel_ms_per_step"]}
+            for t, paths in profiles.items() for path, p in paths.items()]
+    print_table(rows, ["target", "path", "batch", "wall_ms_per_step", "device_kernel_ms_per_step"])
+    out = args.out or ("regen_profile" if device == "cuda" else None)
+    if out:
+        print(write_result(out, rows, {"settings": vars(args), "profile": profiles}))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", type=int, default=2048, help="SmolLM2 conversations.")
@@ -292,10 +308,14 @@ def main():
                     "none on a CPU).")
     ap.add_argument("--profile", action="store_true", help="Also profile 8 decode steps of the slot engine and of "
                     "transformers' DynamicCache step at the full batch, per target.")
+    ap.add_argument("--profile-only", action="store_true", help="Only the decode-step profiles of --profile (no "
+                    "stage runs): results/regen_profile.json on a GPU.")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     smollm2 = Target.load("smollm2", device=device)
     model, tokenizer = smollm2.model, smollm2.tokenizer
+    if args.profile_only:
+        return profile_only(model, args, device)
     profiles = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
