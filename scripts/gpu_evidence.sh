@@ -26,7 +26,7 @@
 #   total ~1,490 s; what does not fit is skipped from the end (priority order).
 #
 #   bash scripts/gpu_evidence.sh start      copy the tree to $EV/repo, start `plan` (PLAN=rest: `plan_rest`,
-#                                           below) in the background
+#                                           PLAN=next: `plan_next`, below) in the background
 #   bash scripts/gpu_evidence.sh wait [S]   wait until the plan ends or S seconds pass, then pack the
 #                                           results into $OUT/evidence.tar.gz and print the status
 #   bash scripts/gpu_evidence.sh stop       end the plan's process group
@@ -193,6 +193,28 @@ plan_rest() {
   echo done > "$EV/done"
 }
 
+# PLAN=next: what the run of 2026-12-02 (PLAN=rest) left, each alone on the GPU, in priority order
+# (estimates on one H200, setup included ~150 s; ~900 s in all, so a session keeps ~15 min):
+#   gpu_tests          pytest -m gpu, alone (test_soft_ce's allocator fix, e279184)             ~240 s
+#   capture_placement  issue 26: capture through Target against 8dd38ca's runner; half the weights
+#                      offloaded to CPU memory against all on the GPU (8B Llama, T=4096)           ~360 s
+#   regen_profile      the slot engine's decode step folded against transformers' repeat_kv path
+#                      and the DynamicCache step, SmolLM2 at 2048 and the 8B shape at 256            ~150 s
+plan_next() {
+  begin_plan "plan next: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s" || return 1
+  if [ "$DEV" = cuda ]; then
+    step gpu_tests 300 env LOG="$EV/gpu_tests.log" bash benchmarks/gpu_tests.sh
+    step capture_placement 360 python -m benchmarks.capture_placement
+    step regen_profile 200 python -m benchmarks.regen --profile-only
+  else
+    step capture_placement 300 python -m benchmarks.capture_placement --tiny
+    step regen_profile 300 python -m benchmarks.regen --profile-only --batch-size 4 --second-target tiny \
+      --llama8b-batch-size 2 --out dry_regen_profile
+  fi
+  echo "[$(elapsed) s] plan done"
+  echo done > "$EV/done"
+}
+
 pack() {
   local out=${OUT:-$EV/out}
   mkdir -p "$out"
@@ -221,6 +243,7 @@ case "${1:-}" in
     sleep 2; echo "plan started (pid $(cat "$EV/pid")) in $EV"; tail -n 3 "$EV/orchestrator.log" ;;
   plan) plan ;;
   rest) plan_rest ;;
+  next) plan_next ;;
   wait)
     limit=${2:-540}; t=$(date +%s)
     while [ ! -f "$EV/done" ] && [ $(( $(date +%s) - t )) -lt "$limit" ]; do sleep 5; done
