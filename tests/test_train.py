@@ -465,6 +465,34 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_pat
     assert h1[-1]["loss_0"] < h1[0]["loss_0"]  # and it is a real curve, not a constant
 
 
+def test_dflash_starts_as_a_confident_guess_at_norm_one_and_near_uniform_at_a_small_final_norm_init(
+        smol_features, smollm2_dir):
+    """A fresh DFlash draft's final RMSNorm at weight 1 hands SmolLM2's lm_head states of full scale:
+    the first loss is over twice ln V, a confident wrong guess (33.8 in the H200 families run).
+    --final-norm-init 0.1 starts it within 1.5 of ln V (docs/families.md, DFlash's first loss)."""
+    from specfoundry.common.weights import target_lm_head
+    from specfoundry.featureset.store import FeatureSet
+    from specfoundry.train.dflash.family import DFlashFamily
+    from specfoundry.train.dflash.loss import dflash_loss
+    from specfoundry.train.dflash.options import DFlashOptions
+
+    fs = FeatureSet(smol_features)
+    batch = BatchDataset(fs, [list(range(4))], None, final=False)[0]
+    batch.aux_hidden = batch.aux_hidden.float()
+    head = target_lm_head(smollm2_dir).float()
+    losses = {}
+    for init in (1.0, 0.1):
+        torch.manual_seed(0)
+        options = DFlashOptions(num_draft_layers=3, block_size=4, final_norm_init=init)
+        model, _ = DFlashFamily().build(options, fs, smollm2_dir, fs.manifest["aux_layer_ids"], None)
+        assert torch.all(model.norm.weight == init)
+        with torch.no_grad():
+            losses[init] = dflash_loss(model, batch, head, num_anchors=16, attention="sdpa",
+                                       loss_kernel="reference")[0].item()
+    ln_v = math.log(head.shape[0])
+    assert losses[1.0] > 2 * ln_v and abs(losses[0.1] - ln_v) < 1.5, (losses, ln_v)
+
+
 def test_a_dflash_run_resumed_after_a_stop_equals_an_uninterrupted_one(tmp_path, smol_features):
     """The shared Trainer resumes the DFlash family too: its anchors come from (seed, epoch, sample),
     so the resumed steps draw the same blocks and end with the same weights, bit for bit."""

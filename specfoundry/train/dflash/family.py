@@ -37,8 +37,8 @@ def build_block_draft(dflash: DFlashOptions, fs, target_dir: Path, layers: list[
                       load_export, draft_class, make_config):
     """(draft, config) of a family on DFlash's backbone (DFlash, Domino, DSpark): read back with
     the family's `load_export` from --init-from, whose layers must be the run's, or a fresh
-    `make_config(mask token)`, the mask token chosen for the target unless given (and then checked);
-    the target's embeddings copied in either way."""
+    `make_config(mask token)`, the mask token chosen for the target unless given (and then checked),
+    its final norm at --final-norm-init; the target's embeddings copied in either way."""
     if init_from:
         dcfg, tensors = load_export(init_from)
         if list(dcfg.target_layer_ids) != list(layers):
@@ -55,6 +55,8 @@ def build_block_draft(dflash: DFlashOptions, fs, target_dir: Path, layers: list[
     model = draft_class(dcfg)
     if tensors is not None:
         model.load_state_dict(tensors, strict=False)
+    else:
+        model.norm.weight.data.fill_(dflash.final_norm_init)
     model.embed_tokens.weight.data.copy_(target_embeddings(target_dir).float())
     return model, dcfg
 

@@ -27,6 +27,11 @@ class DFlashOptions(Settings):
                              "exp(-(k-1)/gamma); dpace: D-PACE (arXiv 2605.18810), each slot weighted through the "
                              "draft's smoothed prefix products of its label probabilities (a surrogate of the expected "
                              "accepted length), recomputed each step, without gradient (docs/families.md).")
+    final_norm_init: float = setting(1.0, valid=Range(0, 1, min_open=True),
+                                     help="DFlash: the weight a fresh draft's final RMSNorm starts at (--init-from "
+                                     "keeps its own). At 1 (the usual RMSNorm init) the first loss is about 3 ln V on "
+                                     "SmolLM2: the normed states meet the target's lm_head at full scale, a confident "
+                                     "random guess; 0.1 starts near uniform (about ln V). docs/families.md.")
     dpace_alpha: float = setting(0.5, valid=Range(0, 1, zero="the raw label probabilities"),
                                  help="DFlash, objective dpace: each slot's label probability q enters the prefix "
                                  "products smoothed as (1-alpha) q + alpha (1: a fixed linear schedule).")
