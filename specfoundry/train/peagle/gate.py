@@ -24,7 +24,7 @@ from specfoundry.train.drafts import DraftLoadError, find_draft_files
 from specfoundry.train.eagle3.gate import check_vocab_map
 from specfoundry.train.peagle.decode import PEagleDecoder, PEagleRunner, decode_matches_training
 from specfoundry.train.peagle.export import validate
-from specfoundry.train.peagle.loss import cod_sample, pack_batch, pack_row, packed_states
+from specfoundry.train.peagle.loss import every_rollout, pack_batch, pack_row, packed_states
 from specfoundry.train.peagle.options import PEagleOptions
 from specfoundry.train.trainer import complete_checkpoints
 
@@ -53,10 +53,10 @@ def check_positions(draft, sample) -> Check:
 
 
 def check_fit(runner: PEagleRunner, sample) -> Check:
-    """Teacher-forced: every anchor at every depth (COD ratio 1), element (i, d) against x_{i+2+d}."""
+    """Teacher-forced: every anchor at every depth (no sampling), element (i, d) against x_{i+2+d}."""
     draft = runner.draft
     n, k = len(sample.input_ids), draft.cfg.num_depths
-    kept = cod_sample(sample.loss_mask, n, k, 1.0, 1.0, 0)
+    kept = every_rollout(sample.loss_mask, n, k)
     device = draft.fc.weight.device
     anchor, depth, real = pack_batch([pack_row(n, kept)], device)
     with torch.inference_mode():

@@ -48,7 +48,18 @@ def cod_sample(loss_mask: torch.Tensor, length: int, num_depths: int, ratio: flo
                seed: int) -> list[torch.Tensor]:
     """The anchors kept at depths 1..K-1 (sorted LongTensors, one per depth, possibly fewer than K-1)."""
     m = loss_mask[:length].to(torch.bool).cpu()
-    g = torch.Generator().manual_seed(int(seed))
+    return rollouts(m, length, cod_sizes(int(m.sum()), num_depths, ratio, ratio_min),
+                    torch.Generator().manual_seed(int(seed)))
+
+
+def every_rollout(loss_mask: torch.Tensor, length: int, num_depths: int) -> list[torch.Tensor]:
+    """Every anchor at every depth its targets are supervised to (no sampling: the gate's fit check)."""
+    return rollouts(loss_mask[:length].to(torch.bool).cpu(), length, [length] * (num_depths - 1), None)
+
+
+def rollouts(m: torch.Tensor, length: int, sizes: list[int], g: torch.Generator | None) -> list[torch.Tensor]:
+    """Depth d keeps sizes[d-1] of the anchors kept at d-1 (all at d = 1) whose depth-d target is
+    supervised, drawn with `g` (all of them when there are no more)."""
 
     def supervised(anchors: torch.Tensor, d: int) -> torch.Tensor:
         t = anchors + 2 + d
@@ -56,7 +67,7 @@ def cod_sample(loss_mask: torch.Tensor, length: int, num_depths: int, ratio: flo
 
     candidates = supervised(torch.arange(max(length - 1, 0)), 1)
     kept = []
-    for d, size in enumerate(cod_sizes(int(m.sum()), num_depths, ratio, ratio_min), start=1):
+    for d, size in enumerate(sizes, start=1):
         if candidates.numel() > size:
             candidates = candidates[torch.randperm(candidates.numel(), generator=g)[:size]].sort().values
         kept.append(candidates)
