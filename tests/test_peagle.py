@@ -159,6 +159,10 @@ def test_the_loss_draws_its_sampling_from_seed_epoch_and_sample():
         run = [peagle_loss(draft, batch, lm_head, num_depths=4, ratio=0.5, ratio_min=0.1, seed=s,
                            loss_kernel="reference")[0] for s in (3, 3, 4)]
     assert run[0] == run[1] and run[0] != run[2]
+    loss, metrics = peagle_loss(draft, batch, lm_head, num_depths=4, ratio=0.01, ratio_min=0.0, seed=0,
+                                loss_kernel="reference")  # no anchor kept past depth 0
+    loss.backward()
+    assert torch.isfinite(loss) and metrics[0]["valid"] > 0 and [int(m["valid"]) for m in metrics[1:]] == [0, 0, 0]
 
 
 # ---- decoding ----------------------------------------------------------------------------------------

@@ -134,6 +134,10 @@ def peagle_loss(draft: PEagleDraft, batch: Batch, lm_head: torch.Tensor, *, num_
     weight = 1.0 / num_depths
     for d in range(num_depths):
         sel = real & (depth == d)
+        if not bool(sel.any()):  # COD sampling kept no anchor this deep (short samples): nothing to score
+            zero = torch.zeros((), device=device, dtype=torch.int64)
+            metrics.append({"loss": torch.zeros((), device=device), "hits": zero, "valid": zero})
+            continue
         rows_d = teacher_row[sel]
         valid_d = valid[sel]
         logits = draft.lm_head(states[sel])  # [R_d, Vd], consumed by the loss
