@@ -75,6 +75,26 @@ def test_the_mask_matches_a_plain_python_loop():
                 assert bool(dense[b, 0, q, k]) == (want or q == k), (b, q, k)
 
 
+@pytest.mark.filterwarnings("ignore")  # flex_attention run eagerly (no compile on the CPU) warns
+def test_the_block_mask_attends_as_the_dense_mask():
+    """The GPU path's BlockMask (create_block_mask over the same mask_mod) against SDPA under the dense
+    mask: the same attention output (flex_attention's forward, eager, runs on the CPU)."""
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from specfoundry.train.peagle.mask import peagle_block_mask
+
+    ones = torch.ones(200, dtype=torch.bool)
+    rows = [pack_row(150, cod_sample(ones, 150, 5, 0.7, 0.2, 1)), pack_row(90, cod_sample(ones, 90, 5, 0.7, 0.2, 2))]
+    anchor, depth, real = pack_batch(rows, "cpu")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, anchor.shape[1], 16, generator=g)
+    k, v = torch.randn(2, 2, anchor.shape[1], 16, generator=g), torch.randn(2, 2, anchor.shape[1], 16, generator=g)
+    out = flex_attention(q, k, v, block_mask=peagle_block_mask(anchor, depth, real), enable_gqa=True)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_peagle_mask(anchor, depth, real), enable_gqa=True)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 # ---- COD sampling ------------------------------------------------------------------------------------
 
 
