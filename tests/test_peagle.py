@@ -128,9 +128,10 @@ def test_cod_sampling_keeps_the_stated_counts_as_nested_supervised_rollouts_and_
 # ---- the loss ----------------------------------------------------------------------------------------
 
 
-def reference_loss(draft, batch, lm_head, kept, num_depths):
+def reference_loss(draft, batch, lm_head, kept, num_depths, weights):
     """Each element (i, d) on its own: a causal forward over rows 0..i (token x_{i+1}, fc(a_i)) then d
-    mask slots, its last state; per depth the mean soft CE over valid elements, weighted 1/K."""
+    mask slots, its last state; the soft CE of every counted element: their mean (weights "element"),
+    or per depth the mean, weighted 1/K ("depth")."""
     from specfoundry.train.vocab import draft_ids_from_d2t
 
     draft_ids = draft_ids_from_d2t(draft.d2t)
@@ -149,21 +150,24 @@ def reference_loss(draft, batch, lm_head, kept, num_depths):
                 continue
             p = torch.softmax(full[draft_ids], -1)
             per_depth[d].append(-(p * torch.log_softmax(draft.lm_head(state), -1)).sum())
+    if weights == "element":
+        return torch.stack([x for d in per_depth for x in d]).mean()
     return sum(torch.stack(x).mean() / num_depths for x in per_depth if x)
 
 
-def test_the_loss_and_its_gradients_match_a_per_element_reference():
+@pytest.mark.parametrize("weights", ["element", "depth"])
+def test_the_loss_and_its_gradients_match_a_per_element_reference(weights):
     draft, batch = tiny_draft(), tiny_batch()
     lm_head = torch.randn(97, 32)
     lm_head[torch.arange(48) * 2] *= 3  # most teacher argmaxes in the draft vocabulary
     kept = [cod_sample(batch.loss_mask[r], batch.lengths[r], 4, 0.7, 0.2, r) for r in range(2)]
     loss, metrics = peagle_loss(draft, batch, lm_head, num_depths=4, ratio=0.7, ratio_min=0.2, seed=0,
-                                attention="sdpa", loss_kernel="reference", kept=kept)
+                                attention="sdpa", loss_kernel="reference", kept=kept, weights=weights)
     assert len(metrics) == 4 and all(m["valid"] > 0 for m in metrics)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
     draft.zero_grad()
-    ref = reference_loss(draft, batch, lm_head, kept, 4)
+    ref = reference_loss(draft, batch, lm_head, kept, 4, weights)
     ref.backward()
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
     assert {"mask_hidden", "fc.weight", "layers.1.self_attn.q_proj.weight", "lm_head.weight"} <= set(grads)

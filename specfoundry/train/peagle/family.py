@@ -76,7 +76,8 @@ class PEagleFamily(DraftFamily):
             raise ValueError(f"--num-depths {options.num_depths}: the draft (--init-from) was built for "
                              f"{draft.cfg.num_depths} depths")
         return PEagleModule(draft, target_lm_head(target_dir).to(dtype), num_depths=options.num_depths,
-                            ratio=options.down_sample_ratio, ratio_min=options.down_sample_ratio_min, seed=seed)
+                            ratio=options.down_sample_ratio, ratio_min=options.down_sample_ratio_min, seed=seed,
+                            weights=options.peagle_loss_weights)
 
     def export(self, state, draft_config: PEagleConfig, out: Path, target: dict | None, layout: str = "speculators",
                verifier: dict | None = None, speculative_tokens: int | None = None) -> Path:

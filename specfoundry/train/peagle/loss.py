@@ -16,8 +16,10 @@ target is supervised, all of them when fewer; sampling stops at the first size_d
 is a prefix of depths, deeper depths train on fewer anchors, and a sample's draw is a function of
 (seed, epoch, sample index) alone (DFlash's anchor_seed). The row packs depth 0 then each depth's
 anchors in order; mask.py gives its attention.
-loss = sum_d (1/K) loss_d, loss_d the mean soft-target CE over depth d's valid elements (each depth
-weighs the same, as speculators' P-EAGLE), through the in-place soft-target loss kernel.
+loss = sum_d w_d loss_d, loss_d the mean soft-target CE over depth d's counted elements, through the
+in-place soft-target loss kernel; w_d = n_d / sum n (weights "element": every counted element weighs
+the same, SpecForge's compute_peagle_metrics at a6b6b023) or 1/K (weights "depth": every depth weighs
+the same, speculators' P-EAGLE).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from specfoundry.train.dflash.loss import anchor_seed
 from specfoundry.train.loader import Batch
 from specfoundry.train.peagle.mask import peagle_mask
 from specfoundry.train.peagle.model import PEagleDraft
+from specfoundry.train.peagle.options import LOSS_WEIGHTS as WEIGHTS
 from specfoundry.train.teacher import teacher_targets
 from specfoundry.train.vocab import draft_ids_from_d2t
 
@@ -108,9 +111,12 @@ def packed_states(draft: PEagleDraft, input_ids: torch.Tensor, aux: torch.Tensor
 
 def peagle_loss(draft: PEagleDraft, batch: Batch, lm_head: torch.Tensor, *, num_depths: int, ratio: float,
                 ratio_min: float, seed: int, attention: str = "auto", loss_kernel: str = "auto",
-                teacher_chunk: int | None = None, loss_scale: float = 1.0, kept: list | None = None):
+                teacher_chunk: int | None = None, loss_scale: float = 1.0, kept: list | None = None,
+                weights: str = "element"):
     """(total loss, per-depth metrics [{loss, hits, valid}] for d = 0..K-1). kept: each row's COD
-    anchors (cod_sample's lists), drawn here from the seed unless given."""
+    anchors (cod_sample's lists), drawn here from the seed unless given; weights: WEIGHTS."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"unknown P-EAGLE loss weights {weights!r}: choose {' or '.join(WEIGHTS)}")
     bsz, width = batch.input_ids.shape
     device = batch.input_ids.device
     if kept is None:
@@ -131,7 +137,7 @@ def peagle_loss(draft: PEagleDraft, batch: Batch, lm_head: torch.Tensor, *, num_
     valid = inside & batch.loss_mask.gather(1, label.clamp(max=width - 1)) & ok_all[teacher_row]
     total = torch.zeros((), device=device, dtype=torch.float32)
     metrics = []
-    weight = 1.0 / num_depths
+    counted = [int(valid[real & (depth == d)].sum()) for d in range(num_depths)]  # n_d, one sync
     for d in range(num_depths):
         sel = real & (depth == d)
         if not bool(sel.any()):  # COD sampling kept no anchor this deep (short samples): nothing to score
@@ -144,8 +150,12 @@ def peagle_loss(draft: PEagleDraft, batch: Batch, lm_head: torch.Tensor, *, num_
         n_valid = valid_d.sum()
         with torch.no_grad():
             hits = ((logits.argmax(-1) == tgt_all[rows_d]) & valid_d).sum()
-        loss_d = soft_target_cross_entropy(logits, p_all[rows_d], valid_d, normaliser=n_valid.clamp(min=1).float(),
-                                           impl=loss_kernel, grad_scale=weight * loss_scale)
+        weight = 1.0 / num_depths if weights == "depth" else counted[d] / max(1, sum(counted))
+        # a depth of weight 0 (nothing counted) teaches nothing: its loss is a metric only
+        with torch.set_grad_enabled(torch.is_grad_enabled() and weight > 0):
+            loss_d = soft_target_cross_entropy(logits, p_all[rows_d], valid_d,
+                                               normaliser=n_valid.clamp(min=1).float(), impl=loss_kernel,
+                                               grad_scale=weight * loss_scale)
         total = total + weight * loss_d
         metrics.append({"loss": loss_d.detach(), "hits": hits, "valid": n_valid})
     return total, metrics
@@ -156,12 +166,13 @@ class PEagleModule(torch.nn.Module):
     teacher head is a frozen buffer. On a GPU the elementwise chains run compiled."""
 
     def __init__(self, draft: PEagleDraft, lm_head: torch.Tensor, *, num_depths: int, ratio: float = 0.7,
-                 ratio_min: float = 0.2, seed: int = 0, compile_elementwise: bool = True):
+                 ratio_min: float = 0.2, seed: int = 0, weights: str = "element", compile_elementwise: bool = True):
         super().__init__()
         self.draft = draft.compile_elementwise(compile_elementwise)
         self.register_buffer("lm_head", lm_head, persistent=False)
         self.num_depths, self.ratio, self.ratio_min, self.seed = num_depths, ratio, ratio_min, seed
+        self.weights = weights
 
     def forward(self, batch: Batch, **kw):
         return peagle_loss(self.draft, batch, self.lm_head, num_depths=self.num_depths, ratio=self.ratio,
-                           ratio_min=self.ratio_min, seed=self.seed, **kw)
+                           ratio_min=self.ratio_min, seed=self.seed, weights=self.weights, **kw)

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from specfoundry.common.cli import MAX_DRAFT, MAX_TOKENS, Range, Settings, setting
 
+LOSS_WEIGHTS = ("element", "depth")
+
 
 @dataclass(frozen=True, kw_only=True)
 class PEagleOptions(Settings):
@@ -23,6 +25,9 @@ class PEagleOptions(Settings):
                                        "trains on about max(r^d, r_min) of the supervised positions.")
     down_sample_ratio_min: float = setting(0.2, valid=Range(0, 1, zero="no floor"), help="P-EAGLE: COD sampling's "
                                            "floor r_min of the fraction a depth keeps.")
+    peagle_loss_weights: str = setting("element", choices=LOSS_WEIGHTS, help="P-EAGLE: element: every "
+                                       "counted element of every depth weighs the same (SpecForge's); depth: each "
+                                       "depth's mean weighs 1/K (speculators').")
     pard_token_id: int | None = setting(None, valid=Range(0, MAX_TOKENS), shown="the first embedding row past the "
                                         "tokenizer's vocabulary, else the highest id never seen in the feature set",
                                         help="P-EAGLE: the token id of the mask (pard) slots, depths 1..K-1.")
