@@ -230,7 +230,7 @@ def test_greedy_peagle_decoding_equals_the_targets_greedy(tiny_llama_dir):
     draft = PEagleDraft(cfg).eval()  # d2t zero: the draft vocabulary is the target's
     draft.embed_tokens.weight.data.copy_(target_embeddings(tiny_llama_dir).float())
     prompt = list(range(100, 112))
-    n = 24
+    n = 18
     ref = target.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                 max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
     runner_target = TargetRunner(target, layers)
@@ -464,3 +464,25 @@ def test_peagle_gate_passes_on_the_tiny_target_and_names_broken_pieces(tiny_llam
     for change, where in ((other_layers, "layers"), (other_mask, "mask token")):
         ok, message = verdict(run_checks(cfg, broken_copy(export, tmp_path / where.replace(" ", "-"), config=change)))
         assert not ok and message.startswith(f"gate failed at {where}"), message
+
+
+def test_init_from_reads_an_export_back_and_refuses_other_layers(tiny_llama_dir, tmp_path):
+    """--init-from: a P-EAGLE export builds the same draft (the target's embeddings copied in); one that
+    reads other layers than the run is refused, naming both."""
+    from specfoundry.featureset.manifest import FeatureSetError
+    from tests.test_families import family_options, stub_featureset
+
+    family, options = FAMILIES.provider("peagle"), family_options("peagle", tmp_path)
+    fs = stub_featureset(tmp_path, tiny_llama_dir, [1, 3, 4])
+    torch.manual_seed(0)
+    draft, dcfg = family.build(options, fs, tiny_llama_dir, [1, 3, 4], None)
+    assert dcfg.mask_token_id == 49151 and dcfg.num_hidden_layers == 2  # the highest id the set never uses (no spare row)
+    out = family.export(draft.state_dict(), dcfg, tmp_path / "export", {"num_layers": 8})
+    again, cfg = family.build(options, fs, tiny_llama_dir, [1, 3, 4], str(out))
+    assert cfg == dcfg
+    for name, t in again.state_dict().items():
+        want = draft.state_dict()[name]
+        want = want.to(torch.bfloat16).to(want.dtype) if want.is_floating_point() and name != "embed_tokens.weight" else want
+        torch.testing.assert_close(t, want, rtol=0, atol=0, msg=name)
+    with pytest.raises(FeatureSetError, match=r"reads layers \[1, 3, 4\], but the run reads layers \[1, 2, 4\]"):
+        family.build(options, stub_featureset(tmp_path, tiny_llama_dir, [1, 2, 4]), tiny_llama_dir, [1, 2, 4], str(out))
