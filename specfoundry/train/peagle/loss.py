@@ -137,7 +137,7 @@ def peagle_loss(draft: PEagleDraft, batch: Batch, lm_head: torch.Tensor, *, num_
     valid = inside & batch.loss_mask.gather(1, label.clamp(max=width - 1)) & ok_all[teacher_row]
     total = torch.zeros((), device=device, dtype=torch.float32)
     metrics = []
-    counted = [int(valid[real & (depth == d)].sum()) for d in range(num_depths)]  # n_d, one sync
+    counted = [int(valid[real & (depth == d)].sum()) for d in range(num_depths)]  # n_d on the host: the weights
     for d in range(num_depths):
         sel = real & (depth == d)
         if not bool(sel.any()):  # COD sampling kept no anchor this deep (short samples): nothing to score
