@@ -366,7 +366,13 @@ def test_export_is_what_vllms_peagle_loader_reads_and_reads_back(tmp_path):
         want = state[name].to(torch.bfloat16) if state[name].is_floating_point() else state[name]
         torch.testing.assert_close(t, want, rtol=0, atol=0, msg=name)
     (out / "specfoundry_draft.json").unlink()  # as another tool would write it: config.json alone
-    assert load_export(out)[0] == draft.cfg
+    from safetensors.torch import save_file
+
+    extra = {**tensors, "embed_tokens.weight": torch.zeros(97, 32), "verifier_lm_head.weight": torch.zeros(97, 32),
+             "mask_hidden": tensors["mask_hidden"].view(1, 1, -1)}  # speculators' own layout of it
+    save_file(extra, str(out / "model.safetensors"))
+    cfg, again = load_export(out)
+    assert cfg == draft.cfg and set(again) == set(tensors) and again["mask_hidden"].shape == (1, 96)
     three = export_draft(draft.state_dict(), draft.cfg, tmp_path / "k3", speculative_tokens=3)
     assert vllm_reads(json.loads((three / "config.json").read_text()))[1]["num_speculative_tokens"] == 3
     assert load_export(three)[0] == draft.cfg  # num_depths kept beside the proposals served

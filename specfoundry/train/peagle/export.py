@@ -54,7 +54,13 @@ from safetensors.torch import save_file
 from specfoundry.common.taps import default_aux_layers
 from specfoundry.common.target import rope_settings
 from specfoundry.train.eagle3.export import layer_config
-from specfoundry.train.eagle3.formats import from_vllm_ids, read_tensors, to_vllm_ids, vocab_maps_of
+from specfoundry.train.eagle3.formats import (
+    NOT_THE_DRAFTS,
+    from_vllm_ids,
+    read_tensors,
+    to_vllm_ids,
+    vocab_maps_of,
+)
 from specfoundry.train.family import (
     DRAFT_FILE,
     TARGET_FILE,
@@ -205,8 +211,9 @@ def read_export(path: str | Path, num_target_layers: int | None = None) -> tuple
     """(config, tensors under the module's names, checked against vLLM's names) of a P-EAGLE folder."""
     path = Path(path)
     cfg = read_config(path, num_target_layers)
+    # the target's embedding and speculators' training-only copies of the target's head are not the draft's
     tensors = {k.removeprefix("model."): v for k, v in read_tensors(path).items()
-               if k.removeprefix("model.") != "embed_tokens.weight"}
+               if k.removeprefix("model.") not in NOT_THE_DRAFTS}
     if "mask_hidden" in tensors:
         tensors["mask_hidden"] = tensors["mask_hidden"].reshape(1, -1)  # speculators' [1, 1, 3 Ht] too
     vocab_maps_of(tensors, cfg, str(path))
