@@ -130,27 +130,28 @@ def test_cod_sampling_keeps_the_stated_counts_as_nested_supervised_rollouts_and_
 
 
 def reference_loss(draft, batch, lm_head, kept, num_depths, weights):
-    """Each element (i, d) on its own: a causal forward over rows 0..i (token x_{i+1}, fc(a_i)) then d
-    mask slots, its last state; the soft CE of every counted element: their mean (weights "element"),
-    or per depth the mean, weighted 1/K ("depth")."""
+    """Each rollout on its own: a causal forward over rows 0..i (token x_{i+1}, fc(a_i)) then its D mask
+    slots (D: the deepest depth kept for anchor i), element (i, d) the state at row i + d; the soft CE of
+    every counted element: their mean (weights "element"), or per depth the mean, weighted 1/K ("depth")."""
     from specfoundry.train.vocab import draft_ids_from_d2t
 
     draft_ids = draft_ids_from_d2t(draft.d2t)
     per_depth = [[] for _ in range(num_depths)]
     for r, n in enumerate(batch.lengths):
         ids, aux, final = batch.input_ids[r], batch.aux_hidden[r], batch.final_hidden[r]
-        elements = [(i, 0) for i in range(n - 1)] + [(int(i), d) for d, a in enumerate(kept[r], 1) for i in a]
-        for i, d in elements:
-            hidden = torch.cat([draft.project(aux[: i + 1]), draft.mask_state().expand(d, -1)])[None]
-            tokens = torch.cat([ids[1 : i + 2], torch.full((d,), draft.cfg.mask_token_id)])[None]
-            state = draft.decode_forward(tokens, hidden, torch.arange(i + 1 + d)[None],
-                                         [KVCache() for _ in draft.layers])[0, -1]
-            label = i + 2 + d
-            full = final[label - 1] @ lm_head.T
-            if label >= n or not batch.loss_mask[r, label] or not draft.t2d[full.argmax()]:
-                continue
-            p = torch.softmax(full[draft_ids], -1)
-            per_depth[d].append(-(p * torch.log_softmax(draft.lm_head(state), -1)).sum())
+        for i in range(n - 1):
+            deepest = max([d for d, a in enumerate(kept[r], 1) if i in a.tolist()], default=0)
+            hidden = torch.cat([draft.project(aux[: i + 1]), draft.mask_state().expand(deepest, -1)])[None]
+            tokens = torch.cat([ids[1 : i + 2], torch.full((deepest,), draft.cfg.mask_token_id)])[None]
+            states = draft.decode_forward(tokens, hidden, torch.arange(i + 1 + deepest)[None],
+                                          [KVCache() for _ in draft.layers])[0]
+            for d in range(deepest + 1):
+                label = i + 2 + d
+                full = final[min(label - 1, len(final) - 1)] @ lm_head.T
+                if label >= n or not batch.loss_mask[r, label] or not draft.t2d[full.argmax()]:
+                    continue
+                p = torch.softmax(full[draft_ids], -1)
+                per_depth[d].append(-(p * torch.log_softmax(draft.lm_head(states[i + d]), -1)).sum())
     if weights == "element":
         return torch.stack([x for d in per_depth for x in d]).mean()
     return sum(torch.stack(x).mean() / num_depths for x in per_depth if x)
