@@ -1,6 +1,6 @@
 """The P-EAGLE family: the mask against a plain-Python loop, COD sampling's counts and determinism,
-the packed loss and its gradients against a per-element reference (each element its own causal
-forward), the first decoding round against the training forward, greedy decoding equal to the
+the packed loss and its gradients against a reference outside the packing (each rollout its own
+causal forward), the first decoding round against the training forward, greedy decoding equal to the
 target's own, the speculators export against vLLM's loader (names, shapes, config fields), the
 configs it refuses, the gate's fast checks and (slow) the whole gate."""
 
@@ -158,7 +158,7 @@ def reference_loss(draft, batch, lm_head, kept, num_depths, weights):
 
 
 @pytest.mark.parametrize("weights", ["element", "depth"])
-def test_the_loss_and_its_gradients_match_a_per_element_reference(weights):
+def test_the_loss_and_its_gradients_match_a_per_rollout_reference(weights):
     draft, batch = tiny_draft(), tiny_batch()
     lm_head = torch.randn(97, 32)
     lm_head[torch.arange(48) * 2] *= 3  # most teacher argmaxes in the draft vocabulary
