@@ -3,8 +3,9 @@
 # 10,240 synthesised conversations, one capture stores the layers of every family, then an
 # EAGLE-3 draft (recipes/smollm2-h200.yaml), DFlash drafts of block 16 and 8, DFlash b16 with the
 # D-PACE objective, Domino b16 and DSpark b16 (recipes/smollm2-h200-dflash.yaml, the same
-# epochs) train from it, and sf-eval decodes every held-out set. benchmarks/families.py gathers
-# the reports into benchmarks/results/families.json.
+# epochs) and a P-EAGLE draft of 7 depths (recipes/smollm2-h200-peagle.yaml, key peagle_k7)
+# train from it, and sf-eval decodes every held-out set. benchmarks/families.py gathers the
+# reports into benchmarks/results/families.json.
 # Needs a CUDA machine with specfoundry installed (`pip install -e .` over your own torch).
 # Every stage resumes when rerun with the same command; RUN sets where the work goes.
 set -euo pipefail
@@ -12,10 +13,11 @@ cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/smollm2-families}
 EAGLE3=recipes/smollm2-h200.yaml
 DFLASH=recipes/smollm2-h200-dflash.yaml
+PEAGLE=recipes/smollm2-h200-peagle.yaml
 mkdir -p "$RUN"
 
 sf-regen run -o "$RUN/regen" --recipe "$EAGLE3" --synthesize 10240 --device cuda
-sf-capture run "$RUN/regen" -o "$RUN/features" --recipe "$EAGLE3" --families eagle3,dflash,domino,dspark --device cuda
+sf-capture run "$RUN/regen" -o "$RUN/features" --recipe "$EAGLE3" --families eagle3,dflash,domino,dspark,peagle --device cuda
 sf-capture verify "$RUN/features"
 
 sf-train run "$RUN/features" -o "$RUN/eagle3" --recipe "$EAGLE3"
@@ -25,6 +27,7 @@ done
 sf-train run "$RUN/features" -o "$RUN/dflash_b16_dpace" --recipe "$DFLASH" --block-size 16 --objective dpace
 sf-train run "$RUN/features" -o "$RUN/domino_b16" --recipe "$DFLASH" --block-size 16 --family domino
 sf-train run "$RUN/features" -o "$RUN/dspark" --recipe "$DFLASH" --block-size 16 --family dspark
+sf-train run "$RUN/features" -o "$RUN/peagle_k7" --recipe "$PEAGLE" --num-depths 7
 
 sf-eval run "$RUN/eagle3" -o "$RUN/eval_eagle3_chain_k7" --recipe "$EAGLE3" --device cuda
 sf-eval run "$RUN/eagle3" -o "$RUN/eval_eagle3_tree" --recipe "$EAGLE3" --device cuda --tree 8,4,2,1,1,1,1 \
@@ -32,4 +35,5 @@ sf-eval run "$RUN/eagle3" -o "$RUN/eval_eagle3_tree" --recipe "$EAGLE3" --device
 for draft in dflash_b16 dflash_b8 dflash_b16_dpace domino_b16 dspark; do
   sf-eval run "$RUN/$draft" -o "$RUN/eval_$draft" --recipe "$DFLASH" --device cuda
 done
+sf-eval run "$RUN/peagle_k7" -o "$RUN/eval_peagle_k7" --recipe "$PEAGLE" --device cuda
 python -m benchmarks.families "$RUN"

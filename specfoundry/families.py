@@ -246,6 +246,18 @@ FAMILIES = Registry((
         provider="specfoundry.train.dspark.family:DSPARK",
         extends="dflash",
     ),
+    Family(
+        name="peagle",
+        summary="P-EAGLE: EAGLE-3's features, K depths drafted in one forward (mask slots), COD-sampled training",
+        options="specfoundry.train.peagle.options:PEagleOptions",
+        default_layers="specfoundry.train.peagle.options:default_layers",
+        layers_help="peagle as eagle3",
+        # ours and speculators' class, vLLM's registry names (both map to its Eagle3LlamaForCausalLM), and
+        # speculators' config default; speculators_model_type "peagle" (vLLM: eagle3 + parallel drafting)
+        architectures=("PEagleDraftModel", "PeagleLlamaForCausalLM", "PeagleQwen3ForCausalLM", "PEagleSpeculator"),
+        speculators_types=("peagle",),
+        provider="specfoundry.train.peagle.family:PEAGLE",
+    ),
 ))
 """Every family specfoundry trains, in the order --help lists them."""
 

@@ -63,7 +63,8 @@ ACCEPTED = {
     ("sf-capture verify", "--recompute", "0"),
     # 0 is an ordinary value
     ("sf-regen run", "--seed", "0"), ("sf-train run", "--seed", "0"), ("sf-eval run", "--seed", "0"),
-    ("sf-train run", "--mask-token-id", "0"),
+    ("sf-train run", "--mask-token-id", "0"), ("sf-train run", "--pard-token-id", "0"),
+    ("sf-train run", "--down-sample-ratio-min", "0"),  # P-EAGLE's COD sampling without a floor
     ("sf-train run", "--base-weight-start", "0"), ("sf-train run", "--base-weight-end", "0"),  # Domino's lambda
     # DFlash's gamma: <= 0 weighs the block positions uniformly, a huge one nearly so
     ("sf-train run", "--gamma", "0"), ("sf-train run", "--gamma", "-1"), ("sf-train run", "--gamma", "1e12"),
@@ -80,7 +81,7 @@ ACCEPTED = {
     ("sf-regen run", "--temperature", "1e12"), ("sf-regen run", "--prompt-temperature", "1e12"),
     ("sf-eval run", "--temperature", "1e12"),
 }
-ORDINARY_ZERO = {"--seed", "--mask-token-id", "--gamma", "--base-weight-start", "--base-weight-end"}
+ORDINARY_ZERO = {"--seed", "--mask-token-id", "--pard-token-id", "--gamma", "--base-weight-start", "--base-weight-end"}
 
 
 class Ran(Exception):
