@@ -20,11 +20,11 @@ so any decoder whose layers are full or sliding-window attention over sdpa or ea
 and under tensor parallelism holds that rank's KV heads.
 
 A decode step of an sdpa target attends over the stored keys and values as they are, never
-expanded to the query heads. Given an explicit mask, transformers' sdpa attention (5.17, the H200
-image's; 5.24 folds a single query itself, as below) does not use SDPA's `enable_gqa` (on CUDA a
-masked GQA call falls back to the math kernel) but `repeat_kv`: a copy of every layer's attended
-cache, keys and values, at G = heads / kv_heads times its size, at every step; on an H200
-(SmolLM2-135M, 2048 slots) that copy was 57% of the decode step's device time. The engine's
+expanded to the query heads. Given an explicit mask, transformers' sdpa attention (5.17, as the
+device image has it; 5.24 folds a single query itself, as below) does not use SDPA's `enable_gqa`
+(on CUDA a masked GQA call falls back to the math kernel) but `repeat_kv`: a copy of every layer's
+attended cache, keys and values, at G = heads / kv_heads times its size, at every step, the
+largest kernel of the profiled decode step (benchmarks/RESULTS.md). The engine's
 forward runs the layers with `folded_sdpa_attention` instead (registered with transformers as
 SLOT_ATTENTION and selected for the engine's forward only: `slot_attention`): with one query per
 row, the G query heads that share a KV head become G query rows against that head's keys, which
