@@ -95,6 +95,23 @@ def smollm2_target(smollm2_dir):
     return Target.load(EMBEDDED_DEFAULT, device="cpu")
 
 
+def parse_python(src: str):
+    """ast.parse with the garbage collector held off: on CPython 3.11 (CI's 3.11.7) a finalizer that
+    runs in the middle of the parse (an asyncio task another test left behind) shifts the recursion
+    depth the AST constructor checks, and the parse fails with "AST constructor recursion depth
+    mismatch" (cpython gh-106905)."""
+    import ast
+    import gc
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return ast.parse(src)
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def write_jsonl(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path

@@ -27,6 +27,7 @@ from specfoundry.train.eagle3.options import Eagle3Options
 from specfoundry.train.eagle3.ttt import shift
 from specfoundry.train.family import select_layers
 from specfoundry.train.loader import Batch
+from tests.conftest import parse_python
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
             vocab_size=97, draft_vocab_size=40, target_hidden_size=24, aux_layer_ids=(1, 2, 3))
@@ -466,7 +467,7 @@ def test_no_import_circle_through_the_family_interface_or_the_backend_interface(
                for f in (root / "specfoundry").rglob("*.py")}
     graph = {m: set() for m in modules}
     for m, f in modules.items():
-        for node in ast.walk(ast.parse(f.read_text())):
+        for node in ast.walk(parse_python(f.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("specfoundry"):
                 graph[m] |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
                              for a in node.names}

@@ -9,6 +9,8 @@ import re
 import tokenize
 from pathlib import Path
 
+from tests.conftest import parse_python
+
 LIBRARY = Path(__file__).resolve().parents[1] / "specfoundry"
 READING = re.compile(r"\b\d+(\.\d+)?\s?(ms|s|GiB|GB|MB|GB/s|TB/s|TFLOP/s|tok/s|tokens/s)\b|\b[HA]100\b|\bH200\b")
 
@@ -20,7 +22,7 @@ def sources():
 def test_no_function_in_the_library_is_over_60_lines():
     long = []
     for f in sources():
-        for node in ast.walk(ast.parse(f.read_text())):
+        for node in ast.walk(parse_python(f.read_text())):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 if any("jit" in ast.unparse(d) for d in node.decorator_list):
                     continue  # Triton kernel bodies are one unit of work on the GPU
@@ -34,7 +36,7 @@ def comments_and_docstrings(src: str):
     for t in tokenize.generate_tokens(io.StringIO(src).readline):
         if t.type == tokenize.COMMENT:
             yield t.start[0], t.string
-    for node in ast.walk(ast.parse(src)):
+    for node in ast.walk(parse_python(src)):
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
             doc = ast.get_docstring(node)
             if doc:

@@ -84,7 +84,7 @@ class OpenAIBackend:
             async def one(request: Request):
                 return request, await self.answer(client, request, sampling)
 
-            pending = {asyncio.ensure_future(one(r)) for r in requests}
+            pending, done = {asyncio.ensure_future(one(r)) for r in requests}, set()
             try:
                 while pending:
                     done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -95,6 +95,11 @@ class OpenAIBackend:
                 for task in pending:
                     task.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
+                # the same round's other failures: the run already ends with the first one's error;
+                # read theirs so asyncio does not log each as "Task exception was never retrieved"
+                for task in done:
+                    if task.done() and not task.cancelled():
+                        task.exception()
 
     def serve(self, requests: list[Request], sampling: SamplingConfig, on_done: OnDone) -> None:
         asyncio.run(self.stream(requests, sampling, on_done))
