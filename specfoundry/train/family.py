@@ -136,6 +136,18 @@ class DraftFamily:
         raise NotImplementedError
 
 
+def exported_tensors(state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
+                     skip: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The tensors an export writes: on the CPU, contiguous, floating ones in `dtype`, without the
+    names starting with `skip` (the target's embeddings, which the engines use; RoPE buffers)."""
+    out = {}
+    for name, t in state_dict.items():
+        if not name.startswith(skip):
+            t = t.detach().cpu()
+            out[name] = t.to(dtype).contiguous() if t.is_floating_point() else t.contiguous()
+    return out
+
+
 def check_tensors(tensors: dict[str, torch.Tensor], spec: dict[str, tuple[tuple[int, ...], torch.dtype | None]],
                   engine: str, family: str) -> None:
     """Exactly the names of `spec` (an engine's loader, which ignores unknown names silently), each of

@@ -34,7 +34,7 @@ from specfoundry.train.eagle3.formats import (
     read_eagle3,
     to_vllm_ids,
 )
-from specfoundry.train.family import DRAFT_FILE, TARGET_FILE, check_tensors, expect_family
+from specfoundry.train.family import DRAFT_FILE, TARGET_FILE, check_tensors, expect_family, exported_tensors
 
 __all__ = ["expected_tensors", "export_draft", "load_export", "sglang_config", "speculators_config", "validate"]
 
@@ -132,12 +132,7 @@ def export_draft(state_dict: dict[str, torch.Tensor], cfg: Eagle3Config, out_dir
         raise ValueError(f"unknown export layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name, t in state_dict.items():
-        if name.startswith(("embed_tokens.", "rotary.")):
-            continue  # the engines use the target's embeddings; RoPE has no weights
-        t = t.detach().cpu()
-        tensors[name] = t.to(dtype).contiguous() if t.is_floating_point() else t.contiguous()
+    tensors = exported_tensors(state_dict, dtype, skip=("embed_tokens.", "rotary."))  # the engines use the target's embeddings
     validate(tensors, cfg)
     if layout == "speculators":
         if verifier is None:

@@ -67,6 +67,7 @@ from specfoundry.train.family import (
     DraftLoadError,
     check_tensors,
     expect_family,
+    exported_tensors,
     read_config_json,
 )
 from specfoundry.train.peagle.config import PEagleConfig
@@ -141,12 +142,7 @@ def export_draft(state_dict: dict[str, torch.Tensor], cfg: PEagleConfig, out_dir
     """Write the speculators directory. verifier: {name_or_path, architectures} (default: the
     target's recorded path); speculative_tokens: the proposals per round (default: the trained K)."""
     out = Path(out_dir)
-    tensors = {}
-    for name, t in state_dict.items():
-        if name.startswith(("embed_tokens.", "rope.")):
-            continue  # the engines use the target's embeddings; RoPE has no weights
-        t = t.detach().cpu()
-        tensors[name] = t.to(dtype).contiguous() if t.is_floating_point() else t.contiguous()
+    tensors = exported_tensors(state_dict, dtype, skip=("embed_tokens.", "rope."))  # the engines use the target's embeddings
     validate(tensors, cfg)
     if verifier is None:
         verifier = {"name_or_path": (target or {}).get("path") or (target or {}).get("name"), "architectures": []}
