@@ -20,7 +20,7 @@ from specfoundry.train.domino.export import expected_tensors, export_draft, load
 from specfoundry.train.domino.loss import DominoModule, base_weight_at, domino_loss, shifted_targets
 from specfoundry.train.domino.model import DominoDraft
 from specfoundry.train.loader import Batch
-from tests.test_train import small_cfg, smol_features, stop_after_checkpoint  # noqa: F401 (a fixture)
+from tests.test_train import run_stopped_and_resumed, small_cfg, smol_features  # noqa: F401 (a fixture)
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, vocab_size=97, target_hidden_size=32, target_layer_ids=(1, 2), block_size=5,
@@ -390,23 +390,11 @@ def test_a_domino_run_resumed_after_a_stop_equals_an_uninterrupted_one(tmp_path,
     """The curriculum follows the Trainer's step, restored on resume: the resumed run's lambda, and so
     its weights, are the uninterrupted run's, bit for bit (about 20 s with its capture, hence slow; the
     hook itself is tested fast above)."""
-    from safetensors.torch import load_file
-
-    from specfoundry.train.trainer import run_train
 
     def cfg(out):
         return small_cfg(smol_features, out, family="domino", num_draft_layers=3, block_size=4, num_anchors=16,
                          gru_hidden_dim=16, correction_dim=16, max_steps=6, max_batch_tokens=160, save_every=3)
 
-    whole = run_train(cfg(tmp_path / "whole"), silent=True)
-    with pytest.MonkeyPatch.context() as mp:
-        stop_after_checkpoint(mp, 3)
-        with pytest.raises(KeyboardInterrupt):
-            run_train(cfg(tmp_path / "part"), silent=True)
-    resumed = run_train(cfg(tmp_path / "part"), silent=True)
-    a = load_file(str(tmp_path / "whole" / "export" / "model.safetensors"))
-    b = load_file(str(tmp_path / "part" / "export" / "model.safetensors"))
-    assert set(a) == set(b) and "prefix_gru.weight_hh_l0" in a
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    whole, resumed, names = run_stopped_and_resumed(cfg, tmp_path)
+    assert "prefix_gru.weight_hh_l0" in names
     assert [x["loss_0"] for x in whole["history"]] == [x["loss_0"] for x in resumed["history"]]

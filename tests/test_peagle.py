@@ -27,7 +27,7 @@ from specfoundry.train.peagle.loss import (
 )
 from specfoundry.train.peagle.mask import dense_peagle_mask
 from specfoundry.train.peagle.model import PEagleDraft
-from tests.test_train import small_cfg, smol_features, stop_after_checkpoint  # noqa: F401 (a fixture)
+from tests.test_train import run_stopped_and_resumed, small_cfg, smol_features  # noqa: F401 (a fixture)
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
             vocab_size=97, draft_vocab_size=40, target_hidden_size=32, aux_layer_ids=(1, 2, 3), num_hidden_layers=2,
@@ -501,24 +501,12 @@ def test_a_peagle_run_resumed_after_a_stop_equals_an_uninterrupted_one(tmp_path,
     """COD sampling is drawn from (seed, epoch, sample index): a run stopped after a checkpoint and
     resumed ends with the uninterrupted run's weights and losses, bit for bit (SmolLM2's capture
     included, hence slow)."""
-    from safetensors.torch import load_file
-
-    from specfoundry.train.trainer import run_train
 
     def cfg(out):
         return small_cfg(smol_features, out, family="peagle", peagle_vocab_size=512, peagle_layers=2, num_depths=3,
                          max_steps=6, max_batch_tokens=160, save_every=3)
 
-    whole = run_train(cfg(tmp_path / "whole"), silent=True)
-    with pytest.MonkeyPatch.context() as mp:
-        stop_after_checkpoint(mp, 3)
-        with pytest.raises(KeyboardInterrupt):
-            run_train(cfg(tmp_path / "part"), silent=True)
-    resumed = run_train(cfg(tmp_path / "part"), silent=True)
-    a = load_file(str(tmp_path / "whole" / "export" / "model.safetensors"))
-    b = load_file(str(tmp_path / "part" / "export" / "model.safetensors"))
-    assert set(a) == set(b) and "mask_hidden" in a
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    whole, resumed, names = run_stopped_and_resumed(cfg, tmp_path)
+    assert "mask_hidden" in names
     assert [(x["loss_0"], x["loss_2"]) for x in whole["history"]] == [(x["loss_0"], x["loss_2"])
                                                                       for x in resumed["history"]]

@@ -344,6 +344,24 @@ def stop_after_checkpoint(monkeypatch, at: int) -> None:
     monkeypatch.setattr(Trainer, "checkpoint", checkpoint_then_stop)
 
 
+def run_stopped_and_resumed(cfg, tmp_path: Path, at: int = 3):
+    """(the uninterrupted run's report, the resumed run's, the export's tensor names): cfg(out) run
+    once without a stop, and once stopped right after checkpoint `at` (a kill) and rerun; the two
+    exports' tensors are asserted equal, bit for bit."""
+    whole = run_train(cfg(tmp_path / "whole"), silent=True)
+    with pytest.MonkeyPatch.context() as mp:
+        stop_after_checkpoint(mp, at)
+        with pytest.raises(KeyboardInterrupt):
+            run_train(cfg(tmp_path / "part"), silent=True)
+    resumed = run_train(cfg(tmp_path / "part"), silent=True)
+    a = load_file(str(tmp_path / "whole" / "export" / "model.safetensors"))
+    b = load_file(str(tmp_path / "part" / "export" / "model.safetensors"))
+    assert set(a) == set(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    return whole, resumed, set(a)
+
+
 # the default run keeps tests/test_faults.py's SIGKILL-and-rerun of sf-train (bit-identical export)
 @pytest.mark.slow
 def test_resume_after_a_stop_gives_identical_weights(tmp_path, smol_features):
@@ -500,16 +518,7 @@ def test_a_dflash_run_resumed_after_a_stop_equals_an_uninterrupted_one(tmp_path,
         return small_cfg(smol_features, out, family="dflash", num_draft_layers=3, block_size=4, num_anchors=16,
                          max_steps=6, max_batch_tokens=160, save_every=3)
 
-    whole = run_train(cfg(tmp_path / "whole"), silent=True)
-    with pytest.MonkeyPatch.context() as mp:
-        stop_after_checkpoint(mp, 3)
-        with pytest.raises(KeyboardInterrupt):
-            run_train(cfg(tmp_path / "part"), silent=True)
-    resumed = run_train(cfg(tmp_path / "part"), silent=True)
-    a = load_file(str(tmp_path / "whole" / "export" / "model.safetensors"))
-    b = load_file(str(tmp_path / "part" / "export" / "model.safetensors"))
-    assert set(a) == set(b) and "layers.2.self_attn.q_norm.weight" in a
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    whole, resumed, names = run_stopped_and_resumed(cfg, tmp_path)
+    assert "layers.2.self_attn.q_norm.weight" in names
     assert [x["loss_0"] for x in whole["history"]] == [x["loss_0"] for x in resumed["history"]]
     assert whole["history"][0]["loss_0"] > whole["history"][-1]["loss_0"]
