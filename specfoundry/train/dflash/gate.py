@@ -85,11 +85,8 @@ def sequential_rounds_and_training(runner, sample, decode_matches_training, head
     at the first, a middle and the last anchor, as the positions Check (`head` names the head); and
     the training forward over every anchor: (positions check, batch, anchors, keep, states [N*B, H])."""
     model, dcfg = runner.draft, runner.draft.cfg
-    device, dtype, b = model.fc.weight.device, model.fc.weight.dtype, dcfg.block_size
-    n = len(sample.input_ids)
-    batch = Batch(sample.input_ids[None].to(device), sample.loss_mask[None].to(device), sample.aux_hidden[None], None,
-                  [n], [0])
-    anchors = sample_anchors(sample.loss_mask, n, b, n, 0)[None].to(device)
+    device, dtype = model.fc.weight.device, model.fc.weight.dtype
+    batch, anchors, ids, positions = dflash_blocks(sample, dcfg, device)
     keep = torch.ones_like(anchors, dtype=torch.bool)
     worst, same = 0.0, True
     for i in sorted({0, anchors.shape[1] // 2, anchors.shape[1] - 1}):
@@ -100,7 +97,6 @@ def sequential_rounds_and_training(runner, sample, decode_matches_training, head
         # teacher-forced on the round's proposals, the training forward proposes them again
         same = same and torch.equal(decoded.argmax(-1), trained.argmax(-1))
     with torch.inference_mode():
-        ids, positions = block_inputs(batch.input_ids, anchors, b, dcfg.mask_token_id)
         context = model.project_context(sample.aux_hidden[None].to(device, dtype))
         states = model.train_forward(context, ids, positions, anchors, keep, batch.lengths, "sdpa")[0]
     ok = worst <= 1e-2 and same
