@@ -50,6 +50,7 @@ def gather(run: Path) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", type=Path, help="the folder scripts/families_gpu.sh wrote (its RUN)")
+    parser.add_argument("--out", default="families", help="result file name under benchmarks/results")
     args = parser.parse_args()
     rows = gather(args.run)
     print_table(rows, ["draft", "shape", "set", "prompts", "accept_length", "tokens_per_s", "alone_tokens_per_s",
@@ -60,7 +61,7 @@ def main() -> None:
         speed.setdefault(r["draft"], {})[r["set"]] = r["tokens_per_s"]
         if r["alone_tokens_per_s"] is not None:
             speed.setdefault("target_alone", {}).setdefault(r["set"], r["alone_tokens_per_s"])
-    path = write_result("families", rows, {"summary": {"accept_length": accept, "tokens_per_s": speed}})
+    path = write_result(args.out, rows, {"summary": {"accept_length": accept, "tokens_per_s": speed}})
     print(f"wrote {path}")
 
 

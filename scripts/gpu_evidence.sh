@@ -193,21 +193,30 @@ plan_rest() {
   echo done > "$EV/done"
 }
 
-# PLAN=next: what the run of 2026-12-02 (PLAN=rest) left, each alone on the GPU, in priority order
-# (estimates on one H200, setup included ~150 s; ~900 s in all, so a session keeps ~15 min):
-#   gpu_tests          pytest -m gpu, alone (test_soft_ce's allocator fix, e279184)             ~240 s
+# PLAN=next: what the run of 2026-12-02 (PLAN=rest) left, and a small run of every draft family
+# (issue 27) to find what breaks on a GPU before its full run, in priority order (estimates on one
+# H200, setup included ~150 s; ~1,250 s in all):
 #   capture_placement  issue 26: capture through Target against 8dd38ca's runner; half the weights
-#                      offloaded to CPU memory against all on the GPU (8B Llama, T=4096)           ~360 s
+#                      offloaded to CPU memory against all on the GPU (8B Llama, T=4096), alone    ~360 s
+#   gpu_tests          pytest -m gpu, alone (test_soft_ce's allocator fix, e279184)             ~300 s
+#   families_smoke     scripts/families_gpu.sh at 512 conversations, 1 epoch, 2 prompts per set:
+#                      every family trains, exports and decodes on the GPU (not a result)        ~300 s
 #   regen_profile      the slot engine's decode step folded against transformers' repeat_kv path
-#                      and the DynamicCache step, SmolLM2 at 2048 and the 8B shape at 256            ~150 s
+#                      and the DynamicCache step, SmolLM2 at 2048 and the 8B shape at 256, alone    ~200 s
 plan_next() {
   begin_plan "plan next: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s" || return 1
   if [ "$DEV" = cuda ]; then
-    step gpu_tests 300 env LOG="$EV/gpu_tests.log" bash benchmarks/gpu_tests.sh
     step capture_placement 360 python -m benchmarks.capture_placement
+    step gpu_tests 300 env LOG="$EV/gpu_tests.log" bash benchmarks/gpu_tests.sh
+    step families_smoke 300 env RUN="$RUN/families" SYNTH=512 EPOCHS=1 RESULT=families_smoke \
+      EVAL_OPTS="--limit 2 --max-new-tokens 32" bash scripts/families_gpu.sh
     step regen_profile 200 python -m benchmarks.regen --profile-only
   else
     step capture_placement 300 python -m benchmarks.capture_placement --tiny
+    step families_smoke 900 env RUN="$RUN/families" DEV=cpu SYNTH=3 EPOCHS=1 SEQUENTIAL=1 RESULT=dry_families \
+      REGEN_OPTS="--batch-size 3 --max-new-tokens 12" EVAL_OPTS="--limit 1 --max-new-tokens 6 --prompts chat" \
+      TRAIN_OPTS="--num-workers 0 --draft-vocab-size 512 --max-batch-tokens 1024 --warmup-steps 1" \
+      bash scripts/families_gpu.sh
     step regen_profile 300 python -m benchmarks.regen --profile-only --batch-size 4 --second-target tiny \
       --llama8b-batch-size 2 --out dry_regen_profile
   fi
