@@ -19,6 +19,7 @@
 #   TRAIN_OPTS  more sf-train options for every draft (--num-workers 2 by default: 8 side by side)
 #   EVAL_OPTS   more sf-eval options for every draft (e.g. --limit 2 --max-new-tokens 32)
 #   RESULT      the name of the result file under benchmarks/results (families)
+#   JOBS        commands at most side by side (4: 8 DFlash-sized trainings overflow an H200's 140 GB)
 #   DEV         the target's device (cuda)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +36,7 @@ mkdir -p "$RUN/logs"
 # after another when SEQUENTIAL=1); fails, naming the failed logs, when any command failed
 side_by_side() {
   local name=$1; shift
-  local k=0 pids=() logs=() failed=()
+  local k=0 pids=() logs=() failed=() waited=()
   for cmd in "$@"; do
     local log="$RUN/logs/$name-$k.log"
     echo "$(date +%T) start $name-$k: $cmd" | tee "$log"
@@ -43,6 +44,8 @@ side_by_side() {
       bash -c "$cmd" >> "$log" 2>&1 || failed+=("$log")
     else
       bash -c "$cmd" >> "$log" 2>&1 & pids+=($!)
+      # at most JOBS at once: wait for the oldest still counted (its status is read again below)
+      [ ${#pids[@]} -ge $(( ${JOBS:-4} + ${#waited[@]} )) ] && { wait "${pids[${#waited[@]}]}" || true; waited+=(1); }
     fi
     logs+=("$log"); k=$((k + 1))
   done
