@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from specfoundry.train.dflash.loss import batch_anchors, block_inputs
 from specfoundry.train.domino.model import DominoDraft, correction_parameters
+from specfoundry.train.layers import compiled_on_cuda
 from specfoundry.train.loader import Batch
 from specfoundry.train.teacher import logit_rows
 
@@ -55,19 +56,31 @@ def shifted_targets(batch: Batch, anchors: torch.Tensor, keep: torch.Tensor, blo
     return labels, valid, tokens
 
 
-def chunk_losses(draft: DominoDraft, rows, head, slots, prefix, labels):
-    """ce of the final and of the base logits [c] fp32, and the final logits' hits [c]."""
-    final, base = draft.corrected_logits(rows, head, slots, prefix)
+def shifted_terms(final: torch.Tensor, base: torch.Tensor, labels: torch.Tensor):
+    """ce of the final and of the base logits [c, V] in fp32 ([c] each), and the final logits'
+    argmax hits [c]."""
     final, base = final.float(), base.float()
     return (F.cross_entropy(final, labels, reduction="none"), F.cross_entropy(base, labels, reduction="none"),
             final.detach().argmax(-1) == labels)
 
 
+# On a GPU: the casts, both log-softmaxes and the argmax fused into one pass over each [c, V] chunk,
+# and their backward into one more, instead of eager fp32 passes that dominate the step (V >> H)
+COMPILED_SHIFTED_TERMS = compiled_on_cuda(shifted_terms)
+
+
+def chunk_losses(draft: DominoDraft, rows, head, slots, prefix, labels, compiled: bool = False):
+    """ce of the final and of the base logits [c] fp32, and the final logits' hits [c]."""
+    final, base = draft.corrected_logits(rows, head, slots, prefix)
+    return (COMPILED_SHIFTED_TERMS if compiled else shifted_terms)(final, base, labels)
+
+
 def domino_loss(draft: DominoDraft, batch: Batch, lm_head: torch.Tensor, *, base_weight: float,
                 num_anchors: int = 512, gamma: float = 7.0, seed: int = 0, attention: str = "auto",
-                label_chunk: int | None = None):
+                label_chunk: int | None = None, compiled_terms: bool = False):
     """(total loss, per-slot metrics [{loss, hits, valid}] for j = 0..B-1: loss the mean final ce of
-    slot j's valid rows, hits argmax(final) == x_{a+j+1})."""
+    slot j's valid rows, hits argmax(final) == x_{a+j+1}). compiled_terms: the loss terms of each
+    chunk through torch.compile on a GPU (the same math)."""
     b = draft.cfg.block_size
     anchors, keep = batch_anchors(batch, num_anchors, b, seed)
     ids, positions = block_inputs(batch.input_ids, anchors, b, draft.cfg.mask_token_id)
@@ -91,7 +104,7 @@ def domino_loss(draft: DominoDraft, batch: Batch, lm_head: torch.Tensor, *, base
     for s in range(0, len(rows), chunk):
         e = min(s + chunk, len(rows))
         ce_f, ce_b, hit = checkpoint(chunk_losses, draft, rows[s:e], head, j_idx[s:e], g[s:e], y[s:e],
-                                     use_reentrant=False)
+                                     compiled_terms, use_reentrant=False)
         total = total + (w[s:e] * ((1.0 - base_weight) * ce_f + base_weight * ce_b)).sum()
         ce_sums.index_add_(0, j_idx[s:e], ce_f.detach())
         hits.index_add_(0, j_idx[s:e], hit.long())
@@ -110,7 +123,8 @@ class DominoModule(torch.nn.Module):
         super().__init__()
         self.draft = draft.compile_elementwise(compile_elementwise)
         self.register_buffer("lm_head", lm_head, persistent=False)
-        self.options = dict(num_anchors=num_anchors, gamma=gamma, seed=seed, label_chunk=label_chunk)
+        self.options = dict(num_anchors=num_anchors, gamma=gamma, seed=seed, label_chunk=label_chunk,
+                            compiled_terms=compile_elementwise)
         self.schedule = (base_weight_start, base_weight_end, base_decay_fraction)
         self.progress = (0, 1)
 

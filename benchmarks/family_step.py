@@ -1,0 +1,96 @@
+"""The DFlash-backbone families' training step at SmolLM2's shape, eager loss terms against compiled.
+
+    python -m benchmarks.family_step [--samples 48] [--seq 340] [--steps 6]
+
+DFlash, Domino and DSpark drafts of SmolLM2-135M as recipes/smollm2-h200-dflash.yaml trains them
+(5 layers, H 576, 9 query / 3 KV heads of 64, target vocab 49,152, block 16, 256 anchors a sample;
+the options' defaults: GRU 1024, correction 256, Markov rank 256), on one in-memory batch of random features (--samples rows of --seq tokens: ~16k tokens,
+the recipe's batch). The step is the module's forward and backward under bf16 autocast (no
+optimizer: it is the same for all). Domino and DSpark take their loss through autograd, chunk by
+chunk under activation checkpointing; each runs with the per-chunk loss terms eager and compiled
+(`compiled_terms`, the trainer's default on a GPU); DFlash's hand-written-gradient loss is the
+reference. CUDA events after warm-up (compiles included there); peak from max_memory_allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.common import print_table, write_result
+from benchmarks.train_step import time_steps
+from specfoundry.train.dflash.config import DFlashConfig
+from specfoundry.train.dflash.loss import DFlashModule
+from specfoundry.train.dflash.model import DFlashDraft
+from specfoundry.train.domino.config import DominoConfig
+from specfoundry.train.domino.loss import DominoModule
+from specfoundry.train.domino.model import DominoDraft
+from specfoundry.train.dspark.config import DSparkConfig
+from specfoundry.train.dspark.loss import DSparkModule
+from specfoundry.train.dspark.model import DSparkDraft
+from specfoundry.train.loader import Batch
+
+SMOL_DFLASH = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=5, num_attention_heads=9,
+                   num_key_value_heads=3, head_dim=64, rope_theta=100000.0, max_position_embeddings=8192,
+                   vocab_size=49152, target_hidden_size=576, target_layer_ids=(1, 7, 14, 21, 27), block_size=16,
+                   mask_token_id=0)
+ANCHORS = 256
+
+
+def random_batch(samples: int, seq: int, cfg: DFlashConfig) -> Batch:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, cfg.vocab_size, (samples, seq), generator=g)
+    mask = torch.rand(samples, seq, generator=g) > 0.3
+    aux = torch.randn(samples, seq, len(cfg.target_layer_ids) * cfg.target_hidden_size, generator=g)
+    final = torch.randn(samples, seq, cfg.hidden_size, generator=g)
+    return Batch(ids, mask, aux, final, [seq] * samples, list(range(samples)), 0).to("cuda", torch.bfloat16)
+
+
+def module(family: str, compiled_terms: bool):
+    torch.manual_seed(0)
+    head = (torch.randn(SMOL_DFLASH["vocab_size"], SMOL_DFLASH["hidden_size"]) * 0.02).to(torch.bfloat16)
+    if family == "dflash":
+        return DFlashModule(DFlashDraft(DFlashConfig(**SMOL_DFLASH)), head, num_anchors=ANCHORS)
+    if family == "domino":
+        draft = DominoDraft(DominoConfig(**SMOL_DFLASH, gru_hidden_dim=1024, emb_dim=256))
+        m = DominoModule(draft, head, num_anchors=ANCHORS)
+    else:
+        draft = DSparkDraft(DSparkConfig(**SMOL_DFLASH, markov_rank=256))
+        m = DSparkModule(draft, head, num_anchors=ANCHORS)
+    m.options["compiled_terms"] = compiled_terms
+    return m
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=48, help="Rows in the batch.")
+    ap.add_argument("--seq", type=int, default=340, help="Tokens per row.")
+    ap.add_argument("--steps", type=int, default=6, help="Timed steps after 2 warm-up steps.")
+    args = ap.parse_args()
+    batch = random_batch(args.samples, args.seq, DFlashConfig(**SMOL_DFLASH))
+    rows = []
+    for family, compiled in (("dflash", True), ("domino", False), ("domino", True), ("dspark", False),
+                             ("dspark", True)):
+        model = module(family, compiled).cuda()
+
+        def step(model=model):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss, _ = model(batch, attention="flex")
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        ms = time_steps(step, args.steps)
+        rows.append({"family": family, "loss_terms": "hand-written" if family == "dflash" else
+                     ("compiled" if compiled else "eager"), "ms_per_step": ms,
+                     "tokens_per_s": args.samples * args.seq / (ms * 1e-3),
+                     "peak_GiB": torch.cuda.max_memory_allocated() / 2**30})
+        print(rows[-1], flush=True)
+        del model
+        torch.cuda.empty_cache()
+    print_table(rows, ["family", "loss_terms", "ms_per_step", "tokens_per_s", "peak_GiB"])
+    print(write_result("family_step", rows, {"settings": vars(args)}))
+
+
+if __name__ == "__main__":
+    main()
