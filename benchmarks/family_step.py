@@ -5,7 +5,7 @@
 DFlash, Domino and DSpark drafts of SmolLM2-135M as recipes/smollm2-h200-dflash.yaml trains them
 (5 layers, H 576, 9 query / 3 KV heads of 64, target vocab 49,152, block 16, 256 anchors a sample;
 the options' defaults: GRU 1024, correction 256, Markov rank 256), on one in-memory batch of random features (--samples rows of --seq tokens: ~16k tokens,
-the recipe's batch). The step is the module's forward and backward under bf16 autocast (no
+the recipe's batch; each row's loss region one contiguous answer after a prompt). The step is the module's forward and backward under bf16 autocast (no
 optimizer: it is the same for all). Domino and DSpark take their loss through autograd, chunk by
 chunk under activation checkpointing; each runs with the per-chunk loss terms eager and compiled
 (`compiled_terms`, the trainer's default on a GPU); DFlash's hand-written-gradient loss is the
@@ -41,7 +41,10 @@ ANCHORS = 256
 def random_batch(samples: int, seq: int, cfg: DFlashConfig) -> Batch:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, cfg.vocab_size, (samples, seq), generator=g)
-    mask = torch.rand(samples, seq, generator=g) > 0.3
+    # the loss region as in a conversation: one contiguous answer after a prompt of 10-40% of the row
+    # (DSpark counts a block's supervised prefix only, so a scattered mask would undercount its rows)
+    starts = (torch.rand(samples, 1, generator=g) * 0.3 + 0.1) * seq
+    mask = torch.arange(seq)[None] >= starts
     aux = torch.randn(samples, seq, len(cfg.target_layer_ids) * cfg.target_hidden_size, generator=g)
     final = torch.randn(samples, seq, cfg.hidden_size, generator=g)
     return Batch(ids, mask, aux, final, [seq] * samples, list(range(samples)), 0).to("cuda", torch.bfloat16)
