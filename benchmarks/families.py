@@ -1,15 +1,19 @@
 """Draft families side by side: gathers the sf-eval reports of scripts/families_gpu.sh into
 benchmarks/results/families.json and prints one table.
 
-    python -m benchmarks.families RUN
+    python -m benchmarks.families RUN [--out families]
 
 RUN holds one sf-eval output folder per draft, `eval_<draft>` (eval_eagle3_chain_k7,
-eval_eagle3_tree, eval_dflash_b16, ...), each with its eval.json. Every figure comes from those
-reports: acceptance length per held-out set (tokens per target verify forward, the target's own
-token counted), tokens/s with the draft and, where the report decoded the target alone too,
-without it. The summary's `accept_length` maps each draft to {set: accept length}, and its
-`tokens_per_s` each draft to {set: tokens/s with the draft}, plus `target_alone` {set: tokens/s}
-(the first report that decoded the target alone on that set).
+eval_eagle3_tree, eval_dflash_b16, ...), each with its eval.json: the acceptance run over every
+prompt, the drafts decoding side by side. Where RUN also holds `timing_<draft>` folders (each
+draft decoding alone on the first prompts of every set), they give the speeds; without them the
+speeds are the acceptance runs' own, which are not comparable between drafts that decoded side
+by side (the summary's `tokens_per_s_from` says which). Every figure comes from those reports:
+acceptance length per held-out set (tokens per target verify forward, the target's own token
+counted), draft and target ms per round, tokens/s with the draft and, where the report decoded
+the target alone too, without it. The summary's `accept_length` maps each draft to {set: accept
+length}, its `tokens_per_s` each draft to {set: tokens/s with the draft} plus `target_alone`
+{set: tokens/s} (the first report that decoded the target alone on that set).
 """
 
 from __future__ import annotations
@@ -20,31 +24,48 @@ from pathlib import Path
 
 from benchmarks.common import print_table, write_result
 
-PREFIX = "eval_"
+ACCEPTANCE, TIMING = "eval_", "timing_"
 
 
-def gather(run: Path) -> list[dict]:
-    """One row per (draft, set) from RUN/eval_<draft>/eval.json, drafts in name order."""
+def gather(run: Path, prefix: str = ACCEPTANCE) -> list[dict]:
+    """One row per (draft, set) from RUN/<prefix><draft>/eval.json, drafts in name order."""
     rows = []
-    for folder in sorted(p for p in run.glob(f"{PREFIX}*") if p.is_dir()):
+    for folder in sorted(p for p in run.glob(f"{prefix}*") if p.is_dir()):
         report_path = folder / "eval.json"
         if not report_path.is_file():
             raise SystemExit(f"{folder}: no eval.json (an unfinished sf-eval run? rerun its command)")
         report = json.loads(report_path.read_text())
         if "family" not in report:  # never guessed: a draft of another family would be mislabelled
             raise SystemExit(f"{report_path}: names no draft family (rerun its sf-eval command)")
-        draft = folder.name[len(PREFIX):]
+        draft = folder.name[len(prefix):]
         for name, entry in report["sets"].items():
             s = entry["trained"]
             rows.append({"draft": draft, "family": report["family"],
                          "shape": report["config"]["tree"] or f"k={report['config']['k']}", "set": name,
                          "prompts": s["prompts"], "accept_length": s["accept_length"],
+                         "draft_ms_per_round": s.get("draft_ms_per_round"),
+                         "target_ms_per_round": s.get("target_ms_per_round"),
                          "tokens_per_s": s["tokens_per_s"], "alone_tokens_per_s": entry.get("target_alone_tokens_per_s"),
                          "speedup": s.get("speedup"), "greedy_equal": s.get("identical_to_target"),
                          "device": report.get("environment", {}).get("gpu") or report.get("device")})
-    if not rows:
-        raise SystemExit(f"{run}: no {PREFIX}<draft> folder with an eval.json")
+    if not rows and prefix == ACCEPTANCE:
+        raise SystemExit(f"{run}: no {prefix}<draft> folder with an eval.json")
     return rows
+
+
+def summary(accept_rows: list[dict], timing_rows: list[dict]) -> dict:
+    """accept_length from the acceptance runs; tokens_per_s (and target_alone) from the timing
+    runs where there are any, else from the acceptance runs."""
+    speed_rows = timing_rows or accept_rows
+    accept, speed = {}, {}
+    for r in accept_rows:
+        accept.setdefault(r["draft"], {})[r["set"]] = r["accept_length"]
+    for r in speed_rows:
+        speed.setdefault(r["draft"], {})[r["set"]] = r["tokens_per_s"]
+        if r["alone_tokens_per_s"] is not None:
+            speed.setdefault("target_alone", {}).setdefault(r["set"], r["alone_tokens_per_s"])
+    return {"accept_length": accept, "tokens_per_s": speed,
+            "tokens_per_s_from": "timing (each draft alone)" if timing_rows else "acceptance runs (side by side)"}
 
 
 def main() -> None:
@@ -53,15 +74,15 @@ def main() -> None:
     parser.add_argument("--out", default="families", help="result file name under benchmarks/results")
     args = parser.parse_args()
     rows = gather(args.run)
-    print_table(rows, ["draft", "shape", "set", "prompts", "accept_length", "tokens_per_s", "alone_tokens_per_s",
-                       "speedup", "greedy_equal"])
-    accept, speed = {}, {}
-    for r in rows:
-        accept.setdefault(r["draft"], {})[r["set"]] = r["accept_length"]
-        speed.setdefault(r["draft"], {})[r["set"]] = r["tokens_per_s"]
-        if r["alone_tokens_per_s"] is not None:
-            speed.setdefault("target_alone", {}).setdefault(r["set"], r["alone_tokens_per_s"])
-    path = write_result(args.out, rows, {"summary": {"accept_length": accept, "tokens_per_s": speed}})
+    timing = gather(args.run, TIMING)
+    columns = ["draft", "shape", "set", "prompts", "accept_length", "draft_ms_per_round", "target_ms_per_round",
+               "tokens_per_s", "alone_tokens_per_s", "speedup", "greedy_equal"]
+    print("acceptance (every prompt):")
+    print_table(rows, columns)
+    if timing:
+        print("timing (each draft alone):")
+        print_table(timing, columns)
+    path = write_result(args.out, rows, {"timing_rows": timing, "summary": summary(rows, timing)})
     print(f"wrote {path}")
 
 

@@ -26,7 +26,8 @@
 #   total ~1,490 s; what does not fit is skipped from the end (priority order).
 #
 #   bash scripts/gpu_evidence.sh start      copy the tree to $EV/repo, start `plan` (PLAN=rest: `plan_rest`,
-#                                           PLAN=next: `plan_next`, below) in the background
+#                                           PLAN=next: `plan_next`, PLAN=families: `plan_families`,
+#                                           below) in the background
 #   bash scripts/gpu_evidence.sh wait [S]   wait until the plan ends or S seconds pass, then pack the
 #                                           results into $OUT/evidence.tar.gz and print the status
 #   bash scripts/gpu_evidence.sh stop       end the plan's process group
@@ -213,12 +214,40 @@ plan_next() {
     step regen_profile 200 python -m benchmarks.regen --profile-only
   else
     step capture_placement 300 python -m benchmarks.capture_placement --tiny
-    step families_smoke 900 env RUN="$RUN/families" DEV=cpu SYNTH=3 EPOCHS=1 SEQUENTIAL=1 RESULT=dry_families \
-      REGEN_OPTS="--batch-size 3 --max-new-tokens 12" EVAL_OPTS="--limit 1 --max-new-tokens 6 --prompts chat" \
+    step families_smoke 900 env RUN="$RUN/families" DEV=cpu SYNTH=6 EPOCHS=1 SEQUENTIAL=1 RESULT=dry_families \
+      REGEN_OPTS="--batch-size 6 --max-new-tokens 16" EVAL_OPTS="--limit 1 --max-new-tokens 6 --prompts chat" \
       TRAIN_OPTS="--num-workers 0 --draft-vocab-size 512 --max-batch-tokens 1024 --warmup-steps 1" \
       bash scripts/families_gpu.sh
     step regen_profile 300 python -m benchmarks.regen --profile-only --batch-size 4 --second-target tiny \
       --llama8b-batch-size 2 --out dry_regen_profile
+  fi
+  echo "[$(elapsed) s] plan done"
+  echo done > "$EV/done"
+}
+
+# PLAN=families (start it with DEADLINE=1650): issue 27's quality run, scripts/families_gpu.sh at
+# EPOCHS=2 (estimates on one H200 from the run of 2026-12-02: 4 trainings side by side, 9,849
+# conversations; ~1,560 s in all):
+#   machine start + setup, the GGUF                                                  ~110 s
+#   regen      from .devkit/carry/regen10240.tar.gz when carried (sf-regen finds it complete), else
+#              sf-regen of 10,240 synthesised conversations (71 s of generation + conversion)  ~10 s
+#   capture    9,849 conversations, 2.29 M tokens, every family's layers (18 GB)               ~60 s
+#   train      7 drafts, 2 epochs, 4 at a time (DSpark and Domino ~800 s, the others ~330 s)   ~850 s
+#   eval       every prompt of the 4 held-out sets, 8 side by side                           ~300 s
+#   timing     each draft alone, 2 prompts a set, the EAGLE-3 chain with the target alone    ~200 s
+plan_families() {
+  begin_plan "plan families: commit ${GIT_COMMIT:-?}, device $DEV, epochs ${EPOCHS}, deadline ${DEADLINE}s" || return 1
+  local from=""
+  [ -f "$EV/carry/regen10240.tar.gz" ] && from=$EV/carry/regen10240.tar.gz
+  if [ "$DEV" = cuda ]; then
+    step families 1500 env RUN="$RUN/families" EPOCHS="$EPOCHS" REGEN_FROM="$from" TIMING_LIMIT="${TIMING_LIMIT:-2}" \
+      bash scripts/families_gpu.sh
+  else
+    step families 1500 env RUN="$RUN/families" DEV=cpu SYNTH=6 EPOCHS=1 JOBS=2 EVAL_JOBS=3 TIMING_LIMIT=1 \
+      RESULT=dry_families REGEN_OPTS="--batch-size 6 --max-new-tokens 16" \
+      EVAL_OPTS="--limit 1 --max-new-tokens 6 --prompts chat" \
+      TRAIN_OPTS="--num-workers 0 --draft-vocab-size 512 --max-batch-tokens 1024 --warmup-steps 1" \
+      bash scripts/families_gpu.sh
   fi
   echo "[$(elapsed) s] plan done"
   echo done > "$EV/done"
@@ -247,12 +276,14 @@ case "${1:-}" in
     rm -rf "$EV" && mkdir -p "$EV/repo" "$LOGS" "$RUN"
     touch "$EV/status.tsv"
     tar cf - --exclude=./.devkit --exclude=./.git --exclude=./.venv --exclude=./runs . | (cd "$EV/repo" && tar xf -)
+    [ -d .devkit/carry ] && cp -r .devkit/carry "$EV/carry"  # inputs carried from an earlier session
     setsid nohup bash "$EV/repo/scripts/gpu_evidence.sh" "${PLAN:-plan}" > "$EV/orchestrator.log" 2>&1 < /dev/null &
     echo $! > "$EV/pid"
     sleep 2; echo "plan started (pid $(cat "$EV/pid")) in $EV"; tail -n 3 "$EV/orchestrator.log" ;;
   plan) plan ;;
   rest) plan_rest ;;
   next) plan_next ;;
+  families) plan_families ;;
   wait)
     limit=${2:-540}; t=$(date +%s)
     while [ ! -f "$EV/done" ] && [ $(( $(date +%s) - t )) -lt "$limit" ]; do sleep 5; done

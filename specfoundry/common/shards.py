@@ -101,7 +101,7 @@ def check_output_folder(root: Path, stage: str, cfg) -> Path:
             old = {}  # a config file is written atomically; an unreadable one is not ours to trust
         diffs = settings_diff(old, resume_settings(cfg))
         if diffs:
-            raise OutputFolderError(f"{root} holds a {stage} run with other settings ({'; '.join(diffs)}); "
+            raise OutputFolderError(f"{root} holds an earlier {stage} run with other settings ({'; '.join(diffs)}); "
                                     "rerun with the same settings to resume, or choose a new folder")
     elif stage in STAGE_PARTS and (root / STAGE_PARTS[stage]).is_dir():
         raise OutputFolderError(lost_record(root, stage))
