@@ -247,8 +247,8 @@ def test_greedy_domino_decoding_equals_the_targets_greedy(tiny_llama_dir):
     full = prompt + ref
     corrected = draft.corrected_logits
 
-    def nudged(states, head, slots, prefix):  # +1e4 on the target's own next token, at 2 of 3 positions
-        final, base_logits = corrected(states, head, slots, prefix)
+    def nudged(states, head, slots, prefix, base=None):  # +1e4 on the target's own next token, at 2 of 3 positions
+        final, base_logits = corrected(states, head, slots, prefix, base)
         pos = len(runner.cache) + int(slots[0]) + 1
         if pos < len(full) and pos % 3:
             final = final.clone()

@@ -252,15 +252,15 @@ def test_greedy_dspark_decoding_equals_the_targets_greedy(tiny_llama_dir):
     assert all(len(c) == 4 and all(0 <= x <= 1 for x in c) for c in runner.confidences)
 
     full = prompt + ref
-    step, block = draft.step_logits, draft.decode_block
+    bias, block = draft.with_markov_bias, draft.decode_block
     slot = {"p": 0, "j": 0}
 
     def counted_block(ids, positions, cache):
         slot.update(p=len(cache), j=0)
         return block(ids, positions, cache)
 
-    def nudged(states, head, prev):  # +1e4 on the target's own next token, at 2 of 3 positions
-        logits = step(states, head, prev)
+    def nudged(base, prev):  # +1e4 on the target's own next token, at 2 of 3 positions
+        logits = bias(base, prev)
         pos = slot["p"] + slot["j"] + 1
         slot["j"] += 1
         if pos < len(full) and pos % 3:
@@ -268,7 +268,7 @@ def test_greedy_dspark_decoding_equals_the_targets_greedy(tiny_llama_dir):
             logits[:, full[pos]] += 1e4
         return logits
 
-    draft.decode_block, draft.step_logits = counted_block, nudged
+    draft.decode_block, draft.with_markov_bias = counted_block, nudged
     out = block_generate(runner_target, runner, prompt, max_new_tokens=n, eos=set(), sampler=Sampler())
     runner_target.remove_hooks()
     assert out.tokens == ref
@@ -366,14 +366,14 @@ def test_the_positions_check_names_a_bias_fed_the_wrong_tokens_and_fit_an_untrai
     runner = DSparkRunner(draft, target_lm_head(tiny_llama_dir).float())
     positions, fit = check_positions_and_fit(runner, sample)
     assert positions.ok and not fit.ok, (positions, fit)
-    step = draft.step_logits
+    bias = draft.with_markov_bias
 
-    def masked(states, head, prev):  # decoding (one row at a time) biases by the mask token, not the proposal
-        if states.shape[0] == 1:
+    def masked(base, prev):  # decoding (one row at a time) biases by the mask token, not the proposal
+        if base.shape[0] == 1:
             prev = torch.full_like(prev, draft.cfg.mask_token_id)
-        return step(states, head, prev)
+        return bias(base, prev)
 
-    draft.step_logits = masked
+    draft.with_markov_bias = masked
     positions, _ = check_positions_and_fit(runner, sample)
     assert not positions.ok and "differs" in positions.detail, positions
 

@@ -249,6 +249,11 @@ class DFlashDraft(nn.Module):
         slots: each row's block slot k (1..B-1; None: a block's slots 1..B-1 in order); tokens:
         [rows, B] each row's block tokens, the anchor then the ones before its slot (the true ones
         in training, the drafted ones in decoding). This draft's head reads neither."""
+        return self.base_logits(states, head)
+
+    def base_logits(self, states: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """z W^T [..., V]: the target's lm_head [V, H] over final-normed block states [..., H], the
+        logits of every slot before any family's own head (Domino's correction, DSpark's bias)."""
         return states @ head.T.to(states.dtype)
 
     def compile_elementwise(self, on: bool = True) -> DFlashDraft:

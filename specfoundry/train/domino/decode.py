@@ -29,16 +29,20 @@ class DominoRunner(BlockDraftRunner):
         ids[0, 0] = bonus
         positions = torch.arange(p, p + self.block_size, device=device)[None]
         z = draft.decode_block(ids, positions, self.cache)[0]  # [B, H]
+        n = self.block_size - 1
+        base = draft.base_logits(z[:n], self.lm_head)  # [B-1, V]: one product for the block
+        slots = torch.arange(n, device=device)
         state = draft.gru_step(ids[0, :1], None)  # g_0: the GRU after e(b)
+        # each proposal stays on the device until the block is done: no host sync per slot
         drafts, rows = [], []
-        for j in range(self.block_size - 1):
-            final, _ = draft.corrected_logits(z[j:j + 1], self.lm_head, torch.tensor([j], device=device), state)
-            d = int(final[0].argmax())
+        for j in range(n):
+            final, _ = draft.corrected_logits(z[j:j + 1], self.lm_head, slots[j:j + 1], state, base=base[j:j + 1])
+            d = final[0].argmax()
             drafts.append(d)
             rows.append(final[0].float())
-            if j < self.block_size - 2:
-                state = draft.gru_step(torch.tensor([d], device=device), state)  # g_{j+1}
-        return drafts, torch.stack(rows)
+            if j < n - 1:
+                state = draft.gru_step(d.view(1), state)  # g_{j+1}
+        return torch.stack(drafts).tolist(), torch.stack(rows)
 
 
 @torch.inference_mode()

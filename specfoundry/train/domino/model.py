@@ -47,10 +47,12 @@ class DominoDraft(DFlashDraft):
         return self.prefix_gru(x, None if state is None else state[None].contiguous())[0][:, -1]
 
     def corrected_logits(self, states: torch.Tensor, head: torch.Tensor, slots: torch.Tensor,
-                         prefix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                         prefix: torch.Tensor, base: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(final, base) logits [R, V] of states [R, H] at block slots [R] with GRU states prefix
-        [R, G] (read where slot >= PURE_DRAFT_PREFIX_LEN only)."""
-        base = states @ head.T.to(states.dtype)
+        [R, G] (read where slot >= PURE_DRAFT_PREFIX_LEN only); base: the rows' base_logits when
+        already computed (decoding takes a whole block's in one product)."""
+        if base is None:
+            base = self.base_logits(states, head)
         correction = self.embed_proj(torch.cat([states, prefix.to(states.dtype)], dim=-1))
         on = (slots >= PURE_DRAFT_PREFIX_LEN)[:, None]
         return base + torch.where(on, correction, torch.zeros_like(correction)), base

@@ -44,17 +44,19 @@ class DSparkRunner(BlockDraftRunner):
         ids[0, 0] = bonus
         positions = torch.arange(p, p + self.block_size, device=device)[None]
         z = draft.decode_block(ids, positions, self.cache)[0]  # [B, H]
+        base = draft.base_logits(z, self.lm_head)  # [B, V]: one product for the block
         prev = torch.tensor([bonus], device=device)
+        # each proposal stays on the device until the block is done: no host sync per slot
         drafts, rows, confidence = [], [], []
         for j in range(self.block_size):
-            logits = draft.step_logits(z[j:j + 1], self.lm_head, prev)[0].float()
-            confidence.append(torch.sigmoid(draft.confidence_logit(z[j:j + 1], prev).float()).item())
-            d = int(logits.argmax())
+            logits = draft.with_markov_bias(base[j:j + 1], prev)[0].float()
+            confidence.append(draft.confidence_logit(z[j:j + 1], prev)[0])
+            d = logits.argmax()
             drafts.append(d)
             rows.append(logits)
-            prev = torch.tensor([d], device=device)
-        self.confidences.append(confidence)
-        return drafts, torch.stack(rows)
+            prev = d.view(1)
+        self.confidences.append(torch.sigmoid(torch.stack(confidence).float()).tolist())
+        return torch.stack(drafts).tolist(), torch.stack(rows)
 
 
 def decode_settings(cfg: DSparkConfig, *, k: int, tree, k_given: bool, source: str):

@@ -61,7 +61,11 @@ class DSparkDraft(DFlashDraft):
 
     def step_logits(self, states: torch.Tensor, head: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """Logits [R, V] of states [R, H] whose previous tokens are prev [R]: z W^T + P A[u]."""
-        return states @ head.T.to(states.dtype) + self.markov_head(prev).to(states.dtype)
+        return self.with_markov_bias(self.base_logits(states, head), prev)
+
+    def with_markov_bias(self, base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """base_logits [R, V] plus the Markov bias of the previous tokens prev [R]: + P A[u]."""
+        return base + self.markov_head(prev).to(base.dtype)
 
     def confidence_logit(self, states: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """The confidence head's logit [R] (before the sigmoid) of states [R, H] after tokens prev [R]."""
