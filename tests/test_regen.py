@@ -112,6 +112,23 @@ def test_prompt_starters_option(tmp_path):
     assert result.exit_code == 2 and "neither 'default', 'none' nor a file" in result.output
 
 
+def test_a_run_that_writes_no_conversation_fails_naming_why(tmp_path, monkeypatch):
+    """Every synthesised prompt unfinished within --max-new-tokens: the run says so and fails,
+    instead of a success that the capture would only reject later."""
+    import specfoundry.generate.cli as cli_module
+
+    totals = {"conversations_written": 0, "synthetic_prompts_empty": 3}
+    monkeypatch.setattr(cli_module, "run_regen", lambda cfg, silent=False: {"bad_inputs": [], "totals": totals})
+    out = tmp_path / "o"
+    args = ["run", "--synthesize", "3", "--max-new-tokens", "12", "-o", str(out)]
+    result = CliRunner().invoke(regen_cli, args)
+    assert result.exit_code == 1, result.output
+    assert "synthesised prompts unfinished or empty 3" in result.output
+    assert f"{out}: no conversation written: a synthesised prompt must end within --max-new-tokens (12)" in result.output
+    totals["conversations_written"] = 2
+    assert CliRunner().invoke(regen_cli, args).exit_code == 0
+
+
 def test_greedy_answers_still_get_sampled_prompts(tmp_path, backend):
     # greedy prompts from the same Magpie prefix would all be one text: prompts stay sampled
     cfg = RegenConfig(output=str(tmp_path / "g"), synthesize=4, shard_size=4,

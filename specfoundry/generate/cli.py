@@ -36,12 +36,18 @@ def run(greedy, recipe, silent, **options):
     for bad in manifest["bad_inputs"]:
         click.echo(f"bad input: {bad['location']}: {bad['kind']}: {bad['detail']}", err=True)
     t = manifest["totals"]
+    synthesised = (f"; synthesised prompts unfinished or empty {t.get('synthetic_prompts_empty', 0)}"
+                   if cfg.synthesize else "")
     click.echo(
         f"wrote {t.get('conversations_written', 0)} conversations to {cfg.output} "
         f"(turns ok {t.get('turns_ok', 0)}, empty {t.get('turns_empty', 0)}, truncated {t.get('turns_truncated', 0)}, "
         f"loops trimmed {t.get('turns_loop_trimmed', 0)}, "
-        f"failed {t.get('turns_failed', 0)}; bad inputs {len(manifest['bad_inputs'])})"
+        f"failed {t.get('turns_failed', 0)}; bad inputs {len(manifest['bad_inputs'])}{synthesised})"
     )
+    if not t.get("conversations_written", 0):  # nothing a later stage could train on: never a success
+        hint = (f": a synthesised prompt must end within --max-new-tokens ({cfg.sampling.max_new_tokens})"
+                if cfg.synthesize and t.get("synthetic_prompts_empty", 0) else ": see the counts above")
+        raise click.ClickException(f"{cfg.output}: no conversation written{hint}")
     exchanges = [t.get(f"tool_exchanges_{k}", 0) for k in ("kept", "replaced", "dropped")]
     if any(exchanges):
         click.echo("tool exchanges: kept {}, replaced by the recorded ones {}, dropped {}".format(*exchanges))
