@@ -35,8 +35,10 @@ DFLASH=recipes/smollm2-h200-dflash.yaml
 PEAGLE=recipes/smollm2-h200-peagle.yaml
 TRAIN_OPTS="${EPOCHS:+--epochs $EPOCHS} ${TRAIN_OPTS:---num-workers 2}"
 EVAL_OPTS="--device $DEV ${EVAL_OPTS:-}"
-# the allocator returns freed blocks' tails to the other processes sharing the GPU
+# the allocator returns freed blocks' tails to the other processes sharing the GPU; up to 8
+# processes share the CPU cores too, so each keeps to 2 threads (their work is on the GPU)
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+[ "$DEV" = cuda ] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 mkdir -p "$RUN/logs"
 
 # side_by_side NAME MAX "CMD" ...: the commands in the background, at most MAX at once (1: one

@@ -227,13 +227,14 @@ plan_next() {
 
 # PLAN=families (start it with DEADLINE=1650): issue 27's quality run, scripts/families_gpu.sh at
 # EPOCHS=2 (estimates on one H200 from the run of 2026-12-02: 4 trainings side by side, 9,849
-# conversations; ~1,560 s in all):
+# conversations; ~1,500 s in all):
 #   machine start + setup, the GGUF                                                  ~110 s
 #   regen      from .devkit/carry/regen10240.tar.gz when carried (sf-regen finds it complete), else
 #              sf-regen of 10,240 synthesised conversations (71 s of generation + conversion)  ~10 s
 #   capture    9,849 conversations, 2.29 M tokens, every family's layers (18 GB)               ~60 s
 #   train      7 drafts, 2 epochs, 4 at a time (DSpark and Domino ~800 s, the others ~330 s)   ~850 s
-#   eval       every prompt of the 4 held-out sets, 8 side by side                           ~300 s
+#   eval       8 prompts of each of the 4 held-out sets (EVAL_LIMIT), 8 side by side: the
+#              EAGLE-3 tree (360 nodes a round) is the slowest, ~7-15 tokens/s                 ~250 s
 #   timing     each draft alone, 2 prompts a set, the EAGLE-3 chain with the target alone    ~200 s
 plan_families() {
   begin_plan "plan families: commit ${GIT_COMMIT:-?}, device $DEV, epochs ${EPOCHS}, deadline ${DEADLINE}s" || return 1
@@ -241,7 +242,7 @@ plan_families() {
   [ -f "$EV/carry/regen10240.tar.gz" ] && from=$EV/carry/regen10240.tar.gz
   if [ "$DEV" = cuda ]; then
     step families 1500 env RUN="$RUN/families" EPOCHS="$EPOCHS" REGEN_FROM="$from" TIMING_LIMIT="${TIMING_LIMIT:-2}" \
-      bash scripts/families_gpu.sh
+      EVAL_OPTS="--limit ${EVAL_LIMIT:-8}" bash scripts/families_gpu.sh
   else
     step families 1500 env RUN="$RUN/families" DEV=cpu SYNTH=6 EPOCHS=1 JOBS=2 EVAL_JOBS=3 TIMING_LIMIT=1 \
       RESULT=dry_families REGEN_OPTS="--batch-size 6 --max-new-tokens 16" \
