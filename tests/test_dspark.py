@@ -131,20 +131,24 @@ def reference_loss(draft, batch, lm_head, anchors, keep, gamma, weights):
     return num / den
 
 
+@pytest.mark.parametrize("gradient, upstream", [("manual", 1.0), ("manual", 0.25), ("autograd", 1.0)])
 @pytest.mark.parametrize("weights", [(0.1, 0.9, 1.0), (1.0, 0.3, 2.0)])
-def test_loss_and_gradients_match_a_plain_torch_reference(weights):
+def test_loss_and_gradients_match_a_plain_torch_reference(weights, gradient, upstream):
+    """Both gradient paths (the hand-written one, told the upstream gradient the backward then
+    sends, and autograd's) against plain torch over the whole [rows, V] logits."""
     batch, gamma = tiny_batch(), 4.0
     draft = tiny_draft()
     lm_head = torch.randn(97, 32, generator=torch.Generator().manual_seed(5))
     anchors, keep = batch_anchors(batch, 6, 5, 0)
-    # label_chunk 7: the rows go through several checkpointed chunks, across slot boundaries
+    # label_chunk 7: the rows go through several chunks, across slot boundaries
     loss, metrics = dspark_loss(draft, batch, lm_head, num_anchors=6, gamma=gamma, seed=0, ce_weight=weights[0],
-                                l1_weight=weights[1], confidence_weight=weights[2], attention="sdpa", label_chunk=7)
-    loss.backward()
+                                l1_weight=weights[1], confidence_weight=weights[2], attention="sdpa", label_chunk=7,
+                                gradient=gradient, loss_scale=upstream)
+    loss.backward(torch.tensor(upstream))
     got = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
     draft.zero_grad()
     ref = reference_loss(draft, batch, lm_head, anchors, keep, gamma, weights)
-    ref.backward()
+    (ref * upstream).backward()
     torch.testing.assert_close(loss, ref.float(), rtol=1e-5, atol=1e-6)
     for name, p in draft.named_parameters():
         if p.requires_grad:

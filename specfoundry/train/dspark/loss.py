@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from specfoundry.train.dflash.loss import batch_anchors, block_inputs
+from specfoundry.train.dflash.loss import AttachGradient, batch_anchors, block_inputs
 from specfoundry.train.dspark.model import DSparkDraft, head_parameters
 from specfoundry.train.layers import compiled_on_cuda
 from specfoundry.train.loader import Batch
@@ -84,13 +84,47 @@ def chunk_terms(draft: DSparkDraft, rows, head, prev, labels, teacher, compiled:
     return (COMPILED_LOSS_TERMS if compiled else loss_terms)(logits, teacher_logits, labels, c)
 
 
+@torch.no_grad()
+def manual_chunk(draft: DSparkDraft, rows, head, a_u, prev, labels, teacher, coef, ce_weight: float,
+                 l1_weight: float, want_grad: bool):
+    """One chunk's ce and l1 [c] fp32 and argmax hits [c] with, for want_grad, the gradient of
+    L = sum_rows coef (ce_weight ce + l1_weight l1) taken at once: (dL/drows [c, H], dL/dA_u [c, R],
+    dL/dP [V, R]) for rows [c, H], A_u = markov_w1[prev] [c, R] and P = markov_w2 [V, R]. With
+    z = rows W^T + A_u P^T, p = softmax(z), q = softmax(teacher W^T) and s = sign(p - q):
+        d ce / dz = p - onehot(y)
+        d l1 / dz_k = sum_v s_v p_v (delta_vk - p_k) = p_k (s_k - <s, p>)
+        dL/drows = dz W,   dL/dA_u = dz P,   dL/dP = dz^T A_u            (dz = dL/dz [c, V])
+    in two fp32 [c, V] buffers (p, then q overwritten by s and by dz)."""
+    z = draft.step_logits(rows, head, prev).float()  # [c, V]
+    hits = z.argmax(-1) == labels
+    lse = torch.logsumexp(z, dim=-1)
+    ce = lse - z.gather(1, labels[:, None]).squeeze(1)
+    p = z.sub_(lse[:, None]).exp_()
+    d = torch.softmax((teacher @ head.T).float(), dim=-1).sub_(p).neg_()  # p - q
+    l1 = d.abs().sum(-1)
+    if not want_grad:
+        return ce, l1, hits, None
+    s = d.sign_()
+    dz = s.sub_((s * p).sum(-1, keepdim=True)).mul_(p).mul_(l1_weight).add_(p, alpha=ce_weight)
+    dz[torch.arange(len(labels), device=dz.device), labels] -= ce_weight
+    dz = dz.mul_(coef[:, None]).to(head.dtype)
+    w2 = draft.markov_head.markov_w2.weight
+    return ce, l1, hits, (dz @ head, dz @ w2.to(dz.dtype), dz.T @ a_u.to(dz.dtype))
+
+
 def dspark_loss(draft: DSparkDraft, batch: Batch, lm_head: torch.Tensor, *, num_anchors: int = 512,
                 gamma: float = 7.0, seed: int = 0, ce_weight: float = 0.1, l1_weight: float = 0.9,
                 confidence_weight: float = 1.0, attention: str = "auto", label_chunk: int | None = None,
-                compiled_terms: bool = False):
+                compiled_terms: bool = False, gradient: str = "manual", loss_scale: float = 1.0):
     """(total loss, per-slot metrics [{loss, hits, valid, l1, confidence}] for j = 0..B-1: loss the
     mean ce of slot j's counted rows, hits argmax == x_{a+j+1}, l1 and confidence their sums).
-    compiled_terms: the loss terms of each chunk through torch.compile on a GPU (the same math)."""
+    gradient: "manual", each chunk's ce and L1 gradient taken at once (manual_chunk; loss_scale,
+    the upstream gradient the Trainer will send, announced so that it is written at its scale), or
+    "autograd", each chunk through autograd with its logits recomputed in the backward (the
+    reference; compiled_terms: its terms through torch.compile on a GPU). The confidence term, which
+    has no [rows, V] part, goes through autograd either way."""
+    if gradient not in ("manual", "autograd"):
+        raise ValueError(f"unknown DSpark gradient {gradient!r}: choose manual or autograd")
     if batch.final_hidden is None:
         raise ValueError("DSpark's L1 and confidence terms read the target's final hidden states; the batch "
                          "holds none (capture with the final state)")
@@ -113,18 +147,50 @@ def dspark_loss(draft: DSparkDraft, batch: Batch, lm_head: torch.Tensor, *, num_
     total = 0.0 * (states.sum() + sum(p.sum() for p in head_parameters(draft))).float()
     sums = {k: torch.zeros(b, dtype=torch.float32, device=rows.device) for k in ("ce", "l1", "confidence")}
     hits = torch.zeros(b, dtype=torch.int64, device=rows.device)
-    for s in range(0, len(rows), chunk):
-        e = min(s + chunk, len(rows))
-        ce, l1, bce, hit, conf = checkpoint(chunk_terms, draft, rows[s:e], head, u[s:e], y[s:e], teacher[s:e],
-                                            compiled_terms, use_reentrant=False)
-        total = total + (w[s:e] * (ce_weight * ce + l1_weight * l1 + confidence_weight * bce)).sum()
-        for k, v in (("ce", ce), ("l1", l1), ("confidence", conf)):
-            sums[k].index_add_(0, j_idx[s:e], v.detach())
-        hits.index_add_(0, j_idx[s:e], hit.long())
+    if gradient == "autograd":
+        for s in range(0, len(rows), chunk):
+            e = min(s + chunk, len(rows))
+            ce, l1, bce, hit, conf = checkpoint(chunk_terms, draft, rows[s:e], head, u[s:e], y[s:e], teacher[s:e],
+                                                compiled_terms, use_reentrant=False)
+            total = total + (w[s:e] * (ce_weight * ce + l1_weight * l1 + confidence_weight * bce)).sum()
+            for k, v in (("ce", ce), ("l1", l1), ("confidence", conf)):
+                sums[k].index_add_(0, j_idx[s:e], v.detach())
+            hits.index_add_(0, j_idx[s:e], hit.long())
+        total = total / norm
+    else:
+        want_grad = torch.is_grad_enabled() and rows.requires_grad
+        if want_grad and not (math.isfinite(loss_scale) and loss_scale > 0):
+            raise ValueError(f"dspark_loss: loss_scale must be a positive finite number, got {loss_scale}")
+        a_u = draft.markov_head.markov_w1(u)  # [M, R]
+        w2 = draft.markov_head.markov_w2.weight  # [V, R]
+        coef = w * (loss_scale / norm)
+        grads = (torch.zeros_like(rows), torch.zeros_like(a_u), torch.zeros(w2.shape, dtype=torch.float32,
+                                                                             device=w2.device)) if want_grad else None
+        ce, l1 = torch.zeros(len(rows), device=rows.device), torch.zeros(len(rows), device=rows.device)
+        for s in range(0, len(rows), chunk):
+            e = min(s + chunk, len(rows))
+            ce[s:e], l1[s:e], hit, g = manual_chunk(draft, rows[s:e].detach(), head, a_u[s:e].detach(), u[s:e], y[s:e],
+                                                    teacher[s:e], coef[s:e], ce_weight, l1_weight, want_grad)
+            hits.index_add_(0, j_idx[s:e], hit.long())
+            if g is not None:
+                grads[0][s:e], grads[1][s:e] = g[0], g[1].to(grads[1].dtype)
+                grads[2].add_(g[2].float())
+        value = (w * (ce_weight * ce + l1_weight * l1)).sum() / norm
+        if want_grad:
+            zero = torch.zeros((), dtype=value.dtype, device=value.device)
+            value = (AttachGradient.apply(rows, value, grads[0], loss_scale)
+                     + AttachGradient.apply(a_u, zero, grads[1], loss_scale)
+                     + AttachGradient.apply(w2, zero, grads[2].to(w2.dtype), loss_scale))
+        c = draft.confidence_logit(rows, u).float()  # [M]: no [M, V] part, so through autograd
+        accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0)
+        bce = F.binary_cross_entropy_with_logits(c, accept, reduction="none")
+        total = total + value + (w * confidence_weight * bce).sum() / norm
+        for k, v in (("ce", ce), ("l1", l1), ("confidence", torch.sigmoid(c.detach()))):
+            sums[k].index_add_(0, j_idx, v)
     counts = torch.bincount(j_idx, minlength=b)
     metrics = [{"loss": sums["ce"][j] / counts[j].clamp(min=1), "hits": hits[j], "valid": counts[j],
                 "l1": sums["l1"][j], "confidence": sums["confidence"][j]} for j in range(b)]
-    return total / norm, metrics
+    return total, metrics
 
 
 class DSparkModule(torch.nn.Module):
@@ -133,15 +199,15 @@ class DSparkModule(torch.nn.Module):
 
     def __init__(self, draft: DSparkDraft, lm_head: torch.Tensor, *, num_anchors: int = 512, gamma: float = 7.0,
                  seed: int = 0, ce_weight: float = 0.1, l1_weight: float = 0.9, confidence_weight: float = 1.0,
-                 label_chunk: int | None = None, compile_elementwise: bool = True):
+                 label_chunk: int | None = None, compile_elementwise: bool = True, gradient: str = "manual"):
         super().__init__()
         self.draft = draft.compile_elementwise(compile_elementwise)
         self.register_buffer("lm_head", lm_head, persistent=False)
         self.options = dict(num_anchors=num_anchors, gamma=gamma, seed=seed, ce_weight=ce_weight,
                             l1_weight=l1_weight, confidence_weight=confidence_weight, label_chunk=label_chunk,
-                            compiled_terms=compile_elementwise)
+                            compiled_terms=compile_elementwise, gradient=gradient)
 
     def forward(self, batch: Batch, attention: str = "auto", loss_kernel: str = "auto", loss_scale: float = 1.0):
-        # autograd carries the gradient (loss_scale is applied by the backward); no soft-target kernel
-        del loss_kernel, loss_scale
-        return dspark_loss(self.draft, batch, self.lm_head, attention=attention, **self.options)
+        del loss_kernel  # no soft-target kernel: the L1 term needs the draft's whole distribution
+        return dspark_loss(self.draft, batch, self.lm_head, attention=attention, loss_scale=loss_scale,
+                           **self.options)
