@@ -1,15 +1,17 @@
-"""The DFlash-backbone families' training step at SmolLM2's shape, eager loss terms against compiled.
+"""The DFlash-backbone families' training step at SmolLM2's shape, by how each loss takes its gradient.
 
     python -m benchmarks.family_step [--samples 48] [--seq 340] [--steps 6]
 
 DFlash, Domino and DSpark drafts of SmolLM2-135M as recipes/smollm2-h200-dflash.yaml trains them
 (5 layers, H 576, 9 query / 3 KV heads of 64, target vocab 49,152, block 16, 256 anchors a sample;
-the options' defaults: GRU 1024, correction 256, Markov rank 256), on one in-memory batch of random features (--samples rows of --seq tokens: ~16k tokens,
-the recipe's batch; each row's loss region one contiguous answer after a prompt). The step is the module's forward and backward under bf16 autocast (no
-optimizer: it is the same for all). Domino and DSpark take their loss through autograd, chunk by
-chunk under activation checkpointing; each runs with the per-chunk loss terms eager and compiled
-(`compiled_terms`, the trainer's default on a GPU); DFlash's hand-written-gradient loss is the
-reference. CUDA events after warm-up (compiles included there); peak from max_memory_allocated.
+the options' defaults: GRU 1024, correction 256, Markov rank 256), on one in-memory batch of random
+features (--samples rows of --seq tokens: ~16k tokens, the recipe's batch; each row's loss region
+one contiguous answer after a prompt). The step is the module's forward and backward under bf16
+autocast (no optimizer: it is the same for all). DFlash's loss takes its gradient by hand. Domino's
+goes through autograd, chunk by chunk under activation checkpointing, with the per-chunk loss terms
+eager or compiled (`compiled_terms`). DSpark's runs both ways: through autograd (eager or compiled
+terms), and by hand (`gradient="manual"`, its default). CUDA events after warm-up (compiles
+included there); peak from max_memory_allocated.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def random_batch(samples: int, seq: int, cfg: DFlashConfig) -> Batch:
     return Batch(ids, mask, aux, final, [seq] * samples, list(range(samples)), 0).to("cuda", torch.bfloat16)
 
 
-def module(family: str, compiled_terms: bool):
+def module(family: str, compiled_terms: bool, gradient: str = "autograd"):
     torch.manual_seed(0)
     head = (torch.randn(SMOL_DFLASH["vocab_size"], SMOL_DFLASH["hidden_size"]) * 0.02).to(torch.bfloat16)
     if family == "dflash":
@@ -60,7 +62,7 @@ def module(family: str, compiled_terms: bool):
         m = DominoModule(draft, head, num_anchors=ANCHORS)
     else:
         draft = DSparkDraft(DSparkConfig(**SMOL_DFLASH, markov_rank=256))
-        m = DSparkModule(draft, head, num_anchors=ANCHORS)
+        m = DSparkModule(draft, head, num_anchors=ANCHORS, gradient=gradient)
     m.options["compiled_terms"] = compiled_terms
     return m
 
@@ -73,9 +75,10 @@ def main() -> None:
     args = ap.parse_args()
     batch = random_batch(args.samples, args.seq, DFlashConfig(**SMOL_DFLASH))
     rows = []
-    for family, compiled in (("dflash", True), ("domino", False), ("domino", True), ("dspark", False),
-                             ("dspark", True)):
-        model = module(family, compiled).cuda()
+    for family, compiled, gradient in (("dflash", True, "manual"), ("domino", False, "autograd"),
+                                       ("domino", True, "autograd"), ("dspark", False, "autograd"),
+                                       ("dspark", True, "autograd"), ("dspark", True, "manual")):
+        model = module(family, compiled, gradient).cuda()
 
         def step(model=model):
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -84,14 +87,14 @@ def main() -> None:
             model.zero_grad(set_to_none=True)
 
         ms = time_steps(step, args.steps)
-        rows.append({"family": family, "loss_terms": "hand-written" if family == "dflash" else
-                     ("compiled" if compiled else "eager"), "ms_per_step": ms,
+        rows.append({"family": family, "loss_gradient": gradient if gradient == "manual" else
+                     f"autograd, {'compiled' if compiled else 'eager'} terms", "ms_per_step": ms,
                      "tokens_per_s": args.samples * args.seq / (ms * 1e-3),
                      "peak_GiB": torch.cuda.max_memory_allocated() / 2**30})
         print(rows[-1], flush=True)
         del model
         torch.cuda.empty_cache()
-    print_table(rows, ["family", "loss_terms", "ms_per_step", "tokens_per_s", "peak_GiB"])
+    print_table(rows, ["family", "loss_gradient", "ms_per_step", "tokens_per_s", "peak_GiB"])
     print(write_result("family_step", rows, {"settings": vars(args)}))
 
 
