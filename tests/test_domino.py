@@ -119,19 +119,22 @@ def reference_loss(draft, batch, lm_head, anchors, keep, base_weight, gamma):
 
 
 @pytest.mark.parametrize("base_weight", [0.0, 0.3])
-def test_loss_and_gradients_match_a_plain_torch_reference(base_weight):
+@pytest.mark.parametrize("gradient, upstream", [("manual", 1.0), ("manual", 0.25), ("autograd", 1.0)])
+def test_loss_and_gradients_match_a_plain_torch_reference(base_weight, gradient, upstream):
+    """Both gradient paths (the hand-written one, told the upstream gradient the backward then
+    sends, and autograd's) against plain torch over the whole [rows, V] logits."""
     batch, gamma = tiny_batch(), 4.0
     draft = tiny_draft()
     lm_head = torch.randn(97, 32, generator=torch.Generator().manual_seed(5))
     anchors, keep = batch_anchors(batch, 6, 5, 0)
-    # label_chunk 7: the rows go through several checkpointed chunks, across slot boundaries
+    # label_chunk 7: the rows go through several chunks, across slot boundaries
     loss, metrics = domino_loss(draft, batch, lm_head, base_weight=base_weight, num_anchors=6, gamma=gamma, seed=0,
-                                attention="sdpa", label_chunk=7)
-    loss.backward()
+                                attention="sdpa", label_chunk=7, gradient=gradient, loss_scale=upstream)
+    loss.backward(torch.tensor(upstream))
     got = {n: p.grad.clone() for n, p in draft.named_parameters()}
     draft.zero_grad()
     ref = reference_loss(draft, batch, lm_head, anchors, keep, base_weight, gamma)
-    ref.backward()
+    (ref * upstream).backward()
     torch.testing.assert_close(loss, ref.float(), rtol=1e-5, atol=1e-6)
     for name, p in draft.named_parameters():
         torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -11,8 +11,12 @@ reading the sample's own x_a..x_{a+j}: teacher forcing) and
     lambda(step) = start + (end - start) * min(1, step / max(1, round(fraction * total_steps)))
 (--base-weight-start/-end, --base-decay-fraction; step: optimizer steps done). lambda = 1 trains
 the DFlash backbone alone, then the correction takes over. The Trainer announces the step through
-DominoModule.set_progress before each optimizer step. The logits are taken chunk by chunk under
-activation checkpointing, so no [rows, V] tensor is kept for the backward.
+DominoModule.set_progress before each optimizer step. The logits are taken chunk by chunk and no
+[rows, V] tensor is kept for the backward: by default each chunk's gradient with respect to the
+rows, the correction's features and P2 is taken at once in the forward (manual_chunk, as DFlash's
+loss takes its own), so the backward only scales it; the reference path goes through autograd
+with each chunk recomputed in the backward (activation checkpointing), twice the [rows, V]
+products.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from specfoundry.train.dflash.loss import batch_anchors, block_inputs
+from specfoundry.train.dflash.loss import AttachGradient, batch_anchors, block_inputs
+from specfoundry.train.domino.config import PURE_DRAFT_PREFIX_LEN
 from specfoundry.train.domino.model import DominoDraft, correction_parameters
 from specfoundry.train.layers import compiled_on_cuda
 from specfoundry.train.loader import Batch
@@ -75,12 +80,56 @@ def chunk_losses(draft: DominoDraft, rows, head, slots, prefix, labels, compiled
     return (COMPILED_SHIFTED_TERMS if compiled else shifted_terms)(final, base, labels)
 
 
+@torch.no_grad()
+def ce_and_softmax(z: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ce [c] = lse - z[y], softmax(z) written over the fp32 logits z [c, V])."""
+    lse = torch.logsumexp(z, dim=-1)
+    ce = lse - z.gather(1, labels[:, None]).squeeze(1)
+    return ce, z.sub_(lse[:, None]).exp_()
+
+
+@torch.no_grad()
+def manual_chunk(draft: DominoDraft, rows, head, slots, features, labels, coef, base_weight: float, want_grad: bool):
+    """One chunk's final and base ce [c] fp32 and the final logits' hits [c], with, for want_grad,
+    the gradient of L = sum_rows coef ((1 - lambda) ce(final) + lambda ce(base)) taken at once:
+    (dL/drows [c, H], dL/dfeatures [c, E], dL/dP2 [V, E]) for rows [c, H], features = silu(P1 [z; g])
+    [c, E] and P2 = embed_proj.2 [V, E]. With base = rows W^T, final = base + on P2 features,
+    on = slot >= PURE_DRAFT_PREFIX_LEN:
+        dfinal = coef (1 - lambda) (softmax(final) - onehot(y))
+        dbase  = coef lambda (softmax(base) - onehot(y)) + dfinal
+        dL/drows = dbase W,   dL/dfeatures = (on dfinal) P2,   dL/dP2 = (on dfinal)^T features
+    in two fp32 [c, V] buffers (each softmax written over its logits, then its gradient over it)."""
+    base = draft.base_logits(rows, head)
+    final = draft.corrected(base, features, slots).float()  # [c, V]
+    hits = final.argmax(-1) == labels
+    ce_f, dfinal = ce_and_softmax(final, labels)
+    ce_b, dbase = ce_and_softmax(base.float(), labels)
+    if not want_grad:
+        return ce_f, ce_b, hits, None
+    at_label = (torch.arange(len(labels), device=labels.device), labels)
+    dfinal[at_label] -= 1.0
+    dfinal.mul_((coef * (1.0 - base_weight))[:, None])
+    dbase[at_label] -= 1.0
+    dbase.mul_((coef * base_weight)[:, None]).add_(dfinal)
+    dcorrection = dfinal.mul_((slots >= PURE_DRAFT_PREFIX_LEN)[:, None]).to(head.dtype)
+    p2 = draft.embed_proj[2].weight
+    return ce_f, ce_b, hits, (dbase.to(head.dtype) @ head, dcorrection @ p2.to(head.dtype),
+                              dcorrection.T @ features.to(head.dtype))
+
+
 def domino_loss(draft: DominoDraft, batch: Batch, lm_head: torch.Tensor, *, base_weight: float,
                 num_anchors: int = 512, gamma: float = 7.0, seed: int = 0, attention: str = "auto",
-                label_chunk: int | None = None, compiled_terms: bool = False):
+                label_chunk: int | None = None, compiled_terms: bool = False, gradient: str = "manual",
+                loss_scale: float = 1.0):
     """(total loss, per-slot metrics [{loss, hits, valid}] for j = 0..B-1: loss the mean final ce of
-    slot j's valid rows, hits argmax(final) == x_{a+j+1}). compiled_terms: the loss terms of each
-    chunk through torch.compile on a GPU (the same math)."""
+    slot j's valid rows, hits argmax(final) == x_{a+j+1}). gradient: "manual", each chunk's
+    gradient taken at once (manual_chunk; loss_scale, the upstream gradient the Trainer will send,
+    announced so that it is written at its scale), or "autograd", each chunk through autograd with
+    its logits recomputed in the backward (the reference; compiled_terms: its terms through
+    torch.compile on a GPU). The correction's features silu(P1 [z; g]), which have no [rows, V]
+    part, go through autograd either way, and so into P1, the GRU and the rows."""
+    if gradient not in ("manual", "autograd"):
+        raise ValueError(f"unknown Domino gradient {gradient!r}: choose manual or autograd")
     b = draft.cfg.block_size
     anchors, keep = batch_anchors(batch, num_anchors, b, seed)
     ids, positions = block_inputs(batch.input_ids, anchors, b, draft.cfg.mask_token_id)
@@ -101,16 +150,48 @@ def domino_loss(draft: DominoDraft, batch: Batch, lm_head: torch.Tensor, *, base
     total = 0.0 * (states.sum() + sum(p.sum() for p in correction_parameters(draft))).float()
     ce_sums = torch.zeros(b, dtype=torch.float32, device=rows.device)
     hits = torch.zeros(b, dtype=torch.int64, device=rows.device)
+    if gradient == "autograd":
+        for s in range(0, len(rows), chunk):
+            e = min(s + chunk, len(rows))
+            ce_f, ce_b, hit = checkpoint(chunk_losses, draft, rows[s:e], head, j_idx[s:e], g[s:e], y[s:e],
+                                         compiled_terms, use_reentrant=False)
+            total = total + (w[s:e] * ((1.0 - base_weight) * ce_f + base_weight * ce_b)).sum()
+            ce_sums.index_add_(0, j_idx[s:e], ce_f.detach())
+            hits.index_add_(0, j_idx[s:e], hit.long())
+        return total / norm, slot_metrics(ce_sums, hits, j_idx, b)
+    want_grad = torch.is_grad_enabled() and rows.requires_grad
+    if want_grad and not (math.isfinite(loss_scale) and loss_scale > 0):
+        raise ValueError(f"domino_loss: loss_scale must be a positive finite number, got {loss_scale}")
+    features = draft.correction_features(rows, g)  # [M, E]
+    p2 = draft.embed_proj[2].weight  # [V, E]
+    coef = w * (loss_scale / norm)
+    grads = (torch.zeros_like(rows), torch.zeros_like(features),
+             torch.zeros(p2.shape, dtype=torch.float32, device=p2.device)) if want_grad else None
+    ce_f, ce_b = torch.zeros(len(rows), device=rows.device), torch.zeros(len(rows), device=rows.device)
     for s in range(0, len(rows), chunk):
         e = min(s + chunk, len(rows))
-        ce_f, ce_b, hit = checkpoint(chunk_losses, draft, rows[s:e], head, j_idx[s:e], g[s:e], y[s:e],
-                                     compiled_terms, use_reentrant=False)
-        total = total + (w[s:e] * ((1.0 - base_weight) * ce_f + base_weight * ce_b)).sum()
-        ce_sums.index_add_(0, j_idx[s:e], ce_f.detach())
+        ce_f[s:e], ce_b[s:e], hit, grad = manual_chunk(draft, rows[s:e].detach(), head, j_idx[s:e],
+                                                       features[s:e].detach(), y[s:e], coef[s:e], base_weight,
+                                                       want_grad)
         hits.index_add_(0, j_idx[s:e], hit.long())
-    counts = torch.bincount(j_idx, minlength=b)
-    metrics = [{"loss": ce_sums[j] / counts[j].clamp(min=1), "hits": hits[j], "valid": counts[j]} for j in range(b)]
-    return total / norm, metrics
+        if grad is not None:
+            grads[0][s:e], grads[1][s:e] = grad[0], grad[1].to(grads[1].dtype)
+            grads[2].add_(grad[2].float())
+    value = (w * ((1.0 - base_weight) * ce_f + base_weight * ce_b)).sum() / norm
+    if want_grad:
+        zero = torch.zeros((), dtype=value.dtype, device=value.device)
+        value = (AttachGradient.apply(rows, value, grads[0], loss_scale)
+                 + AttachGradient.apply(features, zero, grads[1], loss_scale)
+                 + AttachGradient.apply(p2, zero, grads[2].to(p2.dtype), loss_scale))
+    ce_sums.index_add_(0, j_idx, ce_f)
+    return total + value, slot_metrics(ce_sums, hits, j_idx, b)
+
+
+def slot_metrics(ce_sums: torch.Tensor, hits: torch.Tensor, j_idx: torch.Tensor, block_size: int) -> list[dict]:
+    """Per slot j: the mean final ce of its valid rows, its hits and its count of valid rows."""
+    counts = torch.bincount(j_idx, minlength=block_size)
+    return [{"loss": ce_sums[j] / counts[j].clamp(min=1), "hits": hits[j], "valid": counts[j]}
+            for j in range(block_size)]
 
 
 class DominoModule(torch.nn.Module):
@@ -119,12 +200,13 @@ class DominoModule(torch.nn.Module):
 
     def __init__(self, draft: DominoDraft, lm_head: torch.Tensor, *, num_anchors: int = 512, gamma: float = 7.0,
                  seed: int = 0, base_weight_start: float = 1.0, base_weight_end: float = 0.0,
-                 base_decay_fraction: float = 1.0, label_chunk: int | None = None, compile_elementwise: bool = True):
+                 base_decay_fraction: float = 1.0, label_chunk: int | None = None, compile_elementwise: bool = True,
+                 gradient: str = "manual"):
         super().__init__()
         self.draft = draft.compile_elementwise(compile_elementwise)
         self.register_buffer("lm_head", lm_head, persistent=False)
         self.options = dict(num_anchors=num_anchors, gamma=gamma, seed=seed, label_chunk=label_chunk,
-                            compiled_terms=compile_elementwise)
+                            compiled_terms=compile_elementwise, gradient=gradient)
         self.schedule = (base_weight_start, base_weight_end, base_decay_fraction)
         self.progress = (0, 1)
 
@@ -136,7 +218,6 @@ class DominoModule(torch.nn.Module):
         return base_weight_at(*self.progress, *self.schedule)
 
     def forward(self, batch: Batch, attention: str = "auto", loss_kernel: str = "auto", loss_scale: float = 1.0):
-        # autograd carries the gradient (loss_scale is applied by the backward); no soft-target kernel
-        del loss_kernel, loss_scale
+        del loss_kernel  # hard labels only: no soft-target kernel
         return domino_loss(self.draft, batch, self.lm_head, base_weight=self.base_weight, attention=attention,
-                           **self.options)
+                           loss_scale=loss_scale, **self.options)

@@ -53,9 +53,17 @@ class DominoDraft(DFlashDraft):
         already computed (decoding takes a whole block's in one product)."""
         if base is None:
             base = self.base_logits(states, head)
-        correction = self.embed_proj(torch.cat([states, prefix.to(states.dtype)], dim=-1))
+        return self.corrected(base, self.correction_features(states, prefix), slots), base
+
+    def correction_features(self, states: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+        """silu(P1 [z; g]) [R, E] of states [R, H] and GRU states prefix [R, G]: what P2 reads."""
+        return self.embed_proj[1](self.embed_proj[0](torch.cat([states, prefix.to(states.dtype)], dim=-1)))
+
+    def corrected(self, base: torch.Tensor, features: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """final [R, V] = base + P2 features where slot >= PURE_DRAFT_PREFIX_LEN, else base."""
+        correction = self.embed_proj[2](features)
         on = (slots >= PURE_DRAFT_PREFIX_LEN)[:, None]
-        return base + torch.where(on, correction, torch.zeros_like(correction)), base
+        return base + torch.where(on, correction, torch.zeros_like(correction))
 
     def block_logits(self, states: torch.Tensor, head: torch.Tensor, slots: torch.Tensor | None = None,
                      tokens: torch.Tensor | None = None) -> torch.Tensor:

@@ -16,8 +16,12 @@ confidence head's logit and w_j = exp(-j / gamma) (gamma <= 0: 1):
                                                           speculative sampling accepts p's token
     bce_j  = BCE(sigmoid(c_j), acc_j)                     acc_j held without gradient
     loss   = sum_counted w_j (ce_w ce_j + l1_w l1_j + conf_w bce_j) / sum_counted w_j
-(--ce-weight 0.1, --l1-weight 0.9, --confidence-weight 1). The normaliser is the micro-batch's; the
-loss is taken chunk by chunk under activation checkpointing, so no [rows, V] tensor is kept.
+(--ce-weight 0.1, --l1-weight 0.9, --confidence-weight 1). The normaliser is the micro-batch's. The
+loss is taken chunk by chunk and no [rows, V] tensor is kept: by default each chunk's ce and L1
+gradient with respect to the rows, A_u and P is taken at once in the forward (manual_chunk, as
+DFlash's loss takes its own), so the backward only scales it; the reference path goes through
+autograd with each chunk recomputed in the backward (activation checkpointing). The confidence
+term has no [rows, V] part and goes through autograd on both.
 """
 
 from __future__ import annotations
