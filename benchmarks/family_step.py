@@ -8,9 +8,9 @@ the options' defaults: GRU 1024, correction 256, Markov rank 256), on one in-mem
 features (--samples rows of --seq tokens: ~16k tokens, the recipe's batch; each row's loss region
 one contiguous answer after a prompt). The step is the module's forward and backward under bf16
 autocast (no optimizer: it is the same for all). DFlash's loss takes its gradient by hand. Domino's
-goes through autograd, chunk by chunk under activation checkpointing, with the per-chunk loss terms
-eager or compiled (`compiled_terms`). DSpark's runs both ways: through autograd (eager or compiled
-terms), and by hand (`gradient="manual"`, its default). CUDA events after warm-up (compiles
+and DSpark's run both ways: through autograd, chunk by chunk under activation checkpointing, with
+the per-chunk loss terms eager or compiled (`compiled_terms`), and by hand (`gradient="manual"`,
+their default). CUDA events after warm-up (compiles
 included there); peak from max_memory_allocated.
 """
 
@@ -59,7 +59,7 @@ def module(family: str, compiled_terms: bool, gradient: str = "autograd"):
         return DFlashModule(DFlashDraft(DFlashConfig(**SMOL_DFLASH)), head, num_anchors=ANCHORS)
     if family == "domino":
         draft = DominoDraft(DominoConfig(**SMOL_DFLASH, gru_hidden_dim=1024, emb_dim=256))
-        m = DominoModule(draft, head, num_anchors=ANCHORS)
+        m = DominoModule(draft, head, num_anchors=ANCHORS, gradient=gradient)
     else:
         draft = DSparkDraft(DSparkConfig(**SMOL_DFLASH, markov_rank=256))
         m = DSparkModule(draft, head, num_anchors=ANCHORS, gradient=gradient)
@@ -76,8 +76,9 @@ def main() -> None:
     batch = random_batch(args.samples, args.seq, DFlashConfig(**SMOL_DFLASH))
     rows = []
     for family, compiled, gradient in (("dflash", True, "manual"), ("domino", False, "autograd"),
-                                       ("domino", True, "autograd"), ("dspark", False, "autograd"),
-                                       ("dspark", True, "autograd"), ("dspark", True, "manual")):
+                                       ("domino", True, "autograd"), ("domino", True, "manual"),
+                                       ("dspark", False, "autograd"), ("dspark", True, "autograd"),
+                                       ("dspark", True, "manual")):
         model = module(family, compiled, gradient).cuda()
 
         def step(model=model):
