@@ -235,7 +235,8 @@ plan_next() {
 #   train      7 drafts, 2 epochs, 4 at a time (DSpark and Domino ~800 s, the others ~330 s)   ~850 s
 #   eval       8 prompts of each of the 4 held-out sets (EVAL_LIMIT), 8 side by side: the
 #              EAGLE-3 tree (360 nodes a round) is the slowest, ~7-15 tokens/s                 ~250 s
-#   timing     each draft alone, 2 prompts a set, the EAGLE-3 chain with the target alone    ~200 s
+#   timing     each draft alone, 2 prompts a set, the EAGLE-3 chain with the target alone    ~290 s
+#   family_step  the DFlash-backbone families' step by gradient path, if time is left        ~80 s
 plan_families() {
   begin_plan "plan families: commit ${GIT_COMMIT:-?}, device $DEV, epochs ${EPOCHS}, deadline ${DEADLINE}s" || return 1
   local from=""
@@ -243,6 +244,7 @@ plan_families() {
   if [ "$DEV" = cuda ]; then
     step families 1500 env RUN="$RUN/families" EPOCHS="$EPOCHS" REGEN_FROM="$from" TIMING_LIMIT="${TIMING_LIMIT:-2}" \
       EVAL_OPTS="--limit ${EVAL_LIMIT:-8}" bash scripts/families_gpu.sh
+    step family_step 100 python -m benchmarks.family_step  # alone, if the deadline leaves room
   else
     step families 1500 env RUN="$RUN/families" DEV=cpu SYNTH=6 EPOCHS=1 JOBS=2 EVAL_JOBS=3 TIMING_LIMIT=1 \
       RESULT=dry_families REGEN_OPTS="--batch-size 6 --max-new-tokens 16" \
