@@ -246,7 +246,7 @@ plan_families() {
       EVAL_OPTS="--limit ${EVAL_LIMIT:-8}" bash scripts/families_gpu.sh
     step family_step 100 python -m benchmarks.family_step  # alone, if the deadline leaves room
   else
-    step families 1500 env RUN="$RUN/families" DEV=cpu SYNTH=6 EPOCHS=1 JOBS=2 EVAL_JOBS=3 TIMING_LIMIT=1 \
+    step families 900 env RUN="$RUN/families" DEV=cpu SYNTH=6 EPOCHS=1 JOBS=2 EVAL_JOBS=3 TIMING_LIMIT=1 \
       RESULT=dry_families REGEN_OPTS="--batch-size 6 --max-new-tokens 16" \
       EVAL_OPTS="--limit 1 --max-new-tokens 6 --prompts chat" \
       TRAIN_OPTS="--num-workers 0 --draft-vocab-size 512 --max-batch-tokens 1024 --warmup-steps 1" \
