@@ -188,6 +188,17 @@ class AttachGradient(torch.autograd.Function):
         return grad * (upstream / ctx.announced).to(grad.dtype), None, None, None
 
 
+def attach_gradients(value: torch.Tensor, announced: float, *pairs) -> torch.Tensor:
+    """value (0-d, computed without autograd) as a function of each (tensor, its gradient) pair:
+    the gradients were computed for the upstream gradient `announced`; the backward scales them."""
+    zero = torch.zeros((), dtype=value.dtype, device=value.device)
+    (x, grad), *rest = pairs
+    total = AttachGradient.apply(x, value, grad.to(x.dtype), announced)
+    for x, grad in rest:  # the value once; the others carry only their gradients
+        total = total + AttachGradient.apply(x, zero, grad.to(x.dtype), announced)
+    return total
+
+
 @torch.no_grad()
 def hard_chunk(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor, want_grad: bool,
                logits):

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from specfoundry.train.dflash.loss import AttachGradient, batch_anchors, block_inputs
+from specfoundry.train.dflash.loss import attach_gradients, batch_anchors, block_inputs
 from specfoundry.train.domino.config import PURE_DRAFT_PREFIX_LEN
 from specfoundry.train.domino.model import DominoDraft, correction_parameters
 from specfoundry.train.layers import compiled_on_cuda
@@ -159,32 +159,37 @@ def domino_loss(draft: DominoDraft, batch: Batch, lm_head: torch.Tensor, *, base
             ce_sums.index_add_(0, j_idx[s:e], ce_f.detach())
             hits.index_add_(0, j_idx[s:e], hit.long())
         return total / norm, slot_metrics(ce_sums, hits, j_idx, b)
+    value = manual_loss(draft, rows, head, j_idx, g, y, w / norm, chunk, base_weight, loss_scale, ce_sums, hits)
+    return total + value, slot_metrics(ce_sums, hits, j_idx, b)
+
+
+def manual_loss(draft: DominoDraft, rows, head, j_idx, g, y, w, chunk: int, base_weight: float, loss_scale: float,
+                ce_sums: torch.Tensor, hits: torch.Tensor) -> torch.Tensor:
+    """domino_loss's loss by manual_chunk, chunk by chunk (w [M]: the rows' weights, normalised;
+    g [M, G]: their GRU states), its gradients attached to the rows, the correction's features and
+    P2. Adds the per-slot final ce sums and hits into ce_sums and hits."""
     want_grad = torch.is_grad_enabled() and rows.requires_grad
     if want_grad and not (math.isfinite(loss_scale) and loss_scale > 0):
         raise ValueError(f"domino_loss: loss_scale must be a positive finite number, got {loss_scale}")
     features = draft.correction_features(rows, g)  # [M, E]
     p2 = draft.embed_proj[2].weight  # [V, E]
-    coef = w * (loss_scale / norm)
     grads = (torch.zeros_like(rows), torch.zeros_like(features),
              torch.zeros(p2.shape, dtype=torch.float32, device=p2.device)) if want_grad else None
     ce_f, ce_b = torch.zeros(len(rows), device=rows.device), torch.zeros(len(rows), device=rows.device)
     for s in range(0, len(rows), chunk):
         e = min(s + chunk, len(rows))
         ce_f[s:e], ce_b[s:e], hit, grad = manual_chunk(draft, rows[s:e].detach(), head, j_idx[s:e],
-                                                       features[s:e].detach(), y[s:e], coef[s:e], base_weight,
-                                                       want_grad)
+                                                       features[s:e].detach(), y[s:e], w[s:e] * loss_scale,
+                                                       base_weight, want_grad)
         hits.index_add_(0, j_idx[s:e], hit.long())
         if grad is not None:
             grads[0][s:e], grads[1][s:e] = grad[0], grad[1].to(grads[1].dtype)
             grads[2].add_(grad[2].float())
-    value = (w * ((1.0 - base_weight) * ce_f + base_weight * ce_b)).sum() / norm
-    if want_grad:
-        zero = torch.zeros((), dtype=value.dtype, device=value.device)
-        value = (AttachGradient.apply(rows, value, grads[0], loss_scale)
-                 + AttachGradient.apply(features, zero, grads[1], loss_scale)
-                 + AttachGradient.apply(p2, zero, grads[2].to(p2.dtype), loss_scale))
     ce_sums.index_add_(0, j_idx, ce_f)
-    return total + value, slot_metrics(ce_sums, hits, j_idx, b)
+    value = (w * ((1.0 - base_weight) * ce_f + base_weight * ce_b)).sum()
+    if not want_grad:
+        return value
+    return attach_gradients(value, loss_scale, (rows, grads[0]), (features, grads[1]), (p2, grads[2]))
 
 
 def slot_metrics(ce_sums: torch.Tensor, hits: torch.Tensor, j_idx: torch.Tensor, block_size: int) -> list[dict]:

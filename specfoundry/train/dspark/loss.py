@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from specfoundry.train.dflash.loss import AttachGradient, batch_anchors, block_inputs
+from specfoundry.train.dflash.loss import attach_gradients, batch_anchors, block_inputs
 from specfoundry.train.dspark.model import DSparkDraft, head_parameters
 from specfoundry.train.layers import compiled_on_cuda
 from specfoundry.train.loader import Batch
@@ -116,6 +116,38 @@ def manual_chunk(draft: DSparkDraft, rows, head, a_u, prev, labels, teacher, coe
     return ce, l1, hits, (dz @ head, dz @ w2.to(dz.dtype), dz.T @ a_u.to(dz.dtype))
 
 
+def manual_loss(draft: DSparkDraft, rows, head, u, y, teacher, w, j_idx, chunk: int, weights, loss_scale: float,
+                sums: dict, hits: torch.Tensor) -> torch.Tensor:
+    """dspark_loss's loss by manual_chunk, chunk by chunk (w [M]: the rows' weights, normalised;
+    weights: ce, l1 and confidence weights), its gradients attached to the rows, A_u and P; the
+    confidence term through autograd. Adds the per-slot sums and hits into sums and hits."""
+    ce_weight, l1_weight, confidence_weight = weights
+    want_grad = torch.is_grad_enabled() and rows.requires_grad
+    if want_grad and not (math.isfinite(loss_scale) and loss_scale > 0):
+        raise ValueError(f"dspark_loss: loss_scale must be a positive finite number, got {loss_scale}")
+    a_u = draft.markov_head.markov_w1(u)  # [M, R]
+    w2 = draft.markov_head.markov_w2.weight  # [V, R]
+    grads = (torch.zeros_like(rows), torch.zeros_like(a_u),
+             torch.zeros(w2.shape, dtype=torch.float32, device=w2.device)) if want_grad else None
+    ce, l1 = torch.zeros(len(rows), device=rows.device), torch.zeros(len(rows), device=rows.device)
+    for s in range(0, len(rows), chunk):
+        e = min(s + chunk, len(rows))
+        ce[s:e], l1[s:e], hit, g = manual_chunk(draft, rows[s:e].detach(), head, a_u[s:e].detach(), u[s:e], y[s:e],
+                                                teacher[s:e], w[s:e] * loss_scale, ce_weight, l1_weight, want_grad)
+        hits.index_add_(0, j_idx[s:e], hit.long())
+        if g is not None:
+            grads[0][s:e], grads[1][s:e] = g[0], g[1].to(grads[1].dtype)
+            grads[2].add_(g[2].float())
+    value = (w * (ce_weight * ce + l1_weight * l1)).sum()
+    if want_grad:
+        value = attach_gradients(value, loss_scale, (rows, grads[0]), (a_u, grads[1]), (w2, grads[2]))
+    c = draft.confidence_logit(rows, u).float()  # [M]: no [M, V] part, so through autograd
+    bce = F.binary_cross_entropy_with_logits(c, (1.0 - 0.5 * l1).clamp(0.0, 1.0), reduction="none")
+    for k, v in (("ce", ce), ("l1", l1), ("confidence", torch.sigmoid(c.detach()))):
+        sums[k].index_add_(0, j_idx, v)
+    return value + (w * confidence_weight * bce).sum()
+
+
 def dspark_loss(draft: DSparkDraft, batch: Batch, lm_head: torch.Tensor, *, num_anchors: int = 512,
                 gamma: float = 7.0, seed: int = 0, ce_weight: float = 0.1, l1_weight: float = 0.9,
                 confidence_weight: float = 1.0, attention: str = "auto", label_chunk: int | None = None,
@@ -162,35 +194,8 @@ def dspark_loss(draft: DSparkDraft, batch: Batch, lm_head: torch.Tensor, *, num_
             hits.index_add_(0, j_idx[s:e], hit.long())
         total = total / norm
     else:
-        want_grad = torch.is_grad_enabled() and rows.requires_grad
-        if want_grad and not (math.isfinite(loss_scale) and loss_scale > 0):
-            raise ValueError(f"dspark_loss: loss_scale must be a positive finite number, got {loss_scale}")
-        a_u = draft.markov_head.markov_w1(u)  # [M, R]
-        w2 = draft.markov_head.markov_w2.weight  # [V, R]
-        coef = w * (loss_scale / norm)
-        grads = (torch.zeros_like(rows), torch.zeros_like(a_u), torch.zeros(w2.shape, dtype=torch.float32,
-                                                                             device=w2.device)) if want_grad else None
-        ce, l1 = torch.zeros(len(rows), device=rows.device), torch.zeros(len(rows), device=rows.device)
-        for s in range(0, len(rows), chunk):
-            e = min(s + chunk, len(rows))
-            ce[s:e], l1[s:e], hit, g = manual_chunk(draft, rows[s:e].detach(), head, a_u[s:e].detach(), u[s:e], y[s:e],
-                                                    teacher[s:e], coef[s:e], ce_weight, l1_weight, want_grad)
-            hits.index_add_(0, j_idx[s:e], hit.long())
-            if g is not None:
-                grads[0][s:e], grads[1][s:e] = g[0], g[1].to(grads[1].dtype)
-                grads[2].add_(g[2].float())
-        value = (w * (ce_weight * ce + l1_weight * l1)).sum() / norm
-        if want_grad:
-            zero = torch.zeros((), dtype=value.dtype, device=value.device)
-            value = (AttachGradient.apply(rows, value, grads[0], loss_scale)
-                     + AttachGradient.apply(a_u, zero, grads[1], loss_scale)
-                     + AttachGradient.apply(w2, zero, grads[2].to(w2.dtype), loss_scale))
-        c = draft.confidence_logit(rows, u).float()  # [M]: no [M, V] part, so through autograd
-        accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0)
-        bce = F.binary_cross_entropy_with_logits(c, accept, reduction="none")
-        total = total + value + (w * confidence_weight * bce).sum() / norm
-        for k, v in (("ce", ce), ("l1", l1), ("confidence", torch.sigmoid(c.detach()))):
-            sums[k].index_add_(0, j_idx, v)
+        total = total + manual_loss(draft, rows, head, u, y, teacher, w / norm, j_idx, chunk,
+                                    (ce_weight, l1_weight, confidence_weight), loss_scale, sums, hits)
     counts = torch.bincount(j_idx, minlength=b)
     metrics = [{"loss": sums["ce"][j] / counts[j].clamp(min=1), "hits": hits[j], "valid": counts[j],
                 "l1": sums["l1"][j], "confidence": sums["confidence"][j]} for j in range(b)]
