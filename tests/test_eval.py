@@ -270,6 +270,26 @@ def test_eval_report_and_untrained_floor(gate_run, tmp_path, smollm2_target):
     assert (out / "acceptance.png").stat().st_size > 1000 and "accept len" in (out / "eval.txt").read_text()
 
 
+def test_the_gpu_warm_up_leaves_every_decoded_figure_but_time_unchanged(gate_run, smollm2_target, monkeypatch):
+    """The untimed warm-up decode that a GPU gets (warm_up) changes no token or round: forced on a
+    CPU, the report's counts equal a run without it, greedy and sampled."""
+    import specfoundry.eval.evaluate as evaluate
+
+    _, export = gate_run
+    calls, original = [], evaluate.warm_up
+    monkeypatch.setattr(evaluate, "warm_up", lambda *a: calls.append(1) or original(*a))
+    for temperature in (0.0, 0.8):
+        cfg = EvalConfig(draft=str(export), prompt_sets=("chat",), limit=1, k=3, max_new_tokens=12, device="cpu",
+                         temperature=temperature, baseline=temperature == 0.0)
+        reports = []
+        for forced in (False, True):
+            monkeypatch.setattr(evaluate, "warms_up", lambda device, forced=forced: forced)
+            reports.append(run_eval(cfg, target=smollm2_target)["sets"]["chat"]["trained"])
+        keys = ("prompts", "rounds", "tokens", "accept_length")
+        assert {k: reports[0][k] for k in keys} == {k: reports[1][k] for k in keys}
+    assert len(calls) == 2
+
+
 def test_untrained_draft_keeps_the_vocabulary(gate_run, smollm2_dir):
     _, export = gate_run
     draft = load_draft(export, smollm2_dir, torch.device("cpu"), torch.float32)
