@@ -77,7 +77,7 @@ def main() -> None:
     timing = gather(args.run, TIMING)
     columns = ["draft", "shape", "set", "prompts", "accept_length", "draft_ms_per_round", "target_ms_per_round",
                "tokens_per_s", "alone_tokens_per_s", "speedup", "greedy_equal"]
-    print("acceptance (every prompt):")
+    print("acceptance (the eval runs' prompts):")
     print_table(rows, columns)
     if timing:
         print("timing (each draft alone):")

@@ -9,7 +9,7 @@
 # Needs a CUDA machine with specfoundry installed (`pip install -e .` over your own torch).
 #
 # SmolLM2's drafts are small: one training alone leaves most of an H200 idle, so the trainings run
-# side by side (JOBS at a time), then the acceptance evals (every prompt, EVAL_JOBS at a time).
+# side by side (JOBS at a time), then the acceptance evals (EVAL_JOBS at a time).
 # Side by side, their tokens/s are not comparable, so a timing pass follows: each draft decodes
 # alone, TIMING_LIMIT prompts of every set, the EAGLE-3 chain with the target alone too; its reports
 # (timing_<draft>) give families.json's tokens/s. SEQUENTIAL=1 runs everything one at a time.
@@ -21,7 +21,8 @@
 #                 of regenerating (sf-regen then finds it complete)
 #   EPOCHS        every family's epochs (default: each recipe's)
 #   JOBS          trainings at once (4: more overflow an H200's 140 GB), EVAL_JOBS evals at once (8)
-#   TIMING_LIMIT  prompts per set in the timing pass (4; 0 skips the pass)
+#   TIMING_LIMIT  prompts per set in the timing pass (4; 0 skips the pass); STOP_AT: epoch seconds
+#                 after which no timing decode starts (families.json is written before the pass too)
 #   REGEN_OPTS, TRAIN_OPTS, EVAL_OPTS  more options for every sf-regen, sf-train (default
 #                 --num-workers 2), sf-eval (acceptance and timing) command
 #   RESULT        the result file's name under benchmarks/results (families)
@@ -87,27 +88,38 @@ for d in "${DRAFTS[@]}"; do
   IFS='|' read -r name recipe opts <<< "$d"
   trains+=("sf-train run $RUN/features -o $RUN/$name --recipe $recipe $opts $TRAIN_OPTS")
 done
-side_by_side train "${JOBS:-4}" "${trains[@]}"
+# a training that fails (its log is named) leaves the others to be evaluated; the script fails at the end
+status=0
+side_by_side train "${JOBS:-4}" "${trains[@]}" || status=1
 
 # the evals of every draft: NAME|DRAFT|RECIPE|OPTIONS (the EAGLE-3 draft decodes as a chain and a tree)
 EVALS=("eagle3_chain_k7|eagle3|$EAGLE3|"
        "eagle3_tree|eagle3|$EAGLE3|--tree 8,4,2,1,1,1,1")
 for name in dflash_b16 dflash_b16_dpace dflash_b16_norm01 domino_b16 dspark; do EVALS+=("$name|$name|$DFLASH|"); done
 EVALS+=("peagle_k7|peagle_k7|$PEAGLE|")
-evals=()
+trained=()  # the evals of the drafts that trained (an export in their folder)
 for e in "${EVALS[@]}"; do
+  IFS='|' read -r name draft recipe opts <<< "$e"
+  if [ -f "$RUN/$draft/export/config.json" ]; then trained+=("$e"); else echo "no export in $RUN/$draft: $name not evaluated"; fi
+done
+evals=()
+for e in "${trained[@]}"; do
   IFS='|' read -r name draft recipe opts <<< "$e"
   evals+=("sf-eval run $RUN/$draft -o $RUN/eval_$name --recipe $recipe $opts --no-baseline $EVAL_OPTS")
 done
-side_by_side eval "${EVAL_JOBS:-8}" "${evals[@]}"
+side_by_side eval "${EVAL_JOBS:-8}" "${evals[@]}" || status=1
+# the acceptance figures now, whatever the timing pass then has time for
+python -m benchmarks.families "$RUN" --out "${RESULT:-families}"
 
 if [ "${TIMING_LIMIT:-4}" -gt 0 ]; then
-  timings=()
-  for e in "${EVALS[@]}"; do
+  for e in "${trained[@]}"; do  # one at a time; none started after STOP_AT (epoch seconds), if given
     IFS='|' read -r name draft recipe opts <<< "$e"
+    if [ -n "${STOP_AT:-}" ] && [ "$(date +%s)" -ge "$STOP_AT" ]; then echo "timing: $name skipped (STOP_AT)"; continue; fi
     [ "$name" = eagle3_chain_k7 ] && base=--baseline || base=--no-baseline
-    timings+=("sf-eval run $RUN/$draft -o $RUN/timing_$name --recipe $recipe $opts $base $EVAL_OPTS --limit ${TIMING_LIMIT:-4}")
+    side_by_side "timing_$name" 1 \
+      "sf-eval run $RUN/$draft -o $RUN/timing_$name --recipe $recipe $opts $base $EVAL_OPTS --limit ${TIMING_LIMIT:-4}" \
+      || status=1
   done
-  side_by_side timing 1 "${timings[@]}"
+  python -m benchmarks.families "$RUN" --out "${RESULT:-families}"
 fi
-python -m benchmarks.families "$RUN" --out "${RESULT:-families}"
+exit $status

@@ -117,14 +117,18 @@ def test_a_run_that_writes_no_conversation_fails_naming_why(tmp_path, monkeypatc
     instead of a success that the capture would only reject later."""
     import specfoundry.generate.cli as cli_module
 
-    totals = {"conversations_written": 0, "synthetic_prompts_empty": 3}
+    totals = {"conversations_in": 0, "conversations_written": 0, "synthetic_prompts_empty": 3}
     monkeypatch.setattr(cli_module, "run_regen", lambda cfg, silent=False: {"bad_inputs": [], "totals": totals})
     out = tmp_path / "o"
     args = ["run", "--synthesize", "3", "--max-new-tokens", "12", "-o", str(out)]
     result = CliRunner().invoke(regen_cli, args)
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 2, result.output
     assert "synthesised prompts unfinished or empty 3" in result.output
-    assert f"{out}: no conversation written: a synthesised prompt must end within --max-new-tokens (12)" in result.output
+    assert f"{out}: no conversation written: no synthesised prompt ended within --max-new-tokens (12)" in result.output
+    # prompts that did end, and answers lost for another reason: the counts say which
+    totals.update(conversations_in=2, synthetic_prompts_empty=1, turns_empty=2)
+    result = CliRunner().invoke(regen_cli, args)
+    assert result.exit_code == 2 and f"{out}: no conversation written: see the counts above" in result.output
     totals["conversations_written"] = 2
     assert CliRunner().invoke(regen_cli, args).exit_code == 0
 

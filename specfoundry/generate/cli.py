@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from specfoundry.common.cli import CONTEXT, resolve_config, stage_command
+from specfoundry.common.cli import CONTEXT, CommandError, resolve_config, stage_command
 from specfoundry.common.conversations import ConversationFormatError
 from specfoundry.common.placement import launch_env
 from specfoundry.common.shards import OutputFolderError
@@ -45,9 +45,10 @@ def run(greedy, recipe, silent, **options):
         f"failed {t.get('turns_failed', 0)}; bad inputs {len(manifest['bad_inputs'])}{synthesised})"
     )
     if not t.get("conversations_written", 0):  # nothing a later stage could train on: never a success
-        hint = (f": a synthesised prompt must end within --max-new-tokens ({cfg.sampling.max_new_tokens})"
-                if cfg.synthesize and t.get("synthetic_prompts_empty", 0) else ": see the counts above")
-        raise click.ClickException(f"{cfg.output}: no conversation written{hint}")
+        no_prompt = cfg.synthesize and not t.get("conversations_in", 0) and t.get("synthetic_prompts_empty", 0)
+        hint = (f"no synthesised prompt ended within --max-new-tokens ({cfg.sampling.max_new_tokens})" if no_prompt
+                else "see the counts above")
+        raise CommandError(f"{cfg.output}: no conversation written: {hint}")
     exchanges = [t.get(f"tool_exchanges_{k}", 0) for k in ("kept", "replaced", "dropped")]
     if any(exchanges):
         click.echo("tool exchanges: kept {}, replaced by the recorded ones {}, dropped {}".format(*exchanges))

@@ -98,7 +98,8 @@ def manual_chunk(draft: DSparkDraft, rows, head, a_u, prev, labels, teacher, coe
         d ce / dz = p - onehot(y)
         d l1 / dz_k = sum_v s_v p_v (delta_vk - p_k) = p_k (s_k - <s, p>)
         dL/drows = dz W,   dL/dA_u = dz P,   dL/dP = dz^T A_u            (dz = dL/dz [c, V])
-    in two fp32 [c, V] buffers (p, then q overwritten by s and by dz)."""
+    in fp32 [c, V] buffers: p, then p - q overwritten by s and by dz, and the temporaries of |p - q|
+    and s * p."""
     z = draft.step_logits(rows, head, prev).float()  # [c, V]
     hits = z.argmax(-1) == labels
     lse = torch.logsumexp(z, dim=-1)
