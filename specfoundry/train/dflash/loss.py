@@ -188,6 +188,13 @@ class AttachGradient(torch.autograd.Function):
         return grad * (upstream / ctx.announced).to(grad.dtype), None, None, None
 
 
+def check_announced(loss_scale: float, loss: str) -> None:
+    """A loss that writes its gradient at once is told the upstream gradient (loss_scale): it must be
+    a positive finite number."""
+    if not (math.isfinite(loss_scale) and loss_scale > 0):
+        raise ValueError(f"{loss}: loss_scale must be a positive finite number, got {loss_scale}")
+
+
 def attach_gradients(value: torch.Tensor, announced: float, *pairs) -> torch.Tensor:
     """value (0-d, computed without autograd) as a function of each (tensor, its gradient) pair:
     the gradients were computed for the upstream gradient `announced`; the backward scales them."""
@@ -410,8 +417,8 @@ def dflash_loss(model: DFlashDraft, batch: Batch, lm_head: torch.Tensor, *, num_
     else:  # the target's distribution for x_{a+k} is its lm_head over its final state at a+k-1
         targets = batch.final_hidden[b_idx, target_pos - 1].to(head.dtype)
     want_grad = torch.is_grad_enabled() and rows.requires_grad
-    if want_grad and not (math.isfinite(loss_scale) and loss_scale > 0):
-        raise ValueError(f"dflash_loss: loss_scale must be a positive finite number, got {loss_scale}")
+    if want_grad:
+        check_announced(loss_scale, "dflash_loss")
     chunk = label_chunk or logit_rows(head.shape[0])
     # the slots' weights: fixed per slot (dflash), or computed from the rows' own ce (dpace)
     weighting = (slot_weights(b, gamma),) if objective == "dflash" else (valid, where, dpace_alpha)

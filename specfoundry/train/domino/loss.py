@@ -27,10 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from specfoundry.train.dflash.loss import attach_gradients, batch_anchors, block_inputs
+from specfoundry.train.dflash.loss import attach_gradients, batch_anchors, block_inputs, check_announced
 from specfoundry.train.domino.config import PURE_DRAFT_PREFIX_LEN
 from specfoundry.train.domino.model import DominoDraft, correction_parameters
-from specfoundry.train.layers import compiled_on_cuda
 from specfoundry.train.loader import Batch
 from specfoundry.train.teacher import logit_rows
 
@@ -61,23 +60,12 @@ def shifted_targets(batch: Batch, anchors: torch.Tensor, keep: torch.Tensor, blo
     return labels, valid, tokens
 
 
-def shifted_terms(final: torch.Tensor, base: torch.Tensor, labels: torch.Tensor):
-    """ce of the final and of the base logits [c, V] in fp32 ([c] each), and the final logits'
-    argmax hits [c]."""
+def chunk_losses(draft: DominoDraft, rows, head, slots, prefix, labels):
+    """ce of the final and of the base logits [c] fp32, and the final logits' hits [c]."""
+    final, base = draft.corrected_logits(rows, head, slots, prefix)
     final, base = final.float(), base.float()
     return (F.cross_entropy(final, labels, reduction="none"), F.cross_entropy(base, labels, reduction="none"),
             final.detach().argmax(-1) == labels)
-
-
-# On a GPU: the casts, both log-softmaxes and the argmax fused into one pass over each [c, V] chunk,
-# and their backward into one more, instead of eager fp32 passes that dominate the step (V >> H)
-COMPILED_SHIFTED_TERMS = compiled_on_cuda(shifted_terms)
-
-
-def chunk_losses(draft: DominoDraft, rows, head, slots, prefix, labels, compiled: bool = False):
-    """ce of the final and of the base logits [c] fp32, and the final logits' hits [c]."""
-    final, base = draft.corrected_logits(rows, head, slots, prefix)
-    return (COMPILED_SHIFTED_TERMS if compiled else shifted_terms)(final, base, labels)
 
 
 @torch.no_grad()
@@ -119,14 +107,13 @@ def manual_chunk(draft: DominoDraft, rows, head, slots, features, labels, coef, 
 
 def domino_loss(draft: DominoDraft, batch: Batch, lm_head: torch.Tensor, *, base_weight: float,
                 num_anchors: int = 512, gamma: float = 7.0, seed: int = 0, attention: str = "auto",
-                label_chunk: int | None = None, compiled_terms: bool = False, gradient: str = "manual",
+                label_chunk: int | None = None, gradient: str = "manual",
                 loss_scale: float = 1.0):
     """(total loss, per-slot metrics [{loss, hits, valid}] for j = 0..B-1: loss the mean final ce of
     slot j's valid rows, hits argmax(final) == x_{a+j+1}). gradient: "manual", each chunk's
     gradient taken at once (manual_chunk; loss_scale, the upstream gradient the Trainer will send,
     announced so that it is written at its scale), or "autograd", each chunk through autograd with
-    its logits recomputed in the backward (the reference; compiled_terms: its terms through
-    torch.compile on a GPU). The correction's features silu(P1 [z; g]), which have no [rows, V]
+    its logits recomputed in the backward (the reference). The correction's features silu(P1 [z; g]), which have no [rows, V]
     part, go through autograd either way, and so into P1, the GRU and the rows."""
     if gradient not in ("manual", "autograd"):
         raise ValueError(f"unknown Domino gradient {gradient!r}: choose manual or autograd")
@@ -154,7 +141,7 @@ def domino_loss(draft: DominoDraft, batch: Batch, lm_head: torch.Tensor, *, base
         for s in range(0, len(rows), chunk):
             e = min(s + chunk, len(rows))
             ce_f, ce_b, hit = checkpoint(chunk_losses, draft, rows[s:e], head, j_idx[s:e], g[s:e], y[s:e],
-                                         compiled_terms, use_reentrant=False)
+                                         use_reentrant=False)
             total = total + (w[s:e] * ((1.0 - base_weight) * ce_f + base_weight * ce_b)).sum()
             ce_sums.index_add_(0, j_idx[s:e], ce_f.detach())
             hits.index_add_(0, j_idx[s:e], hit.long())
@@ -169,8 +156,8 @@ def manual_loss(draft: DominoDraft, rows, head, j_idx, g, y, w, chunk: int, base
     g [M, G]: their GRU states), its gradients attached to the rows, the correction's features and
     P2. Adds the per-slot final ce sums and hits into ce_sums and hits."""
     want_grad = torch.is_grad_enabled() and rows.requires_grad
-    if want_grad and not (math.isfinite(loss_scale) and loss_scale > 0):
-        raise ValueError(f"domino_loss: loss_scale must be a positive finite number, got {loss_scale}")
+    if want_grad:
+        check_announced(loss_scale, "domino_loss")
     features = draft.correction_features(rows, g)  # [M, E]
     p2 = draft.embed_proj[2].weight  # [V, E]
     grads = (torch.zeros_like(rows), torch.zeros_like(features),
@@ -211,7 +198,7 @@ class DominoModule(torch.nn.Module):
         self.draft = draft.compile_elementwise(compile_elementwise)
         self.register_buffer("lm_head", lm_head, persistent=False)
         self.options = dict(num_anchors=num_anchors, gamma=gamma, seed=seed, label_chunk=label_chunk,
-                            compiled_terms=compile_elementwise, gradient=gradient)
+                            gradient=gradient)
         self.schedule = (base_weight_start, base_weight_end, base_decay_fraction)
         self.progress = (0, 1)
 

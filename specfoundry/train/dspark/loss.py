@@ -32,9 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from specfoundry.train.dflash.loss import attach_gradients, batch_anchors, block_inputs
+from specfoundry.train.dflash.loss import attach_gradients, batch_anchors, block_inputs, check_announced
 from specfoundry.train.dspark.model import DSparkDraft, head_parameters
-from specfoundry.train.layers import compiled_on_cuda
 from specfoundry.train.loader import Batch
 from specfoundry.train.teacher import logit_rows
 
@@ -59,33 +58,18 @@ def anchor_targets(batch: Batch, anchors: torch.Tensor, keep: torch.Tensor, bloc
     return labels, counted, prev
 
 
-def loss_terms(logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor, c: torch.Tensor):
-    """ce, l1, bce [c] fp32 of the draft's logits [c, V] against the target's teacher_logits [c, V]
-    (no gradient) and labels [c], with the confidence logits c [c]; the argmax hits [c] and the
-    predicted confidence [c]."""
-    logits = logits.float()
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    q = torch.softmax(teacher_logits.float(), dim=-1)
-    l1 = (torch.softmax(logits, dim=-1) - q).abs().sum(-1)
-    accept = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
-    c = c.float()
-    bce = F.binary_cross_entropy_with_logits(c, accept, reduction="none")
-    return ce, l1, bce, logits.detach().argmax(-1) == labels, torch.sigmoid(c.detach())
-
-
-# On a GPU: the casts, both softmaxes, the L1 and the ce fused into a few passes over each [c, V]
-# chunk (and its backward), instead of eager fp32 passes that dominate the step (V >> H)
-COMPILED_LOSS_TERMS = compiled_on_cuda(loss_terms)
-
-
-def chunk_terms(draft: DSparkDraft, rows, head, prev, labels, teacher, compiled: bool = False):
+def chunk_terms(draft: DSparkDraft, rows, head, prev, labels, teacher):
     """ce, l1, bce [c] fp32 of a chunk of rows [c, H] (previous tokens prev [c], labels [c], the
     target's final states teacher [c, H]), the argmax hits [c] and the predicted confidence [c]."""
-    logits = draft.step_logits(rows, head, prev)
+    logits = draft.step_logits(rows, head, prev).float()
+    ce = F.cross_entropy(logits, labels, reduction="none")
     with torch.no_grad():
-        teacher_logits = teacher @ head.T
-    c = draft.confidence_logit(rows, prev)
-    return (COMPILED_LOSS_TERMS if compiled else loss_terms)(logits, teacher_logits, labels, c)
+        q = torch.softmax((teacher @ head.T).float(), dim=-1)
+    l1 = (torch.softmax(logits, dim=-1) - q).abs().sum(-1)
+    accept = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
+    c = draft.confidence_logit(rows, prev).float()
+    bce = F.binary_cross_entropy_with_logits(c, accept, reduction="none")
+    return ce, l1, bce, logits.detach().argmax(-1) == labels, torch.sigmoid(c.detach())
 
 
 @torch.no_grad()
@@ -124,8 +108,8 @@ def manual_loss(draft: DSparkDraft, rows, head, u, y, teacher, w, j_idx, chunk: 
     confidence term through autograd. Adds the per-slot sums and hits into sums and hits."""
     ce_weight, l1_weight, confidence_weight = weights
     want_grad = torch.is_grad_enabled() and rows.requires_grad
-    if want_grad and not (math.isfinite(loss_scale) and loss_scale > 0):
-        raise ValueError(f"dspark_loss: loss_scale must be a positive finite number, got {loss_scale}")
+    if want_grad:
+        check_announced(loss_scale, "dspark_loss")
     a_u = draft.markov_head.markov_w1(u)  # [M, R]
     w2 = draft.markov_head.markov_w2.weight  # [V, R]
     grads = (torch.zeros_like(rows), torch.zeros_like(a_u),
@@ -152,13 +136,13 @@ def manual_loss(draft: DSparkDraft, rows, head, u, y, teacher, w, j_idx, chunk: 
 def dspark_loss(draft: DSparkDraft, batch: Batch, lm_head: torch.Tensor, *, num_anchors: int = 512,
                 gamma: float = 7.0, seed: int = 0, ce_weight: float = 0.1, l1_weight: float = 0.9,
                 confidence_weight: float = 1.0, attention: str = "auto", label_chunk: int | None = None,
-                compiled_terms: bool = False, gradient: str = "manual", loss_scale: float = 1.0):
+                gradient: str = "manual", loss_scale: float = 1.0):
     """(total loss, per-slot metrics [{loss, hits, valid, l1, confidence}] for j = 0..B-1: loss the
     mean ce of slot j's counted rows, hits argmax == x_{a+j+1}, l1 and confidence their sums).
     gradient: "manual", each chunk's ce and L1 gradient taken at once (manual_chunk; loss_scale,
     the upstream gradient the Trainer will send, announced so that it is written at its scale), or
     "autograd", each chunk through autograd with its logits recomputed in the backward (the
-    reference; compiled_terms: its terms through torch.compile on a GPU). The confidence term, which
+    reference). The confidence term, which
     has no [rows, V] part, goes through autograd either way."""
     if gradient not in ("manual", "autograd"):
         raise ValueError(f"unknown DSpark gradient {gradient!r}: choose manual or autograd")
@@ -188,7 +172,7 @@ def dspark_loss(draft: DSparkDraft, batch: Batch, lm_head: torch.Tensor, *, num_
         for s in range(0, len(rows), chunk):
             e = min(s + chunk, len(rows))
             ce, l1, bce, hit, conf = checkpoint(chunk_terms, draft, rows[s:e], head, u[s:e], y[s:e], teacher[s:e],
-                                                compiled_terms, use_reentrant=False)
+                                                use_reentrant=False)
             total = total + (w[s:e] * (ce_weight * ce + l1_weight * l1 + confidence_weight * bce)).sum()
             for k, v in (("ce", ce), ("l1", l1), ("confidence", conf)):
                 sums[k].index_add_(0, j_idx[s:e], v.detach())
@@ -215,7 +199,7 @@ class DSparkModule(torch.nn.Module):
         self.register_buffer("lm_head", lm_head, persistent=False)
         self.options = dict(num_anchors=num_anchors, gamma=gamma, seed=seed, ce_weight=ce_weight,
                             l1_weight=l1_weight, confidence_weight=confidence_weight, label_chunk=label_chunk,
-                            compiled_terms=compile_elementwise, gradient=gradient)
+                            gradient=gradient)
 
     def forward(self, batch: Batch, attention: str = "auto", loss_kernel: str = "auto", loss_scale: float = 1.0):
         del loss_kernel  # no soft-target kernel: the L1 term needs the draft's whole distribution
