@@ -188,29 +188,27 @@ def check_config(cfg: EvalConfig) -> EvalConfig:
     return cfg
 
 
-WARMUP_TOKENS = 8
-
-
 def warms_up(device) -> bool:
     """Whether decode_sets decodes untimed first (warm_up): on a GPU."""
     return torch.device(device).type == "cuda"
 
 
 def warm_up(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict, eos: set[int]) -> None:
-    """One short untimed decode of the first prompt by the target alone (with --baseline) and by
-    each draft, before any timed one: on a GPU the first decode pays for kernel selection, library
-    handles and the allocator's first blocks, which would otherwise fall on the first set's
-    tokens/s alone. Its outputs are dropped and its sampler is its own, so the timed decodes'
-    tokens are those of a run without it."""
+    """One untimed decode of the first prompt, at full length, by the target alone (with
+    --baseline) and by each draft, before any timed one. On a GPU the first decode pays for kernel
+    selection, library handles, the allocator's first blocks and clocks still rising from idle,
+    which would otherwise fall on the first set's tokens/s alone. Full length, because a warm-up
+    of 8 tokens left the first timed decode of the H200 families run (the target alone on chat)
+    at 60% of the other sets' tokens/s (benchmarks/RESULTS.md, "Draft families"). Its outputs are dropped and its sampler is its
+    own, so the timed decodes' tokens are those of a run without it."""
     first = next((prompts[0][1] for prompts in sets.values() if prompts), None)
     if first is None:
         return
     sampler = Sampler(cfg.temperature, torch.Generator(device=target.device).manual_seed(cfg.seed))
-    n = min(WARMUP_TOKENS, cfg.max_new_tokens)
     if cfg.baseline:
-        target_generate(target, first, max_new_tokens=n, eos=eos, sampler=sampler)
+        target_generate(target, first, max_new_tokens=cfg.max_new_tokens, eos=eos, sampler=sampler)
     for runner in drafts.values():
-        runner.generate(target, first, max_new_tokens=n, eos=eos, sampler=sampler)
+        runner.generate(target, first, max_new_tokens=cfg.max_new_tokens, eos=eos, sampler=sampler)
 
 
 def decode_sets(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict, eos: set[int],
