@@ -197,10 +197,10 @@ def warm_up(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict, eos
     """One untimed decode of the first prompt, at full length, by the target alone (with
     --baseline) and by each draft, before any timed one. On a GPU the first decode pays for kernel
     selection, library handles, the allocator's first blocks and clocks still rising from idle,
-    which would otherwise fall on the first set's tokens/s alone. Full length, because a warm-up
-    of 8 tokens left the first timed decode of the H200 families run (the target alone on chat)
-    at 60% of the other sets' tokens/s (benchmarks/RESULTS.md, "Draft families"). Its outputs are dropped and its sampler is its
-    own, so the timed decodes' tokens are those of a run without it."""
+    which would otherwise fall on the first set's tokens/s alone. Full length: after a warm-up
+    of a few tokens the first timed decode was still slow (benchmarks/RESULTS.md, "Draft families"). Its
+    outputs are dropped and its sampler is its own, so the timed decodes' tokens are those of a
+    run without it."""
     first = next((prompts[0][1] for prompts in sets.values() if prompts), None)
     if first is None:
         return
