@@ -23,7 +23,8 @@
 #   JOBS          trainings at once (4: more overflow an H200's 140 GB), EVAL_JOBS evals at once (8)
 #   TIMING_LIMIT  prompts per set in the timing pass (4; 0 skips the pass); STOP_AT: epoch seconds
 #                 after which no timing decode starts (families.json is written before the pass too)
-#   REGEN_OPTS, TRAIN_OPTS, EVAL_OPTS  more options for every sf-regen, sf-train (default
+#   REGEN_OPTS, TRAIN_OPTS, EVAL_OPTS  more options for every sf-regen, sf-train (options every family
+#                 reads: another family's is refused; default
 #                 --num-workers 2), sf-eval (acceptance and timing) command
 #   RESULT        the result file's name under benchmarks/results (families)
 #   DEV           the target's device (cuda)

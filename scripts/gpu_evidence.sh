@@ -216,7 +216,7 @@ plan_next() {
     step capture_placement 300 python -m benchmarks.capture_placement --tiny
     step families_smoke 900 env RUN="$RUN/families" DEV=cpu SYNTH=6 EPOCHS=1 SEQUENTIAL=1 RESULT=dry_families \
       REGEN_OPTS="--batch-size 6 --max-new-tokens 16" EVAL_OPTS="--limit 1 --max-new-tokens 6 --prompts chat" \
-      TRAIN_OPTS="--num-workers 0 --draft-vocab-size 512 --max-batch-tokens 1024 --warmup-steps 1" \
+      TRAIN_OPTS="--num-workers 0 --max-batch-tokens 1024 --warmup-steps 1" \
       bash scripts/families_gpu.sh
     step regen_profile 300 python -m benchmarks.regen --profile-only --batch-size 4 --second-target tiny \
       --llama8b-batch-size 2 --out dry_regen_profile
@@ -251,7 +251,7 @@ plan_families() {
     step families 900 env RUN="$RUN/families" DEV=cpu SYNTH=6 EPOCHS=1 JOBS=2 EVAL_JOBS=3 TIMING_LIMIT=1 \
       RESULT=dry_families REGEN_OPTS="--batch-size 6 --max-new-tokens 16" \
       EVAL_OPTS="--limit 1 --max-new-tokens 6 --prompts chat" \
-      TRAIN_OPTS="--num-workers 0 --draft-vocab-size 512 --max-batch-tokens 1024 --warmup-steps 1" \
+      TRAIN_OPTS="--num-workers 0 --max-batch-tokens 1024 --warmup-steps 1" \
       bash scripts/families_gpu.sh
   fi
   echo "[$(elapsed) s] plan done"

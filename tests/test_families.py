@@ -386,6 +386,28 @@ def test_an_unknown_family_is_one_line_at_every_entry_point(tmp_path):
         cli_one_line(export_main, ["run", str(step), "-o", str(tmp_path / f"out-{len(record)}")], said)
 
 
+def test_another_familys_option_on_the_command_line_is_one_line(tmp_path):
+    """An option of a group that --family does not read is refused before anything runs; the
+    parent's group is read on purpose (Domino: DFlash's --block-size), and a recipe may hold
+    several families' options (only the trained family's are read)."""
+    from specfoundry.train.cli import main as train_main
+
+    out = tmp_path / "o"
+    for family, option, said in (("dflash", ["--gru-hidden-dim", "64"], "--gru-hidden-dim is an option of domino"),
+                                 ("peagle", ["--draft-vocab-size", "512"], "--draft-vocab-size is an option of eagle3"),
+                                 ("eagle3", ["--objective", "dpace"], "--objective is an option of dflash"),
+                                 ("domino", ["--ttt-length", "3"], "reads only dflash and domino's options")):
+        cli_one_line(train_main, ["run", "fs", "-o", str(out), "--family", family, *option], said)
+        assert not out.exists()
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  ttt_length: 3\n")  # an EAGLE-3 key in a recipe shared by families: not read
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(train_main, ["run", str(tmp_path / "missing"), "-o", str(out), "--family", "domino",
+                                             "--block-size", "8", "--recipe", str(recipe)])
+    assert result.exit_code != 0 and "is an option of" not in result.output and "missing" in result.output
+
+
 # ---- the catalogue's own rules ---------------------------------------------------------------------
 
 

@@ -4,10 +4,19 @@ write a draft in the layout a serving engine loads."""
 from __future__ import annotations
 
 import click
+from click.core import ParameterSource
 
-from specfoundry.common.cli import CONTEXT, resolve_config, stage_command
+from specfoundry.common.cli import (
+    CONTEXT,
+    CommandError,
+    config_fields,
+    long_flag,
+    resolve_config,
+    stage_command,
+)
 from specfoundry.common.shards import OutputFolderError
 from specfoundry.common.target import TargetError
+from specfoundry.families import FAMILIES
 from specfoundry.featureset.manifest import FeatureSetError
 from specfoundry.kernels.tree_attention import TooManyShapesError
 from specfoundry.train.export import ExportConfig, run_export
@@ -17,21 +26,38 @@ from specfoundry.train.trainer import TrainConfig, run_train
 
 @click.group(context_settings=CONTEXT)
 def main():
-    """Train speculative-decoding drafts (EAGLE-3) from a feature set."""
+    """Train speculative-decoding drafts of any family (--family) from a feature set."""
 
 
 @stage_command(main, "run", TrainConfig, FeatureSetError, OutputFolderError, TargetError, TooManyShapesError,
                FileNotFoundError, ValueError)
 def run(recipe, silent, **options):
-    """Train the EAGLE-3 draft with Training-Time Test on FEATURESET, then export it for SGLang.
+    """Train a draft of --family on FEATURESET, then export it to OUTPUT/export (SGLang's layout;
+    P-EAGLE: vLLM's speculators format). A family reads its own options and those of the family it
+    extends (Domino and DSpark: DFlash's); another family's option given here is refused.
 
     Runs as one process (CPU or GPU) or under `accelerate launch` on many GPUs (ZeRO-2 with
     recipes/accelerate_zero2.yaml). Rerunning into the same --output resumes exactly."""
     cfg = resolve_config(TrainConfig, "train", recipe, options)
+    refuse_other_families_options(cfg.family)
     result = run_train(cfg, silent=silent)
     last = result["history"][-1] if result["history"] else {}
     click.echo(f"trained {result['steps']} steps; exported to {result['export']}; "
                f"last sim_accept_len {last.get('sim_accept_len', float('nan')):.2f}")
+
+
+def refuse_other_families_options(family: str) -> None:
+    """A family option given on the command line that --family does not read (another family's
+    group) is a one-line error rather than a setting recorded and never used. A recipe may hold
+    several families' options: only those of the family trained are read."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return
+    read = [f.name for f in FAMILIES.chain(family)]
+    for f, _, path in config_fields(TrainConfig):
+        if path and path[0] not in read and ctx.get_parameter_source(f.name) is ParameterSource.COMMANDLINE:
+            raise CommandError(f"{long_flag(f)} is an option of {path[0]}; --family {family} reads only "
+                               f"{' and '.join(read)}'s options")
 
 
 @click.group(context_settings=CONTEXT)
