@@ -399,6 +399,30 @@ def test_a_config_vllm_would_refuse_or_misread_is_one_line(tmp_path, edit, words
     assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+def test_sf_export_keeps_the_trained_depths_and_names_the_verifier_as_sf_train_does(tmp_path, tiny_llama_dir):
+    """sf-export without -k proposes the trained K (not EAGLE-3's 3), and names the verifier by the
+    rule sf-train's export uses (serving_verifier); -k still asks for fewer."""
+    from click.testing import CliRunner
+
+    from specfoundry.train.cli import export_main
+    from specfoundry.train.family import serving_verifier
+
+    draft = tiny_draft(vocab_size=49152, target_hidden_size=64, hidden_size=64, intermediate_size=128,
+                       head_dim=16)  # as wide as the tiny target
+    src = export_draft(draft.state_dict(), draft.cfg, tmp_path / "trained", target={"name": str(tiny_llama_dir)},
+                       verifier=serving_verifier(str(tiny_llama_dir), tiny_llama_dir))
+    for extra, k in (([], 4), (["-k", "2"], 2)):
+        out = tmp_path / f"vllm{k}"
+        result = CliRunner().invoke(export_main, ["run", str(src), "-o", str(out), "--format", "speculators",
+                                                  "--target", str(tiny_llama_dir), *extra])
+        assert result.exit_code == 0, result.output
+        config = json.loads((out / "config.json").read_text())
+        assert vllm_reads(config)[1]["num_speculative_tokens"] == k
+        assert config["speculators_config"]["verifier"] == json.loads((src / "config.json").read_text())[
+            "speculators_config"]["verifier"] == {"name_or_path": str(tiny_llama_dir.resolve()),
+                                                  "architectures": ["LlamaForCausalLM"]}
+
+
 def test_a_missing_mask_hidden_or_misshaped_layer_is_refused_on_export(tmp_path):
     draft = tiny_draft()
     state = draft.state_dict()
@@ -508,5 +532,10 @@ def test_a_peagle_run_resumed_after_a_stop_equals_an_uninterrupted_one(tmp_path,
 
     whole, resumed, names = run_stopped_and_resumed(cfg, tmp_path)
     assert "mask_hidden" in names
+    from specfoundry.train.family import EMBEDDED_HF_ID
+
+    served = json.loads((tmp_path / "whole" / "export" / "config.json").read_text())["speculators_config"]
+    assert served["verifier"]["name_or_path"] == EMBEDDED_HF_ID  # not this machine's converted copy
+    assert served["proposal_methods"][0]["speculative_tokens"] == 3  # the trained K
     assert [(x["loss_0"], x["loss_2"]) for x in whole["history"]] == [(x["loss_0"], x["loss_2"])
                                                                       for x in resumed["history"]]

@@ -18,12 +18,10 @@ from specfoundry.common.files import atomic_write_json
 from specfoundry.common.shards import check_output_folder
 from specfoundry.common.target import EMBEDDED_DEFAULT, resolve_target, target_identity
 from specfoundry.train.drafts import family_of, find_draft_files, locate_draft, trained_for
-from specfoundry.train.family import DraftLoadError
+from specfoundry.train.family import DraftLoadError, serving_verifier
 from specfoundry.train.trainer import TMP_SUFFIX, replace_dir
 
 EXPORT_FORMATS = ("sglang", "speculators")
-EMBEDDED_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-"""The Hugging Face id of the embedded default target: what a vLLM machine loads for it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +39,7 @@ class ExportConfig(Settings):
     verifier: str | None = setting(None, shown="the target; for smollm2 its Hugging Face id",
                                    help="speculators: the model vLLM loads as the target, a Hugging Face id or a "
                                         "path on the serving machine (speculators_config.verifier.name_or_path).")
-    k: int = shared("draft_tokens", 3)
+    k: int | None = shared("draft_tokens", None, shown="EAGLE-3: 3; P-EAGLE: its trained depths K")
 
 
 def check_fits_target(dcfg, identity, layout: str) -> None:
@@ -55,13 +53,6 @@ def check_fits_target(dcfg, identity, layout: str) -> None:
     if layers and layout == "sglang" and max(layers) > identity.num_layers - 2:
         raise DraftLoadError(f"the draft reads the output of layer {max(layers)}, which SGLang cannot capture from a "
                              f"{identity.num_layers}-layer target (at most layer {identity.num_layers - 2})")
-
-
-def verifier_of(cfg: ExportConfig, target: str, target_dir: Path) -> dict:
-    config = json.loads((target_dir / "config.json").read_text())
-    name = cfg.verifier or (EMBEDDED_HF_ID if target == EMBEDDED_DEFAULT else
-                            str(Path(target).resolve()) if Path(target).is_dir() else target)
-    return {"name_or_path": name, "architectures": config.get("architectures") or []}
 
 
 def run_export(cfg: ExportConfig) -> Path:
@@ -82,7 +73,7 @@ def run_export(cfg: ExportConfig) -> Path:
     dcfg = family.for_serving(dcfg, json.loads((target_dir / "config.json").read_text()))
     tmp = out.with_name(f".{out.name}{TMP_SUFFIX}")
     shutil.rmtree(tmp, ignore_errors=True)
-    family.export(tensors, dcfg, tmp, recorded, layout=cfg.format, verifier=verifier_of(cfg, target, target_dir),
+    family.export(tensors, dcfg, tmp, recorded, layout=cfg.format, verifier=serving_verifier(target, target_dir, cfg.verifier),
                   speculative_tokens=cfg.k)
     atomic_write_json(tmp / "export_config.json", config_dict(cfg))
     replace_dir(tmp, out)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from specfoundry.common.embedded import EMBEDDED_DEFAULT
 from specfoundry.families import FAMILIES, DraftLoadError
 from specfoundry.featureset.manifest import FeatureSetError
 
@@ -88,8 +89,9 @@ class DraftFamily:
     """The directory layouts its export writes (sf-export --format); the first is sf-train's."""
 
     def export(self, state: dict[str, torch.Tensor], draft_config, out: Path, target: dict | None,
-               layout: str = "sglang", verifier: dict | None = None, speculative_tokens: int = 3) -> Path:
-        """Write `layout`; a speculators export names its verifier and its speculative tokens."""
+               layout: str = "sglang", verifier: dict | None = None, speculative_tokens: int | None = None) -> Path:
+        """Write `layout`; a speculators export names its verifier (serving_verifier) and its
+        speculative tokens (None: the family's default)."""
         raise NotImplementedError
 
     def read_config(self, path: Path, num_target_layers: int | None = None):
@@ -134,6 +136,21 @@ class DraftFamily:
     def gate_checks(self, gate, export: Path, fs, sample, target) -> list:
         """The gate's checks of the exported draft, in order (gate_checks.Check each)."""
         raise NotImplementedError
+
+
+EMBEDDED_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+"""The Hugging Face id of the embedded default target: what a vLLM machine loads for it."""
+
+
+def serving_verifier(target: str, target_dir: Path, given: str | None = None) -> dict:
+    """A speculators export's verifier {name_or_path, architectures}: `given`, else the target as a
+    serving machine names it: the embedded default's Hugging Face id (not this machine's converted
+    copy), a local folder's absolute path, or the id as given. sf-train's export and sf-export's
+    write the same one."""
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    name = given or (EMBEDDED_HF_ID if target == EMBEDDED_DEFAULT else
+                     str(Path(target).resolve()) if Path(target).is_dir() else target)
+    return {"name_or_path": name, "architectures": config.get("architectures") or []}
 
 
 def exported_tensors(state_dict: dict[str, torch.Tensor], dtype: torch.dtype,

@@ -44,7 +44,7 @@ from specfoundry.common.weights import weight_fingerprint
 from specfoundry.families import FAMILIES, family_names, get_family
 from specfoundry.featureset.manifest import FeatureSetError, check_matches_target, tokenizer_hashes
 from specfoundry.featureset.store import FeatureSet
-from specfoundry.train.family import select_layers
+from specfoundry.train.family import select_layers, serving_verifier
 from specfoundry.train.loader import Batch, FeatureLoader, split_indices
 
 ATTENTIONS = ("auto", "flex", "sdpa", "eager")
@@ -492,7 +492,7 @@ class Trainer:
             shutil.rmtree(tmp, ignore_errors=True)
             target = {**self.fs.manifest["target"], "tokenizer_sha256": self.fs.manifest["tokenizer_sha256"]}
             self.family.export({k.removeprefix("draft."): v for k, v in state.items() if k.startswith("draft.")},
-                               self.dcfg, tmp, target)
+                               self.dcfg, tmp, target, verifier=serving_verifier(self.cfg.target, self.target_dir))
             replace_dir(tmp, export)
             atomic_write_json(self.out / "history.json", self.history)
             remove_temporaries(self.out)  # what a run killed mid-write left (.history.json.*.tmp, ...)

@@ -86,7 +86,7 @@ class DFlashFamily(DraftFamily):
                             dpace_alpha=options.dpace_alpha)
 
     def export(self, state, draft_config: DFlashConfig, out: Path, target: dict | None, layout: str = "sglang",
-               verifier: dict | None = None, speculative_tokens: int = 3) -> Path:
+               verifier: dict | None = None, speculative_tokens: int | None = None) -> Path:
         assert layout == "sglang", layout  # sf-export offers only the family's layouts
         return export_draft(state, draft_config, out, target=target)
 

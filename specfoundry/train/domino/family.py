@@ -48,7 +48,7 @@ class DominoFamily(DFlashFamily):
                             base_weight_end=own.base_weight_end, base_decay_fraction=own.base_decay_fraction)
 
     def export(self, state, draft_config: DominoConfig, out: Path, target: dict | None, layout: str = "sglang",
-               verifier: dict | None = None, speculative_tokens: int = 3) -> Path:
+               verifier: dict | None = None, speculative_tokens: int | None = None) -> Path:
         assert layout == "sglang", layout
         return export_draft(state, draft_config, out, target=target)
 

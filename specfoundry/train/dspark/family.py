@@ -49,7 +49,7 @@ class DSparkFamily(DFlashFamily):
                             confidence_weight=own.confidence_weight)
 
     def export(self, state, draft_config: DSparkConfig, out: Path, target: dict | None, layout: str = "sglang",
-               verifier: dict | None = None, speculative_tokens: int = 3) -> Path:
+               verifier: dict | None = None, speculative_tokens: int | None = None) -> Path:
         assert layout == "sglang", layout
         return export_draft(state, draft_config, out, target=target)
 

@@ -95,6 +95,10 @@ def sglang_config(cfg: Eagle3Config) -> dict:
     }
 
 
+SPECULATIVE_TOKENS = 3
+"""A speculators EAGLE-3 export's proposals per round (a chain) unless sf-export -k gives another."""
+
+
 def speculators_config(cfg: Eagle3Config, verifier: dict, speculative_tokens: int) -> dict:
     """`verifier`: {name_or_path: what vLLM loads as the target, architectures: the target's}.
     No top-level model_type: vLLM takes a config without one but with speculators_config as its
@@ -124,8 +128,9 @@ def validate(tensors: dict[str, torch.Tensor], cfg: Eagle3Config) -> None:
 
 def export_draft(state_dict: dict[str, torch.Tensor], cfg: Eagle3Config, out_dir: str | Path,
                  dtype: torch.dtype = torch.bfloat16, target: dict | None = None, layout: str = "sglang",
-                 verifier: dict | None = None, speculative_tokens: int = 3) -> Path:
-    """Write the draft in `layout` (sglang or speculators; the latter names its `verifier`).
+                 verifier: dict | None = None, speculative_tokens: int | None = None) -> Path:
+    """Write the draft in `layout` (sglang or speculators; the latter names its `verifier` and
+    proposes `speculative_tokens` per round, default SPECULATIVE_TOKENS).
     `target`: the identity of the target the draft was trained for (from the feature set's
     manifest), kept beside it so a later eval can check it."""
     if layout not in LAYOUTS:
@@ -137,7 +142,7 @@ def export_draft(state_dict: dict[str, torch.Tensor], cfg: Eagle3Config, out_dir
     if layout == "speculators":
         if verifier is None:
             raise ValueError("the speculators format names its verifier (the target vLLM loads)")
-        config = speculators_config(cfg, verifier, speculative_tokens)
+        config = speculators_config(cfg, verifier, speculative_tokens or SPECULATIVE_TOKENS)
     else:
         config = sglang_config(cfg)
     save_file({layout_name(n, layout): t for n, t in tensors.items()}, str(out / "model.safetensors"),

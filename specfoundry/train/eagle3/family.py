@@ -71,7 +71,7 @@ class Eagle3Family(DraftFamily):
     layouts = ("sglang", "speculators")
 
     def export(self, state, draft_config: Eagle3Config, out: Path, target: dict | None, layout: str = "sglang",
-               verifier: dict | None = None, speculative_tokens: int = 3) -> Path:
+               verifier: dict | None = None, speculative_tokens: int | None = None) -> Path:
         return export_draft(state, draft_config, out, target=target, layout=layout, verifier=verifier,
                             speculative_tokens=speculative_tokens)
 
