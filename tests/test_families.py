@@ -387,7 +387,8 @@ def test_an_unknown_family_is_one_line_at_every_entry_point(tmp_path):
 
 
 def test_another_familys_option_on_the_command_line_is_one_line(tmp_path):
-    """An option of a group that --family does not read is refused before anything runs; the
+    """An option of a group that --family does not read is refused before anything runs (and
+    sf-capture's --aux-layers, which overrides --families, beside it); the
     parent's group is read on purpose (Domino: DFlash's --block-size), and a recipe may hold
     several families' options (only the trained family's are read)."""
     from specfoundry.train.cli import main as train_main
@@ -399,6 +400,11 @@ def test_another_familys_option_on_the_command_line_is_one_line(tmp_path):
                                  ("domino", ["--ttt-length", "3"], "reads only dflash and domino's options")):
         cli_one_line(train_main, ["run", "fs", "-o", str(out), "--family", family, *option], said)
         assert not out.exists()
+    from specfoundry.capture.cli import main as capture_main
+
+    cli_one_line(capture_main, ["run", "src", "-o", str(out), "--aux-layers", "1,2", "--families", "dflash"],
+                 "--aux-layers names the layers stored, --families picks them")
+    assert not out.exists()
     recipe = tmp_path / "r.yaml"
     recipe.write_text("train:\n  ttt_length: 3\n")  # an EAGLE-3 key in a recipe shared by families: not read
     from click.testing import CliRunner

@@ -8,9 +8,11 @@ from specfoundry.capture.stage import CaptureConfig, CaptureError, run_capture
 from specfoundry.capture.verify import verify_featureset
 from specfoundry.common.cli import (
     CONTEXT,
+    CommandError,
     IntIn,
     Range,
     expected_failures,
+    given_on_command_line,
     resolve_config,
     shared_option,
     stage_command,
@@ -37,6 +39,9 @@ def run(recipe, silent, **options):
 
     Under `torchrun` each copy of the target (one process, or --tp N processes) takes its share
     of the shards. Rerunning the same command resumes."""
+    if given_on_command_line("aux_layers") and given_on_command_line("families"):
+        raise CommandError("--aux-layers names the layers stored, --families picks them from families' defaults: "
+                           "give one")
     cfg = resolve_config(CaptureConfig, "capture", recipe, options)
     manifest = run_capture(cfg, silent=silent)
     if launch_env()[0] == 0:

@@ -422,6 +422,12 @@ def resolve_config(cls, section: str, recipe: str | None, options: dict, **fixed
     return cfg
 
 
+def given_on_command_line(name: str) -> bool:
+    """Whether the running command's option `name` (its parameter name) was given on the command line."""
+    ctx = click.get_current_context(silent=True)
+    return ctx is not None and ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
+
+
 LOCKED = ("regen", "capture", "train", "eval", "gate")
 """The commands that hold their output folder for the run's life (sf-export writes its folder
 whole and renames it into place)."""

@@ -4,12 +4,12 @@ write a draft in the layout a serving engine loads."""
 from __future__ import annotations
 
 import click
-from click.core import ParameterSource
 
 from specfoundry.common.cli import (
     CONTEXT,
     CommandError,
     config_fields,
+    given_on_command_line,
     long_flag,
     resolve_config,
     stage_command,
@@ -50,12 +50,9 @@ def refuse_other_families_options(family: str) -> None:
     """A family option given on the command line that --family does not read (another family's
     group) is a one-line error rather than a setting recorded and never used. A recipe may hold
     several families' options: only those of the family trained are read."""
-    ctx = click.get_current_context(silent=True)
-    if ctx is None:
-        return
     read = [f.name for f in FAMILIES.chain(family)]
     for f, _, path in config_fields(TrainConfig):
-        if path and path[0] not in read and ctx.get_parameter_source(f.name) is ParameterSource.COMMANDLINE:
+        if path and path[0] not in read and given_on_command_line(f.name):
             raise CommandError(f"{long_flag(f)} is an option of {path[0]}; --family {family} reads only "
                                f"{' and '.join(read)}'s options")
 
