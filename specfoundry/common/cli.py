@@ -126,7 +126,10 @@ SHARED = {
     "max_batch_tokens": (("--max-batch-tokens",), "Token budget of one batch (padded tokens).", None,
                          Range(1, 1 << 30)),
     "max_steps": (("--max-steps",), "Optimizer steps of the training run.", None, Range(1)),
-    "draft_tokens": (("-k", "--draft-tokens"), "Tokens the draft proposes per round (a chain of k).", None,
+    "draft_tokens": (("-k", "--draft-tokens"), "Tokens the draft proposes per round: EAGLE-3's chain of k; "
+                     "P-EAGLE's first k depths (at most its trained K). A DFlash, Domino or DSpark draft "
+                     "proposes its trained block (sf-eval warns that -k is ignored); the gate trains it blocks of "
+                     "about k+1.", None,
                      Range(1, MAX_DRAFT)),
     "max_length": (("--max-length",), "Tokens per sample after the chat template, at most.", None,
                    Range(1, MAX_TOKENS)),

@@ -61,7 +61,7 @@ class EvalConfig(Settings):
         BUILTIN_SETS, flags=("--prompts",),
         help=f"Comma-separated prompt sets: built-in held-out sets ({', '.join(BUILTIN_SETS)}) or dataset files "
              "(jsonl/json/parquet; a trailing assistant turn is dropped).")
-    k: int = shared("draft_tokens", 4)
+    k: int = shared("draft_tokens", 4, shown="4; P-EAGLE: its trained K; DFlash, Domino, DSpark: their block - 1")
     tree: tuple[int, ...] | None = setting(
         None, parse=parse_tree,
         help="Draft a token tree instead of a chain: top-k branching per depth, e.g. 4,2,2,1 (depth 4, 44 nodes, "

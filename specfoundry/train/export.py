@@ -32,8 +32,10 @@ class ExportConfig(Settings):
                          "speculators layout), an sf-train run folder, or one of its checkpoints/step-N.")
     output: str = shared("output", resume=False)
     format: str = setting("sglang", choices=EXPORT_FORMATS,
-                          help="sglang: the LlamaForCausalLMEagle3 folder SGLang serves and vLLM reads as well; "
-                               "speculators: vLLM's speculators format, served by `vllm serve OUTPUT` alone.")
+                          help="sglang: the folder SGLang serves (EAGLE-3's LlamaForCausalLMEagle3, which vLLM reads as well; "
+                               "DFlash's, with Domino's and DSpark's fields); speculators: vLLM's speculators format "
+                               "(EAGLE-3, P-EAGLE), served by `vllm serve OUTPUT` alone. A family's other layouts "
+                               "are refused.")
     target: str | None = shared("target", None, shown="the target the draft records it was trained for, else "
                                 f"{EMBEDDED_DEFAULT}")
     verifier: str | None = setting(None, shown="the target; for smollm2 its Hugging Face id",

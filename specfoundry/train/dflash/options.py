@@ -16,8 +16,9 @@ class DFlashOptions(Settings):
                                     "default; --layers may give any number).")
     block_size: int = setting(16, valid=Range(2, MAX_DRAFT + 1), help="DFlash: positions per block, the anchor and block_size-1 proposals.")
     num_anchors: int = setting(512, valid=Range(1, MAX_TOKENS), help="DFlash: anchors sampled per sample and step, among supervised positions.")
-    gamma: float = setting(7.0, valid=Range(), help="DFlash: block position k's loss is weighted exp(-(k-1)/gamma) (<= 0: "
-                           "uniform); the dflash objective only.")
+    gamma: float = setting(7.0, valid=Range(), help="DFlash, Domino, DSpark: a block slot's loss is weighted exp(-d/gamma), d its "
+                           "distance from the block's first predicted slot (<= 0: uniform); --objective dpace "
+                           "weighs by its own rule instead.")
     mask_token_id: int | None = setting(None, valid=Range(0, MAX_TOKENS), shown="the first embedding row past the tokenizer's vocabulary, else "
                                         "the highest id never seen in the feature set",
                                         help="DFlash: the token id of the block's mask positions.")
