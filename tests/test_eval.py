@@ -297,6 +297,26 @@ def test_untrained_draft_keeps_the_vocabulary(gate_run, smollm2_dir):
     assert torch.equal(fresh.d2t, draft.d2t) and not torch.equal(fresh.fc.weight, draft.fc.weight)
 
 
+def test_a_missing_draft_or_source_is_named_before_the_target_loads(tmp_path, monkeypatch):
+    """sf-eval run and sf-capture run check their input before loading the target, which takes
+    minutes on a large one."""
+    from click.testing import CliRunner
+
+    from specfoundry.capture.cli import main as capture_main
+    from specfoundry.common.target import Target
+    from specfoundry.eval.cli import main as eval_main
+
+    def load(*a, **k):
+        raise AssertionError("the target was loaded before the input was checked")
+
+    monkeypatch.setattr(Target, "load", load)
+    for main, argv, said in ((eval_main, ["run", str(tmp_path), "-o", str(tmp_path / "e")], "is not an exported draft"),
+                             (capture_main, ["run", str(tmp_path / "none"), "-o", str(tmp_path / "c")],
+                              "no such file or folder")):
+        result = CliRunner().invoke(main, argv)
+        assert result.exit_code != 0 and said in result.output, (result.output, result.exception)
+
+
 def test_bad_prompt_set_and_draft_fail_clearly(tmp_path, smollm2_dir):
     from specfoundry.common.target import load_tokenizer
 

@@ -30,6 +30,7 @@ from specfoundry.common.conversations import (
     BadInput,
     Conversation,
     ConversationFormatError,
+    data_files,
     load_conversations,
     tools_template_problem,
 )
@@ -355,6 +356,10 @@ def run_capture(cfg: CaptureConfig, silent: bool = False, target: Target | None 
     """Run (or resume) a capture into cfg.output; returns the manifest (rank 0) or its base.
     `target`: the target already loaded (the gate), else cfg's is loaded and placed."""
     writable_folder(Path(cfg.output))  # before loading the target; the settings once they are resolved
+    try:  # the source too: loading a large target takes minutes
+        data_files(cfg.source, cfg.partial)
+    except (ConversationFormatError, FileNotFoundError) as e:
+        raise CaptureError(str(e)) from e
     if target is None:
         target = Target.load(cfg.target, device=cfg.device, placement=cfg.placement, chat_template=cfg.chat_template,
                              command="sf-capture run")

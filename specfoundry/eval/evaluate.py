@@ -255,6 +255,7 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
     device = pick_device(cfg.device)
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(device)
     if target is None:
+        locate_draft(Path(cfg.draft))  # a folder that holds no draft is named before the target loads (minutes)
         target = Target.load(cfg.target, device=cfg.device, dtype=dtype, placement=cfg.placement,
                              chat_template=cfg.chat_template, command="sf-eval run")
     one_copy(target, "sf-eval run")
