@@ -376,6 +376,8 @@ class Trainer:
         self.step = state["step"]
         self.loader.load_state_dict(state["loader"][accel.process_index])
         self.history = state.get("history", [])  # so history.json covers the whole run, not the last leg
+        if accel.is_main_process and not self.silent:
+            print(f"sf-train: resuming from {complete[-1].name} (step {self.step})", file=sys.stderr)
 
     # ---- steps ----------------------------------------------------------------------------------
 
