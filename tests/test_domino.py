@@ -309,6 +309,24 @@ def test_a_config_sglang_would_refuse_is_one_line(tmp_path, edit, words):
     assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+def test_a_domino_export_without_its_projector_type_names_the_family_it_was_read_as(tmp_path, tiny_llama_dir):
+    """Without dflash_config.projector_type the folder reads as plain DFlash; sf-eval's load then
+    names that reading and Domino's tensors, not an empty list of missing ones."""
+    from specfoundry.eval.draft import load_draft
+
+    draft = tiny_draft()
+    out = export_draft(draft.state_dict(), draft.cfg, tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    config["dflash_config"].pop("projector_type")
+    (out / "config.json").write_text(json.dumps(config))
+    (out / "specfoundry_draft.json").unlink()  # as another tool would write it: config.json alone
+    with pytest.raises(DraftLoadError) as e:
+        load_draft(out, tiny_llama_dir, torch.device("cpu"), torch.float32)
+    said = str(e.value)
+    assert "read as dflash from its config.json" in said and "prefix_gru.weight_ih_l0" in said, said
+    assert "missing" not in said and "\n" not in said, said
+
+
 def test_projector_type_names_the_family_only_on_its_parents_architecture():
     dflash = {"architectures": ["DFlashDraftModel"], "dflash_config": {"mask_token_id": 1}}
     assert FAMILIES.family_of_config(dflash, "c") == "dflash"

@@ -61,8 +61,10 @@ def load_draft(path: str | Path, target_dir: Path, device: torch.device,
     tensors = {k: v for k, v in tensors.items() if not k.startswith("embed_tokens.")}
     missing, unexpected = draft.load_state_dict(tensors, strict=False)
     missing = [m for m in missing if not m.startswith(("embed_tokens.", "rotary."))]
-    if missing or unexpected:
-        raise DraftLoadError(f"draft {path}: missing tensors {missing}, unexpected {unexpected}")
+    if missing or unexpected:  # named as its config.json was read: a family's field left out shows here
+        parts = ([f"missing tensors {missing}"] if missing else []) + (
+            [f"tensors a {cfg.family} draft does not have {unexpected}"] if unexpected else [])
+        raise DraftLoadError(f"draft {path}, read as {cfg.family} from its config.json: {'; '.join(parts)}")
     embed = target_embeddings(target_dir)
     if tuple(embed.shape) != tuple(draft.embed_tokens.weight.shape):
         raise DraftLoadError(f"draft {path} expects embeddings {tuple(draft.embed_tokens.weight.shape)}, "
