@@ -63,7 +63,7 @@ class EvalConfig(Settings):
              "(jsonl/json/parquet; a trailing assistant turn is dropped).")
     k: int = shared("draft_tokens", 4, shown="4; P-EAGLE: its trained K; DFlash, Domino, DSpark: their block - 1")
     tree: tuple[int, ...] | None = setting(
-        None, parse=parse_tree,
+        None, parse=parse_tree, shown="none: a chain",
         help="Draft a token tree instead of a chain: top-k branching per depth, e.g. 4,2,2,1 (depth 4, 44 nodes, "
              "all verified in one target forward). Greedy only; its depth replaces -k.")
     temperature: float = setting(0.0, valid=Range(0, zero="greedy verification"),
