@@ -192,8 +192,12 @@ def test_an_output_path_that_is_a_file_is_one_line_before_any_work(tmp_path, cha
 
 def test_a_bad_target_is_one_line_for_eval_and_gate(tmp_path, features):
     from specfoundry.eval.cli import main
+    from specfoundry.train.eagle3.export import export_draft
+    from tests.test_export_formats import small_draft
 
-    for argv in (["run", str(features), "--target", "/nonexistent/model"],
+    draft = small_draft()  # a real export: sf-eval names a folder that holds no draft first
+    export = export_draft(draft.state_dict(), draft.cfg, tmp_path / "export")
+    for argv in (["run", str(export), "--target", "/nonexistent/model"],
                  ["gate", "-o", str(tmp_path / "g"), "--target", "/nonexistent/model"]):
         result = CliRunner().invoke(main, argv)
         assert result.exit_code == 2 and "/nonexistent/model" in result.output and "Traceback" not in result.output

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from specfoundry.capture.stage import CaptureConfig
-from specfoundry.common.cli import Range, build_config, config_fields, default_of, resolve_config
+from specfoundry.common.cli import Range, build_config, config_fields, default_of, long_flag, resolve_config
 from specfoundry.eval.evaluate import EvalConfig
 from specfoundry.gate import GateConfig
 from specfoundry.generate.regen import RegenConfig
@@ -84,6 +84,11 @@ ACCEPTED = {
 ORDINARY_ZERO = {"--seed", "--mask-token-id", "--pard-token-id", "--gamma", "--base-weight-start", "--base-weight-end"}
 
 
+def family_of_option(flag: str) -> str:
+    """The family whose options group holds sf-train's `flag` (eagle3 for a shared option)."""
+    return next((p[0] for f, _, p in config_fields(TrainConfig) if p and long_flag(f) == flag), "eagle3")
+
+
 class Ran(Exception):
     """The stage would have run with this config."""
 
@@ -98,6 +103,8 @@ def test_every_numeric_option_is_checked_before_any_work(tmp_path, monkeypatch, 
     monkeypatch.setattr(importlib.import_module(module), name, run)
     cmd = leaf_commands()[path]
     argv = [str(tmp_path / a) if a in ("IN", "OUT") else a for a in ARGS[path]] + [option, value]
+    if path == "sf-train run":  # a family's option is given with that family (another's is refused)
+        argv += ["--family", family_of_option(option)]
     result = CliRunner().invoke(COMMANDS[path.split()[0]], [path.split()[1], *argv])
     if (path, option, value) in ACCEPTED:
         assert isinstance(result.exception, Ran), result.output
