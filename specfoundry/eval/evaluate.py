@@ -24,7 +24,7 @@ from specfoundry.common.placement import Placement, PlacementError
 from specfoundry.common.progress import Progress
 from specfoundry.common.shards import check_output_folder
 from specfoundry.common.target import EMBEDDED_DEFAULT, Target, default_dtype, pick_device
-from specfoundry.eval.draft import DraftLoadError, check_trained_for, load_draft, locate_draft, untrained_like
+from specfoundry.eval.draft import check_trained_for, load_draft, locate_draft, untrained_like
 from specfoundry.eval.speculative import DecodeResult, Sampler, TargetRunner, target_generate
 from specfoundry.eval.tree import check_branching, parse_branching, shape_name
 from specfoundry.train.drafts import family_of
@@ -159,20 +159,8 @@ def decode_set(target: TargetRunner, decoder, prompts, cfg: EvalConfig, eos: set
 
 def check_config(cfg: EvalConfig) -> EvalConfig:
     """cfg with k and the tree as the draft's family decodes them (a DFlash draft: its block less
-    one), k resolved from a tree; refuses what cannot be decoded."""
-    try:
-        dcfg = locate_draft(Path(cfg.draft))[0]
-    except DraftLoadError:  # named later, in the order run_eval checks its inputs
-        dcfg = None
-    if dcfg is not None:
-        try:
-            k, tree, warning = family_of(dcfg).decode_settings(dcfg, k=cfg.k, tree=cfg.tree, temperature=cfg.temperature,
-                                                               k_given=cfg.k != EvalConfig.k, source=cfg.draft)
-        except ValueError as e:
-            raise EvalError(str(e)) from e
-        if warning:
-            print(f"warning: {warning}", file=sys.stderr)
-        cfg = replace(cfg, k=k, tree=tree)
+    one), k resolved from a tree; refuses what cannot be decoded: the settings themselves first,
+    then a folder that holds no draft (all before the target loads: minutes on a large one)."""
     if cfg.tree:
         if cfg.temperature > 0:
             raise EvalError("--tree verifies greedily; use the chain (-k) with --temperature > 0")
@@ -180,7 +168,15 @@ def check_config(cfg: EvalConfig) -> EvalConfig:
             check_branching(cfg.tree)
         except ValueError as e:
             raise EvalError(str(e)) from e
-        cfg = replace(cfg, k=len(cfg.tree))
+    dcfg = locate_draft(Path(cfg.draft))[0]
+    try:
+        k, tree, warning = family_of(dcfg).decode_settings(dcfg, k=cfg.k, tree=cfg.tree, temperature=cfg.temperature,
+                                                           k_given=cfg.k != EvalConfig.k, source=cfg.draft)
+    except ValueError as e:
+        raise EvalError(str(e)) from e
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    cfg = replace(cfg, k=len(tree) if tree else k, tree=tree)
     if cfg.k < 1:
         raise EvalError(f"k must be at least 1, got {cfg.k}")
     if cfg.output:  # before decoding: the results are not lost to an unwritable or another run's folder
@@ -255,7 +251,6 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
     device = pick_device(cfg.device)
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(device)
     if target is None:
-        locate_draft(Path(cfg.draft))  # a folder that holds no draft is named before the target loads (minutes)
         target = Target.load(cfg.target, device=cfg.device, dtype=dtype, placement=cfg.placement,
                              chat_template=cfg.chat_template, command="sf-eval run")
     one_copy(target, "sf-eval run")
