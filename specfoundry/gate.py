@@ -58,8 +58,9 @@ class GateConfig(Settings):
     min_accept_length: float | None = setting(None, resume=False, shown="0.8*(k+1)", valid=Range(1, MAX_DRAFT + 1),
                                               help="Bar of the decode check, at most k+1 (a round accepts at most "
                                                    "k drafted tokens and the target's own).")
-    export: str | None = setting(None, resume=False, shown="the run's own export", help="Check this exported draft against the gate's run "
-                                 "instead of the run's own export.")
+    export: str | None = setting(None, resume=False, shown="the run's own export",
+                                 help="Check this exported draft against the gate's run instead of the run's own "
+                                      "export.")
     device: str | None = shared("device", None, resume=False)
     placement: Placement = Placement()
 

@@ -150,7 +150,8 @@ class RegenConfig(Settings):
     openai_urls_file: str | None = setting(
         None, resume=False, shown="none",
         help="A text file of server URLs, one per line (# comments), added to --openai-url (openai backend).")
-    openai_model: str | None = setting(None, shown="none", help="Model name sent to the server, if it needs one (openai backend).")
+    openai_model: str | None = setting(None, shown="none",
+                                       help="Model name sent to the server, if it needs one (openai backend).")
     concurrency: int = setting(16, resume=False, valid=Range(1, 4096),
                                help="Requests in flight at once per server (openai backend).")
     retries: int = setting(4, resume=False, valid=Range(0, 100, zero="a failed request stops the run"),

@@ -42,7 +42,8 @@ def run(recipe, silent, **options):
     refuse_other_families_options(cfg.family)
     result = run_train(cfg, silent=silent)
     last = result["history"][-1] if result["history"] else {}
-    click.echo(f"trained {result['steps']} step{'s' if result['steps'] != 1 else ''}; exported to {result['export']}; "
+    steps = result["steps"]
+    click.echo(f"trained {steps} step{'s' if steps != 1 else ''}; exported to {result['export']}; "
                f"last sim_accept_len {last.get('sim_accept_len', float('nan')):.2f}")
 
 

@@ -32,10 +32,10 @@ class ExportConfig(Settings):
                          "speculators layout), an sf-train run folder, or one of its checkpoints/step-N.")
     output: str = shared("output", resume=False)
     format: str = setting("sglang", choices=EXPORT_FORMATS,
-                          help="sglang: the folder SGLang serves (EAGLE-3's LlamaForCausalLMEagle3, which vLLM reads as well; "
-                               "DFlash's, with Domino's and DSpark's fields); speculators: vLLM's speculators format "
-                               "(EAGLE-3, P-EAGLE), served by `vllm serve OUTPUT` alone. A family's other layouts "
-                               "are refused.")
+                          help="sglang: the folder SGLang serves (EAGLE-3's LlamaForCausalLMEagle3, which vLLM "
+                               "reads as well; DFlash's, with Domino's and DSpark's fields); speculators: vLLM's "
+                               "speculators format (EAGLE-3, P-EAGLE), served by `vllm serve OUTPUT` alone. A "
+                               "family's other layouts are refused.")
     target: str | None = shared("target", None, shown="the target the draft records it was trained for, else "
                                 f"{EMBEDDED_DEFAULT}")
     verifier: str | None = setting(None, shown="the target; for smollm2 its Hugging Face id",
@@ -75,8 +75,8 @@ def run_export(cfg: ExportConfig) -> Path:
     dcfg = family.for_serving(dcfg, json.loads((target_dir / "config.json").read_text()))
     tmp = out.with_name(f".{out.name}{TMP_SUFFIX}")
     shutil.rmtree(tmp, ignore_errors=True)
-    family.export(tensors, dcfg, tmp, recorded, layout=cfg.format, verifier=serving_verifier(target, target_dir, cfg.verifier),
-                  speculative_tokens=cfg.k)
+    family.export(tensors, dcfg, tmp, recorded, layout=cfg.format,
+                  verifier=serving_verifier(target, target_dir, cfg.verifier), speculative_tokens=cfg.k)
     atomic_write_json(tmp / "export_config.json", config_dict(cfg))
     replace_dir(tmp, out)
     return out

@@ -72,8 +72,8 @@ class TrainConfig(Settings):
     warmup_steps: int = setting(50, valid=Range(0, zero="no warmup"), help="Linear warmup steps before the cosine "
                                 "decay.")
     max_steps: int = shared("max_steps", 1000)
-    epochs: float | None = setting(None, shown="none: --max-steps", valid=Range(0, min_open=True), help="Train this many passes over the training split instead of "
-                                   "--max-steps.")
+    epochs: float | None = setting(None, shown="none: --max-steps", valid=Range(0, min_open=True),
+                                   help="Train this many passes over the training split instead of --max-steps.")
     # per micro-batch and rank; batches are length-grouped
     max_batch_tokens: int = shared("max_batch_tokens", 8192)
     # samples are truncated to it; it may not exceed the length the feature set was captured at
@@ -99,7 +99,8 @@ class TrainConfig(Settings):
     verify_shards: bool = setting(True, resume=False, help="Check each shard's checksum when a loader process "
                                   "first opens it (one extra read of the set per worker), so a damaged shard is "
                                   "named instead of trained on.")
-    init_from: str | None = setting(None, shown="none: a fresh draft", help="An exported draft to fine-tune (keeps its vocabulary map).")
+    init_from: str | None = setting(None, shown="none: a fresh draft",
+                                    help="An exported draft to fine-tune (keeps its vocabulary map).")
     tensorboard: bool = setting(False, resume=False, help="Log to <output>/tensorboard.")
     log_every: int = setting(10, resume=False, valid=Range(1), help="Print metrics every N optimizer steps.")
 
