@@ -113,8 +113,9 @@ def domino_loss(draft: DominoDraft, batch: Batch, lm_head: torch.Tensor, *, base
     slot j's valid rows, hits argmax(final) == x_{a+j+1}). gradient: "manual", each chunk's
     gradient taken at once (manual_chunk; loss_scale, the upstream gradient the Trainer will send,
     announced so that it is written at its scale), or "autograd", each chunk through autograd with
-    its logits recomputed in the backward (the reference). The correction's features silu(P1 [z; g]), which have no [rows, V]
-    part, go through autograd either way, and so into P1, the GRU and the rows."""
+    its logits recomputed in the backward (the reference). The correction's features
+    silu(P1 [z; g]), which have no [rows, V] part, go through autograd either way, and so into P1,
+    the GRU and the rows."""
     if gradient not in ("manual", "autograd"):
         raise ValueError(f"unknown Domino gradient {gradient!r}: choose manual or autograd")
     b = draft.cfg.block_size

@@ -142,8 +142,7 @@ def dspark_loss(draft: DSparkDraft, batch: Batch, lm_head: torch.Tensor, *, num_
     gradient: "manual", each chunk's ce and L1 gradient taken at once (manual_chunk; loss_scale,
     the upstream gradient the Trainer will send, announced so that it is written at its scale), or
     "autograd", each chunk through autograd with its logits recomputed in the backward (the
-    reference). The confidence term, which
-    has no [rows, V] part, goes through autograd either way."""
+    reference). The confidence term, which has no [rows, V] part, goes through autograd either way."""
     if gradient not in ("manual", "autograd"):
         raise ValueError(f"unknown DSpark gradient {gradient!r}: choose manual or autograd")
     if batch.final_hidden is None:
