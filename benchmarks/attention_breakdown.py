@@ -34,8 +34,8 @@ from benchmarks.common import (
 )
 from benchmarks.flex_tuning import CHOICES
 from benchmarks.kernels import STEPS, attention_block_run
+from specfoundry.families.eagle3.model import Eagle3Draft
 from specfoundry.testing import LLAMA8B_DRAFT
-from specfoundry.train.eagle3.model import Eagle3Draft
 
 TUNED_FLEX = CHOICES["fwd 64x64, bwd 32/64"]
 

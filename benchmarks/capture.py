@@ -35,8 +35,8 @@ from specfoundry.capture.runner import HFCaptureRunner
 from specfoundry.capture.stage import CaptureConfig, write_one
 from specfoundry.capture.writer import BackgroundWriter
 from specfoundry.common.shards import ShardedOutput
-from specfoundry.common.taps import default_aux_layers
 from specfoundry.common.target import Target
+from specfoundry.families.eagle3.options import default_aux_layers
 
 
 def llama8b(layers: int = 32):

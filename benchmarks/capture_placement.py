@@ -32,8 +32,9 @@ import torch
 from benchmarks.common import print_table, write_result
 from specfoundry.capture.runner import HFCaptureRunner, PendingCapture, pack
 from specfoundry.common.placement import Placement
-from specfoundry.common.taps import AuxLayerTap, decoder_layers, default_aux_layers
+from specfoundry.common.taps import AuxLayerTap, decoder_layers
 from specfoundry.common.target import Target
+from specfoundry.families.eagle3.options import default_aux_layers
 
 
 class BeforeRunner(HFCaptureRunner):

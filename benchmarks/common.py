@@ -190,8 +190,8 @@ class FlexArgsAttention(torch.nn.Module):
         self.attn, self.separate_qkv, self.flex = attn, separate_qkv, flex
 
     def forward(self, x, cos, sin, cache, lengths, step: int, attention: str) -> torch.Tensor:
+        from specfoundry.families.eagle3.model import apply_rotary_pos_emb
         from specfoundry.kernels.tree_attention import tree_attention
-        from specfoundry.train.eagle3.model import apply_rotary_pos_emb
 
         a = self.attn
         b, t, _ = x.shape

@@ -28,10 +28,10 @@ import torch
 from benchmarks.common import print_table, write_result
 from specfoundry.common.target import resolve_target
 from specfoundry.common.weights import read_target_tensor, target_lm_head
+from specfoundry.families.dflash.family import DFlashFamily
+from specfoundry.families.dflash.loss import dflash_loss
+from specfoundry.families.dflash.options import DFlashOptions
 from specfoundry.featureset.store import FeatureSet
-from specfoundry.train.dflash.family import DFlashFamily
-from specfoundry.train.dflash.loss import dflash_loss
-from specfoundry.train.dflash.options import DFlashOptions
 from specfoundry.train.loader import BatchDataset
 
 HELD_OUT = 8  # the last samples: the held-out loss of part 2 (and part 1's batch is the first 8)
@@ -80,7 +80,7 @@ def first_losses(fs, target_dir, head, inits: list[float]) -> list[dict]:
 
 def first_block(model, batch):
     """The training forward's other inputs for 64 anchors a sample (seed 0)."""
-    from specfoundry.train.dflash.loss import batch_anchors, block_inputs
+    from specfoundry.families.dflash.loss import batch_anchors, block_inputs
 
     anchors, keep = batch_anchors(batch, 64, model.cfg.block_size, 0)
     ids, positions = block_inputs(batch.input_ids, anchors, model.cfg.block_size, model.cfg.mask_token_id)

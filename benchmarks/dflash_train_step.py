@@ -30,9 +30,9 @@ import torch
 
 from benchmarks.common import MATMUL_TFLOPS, print_profile_summary, print_table, profile_summary, write_result
 from benchmarks.train_step import time_steps
+from specfoundry.families.dflash.loss import DFlashModule
+from specfoundry.families.dflash.model import DFlashDraft
 from specfoundry.testing import QWEN3_8B_DFLASH, write_random_featureset
-from specfoundry.train.dflash.loss import DFlashModule
-from specfoundry.train.dflash.model import DFlashDraft
 from specfoundry.train.loader import FeatureLoader
 
 ANCHORS = 512

@@ -21,16 +21,16 @@ import torch
 
 from benchmarks.common import print_table, write_result
 from benchmarks.train_step import time_steps
-from specfoundry.train.dflash.config import DFlashConfig
-from specfoundry.train.dflash.loss import DFlashModule
-from specfoundry.train.dflash.model import DFlashDraft
-from specfoundry.train.domino.config import DominoConfig
-from specfoundry.train.domino.loss import DominoModule
-from specfoundry.train.domino.model import DominoDraft
-from specfoundry.train.dspark.config import DSparkConfig
-from specfoundry.train.dspark.loss import DSparkModule
-from specfoundry.train.dspark.model import DSparkDraft
-from specfoundry.train.loader import Batch
+from specfoundry.families.dflash.config import DFlashConfig
+from specfoundry.families.dflash.loss import DFlashModule
+from specfoundry.families.dflash.model import DFlashDraft
+from specfoundry.families.domino.config import DominoConfig
+from specfoundry.families.domino.loss import DominoModule
+from specfoundry.families.domino.model import DominoDraft
+from specfoundry.families.dspark.config import DSparkConfig
+from specfoundry.families.dspark.loss import DSparkModule
+from specfoundry.families.dspark.model import DSparkDraft
+from specfoundry.families.interface import Batch
 
 SMOL_DFLASH = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=5, num_attention_heads=9,
                    num_key_value_heads=3, head_dim=64, rope_theta=100000.0, max_position_embeddings=8192,

@@ -31,10 +31,11 @@ import time
 import torch
 
 from benchmarks.common import FlexArgsAttention, print_table, write_result
+from specfoundry.families.eagle3.config import Eagle3Config
+from specfoundry.families.interface import Batch
 from specfoundry.kernels import tree_attention as ta
 from specfoundry.testing import SMOL_DRAFT, random_ttt_module
-from specfoundry.train.eagle3.config import Eagle3Config
-from specfoundry.train.loader import Batch, padded_width, plan_batches
+from specfoundry.train.loader import padded_width, plan_batches
 
 
 def make_batches(n: int, max_tokens: int, seed: int = 0, pad: int = 128) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""Peak host memory of the teacher (train/teacher.py) and the vocabulary map at a large vocabulary.
+"""Peak host memory of the teacher (families/teacher.py) and the vocabulary map at a large vocabulary.
 
     python -m benchmarks.teacher_memory [--vocab 262144] [--hidden 640] [--rows 4096]
 
@@ -22,8 +22,8 @@ import sys
 import torch
 
 from benchmarks.common import print_table, write_result
-from specfoundry.train.teacher import logit_rows, teacher_targets
-from specfoundry.train.vocab import choose_draft_vocab, vocab_maps
+from specfoundry.families.teacher import logit_rows, teacher_targets
+from specfoundry.families.vocab import choose_draft_vocab, vocab_maps
 
 
 def peak_mib() -> float:

@@ -7,8 +7,8 @@ target (sf-regen --greedy), captures it (sf-capture), trains a draft of --family
 a bounded number of steps (sf-train) and exports it. A draft that has memorised the target's own
 greedy answer must then be accepted almost every time when sf-eval decodes that prompt. When it
 is not, the family's checks say which stage disagrees; the first failure is named. Each family
-supplies its checks (train/<name>/gate.py, through the catalogue in families.py; the pieces they
-share are in gate_checks.py), ending with its decode check. EAGLE-3's, in order: vocab map,
+supplies its checks (families/<name>/gate.py, through the catalogue in families/__init__.py; the pieces they
+share are in families/gatekit.py), ending with its decode check. EAGLE-3's, in order: vocab map,
 export, features, positions, fit, decode; DFlash's (block k+1): export names, mask token,
 layers, positions, fit, decode.
 """
@@ -19,22 +19,26 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import click
+
 from specfoundry.capture.stage import CaptureConfig, run_capture
-from specfoundry.common.cli import MAX_DRAFT, MAX_TOKENS, Range, Settings, config_dict, setting, shared
-from specfoundry.common.placement import Placement
+from specfoundry.common.cli import resolve_config, stage_command
+from specfoundry.common.placement import Placement, launch_env
+from specfoundry.common.settings import MAX_DRAFT, MAX_TOKENS, Range, Settings, config_dict, setting, shared
 from specfoundry.common.shards import record_config
 from specfoundry.common.target import EMBEDDED_DEFAULT, Target, resolve_target
+from specfoundry.eval.cli import FAILURES, main
 from specfoundry.eval.evaluate import one_copy
 from specfoundry.families import FAMILIES, family_names
+from specfoundry.families.folders import DraftLoadError, family_of_export
+from specfoundry.families.gatekit import Check
 from specfoundry.featureset.store import FeatureSet
-from specfoundry.gate_checks import Check
 from specfoundry.generate.backend import SamplingConfig
 from specfoundry.generate.hf_backend import HFBackend
 from specfoundry.generate.regen import RegenConfig, run_regen
-from specfoundry.train.drafts import DraftLoadError, family_of_export
 from specfoundry.train.trainer import TrainConfig, run_train
 
-__all__ = ["Check", "GateConfig", "build", "run_checks", "run_gate", "verdict"]
+__all__ = ["Check", "GateConfig", "main", "build", "run_checks", "run_gate", "verdict"]
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 
@@ -46,12 +50,12 @@ class GateConfig(Settings):
     output: str = shared("output", resume=False)
     target: str = shared("target", EMBEDDED_DEFAULT)
     chat_template: str | None = shared("chat_template", None)
-    family: str = shared("family", "eagle3", choices=family_names())
+    family: str = shared("family", "eagle3", choices=family_names(), help=FAMILIES.family_help())
     prompt: str = setting(DEFAULT_PROMPT, help="The one prompt whose greedy answer the draft overfits.")
     # the length cap of the target's greedy answer
     max_new_tokens: int = shared("max_new_tokens", 96)
     # also the TTT length trained (EAGLE-3), or the block's proposals (DFlash: block_size k+1)
-    k: int = shared("draft_tokens", 4)
+    k: int = shared("draft_tokens", 4, help=FAMILIES.draft_tokens_help())
     max_steps: int = shared("max_steps", 200)
     lr: float = setting(3e-3, valid=Range(0, 1, min_open=True), help="Learning rate of the overfit.")
     draft_vocab_size: int = setting(1024, valid=Range(1, MAX_TOKENS), help="Draft vocabulary of the overfit draft.")
@@ -168,3 +172,24 @@ def run_gate(cfg: GateConfig, silent: bool = True) -> tuple[list[Check], bool, s
     export = build(cfg, target, silent=silent)
     checks = run_checks(cfg, export if cfg.export is None else Path(cfg.export), target)
     return (checks, *verdict(checks))
+
+
+# sf-eval's group with the gate beside the decoding it ends with: the `sf-eval` console script is this `main`.
+@stage_command(main, "gate", GateConfig, *FAILURES)
+def gate(recipe, silent, **options):
+    """Overfit one conversation through regen, capture and train, reload the export and decode
+    its prompt: the draft must be accepted almost always. Run it before a long training run;
+    on failure it names the stage that disagrees (vocab map, export, features, positions, fit,
+    decode) and exits with status 1 (2: the gate could not run)."""
+    cfg = resolve_config(GateConfig, "gate", recipe, options)
+    checks, ok, message = run_gate(cfg, silent=silent)
+    if launch_env()[0] != 0:  # under torchrun (--tp), rank 0 reports; every rank exits with the verdict
+        raise SystemExit(0 if ok else 1)
+    for c in checks:
+        click.echo(f"{'ok  ' if c.ok else 'FAIL'} {c.name:<10} {c.detail}")
+    click.echo(message)
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

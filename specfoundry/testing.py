@@ -11,13 +11,13 @@ from pathlib import Path
 import torch
 
 from specfoundry.common.files import atomic_write_json
+from specfoundry.families.dflash.config import DFlashConfig
+from specfoundry.families.eagle3.config import Eagle3Config
+from specfoundry.families.eagle3.model import Eagle3Draft
+from specfoundry.families.eagle3.ttt import TTTModule
+from specfoundry.families.vocab import vocab_maps
 from specfoundry.featureset.manifest import FORMAT, FORMAT_VERSION, MANIFEST
 from specfoundry.featureset.store import FeatureSet, shard_name, write_shard
-from specfoundry.train.dflash.config import DFlashConfig
-from specfoundry.train.eagle3.config import Eagle3Config
-from specfoundry.train.eagle3.model import Eagle3Draft
-from specfoundry.train.eagle3.ttt import TTTModule
-from specfoundry.train.vocab import vocab_maps
 
 LLAMA8B_DRAFT = Eagle3Config(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                             head_dim=128, rope_theta=500000.0, max_position_embeddings=131072, vocab_size=128256,

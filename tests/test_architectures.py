@@ -16,22 +16,20 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specfoundry.common.taps import default_aux_layers, dflash_default_layers
 from specfoundry.common.target import Target, resolve_target
 from specfoundry.common.weights import target_embeddings, target_lm_head
-from specfoundry.eval.speculative import (
-    DraftRunner,
-    Sampler,
-    TargetRunner,
-    speculative_generate,
-    target_generate,
-)
-from specfoundry.eval.tree import tree_generate
+from specfoundry.decoding.rounds import target_generate
+from specfoundry.decoding.sampler import Sampler
+from specfoundry.decoding.target import TargetRunner
+from specfoundry.families.dflash.options import dflash_default_layers
+from specfoundry.families.eagle3.chain import DraftRunner, speculative_generate
+from specfoundry.families.eagle3.config import draft_config_from_target
+from specfoundry.families.eagle3.model import Eagle3Draft
+from specfoundry.families.eagle3.options import default_aux_layers
+from specfoundry.families.eagle3.tree import tree_generate
+from specfoundry.families.vocab import vocab_maps
 from specfoundry.gate import GateConfig, run_gate
 from specfoundry.testing import TINY_SHAPE, TINY_TARGETS, write_tiny_target
-from specfoundry.train.eagle3.config import draft_config_from_target
-from specfoundry.train.eagle3.model import Eagle3Draft
-from specfoundry.train.vocab import vocab_maps
 
 LAYERS = TINY_SHAPE["num_hidden_layers"]
 # a template that is not the tokenizer's own, given to every stage as a file (the Llama row)
@@ -145,9 +143,9 @@ def test_gemma3_270m_end_to_end(tmp_path):
 
     from specfoundry.capture.stage import CaptureConfig, run_capture
     from specfoundry.eval.evaluate import EvalConfig, run_eval
+    from specfoundry.families.eagle3.options import Eagle3Options
     from specfoundry.generate.backend import SamplingConfig
     from specfoundry.generate.regen import RegenConfig, run_regen
-    from specfoundry.train.eagle3.options import Eagle3Options
     from specfoundry.train.trainer import TrainConfig, run_train
 
     prompts = tmp_path / "prompts.jsonl"

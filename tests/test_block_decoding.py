@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from specfoundry.eval.block import BlockDraftRunner, accept_block, block_generate
-from specfoundry.eval.draft import load_draft
+from specfoundry.decoding.accept import accept_point_mass
+from specfoundry.decoding.sampler import Sampler
+from specfoundry.decoding.target import TargetRunner
 from specfoundry.eval.evaluate import BUILTIN_SETS, EvalConfig, load_prompts, run_eval
-from specfoundry.eval.speculative import Sampler, TargetRunner
+from specfoundry.families.dflash.block import BlockDraftRunner, block_generate
+from specfoundry.families.folders import load_draft
 from specfoundry.featureset.store import FeatureSet
 
 
@@ -48,7 +50,7 @@ def test_the_block_rule_samples_as_the_target():
     counts = torch.zeros(6)
     for i in range(draws):
         d = i % 6  # every proposal in turn, likely and unlikely
-        a, bonus = accept_block([d], torch.cat([logits, logits]), sampler)
+        a, bonus = accept_point_mass([d], torch.cat([logits, logits]), sampler)
         counts[d if a == 1 else bonus] += 1
     expected = p * draws
     chi2 = float(((counts - expected) ** 2 / expected).sum())

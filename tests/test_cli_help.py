@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from specfoundry.capture.cli import main as capture_main
-from specfoundry.eval.cli import main as eval_main
+from specfoundry.gate import main as eval_main
 from specfoundry.generate.cli import main as regen_main
 from specfoundry.train.cli import export_main
 from specfoundry.train.cli import main as train_main

@@ -8,21 +8,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specfoundry.kernels.dflash_attention import (
-    dense_dflash_mask,
-    dflash_attention,
-    dflash_block_mask,
-)
-from specfoundry.train.dflash.config import DFlashConfig, dflash_config_from_target
-from specfoundry.train.dflash.loss import (
+from specfoundry.families.dflash.config import DFlashConfig, dflash_config_from_target
+from specfoundry.families.dflash.loss import (
     DFlashModule,
     anchor_seed,
     batch_anchors,
     dflash_loss,
     sample_anchors,
 )
-from specfoundry.train.dflash.model import DFlashCache, DFlashDraft
-from specfoundry.train.loader import Batch
+from specfoundry.families.dflash.model import DFlashCache, DFlashDraft
+from specfoundry.families.interface import Batch
+from specfoundry.kernels.dflash_attention import (
+    dense_dflash_mask,
+    dflash_attention,
+    dflash_block_mask,
+)
 
 TINY = DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=8, vocab_size=61, target_hidden_size=24,

@@ -11,15 +11,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specfoundry.eval.speculative import Sampler, TargetRunner
+from specfoundry.decoding.sampler import Sampler
+from specfoundry.decoding.target import TargetRunner
 from specfoundry.families import FAMILIES, DraftLoadError
-from specfoundry.train.dflash.loss import batch_anchors
-from specfoundry.train.domino.config import DominoConfig
-from specfoundry.train.domino.decode import DominoRunner, decode_matches_training
-from specfoundry.train.domino.export import expected_tensors, export_draft, load_export
-from specfoundry.train.domino.loss import DominoModule, base_weight_at, domino_loss, shifted_targets
-from specfoundry.train.domino.model import DominoDraft
-from specfoundry.train.loader import Batch
+from specfoundry.families.dflash.loss import batch_anchors
+from specfoundry.families.domino.config import DominoConfig
+from specfoundry.families.domino.decode import DominoRunner, decode_matches_training
+from specfoundry.families.domino.export import expected_tensors, export_draft, load_export
+from specfoundry.families.domino.loss import DominoModule, base_weight_at, domino_loss, shifted_targets
+from specfoundry.families.domino.model import DominoDraft
+from specfoundry.families.interface import Batch
 from tests.test_train import run_stopped_and_resumed, small_cfg, smol_features  # noqa: F401 (a fixture)
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -88,7 +89,7 @@ def gru_reference(w_ih, w_hh, xs):
 def reference_loss(draft, batch, lm_head, anchors, keep, base_weight, gamma):
     """(1 - lambda) CE_f + lambda CE_b by loops over rows, anchors and slots (module docstring of loss.py)."""
     b = draft.cfg.block_size
-    from specfoundry.train.dflash.loss import block_inputs
+    from specfoundry.families.dflash.loss import block_inputs
 
     ids, positions = block_inputs(batch.input_ids, anchors, b, draft.cfg.mask_token_id)
     states = draft.train_forward(draft.project_context(batch.aux_hidden), ids, positions, anchors, keep,
@@ -215,7 +216,7 @@ def test_sequential_decoding_equals_the_teacher_forced_forward_and_the_gru_matte
     decoded, trained = decode_matches_training(draft, lm_head, ids, aux)
     assert decoded.shape == (4, 97)
     torch.testing.assert_close(decoded, trained, rtol=1e-5, atol=1e-5)
-    from specfoundry.train.domino.decode import training_block_logits
+    from specfoundry.families.domino.decode import training_block_logits
 
     other = torch.cat([ids, (ids[-4:] + 1) % 96])  # the true-looking but different continuation
     forced = training_block_logits(draft, lm_head, other, torch.cat([aux, aux[:4]]), len(ids) - 1)
@@ -229,8 +230,8 @@ def test_greedy_domino_decoding_equals_the_targets_greedy(tiny_llama_dir):
     target's greedy output, token for token."""
     from specfoundry.common.target import Target
     from specfoundry.common.weights import target_embeddings
-    from specfoundry.eval.block import block_generate
-    from specfoundry.train.dflash.config import dflash_config_from_target
+    from specfoundry.families.dflash.block import block_generate
+    from specfoundry.families.dflash.config import dflash_config_from_target
 
     target = Target.load(str(tiny_llama_dir), device="cpu", dtype=torch.float32)
     layers = [1, 3, 5]
@@ -297,7 +298,7 @@ def test_export_holds_sglangs_domino_names_shapes_and_fields_and_reads_back(tmp_
     (lambda c: c["dflash_config"].update(projector_type="dspark"), "projector_type 'dspark' names no draft family"),
 ])
 def test_a_config_sglang_would_refuse_is_one_line(tmp_path, edit, words):
-    from specfoundry.train.drafts import find_draft_files
+    from specfoundry.families.folders import find_draft_files
 
     draft = tiny_draft()
     out = export_draft(draft.state_dict(), draft.cfg, tmp_path / "export")
@@ -312,7 +313,7 @@ def test_a_config_sglang_would_refuse_is_one_line(tmp_path, edit, words):
 def test_a_domino_export_without_its_projector_type_names_the_family_it_was_read_as(tmp_path, tiny_llama_dir):
     """Without dflash_config.projector_type the folder reads as plain DFlash; sf-eval's load then
     names that reading and Domino's tensors, not an empty list of missing ones."""
-    from specfoundry.eval.draft import load_draft
+    from specfoundry.families.folders import load_draft
 
     draft = tiny_draft()
     out = export_draft(draft.state_dict(), draft.cfg, tmp_path / "export")
@@ -346,8 +347,8 @@ def test_the_positions_check_names_a_gru_fed_the_wrong_tokens_and_fit_an_untrain
     from types import SimpleNamespace
 
     from specfoundry.common.weights import target_embeddings, target_lm_head
-    from specfoundry.train.dflash.config import dflash_config_from_target
-    from specfoundry.train.domino.gate import check_positions_and_fit
+    from specfoundry.families.dflash.config import dflash_config_from_target
+    from specfoundry.families.domino.gate import check_positions_and_fit
 
     base = dflash_config_from_target(tiny_llama_dir, [1, 3, 5], 2, 5, 49151).to_dict()
     torch.manual_seed(0)
@@ -396,8 +397,8 @@ def test_domino_gate_passes_on_the_tiny_target_and_names_broken_pieces(tiny_llam
 
 def test_dflash_only_objectives_are_refused():
     from specfoundry.families import Extended, get_family
-    from specfoundry.train.dflash.options import DFlashOptions
-    from specfoundry.train.domino.options import DominoOptions
+    from specfoundry.families.dflash.options import DFlashOptions
+    from specfoundry.families.domino.options import DominoOptions
 
     family = get_family("domino")
     for parent, words in ((DFlashOptions(teacher="soft"), "--teacher soft"), (DFlashOptions(objective="dpace"),

@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
-from specfoundry.common.cli import config_dict, resolve_config
+from specfoundry.common.cli import resolve_config
+from specfoundry.common.settings import config_dict
+from specfoundry.families.dflash import family
+from specfoundry.families.dflash.loss import DFlashModule, anchor_seed, dflash_loss, sample_anchors
+from specfoundry.families.dflash.model import DFlashCache
+from specfoundry.families.dflash.options import DFlashOptions
 from specfoundry.train.cli import main as train_main
-from specfoundry.train.dflash import family
-from specfoundry.train.dflash.loss import DFlashModule, anchor_seed, dflash_loss, sample_anchors
-from specfoundry.train.dflash.model import DFlashCache
-from specfoundry.train.dflash.options import DFlashOptions
 from specfoundry.train.trainer import TrainConfig
 from tests.test_cli_help import leaf_commands, options
 from tests.test_dflash import TINY, HeadedDraft, loss_and_grads, make_batch, random_draft

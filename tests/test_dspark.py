@@ -12,17 +12,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specfoundry.eval.speculative import Sampler, TargetRunner
+from specfoundry.decoding.sampler import Sampler
+from specfoundry.decoding.target import TargetRunner
 from specfoundry.families import FAMILIES, DraftLoadError, Extended, get_family
-from specfoundry.train.dflash.loss import batch_anchors, block_inputs
-from specfoundry.train.dflash.options import DFlashOptions
-from specfoundry.train.dspark.config import DSparkConfig
-from specfoundry.train.dspark.decode import DSparkRunner, decode_matches_training, decode_settings
-from specfoundry.train.dspark.export import expected_tensors, export_draft, load_export
-from specfoundry.train.dspark.loss import anchor_targets, dspark_loss
-from specfoundry.train.dspark.model import DSparkDraft
-from specfoundry.train.dspark.options import DSparkOptions
-from specfoundry.train.loader import Batch
+from specfoundry.families.dflash.loss import batch_anchors, block_inputs
+from specfoundry.families.dflash.options import DFlashOptions
+from specfoundry.families.dspark.config import DSparkConfig
+from specfoundry.families.dspark.decode import DSparkRunner, decode_matches_training, decode_settings
+from specfoundry.families.dspark.export import expected_tensors, export_draft, load_export
+from specfoundry.families.dspark.loss import anchor_targets, dspark_loss
+from specfoundry.families.dspark.model import DSparkDraft
+from specfoundry.families.dspark.options import DSparkOptions
+from specfoundry.families.interface import Batch
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, vocab_size=97, target_hidden_size=32, target_layer_ids=(1, 2), block_size=5,
@@ -211,7 +212,7 @@ def test_sequential_decoding_equals_the_teacher_forced_forward_and_the_bias_matt
     decoded, trained = decode_matches_training(draft, lm_head, ids, aux)
     assert decoded.shape == (5, 97)
     torch.testing.assert_close(decoded, trained, rtol=1e-5, atol=1e-5)
-    from specfoundry.train.dspark.decode import training_block_logits
+    from specfoundry.families.dspark.decode import training_block_logits
 
     other = torch.cat([ids, (decoded.argmax(-1) + 1) % 96])  # a continuation other than the proposals
     forced = training_block_logits(draft, lm_head, other, torch.cat([aux, aux[:5]]), len(ids) - 1)
@@ -233,8 +234,8 @@ def test_greedy_dspark_decoding_equals_the_targets_greedy(tiny_llama_dir):
     target's greedy output, token for token; each round reports B confidences in [0, 1]."""
     from specfoundry.common.target import Target
     from specfoundry.common.weights import target_embeddings
-    from specfoundry.eval.block import block_generate
-    from specfoundry.train.dflash.config import dflash_config_from_target
+    from specfoundry.families.dflash.block import block_generate
+    from specfoundry.families.dflash.config import dflash_config_from_target
 
     target = Target.load(str(tiny_llama_dir), device="cpu", dtype=torch.float32)
     layers = [1, 3, 5]
@@ -322,7 +323,7 @@ def test_export_holds_sglangs_dspark_names_shapes_and_fields_and_reads_back(tmp_
     (lambda c: c.update(target_layer_ids=[0, 2]), "target_layer_ids differs"),
 ])
 def test_a_config_sglang_would_refuse_is_one_line(tmp_path, edit, words):
-    from specfoundry.train.drafts import find_draft_files
+    from specfoundry.families.folders import find_draft_files
 
     draft = tiny_draft()
     out = export_draft(draft.state_dict(), draft.cfg, tmp_path / "export")
@@ -355,8 +356,8 @@ def test_the_positions_check_names_a_bias_fed_the_wrong_tokens_and_fit_an_untrai
     from types import SimpleNamespace
 
     from specfoundry.common.weights import target_embeddings, target_lm_head
-    from specfoundry.train.dflash.config import dflash_config_from_target
-    from specfoundry.train.dspark.gate import check_positions_and_fit
+    from specfoundry.families.dflash.config import dflash_config_from_target
+    from specfoundry.families.dspark.gate import check_positions_and_fit
 
     base = dflash_config_from_target(tiny_llama_dir, [1, 3, 5], 2, 4, 49151).to_dict()
     torch.manual_seed(0)

@@ -12,14 +12,16 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specfoundry.common.target import Target
-from specfoundry.eval.draft import load_draft, untrained_like
+from specfoundry.decoding.sampler import Sampler
+from specfoundry.decoding.target import TargetRunner
 from specfoundry.eval.evaluate import BUILTIN_SETS, EvalConfig, EvalError, load_prompts, run_eval
-from specfoundry.eval.speculative import DraftRunner, Sampler, TargetRunner, speculative_generate
-from specfoundry.eval.tree import propose_tree, tree_generate
+from specfoundry.families.eagle3.chain import DraftRunner, speculative_generate
+from specfoundry.families.eagle3.config import draft_config_from_target
+from specfoundry.families.eagle3.model import Eagle3Draft
+from specfoundry.families.eagle3.tree import propose_tree, tree_generate
+from specfoundry.families.folders import load_draft, untrained_like
+from specfoundry.families.vocab import vocab_maps
 from specfoundry.featureset.store import FeatureSet
-from specfoundry.train.eagle3.config import draft_config_from_target
-from specfoundry.train.eagle3.model import Eagle3Draft
-from specfoundry.train.vocab import vocab_maps
 
 
 class Decoding:
@@ -304,7 +306,7 @@ def test_a_missing_draft_or_source_is_named_before_the_target_loads(tmp_path, mo
 
     from specfoundry.capture.cli import main as capture_main
     from specfoundry.common.target import Target
-    from specfoundry.eval.cli import main as eval_main
+    from specfoundry.gate import main as eval_main
 
     def load(*a, **k):
         raise AssertionError("the target was loaded before the input was checked")
@@ -329,7 +331,7 @@ def test_bad_prompt_set_and_draft_fail_clearly(tmp_path, smollm2_dir):
         load_prompts(str(bad), tok)
     from click.testing import CliRunner
 
-    from specfoundry.eval.cli import main
+    from specfoundry.gate import main
 
     result = CliRunner().invoke(main, ["run", str(tmp_path), "--prompts", "chat"])
     assert result.exit_code != 0 and "is not an exported draft" in str(result.output) + str(result.exception)

@@ -20,18 +20,17 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specfoundry.capture.runner import HFCaptureRunner
-from specfoundry.common.taps import default_aux_layers
 from specfoundry.common.target import Target
-from specfoundry.eval.draft import DraftLoadError, load_draft
+from specfoundry.families.eagle3.config import Eagle3Config
+from specfoundry.families.eagle3.export import export_draft
+from specfoundry.families.eagle3.family import EAGLE3
+from specfoundry.families.eagle3.formats import read_eagle3
+from specfoundry.families.eagle3.model import Eagle3Draft, KVCache, TTTCache
+from specfoundry.families.eagle3.options import Eagle3Options, default_aux_layers
+from specfoundry.families.folders import DraftLoadError, load_draft
+from specfoundry.families.interface import DRAFT_FILE
 from specfoundry.testing import random_eagle3_draft
 from specfoundry.train.cli import export_main
-from specfoundry.train.eagle3.config import Eagle3Config
-from specfoundry.train.eagle3.export import export_draft
-from specfoundry.train.eagle3.family import EAGLE3
-from specfoundry.train.eagle3.formats import read_eagle3
-from specfoundry.train.eagle3.model import Eagle3Draft, KVCache, TTTCache
-from specfoundry.train.eagle3.options import Eagle3Options
-from specfoundry.train.family import DRAFT_FILE
 from tests.test_families import TINY, random_draft
 
 OPTIONS = [{}, {"fc_norm": True}, {"norm_output": True}, {"fc_norm": True, "norm_output": True}]

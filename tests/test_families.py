@@ -12,21 +12,19 @@ import pytest
 import torch
 
 from specfoundry.capture.stage import CaptureConfig, CaptureError, stored_layers
-from specfoundry.common.cli import Settings, setting
-from specfoundry.common.taps import default_aux_layers, dflash_default_layers
-from specfoundry.eval.draft import find_draft_files
-from specfoundry.eval.speculative import DraftRunner
+from specfoundry.common.settings import Settings, setting
 from specfoundry.families import FAMILIES, get_family
+from specfoundry.families.dflash.options import DFlashOptions, dflash_default_layers
+from specfoundry.families.eagle3.chain import DraftRunner
+from specfoundry.families.eagle3.config import Eagle3Config
+from specfoundry.families.eagle3.export import expected_tensors, export_draft, validate
+from specfoundry.families.eagle3.model import Eagle3Draft, TTTCache
+from specfoundry.families.eagle3.options import Eagle3Options, default_aux_layers
+from specfoundry.families.eagle3.ttt import shift
+from specfoundry.families.folders import find_draft_files
+from specfoundry.families.interface import Batch, select_layers
 from specfoundry.featureset.manifest import FeatureSetError
 from specfoundry.testing import random_eagle3_draft
-from specfoundry.train.dflash.options import DFlashOptions
-from specfoundry.train.eagle3.config import Eagle3Config
-from specfoundry.train.eagle3.export import expected_tensors, export_draft, validate
-from specfoundry.train.eagle3.model import Eagle3Draft, TTTCache
-from specfoundry.train.eagle3.options import Eagle3Options
-from specfoundry.train.eagle3.ttt import shift
-from specfoundry.train.family import select_layers
-from specfoundry.train.loader import Batch
 from tests.conftest import parse_python
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -134,8 +132,8 @@ def test_eagle31_export_has_sglangs_fields_and_reads_back(tmp_path):
 
 
 def tiny_dflash(**over):
-    from specfoundry.train.dflash.config import DFlashConfig
-    from specfoundry.train.dflash.model import DFlashDraft
+    from specfoundry.families.dflash.config import DFlashConfig
+    from specfoundry.families.dflash.model import DFlashDraft
 
     cfg = DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=8, vocab_size=97, target_hidden_size=32,
@@ -145,10 +143,10 @@ def tiny_dflash(**over):
 
 
 def test_dflash_export_is_what_sglangs_loader_reads_and_reads_back(tmp_path):
-    """The fields SGLang's DFlash loader reads (spec in train/dflash/export.py), exactly its 11 tensors
+    """The fields SGLang's DFlash loader reads (spec in families/dflash/export.py), exactly its 11 tensors
     per layer + fc, hidden_norm, norm (no embedding, no lm_head), and the same draft read back."""
-    from specfoundry.train.dflash.export import export_draft
-    from specfoundry.train.dflash.export import validate as validate_dflash
+    from specfoundry.families.dflash.export import export_draft
+    from specfoundry.families.dflash.export import validate as validate_dflash
 
     draft = tiny_dflash()
     out = export_draft(draft.state_dict(), draft.cfg, tmp_path / "export", target={"num_layers": 8})
@@ -199,10 +197,10 @@ def test_the_loader_hands_out_the_chosen_layers_of_a_union_set(tmp_path):
 
 
 def test_a_bad_dflash_config_or_another_familys_draft_is_one_line(tmp_path):
-    from specfoundry.train.dflash.export import export_draft
-    from specfoundry.train.dflash.export import load_export as load_dflash
-    from specfoundry.train.drafts import DraftLoadError
-    from specfoundry.train.eagle3.export import load_export as load_eagle3
+    from specfoundry.families.dflash.export import export_draft
+    from specfoundry.families.dflash.export import load_export as load_dflash
+    from specfoundry.families.eagle3.export import load_export as load_eagle3
+    from specfoundry.families.folders import DraftLoadError
 
     draft = tiny_dflash()
     out = export_draft(draft.state_dict(), draft.cfg, tmp_path / "export")
@@ -264,8 +262,7 @@ def test_every_registered_family_keeps_the_contract(name, tiny_llama_dir, tmp_pa
     an export its architecture is recognised by and that reads back as built, and a first decode
     round of the read-back draft equal to the training forward at the same positions."""
     from specfoundry.common.weights import target_lm_head
-    from specfoundry.eval.draft import load_draft
-    from specfoundry.train.drafts import family_of_export
+    from specfoundry.families.folders import family_of_export, load_draft
 
     family, options = get_family(name), family_options(name, tmp_path)
     layers = family.default_layers(8, options)
@@ -327,11 +324,10 @@ def cli_one_line(command, argv, words):
 
 
 def test_an_unknown_architecture_is_one_line_at_every_entry_point(tiny_llama_dir, tmp_path):
-    from specfoundry.eval.cli import main as eval_main
-    from specfoundry.eval.draft import load_draft, locate_draft, read_config
+    from specfoundry.families.folders import family_of_export, load_draft, locate_draft, read_config
     from specfoundry.gate import GateConfig, run_checks
+    from specfoundry.gate import main as eval_main
     from specfoundry.train.cli import export_main
-    from specfoundry.train.drafts import family_of_export
 
     bogus = bogus_export(tmp_path / "bogus", ["BogusForCausalLM"])
     unnamed = bogus_export(tmp_path / "unnamed", [])
@@ -356,8 +352,8 @@ def test_an_unknown_architecture_is_one_line_at_every_entry_point(tiny_llama_dir
 
 def test_an_unknown_family_is_one_line_at_every_entry_point(tmp_path):
     from specfoundry.capture.cli import main as capture_main
-    from specfoundry.eval.cli import main as eval_main
     from specfoundry.gate import GateConfig
+    from specfoundry.gate import main as eval_main
     from specfoundry.train.cli import export_main
     from specfoundry.train.cli import main as train_main
     from specfoundry.train.trainer import TrainConfig
@@ -423,7 +419,7 @@ def entry(name, options, extends=None, architectures=None):
     return Family(name=name, summary=name, options=f"tests.test_families:{options}",
                   default_layers="tests.test_families:no_layers", layers_help=name,
                   architectures=architectures or (f"{name.title()}Model",), provider="tests.test_families:nothing",
-                  extends=extends)
+                  extends=extends, draft_tokens="k", eval_k="4", gate_k="k", layouts_help="sglang")
 
 
 def no_layers(num_target_layers, options):
@@ -434,7 +430,7 @@ def config_of_groups(registry):
     """A stage config whose family groups come from `registry`, as TrainConfig's come from FAMILIES."""
     from dataclasses import dataclass
 
-    from specfoundry.common.cli import Settings, setting, unique_options
+    from specfoundry.common.settings import Settings, setting, unique_options
 
     @unique_options
     @dataclass(frozen=True, kw_only=True)
@@ -479,14 +475,14 @@ def test_each_registered_architecture_names_its_family_and_the_catalogue_loads_n
     assert FAMILIES.family_of_config({"speculators_model_type": "eagle3"}, "c") == "eagle3"
     code = ("import sys; from specfoundry.families import FAMILIES; FAMILIES.get('dflash'); "
             "FAMILIES.family_of_config({'architectures': ['DFlashDraftModel']}, 'c'); "
-            "loaded = [m for m in sys.modules if m == 'torch' or m.startswith('specfoundry.train')]; "
+            "loaded = [m for m in sys.modules if m == 'torch' or m.startswith('specfoundry.families.')]; "
             "assert not loaded, loaded")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_no_import_circle_through_the_family_interface_or_the_backend_interface():
     """Imports inside functions count: the catalogue names providers by string, so neither
-    interface module (train/family.py, generate/backend.py) is on a circle."""
+    interface module (families/interface.py, generate/backend.py) is on a circle."""
     import ast
     from pathlib import Path
 
@@ -506,7 +502,7 @@ def test_no_import_circle_through_the_family_interface_or_the_backend_interface(
         return any(n == goal or (n not in seen and not seen.add(n) and reaches(n, goal, seen))
                    for n in graph.get(start, ()))
 
-    for interface in ("specfoundry.train.family", "specfoundry.generate.backend", "specfoundry.families"):
+    for interface in ("specfoundry.families.interface", "specfoundry.generate.backend", "specfoundry.families"):
         assert not reaches(interface, interface, set()), interface
 
 

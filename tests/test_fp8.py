@@ -31,8 +31,9 @@ from specfoundry.capture.stage import (
     run_capture,
 )
 from specfoundry.capture.verify import verify_featureset
-from specfoundry.common.cli import build_config, config_dict
+from specfoundry.common.cli import build_config
 from specfoundry.common.progress import Progress
+from specfoundry.common.settings import config_dict
 from specfoundry.common.shards import OutputFolderError, ShardedOutput, check_output_folder
 from specfoundry.featureset import fp8
 from specfoundry.featureset.manifest import MANIFEST, FeatureSetError

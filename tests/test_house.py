@@ -1,5 +1,6 @@
-"""Checks of the house that a reader relies on: short functions, and no hardware readings in the
-library's comments and docstrings (figures live in benchmarks/RESULTS.md)."""
+"""Checks of the house that a reader relies on: short functions, no hardware readings in the
+library's comments and docstrings (figures live in benchmarks/RESULTS.md), and the one dependency
+rule over every import, with no import circle between files."""
 
 from __future__ import annotations
 
@@ -86,3 +87,114 @@ def test_every_recipe_section_resolves_to_its_stage_config():
                     pytest.fail(f"{recipe.name}: {section}: {e}")
                 checked += 1
     assert checked >= 10, checked
+
+
+# ---- the one dependency rule (../shared/DESIGN.md) ----------------------------------------------
+# common <- featureset, kernels <- decoding <- families <- {train, eval, capture, generate} <- gate.
+# `common` is what everything may use; featureset and kernels are peers above it; a stage imports
+# no other stage, and capture reads the catalogue alone (specfoundry.families itself), never a
+# family's modules. Imports inside functions count.
+RANK = {"common": 0, "featureset": 1, "kernels": 1, "decoding": 2, "families": 3,
+        "train": 4, "eval": 4, "capture": 4, "generate": 4, "gate": 5, "testing": 5, "summary": 5}
+STAGES = ("train", "eval", "capture", "generate")
+
+
+def package_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "specfoundry" else None
+
+
+def module_name(f: Path) -> str:
+    parts = f.relative_to(LIBRARY.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def library_imports():
+    """(file, line, importing module, imported module) for every import of specfoundry in the library,
+    `from a import b` as a.b where b is a module, else as a."""
+    modules = {module_name(f) for f in sources()}
+    for f in sources():
+        me = module_name(f)
+        for node in ast.walk(parse_python(f.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                         for a in node.names]
+            else:
+                continue
+            for name in names:
+                if name.startswith("specfoundry"):
+                    yield f.relative_to(LIBRARY.parent), node.lineno, me, name
+
+
+def rule_breaks(imports) -> list[str]:
+    out = []
+    for where, line, me, theirs in imports:
+        mine, pkg = package_of(me), package_of(theirs)
+        if pkg is None or mine == pkg:
+            continue
+        assert mine in RANK and pkg in RANK, f"{where}: package {mine or pkg} has no place in the rule"
+        if mine in STAGES and pkg in STAGES:
+            out.append(f"{where}:{line} stage {mine} imports stage {pkg} ({theirs})")
+        elif mine == "capture" and pkg == "families" and theirs != "specfoundry.families":
+            out.append(f"{where}:{line} capture imports {theirs}: capture reads the catalogue alone")
+        elif RANK[pkg] >= RANK[mine]:
+            out.append(f"{where}:{line} {mine} imports {pkg} ({theirs}), which sits at or above it")
+    return out
+
+
+def import_circles(imports) -> list[list[str]]:
+    modules = {module_name(f) for f in sources()}
+
+    def resolve(name):  # the module a name lives in: the longest prefix that is a file
+        while name not in modules and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return name
+
+    graph: dict[str, set[str]] = {}
+    for _, _, me, theirs in imports:
+        if resolve(theirs) != me:
+            graph.setdefault(me, set()).add(resolve(theirs))
+    circles, state = [], {}
+
+    def visit(m, path):
+        state[m] = 1
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                circles.append(path[path.index(n):] + [n])
+            elif n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    return circles
+
+
+def test_the_dependency_rule_holds_over_every_import():
+    breaks = rule_breaks(list(library_imports()))
+    assert not breaks, "\n".join(breaks)
+
+
+def test_no_import_circle_between_library_files():
+    circles = import_circles(list(library_imports()))
+    assert not circles, [" -> ".join(c) for c in circles]
+
+
+def test_the_rule_checks_find_what_they_look_for():
+    fake = [("specfoundry/families/eagle3/gate.py", 9, "specfoundry.families.eagle3.gate", "specfoundry.eval.evaluate"),
+            ("specfoundry/decoding/rounds.py", 3, "specfoundry.decoding.rounds", "specfoundry.families.eagle3.chain"),
+            ("specfoundry/eval/cli.py", 15, "specfoundry.eval.cli", "specfoundry.gate"),
+            ("specfoundry/eval/x.py", 2, "specfoundry.eval.x", "specfoundry.train.trainer"),
+            ("specfoundry/capture/stage.py", 7, "specfoundry.capture.stage", "specfoundry.families.dflash.options"),
+            ("specfoundry/capture/stage.py", 8, "specfoundry.capture.stage", "specfoundry.families"),
+            ("specfoundry/featureset/store.py", 30, "specfoundry.featureset.store", "specfoundry.common.files")]
+    found = rule_breaks(fake)
+    assert [b.split()[0] for b in found] == ["specfoundry/families/eagle3/gate.py:9", "specfoundry/decoding/rounds.py:3",
+                                             "specfoundry/eval/cli.py:15", "specfoundry/eval/x.py:2",
+                                             "specfoundry/capture/stage.py:7"], found
+    assert import_circles([("a", 1, "specfoundry.common.cli", "specfoundry.common.shards"),
+                           ("b", 2, "specfoundry.common.shards", "specfoundry.common.cli.config_dict")]) == [
+        ["specfoundry.common.cli", "specfoundry.common.shards", "specfoundry.common.cli"]]

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from specfoundry.families import FAMILIES, DraftLoadError
-from specfoundry.train.eagle3.model import KVCache
-from specfoundry.train.loader import Batch
-from specfoundry.train.peagle.config import PEagleConfig
-from specfoundry.train.peagle.decode import PEagleRunner, decode_matches_training, decode_settings
-from specfoundry.train.peagle.export import expected_tensors, export_draft, load_export
-from specfoundry.train.peagle.loss import (
+from specfoundry.families.eagle3.model import KVCache
+from specfoundry.families.interface import Batch
+from specfoundry.families.peagle.config import PEagleConfig
+from specfoundry.families.peagle.decode import PEagleRunner, decode_matches_training, decode_settings
+from specfoundry.families.peagle.export import expected_tensors, export_draft, load_export
+from specfoundry.families.peagle.loss import (
     cod_sample,
     cod_sizes,
     every_rollout,
@@ -25,8 +25,8 @@ from specfoundry.train.peagle.loss import (
     pack_row,
     peagle_loss,
 )
-from specfoundry.train.peagle.mask import dense_peagle_mask
-from specfoundry.train.peagle.model import PEagleDraft
+from specfoundry.families.peagle.mask import dense_peagle_mask
+from specfoundry.families.peagle.model import PEagleDraft
 from tests.test_train import run_stopped_and_resumed, small_cfg, smol_features  # noqa: F401 (a fixture)
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -83,7 +83,7 @@ def test_the_block_mask_attends_as_the_dense_mask():
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import flex_attention
 
-    from specfoundry.train.peagle.mask import peagle_block_mask
+    from specfoundry.families.peagle.mask import peagle_block_mask
 
     ones = torch.ones(200, dtype=torch.bool)
     rows = [pack_row(150, cod_sample(ones, 150, 5, 0.7, 0.2, 1)), pack_row(90, cod_sample(ones, 90, 5, 0.7, 0.2, 2))]
@@ -133,7 +133,7 @@ def reference_loss(draft, batch, lm_head, kept, num_depths, weights):
     """Each rollout on its own: a causal forward over rows 0..i (token x_{i+1}, fc(a_i)) then its D mask
     slots (D: the deepest depth kept for anchor i), element (i, d) the state at row i + d; the soft CE of
     every counted element: their mean (weights "element"), or per depth the mean, weighted 1/K ("depth")."""
-    from specfoundry.train.vocab import draft_ids_from_d2t
+    from specfoundry.families.vocab import draft_ids_from_d2t
 
     draft_ids = draft_ids_from_d2t(draft.d2t)
     per_depth = [[] for _ in range(num_depths)]
@@ -220,9 +220,10 @@ def test_greedy_peagle_decoding_equals_the_targets_greedy(tiny_llama_dir):
     output, token for token, one draft forward per round."""
     from specfoundry.common.target import Target
     from specfoundry.common.weights import target_embeddings
-    from specfoundry.eval.speculative import Sampler, TargetRunner
-    from specfoundry.train.peagle.config import peagle_config_from_target
-    from specfoundry.train.peagle.decode import PEagleDecoder
+    from specfoundry.decoding.sampler import Sampler
+    from specfoundry.decoding.target import TargetRunner
+    from specfoundry.families.peagle.config import peagle_config_from_target
+    from specfoundry.families.peagle.decode import PEagleDecoder
 
     target = Target.load(str(tiny_llama_dir), device="cpu", dtype=torch.float32)
     layers = [1, 3, 4]
@@ -387,7 +388,7 @@ def test_export_is_what_vllms_peagle_loader_reads_and_reads_back(tmp_path):
     (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2]), "reads 3 target layers"),
 ])
 def test_a_config_vllm_would_refuse_or_misread_is_one_line(tmp_path, edit, words):
-    from specfoundry.train.drafts import find_draft_files
+    from specfoundry.families.folders import find_draft_files
 
     draft = tiny_draft()
     out = export_draft(draft.state_dict(), draft.cfg, tmp_path / "export")
@@ -404,8 +405,8 @@ def test_sf_export_keeps_the_trained_depths_and_names_the_verifier_as_sf_train_d
     rule sf-train's export uses (serving_verifier); -k still asks for fewer."""
     from click.testing import CliRunner
 
+    from specfoundry.families.interface import serving_verifier
     from specfoundry.train.cli import export_main
-    from specfoundry.train.family import serving_verifier
 
     draft = tiny_draft(vocab_size=49152, target_hidden_size=64, hidden_size=64, intermediate_size=128,
                        head_dim=16)  # as wide as the tiny target
@@ -448,8 +449,8 @@ def test_the_positions_check_names_a_wrong_mask_token_and_fit_an_untrained_draft
     from types import SimpleNamespace
 
     from specfoundry.common.weights import target_embeddings
-    from specfoundry.train.peagle.config import peagle_config_from_target
-    from specfoundry.train.peagle.gate import check_fit, check_positions
+    from specfoundry.families.peagle.config import peagle_config_from_target
+    from specfoundry.families.peagle.gate import check_fit, check_positions
 
     cfg = peagle_config_from_target(tiny_llama_dir, 49152, [1, 3, 4], num_hidden_layers=2, num_depths=3,
                                     mask_token_id=49151)
@@ -532,7 +533,7 @@ def test_a_peagle_run_resumed_after_a_stop_equals_an_uninterrupted_one(tmp_path,
 
     whole, resumed, names = run_stopped_and_resumed(cfg, tmp_path)
     assert "mask_hidden" in names
-    from specfoundry.train.family import EMBEDDED_HF_ID
+    from specfoundry.families.interface import EMBEDDED_HF_ID
 
     served = json.loads((tmp_path / "whole" / "export" / "config.json").read_text())["speculators_config"]
     assert served["verifier"]["name_or_path"] == EMBEDDED_HF_ID  # not this machine's converted copy

@@ -17,10 +17,10 @@ from specfoundry.capture.stage import CaptureConfig, run_capture
 from specfoundry.common.cli import build_config
 from specfoundry.common.conversations import ConversationFormatError, load_conversations
 from specfoundry.common.shards import OutputFolderError, ShardedOutput
-from specfoundry.eval.draft import DraftLoadError, check_trained_for
+from specfoundry.families.folders import DraftLoadError, check_trained_for
+from specfoundry.families.interface import TARGET_FILE
 from specfoundry.featureset.manifest import MANIFEST, FeatureSetError
 from specfoundry.featureset.store import ShardReader, write_shard
-from specfoundry.train.family import TARGET_FILE
 from specfoundry.train.trainer import TrainConfig, run_train
 from tests.conftest import CHAT, copies, write_jsonl
 
@@ -191,8 +191,8 @@ def test_an_output_path_that_is_a_file_is_one_line_before_any_work(tmp_path, cha
 
 
 def test_a_bad_target_is_one_line_for_eval_and_gate(tmp_path, features):
-    from specfoundry.eval.cli import main
-    from specfoundry.train.eagle3.export import export_draft
+    from specfoundry.families.eagle3.export import export_draft
+    from specfoundry.gate import main
     from tests.test_export_formats import small_draft
 
     draft = small_draft()  # a real export: sf-eval names a folder that holds no draft first

@@ -13,7 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from specfoundry.capture.stage import CaptureConfig
-from specfoundry.common.cli import Range, build_config, config_fields, default_of, long_flag, resolve_config
+from specfoundry.common.cli import build_config, resolve_config
+from specfoundry.common.settings import Range, config_fields, default_of, long_flag
 from specfoundry.eval.evaluate import EvalConfig
 from specfoundry.gate import GateConfig
 from specfoundry.generate.regen import RegenConfig
@@ -30,7 +31,7 @@ RUNNERS = {"sf-regen run": ("specfoundry.generate.cli", "run_regen"),
            "sf-train run": ("specfoundry.train.cli", "run_train"),
            "sf-export run": ("specfoundry.train.cli", "run_export"),
            "sf-eval run": ("specfoundry.eval.cli", "run_eval"),
-           "sf-eval gate": ("specfoundry.eval.cli", "run_gate")}
+           "sf-eval gate": ("specfoundry.gate", "run_gate")}
 ARGS = {"sf-regen run": ["IN", "-o", "OUT"], "sf-capture run": ["IN", "-o", "OUT"], "sf-capture verify": ["IN"],
         "sf-train run": ["IN", "-o", "OUT"], "sf-export run": ["IN", "-o", "OUT"], "sf-eval run": ["IN", "-o", "OUT"],
         "sf-eval gate": ["-o", "OUT"]}

@@ -18,7 +18,7 @@ from transformers import (
 )
 from transformers.integrations import sdpa_attention
 
-from specfoundry.common.target import Target
+from specfoundry.common.target import Target, mask_layout
 from specfoundry.generate.backend import Request, SamplingConfig
 from specfoundry.generate.hf_backend import HFBackend
 from specfoundry.generate.sampling import next_tokens, uniform
@@ -26,7 +26,6 @@ from specfoundry.generate.slots import (
     SLOT_ATTENTION,
     SlotEngine,
     folded_sdpa_attention,
-    mask_layout,
     supported,
 )
 
@@ -164,7 +163,7 @@ def gqa_model(layout: str, attention: str = "sdpa"):
         model = MistralForCausalLM(MistralConfig(sliding_window=8, **shape))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=1, **shape))
-    assert mask_layout(model) == layout and model.config._attn_implementation == attention
+    assert mask_layout(model.config) == layout and model.config._attn_implementation == attention
     return model.eval()
 
 

@@ -12,15 +12,16 @@ from safetensors.torch import load_file
 
 from specfoundry.capture.stage import CaptureConfig, run_capture
 from specfoundry.common.cli import build_config
+from specfoundry.families.eagle3.config import Eagle3Config
+from specfoundry.families.eagle3.export import expected_tensors, export_draft, validate
+from specfoundry.families.eagle3.model import Eagle3Draft, TTTCache, apply_rotary_pos_emb
+from specfoundry.families.eagle3.ttt import ttt_loss
+from specfoundry.families.interface import Batch
+from specfoundry.families.vocab import choose_draft_vocab, vocab_maps
 from specfoundry.featureset.store import Sample
 from specfoundry.kernels.tree_attention import tree_attention
-from specfoundry.train.eagle3.config import Eagle3Config
-from specfoundry.train.eagle3.export import expected_tensors, export_draft, validate
-from specfoundry.train.eagle3.model import Eagle3Draft, TTTCache, apply_rotary_pos_emb
-from specfoundry.train.eagle3.ttt import ttt_loss
-from specfoundry.train.loader import Batch, BatchDataset, FeatureLoader, plan_batches
+from specfoundry.train.loader import BatchDataset, FeatureLoader, plan_batches
 from specfoundry.train.trainer import TrainConfig, Trainer, resolved_pad_multiple, run_train
-from specfoundry.train.vocab import choose_draft_vocab, vocab_maps
 from tests.conftest import CHAT, copies, write_jsonl
 
 TINY = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -489,10 +490,10 @@ def test_dflash_starts_as_a_confident_guess_at_norm_one_and_near_uniform_at_a_sm
     the first loss is over twice ln V, a confident wrong guess (33.8 in the H200 families run).
     --final-norm-init 0.1 starts it within 1.5 of ln V (docs/families.md, DFlash's first loss)."""
     from specfoundry.common.weights import target_lm_head
+    from specfoundry.families.dflash.family import DFlashFamily
+    from specfoundry.families.dflash.loss import dflash_loss
+    from specfoundry.families.dflash.options import DFlashOptions
     from specfoundry.featureset.store import FeatureSet
-    from specfoundry.train.dflash.family import DFlashFamily
-    from specfoundry.train.dflash.loss import dflash_loss
-    from specfoundry.train.dflash.options import DFlashOptions
 
     fs = FeatureSet(smol_features)
     batch = BatchDataset(fs, [list(range(4))], None, final=False)[0]

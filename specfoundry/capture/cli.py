@@ -10,7 +10,6 @@ from specfoundry.common.cli import (
     CONTEXT,
     CommandError,
     IntIn,
-    Range,
     expected_failures,
     given_on_command_line,
     resolve_config,
@@ -19,6 +18,7 @@ from specfoundry.common.cli import (
 )
 from specfoundry.common.conversations import ConversationFormatError
 from specfoundry.common.placement import PlacementError, launch_env
+from specfoundry.common.settings import Range
 from specfoundry.common.shards import OutputFolderError
 from specfoundry.common.target import TargetError
 from specfoundry.featureset.manifest import FeatureSetError

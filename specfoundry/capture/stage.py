@@ -25,7 +25,6 @@ from specfoundry import __version__
 from specfoundry.capture.runner import HFCaptureRunner, NonFiniteFeatures
 from specfoundry.capture.template import TemplateMaskError, render_with_mask
 from specfoundry.capture.writer import BackgroundWriter
-from specfoundry.common.cli import Range, Settings, config_dict, setting, shared
 from specfoundry.common.conversations import (
     BadInput,
     Conversation,
@@ -37,6 +36,7 @@ from specfoundry.common.conversations import (
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.placement import Placement
 from specfoundry.common.progress import Progress
+from specfoundry.common.settings import Range, Settings, config_dict, setting, shared
 from specfoundry.common.shards import (
     ShardedOutput,
     check_output_folder,

@@ -1,31 +1,36 @@
-"""The command-line layer every stage shares.
+"""The command-line layer every stage shares (click only).
 
-A stage's settings live in one frozen, keyword-only config dataclass; each field carries its
-default, its help and, for a number, its valid values (`setting(..., valid=Range(...))`, or
-`shared(...)` for a concept that means the same in every command). `config_options` turns those
-fields into click options, `resolve_config` merges a recipe section under the command-line
-values, and `expected_failures` turns the errors a user can cause into one-line click errors. So
-a setting, its default, its help and its range are written once, checked when the config is
-built (before any model loads or anything is recorded), and the same concept has the same name,
-flag, help and range in every command.
+`config_options` turns a stage config's fields (common/settings.py: each with its default, help
+and valid values) into click options, `resolve_config` merges a recipe section under the
+command-line values, and `expected_failures` turns the errors a user can cause into one-line
+click errors. So a setting, its default, its help and its range are written once, checked when
+the config is built (before any model loads or anything is recorded), and the same concept has
+the same name, flag, help and range in every command.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import types
 import typing
-from dataclasses import MISSING, dataclass
+from dataclasses import MISSING
 from pathlib import Path
 
 import click
 import yaml
 from click.core import ParameterSource
 
-from specfoundry.common.embedded import EMBEDDED_DEFAULT
-from specfoundry.families import FAMILIES
+from specfoundry.common.settings import (
+    SHARED,
+    Range,
+    check_valid,
+    config_fields,
+    default_of,
+    leaf_type,
+    long_flag,
+    unique_options,
+)
 
 
 class CommandError(click.ClickException):
@@ -38,44 +43,6 @@ class CommandError(click.ClickException):
 CONTEXT = {"help_option_names": ["-h", "--help"], "show_default": True, "max_content_width": 110}
 
 RECIPE_SECTIONS = ("regen", "capture", "train", "export", "eval", "gate")
-
-
-# ---- valid values ------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric setting takes: from `min` to `max` (None: unbounded; `*_open`: the
-    bound itself excluded), always finite. `zero`: what 0 means where it is a switch rather than
-    an ordinary value ('off', 'greedy', ...); --help shows it and the range."""
-
-    min: float | None = None
-    max: float | None = None
-    min_open: bool = False
-    max_open: bool = False
-    zero: str | None = None
-
-    def describe(self) -> str:
-        """The range as --help shows it: 'x>=1', '0<=x<1', '1<=x<=16,777,216', 'any finite number'."""
-        lo, hi = _number(self.min), _number(self.max)
-        if self.min is None and self.max is None:
-            return "any finite number"
-        if self.min is None:
-            return f"x{'<' if self.max_open else '<='}{hi}"
-        if self.max is None:
-            return f"x{'>' if self.min_open else '>='}{lo}"
-        return f"{lo}{'<' if self.min_open else '<='}x{'<' if self.max_open else '<='}{hi}"
-
-    def problem(self, value) -> str | None:
-        """Why `value` is not in the range, or None when it is."""
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"{value} is not a finite number"
-        below = self.min is not None and (value <= self.min if self.min_open else value < self.min)
-        above = self.max is not None and (value >= self.max if self.max_open else value > self.max)
-        return f"{value} is not in the range {self.describe()}" if below or above else None
-
-
-def _number(x) -> str:
-    return f"{int(x):,}" if x is not None and float(x).is_integer() else f"{x}"
 
 
 class _InRange:
@@ -104,148 +71,7 @@ class FloatIn(_InRange, click.FloatRange):
     name = "float"
 
 
-MAX_TOKENS = 1 << 24
-"""The most tokens a length setting takes (16.8M: longer than any target's context)."""
-MAX_DRAFT = 256
-"""The most tokens a draft proposes per round, and TTT steps trained (a DFlash block: one more)."""
-MAX_SEED = 2**32 - 1
-"""Seeds go to numpy too (through accelerate), which takes 0..2^32-1."""
-
-# Options that mean the same in every command: (flags, help, how the default is shown when it is
-# None, the valid values of a numeric one).
-SHARED = {
-    "output": (("-o", "--output"), "Output folder. Rerunning the same command into it continues the work (sf-eval "
-               "repeats it); a rerun with other settings is refused, naming them.", None, None),
-    "target": (("--target",), f"Target model: a local model directory, or an embedded one: '{EMBEDDED_DEFAULT}' "
-               "(SmolLM2-135M-Instruct) or 'gemma3-270m' (Gemma-3-270M, a base model).", None, None),
-    "device": (("--device",), "Torch device of the target.", "cuda if available, else cpu", None),
-    "dtype": (("--dtype",), "Torch dtype of the target (and the draft).", "bfloat16 on GPU, float32 on CPU", None),
-    "seed": (("--seed",), "Seed: the same command with the same seed writes the same output.", None,
-             Range(0, MAX_SEED)),
-    "max_new_tokens": (("--max-new-tokens",), "Tokens generated per answer, at most.", None, Range(1, MAX_TOKENS)),
-    "max_batch_tokens": (("--max-batch-tokens",), "Token budget of one batch (padded tokens).", None,
-                         Range(1, 1 << 30)),
-    "max_steps": (("--max-steps",), "Optimizer steps of the training run.", None, Range(1)),
-    "draft_tokens": (("-k", "--draft-tokens"), "Tokens the draft proposes per round: EAGLE-3's chain of k; "
-                     "P-EAGLE's first k depths (at most its trained K). A DFlash, Domino or DSpark draft "
-                     "proposes its trained block (sf-eval warns that -k is ignored); the gate trains it blocks of "
-                     "about k+1.", None,
-                     Range(1, MAX_DRAFT)),
-    "max_length": (("--max-length",), "Tokens per sample after the chat template, at most.", None,
-                   Range(1, MAX_TOKENS)),
-    "limit": (("--limit",), "Use only the first N inputs.", "all", Range(1)),
-    "family": (("--family",), "Draft family: " + "; ".join(f"{f.name}: {f.summary}" for f in FAMILIES.families.values())
-               + ".", None, None),
-    "chat_template": (("--chat-template",), "How conversations become text: a Jinja chat template file (for a base "
-                      "model without one, or to replace the target's), or 'completion' (plain text: the messages back "
-                      "to back after BOS, each assistant text, then EOS, the loss region). Give the same one to every "
-                      "stage that renders (regen, capture, eval, gate).",
-                      "the target's own; completion for a target without one", None),
-    "strict": (("--strict",), "Fail on the first bad input instead of reporting and skipping it.", None, None),
-}
-
-
-def setting(default=MISSING, *, help: str, factory=None, flags: tuple[str, ...] = (), choices=None,
-            shown: str | None = None, resume: bool = True, argument: bool = False, cli: bool = True,
-            parse=None, repeatable: bool = False, valid: Range | None = None):
-    """A config field with its help. `shown`: how a None (or computed) default reads in --help.
-    `parse`: turns the text of the option (or a recipe's value) into the field's value.
-    `resume=False`: where or how fast, not what is written; a resumed run may change it.
-    `argument`: the command's positional input. `cli=False`: set by the command, not an option.
-    `repeatable`: a tuple field given by repeating its option (a recipe gives a list).
-    `valid`: the values a numeric setting takes (every int and float setting declares them); a
-    value outside is refused when the config is built, before any work, and --help shows them."""
-    if valid is not None and valid.zero:
-        help = f"{help.rstrip()} 0: {valid.zero}."
-    meta = {"help": help, "flags": flags, "choices": choices, "shown": shown, "resume": resume,
-            "argument": argument, "cli": cli, "parse": parse, "repeatable": repeatable, "valid": valid}
-    if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
-
-
-def shared(concept: str, default=MISSING, *, resume: bool = True, choices=None, shown: str | None = None):
-    """A field for one of the SHARED concepts: its flags, help and valid values are the same in
-    every command."""
-    flags, help_text, none_shown, valid = SHARED[concept]
-    return setting(default, help=help_text, flags=flags, choices=choices, resume=resume, valid=valid,
-                   shown=shown if shown is not None else none_shown)
-
-
-def long_flag(f: dataclasses.Field) -> str:
-    """The option a field is given with on the command line: '--shard-size', '--draft-tokens'."""
-    return next((x for x in f.metadata.get("flags", ()) if x.startswith("--")), "--" + f.name.replace("_", "-"))
-
-
-def check_valid(f: dataclasses.Field, value) -> str | None:
-    """Why a field's value is outside its declared range, or None (None values and non-numeric
-    fields are not numbers to check)."""
-    valid = f.metadata.get("valid")
-    if valid is None or value is None or isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return valid.problem(value)
-
-
-class Settings:
-    """The base of every stage config: each numeric field is checked against its declared range
-    when the config is built, however it is built (build_config checks given values first, naming
-    the option or recipe key they came from)."""
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            problem = check_valid(f, getattr(self, f.name))
-            if problem:
-                raise ValueError(f"{long_flag(f)}: {problem}")
-
-
 # ---- options from a config ---------------------------------------------------------------------
-
-def _leaf_type(hint):
-    """(python type, is a tuple) of a field's annotation, None stripped."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    if typing.get_origin(hint) is tuple:
-        return typing.get_args(hint)[0], True
-    return hint, False
-
-
-def config_fields(cls) -> list[tuple[dataclasses.Field, type, tuple[str, ...]]]:
-    """(field, its annotation, the path of nested config fields above it), nested configs flattened."""
-    hints = typing.get_type_hints(cls)
-    out = []
-    for f in dataclasses.fields(cls):
-        hint = hints[f.name]
-        if dataclasses.is_dataclass(hint):
-            out += [(g, h, (f.name, *p)) for g, h, p in config_fields(hint)]
-        else:
-            out.append((f, hint, ()))
-    return out
-
-
-def unique_options(cls):
-    """Class decorator: refuse, when the class is defined, a config whose options collide: two fields
-    (nested groups flattened: a family's options) of one name, or one flag given twice. A recipe
-    key and an option name one field each, so a key can never reach another group's setting."""
-    seen: dict[str, str] = {}
-    for f, _, path in config_fields(cls):
-        where = ".".join((*path, f.name))
-        keys = {f.name, *(x.lstrip("-").replace("-", "_") for x in f.metadata.get("flags", ()) if x.startswith("--"))}
-        keys |= {x for x in f.metadata.get("flags", ()) if not x.startswith("--")}  # short flags as given
-        for key in keys:
-            if key in seen and seen[key] != where:
-                raise TypeError(f"{cls.__name__}: option {key!r} of {where} collides with {seen[key]}'s: every "
-                                "option name is one setting (a family reads its parent's group, never redefines it)")
-            seen[key] = where
-    return cls
-
-
-def default_of(f: dataclasses.Field):
-    if f.default is not MISSING:
-        return f.default
-    if f.default_factory is not MISSING:
-        return f.default_factory()
-    return MISSING
-
 
 def _click_default(f: dataclasses.Field, is_tuple: bool):
     """(default click passes, show_default) for a field: the real default where it reads well in
@@ -259,7 +85,7 @@ def _click_default(f: dataclasses.Field, is_tuple: bool):
 
 
 def _option(f: dataclasses.Field, hint):
-    typ, is_tuple = _leaf_type(hint)
+    typ, is_tuple = leaf_type(hint)
     meta = f.metadata
     flags = meta.get("flags") or ("--" + f.name.replace("_", "-"),)
     if meta.get("argument"):
@@ -348,7 +174,7 @@ class _Invalid(Exception):
 def _convert(value, f: dataclasses.Field, hint):
     """A given value (a recipe's, or an option's text) as the field's value, checked against its
     declared range; _Invalid says why not."""
-    typ, is_tuple = _leaf_type(hint)
+    typ, is_tuple = leaf_type(hint)
     if value is None:
         if _optional(hint):
             return None
@@ -485,29 +311,6 @@ def build_config(cls, values: dict, source: str = "options", origins: dict[str, 
         return cls(**kwargs)
     except (TypeError, ValueError) as e:  # a check of several settings together (__post_init__)
         raise CommandError(str(e)) from e
-
-
-# ---- what a config records -------------------------------------------------------------------
-
-def config_dict(cfg, resume_only: bool = False) -> dict:
-    """Every field of a config, as JSON reads it back; with resume_only, only the fields that
-    decide what a run writes (those a resumed run must repeat, not those marked resume=False)."""
-    out = {}
-    for f in dataclasses.fields(cfg):
-        if resume_only and not f.metadata.get("resume", True):
-            continue
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            value = config_dict(value, resume_only)
-        elif isinstance(value, tuple):
-            value = list(value)
-        out[f.name] = value
-    return out
-
-
-def resume_settings(cfg) -> dict:
-    """What a rerun into the same output must repeat."""
-    return config_dict(cfg, resume_only=True)
 
 
 # ---- errors ------------------------------------------------------------------------------------

@@ -460,3 +460,12 @@ def tools_template_problem(conversations: list[Conversation], tokenizer) -> str 
     return (f"{first.location}: a conversation with tools, but the chat template ({template}) does not render "
             "tools, tool calls and tool results: give --chat-template FILE with one that does (docs/stages.md, "
             "Conversations with tools)")
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat template up to the assistant's generation prompt (with the conversation's tools,
+    where it has some), as token ids."""
+    tools = getattr(messages, "tools", None)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        **({"tools": tools} if tools else {}))
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # some versions return a BatchEncoding

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -56,3 +57,18 @@ def checksum(path: Path) -> str:
 
 def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+TMP_SUFFIX = ".tmp"
+"""What a directory being written is called beside its final name (renamed once complete)."""
+
+
+def replace_dir(tmp: Path, dest: Path) -> None:
+    """Put the complete directory `tmp` at `dest`: a reader sees the old directory or the new one
+    (briefly neither, never a partial one)."""
+    old = dest.with_name(f".{dest.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if dest.exists():
+        os.rename(dest, old)
+    os.rename(tmp, dest)
+    shutil.rmtree(old, ignore_errors=True)

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from specfoundry.common.cli import Range, Settings, setting
+from specfoundry.common.settings import Range, Settings, setting
 
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 

@@ -26,8 +26,8 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-from specfoundry.common.cli import config_dict, resume_settings
 from specfoundry.common.files import atomic_write_json, checksum, remove_temporaries
+from specfoundry.common.settings import config_dict, resume_settings
 
 PARTIAL = ".partial-"
 

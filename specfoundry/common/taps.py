@@ -22,30 +22,6 @@ def spread_layers(num_layers: int, n: int) -> list[int]:
     return [int(round(i * top / (n - 1))) for i in range(n)]
 
 
-def default_aux_layers(num_layers: int) -> list[int]:
-    """Low, middle, high: the outputs of layers [1, L//2-1, L-4] (SGLang's EAGLE-3 default), which
-    are three distinct layers from L = 7 up; a smaller target gets spread_layers(L, 3), e.g.
-    [0, 1, 2] for L = 4, [0, 2, 4] for L = 6."""
-    layers = [1, num_layers // 2 - 1, num_layers - 4]
-    if layers != sorted(set(layers)) or layers[0] < 0:
-        return spread_layers(num_layers, 3)
-    return layers
-
-
-def dflash_default_layers(num_layers: int, num_draft_layers: int = 5) -> list[int]:
-    """DFlash's default: num_draft_layers ids spread evenly from layer 1 to layer L-3, rounded,
-        id_i = round(1 + i * (L - 4) / (n - 1)),  i = 0..n-1     (n = 1: [L // 2])
-    e.g. [1, 9, 17, 25, 33] for L = 36, n = 5 (the public DFlash drafts' layers). Where that
-    repeats a layer (a target of few layers: L < n + 3), spread_layers(L, n) instead."""
-    if num_draft_layers == 1:
-        return [num_layers // 2]
-    span = num_layers - 4
-    layers = [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
-    if layers != sorted(set(layers)):
-        return spread_layers(num_layers, num_draft_layers)
-    return layers
-
-
 def parse_layer_ids(spec) -> tuple[int, ...] | None:
     """A layer list option (sf-capture --aux-layers, sf-train --layers): comma-separated decoder
     layer ids, or a recipe's list."""

@@ -197,6 +197,20 @@ def input_device(model, fallback: str | torch.device | None = None) -> torch.dev
     return next(model.parameters()).device
 
 
+def mask_layout(config) -> str | None:
+    """How the layers of a (text) config attend: 'full', 'sliding' (every layer, one window),
+    'mixed' (per config.layer_types: the model takes a dict of masks, one per layer type), or None
+    for attention no ready causal mask describes (bidirectional, encoder-decoder, other layer kinds)."""
+    if getattr(config, "use_bidirectional_attention", False) or getattr(config, "is_encoder_decoder", False):
+        return None
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if kinds:
+        if kinds == {"full_attention"}:
+            return "full"
+        return "mixed" if kinds == {"full_attention", "sliding_attention"} or kinds == {"sliding_attention"} else None
+    return "sliding" if getattr(config, "sliding_window", None) else "full"
+
+
 @dataclass
 class Step:
     """What `Target.forward` returns: logits [B, T or kept, V] (fp32, on the input device), the KV
@@ -301,6 +315,34 @@ class Target:
                 head = self.model.get_output_embeddings().weight
             self._lm_head = head.to(self.input_device, self.dtype)
         return self._lm_head
+
+    @property
+    def mask_layout(self) -> str | None:
+        """mask_layout of the text config: what attention_masks builds."""
+        return mask_layout(self.config)
+
+    def attention_masks(self, allowed: torch.Tensor, q_pos: torch.Tensor, kv_pos: torch.Tensor, *, additive: bool):
+        """The ready mask(s) [B, 1, q, kv] the model takes for allowed [B, q, kv] (True: query may
+        attend to key), queries at positions q_pos [B, q] and keys at kv_pos [B, kv]: one tensor, or
+        where sliding-window layers exist that mask cut to each query's window too (a key at most
+        window - 1 positions back, transformers' rule): the windowed tensor where every layer slides,
+        a dict per layer type where the model mixes types (Gemma-3). `additive`: 0 / the dtype's
+        minimum (what eager attention adds to its scores), else boolean. Every caller that hands the
+        model a ready mask builds it here (sf-eval's trees, sf-regen's slot engine)."""
+        layout = self.mask_layout
+        assert layout is not None, "the target's attention takes no ready causal mask"
+
+        def as_mask(m: torch.Tensor) -> torch.Tensor:
+            if not additive:
+                return m[:, None]
+            zero = torch.zeros((), dtype=self.dtype, device=m.device)
+            return torch.where(m, zero, torch.finfo(self.dtype).min)[:, None]
+
+        full = as_mask(allowed)
+        if layout == "full":
+            return full
+        recent = as_mask(allowed & (kv_pos[:, None, :] > q_pos[:, :, None] - self.config.sliding_window))
+        return recent if layout == "sliding" else {"full_attention": full, "sliding_attention": recent}
 
     # ---- running ------------------------------------------------------------------------------
 

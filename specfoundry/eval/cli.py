@@ -1,4 +1,5 @@
-"""sf-eval: acceptance length by real speculative decoding, and the training-serving gate."""
+"""sf-eval run: acceptance length by real speculative decoding. The `sf-eval` group's gate command is
+registered from above, by specfoundry/gate.py (the console script's module), which drives every stage."""
 
 from __future__ import annotations
 
@@ -9,10 +10,9 @@ from specfoundry.common.conversations import ConversationFormatError
 from specfoundry.common.placement import PlacementError, launch_env
 from specfoundry.common.shards import OutputFolderError
 from specfoundry.common.target import TargetError
-from specfoundry.eval.draft import DraftLoadError
 from specfoundry.eval.evaluate import EvalConfig, EvalError, format_table, run_eval
+from specfoundry.families.folders import DraftLoadError
 from specfoundry.featureset.manifest import FeatureSetError
-from specfoundry.gate import GateConfig, run_gate
 
 FAILURES = (EvalError, DraftLoadError, TargetError, PlacementError, OutputFolderError, ConversationFormatError,
             FeatureSetError, FileNotFoundError)
@@ -35,23 +35,6 @@ def run(recipe, silent, **options):
     click.echo(format_table(report))
     if cfg.output:
         click.echo(f"wrote {cfg.output}/eval.json, eval.txt, acceptance.png")
-
-
-# The gate drives every stage (specfoundry/gate.py); it is offered here, beside the decoding it ends with.
-@stage_command(main, "gate", GateConfig, *FAILURES)
-def gate(recipe, silent, **options):
-    """Overfit one conversation through regen, capture and train, reload the export and decode
-    its prompt: the draft must be accepted almost always. Run it before a long training run;
-    on failure it names the stage that disagrees (vocab map, export, features, positions, fit,
-    decode) and exits with status 1 (2: the gate could not run)."""
-    cfg = resolve_config(GateConfig, "gate", recipe, options)
-    checks, ok, message = run_gate(cfg, silent=silent)
-    if launch_env()[0] != 0:  # under torchrun (--tp), rank 0 reports; every rank exits with the verdict
-        raise SystemExit(0 if ok else 1)
-    for c in checks:
-        click.echo(f"{'ok  ' if c.ok else 'FAIL'} {c.name:<10} {c.detail}")
-    click.echo(message)
-    raise SystemExit(0 if ok else 1)
 
 
 if __name__ == "__main__":

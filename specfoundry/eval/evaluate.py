@@ -17,17 +17,25 @@ from pathlib import Path
 
 import torch
 
-from specfoundry.common.cli import Range, Settings, config_dict, setting, shared
-from specfoundry.common.conversations import load_conversations, tools_template_problem
+from specfoundry.common.conversations import load_conversations, prompt_ids, tools_template_problem
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.placement import Placement, PlacementError
 from specfoundry.common.progress import Progress
+from specfoundry.common.settings import Range, Settings, config_dict, setting, shared
 from specfoundry.common.shards import check_output_folder
 from specfoundry.common.target import EMBEDDED_DEFAULT, Target, default_dtype, pick_device
-from specfoundry.eval.draft import check_trained_for, load_draft, locate_draft, untrained_like
-from specfoundry.eval.speculative import DecodeResult, Sampler, TargetRunner, target_generate
-from specfoundry.eval.tree import check_branching, parse_branching, shape_name
-from specfoundry.train.drafts import family_of
+from specfoundry.decoding.rounds import DecodeResult, target_generate
+from specfoundry.decoding.sampler import Sampler
+from specfoundry.decoding.target import TargetRunner
+from specfoundry.decoding.tree import check_branching, parse_branching, shape_name
+from specfoundry.families import FAMILIES
+from specfoundry.families.folders import (
+    check_trained_for,
+    family_of,
+    load_draft,
+    locate_draft,
+    untrained_like,
+)
 
 BUILTIN_SETS = ("chat", "code", "math", "multiturn")
 
@@ -61,7 +69,7 @@ class EvalConfig(Settings):
         BUILTIN_SETS, flags=("--prompts",),
         help=f"Comma-separated prompt sets: built-in held-out sets ({', '.join(BUILTIN_SETS)}) or dataset files "
              "(jsonl/json/parquet; a trailing assistant turn is dropped).")
-    k: int = shared("draft_tokens", 4, shown="4; P-EAGLE: its trained K; DFlash, Domino, DSpark: their block - 1")
+    k: int = shared("draft_tokens", 4, shown=FAMILIES.eval_k_shown(), help=FAMILIES.draft_tokens_help())
     tree: tuple[int, ...] | None = setting(
         None, parse=parse_tree, shown="none: a chain",
         help="Draft a token tree instead of a chain: top-k branching per depth, e.g. 4,2,2,1 (depth 4, 44 nodes, "
@@ -111,15 +119,6 @@ def load_prompts(name: str, tokenizer, limit: int | None = None) -> list[tuple[s
     if problem:
         raise EvalError(problem)
     return [(conv.id, prompt_ids(tokenizer, conv.to_messages())) for conv in loaded.conversations]
-
-
-def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """The chat template up to the assistant's generation prompt (with the conversation's tools,
-    where it has some), as token ids."""
-    tools = getattr(messages, "tools", None)
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        **({"tools": tools} if tools else {}))
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # some versions return a BatchEncoding
 
 
 def summarise_set(results: list[DecodeResult], k: int) -> dict:

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from specfoundry.common.cli import MAX_TOKENS, Range, Settings, setting, shared
 from specfoundry.common.conversations import ToolCall
+from specfoundry.common.settings import MAX_TOKENS, Range, Settings, setting, shared
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,7 +25,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from specfoundry import __version__
-from specfoundry.common.cli import MAX_TOKENS, Range, Settings, config_dict, setting, shared
 from specfoundry.common.conversations import (
     BadInput,
     Conversation,
@@ -39,6 +38,7 @@ from specfoundry.common.conversations import (
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json, checksum
 from specfoundry.common.placement import Placement, Ranks
 from specfoundry.common.progress import Progress
+from specfoundry.common.settings import MAX_TOKENS, Range, Settings, config_dict, setting, shared
 from specfoundry.common.shards import ShardedOutput, check_output_folder, output_inside_source, record_config
 from specfoundry.common.target import EMBEDDED_DEFAULT
 from specfoundry.generate.backend import Backend, Generation, Request, SamplingConfig, derive_seed, serve

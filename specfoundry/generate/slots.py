@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from specfoundry.common.target import Target
+from specfoundry.common.target import Target, mask_layout
 from specfoundry.generate.backend import SamplingConfig
 from specfoundry.generate.sampling import next_tokens
 
@@ -54,25 +54,11 @@ class EngineMemoryError(RuntimeError):
     """The KV cache the settings ask for does not fit on the device."""
 
 
-def mask_layout(model) -> str | None:
-    """How the model's layers attend: 'full', 'sliding' (every layer, one window), 'mixed'
-    (per config.layer_types: the model takes a dict of masks), or None when the engine cannot
-    drive it (other attention kinds or kernels, bidirectional or chunked attention)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if getattr(config, "_attn_implementation", "eager") not in ("sdpa", "eager"):
-        return None
-    if getattr(config, "use_bidirectional_attention", False) or getattr(config, "is_encoder_decoder", False):
-        return None
-    kinds = set(getattr(config, "layer_types", None) or ())
-    if kinds:
-        if kinds == {"full_attention"}:
-            return "full"
-        return "mixed" if kinds == {"full_attention", "sliding_attention"} or kinds == {"sliding_attention"} else None
-    return "sliding" if getattr(config, "sliding_window", None) else "full"
-
-
 def supported(model) -> bool:
-    return mask_layout(model) is not None
+    """Whether the engine can drive the model: sdpa or eager attention (its masks are ready 4D
+    tensors) over a layout common/target.py's mask_layout describes."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(config, "_attn_implementation", "eager") in ("sdpa", "eager") and mask_layout(config) is not None
 
 
 SLOT_ATTENTION = "specfoundry_slot_sdpa"  # transformers' name of folded_sdpa_attention
@@ -227,10 +213,8 @@ class SlotEngine:
         self.target, self.model, self.slots, self.sampling = target, target.model, slots, sampling
         self.max_new = sampling.max_new_tokens
         self.device = target.input_device
-        self.layout = mask_layout(self.model)
-        assert self.layout is not None, "the slot engine cannot drive this model (see supported())"
+        assert supported(self.model), "the slot engine cannot drive this model (see supported())"
         config = target.config
-        self.window_size = getattr(config, "sliding_window", None)
         self.additive = config._attn_implementation == "eager"  # eager adds its mask to the scores
         # on a GPU the host looks every few steps, so launches run ahead; on a CPU nothing runs
         # ahead and a finished slot would only idle
@@ -284,17 +268,7 @@ class SlotEngine:
     def mask(self, q_pos: torch.Tensor, kv_pos: torch.Tensor, kv_valid: torch.Tensor):
         """The 4D mask(s) [B, 1, q, kv] the model takes: q_pos [B, q], kv_pos / kv_valid [B, kv]."""
         seen = kv_valid[:, None, :] & (kv_pos[:, None, :] <= q_pos[:, :, None])  # [B, q, kv]
-        full = self.as_mask(seen)
-        if self.layout == "full":
-            return full
-        recent = self.as_mask(seen & (kv_pos[:, None, :] > q_pos[:, :, None] - self.window_size))
-        return recent if self.layout == "sliding" else {"full_attention": full, "sliding_attention": recent}
-
-    def as_mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        if not self.additive:
-            return allowed[:, None]
-        zero = torch.zeros((), dtype=self.model.dtype, device=self.device)
-        return torch.where(allowed, zero, torch.finfo(self.model.dtype).min)[:, None]
+        return self.target.attention_masks(seen, q_pos, kv_pos, additive=self.additive)
 
     def forward(self, input_ids: torch.Tensor, mask, positions: torch.Tensor) -> torch.Tensor:
         """[B, V] fp32 logits of each row's last position."""

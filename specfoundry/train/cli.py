@@ -8,19 +8,18 @@ import click
 from specfoundry.common.cli import (
     CONTEXT,
     CommandError,
-    config_fields,
     given_on_command_line,
-    long_flag,
     resolve_config,
     stage_command,
 )
+from specfoundry.common.settings import config_fields, long_flag
 from specfoundry.common.shards import OutputFolderError
 from specfoundry.common.target import TargetError
 from specfoundry.families import FAMILIES
+from specfoundry.families.interface import DraftLoadError
 from specfoundry.featureset.manifest import FeatureSetError
 from specfoundry.kernels.tree_attention import TooManyShapesError
 from specfoundry.train.export import ExportConfig, run_export
-from specfoundry.train.family import DraftLoadError
 from specfoundry.train.trainer import TrainConfig, run_train
 
 

@@ -1,6 +1,6 @@
 """sf-export: write a draft in the layout a serving engine loads.
 
-It reads any draft train/drafts.py reads (an export of ours or another tool's, SGLang or
+It reads any draft families/folders.py reads (an export of ours or another tool's, SGLang or
 speculators layout; an sf-train run; a checkpoint) and writes one layout: `sglang` (what sf-train
 writes; SGLang and vLLM both load it) or `speculators` (vLLM's own format: `vllm serve DIR`
 alone). Why a command of its own and not an sf-train option: docs/serving.md.
@@ -13,15 +13,13 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from specfoundry.common.cli import Settings, config_dict, setting, shared
-from specfoundry.common.files import atomic_write_json
+from specfoundry.common.files import TMP_SUFFIX, atomic_write_json, replace_dir
+from specfoundry.common.settings import Settings, config_dict, setting, shared
 from specfoundry.common.shards import check_output_folder
 from specfoundry.common.target import EMBEDDED_DEFAULT, resolve_target, target_identity
-from specfoundry.train.drafts import family_of, find_draft_files, locate_draft, trained_for
-from specfoundry.train.family import DraftLoadError, serving_verifier
-from specfoundry.train.trainer import TMP_SUFFIX, replace_dir
-
-EXPORT_FORMATS = ("sglang", "speculators")
+from specfoundry.families import FAMILIES
+from specfoundry.families.folders import family_of, find_draft_files, locate_draft, trained_for
+from specfoundry.families.interface import DraftLoadError, serving_verifier
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,17 +29,13 @@ class ExportConfig(Settings):
     draft: str = setting(argument=True, help="The draft: an exported folder (ours, or another tool's in SGLang or "
                          "speculators layout), an sf-train run folder, or one of its checkpoints/step-N.")
     output: str = shared("output", resume=False)
-    format: str = setting("sglang", choices=EXPORT_FORMATS,
-                          help="sglang: the folder SGLang serves (EAGLE-3's LlamaForCausalLMEagle3, which vLLM "
-                               "reads as well; DFlash's, with Domino's and DSpark's fields); speculators: vLLM's "
-                               "speculators format (EAGLE-3, P-EAGLE), served by `vllm serve OUTPUT` alone. A "
-                               "family's other layouts are refused.")
+    format: str = setting("sglang", choices=FAMILIES.layouts(), help=FAMILIES.layouts_help())
     target: str | None = shared("target", None, shown="the target the draft records it was trained for, else "
                                 f"{EMBEDDED_DEFAULT}")
     verifier: str | None = setting(None, shown="the target; for smollm2 its Hugging Face id",
                                    help="speculators: the model vLLM loads as the target, a Hugging Face id or a "
                                         "path on the serving machine (speculators_config.verifier.name_or_path).")
-    k: int | None = shared("draft_tokens", None, shown="EAGLE-3: 3; P-EAGLE: its trained depths K")
+    k: int | None = shared("draft_tokens", None, shown=FAMILIES.export_k_shown(), help=FAMILIES.draft_tokens_help())
 
 
 def check_fits_target(dcfg, identity, layout: str) -> None:

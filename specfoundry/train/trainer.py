@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import json
 import math
-import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -28,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from specfoundry.common.cli import Range, Settings, config_dict, setting, shared, unique_options
-from specfoundry.common.files import atomic_write_json, remove_temporaries
+from specfoundry.common.files import TMP_SUFFIX, atomic_write_json, remove_temporaries, replace_dir
 from specfoundry.common.progress import Progress
+from specfoundry.common.settings import Range, Settings, config_dict, setting, shared, unique_options
 from specfoundry.common.shards import check_output_folder, record_config
 from specfoundry.common.taps import parse_layer_ids
 from specfoundry.common.target import (
@@ -42,10 +41,11 @@ from specfoundry.common.target import (
 )
 from specfoundry.common.weights import weight_fingerprint
 from specfoundry.families import FAMILIES, family_names, get_family
+from specfoundry.families.folders import TRAINER_STATE, complete_checkpoints, incomplete_checkpoints
+from specfoundry.families.interface import Batch, select_layers, serving_verifier
 from specfoundry.featureset.manifest import FeatureSetError, check_matches_target, tokenizer_hashes
 from specfoundry.featureset.store import FeatureSet
-from specfoundry.train.family import select_layers, serving_verifier
-from specfoundry.train.loader import Batch, FeatureLoader, split_indices
+from specfoundry.train.loader import FeatureLoader, split_indices
 
 ATTENTIONS = ("auto", "flex", "sdpa", "eager")
 LOSS_KERNELS = ("auto", "triton", "reference")
@@ -56,13 +56,13 @@ LOSS_KERNELS = ("auto", "triton", "reference")
 @FAMILIES.option_groups(after="layers")
 class TrainConfig(Settings):
     """Settings of one sf-train run (recorded in train_config.json beside the checkpoints). After
-    `layers`, one field per registered family (families.py) holds its options group: eagle3,
+    `layers`, one field per registered family (families/__init__.py) holds its options group: eagle3,
     dflash, ...; every option name is unique across the groups (unique_options, at import)."""
 
     featureset: str = setting(argument=True, help="Feature-set folder written by sf-capture.")
     output: str = shared("output", resume=False)
     target: str = shared("target", EMBEDDED_DEFAULT)
-    family: str = shared("family", "eagle3", choices=family_names())
+    family: str = shared("family", "eagle3", choices=family_names(), help=FAMILIES.family_help())
     layers: tuple[int, ...] | None = setting(None, parse=parse_layer_ids,
                                              shown="the set's layers if it holds as many as the family reads, else "
                                                    "the family's default",
@@ -221,42 +221,6 @@ def summarise(metrics: list[dict]) -> dict:
         tau += run
     out["sim_accept_len"] = tau
     return out
-
-
-# ---- checkpoints: step-N is complete by construction; step-N.tmp is one being written ----------
-
-TRAINER_STATE = "trainer_state.json"
-TMP_SUFFIX = ".tmp"
-
-
-def checkpoint_dirs(out: Path) -> list[Path]:
-    """Every `step-N` directory under out/checkpoints (complete or not), oldest first."""
-    found = [p for p in (out / "checkpoints").glob("step-*") if p.is_dir() and not p.name.endswith(TMP_SUFFIX)]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
-
-
-def complete_checkpoints(out: Path) -> list[Path]:
-    """The checkpoints resume may trust, oldest first: trainer_state.json is written last."""
-    return [p for p in checkpoint_dirs(out) if (p / TRAINER_STATE).is_file()]
-
-
-def incomplete_checkpoints(out: Path) -> list[Path]:
-    """Leftovers of a checkpoint that was being written: `step-N.tmp` dirs, and `step-N` dirs
-    without trainer_state.json (never made by this trainer's rename, but by a hand copy or an
-    older layout)."""
-    temps = sorted((out / "checkpoints").glob(f"step-*{TMP_SUFFIX}"))
-    return temps + [p for p in checkpoint_dirs(out) if not (p / TRAINER_STATE).is_file()]
-
-
-def replace_dir(tmp: Path, dest: Path) -> None:
-    """Put the complete directory `tmp` at `dest`: a reader sees the old directory or the new one
-    (briefly neither, never a partial one)."""
-    old = dest.with_name(f".{dest.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if dest.exists():
-        os.rename(dest, old)
-    os.rename(tmp, dest)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def save_state(accel, path: Path) -> None:

@@ -1,0 +1,332 @@
+"""The draft families: one torch-free catalogue, the only place a family is named.
+
+Each entry says what every stage needs to know about a family without loading it: its name,
+its options group (a frozen config class, one nested section of sf-train's config), the family
+it extends (whose group it reads on purpose), its default target layers, the architectures its
+exports carry in config.json (how a draft folder is recognised), and its provider: the object
+on the interface of families/interface.py that builds, trains, exports, reads back, decodes and gates
+it. Everything but the names is given as "module:attribute" and imported on first use, so
+importing this module loads neither torch nor any family, and no family module is imported by
+the interface it implements (families/interface.py) or by this catalogue's import.
+
+Adding a family is its folder (families/<name>/) plus one entry in FAMILIES (docs/families.md,
+"Adding a family"). A name or an architecture that no entry knows is a one-line error wherever
+it is met, never a fallback to another family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+
+
+class UnknownFamilyError(ValueError):
+    """A family name that no entry of the catalogue has."""
+
+
+class DraftLoadError(ValueError):
+    """A draft folder that cannot be read back: a missing file, setting or tensor, a shape its
+    config disagrees with, an option specfoundry's draft does not have, an architecture no family
+    exports (one line, naming it)."""
+
+
+def resolve(spec: str):
+    """The object a "module:attribute" string names."""
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    """One catalogue entry."""
+
+    name: str
+    """The --family value, the name recorded in checkpoints and exports, and its options group's field."""
+    summary: str
+    """One line for --family's help."""
+    options: str
+    """"module:Class" of its options, a frozen keyword-only Settings dataclass (families/<name>/options.py)."""
+    default_layers: str
+    """"module:function" (num_target_layers, options) -> the target layers it reads by default."""
+    layers_help: str
+    """Its default layers in words, for sf-capture --families' help."""
+    architectures: tuple[str, ...]
+    """config.json `architectures` values its exports carry, ours and other tools'; each names one family."""
+    provider: str
+    """"module:object" of its provider, on families/interface.py's DraftFamily interface."""
+    extends: str | None = None
+    """The family it extends: its options group is read as the parent's (options_for), so the
+    child adds options of its own and can never shadow the parent's."""
+    speculators_types: tuple[str, ...] = ()
+    """speculators_model_type values (vLLM's speculators format) that name this family."""
+    projector_types: tuple[str, ...] = ()
+    """dflash_config.projector_type values that name this family where config.json names its
+    parent's architecture (SGLang serves Domino as DFlashDraftModel with projector_type "domino")."""
+    draft_tokens: str
+    """What -k means for its drafts in sf-eval, for -k's help."""
+    eval_k: str
+    """sf-eval's k where -k is not given, for -k's help."""
+    gate_k: str
+    """What the gate trains for -k, for -k's help."""
+    layouts: tuple[str, ...] = ("sglang",)
+    """The directory layouts its export writes (sf-export --format); the first is sf-train's."""
+    layouts_help: str
+    """What each of its layouts is, for sf-export --format's help."""
+    speculators_k: str | None = None
+    """sf-export's -k for its speculators layout where -k is not given (None: it has none)."""
+
+
+@dataclass(frozen=True)
+class Extended:
+    """The options of a family that extends another: its parent's group (itself an Extended where
+    the parent extends a third) and its own. The child's code reads `parent` on purpose."""
+
+    parent: object
+    own: object
+
+
+class Registry:
+    """The families, checked when built: distinct names, architectures and speculators types; a
+    parent that is an earlier entry."""
+
+    def __init__(self, families: tuple[Family, ...]):
+        self.families: dict[str, Family] = {}
+        self.by_architecture: dict[str, str] = {}
+        self.by_speculators_type: dict[str, str] = {}
+        self.by_projector_type: dict[str, str] = {}
+        for f in families:
+            if f.name in self.families:
+                raise TypeError(f"family {f.name!r} is registered twice")
+            if f.extends is not None and f.extends not in self.families:
+                raise TypeError(f"family {f.name!r} extends {f.extends!r}, which is not an earlier entry")
+            for arch in f.architectures:
+                if arch in self.by_architecture:
+                    raise TypeError(f"architecture {arch!r} names two families: {self.by_architecture[arch]} and {f.name}")
+                self.by_architecture[arch] = f.name
+            for kind in f.speculators_types:
+                if kind in self.by_speculators_type:
+                    raise TypeError(f"speculators_model_type {kind!r} names two families: "
+                                    f"{self.by_speculators_type[kind]} and {f.name}")
+                self.by_speculators_type[kind] = f.name
+            for kind in f.projector_types:
+                if kind in self.by_projector_type or f.extends is None:
+                    raise TypeError(f"projector_type {kind!r} of {f.name} must name one family that extends another")
+                self.by_projector_type[kind] = f.name
+            self.families[f.name] = f
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.families)
+
+    def get(self, name: str) -> Family:
+        family = self.families.get(name) if isinstance(name, str) else None
+        if family is None:
+            raise UnknownFamilyError(f"unknown draft family {name!r}: choose one of {', '.join(self.families)}")
+        return family
+
+    def chain(self, name: str) -> list[Family]:
+        """The family and the families it extends, root first."""
+        out = [self.get(name)]
+        while out[0].extends is not None:
+            out.insert(0, self.get(out[0].extends))
+        return out
+
+    def provider(self, name: str):
+        """The family's provider (families/interface.py's interface), imported on first use."""
+        return resolve(self.get(name).provider)
+
+    def options_class(self, name: str) -> type:
+        return resolve(self.get(name).options)
+
+    def options_for(self, cfg, name: str):
+        """The options `name` reads from a config holding every family's group (TrainConfig): its
+        own group, or Extended(parent's options, own group) for a family that extends another."""
+        options = None
+        for f in self.chain(name):
+            own = getattr(cfg, f.name)
+            options = own if options is None else Extended(options, own)
+        return options
+
+    def default_options(self, name: str):
+        """options_for a config of every group's defaults."""
+        options = None
+        for f in self.chain(name):
+            own = self.options_class(f.name)()
+            options = own if options is None else Extended(options, own)
+        return options
+
+    def default_layers(self, name: str, num_target_layers: int, options=None) -> list[int]:
+        """The target layers `name` reads by default (with its default options unless given)."""
+        options = self.default_options(name) if options is None else options
+        return list(resolve(self.get(name).default_layers)(num_target_layers, options))
+
+    def family_of_config(self, config: dict, source: str) -> str:
+        """The family of a draft folder whose config.json is `config` (ours or another tool's),
+        from the architectures it names or its speculators_model_type."""
+        archs = config.get("architectures") or []
+        archs = archs if isinstance(archs, list) else [archs]
+        found = {self.by_architecture[a] for a in archs if isinstance(a, str) and a in self.by_architecture}
+        kind = config.get("speculators_model_type")
+        if isinstance(kind, str) and kind in self.by_speculators_type:
+            found.add(self.by_speculators_type[kind])
+        dflash_config = config.get("dflash_config")
+        projector = dflash_config.get("projector_type") if isinstance(dflash_config, dict) else None
+        if projector is not None and found:  # a head on its parent's architecture: the child, or no family
+            child = self.by_projector_type.get(projector) if isinstance(projector, str) else None
+            if child is None:
+                raise DraftLoadError(f"{source}: dflash_config.projector_type {projector!r} names no draft family "
+                                     f"(known: {', '.join(self.by_projector_type) or 'none'})")
+            if found <= {child, self.get(child).extends}:
+                found = {child}
+        if len(found) == 1:
+            return found.pop()
+        known = ", ".join(f"{f.name}: {'/'.join(f.architectures)}" for f in self.families.values())
+        if found:
+            raise DraftLoadError(f"{source}: architectures {archs} name several families ({', '.join(sorted(found))})")
+        what = f"architectures {archs}" if archs else "no architectures"
+        if kind is not None:
+            what += f", speculators_model_type {kind!r}"
+        raise DraftLoadError(f"{source} names {what}, which no draft family exports ({known})")
+
+    # ---- the help texts of the commands above the families, generated from the entries --------
+
+    def family_help(self) -> str:
+        return "Draft family: " + "; ".join(f"{f.name}: {f.summary}" for f in self.families.values()) + "."
+
+    def draft_tokens_help(self) -> str:
+        return ("Tokens the draft proposes per round, by family: "
+                + "; ".join(f"{f.name}: {f.draft_tokens}, and the gate trains {f.gate_k}" for f in self.families.values())
+                + ".")
+
+    def eval_k_shown(self) -> str:
+        return "; ".join(f"{f.name}: {f.eval_k}" for f in self.families.values())
+
+    def export_k_shown(self) -> str:
+        return "; ".join(f"{f.name}: {f.speculators_k}" for f in self.families.values() if f.speculators_k)
+
+    def layouts_help(self) -> str:
+        return ("; ".join(f"{f.name}: {f.layouts_help}" for f in self.families.values())
+                + ". A family's other layouts are refused.")
+
+    def layouts(self) -> tuple[str, ...]:
+        """Every layout some family exports, sglang first."""
+        return tuple(dict.fromkeys(layout for f in self.families.values() for layout in f.layouts))
+
+    def option_groups(self, after: str):
+        """Class decorator for a config class, applied before @dataclass: one field per family,
+        named after it, holding its options group (defaults: the group's defaults), inserted
+        after the field `after` in declaration order."""
+
+        def decorate(cls):
+            annotations = dict(cls.__dict__.get("__annotations__", {}))
+            if after not in annotations:
+                raise TypeError(f"{cls.__name__} has no field {after!r} to put the family options after")
+            out = {}
+            for name, hint in annotations.items():
+                out[name] = hint
+                if name == after:
+                    for f in self.families.values():
+                        if f.name in annotations:
+                            raise TypeError(f"{cls.__name__}.{f.name} is both a setting and family {f.name}'s options")
+                        options = self.options_class(f.name)
+                        out[f.name] = options
+                        setattr(cls, f.name, dataclasses.field(default_factory=options))
+            cls.__annotations__ = out
+            return cls
+
+        return decorate
+
+
+FAMILIES = Registry((
+    Family(
+        name="eagle3",
+        summary="EAGLE-3 and its 3.1 options: one decoder layer over three target layers, Training-Time Test",
+        options="specfoundry.families.eagle3.options:Eagle3Options",
+        default_layers="specfoundry.families.eagle3.options:default_layers",
+        layers_help="eagle3 [1, L//2-1, L-4]",
+        # SGLang's (ours), vLLM's own, and speculators' classes (ours writes Eagle3DraftModel)
+        architectures=("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3DraftModel", "Eagle3Speculator"),
+        speculators_types=("eagle3",),
+        draft_tokens="its chain of k tokens",
+        eval_k="4",
+        gate_k="k TTT steps",
+        layouts=("sglang", "speculators"),
+        layouts_help="sglang, the folder SGLang serves (LlamaForCausalLMEagle3, which vLLM reads as well), or "
+                     "speculators, vLLM's speculators format, served by `vllm serve OUTPUT` alone",
+        speculators_k="3",
+        provider="specfoundry.families.eagle3.family:EAGLE3",
+    ),
+    Family(
+        name="dflash",
+        summary="DFlash: a block of proposals in one forward on the target's embedding and lm_head",
+        options="specfoundry.families.dflash.options:DFlashOptions",
+        default_layers="specfoundry.families.dflash.options:default_layers",
+        layers_help="dflash round(1 + i(L-4)/4) for i = 0..4",
+        architectures=("DFlashDraftModel",),
+        draft_tokens="its trained block less one (sf-eval warns that -k is ignored)",
+        eval_k="its block - 1",
+        gate_k="blocks of k+1",
+        layouts_help="sglang, the folder SGLang serves (DFlashDraftModel)",
+        provider="specfoundry.families.dflash.family:DFLASH",
+    ),
+    Family(
+        name="domino",
+        summary="Domino: DFlash plus a prefix GRU and a residual logit correction, base-anchored curriculum",
+        options="specfoundry.families.domino.options:DominoOptions",
+        default_layers="specfoundry.families.domino.options:default_layers",
+        layers_help="domino as dflash",
+        # SGLang serves it as DFlashDraftModel with dflash_config.projector_type "domino";
+        # upstream's (SpecForge) configs name DominoDraftModel
+        architectures=("DominoDraftModel",),
+        projector_types=("domino",),
+        draft_tokens="its trained block less one (sf-eval warns that -k is ignored)",
+        eval_k="its block - 1",
+        gate_k="blocks of k+1",
+        layouts_help="sglang, DFlash's folder with Domino's fields (projector_type domino)",
+        provider="specfoundry.families.domino.family:DOMINO",
+        extends="dflash",
+    ),
+    Family(
+        name="dspark",
+        summary="DSpark: DFlash plus a Markov previous-token logit bias and a confidence head, CE + L1 + BCE",
+        options="specfoundry.families.dspark.options:DSparkOptions",
+        default_layers="specfoundry.families.dspark.options:default_layers",
+        layers_help="dspark as dflash",
+        # ours and SGLang's entry class (vLLM's name too); SGLang's and vLLM's other name for it
+        architectures=("Qwen3DSparkModel", "DSparkDraftModel"),
+        draft_tokens="its trained block less one (sf-eval warns that -k is ignored)",
+        eval_k="its block - 1",
+        gate_k="blocks of k+1",
+        layouts_help="sglang, DFlash's folder with DSpark's fields (Qwen3DSparkModel)",
+        provider="specfoundry.families.dspark.family:DSPARK",
+        extends="dflash",
+    ),
+    Family(
+        name="peagle",
+        summary="P-EAGLE: EAGLE-3's features, K depths drafted in one forward (mask slots), COD-sampled training",
+        options="specfoundry.families.peagle.options:PEagleOptions",
+        default_layers="specfoundry.families.peagle.options:default_layers",
+        layers_help="peagle as eagle3",
+        # ours and speculators' class, vLLM's registry names (both map to its Eagle3LlamaForCausalLM), and
+        # speculators' config default; speculators_model_type "peagle" (vLLM: eagle3 + parallel drafting)
+        architectures=("PEagleDraftModel", "PeagleLlamaForCausalLM", "PeagleQwen3ForCausalLM", "PEagleSpeculator"),
+        speculators_types=("peagle",),
+        draft_tokens="its first k depths (at most its trained K)",
+        eval_k="its trained K",
+        gate_k="K = k depths",
+        layouts=("speculators",),
+        layouts_help="speculators only, vLLM's speculators format (parallel drafting), served by `vllm serve OUTPUT`",
+        speculators_k="its trained depths K",
+        provider="specfoundry.families.peagle.family:PEAGLE",
+    ),
+))
+"""Every family specfoundry trains, in the order --help lists them."""
+
+
+def family_names() -> tuple[str, ...]:
+    return FAMILIES.names()
+
+
+def get_family(name: str):
+    """The provider of family `name` (UnknownFamilyError, one line, for a name no entry has)."""
+    return FAMILIES.provider(name)

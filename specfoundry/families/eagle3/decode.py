@@ -1,0 +1,62 @@
+"""EAGLE-3 in sf-eval: the chain (decoding/rounds.py, decode_rounds' callables) and the token tree
+(families/eagle3/tree.py), and its first round against Training-Time Test's step 0. Imported by sf-eval and
+the gate only, through the family's provider."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specfoundry.decoding.rounds import DecodeResult
+from specfoundry.decoding.sampler import Sampler
+from specfoundry.decoding.target import TargetRunner
+from specfoundry.families.eagle3.chain import DraftRunner, speculative_generate
+from specfoundry.families.eagle3.model import Eagle3Draft, TTTCache
+from specfoundry.families.eagle3.tree import tree_generate
+
+
+@dataclass
+class Eagle3Decoder:
+    """A chain of k proposals per round, or the token tree of `tree`'s branching (greedy)."""
+
+    runner: DraftRunner
+    k: int
+    tree: tuple[int, ...] | None = None
+
+    def generate(self, target: TargetRunner, prompt: list[int], *, max_new_tokens: int, eos: set[int],
+                 sampler: Sampler) -> DecodeResult:
+        if self.tree:
+            return tree_generate(target, self.runner, prompt, branching=self.tree, max_new_tokens=max_new_tokens,
+                                 eos=eos)
+        return speculative_generate(target, self.runner, prompt, k=self.k, max_new_tokens=max_new_tokens, eos=eos,
+                                    sampler=sampler)
+
+
+def decode_settings(k: int, tree: tuple[int, ...] | None) -> tuple[int, tuple[int, ...] | None, None]:
+    """Chains of -k, or the tree (sf-eval checks its branching and that it decodes greedily)."""
+    return k, tree, None
+
+
+def teacher_forced_logits(runner: DraftRunner, ids: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    """The decoder's start on one sequence: step-0 logits [T-1, Vd] through sf-eval's cached path
+    (row i predicts ids[i+2]; the last row is the first proposal's)."""
+    runner.reset()
+    device = runner.draft.fc.weight.device
+    return runner.extend(ids[1:].tolist(), aux[:-1].to(device))
+
+
+def training_logits(draft: Eagle3Draft, ids: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    """Training-Time Test's step 0 on the same sequence: token x_{i+1} and the features at i."""
+    device, dtype = draft.fc.weight.device, draft.fc.weight.dtype
+    n = len(ids)
+    with torch.inference_mode():
+        hidden = draft.project(aux[:-1].to(device, dtype)[None])
+        _, normed = draft.ttt_forward(ids[1:].to(device)[None], hidden, torch.arange(n - 1, device=device)[None],
+                                      TTTCache(), [n - 1], 0, "sdpa")
+        return draft.lm_head(normed)[0].float()
+
+
+def decode_matches_training(draft: Eagle3Draft, ids: torch.Tensor, aux: torch.Tensor):
+    """(the decoder's step-0 logits over the sequence, Training-Time Test's step 0), [T-1, Vd] each."""
+    return teacher_forced_logits(DraftRunner(draft), ids, aux), training_logits(draft, ids, aux)

@@ -1,0 +1,183 @@
+"""Reading a draft back from whichever folder holds it: an export (ours, or another tool's in
+SGLang or speculators layout), an sf-train run folder (its export), or one of its
+checkpoints/step-N. sf-eval, sf-export, the gate and --init-from all read drafts through here.
+
+The family of an export is what the catalogue recognises from its config.json's architectures
+(families/__init__.py); the family of a checkpoint is the one its run's draft_config.json records. A
+folder that names no known family is refused in one line, never read as another family's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from specfoundry.common.files import TMP_SUFFIX
+from specfoundry.common.target import load_tokenizer, target_identity
+from specfoundry.common.weights import target_embeddings, weight_fingerprint
+from specfoundry.families import FAMILIES, DraftLoadError, UnknownFamilyError
+from specfoundry.families.interface import TARGET_FILE, DraftFamily, load_tensors, read_config_json
+from specfoundry.featureset.manifest import tokenizer_hashes
+
+__all__ = ["DraftLoadError", "family_of", "family_of_export", "find_draft_files", "locate_draft", "read_config",
+           "target_num_layers", "trained_for"]
+
+
+def target_num_layers(target_dir: Path) -> int:
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    return int(config.get("text_config", config)["num_hidden_layers"])
+
+
+def family_of_export(path: Path) -> str:
+    """The family of an exported draft folder, from its config.json (ours or another tool's)."""
+    return FAMILIES.family_of_config(read_config_json(path), str(Path(path) / "config.json"))
+
+
+def family_of(cfg) -> DraftFamily:
+    """The provider of a draft config's family."""
+    return FAMILIES.provider(cfg.family)
+
+
+def read_config(path: Path, num_target_layers: int | None = None):
+    """The config of an exported draft folder (`num_target_layers`: where its config names no
+    layers, the engines' default for that target)."""
+    return FAMILIES.provider(family_of_export(path)).read_config(Path(path), num_target_layers)
+
+
+def is_export(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(
+        (path / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json"))
+
+
+def checkpoint_config(run: Path):
+    """The draft config a training run records (draft_config.json), of the family it names."""
+    d = read_config_json(run, "draft_config.json")
+    if "family" not in d:
+        raise DraftLoadError(f"{run / 'draft_config.json'} names no family (one of {', '.join(FAMILIES.names())})")
+    try:
+        return FAMILIES.provider(d["family"]).config_from_dict(d)
+    except UnknownFamilyError as e:
+        raise DraftLoadError(f"{run / 'draft_config.json'}: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise DraftLoadError(f"{run / 'draft_config.json'}: {e}") from None
+
+
+def locate_draft(path: Path, num_target_layers: int | None = None) -> tuple[object, Path, str]:
+    """(config, the folder or tensor file holding it, the prefix of the draft's names in it) for
+    whichever kind of folder `path` is: an export, a training run (its export), or one of its
+    checkpoints/step-N."""
+    path = Path(path)
+    if is_export(path / "export"):  # a training run: use its export
+        path = path / "export"
+    if is_export(path):
+        return read_config(path, num_target_layers), path, ""
+    run = path.parent.parent  # <run>/checkpoints/step-N
+    if (path / "model.safetensors").is_file() and (run / "draft_config.json").is_file():
+        return checkpoint_config(run), path / "model.safetensors", "draft."
+    raise DraftLoadError(f"{path} is not an exported draft (config.json + model.safetensors), an sf-train run "
+                         "folder or one of its checkpoints/step-N folders")
+
+
+def find_draft_files(path: Path, num_target_layers: int | None = None) -> tuple[object, dict[str, torch.Tensor]]:
+    """(config, tensors named as in the family's draft module) from whichever kind of folder `path`
+    is; an export comes back as its family reads it (an EAGLE-3 one of any layout checked, under
+    our names, with its maps)."""
+    cfg, where, prefix = locate_draft(Path(path), num_target_layers)
+    if where.is_dir():
+        return family_of(cfg).read_export(where, num_target_layers)
+    tensors = load_tensors(where)
+    return cfg, {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def trained_for(path: str | Path) -> dict | None:
+    """The target identity an export (or a run's export) records, or None where it records none."""
+    path = Path(path)
+    for folder in (path, path / "export", path.parent.parent / "export"):
+        if (folder / TARGET_FILE).is_file():
+            return read_config_json(folder, TARGET_FILE)
+    return None
+
+
+def draft_module(cfg) -> torch.nn.Module:
+    """A fresh draft of config `cfg`, built by its family."""
+    return family_of(cfg).draft_module(cfg)
+
+
+def check_trained_for(path: str | Path, target_dir: Path, allow_other: bool) -> str | None:
+    """Refuse a draft trained for another target (its config hash or weight fingerprint differ);
+    with allow_other, the difference as a warning instead. None when they agree or the draft
+    records no target."""
+    recorded = trained_for(path)
+    if recorded is None:
+        return None
+    here = {"config_sha256": target_identity(str(target_dir), target_dir).config_sha256,
+            "weight_fingerprint": weight_fingerprint(target_dir, like=recorded.get("weight_fingerprint")),
+            "tokenizer_sha256": tokenizer_hashes(load_tokenizer(target_dir))[0]}
+    differ = [k for k, v in here.items() if recorded.get(k) is not None and recorded[k] != v]
+    if not differ:
+        return None
+    message = (f"draft {path} was trained for target {recorded.get('name')!r} ({recorded.get('path')}), whose "
+               f"{' and '.join(k.replace('_', ' ') for k in differ)} differ from this target's")
+    if not allow_other:
+        raise DraftLoadError(message + "; pass --allow-other-target to evaluate it anyway")
+    return message
+
+
+def load_draft(path: str | Path, target_dir: Path, device: torch.device,
+               dtype: torch.dtype) -> torch.nn.Module:
+    cfg, tensors = find_draft_files(Path(path), target_num_layers(target_dir))
+    draft = draft_module(cfg)
+    tensors = {k: v for k, v in tensors.items() if not k.startswith("embed_tokens.")}
+    missing, unexpected = draft.load_state_dict(tensors, strict=False)
+    missing = [m for m in missing if not m.startswith(("embed_tokens.", "rotary."))]
+    if missing or unexpected:  # named as its config.json was read: a family's field left out shows here
+        parts = ([f"missing tensors {missing}"] if missing else []) + (
+            [f"tensors a {cfg.family} draft does not have {unexpected}"] if unexpected else [])
+        raise DraftLoadError(f"draft {path}, read as {cfg.family} from its config.json: {'; '.join(parts)}")
+    embed = target_embeddings(target_dir)
+    if tuple(embed.shape) != tuple(draft.embed_tokens.weight.shape):
+        raise DraftLoadError(f"draft {path} expects embeddings {tuple(draft.embed_tokens.weight.shape)}, "
+                             f"the target has {tuple(embed.shape)}")
+    draft.embed_tokens.weight.data.copy_(embed)
+    return draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def untrained_like(draft: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """A freshly initialised draft with the same config, vocabulary map and embeddings: the
+    baseline a trained draft must beat."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        fresh = draft_module(draft.cfg)
+    param = next(draft.parameters())
+    fresh.to(device=param.device, dtype=param.dtype)
+    for name in ("d2t", "t2d"):
+        if hasattr(draft, name):
+            getattr(fresh, name).copy_(getattr(draft, name))
+    fresh.embed_tokens.weight.data.copy_(draft.embed_tokens.weight)
+    return fresh.eval().requires_grad_(False)
+
+
+# ---- checkpoints: step-N is complete by construction; step-N.tmp is one being written ----------
+
+TRAINER_STATE = "trainer_state.json"
+
+
+def checkpoint_dirs(out: Path) -> list[Path]:
+    """Every `step-N` directory under out/checkpoints (complete or not), oldest first."""
+    found = [p for p in (out / "checkpoints").glob("step-*") if p.is_dir() and not p.name.endswith(TMP_SUFFIX)]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def complete_checkpoints(out: Path) -> list[Path]:
+    """The checkpoints resume may trust, oldest first: trainer_state.json is written last."""
+    return [p for p in checkpoint_dirs(out) if (p / TRAINER_STATE).is_file()]
+
+
+def incomplete_checkpoints(out: Path) -> list[Path]:
+    """Leftovers of a checkpoint that was being written: `step-N.tmp` dirs, and `step-N` dirs
+    without trainer_state.json (never made by this trainer's rename, but by a hand copy or an
+    older layout)."""
+    temps = sorted((out / "checkpoints").glob(f"step-*{TMP_SUFFIX}"))
+    return temps + [p for p in checkpoint_dirs(out) if not (p / TRAINER_STATE).is_file()]

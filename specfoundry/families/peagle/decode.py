@@ -1,0 +1,129 @@
+"""P-EAGLE in sf-eval: one draft forward proposes the round's k tokens (a chain), verified by the
+target in one forward through decoding/rounds.py decode_rounds; as vLLM's parallel drafting.
+
+Invariants at the start of a round (EAGLE-3's, families/eagle3/chain.py): the committed text is
+t_0..t_{m-1}; the draft's per-layer caches hold rows 0..j-1 (row i: token t_{i+1}, fc(a_i)) and the
+rows j..m-2 are pending (read at the next forward: the prompt's after prefill, the a+1 committed
+tokens after a round). A round:
+    1. propose  one forward over [pending rows, M x (k-1)] at positions j..m-2, m-1..m+k-3 (M: the mask
+                token with fc(mask_hidden)); the last pending row's logits give d_1 (depth 0), the mask
+                slots' give d_2..d_k (depths 1..k-1); then the caches drop the mask slots.
+    2. verify   the target reads [t_{m-1}, d_1..d_k] (accept(): greedy prefix, or the rejection rule:
+                each d_j is drawn from its own slot's distribution, which is what it is conditioned on)
+    3. commit   the a + 1 new tokens and their target features become the pending rows.
+Greedy output equals the target's own. The decoder's first round equals the training forward of the
+rollout anchored at the last row (decode_matches_training).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specfoundry.decoding.accept import accept
+from specfoundry.decoding.rounds import DecodeResult, decode_rounds
+from specfoundry.decoding.sampler import Sampler
+from specfoundry.decoding.target import TargetRunner
+from specfoundry.families.eagle3.model import KVCache
+from specfoundry.families.peagle.config import PEagleConfig
+from specfoundry.families.peagle.loss import pack_batch, pack_row, packed_states
+from specfoundry.families.peagle.model import PEagleDraft
+from specfoundry.families.vocab import draft_ids_from_d2t
+
+
+class PEagleRunner:
+    """The draft with its per-layer KV caches and its pending rows (see the module docstring)."""
+
+    def __init__(self, draft: PEagleDraft):
+        self.draft = draft
+        self.draft_to_target = draft_ids_from_d2t(draft.d2t)  # [Vd]
+        self.target_ids: list[int] = self.draft_to_target.tolist()
+        self.reset()
+
+    def reset(self) -> None:
+        self.caches = [KVCache() for _ in self.draft.layers]
+        self.tokens: list[int] = []  # pending rows' tokens
+        self.aux: list[torch.Tensor] = []  # pending rows' features [n, 3*Ht]
+
+    def read(self, tokens: list[int], aux: torch.Tensor) -> None:
+        """Rows (token t_{i+1}, feature a_i) to read at the next forward."""
+        assert len(tokens) == aux.shape[0], (len(tokens), aux.shape)
+        self.tokens += tokens
+        self.aux.append(aux)
+
+    @torch.inference_mode()
+    def forward(self, k: int) -> torch.Tensor:
+        """One forward over the pending rows and k-1 mask slots: logits [k, Vd] of depths 0..k-1."""
+        draft, cfg = self.draft, self.draft.cfg
+        device, dtype = draft.fc.weight.device, draft.fc.weight.dtype
+        start, n = len(self.caches[0]), len(self.tokens)
+        assert n >= 1, "a round needs the newest committed token"
+        hidden = torch.cat([draft.project(torch.cat(self.aux).to(device, dtype)),
+                            draft.mask_state().expand(k - 1, -1)])[None]  # [1, n+k-1, H]
+        ids = torch.tensor([self.tokens + [cfg.mask_token_id] * (k - 1)], device=device)
+        positions = torch.arange(start, start + n + k - 1, device=device)[None]
+        normed = draft.decode_forward(ids, hidden, positions, self.caches)
+        for cache in self.caches:
+            cache.crop(start + n)  # the mask slots are this round's only
+        self.tokens, self.aux = [], []
+        return draft.lm_head(normed[0, n - 1:]).float()
+
+    def propose(self, k: int, pick) -> tuple[list[int], list[torch.Tensor]]:
+        """k proposals (target ids) from one forward, and each one's draft logits [Vd]."""
+        logits = self.forward(k)
+        return [self.target_ids[int(pick(row))] for row in logits], list(logits)
+
+
+@dataclass
+class PEagleDecoder:
+    """k proposals per round from one draft forward."""
+
+    runner: PEagleRunner
+    k: int
+
+    def generate(self, target: TargetRunner, prompt: list[int], *, max_new_tokens: int, eos: set[int],
+                 sampler: Sampler) -> DecodeResult:
+        runner = self.runner
+        runner.reset()
+        return decode_rounds(
+            target, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler,
+            start=lambda first, aux: runner.read(prompt[1:] + first, aux),
+            propose=lambda last: runner.propose(self.k, sampler.pick),
+            verify=lambda drafts, logits_d, logits: accept(drafts, logits_d, logits, runner.draft_to_target, sampler),
+            commit=runner.read)
+
+
+def decode_settings(cfg: PEagleConfig, *, k: int, tree, k_given: bool, source: str):
+    """(k, no tree, None): the trained depths K by default; -k up to K (a mask slot past the trained
+    depths would be untrained)."""
+    if tree:
+        raise ValueError(f"--tree drafts EAGLE-3 token trees; {source} is a P-EAGLE draft, which proposes a chain of "
+                         f"up to {cfg.num_depths} tokens in one forward")
+    if not k_given:
+        return cfg.num_depths, None, None
+    if not 1 <= k <= cfg.num_depths:
+        raise ValueError(f"-k {k}: P-EAGLE draft {source} was trained for {cfg.num_depths} depths; pass -k from 1 "
+                         f"to {cfg.num_depths}")
+    return k, None, None
+
+
+@torch.inference_mode()
+def training_logits(draft: PEagleDraft, ids: torch.Tensor, aux: torch.Tensor, anchor: int, k: int) -> torch.Tensor:
+    """The training forward's logits [k, Vd] of the rollout anchored at `anchor`, depths 0..k-1 (the
+    context: every row 0..len(ids)-2 at depth 0)."""
+    device = draft.fc.weight.device
+    kept = [torch.tensor([anchor])] * (k - 1)
+    a, d, real = pack_batch([pack_row(len(ids), kept)], device)
+    states = packed_states(draft, ids[None].to(device), aux[None].to(device), a, d, real, "sdpa")[0]
+    rows = torch.cat([torch.tensor([anchor]), len(ids) - 1 + torch.arange(k - 1)]).to(device)
+    return draft.lm_head(states[rows]).float()
+
+
+def decode_matches_training(draft: PEagleDraft, ids: torch.Tensor, aux: torch.Tensor, k: int | None = None):
+    """(the decoder's first round after the sequence ids (its rows 0..T-2 read at once), the training
+    forward of the rollout anchored at T-2), [k, Vd] each, k = the trained depths by default."""
+    k = k or draft.cfg.num_depths
+    runner = PEagleRunner(draft)
+    runner.read(ids[1:].tolist(), aux[:-1])
+    return runner.forward(k), training_logits(draft, ids, aux, len(ids) - 2, k)
