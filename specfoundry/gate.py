@@ -26,11 +26,11 @@ from specfoundry.common.cli import resolve_config, stage_command
 from specfoundry.common.placement import Placement, launch_env
 from specfoundry.common.settings import MAX_DRAFT, MAX_TOKENS, Range, Settings, config_dict, setting, shared
 from specfoundry.common.shards import record_config
-from specfoundry.common.target import EMBEDDED_DEFAULT, Target, resolve_target
+from specfoundry.common.target import EMBEDDED_DEFAULT, Target
 from specfoundry.eval.cli import FAILURES, main
 from specfoundry.eval.evaluate import one_copy
 from specfoundry.families import FAMILIES, family_names
-from specfoundry.families.folders import DraftLoadError, family_of_export
+from specfoundry.families.folders import DraftLoadError, locate_draft
 from specfoundry.families.gatekit import Check
 from specfoundry.featureset.store import FeatureSet
 from specfoundry.generate.backend import SamplingConfig
@@ -91,8 +91,7 @@ def load_gate_target(cfg: GateConfig) -> Target:
 def build(cfg: GateConfig, target: Target | None = None, silent: bool = True) -> Path:
     """Regen, capture and train the one-conversation run; every stage resumes. Returns the export."""
     work = Path(cfg.output)
-    resolve_target(cfg.target)  # a bad target is refused before the folder records it
-    target = target or load_gate_target(cfg)
+    target = target or load_gate_target(cfg)  # a bad target is refused before the folder records it
     if target.is_writer:
         record_config(work, "gate", cfg)
         # the answer here is a placeholder: sf-regen replaces it with the target's greedy answer
@@ -113,7 +112,7 @@ def build(cfg: GateConfig, target: Target | None = None, silent: bool = True) ->
                         num_workers=0, loss="auto" if target.input_device.type == "cuda" else "reference",
                         log_every=10**9)
     if target.ranks.world == 1:
-        export = Path(run_train(train, silent=silent)["export"])
+        export = Path(run_train(train, silent=silent, target_dir=target.path)["export"])
     else:  # the draft trains on one process: the writer, in a process of its own (outside the launch)
         export = Path(train_alone(train, silent) if target.is_writer else "")
         export = Path(target.ranks.from_writer(str(export)))
@@ -147,14 +146,14 @@ LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RAN
 def run_checks(cfg: GateConfig, export: Path, target: Target | None = None) -> list[Check]:
     """The family's checks of `export` against the gate's run (the first failure is the verdict)."""
     try:
-        found = family_of_export(export)
+        ref = locate_draft(export)
     except DraftLoadError as e:  # a folder an engine would misread or not load: nothing after it can run
         return [Check("export", False, str(e))]
-    if found != cfg.family:
-        return [Check("export", False, f"{export} is a draft of family {found}; the gate trained {cfg.family}")]
+    if ref.family != cfg.family:
+        return [Check("export", False, f"{export} is a draft of family {ref.family}; the gate trained {cfg.family}")]
     target = target or load_gate_target(cfg)
     fs = FeatureSet(Path(cfg.output) / "features")
-    return FAMILIES.provider(cfg.family).gate_checks(cfg, export, fs, fs[0], target)
+    return ref.provider.gate_checks(cfg, ref.for_target(target.config.num_hidden_layers), fs, fs[0], target)
 
 
 def verdict(checks: list[Check]) -> tuple[bool, str]:
@@ -167,8 +166,7 @@ def verdict(checks: list[Check]) -> tuple[bool, str]:
 def run_gate(cfg: GateConfig, silent: bool = True) -> tuple[list[Check], bool, str]:
     """Build the one-conversation run (resuming what exists), check it: (checks, passed, verdict).
     The target is loaded once, for every stage."""
-    resolve_target(cfg.target)  # a bad target is refused before anything loads
-    target = load_gate_target(cfg)
+    target = load_gate_target(cfg)  # resolves the target once; a bad one is refused before anything loads
     export = build(cfg, target, silent=silent)
     checks = run_checks(cfg, export if cfg.export is None else Path(cfg.export), target)
     return (checks, *verdict(checks))

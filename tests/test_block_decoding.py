@@ -10,7 +10,7 @@ from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
 from specfoundry.eval.evaluate import BUILTIN_SETS, EvalConfig, load_prompts, run_eval
 from specfoundry.families.dflash.block import BlockDraftRunner, block_generate
-from specfoundry.families.folders import load_draft
+from specfoundry.families.folders import load_draft, locate_draft
 from specfoundry.featureset.store import FeatureSet
 
 
@@ -19,7 +19,7 @@ def test_greedy_block_decoding_equals_the_targets_generate(dflash_gate_run, smol
     on the gate's own prompt (where it is mostly accepted): both paths of verification."""
     cfg, export = dflash_gate_run
     model, tokenizer = smollm2_target.model, smollm2_target.tokenizer
-    draft = load_draft(export, smollm2_dir, torch.device("cpu"), torch.float32)
+    draft = load_draft(locate_draft(export), smollm2_dir, torch.device("cpu"), torch.float32)
     target = TargetRunner(smollm2_target, list(draft.cfg.target_layer_ids))
     runner = BlockDraftRunner(draft, smollm2_target.lm_head())
     sample = FeatureSet(f"{cfg.output}/features")[0]

@@ -298,7 +298,7 @@ def test_export_holds_sglangs_domino_names_shapes_and_fields_and_reads_back(tmp_
     (lambda c: c["dflash_config"].update(projector_type="dspark"), "projector_type 'dspark' names no draft family"),
 ])
 def test_a_config_sglang_would_refuse_is_one_line(tmp_path, edit, words):
-    from specfoundry.families.folders import find_draft_files
+    from specfoundry.families.folders import find_draft_files, locate_draft
 
     draft = tiny_draft()
     out = export_draft(draft.state_dict(), draft.cfg, tmp_path / "export")
@@ -306,14 +306,14 @@ def test_a_config_sglang_would_refuse_is_one_line(tmp_path, edit, words):
     edit(config)
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(DraftLoadError) as e:
-        find_draft_files(out)
+        find_draft_files(locate_draft(out))
     assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
 def test_a_domino_export_without_its_projector_type_names_the_family_it_was_read_as(tmp_path, tiny_llama_dir):
     """Without dflash_config.projector_type the folder reads as plain DFlash; sf-eval's load then
     names that reading and Domino's tensors, not an empty list of missing ones."""
-    from specfoundry.families.folders import load_draft
+    from specfoundry.families.folders import load_draft, locate_draft
 
     draft = tiny_draft()
     out = export_draft(draft.state_dict(), draft.cfg, tmp_path / "export")
@@ -322,7 +322,7 @@ def test_a_domino_export_without_its_projector_type_names_the_family_it_was_read
     (out / "config.json").write_text(json.dumps(config))
     (out / "specfoundry_draft.json").unlink()  # as another tool would write it: config.json alone
     with pytest.raises(DraftLoadError) as e:
-        load_draft(out, tiny_llama_dir, torch.device("cpu"), torch.float32)
+        load_draft(locate_draft(out), tiny_llama_dir, torch.device("cpu"), torch.float32)
     said = str(e.value)
     assert "read as dflash from its config.json" in said and "prefix_gru.weight_ih_l0" in said, said
     assert "missing" not in said and "\n" not in said, said

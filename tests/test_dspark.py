@@ -323,7 +323,7 @@ def test_export_holds_sglangs_dspark_names_shapes_and_fields_and_reads_back(tmp_
     (lambda c: c.update(target_layer_ids=[0, 2]), "target_layer_ids differs"),
 ])
 def test_a_config_sglang_would_refuse_is_one_line(tmp_path, edit, words):
-    from specfoundry.families.folders import find_draft_files
+    from specfoundry.families.folders import find_draft_files, locate_draft
 
     draft = tiny_draft()
     out = export_draft(draft.state_dict(), draft.cfg, tmp_path / "export")
@@ -331,7 +331,7 @@ def test_a_config_sglang_would_refuse_is_one_line(tmp_path, edit, words):
     edit(config)
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(DraftLoadError) as e:
-        find_draft_files(out)
+        find_draft_files(locate_draft(out))
     assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 

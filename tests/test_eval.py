@@ -19,7 +19,7 @@ from specfoundry.families.eagle3.chain import DraftRunner, speculative_generate
 from specfoundry.families.eagle3.config import draft_config_from_target
 from specfoundry.families.eagle3.model import Eagle3Draft
 from specfoundry.families.eagle3.tree import propose_tree, tree_generate
-from specfoundry.families.folders import load_draft, untrained_like
+from specfoundry.families.folders import load_draft, locate_draft, untrained_like
 from specfoundry.families.vocab import vocab_maps
 from specfoundry.featureset.store import FeatureSet
 
@@ -33,7 +33,7 @@ class Decoding:
     def __init__(self, target: Target, export, smollm2_dir, gate_features: Path):
         self.model, self.tokenizer = target.model, target.tokenizer
         self.target = TargetRunner(target, [1, 14, 26])
-        self.draft = DraftRunner(load_draft(export, smollm2_dir, torch.device("cpu"), torch.float32))
+        self.draft = DraftRunner(load_draft(locate_draft(export), smollm2_dir, torch.device("cpu"), torch.float32))
         sample = FeatureSet(gate_features)[0]
         self.gate_ids = sample.input_ids.tolist()
         self.gate_answer = int(sample.loss_mask.nonzero()[0])
@@ -294,7 +294,7 @@ def test_the_gpu_warm_up_leaves_every_decoded_figure_but_time_unchanged(gate_run
 
 def test_untrained_draft_keeps_the_vocabulary(gate_run, smollm2_dir):
     _, export = gate_run
-    draft = load_draft(export, smollm2_dir, torch.device("cpu"), torch.float32)
+    draft = load_draft(locate_draft(export), smollm2_dir, torch.device("cpu"), torch.float32)
     fresh = untrained_like(draft)
     assert torch.equal(fresh.d2t, draft.d2t) and not torch.equal(fresh.fc.weight, draft.fc.weight)
 

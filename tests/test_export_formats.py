@@ -27,7 +27,7 @@ from specfoundry.families.eagle3.family import EAGLE3
 from specfoundry.families.eagle3.formats import read_eagle3
 from specfoundry.families.eagle3.model import Eagle3Draft, KVCache, TTTCache
 from specfoundry.families.eagle3.options import Eagle3Options, default_aux_layers
-from specfoundry.families.folders import DraftLoadError, load_draft
+from specfoundry.families.folders import DraftLoadError, load_draft, locate_draft
 from specfoundry.families.interface import DRAFT_FILE
 from specfoundry.testing import random_eagle3_draft
 from specfoundry.train.cli import export_main
@@ -434,7 +434,7 @@ def test_sf_eval_reads_other_tools_sglang_dirs_keeping_maps_and_layers(tmp_path,
         p.data = p.data.to(torch.bfloat16).float()
     draft.embed_tokens.weight.copy_(load_file(str(target_dir / "model.safetensors"))["model.embed_tokens.weight"])
     theirs = other_tools_sglang_dir(tmp_path, draft, prefix, layer, ids_nested=True)
-    loaded = load_draft(theirs, target_dir, torch.device("cpu"), torch.float32)
+    loaded = load_draft(locate_draft(theirs), target_dir, torch.device("cpu"), torch.float32)
     assert loaded.cfg.aux_layer_ids == draft.cfg.aux_layer_ids and loaded.cfg.fc_norm == draft.cfg.fc_norm
     assert torch.equal(loaded.d2t, draft.d2t) and torch.equal(loaded.t2d, draft.t2d)
     torch.testing.assert_close(logits(loaded), logits(draft), rtol=0, atol=0)
@@ -443,7 +443,7 @@ def test_sf_eval_reads_other_tools_sglang_dirs_keeping_maps_and_layers(tmp_path,
 def test_a_dir_naming_no_layers_reads_the_engines_default_for_the_target(tmp_path, target_dir):
     draft = small_draft()
     theirs = other_tools_sglang_dir(tmp_path, draft, "", "midlayer.", ids_nested=False)
-    loaded = load_draft(theirs, target_dir, torch.device("cpu"), torch.float32)
+    loaded = load_draft(locate_draft(theirs), target_dir, torch.device("cpu"), torch.float32)
     assert list(loaded.cfg.aux_layer_ids) == default_aux_layers(TARGET_LAYERS) == [1, 3, 4]
 
 
@@ -457,7 +457,7 @@ def test_a_speculators_dir_of_another_tool_is_read_in_our_layer_convention(tmp_p
     tensors = load_file(str(out / "model.safetensors"))
     tensors["embed_tokens.weight"] = draft.embed_tokens.weight.clone()  # speculators writes it
     save_file(tensors, str(out / "model.safetensors"))
-    loaded = load_draft(out, target_dir, torch.device("cpu"), torch.float32)
+    loaded = load_draft(locate_draft(out), target_dir, torch.device("cpu"), torch.float32)
     assert loaded.cfg.aux_layer_ids == (1, 2, 3)
     draft.embed_tokens.weight.copy_(loaded.embed_tokens.weight)
     torch.testing.assert_close(logits(loaded), logits(draft), rtol=0, atol=0)
@@ -585,7 +585,7 @@ def test_a_config_json_field_that_is_no_number_is_named(tmp_path, target_dir, ch
     (out / "config.json").write_text(json.dumps({**config_of(out), **change}))
     assert export_error(out, tmp_path / "out", target_dir) == f"{out}/{words}"  # before: a traceback or no name
     with pytest.raises(DraftLoadError, match=f"^{out}/{words}"):
-        load_draft(out, target_dir, torch.device("cpu"), torch.float32)  # what sf-eval reads it with
+        load_draft(locate_draft(out), target_dir, torch.device("cpu"), torch.float32)  # what sf-eval reads it with
 
 
 def test_a_config_json_that_is_not_an_object_or_a_truncated_tensor_file_is_named(tmp_path, target_dir):
@@ -598,7 +598,7 @@ def test_a_config_json_that_is_not_an_object_or_a_truncated_tensor_file_is_named
     words = f"{out}/model.safetensors: not a readable safetensors file"
     assert export_error(out, tmp_path / "o2", target_dir).startswith(words)  # before: a SafetensorError traceback
     with pytest.raises(DraftLoadError, match=f"^{words}.*damaged or truncated"):
-        load_draft(out, target_dir, torch.device("cpu"), torch.float32)
+        load_draft(locate_draft(out), target_dir, torch.device("cpu"), torch.float32)
 
 
 def test_the_config_json_the_engines_read_is_checked_against_the_weights_not_our_record(tmp_path, target_dir):
@@ -609,4 +609,4 @@ def test_the_config_json_the_engines_read_is_checked_against_the_weights_not_our
     assert export_error(out, tmp_path / "out", target_dir) == (
         f"{out}: tensor midlayer.mlp.gate_proj.weight has shape (64, 32), its config.json implies (48, 32)")
     with pytest.raises(DraftLoadError, match="its config.json implies"):
-        load_draft(out, target_dir, torch.device("cpu"), torch.float32)
+        load_draft(locate_draft(out), target_dir, torch.device("cpu"), torch.float32)

@@ -21,7 +21,7 @@ from specfoundry.families.eagle3.export import expected_tensors, export_draft, v
 from specfoundry.families.eagle3.model import Eagle3Draft, TTTCache
 from specfoundry.families.eagle3.options import Eagle3Options, default_aux_layers
 from specfoundry.families.eagle3.ttt import shift
-from specfoundry.families.folders import find_draft_files
+from specfoundry.families.folders import find_draft_files, locate_draft
 from specfoundry.families.interface import Batch, select_layers
 from specfoundry.featureset.manifest import FeatureSetError
 from specfoundry.testing import random_eagle3_draft
@@ -121,10 +121,10 @@ def test_eagle31_export_has_sglangs_fields_and_reads_back(tmp_path):
     assert config["fc_norm"] is True and config["norm_output"] is True  # top level: where both engines read them
     names = set(expected_tensors(draft.cfg))
     assert {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} <= names
-    cfg, tensors = find_draft_files(out)
+    cfg, tensors = find_draft_files(locate_draft(out))
     assert cfg.fc_norm and cfg.norm_output and set(tensors) == names
     (out / "specfoundry_draft.json").unlink()  # as another tool would write it: config.json alone
-    cfg, _ = find_draft_files(out)
+    cfg, _ = find_draft_files(locate_draft(out))
     assert cfg.fc_norm and cfg.norm_output
     del tensors["fc_norm.1.weight"]
     with pytest.raises(ValueError, match=r"missing \['fc_norm.1.weight'\]"):
@@ -160,11 +160,11 @@ def test_dflash_export_is_what_sglangs_loader_reads_and_reads_back(tmp_path):
                  "mlp.up_proj", "mlp.down_proj"}
     want = {f"layers.{n}.{p}.weight" for n in range(2) for p in per_layer} | {
         "fc.weight", "hidden_norm.weight", "norm.weight"}
-    cfg, tensors = find_draft_files(out)
+    cfg, tensors = find_draft_files(locate_draft(out))
     assert set(tensors) == want and tuple(tensors["fc.weight"].shape) == (32, 96)
     assert cfg == draft.cfg
     (out / "specfoundry_draft.json").unlink()  # another tool's export: config.json alone
-    assert find_draft_files(out)[0] == draft.cfg
+    assert find_draft_files(locate_draft(out))[0] == draft.cfg
     del tensors["layers.1.self_attn.k_norm.weight"]
     with pytest.raises(ValueError, match=r"missing \['layers.1.self_attn.k_norm.weight'\]"):
         validate_dflash(tensors, draft.cfg)
@@ -200,7 +200,7 @@ def test_a_bad_dflash_config_or_another_familys_draft_is_one_line(tmp_path):
     from specfoundry.families.dflash.export import export_draft
     from specfoundry.families.dflash.export import load_export as load_dflash
     from specfoundry.families.eagle3.export import load_export as load_eagle3
-    from specfoundry.families.folders import DraftLoadError
+    from specfoundry.families.folders import DraftLoadError, locate_draft
 
     draft = tiny_dflash()
     out = export_draft(draft.state_dict(), draft.cfg, tmp_path / "export")
@@ -213,7 +213,7 @@ def test_a_bad_dflash_config_or_another_familys_draft_is_one_line(tmp_path):
     config["dflash_config"]["target_layer_ids"] = [5, 3, 1]
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(DraftLoadError, match=r"config.json: target_layer_ids must be .*ascending"):
-        find_draft_files(out)
+        find_draft_files(locate_draft(out))
 
 
 def export_draft_eagle3(out):
@@ -262,7 +262,7 @@ def test_every_registered_family_keeps_the_contract(name, tiny_llama_dir, tmp_pa
     an export its architecture is recognised by and that reads back as built, and a first decode
     round of the read-back draft equal to the training forward at the same positions."""
     from specfoundry.common.weights import target_lm_head
-    from specfoundry.families.folders import family_of_export, load_draft
+    from specfoundry.families.folders import family_of_export, load_draft, locate_draft
 
     family, options = get_family(name), family_options(name, tmp_path)
     layers = family.default_layers(8, options)
@@ -279,13 +279,13 @@ def test_every_registered_family_keeps_the_contract(name, tiny_llama_dir, tmp_pa
 
     out = family.export(draft.state_dict(), dcfg, tmp_path / "export", {"num_layers": 8})
     assert family_of_export(out) == name
-    cfg, tensors = find_draft_files(out, 8)
+    cfg, tensors = find_draft_files(locate_draft(out, 8))
     assert cfg == dcfg
     state = draft.state_dict()
     for tensor, t in tensors.items():
         want = state[tensor].to(torch.bfloat16) if state[tensor].is_floating_point() else state[tensor]
         torch.testing.assert_close(t.to(want.dtype), want, rtol=0, atol=0, msg=tensor)
-    loaded = load_draft(out, tiny_llama_dir, torch.device("cpu"), torch.float32)
+    loaded = load_draft(locate_draft(out), tiny_llama_dir, torch.device("cpu"), torch.float32)
     assert type(loaded) is type(draft)
 
     batch = random_batch(layers, dcfg.target_hidden_size, dcfg.vocab_size, lengths=(11,))
@@ -324,7 +324,7 @@ def cli_one_line(command, argv, words):
 
 
 def test_an_unknown_architecture_is_one_line_at_every_entry_point(tiny_llama_dir, tmp_path):
-    from specfoundry.families.folders import family_of_export, load_draft, locate_draft, read_config
+    from specfoundry.families.folders import family_of_export, locate_draft
     from specfoundry.gate import GateConfig, run_checks
     from specfoundry.gate import main as eval_main
     from specfoundry.train.cli import export_main
@@ -333,9 +333,7 @@ def test_an_unknown_architecture_is_one_line_at_every_entry_point(tiny_llama_dir
     unnamed = bogus_export(tmp_path / "unnamed", [])
     words = "which no draft family exports"
     for folder in (bogus, unnamed):
-        for fn in (lambda f=folder: family_of_export(f), lambda f=folder: read_config(f),
-                   lambda f=folder: locate_draft(f), lambda f=folder: find_draft_files(f),
-                   lambda f=folder: load_draft(f, tiny_llama_dir, torch.device("cpu"), torch.float32)):
+        for fn in (lambda f=folder: family_of_export(f), lambda f=folder: locate_draft(f)):
             one_line(fn, words)
     for name in FAMILIES.names():  # --init-from, which each family reads itself
         family = get_family(name)
@@ -378,7 +376,7 @@ def test_an_unknown_family_is_one_line_at_every_entry_point(tmp_path):
         step.mkdir(parents=True)
         (step / "model.safetensors").write_bytes(b"")
         (run / "draft_config.json").write_text(json.dumps(record))
-        one_line(lambda s=step: find_draft_files(s), said)
+        one_line(lambda s=step: find_draft_files(locate_draft(s)), said)
         cli_one_line(export_main, ["run", str(step), "-o", str(tmp_path / f"out-{len(record)}")], said)
 
 

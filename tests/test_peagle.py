@@ -388,7 +388,7 @@ def test_export_is_what_vllms_peagle_loader_reads_and_reads_back(tmp_path):
     (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2]), "reads 3 target layers"),
 ])
 def test_a_config_vllm_would_refuse_or_misread_is_one_line(tmp_path, edit, words):
-    from specfoundry.families.folders import find_draft_files
+    from specfoundry.families.folders import find_draft_files, locate_draft
 
     draft = tiny_draft()
     out = export_draft(draft.state_dict(), draft.cfg, tmp_path / "export")
@@ -396,7 +396,7 @@ def test_a_config_vllm_would_refuse_or_misread_is_one_line(tmp_path, edit, words
     edit(config)
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(DraftLoadError) as e:
-        find_draft_files(out)
+        find_draft_files(locate_draft(out))
     assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 

@@ -17,7 +17,7 @@ from specfoundry.capture.stage import CaptureConfig, run_capture
 from specfoundry.common.cli import build_config
 from specfoundry.common.conversations import ConversationFormatError, load_conversations
 from specfoundry.common.shards import OutputFolderError, ShardedOutput
-from specfoundry.families.folders import DraftLoadError, check_trained_for
+from specfoundry.families.folders import DraftLoadError, check_trained_for, locate_draft
 from specfoundry.families.interface import TARGET_FILE
 from specfoundry.featureset.manifest import MANIFEST, FeatureSetError
 from specfoundry.featureset.store import ShardReader, write_shard
@@ -122,12 +122,12 @@ def test_rerun_with_another_lr_or_featureset_is_refused_naming_each(features, tm
 def test_a_draft_trained_for_another_target_is_refused_by_eval(features, tmp_path, smollm2_dir):
     out = tmp_path / "run"
     run_train(tiny_cfg(features, out), silent=True)
-    assert check_trained_for(out, smollm2_dir, allow_other=False) is None
+    assert check_trained_for(locate_draft(out), smollm2_dir, allow_other=False) is None
     recorded = json.loads((out / "export" / TARGET_FILE).read_text())
     (out / "export" / TARGET_FILE).write_text(json.dumps({**recorded, "weight_fingerprint": "f" * 64}))
     with pytest.raises(DraftLoadError, match="weight fingerprint differ.*--allow-other-target"):
-        check_trained_for(out, smollm2_dir, allow_other=False)
-    assert "weight fingerprint" in check_trained_for(out / "export", smollm2_dir, allow_other=True)
+        check_trained_for(locate_draft(out), smollm2_dir, allow_other=False)
+    assert "weight fingerprint" in check_trained_for(locate_draft(out / "export"), smollm2_dir, allow_other=True)
 
 
 def test_incomplete_regen_is_refused_unless_partial(tmp_path, chat_file):

@@ -23,19 +23,13 @@ from specfoundry.common.placement import Placement, PlacementError
 from specfoundry.common.progress import Progress
 from specfoundry.common.settings import Range, Settings, config_dict, setting, shared
 from specfoundry.common.shards import check_output_folder
-from specfoundry.common.target import EMBEDDED_DEFAULT, Target, default_dtype, pick_device
+from specfoundry.common.target import EMBEDDED_DEFAULT, Target
 from specfoundry.decoding.rounds import DecodeResult, target_generate
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
 from specfoundry.decoding.tree import check_branching, parse_branching, shape_name
 from specfoundry.families import FAMILIES
-from specfoundry.families.folders import (
-    check_trained_for,
-    family_of,
-    load_draft,
-    locate_draft,
-    untrained_like,
-)
+from specfoundry.families.folders import DraftRef, check_trained_for, load_draft, locate_draft, untrained_like
 
 BUILTIN_SETS = ("chat", "code", "math", "multiturn")
 
@@ -156,7 +150,7 @@ def decode_set(target: TargetRunner, decoder, prompts, cfg: EvalConfig, eos: set
     return results
 
 
-def check_config(cfg: EvalConfig) -> EvalConfig:
+def check_config(cfg: EvalConfig) -> tuple[EvalConfig, DraftRef]:
     """cfg with k and the tree as the draft's family decodes them (a DFlash draft: its block less
     one), k resolved from a tree; refuses what cannot be decoded: the settings themselves first,
     then a folder that holds no draft (all before the target loads: minutes on a large one)."""
@@ -167,9 +161,10 @@ def check_config(cfg: EvalConfig) -> EvalConfig:
             check_branching(cfg.tree)
         except ValueError as e:
             raise EvalError(str(e)) from e
-    dcfg = locate_draft(Path(cfg.draft))[0]
+    ref = locate_draft(cfg.draft)  # the one time the draft's folder is read for what it holds
+    dcfg = ref.config
     try:
-        k, tree, warning = family_of(dcfg).decode_settings(dcfg, k=cfg.k, tree=cfg.tree, temperature=cfg.temperature,
+        k, tree, warning = ref.provider.decode_settings(dcfg, k=cfg.k, tree=cfg.tree, temperature=cfg.temperature,
                                                            k_given=cfg.k != EvalConfig.k, source=cfg.draft)
     except ValueError as e:
         raise EvalError(str(e)) from e
@@ -180,7 +175,7 @@ def check_config(cfg: EvalConfig) -> EvalConfig:
         raise EvalError(f"k must be at least 1, got {cfg.k}")
     if cfg.output:  # before decoding: the results are not lost to an unwritable or another run's folder
         check_output_folder(Path(cfg.output), "eval", cfg)
-    return cfg
+    return cfg, ref
 
 
 def warms_up(device) -> bool:
@@ -246,22 +241,22 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
     """Decode every prompt set with the draft (and the target alone); the report, also written
     to cfg.output (by the writing rank) when given. Everything is loaded and checked before the
     first decode. `target`: the target already loaded (the gate), else cfg's is loaded."""
-    cfg = check_config(cfg)
-    device = pick_device(cfg.device)
-    dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(device)
+    cfg, ref = check_config(cfg)
     if target is None:
-        target = Target.load(cfg.target, device=cfg.device, dtype=dtype, placement=cfg.placement,
-                             chat_template=cfg.chat_template, command="sf-eval run")
+        target = Target.load(cfg.target, device=cfg.device, dtype=getattr(torch, cfg.dtype) if cfg.dtype else None,
+                             placement=cfg.placement, chat_template=cfg.chat_template, command="sf-eval run")
     one_copy(target, "sf-eval run")
-    device, tokenizer, identity, target_dir = target.input_device, target.tokenizer, target.identity, target.path
-    warning = check_trained_for(cfg.draft, target_dir, cfg.allow_other_target)
+    # the draft runs in the target's dtype, on its input device
+    device, dtype, tokenizer, identity, target_dir = (target.input_device, target.dtype, target.tokenizer,
+                                                      target.identity, target.path)
+    warning = check_trained_for(ref, target_dir, cfg.allow_other_target)
     if warning and target.is_writer:
         print(f"warning: {warning}", file=sys.stderr)
-    draft = load_draft(cfg.draft, target_dir, device, dtype)
+    draft = load_draft(ref, target_dir, device, dtype)
     if draft.cfg.vocab_size != identity.vocab_size:
         raise EvalError(f"draft {cfg.draft} has vocab {draft.cfg.vocab_size}, target {cfg.target} {identity.vocab_size}")
     sets = {name: load_prompts(name, tokenizer, cfg.limit) for name in cfg.prompt_sets}
-    family = family_of(draft.cfg)
+    family = ref.provider
     aux = list(draft.cfg.target_layers)
     runner_target = TargetRunner(target, aux)
     drafts = {"trained": family.decoder(draft, target, k=cfg.k, tree=cfg.tree)}

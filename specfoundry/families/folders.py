@@ -10,6 +10,7 @@ folder that names no known family is refused in one line, never read as another 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,8 +22,9 @@ from specfoundry.families import FAMILIES, DraftLoadError, UnknownFamilyError
 from specfoundry.families.interface import TARGET_FILE, DraftFamily, load_tensors, read_config_json
 from specfoundry.featureset.manifest import tokenizer_hashes
 
-__all__ = ["DraftLoadError", "family_of", "family_of_export", "find_draft_files", "locate_draft", "read_config",
-           "target_num_layers", "trained_for"]
+__all__ = ["DraftLoadError", "DraftRef", "check_trained_for", "complete_checkpoints", "draft_module", "family_of",
+           "family_of_export", "find_draft_files", "load_draft", "locate_draft", "target_num_layers", "trained_for",
+           "untrained_like"]
 
 
 def target_num_layers(target_dir: Path) -> int:
@@ -38,12 +40,6 @@ def family_of_export(path: Path) -> str:
 def family_of(cfg) -> DraftFamily:
     """The provider of a draft config's family."""
     return FAMILIES.provider(cfg.family)
-
-
-def read_config(path: Path, num_target_layers: int | None = None):
-    """The config of an exported draft folder (`num_target_layers`: where its config names no
-    layers, the engines' default for that target)."""
-    return FAMILIES.provider(family_of_export(path)).read_config(Path(path), num_target_layers)
 
 
 def is_export(path: Path) -> bool:
@@ -64,37 +60,72 @@ def checkpoint_config(run: Path):
         raise DraftLoadError(f"{run / 'draft_config.json'}: {e}") from None
 
 
-def locate_draft(path: Path, num_target_layers: int | None = None) -> tuple[object, Path, str]:
-    """(config, the folder or tensor file holding it, the prefix of the draft's names in it) for
-    whichever kind of folder `path` is: an export, a training run (its export), or one of its
-    checkpoints/step-N."""
-    path = Path(path)
+@dataclass(frozen=True)
+class DraftRef:
+    """A draft located once: what the folder the user named holds, of which family, read how. Every
+    reader of a draft (sf-eval, sf-export, the gate, the family's read_export) takes this."""
+
+    path: Path
+    """The folder as given: an export, an sf-train run folder, or one of its checkpoints/step-N."""
+    family: str
+    config: object
+    """The draft's config (its family's config class), as an engine would read it."""
+    where: Path
+    """The export folder, or the checkpoint's tensor file."""
+    prefix: str
+    """The prefix of the draft's tensor names in `where` ('' in an export)."""
+    num_target_layers: int | None = None
+    """The target's layer count the config was read for (an EAGLE-3 config that names no layers
+    takes the engines' default for it); None: not known yet."""
+
+    @property
+    def provider(self) -> DraftFamily:
+        return FAMILIES.provider(self.family)
+
+    @property
+    def is_export(self) -> bool:
+        return self.where.is_dir()
+
+    def for_target(self, num_target_layers: int) -> DraftRef:
+        """This draft as read for a target of `num_target_layers` layers: an export's config is read
+        again from its config.json with that count (a config that names no layers takes the
+        engines' default); a checkpoint's config names its layers already."""
+        if not self.is_export or self.num_target_layers == num_target_layers:
+            return self
+        return replace(self, config=self.provider.read_config(self.where, num_target_layers),
+                       num_target_layers=num_target_layers)
+
+
+def locate_draft(path: str | Path, num_target_layers: int | None = None) -> DraftRef:
+    """The draft whichever kind of folder `path` is holds: an export, a training run (its export), or
+    one of its checkpoints/step-N; the family recognised once (DraftLoadError, one line, otherwise)."""
+    given = path = Path(path)
     if is_export(path / "export"):  # a training run: use its export
         path = path / "export"
     if is_export(path):
-        return read_config(path, num_target_layers), path, ""
+        family = family_of_export(path)
+        config = FAMILIES.provider(family).read_config(path, num_target_layers)
+        return DraftRef(given, family, config, path, "", num_target_layers)
     run = path.parent.parent  # <run>/checkpoints/step-N
     if (path / "model.safetensors").is_file() and (run / "draft_config.json").is_file():
-        return checkpoint_config(run), path / "model.safetensors", "draft."
+        config = checkpoint_config(run)
+        return DraftRef(given, config.family, config, path / "model.safetensors", "draft.", num_target_layers)
     raise DraftLoadError(f"{path} is not an exported draft (config.json + model.safetensors), an sf-train run "
                          "folder or one of its checkpoints/step-N folders")
 
 
-def find_draft_files(path: Path, num_target_layers: int | None = None) -> tuple[object, dict[str, torch.Tensor]]:
-    """(config, tensors named as in the family's draft module) from whichever kind of folder `path`
-    is; an export comes back as its family reads it (an EAGLE-3 one of any layout checked, under
-    our names, with its maps)."""
-    cfg, where, prefix = locate_draft(Path(path), num_target_layers)
-    if where.is_dir():
-        return family_of(cfg).read_export(where, num_target_layers)
-    tensors = load_tensors(where)
-    return cfg, {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+def find_draft_files(ref: DraftRef) -> tuple[object, dict[str, torch.Tensor]]:
+    """(config, tensors named as in the family's draft module) of a located draft; an export comes
+    back as its family reads it (an EAGLE-3 one of any layout checked, under our names, with its maps)."""
+    if ref.is_export:
+        return ref.provider.read_export(ref)
+    tensors = load_tensors(ref.where)
+    return ref.config, {k.removeprefix(ref.prefix): v for k, v in tensors.items() if k.startswith(ref.prefix)}
 
 
-def trained_for(path: str | Path) -> dict | None:
+def trained_for(ref: DraftRef) -> dict | None:
     """The target identity an export (or a run's export) records, or None where it records none."""
-    path = Path(path)
-    for folder in (path, path / "export", path.parent.parent / "export"):
+    for folder in (ref.path, ref.path / "export", ref.path.parent.parent / "export"):
         if (folder / TARGET_FILE).is_file():
             return read_config_json(folder, TARGET_FILE)
     return None
@@ -105,11 +136,11 @@ def draft_module(cfg) -> torch.nn.Module:
     return family_of(cfg).draft_module(cfg)
 
 
-def check_trained_for(path: str | Path, target_dir: Path, allow_other: bool) -> str | None:
+def check_trained_for(ref: DraftRef, target_dir: Path, allow_other: bool) -> str | None:
     """Refuse a draft trained for another target (its config hash or weight fingerprint differ);
     with allow_other, the difference as a warning instead. None when they agree or the draft
     records no target."""
-    recorded = trained_for(path)
+    recorded = trained_for(ref)
     if recorded is None:
         return None
     here = {"config_sha256": target_identity(str(target_dir), target_dir).config_sha256,
@@ -118,16 +149,18 @@ def check_trained_for(path: str | Path, target_dir: Path, allow_other: bool) -> 
     differ = [k for k, v in here.items() if recorded.get(k) is not None and recorded[k] != v]
     if not differ:
         return None
-    message = (f"draft {path} was trained for target {recorded.get('name')!r} ({recorded.get('path')}), whose "
+    message = (f"draft {ref.path} was trained for target {recorded.get('name')!r} ({recorded.get('path')}), whose "
                f"{' and '.join(k.replace('_', ' ') for k in differ)} differ from this target's")
     if not allow_other:
         raise DraftLoadError(message + "; pass --allow-other-target to evaluate it anyway")
     return message
 
 
-def load_draft(path: str | Path, target_dir: Path, device: torch.device,
-               dtype: torch.dtype) -> torch.nn.Module:
-    cfg, tensors = find_draft_files(Path(path), target_num_layers(target_dir))
+def load_draft(ref: DraftRef, target_dir: Path, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The located draft's module for the target in `target_dir` (its embeddings: the target's), on
+    `device` in `dtype`, frozen."""
+    cfg, tensors = find_draft_files(ref.for_target(target_num_layers(target_dir)))
+    path = ref.path
     draft = draft_module(cfg)
     tensors = {k: v for k, v in tensors.items() if not k.startswith("embed_tokens.")}
     missing, unexpected = draft.load_state_dict(tensors, strict=False)

@@ -15,7 +15,7 @@ from specfoundry.common.conversations import load_conversations, prompt_ids
 from specfoundry.decoding.rounds import DecodeResult
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
-from specfoundry.families.folders import complete_checkpoints, find_draft_files
+from specfoundry.families.folders import complete_checkpoints, find_draft_files, locate_draft
 from specfoundry.featureset.store import FeatureSet
 
 
@@ -36,7 +36,7 @@ def check_export(export: Path, cfg_draft, tensors: dict, run_dir: Path, validate
     ckpts = complete_checkpoints(run_dir)
     if not ckpts:
         return Check(name, False, f"no checkpoint in {run_dir} to compare the export with")
-    _, trained = find_draft_files(ckpts[-1])
+    _, trained = find_draft_files(locate_draft(ckpts[-1]))
     for tensor, t in tensors.items():
         ref = trained.get(tensor)
         if ref is None or not torch.allclose(t.float(), ref.to(t.dtype).float()):

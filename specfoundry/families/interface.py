@@ -145,8 +145,9 @@ class DraftFamily:
         alone, as an engine reads it; DraftLoadError (one line) for what cannot be read."""
         raise NotImplementedError
 
-    def read_export(self, path: Path, num_target_layers: int | None = None) -> tuple[object, dict[str, torch.Tensor]]:
-        """(config, tensors under the draft module's names, checked) of an export folder of this family."""
+    def read_export(self, ref) -> tuple[object, dict[str, torch.Tensor]]:
+        """(config, tensors under the draft module's names, checked) of an export of this family, located
+        once (folders.DraftRef: its folder `where`, its config as read, the target's layer count)."""
         raise NotImplementedError
 
     def for_serving(self, cfg, target_config: dict):
@@ -179,8 +180,9 @@ class DraftFamily:
         """{options group: options} of the gate's overfit (gate.GateConfig `gate`), for TrainConfig."""
         raise NotImplementedError
 
-    def gate_checks(self, gate, export: Path, fs, sample, target) -> list:
-        """The gate's checks of the exported draft, in order (gate_checks.Check each)."""
+    def gate_checks(self, gate, ref, fs, sample, target) -> list:
+        """The gate's checks of the exported draft `ref` (folders.DraftRef, located once, of this family), in
+        order (gatekit.Check each)."""
         raise NotImplementedError
 
 

@@ -18,7 +18,7 @@ from specfoundry.common.settings import Settings, config_dict, setting, shared
 from specfoundry.common.shards import check_output_folder
 from specfoundry.common.target import EMBEDDED_DEFAULT, resolve_target, target_identity
 from specfoundry.families import FAMILIES
-from specfoundry.families.folders import family_of, find_draft_files, locate_draft, trained_for
+from specfoundry.families.folders import find_draft_files, locate_draft, trained_for
 from specfoundry.families.interface import DraftLoadError, serving_verifier
 
 
@@ -54,15 +54,16 @@ def check_fits_target(dcfg, identity, layout: str) -> None:
 def run_export(cfg: ExportConfig) -> Path:
     """Read cfg.draft, write it to cfg.output in cfg.format (whole or not at all); returns the folder."""
     source = Path(cfg.draft)
-    family = family_of(locate_draft(source)[0])
+    ref = locate_draft(source)
+    family = ref.provider
     if cfg.format not in family.layouts:
         raise DraftLoadError(f"{source} is a {family.name} draft, which specfoundry exports as "
                              f"{', '.join(family.layouts)} only")
-    recorded = trained_for(source)
+    recorded = trained_for(ref)
     target = cfg.target or (recorded or {}).get("name") or EMBEDDED_DEFAULT
     target_dir = resolve_target(target)
     identity = target_identity(target, target_dir)
-    dcfg, tensors = find_draft_files(source, identity.num_layers)
+    dcfg, tensors = find_draft_files(ref.for_target(identity.num_layers))
     check_fits_target(dcfg, identity, cfg.format)
     out = Path(cfg.output)
     check_output_folder(out, "export", cfg)

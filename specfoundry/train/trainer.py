@@ -241,8 +241,10 @@ class Trainer:
     """One sf-train run. `step` counts optimizer steps done; a micro-batch is one of the
     grad_accum batches of an optimizer step; TTT steps live inside the forward (ttt.py)."""
 
-    def __init__(self, cfg: TrainConfig, silent: bool = False):
+    def __init__(self, cfg: TrainConfig, silent: bool = False, target_dir: Path | None = None):
+        """`target_dir`: cfg.target's directory where the caller resolved it already (the gate)."""
         self.cfg, self.silent = cfg, silent
+        self.target_dir = target_dir
         self.out = Path(cfg.output)
         self.step = 0
         self.history: list[dict] = []
@@ -255,7 +257,7 @@ class Trainer:
         resolved config and the draft's config into the run folder."""
         cfg = self.cfg
         self.accel = self.build_accelerator()
-        self.target_dir = resolve_target(cfg.target)
+        self.target_dir = self.target_dir or resolve_target(cfg.target)
         check_output_folder(self.out, "train", cfg)  # before any long work
         self.fs = FeatureSet(cfg.featureset, verify=cfg.verify_shards)
         identity = check_featureset(self.fs, cfg, self.target_dir)
@@ -497,6 +499,7 @@ class Trainer:
         return self.finish()
 
 
-def run_train(cfg: TrainConfig, silent: bool = False) -> dict:
-    """Train (or resume) one run; returns {steps, history, export}."""
-    return Trainer(cfg, silent).train()
+def run_train(cfg: TrainConfig, silent: bool = False, target_dir: Path | None = None) -> dict:
+    """Train (or resume) one run; returns {steps, history, export}. `target_dir`: cfg.target's
+    directory, where the caller resolved it already."""
+    return Trainer(cfg, silent, target_dir).train()

@@ -96,8 +96,8 @@ class DFlashFamily(DraftFamily):
     def read_config(self, path: Path, num_target_layers: int | None = None) -> DFlashConfig:
         return read_config(path)  # the layers are always named (dflash_config.target_layer_ids)
 
-    def read_export(self, path: Path, num_target_layers: int | None = None):
-        return read_config(path), load_tensors(Path(path) / "model.safetensors")
+    def read_export(self, ref):
+        return ref.config, load_tensors(ref.where / "model.safetensors")
 
     def decode_settings(self, cfg: DFlashConfig, *, k, tree, temperature, k_given, source):
         from specfoundry.families.dflash.decode import decode_settings

@@ -21,7 +21,13 @@ from specfoundry.families.dflash.decode import DFlashDecoder
 from specfoundry.families.dflash.export import validate
 from specfoundry.families.dflash.loss import block_inputs, sample_anchors, valid_slots
 from specfoundry.families.dflash.options import DFlashOptions
-from specfoundry.families.folders import complete_checkpoints, find_draft_files, load_draft
+from specfoundry.families.folders import (
+    DraftRef,
+    complete_checkpoints,
+    find_draft_files,
+    load_draft,
+    locate_draft,
+)
 from specfoundry.families.gatekit import (
     Check,
     check_export,
@@ -110,24 +116,24 @@ def sequential_rounds_and_training(runner, sample, decode_matches_training, head
     return check, batch, anchors, keep, states
 
 
-def gate_checks(gate, export: Path, fs: FeatureSet, sample, target) -> list[Check]:
-    return block_gate_checks(gate, export, fs, sample, target, validate=validate, runner_class=BlockDraftRunner,
+def gate_checks(gate, ref: DraftRef, fs: FeatureSet, sample, target) -> list[Check]:
+    return block_gate_checks(gate, ref, fs, sample, target, validate=validate, runner_class=BlockDraftRunner,
                              decoder_class=DFlashDecoder, positions_and_fit=check_positions_and_fit)
 
 
-def block_gate_checks(gate, export: Path, fs: FeatureSet, sample, target, *, validate, runner_class, decoder_class,
+def block_gate_checks(gate, ref: DraftRef, fs: FeatureSet, sample, target, *, validate, runner_class, decoder_class,
                       positions_and_fit) -> list[Check]:
     """The gate's checks of a draft on DFlash's backbone (DFlash, Domino, DSpark), in order: its
     export's names (`validate`: the family's spec), the mask token and layers against the trained
     checkpoint, the target's features, `positions_and_fit(runner, sample)` (the family's first
     round against its training forward, and the overfit), and the decoded prompt."""
     work = Path(gate.output)
-    dcfg, tensors = find_draft_files(export)
+    dcfg, tensors = find_draft_files(ref)
     ckpts = complete_checkpoints(work / "train")
-    export_check = check_export(export, dcfg, tensors, work / "train", validate, "export names")
+    export_check = check_export(ref.where, dcfg, tensors, work / "train", validate, "export names")
     if not ckpts or not export_check.ok:  # no trained draft to compare with, or one SGLang would not fill
         return [export_check]
-    trained, _ = find_draft_files(ckpts[-1])
+    trained, _ = find_draft_files(locate_draft(ckpts[-1]))
     checks = [export_check,
               check_trained_setting("mask token", "dflash_config.mask_token_id", dcfg.mask_token_id,
                                     trained.mask_token_id),
@@ -136,7 +142,7 @@ def block_gate_checks(gate, export: Path, fs: FeatureSet, sample, target, *, val
     runner_target = TargetRunner(target, list(dcfg.target_layers))
     try:
         checks.append(check_features(runner_target, fs, sample, "layers"))
-        runner = runner_class(load_draft(export, target.path, target.input_device, target.dtype), target.lm_head())
+        runner = runner_class(load_draft(ref, target.path, target.input_device, target.dtype), target.lm_head())
         checks += positions_and_fit(runner, sample)
         checks.append(decode_prompt(gate, target, decoder_class(runner), runner_target, sample,
                                     f"block {dcfg.block_size}"))

@@ -58,8 +58,8 @@ class DominoFamily(DFlashFamily):
     def read_config(self, path: Path, num_target_layers: int | None = None) -> DominoConfig:
         return read_config(path)
 
-    def read_export(self, path: Path, num_target_layers: int | None = None):
-        return read_config(path), load_tensors(Path(path) / "model.safetensors")
+    def read_export(self, ref):
+        return ref.config, load_tensors(ref.where / "model.safetensors")
 
     def decoder(self, draft: DominoDraft, target, *, k, tree):
         from specfoundry.families.dflash.decode import BlockDecoder

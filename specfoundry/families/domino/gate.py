@@ -12,8 +12,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from specfoundry.families.dflash.decode import BlockDecoder
@@ -23,6 +21,7 @@ from specfoundry.families.domino.decode import DominoRunner, decode_matches_trai
 from specfoundry.families.domino.export import validate
 from specfoundry.families.domino.loss import shifted_targets
 from specfoundry.families.domino.options import DominoOptions
+from specfoundry.families.folders import DraftRef
 from specfoundry.families.gatekit import Check
 from specfoundry.featureset.store import FeatureSet
 
@@ -47,6 +46,6 @@ def check_positions_and_fit(runner: DominoRunner, sample) -> list[Check]:
     return [positions, fit_check((predicted == labels[0])[valid[0]].float().mean().item())]
 
 
-def gate_checks(gate, export: Path, fs: FeatureSet, sample, target) -> list[Check]:
-    return block_gate_checks(gate, export, fs, sample, target, validate=validate, runner_class=DominoRunner,
+def gate_checks(gate, ref: DraftRef, fs: FeatureSet, sample, target) -> list[Check]:
+    return block_gate_checks(gate, ref, fs, sample, target, validate=validate, runner_class=DominoRunner,
                              decoder_class=BlockDecoder, positions_and_fit=check_positions_and_fit)

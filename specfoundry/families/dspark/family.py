@@ -59,8 +59,8 @@ class DSparkFamily(DFlashFamily):
     def read_config(self, path: Path, num_target_layers: int | None = None) -> DSparkConfig:
         return read_config(path)
 
-    def read_export(self, path: Path, num_target_layers: int | None = None):
-        return read_config(path), load_tensors(Path(path) / "model.safetensors")
+    def read_export(self, ref):
+        return ref.config, load_tensors(ref.where / "model.safetensors")
 
     def decode_settings(self, cfg: DSparkConfig, *, k, tree, temperature, k_given, source):
         from specfoundry.families.dspark.decode import decode_settings

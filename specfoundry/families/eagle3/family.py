@@ -80,8 +80,8 @@ class Eagle3Family(DraftFamily):
     def read_config(self, path: Path, num_target_layers: int | None = None) -> Eagle3Config:
         return read_eagle3_config(path, num_target_layers)[0]
 
-    def read_export(self, path: Path, num_target_layers: int | None = None):
-        return read_eagle3(path, num_target_layers)
+    def read_export(self, ref):
+        return read_eagle3(ref.where, ref.num_target_layers)  # the layout's names and maps, checked
 
     def for_serving(self, cfg: Eagle3Config, target_config: dict) -> Eagle3Config:
         # vLLM refuses a draft shorter than its target

@@ -20,7 +20,7 @@ from specfoundry.families.eagle3.chain import DraftRunner
 from specfoundry.families.eagle3.decode import Eagle3Decoder, teacher_forced_logits, training_logits
 from specfoundry.families.eagle3.export import validate
 from specfoundry.families.eagle3.options import Eagle3Options
-from specfoundry.families.folders import DraftLoadError, find_draft_files, load_draft
+from specfoundry.families.folders import DraftLoadError, DraftRef, find_draft_files, load_draft
 from specfoundry.families.gatekit import Check, check_export, check_features, decode_prompt
 from specfoundry.families.vocab import choose_draft_vocab, draft_ids_from_d2t
 from specfoundry.featureset.store import FeatureSet
@@ -64,17 +64,17 @@ def check_fit(runner: DraftRunner, sample, cached: torch.Tensor, history: list[d
     return Check("fit", True, f"teacher-forced accuracy {acc:.0%} (training acc_0 {train_acc})")
 
 
-def gate_checks(gate, export: Path, fs: FeatureSet, sample, target) -> list[Check]:
+def gate_checks(gate, ref: DraftRef, fs: FeatureSet, sample, target) -> list[Check]:
     work = Path(gate.output)
     try:
-        cfg_draft, tensors = find_draft_files(export)
+        cfg_draft, tensors = find_draft_files(ref)
     except DraftLoadError as e:  # a folder an engine would misread or not load: nothing after it can run
         return [Check("export", False, str(e))]
-    checks = [check_vocab_map(cfg_draft, tensors, fs), check_export(export, cfg_draft, tensors, work / "train", validate)]
+    checks = [check_vocab_map(cfg_draft, tensors, fs), check_export(ref.where, cfg_draft, tensors, work / "train", validate)]
     runner_target = TargetRunner(target, list(cfg_draft.target_layers))
     try:
         checks.append(check_features(runner_target, fs, sample))
-        runner = DraftRunner(load_draft(export, target.path, target.input_device, target.dtype))
+        runner = DraftRunner(load_draft(ref, target.path, target.input_device, target.dtype))
         cached = teacher_forced_logits(runner, sample.input_ids, sample.aux_hidden)
         checks.append(check_positions(runner, sample, cached))
         history_path = work / "train" / "history.json"

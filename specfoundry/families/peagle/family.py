@@ -91,8 +91,8 @@ class PEagleFamily(DraftFamily):
     def read_config(self, path: Path, num_target_layers: int | None = None) -> PEagleConfig:
         return read_config(path, num_target_layers)
 
-    def read_export(self, path: Path, num_target_layers: int | None = None):
-        return read_export(path, num_target_layers)
+    def read_export(self, ref):
+        return read_export(ref.where, ref.num_target_layers)
 
     def for_serving(self, cfg: PEagleConfig, target_config: dict) -> PEagleConfig:
         # vLLM refuses a draft shorter than its target

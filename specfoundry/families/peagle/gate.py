@@ -18,7 +18,14 @@ import torch
 
 from specfoundry.decoding.target import TargetRunner
 from specfoundry.families.eagle3.gate import check_vocab_map
-from specfoundry.families.folders import DraftLoadError, complete_checkpoints, find_draft_files, load_draft
+from specfoundry.families.folders import (
+    DraftLoadError,
+    DraftRef,
+    complete_checkpoints,
+    find_draft_files,
+    load_draft,
+    locate_draft,
+)
 from specfoundry.families.gatekit import (
     Check,
     check_export,
@@ -75,24 +82,24 @@ def check_fit(runner: PEagleRunner, sample) -> Check:
                  "stored features" + ("" if acc >= 0.9 else "; train longer (--max-steps) or with another --lr"))
 
 
-def gate_checks(gate, export: Path, fs: FeatureSet, sample, target) -> list[Check]:
+def gate_checks(gate, ref: DraftRef, fs: FeatureSet, sample, target) -> list[Check]:
     work = Path(gate.output)
     try:
-        dcfg, tensors = find_draft_files(export)
+        dcfg, tensors = find_draft_files(ref)
     except DraftLoadError as e:  # a folder vLLM would misread or not load: nothing after it can run
         return [Check("export", False, str(e))]
-    checks = [check_vocab_map(dcfg, tensors, fs), check_export(export, dcfg, tensors, work / "train", validate)]
+    checks = [check_vocab_map(dcfg, tensors, fs), check_export(ref.where, dcfg, tensors, work / "train", validate)]
     ckpts = complete_checkpoints(work / "train")
     if not ckpts or not checks[-1].ok:
         return checks
-    trained, _ = find_draft_files(ckpts[-1])
+    trained, _ = find_draft_files(locate_draft(ckpts[-1]))
     checks.append(check_trained_setting("mask token", "mask_token_id", dcfg.mask_token_id, trained.mask_token_id))
     checks.append(check_trained_setting("layers", "eagle_aux_hidden_state_layer_ids (ours)", list(dcfg.aux_layer_ids),
                                         list(trained.aux_layer_ids)))
     runner_target = TargetRunner(target, list(dcfg.target_layers))
     try:
         checks.append(check_features(runner_target, fs, sample, "layers"))
-        runner = PEagleRunner(load_draft(export, target.path, target.input_device, target.dtype))
+        runner = PEagleRunner(load_draft(ref, target.path, target.input_device, target.dtype))
         checks.append(check_positions(runner.draft, sample))
         checks.append(check_fit(runner, sample))
         checks.append(decode_prompt(gate, target, PEagleDecoder(runner, dcfg.num_depths), runner_target, sample,
