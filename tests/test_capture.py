@@ -182,6 +182,30 @@ def test_mismatching_target_is_refused_with_the_reason(tmp_path, chat_file):
             check_matches_target(manifest, **{**ok, **change})
 
 
+def test_automatic_shard_size_counts_every_layer_a_multi_family_capture_stores(tmp_path, chat_file, monkeypatch):
+    """A capture for every family stores the union of their layers (6 of SmolLM2's 30, against
+    EAGLE-3's 3): the automatic shard size must count them all, or a shard holds about twice the
+    features its memory budget allows. The budget here is 4 samples' worth at max_length; the bytes
+    per token are measured from the stored shard, not taken from the rule."""
+    import specfoundry.capture.stage as stage
+    from specfoundry.featureset.store import FeatureSet
+
+    max_length, hidden, families = 64, 576, ("eagle3", "dflash", "domino", "dspark", "peagle")
+    layers = len(stage.stored_layers(CaptureConfig(source="s", output="o", families=families), 30))
+    assert layers > 3
+    budget = 4 * max_length * hidden * 2 * (layers + 1)  # 4 samples of bf16 states at max_length
+    monkeypatch.setattr(stage, "SHARD_BYTES", budget)
+    cfg = CaptureConfig(source=str(chat_file), output=str(tmp_path / "fs"), max_length=max_length, families=families)
+    manifest = run_capture(cfg, silent=True)
+    shard_size = manifest["capture_config"]["shard_size"]
+    fs = FeatureSet(tmp_path / "fs")
+    sample = fs[0]
+    per_token = (sample.aux_hidden.nbytes + sample.final_hidden.nbytes) / len(sample.input_ids)
+    assert len(manifest["aux_layer_ids"]) == layers and sample.aux_hidden.shape[-1] == layers * hidden
+    assert shard_size * max_length * per_token <= budget  # the shard fits its budget at max_length
+    assert (shard_size + 1) * max_length * per_token > budget  # and is not needlessly small
+
+
 def test_no_capture_backend_option_that_always_fails(tmp_path, chat_file):
     # capture runs through transformers only; an sglang option that could only fail is not offered
     result = CliRunner().invoke(capture_cli, ["run", str(chat_file), "-o", str(tmp_path / "x"), "--backend", "sglang"])
@@ -192,10 +216,10 @@ def test_no_capture_backend_option_that_always_fails(tmp_path, chat_file):
 def test_default_shard_size_fits_a_memory_budget_and_is_recorded(tmp_path, chat_file):
     """Without --shard-size a shard holds at most 4 GiB of features at max_length (it sits in
     host memory until written), at most 256 samples; the resolved size is what a resume checks."""
-    assert auto_shard_size(576, 2048, "bfloat16") == 256  # SmolLM2: the cap
-    assert auto_shard_size(4096, 4096, "bfloat16") == 32  # an 8B target: 134 MB per sample
-    assert auto_shard_size(4096, 4096, "float32") == 16
-    assert auto_shard_size(8192, 131072, "float32") == 1
+    assert auto_shard_size(576, 2048, "bfloat16", num_layers=3) == 256  # SmolLM2: the cap
+    assert auto_shard_size(4096, 4096, "bfloat16", num_layers=3) == 32  # an 8B target: 134 MB per sample
+    assert auto_shard_size(4096, 4096, "float32", num_layers=3) == 16
+    assert auto_shard_size(8192, 131072, "float32", num_layers=3) == 1
     cfg = CaptureConfig(source=str(chat_file), output=str(tmp_path / "fs"), max_length=64)
     manifest = run_capture(cfg, silent=True)
     assert manifest["capture_config"]["shard_size"] == 256

@@ -186,15 +186,17 @@ SHARD_BYTES = 4 << 30  # features one automatically sized shard may hold at max_
 MAX_AUTO_SHARD_SIZE = 256
 
 
-def auto_shard_size(hidden_size: int, max_length: int, storage_dtype: str, final_storage_dtype: str | None = None) -> int:
-    """Samples per shard when none is given: as many as keep a shard's features (3 aux states and
-    the final one of hidden_size per token, at max_length) within SHARD_BYTES, and at most 256. A
-    shard stays in host memory from its capture until written, up to writers + 2 of them at once,
-    so a fixed 256 would hold 6 shards of 256 x 4096 tokens x 32 KiB for an 8B target at 4096
-    tokens. SmolLM2 (hidden 576) at 2048 tokens gets 256; an 8B target (hidden 4096) at 4096
-    tokens gets 32 in bfloat16, 64 in float8."""
+def auto_shard_size(hidden_size: int, max_length: int, storage_dtype: str, final_storage_dtype: str | None = None,
+                    *, num_layers: int) -> int:
+    """Samples per shard when none is given: as many as keep a shard's features (the num_layers
+    stored layers' states and the final one, of hidden_size per token, at max_length) within
+    SHARD_BYTES, and at most 256. A shard stays in host memory from its capture until written, up to
+    writers + 2 of them at once, so a fixed 256 would hold 6 shards of 256 x 4096 tokens x 32 KiB
+    for an 8B target at 4096 tokens with 3 layers. With 3 layers, SmolLM2 (hidden 576) at 2048
+    tokens gets 256; an 8B target (hidden 4096) at 4096 tokens gets 32 in bfloat16, 64 in float8;
+    a capture for every family stores more layers and gets fewer samples a shard."""
     aux, final = TORCH_DTYPES[storage_dtype].itemsize, TORCH_DTYPES[final_storage_dtype or storage_dtype].itemsize
-    per_sample = max_length * hidden_size * (3 * aux + final)
+    per_sample = max_length * hidden_size * (num_layers * aux + final)
     return max(1, min(MAX_AUTO_SHARD_SIZE, SHARD_BYTES // per_sample))
 
 
@@ -253,11 +255,11 @@ def length_batches(lengths: list[int], max_batch_tokens: int) -> list[list[int]]
 
 def plan_capture(cfg: CaptureConfig, tokenizer, identity) -> CapturePlan:
     """Render the samples and resolve what the run writes; refuses a folder of other settings."""
-    if cfg.shard_size is None:  # resolved here and recorded, so a resume compares the value itself
-        cfg = replace(cfg, shard_size=auto_shard_size(identity.hidden_size, cfg.max_length, cfg.storage_dtype,
-                                                      cfg.final_storage_dtype))
     aux_layers = stored_layers(cfg, identity.num_layers)
     cfg = replace(cfg, aux_layers=tuple(aux_layers))
+    if cfg.shard_size is None:  # resolved here and recorded, so a resume compares the value itself
+        cfg = replace(cfg, shard_size=auto_shard_size(identity.hidden_size, cfg.max_length, cfg.storage_dtype,
+                                                      cfg.final_storage_dtype, num_layers=len(aux_layers)))
     check_output_folder(Path(cfg.output), "capture", cfg)
     samples, bad, skipped = prepare_samples(cfg, tokenizer)
     if not samples:
