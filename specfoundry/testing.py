@@ -16,7 +16,7 @@ from specfoundry.families.eagle3.config import Eagle3Config
 from specfoundry.families.eagle3.model import Eagle3Draft
 from specfoundry.families.eagle3.ttt import TTTModule
 from specfoundry.families.vocab import vocab_maps
-from specfoundry.featureset.manifest import FORMAT, FORMAT_VERSION, MANIFEST
+from specfoundry.featureset.manifest import MANIFEST, new_manifest
 from specfoundry.featureset.store import FeatureSet, shard_name, write_shard
 
 LLAMA8B_DRAFT = Eagle3Config(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
@@ -52,11 +52,11 @@ def write_random_featureset(root: Path, n: int, t: int, cfg, codec: str = "safet
                 "final_hidden": torch.randn(t, cfg.hidden_size, generator=g).to(torch.bfloat16)} for _ in range(n)]
     rel = shard_name(0, codec)
     digest = write_shard(root, rel, samples, codec, dtype, final_dtype)
-    atomic_write_json(root / MANIFEST, {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "codec": codec, "storage_dtype": dtype,
-        "final_storage_dtype": final_dtype or dtype, "aux_layer_ids": list(layers), "hidden_size": cfg.hidden_size,
-        "target": {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size},
-        "shards": [{"path": rel, "sha256": digest, "num_samples": n, "sample_lengths": [t] * n}]})
+    manifest = new_manifest(target={"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}, aux_layer_ids=layers,
+                            hidden_size=cfg.hidden_size, storage_dtype=dtype, final_storage_dtype=final_dtype,
+                            codec=codec, shards=[{"path": rel, "sha256": digest, "num_samples": n,
+                                                  "sample_lengths": [t] * n}])
+    atomic_write_json(root / MANIFEST, manifest)
     return FeatureSet(root)
 
 

@@ -49,11 +49,10 @@ from specfoundry.common.target import EMBEDDED_DEFAULT, Target, chat_template_so
 from specfoundry.common.weights import weight_fingerprint
 from specfoundry.families import FAMILIES
 from specfoundry.featureset.manifest import (
-    FORMAT,
-    FORMAT_VERSION,
     MANIFEST,
     STORAGE_DTYPES,
     TOKEN_COUNTS,
+    new_manifest,
     tokenizer_hashes,
 )
 from specfoundry.featureset.store import CODECS, TORCH_DTYPES, shard_name, write_shard_file
@@ -265,24 +264,18 @@ def plan_capture(cfg: CaptureConfig, tokenizer, identity) -> CapturePlan:
     if not samples:
         raise CaptureError(f"{cfg.source}: no sample with a trainable (assistant) token")
     tok_hash, template_hash = tokenizer_hashes(tokenizer)
-    base = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "tool_version": __version__,
-        "target": {**identity.to_dict(), "weight_fingerprint": weight_fingerprint(Path(identity.path))},
-        "tokenizer_sha256": tok_hash,
-        "chat_template_sha256": template_hash,
-        "chat_template_source": chat_template_source(tokenizer),
-        "aux_layer_ids": aux_layers,
-        "hidden_size": identity.hidden_size,
-        "storage_dtype": cfg.storage_dtype,
-        "final_storage_dtype": cfg.final_storage_dtype or cfg.storage_dtype,
-        "codec": cfg.codec,
-        "max_length": cfg.max_length,
-        "counts": {"skipped_untrainable": skipped, "bad_inputs": len(bad)},
-        "bad_inputs": [asdict(b) for b in bad],
-        "capture_config": config_dict(cfg),
-    }
+    base = new_manifest(
+        target={**identity.to_dict(), "weight_fingerprint": weight_fingerprint(Path(identity.path))},
+        aux_layer_ids=aux_layers, hidden_size=identity.hidden_size, storage_dtype=cfg.storage_dtype,
+        final_storage_dtype=cfg.final_storage_dtype, codec=cfg.codec,
+        tool_version=__version__,
+        tokenizer_sha256=tok_hash,
+        chat_template_sha256=template_hash,
+        chat_template_source=chat_template_source(tokenizer),
+        max_length=cfg.max_length,
+        counts={"skipped_untrainable": skipped, "bad_inputs": len(bad)},
+        bad_inputs=[asdict(b) for b in bad],
+        capture_config=config_dict(cfg))
     num_shards = (len(samples) + cfg.shard_size - 1) // cfg.shard_size
     plan = CapturePlan(cfg, samples, num_shards, base, identity.vocab_size)
     # a finished shard made from other tokens than the source now gives (an edited record, the same

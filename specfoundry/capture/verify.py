@@ -123,11 +123,12 @@ def verify_featureset(root: str | Path, recompute: int = 0, device: str | None =
 def recompute_samples(root: Path, manifest: dict, k: int, device: str | None) -> list[str]:
     """Run the target again on the first k samples and compare within storage rounding."""
     from specfoundry.capture.runner import HFCaptureRunner
+    from specfoundry.common.embedded import EMBEDDED
     from specfoundry.common.target import Target
 
     fs = FeatureSet(root)
-    target = Target.load(manifest["target"]["name"] if manifest["target"]["name"] == "smollm2"
-                         else manifest["target"]["path"], device=device)
+    name = manifest["target"]["name"]  # an embedded target by its name (its converted copy may live elsewhere)
+    target = Target.load(name if name in EMBEDDED else manifest["target"]["path"], device=device)
     runner = HFCaptureRunner(target, manifest["aux_layer_ids"])
     problems = []
     for i in range(min(k, len(fs))):

@@ -119,6 +119,11 @@ class DraftFamily:
         [{loss, hits, valid}] per predicted position); `seed` seeds the family's own sampling."""
         raise NotImplementedError
 
+    def set_progress(self, module: torch.nn.Module, step: int, total_steps: int) -> None:
+        """Before each optimizer step: where the run is (step of total_steps), for a loss scheduled over
+        the run (Domino's base-anchored curriculum); `module` is what `module()` built. Most families
+        schedule nothing."""
+
     def draft_module(self, cfg) -> torch.nn.Module:
         """A freshly initialised draft of config `cfg` (its embeddings not yet the target's)."""
         raise NotImplementedError

@@ -28,6 +28,21 @@ def tokenizer_hashes(tokenizer) -> tuple[str, str]:
     return hashlib.sha256(vocab.encode()).hexdigest(), hashlib.sha256(template.encode()).hexdigest()
 
 
+def new_manifest(*, target: dict, aux_layer_ids, hidden_size: int, storage_dtype: str, codec: str,
+                 final_storage_dtype: str | None = None, **fields) -> dict:
+    """A manifest's opening: the format and its version, the target (its identity: at least
+    hidden_size and vocab_size), the stored layers, the width and the storage (codec, the aux states'
+    dtype, the final state's, by default the same), then `fields` (a capture's tokenizer and
+    template hashes, max length, counts, its config). The writer adds `shards` (each with its path,
+    sha256, num_samples and sample_lengths). Every manifest is built here: sf-capture's, and the
+    random sets of testing.py."""
+    if storage_dtype not in STORAGE_DTYPES or (final_storage_dtype or storage_dtype) not in STORAGE_DTYPES:
+        raise ValueError(f"storage dtypes {storage_dtype}, {final_storage_dtype} must be among {STORAGE_DTYPES}")
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "target": target, "aux_layer_ids": list(aux_layer_ids),
+            "hidden_size": hidden_size, "storage_dtype": storage_dtype,
+            "final_storage_dtype": final_storage_dtype or storage_dtype, "codec": codec, **fields}
+
+
 class FeatureSetError(ValueError):
     """A feature set is missing, damaged, or does not match what it is used with."""
 

@@ -1,1 +1,2 @@
-"""sf-train: the EAGLE-3 draft, Training-Time Test, the Trainer (Accelerate), checkpoints, export."""
+"""sf-train and sf-export: the Trainer (Accelerate, ZeRO-2), its checkpoints and metrics, the feature
+loader, and the export command. The drafts themselves, of every family, live in families/."""

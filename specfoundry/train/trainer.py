@@ -377,9 +377,7 @@ class Trainer:
         """One optimizer step over grad_accum micro-batches (a single Batch when grad_accum is 1).
         Returns its metrics (step, loss_s, acc_s, sim_accept_len, lr), also appended to history."""
         batches = [batches] if isinstance(batches, Batch) else list(batches)
-        progress = getattr(self.raw, "set_progress", None)  # a loss scheduled over the run (Domino's curriculum)
-        if progress is not None:
-            progress(self.step, self.total_steps)
+        self.family.set_progress(self.raw, self.step, self.total_steps)  # a loss scheduled over the run
         if len(batches) != self.cfg.grad_accum:
             raise ValueError(f"train_step takes grad_accum = {self.cfg.grad_accum} micro-batches, got {len(batches)}")
         self.model.train()

@@ -31,6 +31,9 @@ class DominoFamily(DFlashFamily):
     def needs_final_state(self, options) -> bool:
         return False  # hard labels only (the module refuses --teacher soft)
 
+    def set_progress(self, module: DominoModule, step: int, total_steps: int) -> None:
+        module.set_progress(step, total_steps)  # the base-anchored curriculum's weight
+
     def build(self, options, fs, target_dir: Path, layers: list[int], init_from: str | None):
         dflash, own = options.parent, options.own
         return build_block_draft(dflash, fs, target_dir, layers, init_from, load_export, DominoDraft,
