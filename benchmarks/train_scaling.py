@@ -40,7 +40,7 @@ def worker(featureset: str, steps: int, ttt: int, out: str) -> None:
 
     from specfoundry.featureset.store import FeatureSet
     from specfoundry.train.loader import FeatureLoader
-    from specfoundry.train.trainer import optimizer_state_bytes
+    from specfoundry.train.metrics import optimizer_state_bytes
 
     accel = Accelerator(mixed_precision="bf16", kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
     model = llama8b_ttt_module()

@@ -11,14 +11,12 @@ and the optimizer state is sharded. The same code runs as one CPU process, one G
 under `accelerate launch --config_file recipes/accelerate_zero2.yaml`.
 
 Every file a run writes becomes visible only when complete: files are written aside and renamed,
-a checkpoint is written as `step-N.tmp` and renamed to `step-N` once accelerate's state and
-trainer_state.json are both in it, and resume trusts only such complete checkpoints.
+and a checkpoint is written as `step-N.tmp` and renamed to `step-N` once whole (checkpoints.py);
+resume trusts only such complete checkpoints. metrics.py merges and logs what a step reports.
 """
 
 from __future__ import annotations
 
-import errno
-import json
 import math
 import shutil
 import sys
@@ -41,11 +39,18 @@ from specfoundry.common.target import (
 )
 from specfoundry.common.weights import weight_fingerprint
 from specfoundry.families import FAMILIES, family_names, get_family
-from specfoundry.families.folders import TRAINER_STATE, complete_checkpoints, incomplete_checkpoints
 from specfoundry.families.interface import Batch, select_layers, serving_verifier
 from specfoundry.featureset.manifest import FeatureSetError, check_matches_target, tokenizer_hashes
 from specfoundry.featureset.store import FeatureSet
+from specfoundry.train.checkpoints import newest_complete_checkpoint, read_trainer_state, write_checkpoint
 from specfoundry.train.loader import FeatureLoader, split_indices
+from specfoundry.train.metrics import (
+    NullTracker,
+    TensorboardTracker,
+    merge_metrics,
+    optimizer_state_bytes,
+    summarise,
+)
 
 ATTENTIONS = ("auto", "flex", "sdpa", "eager")
 LOSS_KERNELS = ("auto", "triton", "reference")
@@ -154,28 +159,6 @@ def resolved_pad_multiple(cfg: TrainConfig, device: torch.device) -> int:
     return 128 if flex else 1
 
 
-class NullTracker:
-    def log(self, values: dict, step: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class TensorboardTracker:
-    def __init__(self, logdir: Path):
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(str(logdir))
-
-    def log(self, values: dict, step: int) -> None:
-        for k, v in values.items():
-            self.writer.add_scalar(k, v, step)
-
-    def close(self) -> None:
-        self.writer.close()
-
-
 def lr_lambda(warmup: int, total: int):
     """Linear warmup, then cosine decay to 10% of the peak; `step` counts optimizer steps."""
 
@@ -186,55 +169,6 @@ def lr_lambda(warmup: int, total: int):
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
     return f
-
-
-def optimizer_state_bytes(optimizer) -> int:
-    """Bytes of tensors this rank keeps in the optimizer state."""
-    return sum(t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
-               if torch.is_tensor(t) and t.dim() > 0)
-
-
-def merge_metrics(per_micro: list[list[dict]], accel) -> list[dict]:
-    """Per TTT step: sum hits/valid over micro-batches and ranks; average losses."""
-    merged = []
-    for s in range(min(len(m) for m in per_micro)):
-        hits = sum(m[s]["hits"] for m in per_micro)
-        valid = sum(m[s]["valid"] for m in per_micro)
-        loss = sum(m[s]["loss"] for m in per_micro) / len(per_micro)
-        stacked = torch.stack([hits.float(), valid.float(), loss.float()])
-        if accel.num_processes > 1:
-            stacked = accel.reduce(stacked, reduction="sum")
-            stacked[2] /= accel.num_processes
-        merged.append({"hits": stacked[0], "valid": stacked[1], "loss": stacked[2]})
-    return merged
-
-
-def summarise(metrics: list[dict]) -> dict:
-    """Per predicted position s (a TTT step, a block position): loss and accuracy, and the simulated
-    acceptance length sum_s prod_{i<=s} acc_i (1 + that is a round's expected tokens)."""
-    out, run, tau = {}, 1.0, 0.0
-    for s, m in enumerate(metrics):
-        acc = (m["hits"].float() / m["valid"].clamp(min=1)).item()
-        out[f"loss_{s}"] = m["loss"].item()
-        out[f"acc_{s}"] = acc
-        run *= acc
-        tau += run
-    out["sim_accept_len"] = tau
-    return out
-
-
-def save_state(accel, path: Path) -> None:
-    """accelerate's save_state, with a full disk reported as the OSError it is: torch.save and
-    safetensors raise their own types for it (RuntimeError, SafetensorError), which name no file."""
-    from safetensors import SafetensorError
-
-    try:
-        accel.save_state(str(path))
-    except (RuntimeError, SafetensorError) as e:
-        full = "No space left" in str(e) or shutil.disk_usage(path if path.exists() else path.parent).free < (1 << 20)
-        if not full:
-            raise
-        raise OSError(errno.ENOSPC, "No space left on device", str(path)) from e
 
 
 class Trainer:
@@ -324,27 +258,19 @@ class Trainer:
 
     def resume(self) -> None:
         """Continue from the newest complete checkpoint: weights, optimizer, scheduler, RNG,
-        loader position and history. Incomplete checkpoints are named in one line and removed."""
+        loader position and history (checkpoints.py). Incomplete checkpoints are named in one line
+        and removed."""
         accel = self.accel
-        complete = complete_checkpoints(self.out)
-        if accel.is_main_process:
-            leftovers = incomplete_checkpoints(self.out)
-            if leftovers:
-                start = f"resuming from {complete[-1].name}" if complete else "starting from step 0"
-                print(f"sf-train: incomplete checkpoint {', '.join(p.name for p in leftovers)} "
-                      f"(no {TRAINER_STATE} or never renamed into place) removed; {start}", file=sys.stderr)
-            for p in leftovers:
-                shutil.rmtree(p, ignore_errors=True)
-        accel.wait_for_everyone()
-        if not complete:
+        newest = newest_complete_checkpoint(accel, self.out)
+        if newest is None:
             return
-        accel.load_state(str(complete[-1]))
-        state = json.loads((complete[-1] / TRAINER_STATE).read_text())
+        accel.load_state(str(newest))
+        state = read_trainer_state(newest)
         self.step = state["step"]
         self.loader.load_state_dict(state["loader"][accel.process_index])
         self.history = state.get("history", [])  # so history.json covers the whole run, not the last leg
         if accel.is_main_process and not self.silent:
-            print(f"sf-train: resuming from {complete[-1].name} (step {self.step})", file=sys.stderr)
+            print(f"sf-train: resuming from {newest.name} (step {self.step})", file=sys.stderr)
 
     # ---- steps ----------------------------------------------------------------------------------
 
@@ -410,32 +336,9 @@ class Trainer:
     # ---- checkpoint -----------------------------------------------------------------------------
 
     def checkpoint(self) -> Path:
-        """Write checkpoints/step-N: accelerate's state and trainer_state.json into step-N.tmp,
-        then one rename; then drop all but the newest keep_last complete checkpoints."""
-        accel = self.accel
-        final = self.out / "checkpoints" / f"step-{self.step:07d}"
-        tmp = final.with_name(final.name + TMP_SUFFIX)
-        if accel.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-        accel.wait_for_everyone()
-        save_state(accel, tmp)
-        states = [None] * accel.num_processes
-        if accel.num_processes > 1:  # a collective: every rank has finished its save_state after it
-            import torch.distributed as dist
-
-            dist.all_gather_object(states, self.loader.state_dict())
-        else:
-            states = [self.loader.state_dict()]
-        if accel.is_main_process:
-            # a copy of the run's record: the checkpoint stays resumable if train_config.json is lost
-            atomic_write_json(tmp / "train_config.json", config_dict(self.cfg))
-            atomic_write_json(tmp / TRAINER_STATE, {"step": self.step, "loader": states, "history": self.history})
-            replace_dir(tmp, final)
-            if self.cfg.keep_last > 0:
-                for old in complete_checkpoints(self.out)[: -self.cfg.keep_last]:
-                    shutil.rmtree(old, ignore_errors=True)
-        accel.wait_for_everyone()
-        return final
+        """Write checkpoints/step-N whole (checkpoints.py write_checkpoint); keep the newest keep_last."""
+        return write_checkpoint(self.accel, self.out, self.step, self.loader.state_dict(),
+                                {"train_config": config_dict(self.cfg), "history": self.history}, self.cfg.keep_last)
 
     # ---- finish ---------------------------------------------------------------------------------
 

@@ -1,0 +1,82 @@
+"""sf-train's checkpoints: step-N is complete by construction, step-N.tmp is one being written.
+
+A checkpoint is accelerate's state (weights, optimizer, scheduler, RNG) plus trainer_state.json
+(the step, each rank's loader position, the history) and a copy of the run's config, written
+into step-N.tmp and renamed once whole; resume trusts only such complete checkpoints
+(families/folders.py names them: complete_checkpoints) and removes leftovers, naming them.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from specfoundry.common.files import TMP_SUFFIX, atomic_write_json, replace_dir
+from specfoundry.families.folders import TRAINER_STATE, complete_checkpoints, incomplete_checkpoints
+
+
+def save_state(accel, path: Path) -> None:
+    """accelerate's save_state, with a full disk reported as the OSError it is: torch.save and
+    safetensors raise their own types for it (RuntimeError, SafetensorError), which name no file."""
+    from safetensors import SafetensorError
+
+    try:
+        accel.save_state(str(path))
+    except (RuntimeError, SafetensorError) as e:
+        full = "No space left" in str(e) or shutil.disk_usage(path if path.exists() else path.parent).free < (1 << 20)
+        if not full:
+            raise
+        raise OSError(errno.ENOSPC, "No space left on device", str(path)) from e
+
+
+def newest_complete_checkpoint(accel, out: Path) -> Path | None:
+    """The checkpoint a resume continues from (None: none is complete). The main process names
+    incomplete ones (a step-N.tmp, a step-N without trainer_state.json) in one line and removes them."""
+    complete = complete_checkpoints(out)
+    if accel.is_main_process:
+        leftovers = incomplete_checkpoints(out)
+        if leftovers:
+            start = f"resuming from {complete[-1].name}" if complete else "starting from step 0"
+            print(f"sf-train: incomplete checkpoint {', '.join(p.name for p in leftovers)} "
+                  f"(no {TRAINER_STATE} or never renamed into place) removed; {start}", file=sys.stderr)
+        for p in leftovers:
+            shutil.rmtree(p, ignore_errors=True)
+    accel.wait_for_everyone()
+    return complete[-1] if complete else None
+
+
+def read_trainer_state(checkpoint: Path) -> dict:
+    """{step, loader: one state per rank, history} of a complete checkpoint."""
+    return json.loads((checkpoint / TRAINER_STATE).read_text())
+
+
+def write_checkpoint(accel, out: Path, step: int, loader_state: dict, record: dict, keep_last: int) -> Path:
+    """Write out/checkpoints/step-N: accelerate's state (every rank), then from the main process the
+    run's config (record["train_config"]: the checkpoint stays resumable if train_config.json is
+    lost) and trainer_state.json (the step, every rank's loader state, record["history"]) into
+    step-N.tmp, then one rename; then drop all but the newest keep_last complete checkpoints."""
+    final = out / "checkpoints" / f"step-{step:07d}"
+    tmp = final.with_name(final.name + TMP_SUFFIX)
+    if accel.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accel.wait_for_everyone()
+    save_state(accel, tmp)
+    states = [None] * accel.num_processes
+    if accel.num_processes > 1:  # a collective: every rank has finished its save_state after it
+        import torch.distributed as dist
+
+        dist.all_gather_object(states, loader_state)
+    else:
+        states = [loader_state]
+    if accel.is_main_process:
+        atomic_write_json(tmp / "train_config.json", record["train_config"])
+        atomic_write_json(tmp / TRAINER_STATE, {"step": step, "loader": states, "history": record["history"]})
+        replace_dir(tmp, final)
+        if keep_last > 0:
+            for old in complete_checkpoints(out)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    accel.wait_for_everyone()
+    return final
