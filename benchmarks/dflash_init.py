@@ -80,7 +80,7 @@ def first_losses(fs, target_dir, head, inits: list[float]) -> list[dict]:
 
 def first_block(model, batch):
     """The training forward's other inputs for 64 anchors a sample (seed 0)."""
-    from specfoundry.families.dflash.loss import batch_anchors, block_inputs
+    from specfoundry.families.dflash.anchors import batch_anchors, block_inputs
 
     anchors, keep = batch_anchors(batch, 64, model.cfg.block_size, 0)
     ids, positions = block_inputs(batch.input_ids, anchors, model.cfg.block_size, model.cfg.mask_token_id)

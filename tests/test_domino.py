@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
 from specfoundry.families import FAMILIES, DraftLoadError
-from specfoundry.families.dflash.loss import batch_anchors
+from specfoundry.families.dflash.anchors import batch_anchors
 from specfoundry.families.domino.config import DominoConfig
 from specfoundry.families.domino.decode import DominoRunner, decode_matches_training
 from specfoundry.families.domino.export import expected_tensors, export_draft, load_export
@@ -89,7 +89,7 @@ def gru_reference(w_ih, w_hh, xs):
 def reference_loss(draft, batch, lm_head, anchors, keep, base_weight, gamma):
     """(1 - lambda) CE_f + lambda CE_b by loops over rows, anchors and slots (module docstring of loss.py)."""
     b = draft.cfg.block_size
-    from specfoundry.families.dflash.loss import block_inputs
+    from specfoundry.families.dflash.anchors import block_inputs
 
     ids, positions = block_inputs(batch.input_ids, anchors, b, draft.cfg.mask_token_id)
     states = draft.train_forward(draft.project_context(batch.aux_hidden), ids, positions, anchors, keep,
@@ -178,7 +178,8 @@ def test_lambda_decays_linearly_from_start_to_end():
 
 
 def test_the_trainer_announces_its_step_to_the_module():
-    """Trainer.train_step calls the module's set_progress(step, total_steps) before its forward."""
+    """Trainer.train_step announces (step, total_steps) through the family contract's set_progress before
+    its forward; Domino's provider hands it to its module (a family that schedules nothing ignores it)."""
     from types import SimpleNamespace
 
     from specfoundry.train.trainer import Trainer
@@ -194,6 +195,7 @@ def test_the_trainer_announces_its_step_to_the_module():
     trainer = Trainer.__new__(Trainer)
     trainer.step, trainer.total_steps = 7, 20
     trainer.raw = SimpleNamespace(set_progress=lambda s, t: seen.append((s, t)))
+    trainer.family = FAMILIES.provider("domino")
     trainer.cfg = SimpleNamespace(grad_accum=1)
     trainer.model = SimpleNamespace(train=stop)
     with pytest.raises(Stop):

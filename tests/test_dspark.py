@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
 from specfoundry.families import FAMILIES, DraftLoadError, Extended, get_family
-from specfoundry.families.dflash.loss import batch_anchors, block_inputs
+from specfoundry.families.dflash.anchors import batch_anchors, block_inputs
 from specfoundry.families.dflash.options import DFlashOptions
 from specfoundry.families.dspark.config import DSparkConfig
 from specfoundry.families.dspark.decode import DSparkRunner, decode_matches_training, decode_settings

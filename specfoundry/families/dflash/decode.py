@@ -12,9 +12,9 @@ from specfoundry.common.settings import MAX_DRAFT
 from specfoundry.decoding.rounds import DecodeResult
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
+from specfoundry.families.dflash.anchors import block_inputs
 from specfoundry.families.dflash.block import BlockDraftRunner, block_generate
 from specfoundry.families.dflash.config import DFlashConfig
-from specfoundry.families.dflash.loss import block_inputs
 from specfoundry.families.dflash.model import DFlashDraft
 
 

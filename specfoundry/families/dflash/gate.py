@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from specfoundry.decoding.target import TargetRunner
+from specfoundry.families.dflash.anchors import block_inputs, sample_anchors, valid_slots
 from specfoundry.families.dflash.block import BlockDraftRunner
 from specfoundry.families.dflash.decode import DFlashDecoder
 from specfoundry.families.dflash.export import validate
-from specfoundry.families.dflash.loss import block_inputs, sample_anchors, valid_slots
 from specfoundry.families.dflash.options import DFlashOptions
 from specfoundry.families.folders import (
     DraftRef,

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from specfoundry.families.dflash.loss import attach_gradients, batch_anchors, block_inputs, check_announced
+from specfoundry.families.dflash.anchors import batch_anchors, block_inputs
+from specfoundry.families.dflash.loss import attach_gradients, check_announced
 from specfoundry.families.domino.config import PURE_DRAFT_PREFIX_LEN
 from specfoundry.families.domino.model import DominoDraft, correction_parameters
 from specfoundry.families.interface import Batch

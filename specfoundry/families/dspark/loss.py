@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from specfoundry.families.dflash.loss import attach_gradients, batch_anchors, block_inputs, check_announced
+from specfoundry.families.dflash.anchors import batch_anchors, block_inputs
+from specfoundry.families.dflash.loss import attach_gradients, check_announced
 from specfoundry.families.dspark.model import DSparkDraft, head_parameters
 from specfoundry.families.interface import Batch
 from specfoundry.families.teacher import logit_rows

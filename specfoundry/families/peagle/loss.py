@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from specfoundry.families.dflash.loss import anchor_seed
-from specfoundry.families.interface import Batch
+from specfoundry.families.interface import Batch, anchor_seed
 from specfoundry.families.peagle.mask import peagle_mask
 from specfoundry.families.peagle.model import PEagleDraft
 from specfoundry.families.peagle.options import LOSS_WEIGHTS as WEIGHTS
