@@ -35,7 +35,7 @@ from benchmarks.common import (
 from benchmarks.flex_tuning import CHOICES
 from benchmarks.kernels import STEPS, attention_block_run
 from specfoundry.families.eagle3.model import Eagle3Draft
-from specfoundry.testing import LLAMA8B_DRAFT
+from specfoundry.families.eagle3.shapes import LLAMA8B_DRAFT
 
 TUNED_FLEX = CHOICES["fwd 64x64, bwd 32/64"]
 

@@ -32,7 +32,8 @@ from benchmarks.common import MATMUL_TFLOPS, print_profile_summary, print_table,
 from benchmarks.train_step import time_steps
 from specfoundry.families.dflash.loss import DFlashModule
 from specfoundry.families.dflash.model import DFlashDraft
-from specfoundry.testing import QWEN3_8B_DFLASH, write_random_featureset
+from specfoundry.families.dflash.shapes import QWEN3_8B_DFLASH
+from specfoundry.testing import write_random_featureset
 from specfoundry.train.loader import FeatureLoader
 
 ANCHORS = 512

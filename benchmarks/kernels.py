@@ -41,9 +41,9 @@ from benchmarks.common import (
     write_result,
 )
 from specfoundry.families.eagle3.model import Eagle3Attention, Eagle3Draft, TTTCache
+from specfoundry.families.eagle3.shapes import LLAMA8B_DRAFT
 from specfoundry.kernels.soft_ce import SoftTargetCrossEntropy, soft_ce_reference, soft_target_cross_entropy
 from specfoundry.kernels.tree_attention import eager_tree_attention, tree_attention, ttt_block_mask
-from specfoundry.testing import LLAMA8B_DRAFT
 
 STEPS = 7
 # warm-up calls, then timed calls (median): more than common's defaults, since the first timings

@@ -29,7 +29,8 @@ import torch
 
 from benchmarks.common import MATMUL_TFLOPS, print_table, write_result
 from benchmarks.train_step import flops_per_token, time_steps
-from specfoundry.testing import LLAMA8B_DRAFT, llama8b_ttt_module, write_random_featureset
+from specfoundry.families.eagle3.shapes import LLAMA8B_DRAFT, llama8b_ttt_module
+from specfoundry.testing import write_random_featureset
 
 ROOT = Path(__file__).resolve().parents[1]
 

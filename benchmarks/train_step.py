@@ -40,8 +40,9 @@ import torch
 
 from benchmarks.common import MATMUL_TFLOPS, print_table, write_result
 from specfoundry.families.eagle3.config import Eagle3Config
+from specfoundry.families.eagle3.shapes import LLAMA8B_DRAFT, llama8b_ttt_module, random_ttt_module
 from specfoundry.featureset.store import FeatureSet
-from specfoundry.testing import LLAMA8B_DRAFT, llama8b_ttt_module, random_ttt_module, write_random_featureset
+from specfoundry.testing import write_random_featureset
 from specfoundry.train.loader import FeatureLoader
 
 

@@ -50,7 +50,7 @@ class GateConfig(Settings):
     output: str = shared("output", resume=False)
     target: str = shared("target", EMBEDDED_DEFAULT)
     chat_template: str | None = shared("chat_template", None)
-    family: str = shared("family", "eagle3", choices=family_names(), help=FAMILIES.family_help())
+    family: str = shared("family", FAMILIES.default, choices=family_names(), help=FAMILIES.family_help())
     prompt: str = setting(DEFAULT_PROMPT, help="The one prompt whose greedy answer the draft overfits.")
     # the length cap of the target's greedy answer
     max_new_tokens: int = shared("max_new_tokens", 96)

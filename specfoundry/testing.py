@@ -1,4 +1,5 @@
-"""Shared test and benchmark helpers: named draft shapes, a random feature-set writer, random drafts.
+"""Shared test and benchmark helpers: a random feature-set writer, tiny random targets. A family's
+named draft shapes and random drafts live in its folder (families/<name>/shapes.py).
 
 Tests and `benchmarks/` import these from here, so no test imports a benchmark script.
 """
@@ -11,31 +12,8 @@ from pathlib import Path
 import torch
 
 from specfoundry.common.files import atomic_write_json
-from specfoundry.families.dflash.config import DFlashConfig
-from specfoundry.families.eagle3.config import Eagle3Config
-from specfoundry.families.eagle3.model import Eagle3Draft
-from specfoundry.families.eagle3.ttt import TTTModule
-from specfoundry.families.vocab import vocab_maps
 from specfoundry.featureset.manifest import MANIFEST, new_manifest
 from specfoundry.featureset.store import FeatureSet, shard_name, write_shard
-
-LLAMA8B_DRAFT = Eagle3Config(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                            head_dim=128, rope_theta=500000.0, max_position_embeddings=131072, vocab_size=128256,
-                            draft_vocab_size=32000, target_hidden_size=4096, aux_layer_ids=(1, 15, 28))
-"""The EAGLE-3 draft of Llama-3.1-8B: H 4096, 32 query / 8 KV heads of 128, target vocab 128256 -> 32000."""
-
-SMOL_DRAFT = Eagle3Config(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-                         head_dim=64, vocab_size=49152, draft_vocab_size=16000, target_hidden_size=576,
-                         aux_layer_ids=(1, 14, 26))
-"""The EAGLE-3 draft of SmolLM2-135M: H 576, 9 query / 3 KV heads of 64, target vocab 49152 -> 16000."""
-
-
-QWEN3_8B_DFLASH = DFlashConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=5, num_attention_heads=32,
-                               num_key_value_heads=8, head_dim=128, rope_theta=1000000.0, max_position_embeddings=40960,
-                               vocab_size=151936, target_hidden_size=4096, target_layer_ids=(1, 9, 17, 25, 33),
-                               block_size=16, mask_token_id=151669)
-"""The DFlash draft of Qwen3-8B (the public drafts' shape): 5 layers, H 4096, intermediate 12288, 32 query /
-8 KV heads of 128, block 16, target vocab 151936, target layers [1, 9, 17, 25, 33]."""
 
 
 def write_random_featureset(root: Path, n: int, t: int, cfg, codec: str = "safetensors",
@@ -58,39 +36,6 @@ def write_random_featureset(root: Path, n: int, t: int, cfg, codec: str = "safet
                                                   "sample_lengths": [t] * n}])
     atomic_write_json(root / MANIFEST, manifest)
     return FeatureSet(root)
-
-
-def random_eagle3_draft(cfg: Eagle3Config, vocab_stride: int, first_id: int = 0,
-                        norms_off_one: bool = False) -> Eagle3Draft:
-    """A draft of shape `cfg` with random weights (seed 0) and every `vocab_stride`-th target token
-    from `first_id` in its vocabulary. norms_off_one: norm weights drawn from U(0.5, 1.5), so that
-    a skipped or misplaced norm shows."""
-    torch.manual_seed(0)
-    draft = Eagle3Draft(cfg)
-    d2t, t2d = vocab_maps(torch.arange(first_id, cfg.vocab_size, vocab_stride)[: cfg.draft_vocab_size],
-                          cfg.vocab_size)
-    draft.d2t.copy_(d2t)
-    draft.t2d.copy_(t2d)
-    if norms_off_one:
-        with torch.no_grad():
-            for name, p in draft.named_parameters():
-                if "norm" in name:
-                    p.uniform_(0.5, 1.5)
-    return draft
-
-
-def random_ttt_module(cfg: Eagle3Config, vocab_stride: int, head_scale: float,
-                      compile_elementwise: bool = True) -> TTTModule:
-    """random_eagle3_draft with a random bf16 teacher head of scale `head_scale`, on the CPU: the
-    caller moves or wraps it. compile_elementwise: as TTTModule's."""
-    draft = random_eagle3_draft(cfg, vocab_stride)
-    lm_head = (torch.randn(cfg.vocab_size, cfg.hidden_size) * head_scale).to(torch.bfloat16)
-    return TTTModule(draft, lm_head, compile_elementwise)
-
-
-def llama8b_ttt_module(compile_elementwise: bool = True) -> TTTModule:
-    """The 8B-shaped draft (every 4th token in the draft vocab, teacher head scale 0.02)."""
-    return random_ttt_module(LLAMA8B_DRAFT, vocab_stride=4, head_scale=0.02, compile_elementwise=compile_elementwise)
 
 
 # ---- tiny random targets of the architectures users bring (tests/test_architectures.py) --------

@@ -20,11 +20,11 @@ from specfoundry.families.eagle3.config import Eagle3Config
 from specfoundry.families.eagle3.export import expected_tensors, export_draft, validate
 from specfoundry.families.eagle3.model import Eagle3Draft, TTTCache
 from specfoundry.families.eagle3.options import Eagle3Options, default_aux_layers
+from specfoundry.families.eagle3.shapes import random_eagle3_draft
 from specfoundry.families.eagle3.ttt import shift
 from specfoundry.families.folders import find_draft_files, locate_draft
 from specfoundry.families.interface import Batch, select_layers
 from specfoundry.featureset.manifest import FeatureSetError
-from specfoundry.testing import random_eagle3_draft
 from tests.conftest import parse_python
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -175,7 +175,8 @@ def test_the_loader_hands_out_the_chosen_layers_of_a_union_set(tmp_path):
     and no final state where the family reads none."""
     from dataclasses import replace
 
-    from specfoundry.testing import SMOL_DRAFT, write_random_featureset
+    from specfoundry.families.eagle3.shapes import SMOL_DRAFT
+    from specfoundry.testing import write_random_featureset
     from specfoundry.train.loader import FeatureLoader
 
     cfg = replace(SMOL_DRAFT, aux_layer_ids=(1, 8, 14, 20, 26, 27))

@@ -35,10 +35,11 @@ from specfoundry.common.cli import build_config
 from specfoundry.common.progress import Progress
 from specfoundry.common.settings import config_dict
 from specfoundry.common.shards import OutputFolderError, ShardedOutput, check_output_folder
+from specfoundry.families.eagle3.shapes import SMOL_DRAFT
 from specfoundry.featureset import fp8
 from specfoundry.featureset.manifest import MANIFEST, FeatureSetError
 from specfoundry.featureset.store import FeatureSet, ShardReader, decode_state, encode_state, write_shard
-from specfoundry.testing import SMOL_DRAFT, write_random_featureset
+from specfoundry.testing import write_random_featureset
 from specfoundry.train.loader import FeatureLoader
 from specfoundry.train.trainer import TrainConfig, run_train
 from tests.conftest import CHAT, write_jsonl

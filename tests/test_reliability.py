@@ -337,7 +337,8 @@ def test_a_training_split_without_a_batch_fails_at_once_naming_the_numbers(featu
 
 
 def test_a_loader_with_more_ranks_than_batches_refuses_at_once(tmp_path):
-    from specfoundry.testing import SMOL_DRAFT, write_random_featureset
+    from specfoundry.families.eagle3.shapes import SMOL_DRAFT
+    from specfoundry.testing import write_random_featureset
     from specfoundry.train.loader import FeatureLoader
 
     fs = write_random_featureset(tmp_path / "fs", n=2, t=8, cfg=SMOL_DRAFT)

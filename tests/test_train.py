@@ -215,7 +215,7 @@ def test_kernel_paths_equal_plain_torch_on_gpu_at_the_8b_draft_shape():
     Llama-3.1-8B draft shape (H 4096, 32/8 heads, intermediate 14336, vocab 128256 -> 32000),
     TTT 7, two samples of 1024 and 700 tokens. Triton's fp32 dots use TF32 (10-bit mantissa)
     where cuBLAS does not, so the bounds are relative to each tensor's scale."""
-    from specfoundry.testing import LLAMA8B_DRAFT
+    from specfoundry.families.eagle3.shapes import LLAMA8B_DRAFT
 
     model, batch, lm_head, draft_ids = tiny_setup(lengths=(1024, 700), cfg=LLAMA8B_DRAFT, device="cuda",
                                                   teacher_scale=LLAMA8B_DRAFT.hidden_size ** -0.5)

@@ -108,7 +108,7 @@ class CaptureConfig(Settings):
         help="Comma-separated ids of the decoder layers whose outputs are stored (id i: the output of layer i, "
              "HF's hidden_states[i + 1]); stored in ascending order.")
     families: tuple[str, ...] = setting(
-        ("eagle3",), parse=parse_families,
+        (FAMILIES.default,), parse=parse_families,
         help="Without --aux-layers, store the union of these draft families' default layers, so one capture serves "
              "all of them: " + ", ".join(f.layers_help for f in FAMILIES.families.values()) + ".")
     max_length: int = shared("max_length", 2048)

@@ -118,6 +118,11 @@ class Registry:
     def names(self) -> tuple[str, ...]:
         return tuple(self.families)
 
+    @property
+    def default(self) -> str:
+        """The family a command trains, captures for or gates when none is named: the first entry."""
+        return next(iter(self.families))
+
     def get(self, name: str) -> Family:
         family = self.families.get(name) if isinstance(name, str) else None
         if family is None:

@@ -67,7 +67,7 @@ class TrainConfig(Settings):
     featureset: str = setting(argument=True, help="Feature-set folder written by sf-capture.")
     output: str = shared("output", resume=False)
     target: str = shared("target", EMBEDDED_DEFAULT)
-    family: str = shared("family", "eagle3", choices=family_names(), help=FAMILIES.family_help())
+    family: str = shared("family", FAMILIES.default, choices=family_names(), help=FAMILIES.family_help())
     layers: tuple[int, ...] | None = setting(None, parse=parse_layer_ids,
                                              shown="the set's layers if it holds as many as the family reads, else "
                                                    "the family's default",
