@@ -348,12 +348,13 @@ def expected_failures(*errors: type[BaseException]):
     return decorate
 
 
-def stage_command(group: click.Group, name: str, config_cls, *errors: type[BaseException]):
+def stage_command(group: click.Group, name: str, config_cls, *errors: type[BaseException], help: str | None = None):
     """Decorator: `fn(recipe, silent, **options)` as command `name` of `group`, with one option
-    per field of `config_cls`, --recipe, --silent, and `errors` as one-line failures."""
+    per field of `config_cls`, --recipe, --silent, and `errors` as one-line failures. `help`: the
+    command's help where it is generated (else fn's docstring)."""
 
     def decorate(fn):
         cmd = silent_option(expected_failures(*errors)(fn))
-        return group.command(name, context_settings=CONTEXT)(config_options(config_cls)(recipe_option(cmd)))
+        return group.command(name, context_settings=CONTEXT, help=help)(config_options(config_cls)(recipe_option(cmd)))
 
     return decorate

@@ -198,13 +198,21 @@ class Registry:
     def family_help(self) -> str:
         return "Draft family: " + "; ".join(f"{f.name}: {f.summary}" for f in self.families.values()) + "."
 
+    def by_text(self, *fields: str) -> dict[str, list[str]]:
+        """{the entries' `fields` joined: the names of the families that have them}, in catalogue order:
+        families that say the same share one line of help."""
+        out: dict[str, list[str]] = {}
+        for f in self.families.values():
+            out.setdefault(", and the gate trains ".join(getattr(f, k) for k in fields), []).append(f.name)
+        return out
+
     def draft_tokens_help(self) -> str:
         return ("Tokens the draft proposes per round, by family: "
-                + "; ".join(f"{f.name}: {f.draft_tokens}, and the gate trains {f.gate_k}" for f in self.families.values())
+                + "; ".join(f"{', '.join(names)}: {text}" for text, names in self.by_text("draft_tokens", "gate_k").items())
                 + ".")
 
     def eval_k_shown(self) -> str:
-        return "; ".join(f"{f.name}: {f.eval_k}" for f in self.families.values())
+        return "; ".join(f"{', '.join(names)}: {text}" for text, names in self.by_text("eval_k").items())
 
     def export_k_shown(self) -> str:
         return "; ".join(f"{f.name}: {f.speculators_k}" for f in self.families.values() if f.speculators_k)

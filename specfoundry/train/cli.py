@@ -28,15 +28,22 @@ def main():
     """Train speculative-decoding drafts of any family (--family) from a feature set."""
 
 
-@stage_command(main, "run", TrainConfig, FeatureSetError, OutputFolderError, TargetError, TooManyShapesError,
-               FileNotFoundError, ValueError)
-def run(recipe, silent, **options):
-    """Train a draft of --family on FEATURESET, then export it to OUTPUT/export (SGLang's layout;
-    P-EAGLE: vLLM's speculators format). A family reads its own options and those of the family it
-    extends (Domino and DSpark: DFlash's); another family's option given here is refused.
+def run_help() -> str:
+    """sf-train run's help, its families' layouts and option groups from the catalogue."""
+    families = FAMILIES.families.values()
+    layouts = "; ".join(f"{f.name}: {f.layouts[0]}" for f in families)
+    extends = "; ".join(f"{f.name} reads {f.extends}'s" for f in families if f.extends)
+    return (f"Train a draft of --family on FEATURESET, then export it to OUTPUT/export in the family's serving "
+            f"layout ({layouts}). A family reads its own options and those of the family it extends ({extends}); "
+            "another family's option given here is refused.\n\nRuns as one process (CPU or GPU) or under "
+            "`accelerate launch` on many GPUs (ZeRO-2 with recipes/accelerate_zero2.yaml). Rerunning into the same "
+            "--output resumes exactly.")
 
-    Runs as one process (CPU or GPU) or under `accelerate launch` on many GPUs (ZeRO-2 with
-    recipes/accelerate_zero2.yaml). Rerunning into the same --output resumes exactly."""
+
+@stage_command(main, "run", TrainConfig, FeatureSetError, OutputFolderError, TargetError, TooManyShapesError,
+               FileNotFoundError, ValueError, help=run_help())
+def run(recipe, silent, **options):
+    """sf-train run (its help: run_help, generated from the catalogue)."""
     cfg = resolve_config(TrainConfig, "train", recipe, options)
     refuse_other_families_options(cfg.family)
     result = run_train(cfg, silent=silent)
