@@ -25,7 +25,7 @@ from specfoundry.generate.sampling import next_tokens, uniform
 from specfoundry.generate.slots import (
     SLOT_ATTENTION,
     SlotEngine,
-    folded_sdpa_attention,
+    slot_sdpa_attention,
     supported,
 )
 
@@ -235,13 +235,13 @@ def test_the_folded_attention_of_one_ranks_heads_and_what_it_leaves_to_transform
     query = torch.randn(4, 1, 3, 16).transpose(1, 2)  # [B, 3, 1, D] as a layer makes it
     mask = torch.rand(4, 1, 1, 40) > 0.3
     mask[:, :, :, 0] = True
-    out, _ = folded_sdpa_attention(module, query, key, value, mask, scaling=0.25)
+    out, _ = slot_sdpa_attention(module, query, key, value, mask, scaling=0.25)
     per_head = torch.nn.functional.scaled_dot_product_attention(
         query, sdpa_attention.repeat_kv(key, 3), sdpa_attention.repeat_kv(value, 3), attn_mask=mask, scale=0.25)
     torch.testing.assert_close(out, per_head.transpose(1, 2), rtol=1e-5, atol=1e-6)  # [B, 1, 3, D]
     prefill = torch.randn(4, 3, 40, 16)
     causal = torch.ones(40, 40, dtype=torch.bool).tril()[None, None].expand(4, 1, 40, 40)
-    got, _ = folded_sdpa_attention(module, prefill, key, value, causal, scaling=0.25)
+    got, _ = slot_sdpa_attention(module, prefill, key, value, causal, scaling=0.25)
     want, _ = sdpa_attention.sdpa_attention_forward(module, prefill, key, value, causal, scaling=0.25)
     assert torch.equal(got, want)
 

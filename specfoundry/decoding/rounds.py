@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specfoundry.common.settings import MAX_DRAFT
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
 
@@ -63,7 +64,7 @@ def decode_rounds(target: TargetRunner, prompt: list[int], *, max_new_tokens: in
     cropped to the committed tokens; draft time is propose + commit, target time the verify forward."""
     device = target.device
     t0 = time.perf_counter()
-    target.reset()
+    target.reset(len(prompt) + max_new_tokens + 1 + MAX_DRAFT)  # a round verifies at most 1 + MAX_DRAFT tokens
     logits, aux, _ = target.forward(prompt)
     tokens = [sampler.pick(logits[-1])]
     result = DecodeResult(tokens)
@@ -96,7 +97,7 @@ def target_generate(target: TargetRunner, prompt: list[int], *, max_new_tokens: 
                     sampler: Sampler) -> DecodeResult:
     """The target alone, one token per forward with the same KV cache: the speed baseline."""
     t0 = time.perf_counter()
-    target.reset()
+    target.reset(len(prompt) + max_new_tokens)
     logits, _, _ = target.forward(prompt)
     tokens = [sampler.pick(logits[-1])]
     tokens, done = finish(tokens, eos, max_new_tokens)

@@ -1,67 +1,190 @@
-"""The target over a KV cache of one sequence, as every family's decoder verifies with it."""
+"""The target over a static KV cache of one sequence, its decode steps replayed as CUDA graphs.
+
+Every family's decoder verifies with a TargetRunner: `forward(ids)` reads T tokens after the
+committed ones and returns their logits, aux features and (if asked) final states; `crop(n)`
+keeps the first n (a rejected draft is forgotten by moving the length: decoding/cache.py). One
+step body serves every path:
+
+    offset[c]   = c - start                       for each cache column c (start: columns committed)
+    allowed[t,c] = offset[c] < 0                  the committed text
+                 | 0 <= offset[c] < T and pattern[t, offset[c]]   the step's own tokens
+    kv_pos[c]   = c where committed, positions[offset[c]] where written by this step
+
+`pattern` [T, T] is causal for a prompt or a chain, a tree's ancestor mask for a tree verify;
+Target.attention_masks turns `allowed` into the model's ready 4D mask(s), windowed for sliding
+layers by (query position - kv_pos). Grouped-query layers attend over the cache as stored
+(decoding/attention.py).
+
+On a GPU (one device, no tensor parallelism or device map) a step of T tokens after the prompt
+is captured once as a CUDA graph over static buffers (its ids, positions, start and pattern) and
+replayed: one small host-to-device copy of those inputs from pinned memory (the pattern only when
+it changed), one graph launch, no synchronisation. Its outputs are the graph's buffers, valid
+until the next step of the same T; callers read them before then (the decoders take what they
+keep by indexing, which copies). The prompt's prefill, a step that wants the final states, and
+everything on a CPU run the same body eagerly: a CPU test runs exactly the code a GPU replays.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from specfoundry.common.target import Target
+from specfoundry.decoding.attention import folded_attention
+from specfoundry.decoding.cache import StaticKVCache
+
+COLUMN_ROUND = 256
+"""Capacities are rounded up to a multiple of this, so nearby lengths share a cache and its graphs."""
+
+
+def graphs_possible(target: Target) -> bool:
+    """Whether the target's decode steps can run as CUDA graphs: on one CUDA device, unsharded."""
+    return (target.input_device.type == "cuda" and not target.distributed and not target.placement.device_map)
+
+
+class StepInputs:
+    """A step's inputs as the body reads them: ids, positions [T] int64, start [] int64, pattern [T, T] bool."""
+
+    def __init__(self, ids: torch.Tensor, positions: torch.Tensor, start: torch.Tensor, pattern: torch.Tensor):
+        self.ids, self.positions, self.start, self.pattern = ids, positions, start, pattern
+
+
+class GraphStep:
+    """One captured step of T tokens: static inputs (device), their pinned host staging, the graph and its
+    outputs."""
+
+    def __init__(self, runner: TargetRunner, tokens: int, pool):
+        device = runner.device
+        self.tokens = tokens
+        self.host = torch.zeros(2 * tokens + 1, dtype=torch.int64).pin_memory()  # ids | positions | start
+        self.staged = torch.zeros(2 * tokens + 1, dtype=torch.int64, device=device)
+        self.host_pattern = torch.zeros(tokens, tokens, dtype=torch.bool).pin_memory()
+        self.pattern = torch.zeros(tokens, tokens, dtype=torch.bool, device=device)
+        self.copied = torch.cuda.Event()
+        self.inputs = StepInputs(self.staged[:tokens], self.staged[tokens: 2 * tokens], self.staged[2 * tokens],
+                                 self.pattern)
+        self.pool, self.graph, self.outputs = pool, None, None
+
+    def load(self, ids: list[int], positions: list[int], start: int, pattern: torch.Tensor) -> None:
+        """Copy the step's inputs in: one asynchronous copy from pinned memory (two when the pattern
+        changed). The host buffers are rewritten only once the last copy from them has run."""
+        self.copied.synchronize()
+        self.host[: self.tokens] = torch.tensor(ids)
+        self.host[self.tokens: 2 * self.tokens] = torch.tensor(positions)
+        self.host[2 * self.tokens] = start
+        self.staged.copy_(self.host, non_blocking=True)
+        if not torch.equal(self.host_pattern, pattern):
+            self.host_pattern.copy_(pattern)
+            self.pattern.copy_(self.host_pattern, non_blocking=True)
+        self.copied.record()
+
+    def run(self, runner: TargetRunner):
+        if self.graph is None:
+            self.capture(runner)
+        self.graph.replay()
+        return self.outputs
+
+    def capture(self, runner: TargetRunner) -> None:
+        """Warm up on a side stream (the allocator and the kernels' first-call work stay out of the
+        graph), then capture the body over the static inputs. The warm-up computes this very step:
+        its keys land in the step's own columns, which the replay writes again."""
+        stream = torch.cuda.Stream(runner.device)
+        stream.wait_stream(torch.cuda.current_stream(runner.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                runner.body(self.inputs, want_hidden=False)
+        torch.cuda.current_stream(runner.device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            self.outputs = runner.body(self.inputs, want_hidden=False)
 
 
 class TargetRunner:
-    """The target (common/target.Target) with a KV cache for one sequence; its tap keeps the aux
-    layers' outputs of each call."""
+    """The target (common/target.Target) with a static KV cache for one sequence; its tap gives the
+    aux layers' outputs of each step. `graphs`: capture decode steps as CUDA graphs (default: where
+    graphs_possible)."""
 
-    def __init__(self, target: Target, aux_layers: list[int]):
-        from transformers import DynamicCache
-
+    def __init__(self, target: Target, aux_layers: list[int], *, graphs: bool | None = None):
         self.target = target
         self.model = target.model
         self.tap = target.tap(aux_layers)
         self.aux_layers = self.tap.aux_layers
         self.device = target.input_device
-        self.cache_cls = DynamicCache
-        self.cache = None
+        self.graphs = graphs_possible(target) if graphs is None else graphs
+        # eager attention adds its mask to the scores; sdpa takes a boolean one
+        self.additive = target.config._attn_implementation == "eager"
+        self.cache: StaticKVCache | None = None
+        self.length = 0  # committed columns
+        self.steps: dict[int, GraphStep] = {}
+        self.pool = None
 
     def remove_hooks(self) -> None:
         self.tap.remove()
 
-    def reset(self) -> None:
-        # A cache of full length in every layer, also the sliding-window ones (Gemma-3, Mistral):
-        # the model still masks each sliding layer to its window, and a rejected draft can be
-        # cropped away anywhere (transformers' windowed layers cannot roll back past the window).
-        self.cache = self.cache_cls()
+    def reset(self, reserve: int = 0) -> None:
+        """Start a new sequence of at most `reserve` tokens (prompt, answer and one round's drafts;
+        the cache grows if a sequence outruns it). Nothing is reallocated when it fits."""
+        self.length = 0
+        self.reserve(reserve)
+
+    def reserve(self, tokens: int) -> None:
+        capacity = -(-max(tokens, 1) // COLUMN_ROUND) * COLUMN_ROUND
+        if self.cache is not None and capacity <= self.cache.capacity:
+            return
+        self.cache = StaticKVCache(capacity) if self.cache is None else self.cache.grown(capacity)
+        self.kv_index = torch.arange(capacity, device=self.device)  # [C]
+        self.steps.clear()  # their graphs read the old cache
+        if self.graphs:
+            self.pool = torch.cuda.graph_pool_handle()
 
     def __len__(self) -> int:
-        return 0 if self.cache is None else self.cache.get_seq_length()
+        return self.length
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` committed tokens (a rejected draft's columns are overwritten later)."""
+        assert 0 <= length <= self.length, (length, self.length)
+        self.length = length
 
     @torch.inference_mode()
     def forward(self, ids: list[int], want_hidden: bool = False, positions: list[int] | None = None,
                 mask: torch.Tensor | None = None):
-        """Read `ids` after the cache. Returns logits [T, V] (fp32), aux [T, 3H] and, if asked,
-        the final normed hidden state [T, H]. By default the tokens follow the cache causally;
-        a token tree passes its own `positions` and `mask` ([T, cache + T] bool, True = may
-        attend), which goes to the model as a ready 4D additive mask (Target.attention_masks)."""
-        if self.cache is None:
-            self.reset()
-        start = len(self)
-        x = torch.tensor([ids], device=self.device)
-        if positions is None:
-            positions = list(range(start, start + len(ids)))
-        custom = None
-        if mask is not None:
-            keys = torch.cat([torch.arange(start), torch.tensor(positions)])  # [start + T] key positions
-            custom = self.target.attention_masks(mask[None].to(self.device), torch.tensor([positions], device=self.device),
-                                                 keys[None].to(self.device), additive=True)
-        step = self.target.forward(x, positions=torch.tensor([positions], device=self.device), mask=custom,
-                                   cache=self.cache, hidden=want_hidden)
-        self.cache = step.cache
-        aux = self.tap.take()[0]  # [T, 3H]
-        final = step.final[0] if want_hidden else None
-        return step.logits[0], aux, final
+        """Read `ids` after the committed tokens. Returns logits [T, V] (fp32), aux [T, K*H] and, if
+        asked, the final normed state [T, H]. By default the tokens follow causally at the next
+        positions; a token tree passes its own `positions` and `mask` ([T, start + T] bool, True =
+        may attend), whose committed part must be all True (every node sees the committed text)."""
+        start, count = self.length, len(ids)
+        positions = list(range(start, start + count)) if positions is None else list(positions)
+        if mask is None:
+            pattern = torch.ones(count, count, dtype=torch.bool).tril()
+        else:
+            assert tuple(mask.shape) == (count, start + count) and bool(mask[:, :start].all()), \
+                "a step sees every committed token"
+            pattern = mask[:, start:].cpu()
+        self.reserve(start + count)
+        if self.graphs and start > 0 and not want_hidden:
+            step = self.steps.get(count)
+            if step is None:
+                step = self.steps[count] = GraphStep(self, count, self.pool)
+            step.load(ids, positions, start, pattern)
+            out = step.run(self)
+        else:
+            inputs = StepInputs(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
+                                torch.tensor(start, device=self.device), pattern.to(self.device))
+            out = self.body(inputs, want_hidden)
+        self.length = start + count
+        return out
 
-    def crop(self, length: int) -> None:
-        # A negative argument removes that many tokens in every transformers version we support
-        # (a positive one means an absolute length in some and is refused in others).
-        remove = len(self) - length
-        if remove:
-            self.cache.crop(-remove)
+    def body(self, x: StepInputs, want_hidden: bool):
+        """One step over the static cache (the module docstring's mask), as eager code or under capture."""
+        count = x.ids.shape[0]
+        offset = self.kv_index - x.start  # [C]
+        inside = (offset >= 0) & (offset < count)
+        at = offset.clamp(0, count - 1)  # [C] the step's token a column holds, where it holds one
+        allowed = (offset < 0)[None, :] | (inside[None, :] & x.pattern[:, at])  # [T, C]
+        kv_pos = torch.where(offset < 0, self.kv_index, x.positions[at])  # [C]
+        masks = self.target.attention_masks(allowed[None], x.positions[None], kv_pos[None], additive=self.additive)
+        self.cache.columns = x.start + self.kv_index[:count]  # [T]
+        with folded_attention(self.target.config):
+            step = self.target.forward(x.ids[None], positions=x.positions[None], mask=masks, cache=self.cache,
+                                       hidden=want_hidden)
+        aux = self.tap.take()[0]  # [T, K*H]
+        return step.logits[0], aux, (step.final[0] if want_hidden else None)

@@ -36,13 +36,12 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from specfoundry.common.target import Target, mask_layout
+from specfoundry.decoding.attention import folded_attention, folded_sdpa_attention, register_attention
 from specfoundry.generate.backend import SamplingConfig
 from specfoundry.generate.sampling import next_tokens
 
@@ -61,65 +60,23 @@ def supported(model) -> bool:
     return getattr(config, "_attn_implementation", "eager") in ("sdpa", "eager") and mask_layout(config) is not None
 
 
-SLOT_ATTENTION = "specfoundry_slot_sdpa"  # transformers' name of folded_sdpa_attention
-PLAIN_ONLY = ("softcap", "position_bias", "s_aux")  # sdpa's extras: the fold leaves them to transformers' path
+SLOT_ATTENTION = "specfoundry_slot_sdpa"  # transformers' name of the engine's folded attention (one query a row)
 
 
-def folded_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                          is_causal: bool | None = None, **kwargs):
-    """transformers' sdpa attention function, except that one query per row (a decode step) of a
-    grouped-query layer attends over key / value [B, kv_heads, L, D] as they are, without repeat_kv.
-
-    Query head h uses KV head h // G (G = heads / kv_heads: repeat_kv's order). For one query per
-    row, the G heads of KV head j are G independent queries against the same keys and values, so
-        out[b, j*G + g, 0] = softmax(q[b, j*G + g, 0] . K[b, j]^T * scale + mask[b, 0, 0]) V[b, j]
-    is SDPA over q viewed as [B, kv_heads, G, D] (a view: the G heads are adjacent), K / V as they
-    are, and the mask [B, 1, 1, L] broadcast over the kv_heads and the G query rows; the output
-    [B, kv_heads, G, Dv] is viewed back as [B, heads, 1, Dv]. Nothing is expanded or copied but the
-    small output. G comes from the tensors, not the module: under tensor parallelism a rank holds
-    heads / N query heads and kv_heads / N KV heads, the same G. More queries per row (prefill),
-    layers without groups, a mask per head and what sdpa's extras need go to transformers' path."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    batch, heads, q_len, head_dim = query.shape
-    kv_heads = key.shape[1]
-    if (q_len != 1 or heads == kv_heads or heads % kv_heads or value.shape[1] != kv_heads
-            or (attention_mask is not None and (attention_mask.dim() != 4 or attention_mask.shape[1] != 1))
-            or any(kwargs.get(k) is not None for k in PLAIN_ONLY) or kwargs.get("output_attentions")
-            or torch.jit.is_tracing()):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    folded = query.reshape(batch, kv_heads, heads // kv_heads, head_dim)  # [B, kv_heads, G, D]
-    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                         scale=scaling)  # [B, kv_heads, G, Dv]
-    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None  # [B, 1, heads, Dv]
+def slot_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
+    """decoding/attention.py's folded attention for one query per row (a decode step); prefill
+    (several queries a row) goes to transformers' sdpa path."""
+    return folded_sdpa_attention(module, query, key, value, attention_mask, max_queries=1, **kwargs)
 
 
 def register_slot_attention() -> None:
     """Make SLOT_ATTENTION a name transformers knows (attention function and mask builder)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(SLOT_ATTENTION, folded_sdpa_attention)
-    # the engine's masks are 4D, which mask creation passes through; sdpa's builder where one is built
-    AttentionMaskInterface.register(SLOT_ATTENTION, AttentionMaskInterface._global_mapping["sdpa"])
+    register_attention(SLOT_ATTENTION, slot_sdpa_attention)
 
 
-@contextmanager
 def slot_attention(config, use: bool = True):
-    """Run the layers of `config` (the text config the attention modules read) with
-    folded_sdpa_attention, then restore what they had. A no-op unless `use` and the target is sdpa
-    (eager keeps eager: its masks are additive and it repeats the cache in its own code)."""
-    before = config._attn_implementation
-    if not use or before != "sdpa":
-        yield
-        return
-    config._attn_implementation = SLOT_ATTENTION
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
+    """The engine's forward with slot_sdpa_attention (decoding/attention.py folded_attention)."""
+    return folded_attention(config, SLOT_ATTENTION, use)
 
 
 class SlotCache:

@@ -20,6 +20,7 @@ needs the multi-candidate rejection rule, which is not implemented.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -70,7 +71,8 @@ def tree_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *
     decoding; accepted[i] counts the tree nodes accepted in round i."""
     device = target.device
     t0 = time.perf_counter()
-    target.reset()
+    nodes = sum(math.prod(branching[: d + 1]) for d in range(len(branching)))  # the tree's size
+    target.reset(len(prompt) + max_new_tokens + len(branching) + 1 + nodes)  # a verify: pending + the tree
     draft.reset()
     logits, aux, _ = target.forward(prompt)
     tokens = [int(logits[-1].argmax())]

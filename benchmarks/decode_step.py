@@ -1,0 +1,241 @@
+"""The target's decode steps on one GPU: transformers' plain loop, a CUDA-graph reference and the
+decoding core (decoding/target.py), side by side in one process.
+
+    python -m benchmarks.decode_step [--shapes smollm2,8b] [--prompt 256] [--iters 40] [--profile]
+
+Shapes (bf16, random weights: a step's time depends on the shapes alone): `smollm2`, SmolLM2-135M's
+config (30 layers, width 576, 9 query / 3 KV heads, vocab 49152); `8b`, Llama-3.1-8B's (32 layers,
+width 4096, 32 / 8 heads, vocab 128256). After a prompt of --prompt tokens, each row times one
+step and the crop that undoes it (so every iteration starts from the same length):
+    token         one token
+    verify_kK     a chain verify of K+1 tokens (K = 3, 7, 15)
+    tree          a tree verify: the pending token and the 8,4,2,1,1,1,1 tree (360 nodes)
+Columns:
+    plain         transformers as a user writes it: model(input_ids, past_key_values=DynamicCache),
+                  then cache.crop (no tree: a plain loop has no tree mask)
+    graph         the reference written here: one torch.cuda.graph around the model's forward over a
+                  static cache (index_copy_ at fixed columns), static ids / positions / a precomputed
+                  4D mask, transformers' own sdpa attention; one replay
+    core          TargetRunner with graphs (what sf-eval and the gate run): inputs copied in, mask
+                  built in the graph, aux layers tapped, fp32 logits
+    core_eager    the same body without graphs (the CPU path)
+CUDA events around each (after warm-up, the columns interleaved in every iteration), median ms.
+--profile adds torch.profiler tables of 10 core and 10 plain token steps. JSON: results/decode_step.json
+(`summary.ms`: shape -> row -> {plain, graph, core, core_eager}).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.common import (
+    cuda_time_ms_interleaved,
+    print_profile_summary,
+    print_table,
+    profile_summary,
+    write_result,
+)
+from specfoundry.common.target import Target
+from specfoundry.decoding.target import TargetRunner
+from specfoundry.decoding.tree import DraftTree, verify_mask
+
+SHAPES = {
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
+                    rope_theta=100000.0, max_position_embeddings=8192),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0,
+               max_position_embeddings=131072),
+}
+TREE = (8, 4, 2, 1, 1, 1, 1)
+AUX = {"smollm2": [1, 14, 26], "8b": [1, 15, 28]}
+
+
+def tree_of(branching: tuple[int, ...], vocab: int) -> DraftTree:
+    """A tree of that branching, breadth first, random tokens."""
+    g = torch.Generator().manual_seed(0)
+    tree, frontier = DraftTree([], [], []), [-1]
+    for depth, width in enumerate(branching, start=1):
+        new = []
+        for parent in frontier:
+            for _ in range(width):
+                new.append(len(tree))
+                tree.tokens.append(int(torch.randint(vocab, (1,), generator=g)))
+                tree.parents.append(parent)
+                tree.depths.append(depth)
+        frontier = new
+    return tree
+
+
+class RefCache:
+    """The reference's static cache: keys / values [1, kv, C, hd] per layer, written at `columns`."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.keys, self.values, self.columns = capacity, {}, {}, None
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        if layer_idx not in self.keys:
+            self.keys[layer_idx] = key.new_zeros(key.shape[:2] + (self.capacity, key.shape[3]))
+            self.values[layer_idx] = value.new_zeros(value.shape[:2] + (self.capacity, value.shape[3]))
+        self.keys[layer_idx].index_copy_(2, self.columns, key)
+        self.values[layer_idx].index_copy_(2, self.columns, value)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+def reference_step(model, cache: RefCache, start: int, ids: list[int], positions: list[int], pattern: torch.Tensor):
+    """A captured forward of `ids` at columns start.., the committed columns and `pattern` visible."""
+    dev = "cuda"
+    t = len(ids)
+    allowed = torch.zeros(t, cache.capacity, dtype=torch.bool)
+    allowed[:, :start] = True
+    allowed[:, start: start + t] = pattern
+    static = {"ids": torch.tensor([ids], device=dev), "pos": torch.tensor([positions], device=dev),
+              "mask": allowed[None, None].to(dev), "cols": torch.arange(start, start + t, device=dev)}
+
+    def forward():
+        cache.columns = static["cols"]
+        return model(input_ids=static["ids"], position_ids=static["pos"], attention_mask=static["mask"],
+                     past_key_values=cache, use_cache=True).logits
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.inference_mode():
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.inference_mode():
+        forward()
+    return graph.replay
+
+
+def build(shape: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**SHAPES[shape], attn_implementation="sdpa")
+    with torch.device("cuda"):
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = LlamaForCausalLM(config)
+        finally:
+            torch.set_default_dtype(torch.float32)
+    return model.eval().requires_grad_(False)
+
+
+def rows_of(shape: str, model, prompt_len: int, iters: int) -> list[dict]:
+    from transformers import DynamicCache
+
+    vocab = model.config.vocab_size
+    prompt = torch.randint(vocab, (prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
+    tree = tree_of(TREE, vocab)
+    target = Target.wrap(model)
+    core, eager = TargetRunner(target, AUX[shape], graphs=True), TargetRunner(target, AUX[shape], graphs=False)
+    for runner in (core, eager):
+        runner.reset(prompt_len + len(tree) + 64)
+        runner.forward(prompt)
+    plain_cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([prompt], device="cuda"), past_key_values=plain_cache, use_cache=True)
+    ref_cache = RefCache(core.cache.capacity)
+    reference_step(model, ref_cache, 0, prompt, list(range(prompt_len)),
+                   torch.ones(prompt_len, prompt_len, dtype=torch.bool).tril())()  # its prefill
+    steps = [("token", 1), ("verify_k3", 4), ("verify_k7", 8), ("verify_k15", 16), ("tree", 1 + len(tree))]
+    rows = []
+    for name, t in steps:
+        if name == "tree":
+            ids = [prompt[-1]] + tree.tokens
+            positions = [prompt_len] + [prompt_len + d for d in tree.depths]
+            mask = verify_mask(tree, prompt_len, 1)
+        else:
+            ids = torch.randint(vocab, (t,), generator=torch.Generator().manual_seed(t)).tolist()
+            positions, mask = list(range(prompt_len, prompt_len + t)), None
+
+        def core_step(runner, ids=ids, positions=positions, mask=mask):
+            def step():
+                runner.forward(ids, positions=positions, mask=mask)
+                runner.crop(prompt_len)
+            return step
+
+        def plain_step(ids=ids):
+            with torch.inference_mode():
+                model(input_ids=torch.tensor([ids], device="cuda"), past_key_values=plain_cache, use_cache=True)
+            plain_cache.crop(prompt_len)
+
+        pattern = (mask[:, prompt_len:] if mask is not None else torch.ones(t, t, dtype=torch.bool).tril())
+        fns, errors = {"core": core_step(core), "core_eager": core_step(eager)}, {}
+        if name != "tree":
+            fns["plain"] = plain_step
+        try:
+            fns["graph"] = reference_step(model, ref_cache, prompt_len, ids, positions, pattern)
+        except Exception as e:  # noqa: BLE001 - reported in the row, the other columns still measured
+            errors["graph"] = f"{type(e).__name__}: {e}"[:300]
+        ms = cuda_time_ms_interleaved(fns, warmup=3, iters=iters)
+        rows.append({"shape": shape, "row": name, "tokens": t, **{k: ms.get(k) for k in ("plain", "graph", "core",
+                                                                                      "core_eager")},
+                     "core/graph": ms["core"] / ms["graph"] if "graph" in ms else None, **errors})
+    return rows
+
+
+def profile(model, shape: str, prompt_len: int) -> dict:
+    from transformers import DynamicCache
+
+    prompt = list(range(1, prompt_len + 1))
+    runner = TargetRunner(Target.wrap(model), AUX[shape], graphs=True)
+    runner.reset(prompt_len + 64)
+    runner.forward(prompt)
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([prompt], device="cuda"), past_key_values=cache, use_cache=True)
+    out = {}
+    for name, fn in (("core", lambda: (runner.forward([5]), runner.crop(prompt_len))),
+                     ("plain", lambda: (model(input_ids=torch.tensor([[5]], device="cuda"), past_key_values=cache,
+                                              use_cache=True), cache.crop(prompt_len)))):
+        with torch.inference_mode():
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    fn()
+                torch.cuda.synchronize()
+        out[name] = {"device": profile_summary(prof), "host": profile_summary(prof, device=False)}
+        print_profile_summary(f"{shape} {name}: device, 10 token steps", out[name]["device"])
+        print_profile_summary(f"{shape} {name}: host, 10 token steps", out[name]["host"])
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="smollm2,8b")
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--iters", type=int, default=40)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--out", default="decode_step")
+    args = p.parse_args()
+    rows, profiles = [], {}
+    for shape in args.shapes.split(","):
+        model = build(shape)
+        rows += rows_of(shape, model, args.prompt, args.iters)
+        if args.profile:
+            profiles[shape] = profile(model, shape, args.prompt)
+        del model
+        torch.cuda.empty_cache()
+    print_table(rows, ["shape", "row", "tokens", "plain", "graph", "core", "core_eager", "core/graph"])
+    summary = {"ms": {}}
+    for r in rows:
+        summary["ms"].setdefault(r["shape"], {})[r["row"]] = {k: r[k] for k in ("plain", "graph", "core",
+                                                                                "core_eager")}
+    path = write_result(args.out, rows, {"summary": summary, "profile": profiles, "tree": list(TREE),
+                                         "prompt_tokens": args.prompt})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

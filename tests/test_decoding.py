@@ -1,0 +1,127 @@
+"""The decoding core's target runner (decoding/target.py) over its static KV cache: every step
+sees exactly the committed text and its own tokens, whatever a rejected draft left in the cache,
+for full, sliding and mixed attention; a token tree's nodes see only their ancestors; and on a
+GPU the graph-replayed steps equal the eager ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specfoundry.common.target import Target
+from specfoundry.decoding.rounds import target_generate
+from specfoundry.decoding.sampler import Sampler
+from specfoundry.decoding.target import TargetRunner
+from specfoundry.decoding.tree import DraftTree, verify_mask
+from tests.test_slots import gqa_model
+
+# fp32 on the CPU: the cached step and the full forward compute the same dot products in other
+# groupings (T keys at a time against the whole row), so they differ by accumulated rounding of
+# ~1e-7 per op over two layers of width 96; 1e-5 leaves two orders of magnitude of room and
+# still fails on a wrong mask (a stale or missing key moves logits by ~1e-1).
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def full_logits(model, ids: list[int]) -> torch.Tensor:
+    """The model's own logits over `ids` without a cache: [len(ids), V]."""
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("layout", ["full", "sliding", "mixed"])
+def test_a_step_after_a_rejected_draft_sees_the_committed_text_only(layout):
+    """Prompt, then a chain of 4 drafts of which 1 is kept, then a new chain: its logits are the
+    full forward's over the committed text, though the cache still holds the 3 rejected drafts'
+    keys (the windowed layers see only their window: 8 positions)."""
+    model = gqa_model(layout)
+    runner = TargetRunner(Target.wrap(model), [0], graphs=False)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 96, (11,), generator=g).tolist()
+    runner.reset(64)
+    first, _, _ = runner.forward(prompt)
+    torch.testing.assert_close(first, full_logits(model, prompt), **TOL)
+    drafts = torch.randint(0, 96, (5,), generator=g).tolist()  # the newest token and 4 drafts
+    runner.forward(drafts)
+    runner.crop(len(prompt) + 2)  # the newest token and one accepted draft
+    committed = prompt + drafts[:2]
+    chain = torch.randint(0, 96, (4,), generator=g).tolist()
+    got, aux, _ = runner.forward(chain)
+    torch.testing.assert_close(got, full_logits(model, committed + chain)[-4:], **TOL)
+    assert aux.shape == (4, 96) and len(runner) == len(committed) + 4
+
+
+def test_a_tree_verify_gives_each_node_its_branch():
+    """Every node of a 2,2 tree under verify_mask: its logits are those of the full forward over
+    the committed text and its own branch (its ancestors, then itself), at position root + depth."""
+    model = gqa_model("full")
+    runner = TargetRunner(Target.wrap(model), [1], graphs=False)
+    prompt = list(range(3, 12))
+    runner.reset(64)
+    runner.forward(prompt[:-1])  # the newest token (the tree's root) is pending
+    tree = DraftTree(tokens=[20, 21, 30, 31, 32, 33], parents=[-1, -1, 0, 0, 1, 1], depths=[1, 1, 2, 2, 2, 2])
+    cached = len(runner)
+    positions = [cached] + [cached + d for d in tree.depths]
+    logits, _, _ = runner.forward([prompt[-1]] + tree.tokens, positions=positions,
+                                  mask=verify_mask(tree, cached, 1))
+    for n in range(len(tree)):
+        branch, node = [], n
+        while node >= 0:
+            branch.insert(0, tree.tokens[node])
+            node = tree.parents[node]
+        torch.testing.assert_close(logits[1 + n], full_logits(model, prompt + branch)[-1], **TOL)
+
+
+def test_a_step_refuses_a_mask_that_hides_committed_text():
+    model = gqa_model("full")
+    runner = TargetRunner(Target.wrap(model), [0], graphs=False)
+    runner.reset(32)
+    runner.forward([1, 2, 3])
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[0, 1] = False
+    with pytest.raises(AssertionError, match="sees every committed token"):
+        runner.forward([4, 5], positions=[3, 4], mask=mask)
+
+
+def test_the_cache_grows_keeping_what_it_holds():
+    """A sequence longer than its reserve: the cache grows (one copy) and the steps still equal the
+    full forward."""
+    model = gqa_model("full")
+    runner = TargetRunner(Target.wrap(model), [0], graphs=False)
+    runner.reset(8)
+    ids = [1 + i % 90 for i in range(299)]
+    runner.forward(ids[:250])
+    got, _, _ = runner.forward(ids[250:])
+    assert runner.cache.capacity >= 299
+    torch.testing.assert_close(got, full_logits(model, ids)[250:], **TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_replayed_steps_equal_eager_ones_on_a_gpu(dtype):
+    """The same chain of steps (prefill, one token, a verify of 5 with a crop, a tree) through the
+    eager body and through captured graphs: equal logits and aux features (the replay runs the
+    kernels the capture recorded, on the same inputs), and the target alone decodes the same tokens."""
+    model = gqa_model("mixed").to("cuda", dtype)
+    target = Target.wrap(model)
+    eager, graphed = TargetRunner(target, [0], graphs=False), TargetRunner(target, [0], graphs=True)
+    tree = DraftTree(tokens=[20, 21, 30, 31], parents=[-1, -1, 0, 1], depths=[1, 1, 2, 2])
+    outs = {}
+    for name, runner in (("eager", eager), ("graphed", graphed)):
+        runner.reset(128)
+        got = [runner.forward(list(range(3, 40)))]
+        for _ in range(3):  # a step is captured at its first call (after a warm-up), replayed from the second
+            got.append(runner.forward([7]))
+            got.append(runner.forward([1, 2, 3, 4, 5]))
+            runner.crop(len(runner) - 3)
+            cached = len(runner)
+            got.append(runner.forward([9] + tree.tokens, positions=[cached] + [cached + d for d in tree.depths],
+                                      mask=verify_mask(tree, cached, 1)))
+            runner.crop(cached + 1)
+        outs[name] = [(logits.clone(), aux.clone()) for logits, aux, _ in got]
+    assert graphed.steps and not eager.steps
+    for (a_logits, a_aux), (b_logits, b_aux) in zip(outs["eager"], outs["graphed"], strict=True):
+        torch.testing.assert_close(b_logits, a_logits, rtol=0, atol=0)
+        torch.testing.assert_close(b_aux, a_aux, rtol=0, atol=0)
+    runs = [target_generate(r, list(range(3, 30)), max_new_tokens=24, eos=set(), sampler=Sampler())
+            for r in (eager, graphed)]
+    assert runs[0].tokens == runs[1].tokens
