@@ -296,6 +296,40 @@ def test_every_registered_family_keeps_the_contract(name, tiny_llama_dir, tmp_pa
     torch.testing.assert_close(decoded, trained, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", FAMILIES.names())
+def test_every_registered_family_decodes_the_targets_greedy_tokens_through_the_core(name, tiny_llama_dir, tmp_path):
+    """Through its provider alone: an untrained draft of the family, decoded greedily by its sf-eval
+    decoder against the decoding core's target runner (its chain or block, and EAGLE-3's tree),
+    gives the target's own greedy tokens, token for token, whatever it proposes."""
+    from specfoundry.common.target import Target
+    from specfoundry.decoding.rounds import target_generate
+    from specfoundry.decoding.sampler import Sampler
+    from specfoundry.decoding.target import TargetRunner
+
+    target = Target.load(str(tiny_llama_dir), device="cpu", dtype=torch.float32)
+    family, options = get_family(name), family_options(name, tmp_path)
+    layers = family.default_layers(8, options)
+    torch.manual_seed(0)
+    draft, dcfg = family.build(options, stub_featureset(tmp_path, tiny_llama_dir, layers), tiny_llama_dir, layers, None)
+    draft = draft.eval().requires_grad_(False)
+    runner = TargetRunner(target, list(dcfg.target_layers))
+    prompt = list(range(100, 113))
+    want = target_generate(runner, prompt, max_new_tokens=20, eos=set(), sampler=Sampler()).tokens
+    shapes = 0
+    for tree in (None, (2, 2, 1)):  # its chain or block, and a tree where the family drafts one
+        try:
+            k, tree, _ = family.decode_settings(dcfg, k=3, tree=tree, temperature=0.0, k_given=False, source="draft")
+        except ValueError:
+            assert tree is not None, "every family decodes without a tree"
+            continue
+        shapes += 1
+        decoder = family.decoder(draft, target, k=k, tree=tree)
+        got = decoder.generate(runner, prompt, max_new_tokens=20, eos=set(), sampler=Sampler())
+        assert got.tokens == want, (name, tree)
+        assert got.rounds >= 1
+    assert shapes >= 1
+
+
 # ---- no fallback: an unknown architecture or family is one line at every entry point -----------------
 
 
