@@ -270,6 +270,9 @@ def test_eval_report_and_untrained_floor(gate_run, tmp_path, smollm2_target):
     assert seen["trained"]["accept_length"] >= 4.0 > 1.5 > seen["untrained"]["accept_length"]
     assert json.loads((out / "eval.json").read_text())["sets"]["chat"]["trained"]["rounds"] > 0
     assert (out / "acceptance.png").stat().st_size > 1000 and "accept len" in (out / "eval.txt").read_text()
+    # the time the run took: each set's decodes, and the whole run around them
+    assert 0 < sum(e["wall_s"] for e in report["sets"].values()) <= report["wall_s"]
+    assert "the whole run" in (out / "eval.txt").read_text()
 
 
 def test_the_gpu_warm_up_leaves_every_decoded_figure_but_time_unchanged(gate_run, smollm2_target, monkeypatch):

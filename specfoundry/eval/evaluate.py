@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import platform
 import sys
+import time
 from dataclasses import dataclass, replace
 from importlib.resources import files
 from pathlib import Path
@@ -21,7 +22,7 @@ from specfoundry.common.conversations import load_conversations, prompt_ids, too
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.placement import Placement, PlacementError
 from specfoundry.common.progress import Progress
-from specfoundry.common.settings import Range, Settings, config_dict, setting, shared
+from specfoundry.common.settings import MAX_DRAFT, Range, Settings, config_dict, setting, shared
 from specfoundry.common.shards import check_output_folder
 from specfoundry.common.target import EMBEDDED_DEFAULT, Target
 from specfoundry.decoding.rounds import DecodeResult, target_generate
@@ -209,7 +210,7 @@ def decode_sets(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict,
         warm_up(cfg, target, drafts, sets, eos)
     out = {}
     for name, prompts in sets.items():
-        entry, base = {}, None
+        entry, base, started = {}, None, time.perf_counter()
         if cfg.baseline:
             base = decode_set(target, None, prompts, cfg, eos, f"{name}: target alone", silent)
             entry["target_alone_tokens_per_s"] = sum(len(r.tokens) for r in base) / sum(r.total_s for r in base)
@@ -226,6 +227,7 @@ def decode_sets(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict,
                         bad = next(p[0] for p, r, b in zip(prompts, results, base, strict=True) if r.tokens != b.tokens)
                         print(f"warning: greedy speculative output differs from the target's own on {bad} "
                               "(numerical near-ties can do this in bf16)", file=sys.stderr)
+        entry["wall_s"] = time.perf_counter() - started  # the set's decodes, the target alone's included
         out[name] = entry
     return out
 
@@ -241,6 +243,7 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
     """Decode every prompt set with the draft (and the target alone); the report, also written
     to cfg.output (by the writing rank) when given. Everything is loaded and checked before the
     first decode. `target`: the target already loaded (the gate), else cfg's is loaded."""
+    started = time.perf_counter()
     cfg, ref = check_config(cfg)
     if target is None:
         target = Target.load(cfg.target, device=cfg.device, dtype=getattr(torch, cfg.dtype) if cfg.dtype else None,
@@ -259,6 +262,9 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
     family = ref.provider
     aux = list(draft.cfg.target_layers)
     runner_target = TargetRunner(target, aux)
+    # the longest sequence a decode may hold, reserved once: no decode grows the cache (or recaptures)
+    longest = max((len(ids) for prompts in sets.values() for _, ids in prompts), default=0)
+    runner_target.reserve(longest + cfg.max_new_tokens + 1 + MAX_DRAFT)
     drafts = {"trained": family.decoder(draft, target, k=cfg.k, tree=cfg.tree)}
     if cfg.compare_untrained:
         drafts["untrained"] = family.decoder(untrained_like(draft, cfg.seed), target, k=cfg.k, tree=cfg.tree)
@@ -271,6 +277,7 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
                                      silent or not target.is_writer)
     finally:
         runner_target.remove_hooks()
+    report["wall_s"] = time.perf_counter() - started  # the whole run: loading, warm-up and every set
     report["environment"] = {"python": platform.python_version(), "torch": torch.__version__,
                              "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None}
     if cfg.output and target.is_writer:
@@ -299,6 +306,9 @@ def format_table(report: dict) -> str:
                          f"{alone if alone is not None else float('nan'):>8.1f} {s.get('speedup', float('nan')):>7.2f} "
                          f"{s.get('identical_to_target', '-'):>14}")
     lines.append(report["convention"])
+    if "wall_s" in report:
+        sets = ", ".join(f"{name} {entry['wall_s']:.1f} s" for name, entry in report["sets"].items() if "wall_s" in entry)
+        lines.append(f"wall time: {sets}; the whole run {report['wall_s']:.1f} s (loading and warm-up included)")
     return "\n".join(lines)
 
 
