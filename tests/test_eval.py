@@ -172,7 +172,7 @@ def test_draft_tree_nodes_are_the_chain_along_their_branch():
     draft.extend(prompt[1:] + [int(logits[-1].argmax())], aux)
     branching = (3, 2, 2)
     tree = propose_tree(draft, branching)
-    assert len(tree) == 3 + 6 + 12 and len(draft.cache) == len(prompt)
+    assert len(tree) == 3 + 6 + 12 and len(draft) == len(prompt) and draft.written == len(draft)
     target_to_draft = {int(t): d for d, t in enumerate(draft.draft_to_target)}
     children = tree.children()
     for node in range(len(tree)):
@@ -181,10 +181,10 @@ def test_draft_tree_nodes_are_the_chain_along_their_branch():
         branch = [node]
         while tree.parents[branch[0]] >= 0:
             branch.insert(0, tree.parents[branch[0]])
-        base, pre = len(draft.cache), draft.pre
+        base, pre = len(draft), draft.pre
         for depth, n in enumerate(branch, start=1):
             pre, out = draft.run([tree.tokens[n]], pre, [base - 1 + depth])
-        draft.cache.crop(base)
+        draft.forget_proposals()
         want = out[-1].topk(branching[len(branch)]).indices.tolist()
         assert [target_to_draft[tree.tokens[c]] for c in children[node]] == want, node
 

@@ -21,11 +21,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specfoundry.capture.runner import HFCaptureRunner
 from specfoundry.common.target import Target
+from specfoundry.decoding.cache import StaticKVCache
 from specfoundry.families.eagle3.config import Eagle3Config
 from specfoundry.families.eagle3.export import export_draft
 from specfoundry.families.eagle3.family import EAGLE3
 from specfoundry.families.eagle3.formats import read_eagle3
-from specfoundry.families.eagle3.model import Eagle3Draft, KVCache, TTTCache
+from specfoundry.families.eagle3.model import Eagle3Draft, TTTCache
 from specfoundry.families.eagle3.options import Eagle3Options, default_aux_layers
 from specfoundry.families.eagle3.shapes import random_eagle3_draft
 from specfoundry.families.folders import DraftLoadError, load_draft, locate_draft
@@ -365,7 +366,10 @@ def logits(draft, seed=1):
     aux = torch.randn(1, n, draft.cfg.num_aux * draft.cfg.target_hidden_size, generator=g)
     with torch.no_grad():
         hidden = draft.project(aux)
-        state, normed = draft.decode_forward(ids, hidden, torch.arange(n)[None], KVCache())
+        cache = StaticKVCache(n)
+        cache.columns = torch.arange(n)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]  # [1, 1, n, n]
+        state, normed = draft.decode_forward(ids, hidden, torch.arange(n)[None], cache, causal)
         out = [draft.lm_head(normed)]
         cache = TTTCache()
         for s in range(2):

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from specfoundry.families import FAMILIES, DraftLoadError
-from specfoundry.families.eagle3.model import KVCache
 from specfoundry.families.interface import Batch
 from specfoundry.families.peagle.config import PEagleConfig
 from specfoundry.families.peagle.decode import PEagleRunner, decode_matches_training, decode_settings
@@ -26,7 +25,7 @@ from specfoundry.families.peagle.loss import (
     peagle_loss,
 )
 from specfoundry.families.peagle.mask import dense_peagle_mask
-from specfoundry.families.peagle.model import PEagleDraft
+from specfoundry.families.peagle.model import KVCache, PEagleDraft
 from tests.test_train import run_stopped_and_resumed, small_cfg, smol_features  # noqa: F401 (a fixture)
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

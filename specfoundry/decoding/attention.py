@@ -46,15 +46,24 @@ def folded_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value:
             or torch.jit.is_tracing()):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    out = grouped_attention(query, key, value, attention_mask, dropout=dropout, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None  # [B, T, heads, Dv]
+
+
+def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                      dropout: float = 0.0, scale: float | None = None) -> torch.Tensor:
+    """SDPA of query [B, heads, T, D] over key / value [B, kv_heads, L, D] as stored, the G = heads /
+    kv_heads query heads of each KV head folded into its query rows (folded_sdpa_attention's math);
+    mask [B, 1, T, L] (bool: True attends; or additive) or None. Returns [B, heads, T, Dv]."""
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads = key.shape[1]
     groups = heads // kv_heads
     folded = query.reshape(batch, kv_heads, groups * q_len, head_dim)  # [B, kv_heads, G*T, D], row g*T + t
-    mask = attention_mask
-    if mask is not None and q_len > 1:
+    if mask is not None and q_len > 1 and groups > 1:
         mask = mask.repeat(1, 1, groups, 1)  # [B, 1, G*T, L]: row g*T + t is row t
     out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, dropout_p=dropout,
-                                         scale=scaling)  # [B, kv_heads, G*T, Dv]
-    return out.reshape(batch, heads, q_len, value.shape[-1]).transpose(1, 2).contiguous(), None  # [B, T, heads, Dv]
-
+                                         scale=scale)  # [B, kv_heads, G*T, Dv]
+    return out.reshape(batch, heads, q_len, value.shape[-1])
 
 
 def register_attention(name: str, function) -> None:

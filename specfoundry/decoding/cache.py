@@ -45,3 +45,14 @@ class StaticKVCache:
             for layer, t in mine.items():
                 theirs[layer] = torch.cat([t, t.new_zeros(t.shape[:2] + (capacity - t.shape[2], t.shape[3]))], dim=2)
         return bigger
+
+
+def visible(kv_index: torch.Tensor, start: torch.Tensor, pattern: torch.Tensor) -> torch.Tensor:
+    """allowed [T, C] of a step over a static cache: every column before `start` (the committed
+    entries), and of the W columns start..start+W-1 what pattern [T, W] says (the step's own
+    entries, and where a step reads earlier uncommitted ones, a tree's ancestors, those too).
+    kv_index: arange(C) on the device; start: a 0-d device tensor (so a captured step reads it)."""
+    width = pattern.shape[1]
+    offset = kv_index - start  # [C]
+    inside = (offset >= 0) & (offset < width)
+    return (offset < 0)[None, :] | (inside[None, :] & pattern[:, offset.clamp(0, width - 1)])

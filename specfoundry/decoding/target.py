@@ -30,7 +30,8 @@ import torch
 
 from specfoundry.common.target import Target
 from specfoundry.decoding.attention import folded_attention
-from specfoundry.decoding.cache import StaticKVCache
+from specfoundry.decoding.cache import StaticKVCache, visible
+from specfoundry.decoding.graphs import CapturedCall
 
 COLUMN_ROUND = 256
 """Capacities are rounded up to a multiple of this, so nearby lengths share a cache and its graphs."""
@@ -62,7 +63,7 @@ class GraphStep:
         self.copied = torch.cuda.Event()
         self.inputs = StepInputs(self.staged[:tokens], self.staged[tokens: 2 * tokens], self.staged[2 * tokens],
                                  self.pattern)
-        self.pool, self.graph, self.outputs = pool, None, None
+        self.call = CapturedCall(lambda: runner.body(self.inputs, want_hidden=False), device, pool)
 
     def load(self, ids: list[int], positions: list[int], start: int, pattern: torch.Tensor) -> None:
         """Copy the step's inputs in: one asynchronous copy from pinned memory (two when the pattern
@@ -76,27 +77,6 @@ class GraphStep:
             self.host_pattern.copy_(pattern)
             self.pattern.copy_(self.host_pattern, non_blocking=True)
         self.copied.record()
-
-    def run(self, runner: TargetRunner):
-        if self.graph is None:
-            self.capture(runner)
-        self.graph.replay()
-        return self.outputs
-
-    def capture(self, runner: TargetRunner) -> None:
-        """Warm up on a side stream (the allocator and the kernels' first-call work stay out of the
-        graph), then capture the body over the static inputs. The warm-up computes this very step:
-        its keys land in the step's own columns, which the replay writes again."""
-        stream = torch.cuda.Stream(runner.device)
-        stream.wait_stream(torch.cuda.current_stream(runner.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                runner.body(self.inputs, want_hidden=False)
-        torch.cuda.current_stream(runner.device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=self.pool):
-            self.outputs = runner.body(self.inputs, want_hidden=False)
-
 
 class TargetRunner:
     """The target (common/target.Target) with a static KV cache for one sequence; its tap gives the
@@ -165,7 +145,7 @@ class TargetRunner:
             if step is None:
                 step = self.steps[count] = GraphStep(self, count, self.pool)
             step.load(ids, positions, start, pattern)
-            out = step.run(self)
+            out = step.call()
         else:
             inputs = StepInputs(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
                                 torch.tensor(start, device=self.device), pattern.to(self.device))
@@ -176,11 +156,9 @@ class TargetRunner:
     def body(self, x: StepInputs, want_hidden: bool):
         """One step over the static cache (the module docstring's mask), as eager code or under capture."""
         count = x.ids.shape[0]
+        allowed = visible(self.kv_index, x.start, x.pattern)  # [T, C]
         offset = self.kv_index - x.start  # [C]
-        inside = (offset >= 0) & (offset < count)
-        at = offset.clamp(0, count - 1)  # [C] the step's token a column holds, where it holds one
-        allowed = (offset < 0)[None, :] | (inside[None, :] & x.pattern[:, at])  # [T, C]
-        kv_pos = torch.where(offset < 0, self.kv_index, x.positions[at])  # [C]
+        kv_pos = torch.where(offset < 0, self.kv_index, x.positions[offset.clamp(0, count - 1)])  # [C]
         masks = self.target.attention_masks(allowed[None], x.positions[None], kv_pos[None], additive=self.additive)
         self.cache.columns = x.start + self.kv_index[:count]  # [T]
         with folded_attention(self.target.config):

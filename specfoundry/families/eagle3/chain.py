@@ -30,51 +30,104 @@ from __future__ import annotations
 import torch
 
 from specfoundry.decoding.accept import accept
+from specfoundry.decoding.cache import StaticKVCache, visible
+from specfoundry.decoding.graphs import CapturedCall
 from specfoundry.decoding.rounds import DecodeResult, decode_rounds
 from specfoundry.decoding.sampler import Sampler
-from specfoundry.decoding.target import TargetRunner
-from specfoundry.families.eagle3.model import Eagle3Draft, KVCache
+from specfoundry.decoding.target import COLUMN_ROUND, TargetRunner
+from specfoundry.families.eagle3.model import Eagle3Draft
 from specfoundry.families.vocab import draft_ids_from_d2t
 
 
 class DraftRunner:
-    """The draft with its own KV cache, following the invariants in the module docstring."""
+    """The draft with its own static KV cache (decoding/cache.py), following the invariants in the
+    module docstring. Columns 0..length-1 hold the committed entries; a proposal's entries are
+    written after them (`written`) and forgotten by moving the lengths back, never reallocated.
 
-    def __init__(self, draft: Eagle3Draft):
+    A greedy chain's k steps run as one body with no host synchronisation inside (each proposal is
+    the argmax of the last step's logits, read on the device by the next step); on a GPU that body
+    is captured once per k as a CUDA graph and replayed. Sampling picks each proposal on the host
+    from the seeded generator, step by step, over the same cache."""
+
+    def __init__(self, draft: Eagle3Draft, *, graphs: bool | None = None):
         self.draft = draft
+        self.device = draft.fc.weight.device
         self.draft_to_target = draft_ids_from_d2t(draft.d2t)  # [Vd]
         self.target_ids: list[int] = self.draft_to_target.tolist()  # the same on the host: no sync per lookup
-        self.cache = KVCache()
-        self.pre: torch.Tensor | None = None  # [1, 1, H] next-step state at the newest position
-        self.logits: torch.Tensor | None = None  # [Vd] logits at the newest position
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.cache: StaticKVCache | None = None
+        self.length = 0  # committed columns
+        self.written = 0  # columns holding entries (committed, then this round's proposals)
+        self.chains: dict[int, CapturedCall] = {}  # k -> the captured greedy chain
+        h = draft.cfg.hidden_size
+        self.pre = torch.zeros(1, 1, h, dtype=draft.fc.weight.dtype, device=self.device)  # next-step state
+        self.logits = torch.zeros(draft.cfg.draft_vocab_size, device=self.device)  # [Vd] at the newest position
+        self.base = torch.zeros((), dtype=torch.long, device=self.device)  # `length` on the device
+        self.reset()
 
-    def reset(self) -> None:
-        self.cache = KVCache()
+    def reset(self, reserve: int = 0) -> None:
+        """A new sequence of at most `reserve` entries (the cache grows past it, dropping its graphs)."""
+        self.length = self.written = 0
+        capacity = -(-max(reserve, 1) // COLUMN_ROUND) * COLUMN_ROUND
+        if self.cache is None or capacity > self.cache.capacity:
+            self.cache = StaticKVCache(capacity) if self.cache is None else self.cache.grown(capacity)
+            self.kv_index = torch.arange(capacity, device=self.device)  # [C]
+            self.chains.clear()
 
-    def run(self, ids: list[int], hidden: torch.Tensor, positions: list[int]):
-        """Read tokens `ids` with hidden inputs [1, T, H] at `positions` after the cache."""
-        device = hidden.device
-        x = torch.tensor([ids], device=device)
-        pos = torch.tensor([positions], device=device)
-        pre, normed = self.draft.decode_forward(x, hidden, pos, self.cache)
+    def __len__(self) -> int:
+        return self.length
+
+    @torch.inference_mode()
+    def run(self, ids: list[int], hidden: torch.Tensor, positions: list[int], pattern: torch.Tensor | None = None):
+        """Read tokens `ids` with hidden inputs [1, T, H] at `positions`, their entries written after
+        every entry so far. They see the committed entries and, of this round's entries from the
+        committed length on (W of them, theirs last), what pattern [T, W] says (default: all earlier
+        ones, and causally among themselves)."""
+        count = len(ids)
+        if self.written + count > self.cache.capacity:
+            self.reset_capacity(self.written + count)
+        width = self.written + count - self.length
+        if pattern is None:
+            pattern = torch.ones(count, width, dtype=torch.bool).tril(width - count)
+        allowed = visible(self.kv_index, torch.tensor(self.length, device=self.device), pattern.to(self.device))
+        self.cache.columns = torch.arange(self.written, self.written + count, device=self.device)
+        x = torch.tensor([ids], device=self.device)
+        pos = torch.tensor([positions], device=self.device)
+        pre, normed = self.draft.decode_forward(x, hidden, pos, self.cache, allowed[None, None])
+        self.written += count
         return pre, self.draft.lm_head(normed)[0].float()  # [1, T, H], [T, Vd]
+
+    def reset_capacity(self, tokens: int) -> None:
+        length, written = self.length, self.written
+        self.reset(tokens)
+        self.length, self.written = length, written
 
     @torch.inference_mode()
     def extend(self, tokens: list[int], aux: torch.Tensor) -> torch.Tensor:
-        """Read (token t_{i+1}, aux a_i) for the next len(tokens) positions. Returns all their
-        logits [T, Vd] (the last row predicts the next token)."""
+        """Read (token t_{i+1}, aux a_i) for the next len(tokens) positions and commit them. Returns
+        all their logits [T, Vd] (the last row predicts the next token)."""
         dtype = self.draft.fc.weight.dtype
         hidden = self.draft.project(aux.to(dtype)[None])  # [1, T, H]
-        start = len(self.cache)
-        pre, logits = self.run(tokens, hidden, list(range(start, start + len(tokens))))
-        self.pre, self.logits = pre[:, -1:], logits[-1]
+        self.forget_proposals()
+        pre, logits = self.run(tokens, hidden, list(range(self.length, self.length + len(tokens))))
+        self.length = self.written
+        self.base.fill_(self.length)
+        self.pre.copy_(pre[:, -1:])
+        self.logits.copy_(logits[-1])
         return logits
 
     @torch.inference_mode()
-    def propose(self, k: int, pick) -> tuple[list[int], list[torch.Tensor]]:
-        """k tokens (target ids) chained on the draft's own states, and each one's draft
-        logits [Vd]. The cache is left as it was found."""
-        base = len(self.cache)
+    def propose(self, k: int, pick, greedy: bool = False) -> tuple[list[int], list[torch.Tensor]]:
+        """k tokens (target ids) chained on the draft's own states, and each one's draft logits [Vd];
+        the committed entries are left as they were. `greedy`: pick is the argmax (taken on the device)."""
+        if greedy:
+            if self.length + k > self.cache.capacity:
+                self.reset_capacity(self.length + k)
+            if self.graphs and k not in self.chains:
+                self.chains[k] = CapturedCall(lambda: self.greedy_chain(k), self.device)
+            tokens, rows = self.chains[k]() if self.graphs else self.greedy_chain(k)
+            return tokens.tolist(), list(rows)  # the round's one synchronisation before the verify
+        base = self.length
         logits, pre = self.logits, self.pre
         tokens, all_logits = [], []
         for j in range(k):
@@ -85,20 +138,43 @@ class DraftRunner:
                 # training's step j+1: own token, own next-step state, position (m-2) + (j+1)
                 pre, out = self.run([d], pre, [base - 1 + j + 1])
                 logits = out[-1]
-        self.cache.crop(base)
+        self.forget_proposals()
         return tokens, all_logits
 
+    def greedy_chain(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k greedy proposals (target ids [k]) and their logits [k, Vd] from the committed state
+        (self.pre, self.logits, self.base), on the device alone: step j writes column base + j at
+        position base + j (training's step j+1) and sees every column up to it."""
+        logits, pre = self.logits, self.pre
+        tokens, rows = [], []
+        for j in range(k):
+            token = self.draft_to_target[logits.argmax(-1)]  # [] target id
+            tokens.append(token)
+            rows.append(logits)
+            if j + 1 < k:
+                at = self.base + j  # [] column and position of this step's entry
+                self.cache.columns = at.view(1)
+                mask = (self.kv_index <= at)[None, None, None, :]  # [1, 1, 1, C]
+                pre, normed = self.draft.decode_forward(token.view(1, 1), pre, at.view(1, 1), self.cache, mask)
+                logits = self.draft.lm_head(normed)[0, -1].float()
+        return torch.stack(tokens), torch.stack(rows)
+
+    def forget_proposals(self) -> None:
+        """This round's entries are no longer read (their columns are overwritten later)."""
+        self.written = self.length
+
     def crop(self, length: int) -> None:
-        self.cache.crop(length)
+        self.length = self.written = length
+        self.base.fill_(length)
 
 
 def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *, k: int,
                          max_new_tokens: int, eos: set[int], sampler: Sampler) -> DecodeResult:
-    draft.reset()
+    draft.reset(len(prompt) + max_new_tokens + k)
     return decode_rounds(
         target, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler,
         start=lambda first, aux: draft.extend(prompt[1:] + first, aux),
-        propose=lambda last: draft.propose(k, sampler.pick),
+        propose=lambda last: draft.propose(k, sampler.pick, greedy=sampler.greedy),
         verify=lambda drafts, draft_logits, logits: accept(drafts, draft_logits, logits, draft.draft_to_target,
                                                            sampler),
         commit=draft.extend)

@@ -21,6 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from specfoundry.decoding.attention import grouped_attention
+from specfoundry.decoding.cache import StaticKVCache
 from specfoundry.families.eagle3.config import Eagle3Config
 from specfoundry.families.layers import (
     CompiledElementwise,
@@ -31,43 +33,6 @@ from specfoundry.families.layers import (
     swiglu,
 )
 from specfoundry.kernels.tree_attention import eager_tree_attention, tree_attention
-
-
-class KVCache:
-    """The draft's keys/values for decoding one sequence at a time (sf-eval).
-
-    A chain of proposals is appended and then cropped back to the accepted prefix, so every
-    cached key is a real token with real target features, as in training's step-0 block.
-    """
-
-    def __init__(self):
-        self.keys: torch.Tensor | None = None  # [B, nkv, L, hd]
-        self.values: torch.Tensor | None = None
-        self.next_mask: torch.Tensor | None = None  # [new, L] bool for the next append only (trees)
-
-    def __len__(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
-        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
-        return self.keys, self.values
-
-    def mask_for(self, new: int, device) -> torch.Tensor:
-        """[new, L] bool: every cached key, and the new tokens causally among themselves; or the
-        mask set in `next_mask` (a token tree's nodes see only their ancestors), used once."""
-        if self.next_mask is not None:
-            mask, self.next_mask = self.next_mask, None
-            assert mask.shape == (new, len(self)), (mask.shape, new, len(self))
-            return mask
-        past = len(self) - new
-        j = torch.arange(len(self), device=device)
-        i = torch.arange(new, device=device)[:, None]
-        return j[None, :] <= past + i
-
-    def crop(self, length: int) -> None:
-        if self.keys is not None:
-            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
 
 
 class TTTCache:
@@ -136,14 +101,12 @@ class Eagle3Attention(CompiledElementwise):
                                  backend={"flex": "flex", "sdpa": "sdpa"}.get(attention, "auto"))
         return self.output(out)
 
-    def decode_attention(self, x, cos, sin, cache: KVCache) -> torch.Tensor:
-        """New tokens x [B, T, 2H] after the cached prefix (sf-eval). The separate projections:
-        concatenating the weight on every call would cost a copy per decoded token."""
+    def decode_attention(self, x, cos, sin, cache: StaticKVCache, mask: torch.Tensor) -> torch.Tensor:
+        """New tokens x [1, T, 2H] written into the static cache at its `columns`, attending over every
+        column as mask [1, 1, T, C] (bool) says (sf-eval's decoding core: families/eagle3/chain.py)."""
         q, k, v = self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
-        keys, values = cache.append(k, v)  # [B, nkv, L+T, hd]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=cache.mask_for(q.shape[2], q.device),
-                                             enable_gqa=self.nh != self.nkv)
-        return self.output(out)
+        keys, values = cache.update(k, v, 0)  # [1, nkv, C, hd]
+        return self.output(grouped_attention(q, keys, values, mask))
 
 
 class Eagle3DecoderLayer(CompiledElementwise):
@@ -210,13 +173,14 @@ class Eagle3Draft(nn.Module):
                             lambda x: attn.ttt_attention(x, cos, sin, cache, lengths, ttt_step, attention))
         return self.outputs(pre)
 
-    def decode_forward(self, input_ids, hidden, positions, cache: KVCache):
-        """New tokens after the cache (sf-eval). input_ids, positions: [B, T]; hidden: [B, T, H].
-        Returns (next-step state [B, T, H], normed [B, T, H])."""
+    def decode_forward(self, input_ids, hidden, positions, cache: StaticKVCache, mask: torch.Tensor):
+        """New tokens after the decoding core's static cache (sf-eval): input_ids, positions [1, T]; hidden
+        [1, T, H]; the keys go to cache.columns and mask [1, 1, T, C] says what each token sees.
+        Returns (next-step state [1, T, H], normed [1, T, H])."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rope(hidden, positions)
         attn = self.midlayer.self_attn
-        pre = self.midlayer(embeds, hidden, lambda x: attn.decode_attention(x, cos, sin, cache))
+        pre = self.midlayer(embeds, hidden, lambda x: attn.decode_attention(x, cos, sin, cache, mask))
         return self.outputs(pre)
 
     def compile_elementwise(self, on: bool = True) -> Eagle3Draft:

@@ -37,7 +37,7 @@ def propose_tree(draft: DraftRunner, branching: tuple[int, ...]) -> DraftTree:
     predicts the first token); the draft's cache is left as it was found. Each depth takes one
     top-k over all its parents at once and one copy of the chosen ids to the host (not one small
     device sync per node, which costs more than the draft forward itself on a GPU)."""
-    base = len(draft.cache)
+    base = draft.length
     tree = DraftTree([], [], [])
     parents = [-1]
     logits, pre = draft.logits[None], draft.pre  # [F, Vd] and [1, F, H] of the frontier's F parents
@@ -55,13 +55,12 @@ def propose_tree(draft: DraftRunner, branching: tuple[int, ...]) -> DraftTree:
             break  # the deepest nodes need no draft forward of their own
         # the new nodes read (own token, parent's next-step state) at position (root) + depth - 1,
         # as training's step `depth`; each sees the committed cache and its ancestors
-        sees = tree.sees()
-        mask = torch.cat([torch.ones(len(new), base, dtype=torch.bool), sees[new][:, : len(tree)]], dim=1)
-        draft.cache.next_mask = mask.to(pre.device)
+        # node n's entry is column base + n (breadth first: every node but the deepest is read)
+        pattern = tree.sees()[new][:, : len(tree)]  # [N, W]: its ancestors and itself among this round's entries
         hidden = pre[:, torch.tensor(rows, device=pre.device)]  # [1, N, H]: each node's parent state
-        pre, logits = draft.run([tree.tokens[n] for n in new], hidden, [base - 1 + depth] * len(new))
+        pre, logits = draft.run([tree.tokens[n] for n in new], hidden, [base - 1 + depth] * len(new), pattern)
         parents = new
-    draft.cache.crop(base)
+    draft.forget_proposals()
     return tree
 
 
@@ -73,7 +72,7 @@ def tree_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *
     t0 = time.perf_counter()
     nodes = sum(math.prod(branching[: d + 1]) for d in range(len(branching)))  # the tree's size
     target.reset(len(prompt) + max_new_tokens + len(branching) + 1 + nodes)  # a verify: pending + the tree
-    draft.reset()
+    draft.reset(len(prompt) + max_new_tokens + nodes)
     logits, aux, _ = target.forward(prompt)
     tokens = [int(logits[-1].argmax())]
     result = DecodeResult(tokens)

@@ -25,10 +25,9 @@ from specfoundry.decoding.accept import accept
 from specfoundry.decoding.rounds import DecodeResult, decode_rounds
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
-from specfoundry.families.eagle3.model import KVCache
 from specfoundry.families.peagle.config import PEagleConfig
 from specfoundry.families.peagle.loss import pack_batch, pack_row, packed_states
-from specfoundry.families.peagle.model import PEagleDraft
+from specfoundry.families.peagle.model import KVCache, PEagleDraft
 from specfoundry.families.vocab import draft_ids_from_d2t
 
 

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from specfoundry.families.eagle3.model import KVCache
 from specfoundry.families.layers import (
     CompiledElementwise,
     DraftRotary,
@@ -32,6 +31,43 @@ from specfoundry.families.layers import (
     swiglu,
 )
 from specfoundry.families.peagle.config import PEagleConfig
+
+
+class KVCache:
+    """P-EAGLE's per-layer keys/values for decoding one sequence at a time (sf-eval).
+
+    A chain of proposals is appended and then cropped back to the accepted prefix, so every
+    cached key is a real token with real target features, as in training's step-0 block.
+    """
+
+    def __init__(self):
+        self.keys: torch.Tensor | None = None  # [B, nkv, L, hd]
+        self.values: torch.Tensor | None = None
+        self.next_mask: torch.Tensor | None = None  # [new, L] bool for the next append only (trees)
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
+        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
+        return self.keys, self.values
+
+    def mask_for(self, new: int, device) -> torch.Tensor:
+        """[new, L] bool: every cached key, and the new tokens causally among themselves; or the
+        mask set in `next_mask` (a token tree's nodes see only their ancestors), used once."""
+        if self.next_mask is not None:
+            mask, self.next_mask = self.next_mask, None
+            assert mask.shape == (new, len(self)), (mask.shape, new, len(self))
+            return mask
+        past = len(self) - new
+        j = torch.arange(len(self), device=device)
+        i = torch.arange(new, device=device)[:, None]
+        return j[None, :] <= past + i
+
+    def crop(self, length: int) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
 
 
 class PEagleAttention(CompiledElementwise):
