@@ -125,3 +125,34 @@ def test_graph_replayed_steps_equal_eager_ones_on_a_gpu(dtype):
     runs = [target_generate(r, list(range(3, 30)), max_new_tokens=24, eos=set(), sampler=Sampler())
             for r in (eager, graphed)]
     assert runs[0].tokens == runs[1].tokens
+
+
+@pytest.mark.gpu
+def test_a_graph_replayed_greedy_chain_equals_the_eager_one_on_a_gpu():
+    """EAGLE-3's greedy chain of k proposals as one captured graph and as eager steps over the same
+    committed state: the same proposals and logits, round after round, and the same decode."""
+    from specfoundry.families.eagle3.chain import DraftRunner, speculative_generate
+    from tests.test_eval import tiny_pair
+
+    model, draft = tiny_pair(vocab=64)
+    model, draft = model.cuda(), draft.cuda()
+    target = TargetRunner(Target.wrap(model), [0, 1, 2], graphs=True)
+    runs = {}
+    for graphs in (False, True):
+        runner = DraftRunner(draft, graphs=graphs)
+        runner.reset(64)
+        target.reset(64)
+        logits, aux, _ = target.forward(list(range(1, 12)))
+        runner.extend(list(range(2, 12)) + [int(logits[-1].argmax())], aux)
+        got = []
+        for _ in range(3):  # captured at the first, replayed after
+            tokens, rows = runner.propose(4, None, greedy=True)
+            got.append((tokens, torch.stack(rows).clone()))
+        runs[graphs] = got
+        out = speculative_generate(target, runner, list(range(1, 12)), k=4, max_new_tokens=20, eos=set(),
+                                   sampler=Sampler())
+        runs[graphs].append(out.tokens)
+    assert runs[True][-1] == runs[False][-1]
+    for (a_tokens, a_rows), (b_tokens, b_rows) in zip(runs[False][:-1], runs[True][:-1], strict=True):
+        assert a_tokens == b_tokens
+        torch.testing.assert_close(b_rows, a_rows, rtol=0, atol=0)
