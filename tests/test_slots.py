@@ -261,3 +261,26 @@ def test_eager_targets_keep_their_attention(monkeypatch):
     assert not engine.fold
     engine.run([([10, 11, 12], 0, 0)], lambda tag, ids: ())
     assert kinds == {"eager"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_graph_replayed_decode_steps_write_what_eager_steps_write_on_a_gpu(temperature):
+    """The slot engine with each window's decode step captured as a CUDA graph (after one eager step)
+    and without graphs: the same tokens for every request, greedy and sampled (the draws are
+    counter-based, so they replay as they ran), refills and follow-ups included."""
+    model = gqa_model("mixed").cuda()
+    sampling = SamplingConfig(temperature=temperature, max_new_tokens=40)
+    outs = []
+    for graphs in (False, True):
+        engine = SlotEngine(Target.wrap(model), slots=3, stop_ids=[STOP], sampling=sampling, graphs=graphs)
+        results = {}
+
+        def done(tag, ids, results=results):
+            results[tag] = ids
+            return [(ids[:5] + [tag], 7, tag + 100)] if tag < 100 else []  # a follow-up request
+
+        engine.run([(p, i, i) for i, p in enumerate(prompts(6, seed=2))], done)
+        assert bool(engine.step_graphs) == graphs
+        outs.append(results)
+    assert outs[0] == outs[1]

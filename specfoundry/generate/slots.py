@@ -42,6 +42,8 @@ import torch
 
 from specfoundry.common.target import Target, mask_layout
 from specfoundry.decoding.attention import folded_attention, folded_sdpa_attention, register_attention
+from specfoundry.decoding.graphs import CapturedCall
+from specfoundry.decoding.target import graphs_possible
 from specfoundry.generate.backend import SamplingConfig
 from specfoundry.generate.sampling import next_tokens
 
@@ -166,8 +168,14 @@ class SlotEngine:
     stopped) and returns follow-up requests of the same shape, which join the queue."""
 
     def __init__(self, target: Target, *, slots: int, stop_ids: list[int], sampling: SamplingConfig,
-                 sync_every: int | None = None):
+                 sync_every: int | None = None, graphs: bool | None = None):
+        """`graphs`: run each decode step as a CUDA graph, one per attended window (default: where
+        decoding/target.py graphs_possible)."""
         self.target, self.model, self.slots, self.sampling = target, target.model, slots, sampling
+        self.graphs = graphs_possible(target) if graphs is None else graphs
+        self.step_graphs: dict[int, CapturedCall] = {}  # window -> the captured decode step
+        self.warmed: set[int] = set()  # windows whose step ran once eagerly
+        self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.max_new = sampling.max_new_tokens
         self.device = target.input_device
         assert supported(self.model), "the slot engine cannot drive this model (see supported())"
@@ -186,6 +194,8 @@ class SlotEngine:
 
     def allocate(self, capacity: int) -> None:
         self.check_memory(self.slots, capacity)
+        self.step_graphs.clear()  # they read the state tensors made here
+        self.warmed.clear()
         self.cache = SlotCache(self.slots, capacity)
         s, dev = self.slots, self.device
         self.start = torch.zeros(s, dtype=torch.long, device=dev)  # first column of the slot's prompt
@@ -219,6 +229,8 @@ class SlotEngine:
         if need > self.cache.capacity:
             self.check_memory(self.slots, need)
             self.cache.grow(need)
+            self.step_graphs.clear()  # they read the old cache
+            self.warmed.clear()
 
     # ---- masks ----------------------------------------------------------------------------
 
@@ -273,8 +285,26 @@ class SlotEngine:
         return mask | diagonal[:, None]
 
     def step(self) -> None:
-        """Every slot one token on (free and finished slots compute too, and change nothing)."""
+        """Every slot one token on (free and finished slots compute too, and change nothing). The
+        slots attend over the first `window` columns, the held slots' furthest end rounded up: on a
+        GPU one captured graph per window replays the step (decode_step), no host work but the launch."""
         window = min(self.cache.capacity, round_up(self.horizon + 1, COLUMN_ROUND))
+        call = self.step_graphs.get(window)
+        if call is not None:
+            call()
+        elif self.graphs and window in self.warmed:  # captured without a warm-up: a step is no idempotent call
+            self.step_graphs[window] = CapturedCall(lambda: self.decode_step(window), self.device, self.pool,
+                                                    warmup=0)
+            self.step_graphs[window]()
+        else:  # a window's first step runs eagerly: its kernels' first-call work stays out of the graph
+            self.warmed.add(window)
+            self.decode_step(window)
+        self.steps += 1
+        self.horizon += 1
+
+    def decode_step(self, window: int) -> None:
+        """One decode step over the device state alone, every update in place (the state tensors of
+        allocate keep their addresses, which a captured graph reads and writes)."""
         cols = torch.arange(window, device=self.device)[None, :]  # [1, window]
         q_pos = (self.end - self.start)[:, None]  # [slots, 1]
         kv_pos = cols - self.start[:, None]  # [slots, window]
@@ -282,15 +312,13 @@ class SlotEngine:
         self.cache.columns, self.cache.window = self.end, window
         logits = self.forward(self.last[:, None], mask, q_pos)
         token = next_tokens(logits, self.sampling, self.seeds, self.count)  # [slots]
-        live = self.live
+        live = self.live.clone()
         at = self.count.clamp(max=self.max_new - 1)[:, None]  # [slots, 1]
         self.out.scatter_(1, at, torch.where(live[:, None], token[:, None], self.out.gather(1, at)))
         self.count += live
-        self.last = torch.where(live, token, self.last)
-        self.end = self.end + live
-        self.live = live & ~torch.isin(token, self.stop) & (self.count < self.max_new)
-        self.steps += 1
-        self.horizon += 1
+        self.last.copy_(torch.where(live, token, self.last))
+        self.end += live
+        self.live.copy_(live & ~torch.isin(token, self.stop) & (self.count < self.max_new))
 
     def collect(self) -> list[tuple[Waiting, list[int]]]:
         """The requests that finished since the last look, with their tokens; their slots freed."""
