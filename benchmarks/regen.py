@@ -8,7 +8,10 @@ For each target, tokens generated per second of:
 - `before`: the regen stage as it was: `model.generate` over length-sorted, left-padded batches,
   one shard at a time, turn by turn (--hf-engine generate, shard groups of one);
 - `generate_grouped`: --hf-engine generate as the stage runs it now, over groups of shards;
-- `after`: the stage with --hf-engine slots (continuous batching over a per-slot KV cache);
+- `after`: the stage with --hf-engine slots (continuous batching over a per-slot KV cache), its decode
+  step eager (as before the decoding core's graphs);
+- `graph_step`: the same, the decode step replayed as a CUDA graph per attended window (the default on
+  a GPU);
 - `plain_generate_ceiling`: one `model.generate` batch of `batch-size` prompts of 64 tokens, every
   one generating max-new-tokens (no early stop): the padding-free, finish-free static batch;
 - `slots_fixed_length`: the slot engine on that same fixed-length workload (its overhead alone).
@@ -21,7 +24,8 @@ recording, rendering and tokenising the next turn; the device idles, nothing bei
 `refill` (admitting waiting prompts: host tensors and the prefill forwards).
 
 --profile adds, per target, torch.profiler over 8 decode steps at the full batch (64-token prompts,
-after 8 warm-up steps) of the slot engine, of the slot engine on transformers' own sdpa path
+after 8 warm-up steps) of the slot engine with its step replayed as a CUDA graph (`slots_graph`), of
+its eager step (`slots`), of the slot engine on transformers' own sdpa path
 (`slots_repeat_kv`: the query heads not folded, which under transformers 5.17 copies the attended
 cache G times per layer; sdpa targets only) and of transformers' own decode step (the model's
 forward over a DynamicCache, as model.generate runs it): wall ms per step, the device's kernel
@@ -206,13 +210,18 @@ def profile_decode(model, batch: int, steps: int = 8, prompt_len: int = 64) -> d
             state["token"] = o.logits[:, -1].float().argmax(-1, keepdim=True)
         return step
 
+    def eager_setup():  # the engine's step without graphs (as before the decoding core)
+        engine.graphs = False
+        return slot_setup()
+
     def unfolded_setup():  # the engine as it was before it folded the query heads (transformers' sdpa path)
-        engine.fold = False
+        engine.graphs, engine.fold = False, False
         return slot_setup()
 
     out = {}
-    paths = (("slots", slot_setup), ("slots_repeat_kv", unfolded_setup), ("dynamic_cache", cache_setup))
-    for name, setup in paths if engine.fold else (paths[0], paths[2]):
+    paths = (("slots_graph", slot_setup), ("slots", eager_setup), ("slots_repeat_kv", unfolded_setup),
+             ("dynamic_cache", cache_setup))
+    for name, setup in (paths if engine.fold else (paths[0], paths[1], paths[3])):
         step = setup()
         with torch.inference_mode():
             for _ in range(steps):
@@ -249,8 +258,11 @@ def measure(label: str, model, tokenizer, conversations: int, batch: int, max_ne
     stage(after, source, work, f"{label}-warmup", 8, min(batch, 8), shard_size)  # kernels, allocator warmed up
     rows = {}
     for path, backend, grouped in (("before", before, False), ("generate_grouped", before, True),
-                                   ("after", after, True)):
-        rows[path] = stage(backend, source, work, f"{label}-{path}", max_new, batch, shard_size, grouped=grouped)
+                                   ("after", after, True), ("graph_step", after, True)):
+        # `after`: the slot engine's decode step eager, as measured before graphs; `graph_step`: replayed
+        eager = patch("specfoundry.generate.slots.graphs_possible", return_value=False) if path == "after" else nullcontext()
+        with eager:
+            rows[path] = stage(backend, source, work, f"{label}-{path}", max_new, batch, shard_size, grouped=grouped)
         # each figure in the log as it is measured: a later failure keeps it
         print(f"{label} {path}: {rows[path]['output_tokens']} tokens in {rows[path]['seconds']:.1f} s, "
               f"{rows[path]['tokens_per_s']:,.0f} tokens/s", flush=True)
@@ -332,6 +344,7 @@ def main():
                for t in dict.fromkeys(r["target"] for r in rows)}
     for t in summary.values():
         t["after_over_before"] = t["after"] / t["before"]
+        t["graph_step_over_after"] = t["graph_step"] / t["after"]
     print_table(rows, ["target", "path", "conversations", "batch", "output_tokens", "seconds", "tokens_per_s",
                        "same_answers_as_before"])
     for r in rows:
