@@ -52,16 +52,57 @@ def finish(tokens: list[int], eos: set[int], max_new_tokens: int) -> tuple[list[
     return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
 
 
+class PhaseClock:
+    """Time spent in each phase of the rounds without a host synchronisation per phase: on a GPU,
+    CUDA events recorded at the phase boundaries and read once, after the decode (device time
+    between them, the host's gaps included); elsewhere the host clock, whose work is done when a
+    call returns."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: list[tuple[str, object, object]] = []
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(self, phase: str, start, end) -> None:
+        self.spans.append((phase, start, end))
+
+    def seconds(self, phase: str) -> float:
+        if self.cuda and self.spans:
+            self.spans[-1][2].synchronize()
+        return sum(a.elapsed_time(b) * 1e-3 if self.cuda else b - a for p, a, b in self.spans if p == phase)
+
+
+def greedy_on_device(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int, list[int]]:
+    """accept.greedy_prefix for drafts [k] held on the device (target ids) against target_logits
+    [k+1, V]: (a, the target's own token after them, the drafts as a list), from one copy to the host
+    (the round's one synchronisation)."""
+    choice = target_logits.argmax(-1)  # [k+1]
+    a = torch.cumprod((drafts == choice[:-1]).long(), 0).sum()  # [] the longest agreeing prefix
+    packed = torch.cat([a.view(1), choice[a].view(1), drafts]).tolist()
+    return packed[0], packed[1], packed[2:]
+
+
 def decode_rounds(target: TargetRunner, prompt: list[int], *, max_new_tokens: int, eos: set[int], sampler: Sampler,
                   start, propose, verify, commit) -> DecodeResult:
     """Draft-then-verify rounds of one sequence, whatever drafts the tokens:
         start(first, aux)                  the draft reads the prompt's features (and the first token)
-        propose(last) -> (drafts, extra)   n proposals after the last committed token
+        propose(last) -> (drafts, extra)   n proposals after the last committed token: target ids, a list,
+                                           or a tensor [n] on the device (greedy proposals not yet read
+                                           by the host)
         verify(drafts, extra, logits)      -> (a accepted, the target's own token after them), from
                                            the target's logits [n+1, V] over [last] + drafts
         commit(new, aux)                   the draft reads the a+1 committed tokens and their features
     The caller resets its draft; the target reads [last] + drafts in one forward and its cache is
-    cropped to the committed tokens; draft time is propose + commit, target time the verify forward."""
+    cropped to the committed tokens; draft time is propose + commit, target time the verify forward.
+    Drafts on the device under greedy decoding are verified by the greedy prefix rule on the device
+    (greedy_on_device): the proposals reach the target's step without the host, and a round has one
+    synchronisation, the acceptance decision; with host drafts or sampling, `verify` decides."""
     device = target.device
     t0 = time.perf_counter()
     target.reset(len(prompt) + max_new_tokens + 1 + MAX_DRAFT)  # a round verifies at most 1 + MAX_DRAFT tokens
@@ -70,25 +111,32 @@ def decode_rounds(target: TargetRunner, prompt: list[int], *, max_new_tokens: in
     result = DecodeResult(tokens)
     start(tokens, aux)
     tokens, done = finish(tokens, eos, max_new_tokens)
+    clock = PhaseClock(device)
     while not done:
-        sync(device)
-        a0 = time.perf_counter()
+        m0 = clock.mark()
         drafts, extra = propose(tokens[-1])
-        sync(device)
-        a1 = time.perf_counter()
-        logits, aux, _ = target.forward([tokens[-1]] + drafts)  # [n+1, V]
-        a, bonus = verify(drafts, extra, logits)
-        target.crop(len(target) - len(drafts) + a)  # keep the last committed token and the a accepted drafts
-        sync(device)
-        a2 = time.perf_counter()
+        m1 = clock.mark()
+        on_device = isinstance(drafts, torch.Tensor)
+        logits, aux, _ = (target.forward([tokens[-1]], tail=drafts) if on_device
+                          else target.forward([tokens[-1]] + drafts))  # [n+1, V]
+        n = len(drafts)
+        if on_device and sampler.greedy:
+            a, bonus, drafts = greedy_on_device(drafts, logits)
+        else:
+            drafts = drafts.tolist() if on_device else drafts
+            a, bonus = verify(drafts, extra, logits)
+        target.crop(len(target) - n + a)  # keep the last committed token and the a accepted drafts
+        m2 = clock.mark()
         new = drafts[:a] + [bonus]
         commit(new, aux[: a + 1])
-        sync(device)
-        result.draft_s += (a1 - a0) + (time.perf_counter() - a2)
-        result.target_s += a2 - a1
+        m3 = clock.mark()
+        clock.add("draft", m0, m1)
+        clock.add("target", m1, m2)
+        clock.add("draft", m2, m3)
         result.accepted.append(a)
         tokens, done = finish(tokens + new, eos, max_new_tokens)
     result.tokens = tokens
+    result.draft_s, result.target_s = clock.seconds("draft"), clock.seconds("target")
     result.total_s = time.perf_counter() - t0
     return result
 

@@ -65,14 +65,18 @@ class GraphStep:
                                  self.pattern)
         self.call = CapturedCall(lambda: runner.body(self.inputs, want_hidden=False), device, pool)
 
-    def load(self, ids: list[int], positions: list[int], start: int, pattern: torch.Tensor) -> None:
+    def load(self, ids: list[int], positions: list[int], start: int, pattern: torch.Tensor,
+             tail: torch.Tensor | None = None) -> None:
         """Copy the step's inputs in: one asynchronous copy from pinned memory (two when the pattern
-        changed). The host buffers are rewritten only once the last copy from them has run."""
+        changed), and `tail`, the last ids, from the device (a copy on the device, after it). The host
+        buffers are rewritten only once the last copy from them has run."""
         self.copied.synchronize()
-        self.host[: self.tokens] = torch.tensor(ids)
+        self.host[: len(ids)] = torch.tensor(ids)
         self.host[self.tokens: 2 * self.tokens] = torch.tensor(positions)
         self.host[2 * self.tokens] = start
         self.staged.copy_(self.host, non_blocking=True)
+        if tail is not None:
+            self.staged[len(ids): self.tokens].copy_(tail)
         if not torch.equal(self.host_pattern, pattern):
             self.host_pattern.copy_(pattern)
             self.pattern.copy_(self.host_pattern, non_blocking=True)
@@ -126,12 +130,13 @@ class TargetRunner:
 
     @torch.inference_mode()
     def forward(self, ids: list[int], want_hidden: bool = False, positions: list[int] | None = None,
-                mask: torch.Tensor | None = None):
-        """Read `ids` after the committed tokens. Returns logits [T, V] (fp32), aux [T, K*H] and, if
-        asked, the final normed state [T, H]. By default the tokens follow causally at the next
-        positions; a token tree passes its own `positions` and `mask` ([T, start + T] bool, True =
-        may attend), whose committed part must be all True (every node sees the committed text)."""
-        start, count = self.length, len(ids)
+                mask: torch.Tensor | None = None, tail: torch.Tensor | None = None):
+        """Read `ids` (then `tail`, ids [n] on the device: proposals the host has not read) after the
+        committed tokens. Returns logits [T, V] (fp32), aux [T, K*H] and, if asked, the final normed
+        state [T, H]. By default the tokens follow causally at the next positions; a token tree
+        passes its own `positions` and `mask` ([T, start + T] bool, True = may attend), whose
+        committed part must be all True (every node sees the committed text)."""
+        start, count = self.length, len(ids) + (0 if tail is None else tail.shape[0])
         positions = list(range(start, start + count)) if positions is None else list(positions)
         if mask is None:
             pattern = torch.ones(count, count, dtype=torch.bool).tril()
@@ -144,10 +149,12 @@ class TargetRunner:
             step = self.steps.get(count)
             if step is None:
                 step = self.steps[count] = GraphStep(self, count, self.pool)
-            step.load(ids, positions, start, pattern)
+            step.load(ids, positions, start, pattern, tail)
             out = step.call()
         else:
-            inputs = StepInputs(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
+            head = torch.tensor(ids, dtype=torch.long, device=self.device)
+            inputs = StepInputs(head if tail is None else torch.cat([head, tail.to(self.device)]),
+                                torch.tensor(positions, device=self.device),
                                 torch.tensor(start, device=self.device), pattern.to(self.device))
             out = self.body(inputs, want_hidden)
         self.length = start + count

@@ -59,8 +59,9 @@ class BlockDraftRunner:
         self.cache.append_context(self.draft, context, positions)
 
     @torch.inference_mode()
-    def propose(self, bonus: int) -> tuple[list[int], torch.Tensor]:
-        """The block's B-1 proposals after `bonus` (greedy, target ids) and their logits [B-1, V]."""
+    def propose(self, bonus: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's B-1 proposals after `bonus` (greedy, target ids [B-1] on the device: the host reads
+        them with the acceptance decision) and their logits [B-1, V]."""
         p = len(self.cache)
         device = self.lm_head.device
         ids = torch.full((1, self.block_size), self.mask_token_id, device=device)
@@ -68,7 +69,7 @@ class BlockDraftRunner:
         positions = torch.arange(p, p + self.block_size, device=device)[None]
         states = self.draft.decode_block(ids, positions, self.cache)  # [1, B, H]
         logits = self.draft.block_logits(states[0, 1:], self.lm_head).float()  # [B-1, V], the draft's own
-        return logits.argmax(-1).tolist(), logits
+        return logits.argmax(-1), logits
 
 
 def block_generate(target: TargetRunner, draft: BlockDraftRunner, prompt: list[int], *, max_new_tokens: int,

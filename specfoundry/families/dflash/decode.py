@@ -77,7 +77,7 @@ def sequential_first_round(runner, lm_head: torch.Tensor, ids: torch.Tensor, aux
     p = len(ids) - 1
     runner.extend(aux[:p].to(lm_head.device))
     drafts, decoded = runner.propose(int(ids[p]))
-    forced = torch.cat([ids[: p + 1].cpu(), torch.tensor(drafts)])  # the sequence the round drafted
+    forced = torch.cat([ids[: p + 1].cpu(), torch.as_tensor(drafts).cpu()])  # the sequence the round drafted
     features = torch.cat([aux[: p + 1].cpu(), aux.new_zeros(len(drafts), aux.shape[1]).cpu()])  # unseen after p
     return decoded, training_logits(runner.draft, lm_head, forced, features, p)
 

@@ -21,7 +21,7 @@ class DominoRunner(BlockDraftRunner):
     """BlockDraftRunner whose proposals go through the sequential GRU correction."""
 
     @torch.inference_mode()
-    def propose(self, bonus: int) -> tuple[list[int], torch.Tensor]:
+    def propose(self, bonus: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's B-1 proposals after `bonus` and their final logits [B-1, V]."""
         draft: DominoDraft = self.draft
         p, device = len(self.cache), self.lm_head.device
@@ -42,7 +42,7 @@ class DominoRunner(BlockDraftRunner):
             rows.append(final[0].float())
             if j < n - 1:
                 state = draft.gru_step(d.view(1), state)  # g_{j+1}
-        return torch.stack(drafts).tolist(), torch.stack(rows)
+        return torch.stack(drafts), torch.stack(rows)  # [B-1] on the device, [B-1, V]
 
 
 @torch.inference_mode()

@@ -29,14 +29,14 @@ class DSparkRunner(BlockDraftRunner):
 
     def __init__(self, draft: DSparkDraft, lm_head: torch.Tensor):
         super().__init__(draft, lm_head)
-        self.confidences: list[list[float]] = []  # per round, the B predicted acceptance probabilities
+        self.confidences: list[torch.Tensor] = []  # per round, the B predicted acceptance probabilities [B]
 
     def reset(self) -> None:
         super().reset()
         self.confidences = []
 
     @torch.inference_mode()
-    def propose(self, bonus: int) -> tuple[list[int], torch.Tensor]:
+    def propose(self, bonus: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's B proposals after `bonus` and their logits [B, V]."""
         draft: DSparkDraft = self.draft
         p, device = len(self.cache), self.lm_head.device
@@ -55,8 +55,8 @@ class DSparkRunner(BlockDraftRunner):
             drafts.append(d)
             rows.append(logits)
             prev = d.view(1)
-        self.confidences.append(torch.sigmoid(torch.stack(confidence).float()).tolist())
-        return torch.stack(drafts).tolist(), torch.stack(rows)
+        self.confidences.append(torch.sigmoid(torch.stack(confidence).float()))  # [B], read after the decode
+        return torch.stack(drafts), torch.stack(rows)  # [B] on the device, [B, V]
 
 
 def decode_settings(cfg: DSparkConfig, *, k: int, tree, k_given: bool, source: str):

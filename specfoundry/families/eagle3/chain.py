@@ -117,16 +117,17 @@ class DraftRunner:
         return logits
 
     @torch.inference_mode()
-    def propose(self, k: int, pick, greedy: bool = False) -> tuple[list[int], list[torch.Tensor]]:
+    def propose(self, k: int, pick, greedy: bool = False):
         """k tokens (target ids) chained on the draft's own states, and each one's draft logits [Vd];
-        the committed entries are left as they were. `greedy`: pick is the argmax (taken on the device)."""
+        the committed entries are left as they were. `greedy`: pick is the argmax, taken on the device:
+        the tokens come back as a tensor [k] there (the host reads them with the acceptance decision)
+        and the logits as [k, Vd]; else a list and a list of [Vd]."""
         if greedy:
             if self.length + k > self.cache.capacity:
                 self.reset_capacity(self.length + k)
             if self.graphs and k not in self.chains:
                 self.chains[k] = CapturedCall(lambda: self.greedy_chain(k), self.device)
-            tokens, rows = self.chains[k]() if self.graphs else self.greedy_chain(k)
-            return tokens.tolist(), list(rows)  # the round's one synchronisation before the verify
+            return self.chains[k]() if self.graphs else self.greedy_chain(k)  # [k] on the device, [k, Vd]
         base = self.length
         logits, pre = self.logits, self.pre
         tokens, all_logits = [], []

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from specfoundry.decoding.rounds import DecodeResult, finish, sync
+from specfoundry.decoding.rounds import DecodeResult, PhaseClock, finish
 from specfoundry.decoding.target import TargetRunner
 from specfoundry.decoding.tree import DraftTree, accept_tree, verify_mask
 from specfoundry.families.eagle3.chain import DraftRunner
@@ -79,30 +79,30 @@ def tree_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *
     draft.extend(prompt[1:] + tokens, aux)
     pending = list(tokens)  # committed, not yet read by the target; the last is the tree's root
     tokens, done = finish(tokens, eos, max_new_tokens)
+    clock = PhaseClock(device)
     while not done:
-        sync(device)
-        a0 = time.perf_counter()
+        m0 = clock.mark()
         tree = propose_tree(draft, branching)
-        sync(device)
-        a1 = time.perf_counter()
+        m1 = clock.mark()
         cached, p = len(target), len(pending)
         positions = list(range(cached, cached + p)) + [cached + p - 1 + d for d in tree.depths]
         logits, aux, _ = target.forward(pending + tree.tokens, positions=positions,
                                         mask=verify_mask(tree, cached, p))
         path, bonus = accept_tree(tree, logits.argmax(-1).tolist(), root_row=p - 1)
         target.crop(cached + p)  # keep the pending tokens; the tree's entries go
-        sync(device)
-        a2 = time.perf_counter()
+        m2 = clock.mark()
         new = [tree.tokens[n] for n in path] + [bonus]
         # (token t_{i+1}, aux a_i) pairs: the root's and the accepted nodes' features, computed
         # in this forward with exactly the committed text as their context
         draft.extend(new, aux[[p - 1] + [p + n for n in path]])
-        sync(device)
-        result.draft_s += (a1 - a0) + (time.perf_counter() - a2)
-        result.target_s += a2 - a1
+        m3 = clock.mark()
+        clock.add("draft", m0, m1)
+        clock.add("target", m1, m2)
+        clock.add("draft", m2, m3)
         result.accepted.append(len(path))
         pending = new
         tokens, done = finish(tokens + new, eos, max_new_tokens)
     result.tokens = tokens
+    result.draft_s, result.target_s = clock.seconds("draft"), clock.seconds("target")
     result.total_s = time.perf_counter() - t0
     return result

@@ -68,9 +68,12 @@ class PEagleRunner:
         self.tokens, self.aux = [], []
         return draft.lm_head(normed[0, n - 1:]).float()
 
-    def propose(self, k: int, pick) -> tuple[list[int], list[torch.Tensor]]:
-        """k proposals (target ids) from one forward, and each one's draft logits [Vd]."""
+    def propose(self, k: int, pick, greedy: bool = False):
+        """k proposals (target ids) from one forward, and each one's draft logits [Vd]. `greedy`: the
+        argmax on the device, the proposals a tensor [k] there (read with the acceptance decision)."""
         logits = self.forward(k)
+        if greedy:
+            return self.draft_to_target[logits.argmax(-1)], logits
         return [self.target_ids[int(pick(row))] for row in logits], list(logits)
 
 
@@ -88,7 +91,7 @@ class PEagleDecoder:
         return decode_rounds(
             target, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler,
             start=lambda first, aux: runner.read(prompt[1:] + first, aux),
-            propose=lambda last: runner.propose(self.k, sampler.pick),
+            propose=lambda last: runner.propose(self.k, sampler.pick, greedy=sampler.greedy),
             verify=lambda drafts, logits_d, logits: accept(drafts, logits_d, logits, runner.draft_to_target, sampler),
             commit=runner.read)
 
