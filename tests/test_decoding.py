@@ -156,3 +156,30 @@ def test_a_graph_replayed_greedy_chain_equals_the_eager_one_on_a_gpu():
     for (a_tokens, a_rows), (b_tokens, b_rows) in zip(runs[False][:-1], runs[True][:-1], strict=True):
         assert a_tokens == b_tokens
         torch.testing.assert_close(b_rows, a_rows, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_a_graph_replayed_block_proposal_equals_the_eager_one_on_a_gpu():
+    """DFlash's block proposal captured as a CUDA graph and run eagerly, over the same context,
+    round after round (the context grows and is cropped between them): the same proposals and logits."""
+    from specfoundry.families.dflash.block import BlockDraftRunner
+    from tests.test_dflash import TINY, random_draft
+
+    draft = random_draft().cuda().eval()
+    head = torch.randn(TINY.vocab_size, TINY.hidden_size, device="cuda")
+    aux = torch.randn(40, 72, device="cuda")
+    got = {}
+    for graphs in (False, True):
+        runner = BlockDraftRunner(draft, head, graphs=graphs)
+        runner.reset(64)
+        runner.extend(aux[:11])
+        rounds = []
+        for r in range(4):
+            drafts, logits = runner.propose(7 + r)
+            rounds.append((drafts.tolist(), logits.clone()))
+            runner.extend(aux[11 + 3 * r: 13 + 3 * r])  # two accepted positions a round
+        got[graphs] = rounds
+    assert (runner.proposal is not None)
+    for (a_drafts, a_logits), (b_drafts, b_logits) in zip(got[False], got[True], strict=True):
+        assert a_drafts == b_drafts
+        torch.testing.assert_close(b_logits, a_logits, rtol=0, atol=0)

@@ -37,7 +37,7 @@ def block_slots(model, batch, head, *, num_anchors, seed, teacher):
         for a in sample_anchors(batch.loss_mask[r], n, b, num_anchors, anchor_seed(seed, batch.epoch, index)).tolist():
             cache = DFlashCache()
             if a:
-                cache.append_context(model, context[r : r + 1, :a], torch.arange(a)[None])
+                cache.append_context(model, context[r : r + 1, :a])
             ids = torch.tensor([[int(batch.input_ids[r, a])] + [model.cfg.mask_token_id] * (b - 1)])
             states = model.decode_block(ids, torch.arange(a, a + b)[None], cache)[0]  # [B, H]
             tokens = batch.input_ids[r, torch.arange(a, a + b).clamp(max=batch.input_ids.shape[1] - 1)]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from specfoundry.decoding.accept import accept_point_mass
+from specfoundry.decoding.graphs import CapturedCall
 from specfoundry.decoding.rounds import DecodeResult, decode_rounds
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
@@ -34,17 +35,30 @@ from specfoundry.families.dflash.model import DFlashCache, DFlashDraft
 
 
 class BlockDraftRunner:
-    """The DFlash draft with its context cache, and the target's lm_head its block_logits read."""
+    """The DFlash draft with its context cache, and the target's lm_head its block_logits read.
 
-    def __init__(self, draft: DFlashDraft, lm_head: torch.Tensor):
+    A proposal (propose_body: the block forward and its proposals, on the device alone; a family on
+    DFlash's backbone overrides it with its sequential head) is captured once as a CUDA graph on a
+    GPU and replayed; it reads the bonus token and the committed length from device buffers."""
+
+    def __init__(self, draft: DFlashDraft, lm_head: torch.Tensor, *, graphs: bool | None = None):
         self.draft = draft
         self.lm_head = lm_head  # [V, H] the target's
+        self.device = lm_head.device
         self.block_size = draft.cfg.block_size
         self.mask_token_id = draft.cfg.mask_token_id
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.bonus = torch.zeros((), dtype=torch.long, device=self.device)  # the block's first token
+        self.slots = torch.arange(self.block_size, device=self.device)
         self.cache = DFlashCache()
+        self.cache.on(self.device)
+        self.proposal: CapturedCall | None = None
 
-    def reset(self) -> None:
-        self.cache = DFlashCache()
+    def reset(self, reserve: int = 0) -> None:
+        """A new sequence (its cache reused, grown to `reserve` columns where needed)."""
+        self.cache.crop(0)
+        if self.cache.reserve(reserve + self.block_size):
+            self.proposal = None  # it read the old cache
 
     def __len__(self) -> int:
         return len(self.cache)
@@ -53,28 +67,38 @@ class BlockDraftRunner:
     def extend(self, aux: torch.Tensor) -> None:
         """Take the target's features aux [T, K*H] of the next T positions as context."""
         dtype = self.draft.fc.weight.dtype
-        start = len(self.cache)
         context = self.draft.project_context(aux.to(dtype)[None])  # [1, T, H]
-        positions = torch.arange(start, start + aux.shape[0], device=aux.device)[None]
-        self.cache.append_context(self.draft, context, positions)
+        if self.cache.reserve(len(self.cache) + aux.shape[0] + self.block_size):
+            self.proposal = None
+        self.cache.append_context(self.draft, context)
 
     @torch.inference_mode()
     def propose(self, bonus: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block's B-1 proposals after `bonus` (greedy, target ids [B-1] on the device: the host reads
-        them with the acceptance decision) and their logits [B-1, V]."""
-        p = len(self.cache)
-        device = self.lm_head.device
-        ids = torch.full((1, self.block_size), self.mask_token_id, device=device)
-        ids[0, 0] = bonus
-        positions = torch.arange(p, p + self.block_size, device=device)[None]
-        states = self.draft.decode_block(ids, positions, self.cache)  # [1, B, H]
-        logits = self.draft.block_logits(states[0, 1:], self.lm_head).float()  # [B-1, V], the draft's own
+        """The block's proposals after `bonus` (greedy, target ids on the device: the host reads them
+        with the acceptance decision) and their logits [proposals, V]."""
+        self.bonus.fill_(bonus)
+        if not self.graphs:
+            return self.propose_body()
+        if self.proposal is None:
+            self.proposal = CapturedCall(self.propose_body, self.device)
+        return self.proposal()
+
+    def block_states(self) -> torch.Tensor:
+        """The block [bonus, M, ..., M] at the next B positions after the committed context: its
+        final-normed states [B, H] (the cache's committed part unchanged)."""
+        ids = torch.where(self.slots == 0, self.bonus, self.mask_token_id)[None]  # [1, B]
+        positions = (self.cache.start + self.slots)[None]  # [1, B]
+        return self.draft.decode_block(ids, positions, self.cache)[0]
+
+    def propose_body(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """DFlash's proposals: slot j (1 <= j < B) proposes the argmax of the draft's logits there."""
+        logits = self.draft.block_logits(self.block_states()[1:], self.lm_head).float()  # [B-1, V], the draft's own
         return logits.argmax(-1), logits
 
 
 def block_generate(target: TargetRunner, draft: BlockDraftRunner, prompt: list[int], *, max_new_tokens: int,
                    eos: set[int], sampler: Sampler) -> DecodeResult:
-    draft.reset()
+    draft.reset(len(prompt) + max_new_tokens)
     return decode_rounds(
         target, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler,
         start=lambda first, aux: draft.extend(aux),

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, rotate_half
 
+from specfoundry.decoding.attention import grouped_attention
+from specfoundry.decoding.cache import StaticKVCache
 from specfoundry.families.dflash.config import DFlashConfig
 from specfoundry.families.layers import (
     COMPILED_ELEMENTWISE,
@@ -56,39 +57,67 @@ COMPILED_ELEMENTWISE.setdefault(rope_keys, compiled_on_cuda(rope_keys))
 
 
 class DFlashCache:
-    """The context keys and values of every layer for decoding one sequence (sf-eval).
+    """The context keys and values of every layer for decoding one sequence (sf-eval), in a static
+    cache (decoding/cache.py StaticKVCache): column i holds the context of position i.
 
-    Holds the committed tokens only: a drafted block's keys are never added (SGLang drops them
-    after the forward), and after verification the caller appends the accepted tokens' features."""
+    Holds the committed tokens only: a drafted block's keys are written after them, for the block's
+    own forward, and never committed (SGLang drops them after the forward); after verification the
+    caller appends the accepted tokens' features, over them. `start` is the committed length on the
+    device, which a captured block forward reads."""
 
-    def __init__(self):
-        self.keys: list[torch.Tensor] = []  # per layer [1, nkv, L, hd], after k_norm and RoPE
-        self.values: list[torch.Tensor] = []  # per layer [1, nkv, L, hd]
-        self.positions: torch.Tensor | None = None  # [L] the cached tokens' positions
+    def __init__(self, capacity: int = 256):
+        self.kv = StaticKVCache(capacity)
+        self.length = 0
+        self.start: torch.Tensor | None = None  # [] the committed length, on the device
+        self.kv_index: torch.Tensor | None = None  # [C] arange on the device
 
     def __len__(self) -> int:
-        return 0 if self.positions is None else self.positions.shape[0]
+        return self.length
 
-    def append_context(self, model: DFlashDraft, context_hidden: torch.Tensor, positions: torch.Tensor) -> None:
-        """context_hidden: [1, n, H], already projected (model.project_context); positions: [1, n]."""
-        cos, sin = model.rope(context_hidden, positions)
+    def on(self, device: torch.device) -> None:
+        """The device-side state, made at the first use (where the draft is)."""
+        if self.start is None:
+            self.start = torch.zeros((), dtype=torch.long, device=device)
+            self.kv_index = torch.arange(self.kv.capacity, device=device)
+
+    def reserve(self, tokens: int) -> bool:
+        """Room for `tokens` columns (a cache that grows keeps what it holds); whether it grew."""
+        if tokens <= self.kv.capacity:
+            return False
+        capacity = -(-tokens // 256) * 256
+        self.kv = self.kv.grown(capacity)
+        if self.kv_index is not None:
+            self.kv_index = torch.arange(capacity, device=self.kv_index.device)
+        return True
+
+    def append_context(self, model: DFlashDraft, context_hidden: torch.Tensor) -> None:
+        """context_hidden: [1, n, H], already projected (model.project_context), of the positions
+        length..length+n-1."""
+        n = context_hidden.shape[1]
+        self.on(context_hidden.device)
+        self.reserve(self.length + n + model.cfg.block_size)  # and the next block's scratch columns
+        positions = torch.arange(self.length, self.length + n, device=context_hidden.device)
+        cos, sin = model.rope(context_hidden, positions[None])
+        self.kv.columns = positions
         for i, layer in enumerate(model.layers):
-            k, v = layer.self_attn.context_kv(context_hidden, cos, sin)
-            if i < len(self.keys):
-                self.keys[i] = torch.cat([self.keys[i], k], dim=2)
-                self.values[i] = torch.cat([self.values[i], v], dim=2)
-            else:
-                self.keys.append(k)
-                self.values.append(v)
-        new = positions[0]
-        self.positions = new if self.positions is None else torch.cat([self.positions, new])
+            self.kv.update(*layer.self_attn.context_kv(context_hidden, cos, sin), i)
+        self.crop(self.length + n)
 
     def crop(self, length: int) -> None:
         """Keep the first `length` cached tokens (e.g. to drop the rejected part of a round)."""
-        self.keys = [k[:, :, :length] for k in self.keys]
-        self.values = [v[:, :, :length] for v in self.values]
-        if self.positions is not None:
-            self.positions = self.positions[:length]
+        self.length = length
+        if self.start is not None:
+            self.start.fill_(length)
+
+    def block_mask(self, block: int, positions: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+        """[B, C] bool: a block's queries (at positions [B]) see every committed column and the
+        block's own (columns start..start+B-1, bidirectional); a sliding layer only the keys within
+        the window ending at each query's position, causal inside the block."""
+        allowed = (self.kv_index < self.start + block)[None, :]  # [1, C]
+        if sliding_window is None:
+            return allowed.expand(block, -1)
+        dist = positions[:, None] - self.kv_index[None, :]  # [B, C]
+        return allowed & (dist >= 0) & (dist < sliding_window)
 
 
 class DFlashAttention(CompiledElementwise):
@@ -146,24 +175,16 @@ class DFlashAttention(CompiledElementwise):
         return self.output(out)
 
     def decode_attention(self, x, cos, sin, cache: DFlashCache, positions: torch.Tensor):
-        """x [1, B, H] one normed block after the cached context; positions [1, B]."""
+        """x [1, B, H] one normed block after the cached context; positions [1, B]. The block's keys
+        go to the scratch columns after the committed ones, and every query attends over the cache
+        as block_mask says."""
         q, kb, vb = self.block_qkv(x, cos, sin)
-        keys, values = kb, vb
-        if len(cache):
-            keys = torch.cat([cache.keys[self.layer_idx], kb], dim=2)  # [1, nkv, L + B, hd]
-            values = torch.cat([cache.values[self.layer_idx], vb], dim=2)
-        mask = None  # a full layer: every cached token and the whole block
-        if self.sliding_window is not None:
-            mask = self.decode_window(cache, positions[0])
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.nh != self.nkv)
-        return self.output(out)
-
-    def decode_window(self, cache: DFlashCache, block_pos: torch.Tensor) -> torch.Tensor:
-        """[B, L + B] bool of a sliding layer: keys within the window ending at each query's position,
-        causal inside the block (the training mask's sliding rule)."""
-        key_pos = block_pos if cache.positions is None else torch.cat([cache.positions, block_pos])
-        dist = block_pos[:, None] - key_pos[None, :]  # [B, L + B]
-        return (dist >= 0) & (dist < self.sliding_window)
+        block = kb.shape[2]
+        cache.on(x.device)
+        cache.kv.columns = cache.start + cache.kv_index[:block]  # [B]
+        keys, values = cache.kv.update(kb, vb, self.layer_idx)  # [1, nkv, C, hd]
+        mask = cache.block_mask(block, positions[0], self.sliding_window)  # [B, C]
+        return self.output(grouped_attention(q, keys, values, mask[None, None]))
 
 
 class DFlashDecoderLayer(CompiledElementwise):

@@ -20,19 +20,14 @@ from specfoundry.families.domino.model import DominoDraft
 class DominoRunner(BlockDraftRunner):
     """BlockDraftRunner whose proposals go through the sequential GRU correction."""
 
-    @torch.inference_mode()
-    def propose(self, bonus: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block's B-1 proposals after `bonus` and their final logits [B-1, V]."""
+    def propose_body(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's B-1 proposals after the bonus and their final logits [B-1, V]."""
         draft: DominoDraft = self.draft
-        p, device = len(self.cache), self.lm_head.device
-        ids = torch.full((1, self.block_size), self.mask_token_id, device=device)
-        ids[0, 0] = bonus
-        positions = torch.arange(p, p + self.block_size, device=device)[None]
-        z = draft.decode_block(ids, positions, self.cache)[0]  # [B, H]
+        z = self.block_states()  # [B, H]
         n = self.block_size - 1
         base = draft.base_logits(z[:n], self.lm_head)  # [B-1, V]: one product for the block
-        slots = torch.arange(n, device=device)
-        state = draft.gru_step(ids[0, :1], None)  # g_0: the GRU after e(b)
+        slots = self.slots[:n]
+        state = draft.gru_step(self.bonus.view(1), None)  # g_0: the GRU after e(b)
         # each proposal stays on the device until the block is done: no host sync per slot
         drafts, rows = [], []
         for j in range(n):

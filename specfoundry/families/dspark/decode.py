@@ -27,25 +27,28 @@ from specfoundry.families.dspark.model import DSparkDraft
 class DSparkRunner(BlockDraftRunner):
     """BlockDraftRunner whose B proposals go through the sequential Markov bias."""
 
-    def __init__(self, draft: DSparkDraft, lm_head: torch.Tensor):
-        super().__init__(draft, lm_head)
+    def __init__(self, draft: DSparkDraft, lm_head: torch.Tensor, *, graphs: bool | None = None):
+        super().__init__(draft, lm_head, graphs=graphs)
         self.confidences: list[torch.Tensor] = []  # per round, the B predicted acceptance probabilities [B]
 
-    def reset(self) -> None:
-        super().reset()
+    def reset(self, reserve: int = 0) -> None:
+        super().reset(reserve)
         self.confidences = []
 
     @torch.inference_mode()
     def propose(self, bonus: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block's B proposals after `bonus` and their logits [B, V]."""
+        """The block's B proposals after `bonus` and their logits [B, V]; each round's B confidences
+        kept (a copy: the captured proposal's buffer is refilled next round)."""
+        drafts, rows, confidence = super().propose(bonus)
+        self.confidences.append(confidence.clone())  # [B], read after the decode
+        return drafts, rows
+
+    def propose_body(self):
+        """(the B proposals, their logits [B, V], their predicted acceptance probabilities [B])."""
         draft: DSparkDraft = self.draft
-        p, device = len(self.cache), self.lm_head.device
-        ids = torch.full((1, self.block_size), self.mask_token_id, device=device)
-        ids[0, 0] = bonus
-        positions = torch.arange(p, p + self.block_size, device=device)[None]
-        z = draft.decode_block(ids, positions, self.cache)[0]  # [B, H]
+        z = self.block_states()  # [B, H]
         base = draft.base_logits(z, self.lm_head)  # [B, V]: one product for the block
-        prev = torch.tensor([bonus], device=device)
+        prev = self.bonus.view(1)
         # each proposal stays on the device until the block is done: no host sync per slot
         drafts, rows, confidence = [], [], []
         for j in range(self.block_size):
@@ -55,8 +58,7 @@ class DSparkRunner(BlockDraftRunner):
             drafts.append(d)
             rows.append(logits)
             prev = d.view(1)
-        self.confidences.append(torch.sigmoid(torch.stack(confidence).float()))  # [B], read after the decode
-        return torch.stack(drafts), torch.stack(rows)  # [B] on the device, [B, V]
+        return torch.stack(drafts), torch.stack(rows), torch.sigmoid(torch.stack(confidence).float())
 
 
 def decode_settings(cfg: DSparkConfig, *, k: int, tree, k_given: bool, source: str):
