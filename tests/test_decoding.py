@@ -183,3 +183,31 @@ def test_a_graph_replayed_block_proposal_equals_the_eager_one_on_a_gpu():
     for (a_drafts, a_logits), (b_drafts, b_logits) in zip(got[False], got[True], strict=True):
         assert a_drafts == b_drafts
         torch.testing.assert_close(b_logits, a_logits, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_a_graph_replayed_peagle_round_equals_the_eager_one_on_a_gpu():
+    """P-EAGLE's round forward (n pending rows, k proposals) captured per (n, k) and run eagerly: the
+    same logits, rounds of different n interleaved."""
+    from specfoundry.families.peagle.config import PEagleConfig
+    from specfoundry.families.peagle.decode import PEagleRunner
+    from specfoundry.families.peagle.model import PEagleDraft
+    from tests.test_families import TINY
+
+    torch.manual_seed(0)
+    draft = PEagleDraft(PEagleConfig(**TINY, num_hidden_layers=2, num_depths=4, mask_token_id=3)).cuda().eval()
+    aux = torch.randn(40, draft.cfg.num_aux * draft.cfg.target_hidden_size, device="cuda")
+    got = {}
+    for graphs in (False, True):
+        runner = PEagleRunner(draft, graphs=graphs)
+        runner.reset(64)
+        runner.read(list(range(5, 16)), aux[:11])
+        rows, at = [runner.forward(4).clone()], 11
+        for n in (1, 3, 2, 3, 1):
+            runner.read(list(range(20, 20 + n)), aux[at: at + n])
+            at += n
+            rows.append(runner.forward(4).clone())
+        got[graphs] = rows
+    assert runner.calls
+    for a, b in zip(got[False], got[True], strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)

@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from specfoundry.decoding.cache import StaticKVCache
 from specfoundry.families import FAMILIES, DraftLoadError
 from specfoundry.families.interface import Batch
 from specfoundry.families.peagle.config import PEagleConfig
@@ -25,7 +26,7 @@ from specfoundry.families.peagle.loss import (
     peagle_loss,
 )
 from specfoundry.families.peagle.mask import dense_peagle_mask
-from specfoundry.families.peagle.model import KVCache, PEagleDraft
+from specfoundry.families.peagle.model import PEagleDraft
 from tests.test_train import run_stopped_and_resumed, small_cfg, smol_features  # noqa: F401 (a fixture)
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -142,8 +143,11 @@ def reference_loss(draft, batch, lm_head, kept, num_depths, weights):
             deepest = max([d for d, a in enumerate(kept[r], 1) if i in a.tolist()], default=0)
             hidden = torch.cat([draft.project(aux[: i + 1]), draft.mask_state().expand(deepest, -1)])[None]
             tokens = torch.cat([ids[1 : i + 2], torch.full((deepest,), draft.cfg.mask_token_id)])[None]
-            states = draft.decode_forward(tokens, hidden, torch.arange(i + 1 + deepest)[None],
-                                          [KVCache() for _ in draft.layers])[0]
+            t = i + 1 + deepest
+            cache = StaticKVCache(t)
+            cache.columns = torch.arange(t)
+            causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None]  # [1, 1, T, T]: the rollout alone
+            states = draft.decode_forward(tokens, hidden, torch.arange(t)[None], cache, causal)[0]
             for d in range(deepest + 1):
                 label = i + 2 + d
                 full = final[min(label - 1, len(final) - 1)] @ lm_head.T
@@ -464,8 +468,8 @@ def test_the_positions_check_names_a_wrong_mask_token_and_fit_an_untrained_draft
     assert positions.ok and not fit.ok, (positions, fit)
     decode = draft.decode_forward
 
-    def other_mask(ids, hidden, pos, caches):  # decoding's mask slots read token 0, training's the mask token
-        return decode(torch.where(ids == cfg.mask_token_id, 0, ids), hidden, pos, caches)
+    def other_mask(ids, hidden, pos, cache, mask):  # decoding's mask slots read token 0, training's the mask token
+        return decode(torch.where(ids == cfg.mask_token_id, 0, ids), hidden, pos, cache, mask)
 
     draft.decode_forward = other_mask
     positions = check_positions(draft, sample)

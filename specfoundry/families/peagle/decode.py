@@ -21,29 +21,62 @@ from dataclasses import dataclass
 
 import torch
 
+from specfoundry.common.settings import MAX_DRAFT
 from specfoundry.decoding.accept import accept
+from specfoundry.decoding.cache import StaticKVCache, visible
+from specfoundry.decoding.graphs import CapturedCall
 from specfoundry.decoding.rounds import DecodeResult, decode_rounds
 from specfoundry.decoding.sampler import Sampler
-from specfoundry.decoding.target import TargetRunner
+from specfoundry.decoding.target import COLUMN_ROUND, TargetRunner
 from specfoundry.families.peagle.config import PEagleConfig
 from specfoundry.families.peagle.loss import pack_batch, pack_row, packed_states
-from specfoundry.families.peagle.model import KVCache, PEagleDraft
+from specfoundry.families.peagle.model import PEagleDraft
 from specfoundry.families.vocab import draft_ids_from_d2t
 
 
-class PEagleRunner:
-    """The draft with its per-layer KV caches and its pending rows (see the module docstring)."""
+@dataclass
+class RoundInputs:
+    """A round's forward inputs on the device: ids [n+k-1] (the pending rows' tokens, then k-1 mask
+    tokens) and the pending rows' features aux [n, 3*Ht]."""
 
-    def __init__(self, draft: PEagleDraft):
+    ids: torch.Tensor
+    aux: torch.Tensor
+
+
+class PEagleRunner:
+    """The draft with its static KV cache (decoding/cache.py: every layer's keys, column i the row
+    of position i) and its pending rows (see the module docstring). A round's forward reads the
+    pending rows and k-1 mask slots, whose columns stay scratch: the committed length moves past the
+    pending rows only. On a GPU the forward of a round (n pending rows, k proposals) is captured once
+    per (n, k) as a CUDA graph over static inputs and replayed; the prompt's first forward, of many
+    rows, runs eagerly."""
+
+    def __init__(self, draft: PEagleDraft, *, graphs: bool | None = None):
         self.draft = draft
+        self.device = draft.fc.weight.device
         self.draft_to_target = draft_ids_from_d2t(draft.d2t)  # [Vd]
         self.target_ids: list[int] = self.draft_to_target.tolist()
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.cache = StaticKVCache(COLUMN_ROUND)
+        self.kv_index = torch.arange(COLUMN_ROUND, device=self.device)
+        self.start = torch.zeros((), dtype=torch.long, device=self.device)  # the committed length
+        self.calls: dict[tuple[int, int], tuple[CapturedCall, RoundInputs]] = {}
         self.reset()
 
-    def reset(self) -> None:
-        self.caches = [KVCache() for _ in self.draft.layers]
+    def reset(self, reserve: int = 0) -> None:
+        self.length = 0
+        self.start.fill_(0)
         self.tokens: list[int] = []  # pending rows' tokens
         self.aux: list[torch.Tensor] = []  # pending rows' features [n, 3*Ht]
+        self.reserve(reserve)
+
+    def reserve(self, tokens: int) -> None:
+        if tokens <= self.cache.capacity:
+            return
+        capacity = -(-tokens // COLUMN_ROUND) * COLUMN_ROUND
+        self.cache = self.cache.grown(capacity)
+        self.kv_index = torch.arange(capacity, device=self.device)
+        self.calls.clear()  # they read the old cache
 
     def read(self, tokens: list[int], aux: torch.Tensor) -> None:
         """Rows (token t_{i+1}, feature a_i) to read at the next forward."""
@@ -54,18 +87,37 @@ class PEagleRunner:
     @torch.inference_mode()
     def forward(self, k: int) -> torch.Tensor:
         """One forward over the pending rows and k-1 mask slots: logits [k, Vd] of depths 0..k-1."""
-        draft, cfg = self.draft, self.draft.cfg
-        device, dtype = draft.fc.weight.device, draft.fc.weight.dtype
-        start, n = len(self.caches[0]), len(self.tokens)
+        n = len(self.tokens)
         assert n >= 1, "a round needs the newest committed token"
-        hidden = torch.cat([draft.project(torch.cat(self.aux).to(device, dtype)),
-                            draft.mask_state().expand(k - 1, -1)])[None]  # [1, n+k-1, H]
-        ids = torch.tensor([self.tokens + [cfg.mask_token_id] * (k - 1)], device=device)
-        positions = torch.arange(start, start + n + k - 1, device=device)[None]
-        normed = draft.decode_forward(ids, hidden, positions, self.caches)
-        for cache in self.caches:
-            cache.crop(start + n)  # the mask slots are this round's only
+        self.reserve(self.length + n + k - 1)
+        ids = self.tokens + [self.draft.cfg.mask_token_id] * (k - 1)
+        aux = torch.cat(self.aux)  # [n, 3*Ht]
+        if self.graphs and self.length > 0 and n <= MAX_DRAFT + 1:
+            if (n, k) not in self.calls:
+                inputs = RoundInputs(torch.zeros(n + k - 1, dtype=torch.long, device=self.device),
+                                     torch.zeros_like(aux))
+                self.calls[n, k] = CapturedCall(lambda: self.body(inputs, n, k), self.device), inputs
+            call, inputs = self.calls[n, k]
+            inputs.ids.copy_(torch.tensor(ids).pin_memory(), non_blocking=True)  # (pinned blocks are kept until copied)
+            inputs.aux.copy_(aux)
+            logits = call()
+        else:
+            logits = self.body(RoundInputs(torch.tensor(ids, device=self.device), aux), n, k)
+        self.length += n  # the mask slots' columns are this round's only
+        self.start.fill_(self.length)
         self.tokens, self.aux = [], []
+        return logits
+
+    def body(self, x: RoundInputs, n: int, k: int) -> torch.Tensor:
+        """The round's forward on the device alone, at columns and positions start..start+n+k-2."""
+        draft = self.draft
+        dtype = draft.fc.weight.dtype
+        count = n + k - 1
+        hidden = torch.cat([draft.project(x.aux.to(dtype)), draft.mask_state().expand(k - 1, -1)])[None]
+        columns = self.start + self.kv_index[:count]  # [T]
+        self.cache.columns = columns
+        mask = visible(self.kv_index, self.start, torch.ones(count, count, dtype=torch.bool, device=self.device).tril())
+        normed = draft.decode_forward(x.ids[None], hidden, columns[None], self.cache, mask[None, None])
         return draft.lm_head(normed[0, n - 1:]).float()
 
     def propose(self, k: int, pick, greedy: bool = False):
@@ -87,7 +139,7 @@ class PEagleDecoder:
     def generate(self, target: TargetRunner, prompt: list[int], *, max_new_tokens: int, eos: set[int],
                  sampler: Sampler) -> DecodeResult:
         runner = self.runner
-        runner.reset()
+        runner.reset(len(prompt) + max_new_tokens + self.k)
         return decode_rounds(
             target, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler,
             start=lambda first, aux: runner.read(prompt[1:] + first, aux),

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from specfoundry.decoding.attention import grouped_attention
+from specfoundry.decoding.cache import StaticKVCache
 from specfoundry.families.layers import (
     CompiledElementwise,
     DraftRotary,
@@ -31,43 +33,6 @@ from specfoundry.families.layers import (
     swiglu,
 )
 from specfoundry.families.peagle.config import PEagleConfig
-
-
-class KVCache:
-    """P-EAGLE's per-layer keys/values for decoding one sequence at a time (sf-eval).
-
-    A chain of proposals is appended and then cropped back to the accepted prefix, so every
-    cached key is a real token with real target features, as in training's step-0 block.
-    """
-
-    def __init__(self):
-        self.keys: torch.Tensor | None = None  # [B, nkv, L, hd]
-        self.values: torch.Tensor | None = None
-        self.next_mask: torch.Tensor | None = None  # [new, L] bool for the next append only (trees)
-
-    def __len__(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
-        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
-        return self.keys, self.values
-
-    def mask_for(self, new: int, device) -> torch.Tensor:
-        """[new, L] bool: every cached key, and the new tokens causally among themselves; or the
-        mask set in `next_mask` (a token tree's nodes see only their ancestors), used once."""
-        if self.next_mask is not None:
-            mask, self.next_mask = self.next_mask, None
-            assert mask.shape == (new, len(self)), (mask.shape, new, len(self))
-            return mask
-        past = len(self) - new
-        j = torch.arange(len(self), device=device)
-        i = torch.arange(new, device=device)[:, None]
-        return j[None, :] <= past + i
-
-    def crop(self, length: int) -> None:
-        if self.keys is not None:
-            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
 
 
 class PEagleAttention(CompiledElementwise):
@@ -81,9 +46,11 @@ class PEagleAttention(CompiledElementwise):
         self.v_proj = nn.Linear(width, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, mask: torch.Tensor | BlockMask | None = None, cache: KVCache | None = None):
+    def forward(self, x, cos, sin, mask: torch.Tensor | BlockMask | None = None, cache: StaticKVCache | None = None,
+                layer: int = 0):
         """x [B, T, width] -> [B, T, H]: under `mask` ([B, 1, T, T] bool or a BlockMask, training), or
-        after the cached keys, causally (decoding)."""
+        over the decoding core's static cache (decoding: the keys written at cache.columns as layer
+        `layer`'s, mask [1, 1, T, C] over every column)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
         k = self.k_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
@@ -91,8 +58,8 @@ class PEagleAttention(CompiledElementwise):
         q, k = self.elementwise(apply_rotary_pos_emb, q, k, cos, sin)
         gqa = self.nh != self.nkv
         if cache is not None:
-            k, v = cache.append(k, v)
-            mask = cache.mask_for(t, x.device)
+            keys, values = cache.update(k, v, layer)  # [1, nkv, C, hd]
+            return self.o_proj(grouped_attention(q, keys, values, mask).transpose(1, 2).reshape(b, t, self.nh * self.hd))
         if isinstance(mask, BlockMask):
             from specfoundry.kernels.tree_attention import compiled_flex
 
@@ -174,10 +141,11 @@ class PEagleDraft(nn.Module):
         (mask.py's, [B, 1, P, P] bool or a BlockMask)."""
         return self.states(input_ids, hidden, positions, lambda i, attn, x, cos, sin: attn(x, cos, sin, mask=mask))
 
-    def decode_forward(self, input_ids, hidden, positions, caches: list[KVCache]) -> torch.Tensor:
-        """New tokens after the per-layer caches, causally (sf-eval): normed states [B, T, H]."""
+    def decode_forward(self, input_ids, hidden, positions, cache: StaticKVCache, mask: torch.Tensor) -> torch.Tensor:
+        """New tokens written into the decoding core's static cache at cache.columns, each seeing what
+        mask [1, 1, T, C] says (sf-eval): normed states [1, T, H]."""
         return self.states(input_ids, hidden, positions,
-                           lambda i, attn, x, cos, sin: attn(x, cos, sin, cache=caches[i]))
+                           lambda i, attn, x, cos, sin: attn(x, cos, sin, mask=mask, cache=cache, layer=i))
 
     def compile_elementwise(self, on: bool = True) -> PEagleDraft:
         """Run RMSNorm, SwiGLU and RoPE through torch.compile on GPU tensors (training)."""
