@@ -10,6 +10,9 @@ step and the crop that undoes it (so every iteration starts from the same length
     token         one token
     verify_kK     a chain verify of K+1 tokens (K = 3, 7, 15)
     tree          a tree verify: the pending token and the 8,4,2,1,1,1,1 tree (360 nodes)
+    draft_F       family F's draft step, a random draft of the target's shape after the prompt's context:
+                  EAGLE-3's greedy chain of 7, a DFlash / Domino / DSpark block of 16, P-EAGLE's round
+                  of 7 depths after one committed row
 Columns:
     plain         transformers as a user writes it: model(input_ids, past_key_values=DynamicCache),
                   then cache.crop (no tree: a plain loop has no tree mask)
@@ -19,6 +22,9 @@ Columns:
     core          TargetRunner with graphs (what sf-eval and the gate run): inputs copied in, mask
                   built in the graph, aux layers tapped, fp32 logits
     core_eager    the same body without graphs (the CPU path)
+For a draft row, `plain` is the family's step eager (its runner without graphs), `graph` the same body
+under one bare torch.cuda.graph written here, `core` the runner's own captured step.
+--device cpu --shapes tiny checks the script on a CPU (no graph columns).
 CUDA events around each (after warm-up, the columns interleaved in every iteration), median ms.
 --profile adds torch.profiler tables of 10 core and 10 plain token steps. JSON: results/decode_step.json
 (`summary.ms`: shape -> row -> {plain, graph, core, core_eager}).
@@ -48,9 +54,13 @@ SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0,
                max_position_embeddings=131072),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096),
 }
 TREE = (8, 4, 2, 1, 1, 1, 1)
-AUX = {"smollm2": [1, 14, 26], "8b": [1, 15, 28]}
+AUX = {"smollm2": [1, 14, 26], "8b": [1, 15, 28], "tiny": [1, 3, 4]}
+DFLASH_LAYERS = {"smollm2": [1, 8, 14, 20, 27], "8b": [1, 8, 15, 22, 29], "tiny": [1, 2, 3, 4, 5]}
+CHAIN, BLOCK = 7, 16
 
 
 def tree_of(branching: tuple[int, ...], vocab: int) -> DraftTree:
@@ -87,9 +97,16 @@ class RefCache:
         return 0
 
 
+def cache_arg(model) -> str:
+    """The forward's name for the cache: `cache` in newer transformers (which warn on the old name)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def reference_step(model, cache: RefCache, start: int, ids: list[int], positions: list[int], pattern: torch.Tensor):
     """A captured forward of `ids` at columns start.., the committed columns and `pattern` visible."""
-    dev = "cuda"
+    dev = next(model.parameters()).device
     t = len(ids)
     allowed = torch.zeros(t, cache.capacity, dtype=torch.bool)
     allowed[:, :start] = True
@@ -100,27 +117,32 @@ def reference_step(model, cache: RefCache, start: int, ids: list[int], positions
     def forward():
         cache.columns = static["cols"]
         return model(input_ids=static["ids"], position_ids=static["pos"], attention_mask=static["mask"],
-                     past_key_values=cache, use_cache=True).logits
+                     **{cache_arg(model): cache}, use_cache=True).logits
 
+    return bare_graph(forward)
+
+
+def bare_graph(fn):
+    """fn under one torch.cuda.graph (two warm-up calls on a side stream first): its replay."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.inference_mode():
         for _ in range(2):
-            forward()
+            fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), torch.inference_mode():
-        forward()
+        fn()
     return graph.replay
 
 
-def build(shape: str):
+def build(shape: str, device: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(**SHAPES[shape], attn_implementation="sdpa")
-    with torch.device("cuda"):
-        torch.set_default_dtype(torch.bfloat16)
+    with torch.device(device):
+        torch.set_default_dtype(torch.bfloat16 if device == "cuda" else torch.float32)
         try:
             model = LlamaForCausalLM(config)
         finally:
@@ -141,7 +163,7 @@ def rows_of(shape: str, model, prompt_len: int, iters: int) -> list[dict]:
         runner.forward(prompt)
     plain_cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(input_ids=torch.tensor([prompt], device="cuda"), past_key_values=plain_cache, use_cache=True)
+        model(input_ids=torch.tensor([prompt], device=model.device), **{cache_arg(model): plain_cache}, use_cache=True)
     ref_cache = RefCache(core.cache.capacity)
     reference_step(model, ref_cache, 0, prompt, list(range(prompt_len)),
                    torch.ones(prompt_len, prompt_len, dtype=torch.bool).tril())()  # its prefill
@@ -164,8 +186,8 @@ def rows_of(shape: str, model, prompt_len: int, iters: int) -> list[dict]:
 
         def plain_step(ids=ids):
             with torch.inference_mode():
-                model(input_ids=torch.tensor([ids], device="cuda"), past_key_values=plain_cache, use_cache=True)
-            plain_cache.crop(prompt_len)
+                model(input_ids=torch.tensor([ids], device=model.device), **{cache_arg(model): plain_cache}, use_cache=True)
+            plain_cache.crop(-len(ids))  # (a negative count: every transformers version takes it)
 
         pattern = (mask[:, prompt_len:] if mask is not None else torch.ones(t, t, dtype=torch.bool).tril())
         fns, errors = {"core": core_step(core), "core_eager": core_step(eager)}, {}
@@ -182,6 +204,108 @@ def rows_of(shape: str, model, prompt_len: int, iters: int) -> list[dict]:
     return rows
 
 
+def draft_steps(shape: str, model, prompt_len: int, graphs: bool) -> dict:
+    """family -> (its step as sf-eval runs it, its step's body for a bare graph), a random draft of
+    the target's shape (bf16 on a GPU) whose runner has read a context of prompt_len positions."""
+    from specfoundry.families.dflash.block import BlockDraftRunner
+    from specfoundry.families.dflash.config import dflash_config_from_target
+    from specfoundry.families.dflash.model import DFlashDraft
+    from specfoundry.families.domino.config import domino_config_from_target
+    from specfoundry.families.domino.decode import DominoRunner
+    from specfoundry.families.domino.model import DominoDraft
+    from specfoundry.families.domino.options import DominoOptions
+    from specfoundry.families.dspark.config import dspark_config_from_target
+    from specfoundry.families.dspark.decode import DSparkRunner
+    from specfoundry.families.dspark.model import DSparkDraft
+    from specfoundry.families.dspark.options import DSparkOptions
+    from specfoundry.families.eagle3.chain import DraftRunner
+    from specfoundry.families.eagle3.config import draft_config_from_target
+    from specfoundry.families.eagle3.model import Eagle3Draft
+    from specfoundry.families.peagle.config import peagle_config_from_target
+    from specfoundry.families.peagle.decode import PEagleRunner, RoundInputs
+    from specfoundry.families.peagle.model import PEagleDraft
+
+    cfg = model.config.to_dict()
+    vocab, device, dtype = cfg["vocab_size"], model.device, model.dtype
+    head = model.lm_head.weight  # [V, H] the target's
+    tokens = list(range(1, prompt_len + 1))
+    torch.manual_seed(2)
+
+    def placed(draft):
+        return draft.to(device, dtype).eval().requires_grad_(False)
+
+    def aux(layers: int, rows: int = prompt_len) -> torch.Tensor:
+        return torch.randn(rows, layers * cfg["hidden_size"], device=device, dtype=dtype)
+
+    steps = {}
+    eagle = DraftRunner(placed(Eagle3Draft(draft_config_from_target(cfg, min(32000, vocab), AUX[shape]))),
+                        graphs=graphs)
+    eagle.reset(prompt_len + 64)
+    eagle.extend(tokens, aux(3))
+    steps["eagle3"] = (lambda: eagle.propose(CHAIN, None, greedy=True), lambda: eagle.greedy_chain(CHAIN))
+    layers, mask_id = DFLASH_LAYERS[shape], vocab - 1
+    blocks = {
+        "dflash": (BlockDraftRunner, DFlashDraft(dflash_config_from_target(cfg, layers, 5, BLOCK, mask_id))),
+        "domino": (DominoRunner, DominoDraft(domino_config_from_target(cfg, layers, 5, BLOCK, mask_id,
+                                                                        DominoOptions().gru_hidden_dim,
+                                                                        DominoOptions().correction_dim))),
+        "dspark": (DSparkRunner, DSparkDraft(dspark_config_from_target(cfg, layers, 5, BLOCK, mask_id,
+                                                                        DSparkOptions().markov_rank))),
+    }
+    for name, (runner_class, draft) in blocks.items():
+        runner = runner_class(placed(draft), head, graphs=graphs)
+        runner.reset(prompt_len + 64)
+        runner.extend(aux(len(layers)))
+        runner.bonus.fill_(11)
+        steps[name] = (lambda r=runner: r.propose(11), runner.propose_body)
+    peagle = PEagleRunner(placed(PEagleDraft(peagle_config_from_target(cfg, min(32000, vocab), AUX[shape],
+                                                                        num_hidden_layers=2, num_depths=CHAIN,
+                                                                        mask_token_id=mask_id))), graphs=graphs)
+    peagle.reset(prompt_len + 4096)  # every timed step commits one row
+    peagle.read(tokens, aux(3))
+    peagle.forward(CHAIN)
+    row = aux(3, 1)
+    inputs = RoundInputs(torch.tensor([5] + [mask_id] * (CHAIN - 1), device=device), row)
+
+    def peagle_step():
+        peagle.read([5], row)
+        return peagle.propose(CHAIN, None, greedy=True)
+
+    steps["peagle"] = (peagle_step, lambda: peagle.body(inputs, 1, CHAIN))
+    return steps
+
+
+def draft_rows(shape: str, model, prompt_len: int, iters: int) -> list[dict]:
+    cuda = model.device.type == "cuda"
+    eager = draft_steps(shape, model, prompt_len, graphs=False)
+    core = draft_steps(shape, model, prompt_len, graphs=True) if cuda else {}
+    rows = []
+    for name, (plain_step, body) in eager.items():
+        fns = {"plain": plain_step}
+        if cuda:
+            fns["graph"] = bare_graph(body)
+            fns["core"] = core[name][0]
+        ms = cuda_time_ms_interleaved(fns, warmup=3, iters=iters) if cuda else {"plain": wall_ms(plain_step, iters)}
+        rows.append({"shape": shape, "row": f"draft_{name}", "tokens": None, **{k: ms.get(k) for k in
+                                                                             ("plain", "graph", "core")},
+                     "core/graph": ms["core"] / ms["graph"] if cuda else None})
+    return rows
+
+
+def wall_ms(fn, iters: int) -> float:
+    """Median host time of fn() (a CPU run: no events)."""
+    import statistics
+    import time
+
+    fn()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(times)
+
+
 def profile(model, shape: str, prompt_len: int) -> dict:
     from transformers import DynamicCache
 
@@ -191,11 +315,11 @@ def profile(model, shape: str, prompt_len: int) -> dict:
     runner.forward(prompt)
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(input_ids=torch.tensor([prompt], device="cuda"), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([prompt], device=model.device), **{cache_arg(model): cache}, use_cache=True)
     out = {}
     for name, fn in (("core", lambda: (runner.forward([5]), runner.crop(prompt_len))),
-                     ("plain", lambda: (model(input_ids=torch.tensor([[5]], device="cuda"), past_key_values=cache,
-                                              use_cache=True), cache.crop(prompt_len)))):
+                     ("plain", lambda: (model(input_ids=torch.tensor([[5]], device=model.device), **{cache_arg(model): cache},
+                                              use_cache=True), cache.crop(-1)))):
         with torch.inference_mode():
             for _ in range(3):
                 fn()
@@ -218,20 +342,25 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--out", default="decode_step")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu to check the script (draft rows only, eager)")
     args = p.parse_args()
     rows, profiles = [], {}
     for shape in args.shapes.split(","):
-        model = build(shape)
-        rows += rows_of(shape, model, args.prompt, args.iters)
-        if args.profile:
+        model = build(shape, args.device)
+        if args.device == "cuda":
+            rows += rows_of(shape, model, args.prompt, args.iters)
+        rows += draft_rows(shape, model, args.prompt, args.iters)
+        if args.profile and args.device == "cuda":
             profiles[shape] = profile(model, shape, args.prompt)
         del model
         torch.cuda.empty_cache()
     print_table(rows, ["shape", "row", "tokens", "plain", "graph", "core", "core_eager", "core/graph"])
     summary = {"ms": {}}
     for r in rows:
-        summary["ms"].setdefault(r["shape"], {})[r["row"]] = {k: r[k] for k in ("plain", "graph", "core",
-                                                                                "core_eager")}
+        summary["ms"].setdefault(r["shape"], {})[r["row"]] = {k: r.get(k) for k in ("plain", "graph", "core",
+                                                                                    "core_eager")}
+    if args.device != "cuda":
+        return  # a check of the script: no result file
     path = write_result(args.out, rows, {"summary": summary, "profile": profiles, "tree": list(TREE),
                                          "prompt_tokens": args.prompt})
     print(f"wrote {path}")
