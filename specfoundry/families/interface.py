@@ -308,17 +308,35 @@ def check_numbers(config: dict, file: Path, where: str = "") -> None:
 
 
 def load_tensors(file: Path) -> dict[str, torch.Tensor]:
-    """A safetensors file's tensors; a damaged or truncated one is named, not a SafetensorError."""
+    """A safetensors file's tensors, every floating one finite (check_finite): the one reader of a
+    draft's weights (an export, a checkpoint, --init-from). A damaged or truncated file, or a NaN or
+    inf in a weight, is one line naming the file (and the tensor), not a SafetensorError or a draft
+    that decodes garbage."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     if not Path(file).is_file():
         raise DraftLoadError(f"{Path(file).parent} holds no {Path(file).name}")
     try:
-        return load_file(str(file))
+        tensors = load_file(str(file))
     except (SafetensorError, ValueError) as e:
         raise DraftLoadError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0]}): it is damaged "
                              "or truncated") from None
+    try:
+        check_finite(tensors, str(file))
+    except ValueError as e:
+        raise DraftLoadError(f"{e}: the draft is broken (retrain it, or use an earlier checkpoint)") from None
+    return tensors
+
+
+def check_finite(tensors: dict[str, torch.Tensor], source: str) -> None:
+    """ValueError naming `source` and the first floating tensor (by name) holding a NaN or an inf."""
+    for name in sorted(tensors):
+        t = tensors[name]
+        if t.is_floating_point():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                raise ValueError(f"{source}: {name}: {bad} of {t.numel()} values are not finite")
 
 
 def select_layers(manifest: dict, family: DraftFamily, options, explicit: tuple[int, ...] | None,

@@ -39,7 +39,7 @@ from specfoundry.common.target import (
 )
 from specfoundry.common.weights import weight_fingerprint
 from specfoundry.families import FAMILIES, family_names, get_family
-from specfoundry.families.interface import Batch, select_layers, serving_verifier
+from specfoundry.families.interface import Batch, check_finite, select_layers, serving_verifier
 from specfoundry.featureset.manifest import FeatureSetError, check_matches_target, tokenizer_hashes
 from specfoundry.featureset.store import FeatureSet
 from specfoundry.train.checkpoints import newest_complete_checkpoint, read_trainer_state, write_checkpoint
@@ -351,6 +351,12 @@ class Trainer:
         per_rank = accel.gather(state_bytes).tolist()
         # a collective under FSDP (the full state dict is gathered): every rank must call it
         state = accel.get_state_dict(self.model) if accel.num_processes > 1 else self.raw.state_dict()
+        draft_state = {k: v for k, v in state.items() if k.startswith("draft.")}
+        try:  # weights a finite loss did not read can still have gone non-finite: never exported
+            check_finite(draft_state, f"sf-train: the draft after step {self.step}")
+        except ValueError as e:
+            raise NonFiniteError(f"{e}; nothing exported (lower --lr or raise --warmup-steps, and rerun into a new "
+                                 "folder)") from None
         export = self.out / "export"
         if accel.is_main_process:
             atomic_write_json(self.out / "train_summary.json", {
@@ -361,7 +367,7 @@ class Trainer:
             tmp = export.with_name(f".{export.name}{TMP_SUFFIX}")
             shutil.rmtree(tmp, ignore_errors=True)
             target = {**self.fs.manifest["target"], "tokenizer_sha256": self.fs.manifest["tokenizer_sha256"]}
-            self.family.export({k.removeprefix("draft."): v for k, v in state.items() if k.startswith("draft.")},
+            self.family.export({k.removeprefix("draft."): v for k, v in draft_state.items()},
                                self.dcfg, tmp, target, verifier=serving_verifier(self.cfg.target, self.target_dir))
             replace_dir(tmp, export)
             atomic_write_json(self.out / "history.json", self.history)
