@@ -239,13 +239,13 @@ def test_the_option_is_checked_on_the_command_line_and_in_recipes_and_recorded(t
     assert result.exit_code == 2 and len(errors) == 1, result.output
     assert "--objective" in errors[0] and "'dflash'" in errors[0] and "'dpace'" in errors[0], errors[0]
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("train:\n  objective: D-PACE\n")
+    recipe.write_text("target: smollm2\ntrain:\n  objective: D-PACE\n")
     with pytest.raises(click.ClickException) as e:
         resolve_config(TrainConfig, "train", str(recipe), {}, featureset="f", output="o")
     message = e.value.format_message()
     assert message.startswith(f"{recipe}: train: objective: ") and "dflash, dpace" in message, message
     assert "\n" not in message
-    recipe.write_text("train:\n  family: dflash\n  objective: dpace\n  dpace_alpha: 0.2\n")
+    recipe.write_text("target: smollm2\ntrain:\n  family: dflash\n  objective: dpace\n  dpace_alpha: 0.2\n")
     cfg = resolve_config(TrainConfig, "train", str(recipe), {}, featureset="f", output="o")
     assert (cfg.dflash.objective, cfg.dflash.dpace_alpha) == ("dpace", 0.2)
     # recorded in train_config.json under dflash, and among what a resumed run must repeat

@@ -435,7 +435,7 @@ def test_another_familys_option_on_the_command_line_is_one_line(tmp_path):
                  "--aux-layers names the layers stored, --families picks them")
     assert not out.exists()
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("train:\n  ttt_length: 3\n")  # an EAGLE-3 key in a recipe shared by families: not read
+    recipe.write_text("target: smollm2\ntrain:\n  ttt_length: 3\n")  # an EAGLE-3 key in a recipe shared by families: not read
     from click.testing import CliRunner
 
     result = CliRunner().invoke(train_main, ["run", str(tmp_path / "missing"), "-o", str(out), "--family", "domino",

@@ -266,7 +266,7 @@ def test_greedy_flag_and_recipe_values_reach_the_config(tmp_path, monkeypatch):
     assert seen["cfg"].sampling.temperature == 0.0
     recipe = tmp_path / "r.yaml"
     # YAML reads 1e-4 as a string; the option names work as keys too (draft_tokens for k, prompts for prompt_sets)
-    recipe.write_text("eval:\n  draft_tokens: 6\n  prompts: [chat, code]\n  temperature: 1e-4\n")
+    recipe.write_text("target: smollm2\neval:\n  draft_tokens: 6\n  prompts: [chat, code]\n  temperature: 1e-4\n")
     with click.Context(click.Command("x")):
         cfg = resolve_config(EvalConfig, "eval", str(recipe), {}, draft="d")
     assert (cfg.k, cfg.prompt_sets, cfg.temperature) == (6, ("chat", "code"), 1e-4)

@@ -17,6 +17,7 @@ import os
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -98,6 +99,8 @@ def stored_layers(cfg: CaptureConfig, num_layers: int) -> list[int]:
 @dataclass(frozen=True, kw_only=True)
 class CaptureConfig(Settings):
     """Settings of one sf-capture run (recorded in capture_config.json and the manifest)."""
+
+    DECIDED_TOGETHER: ClassVar = (("aux_layers", "families"),)  # the layers stored: the command line's
 
     source: str = setting(argument=True, help="Conversation file or folder, or an sf-regen output folder.")
     output: str = shared("output", resume=False)

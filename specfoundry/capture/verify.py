@@ -128,7 +128,8 @@ def recompute_samples(root: Path, manifest: dict, k: int, device: str | None) ->
 
     fs = FeatureSet(root)
     name = manifest["target"]["name"]  # an embedded target by its name (its converted copy may live elsewhere)
-    target = Target.load(name if name in EMBEDDED else manifest["target"]["path"], device=device)
+    target = Target.load(name if name in EMBEDDED else manifest["target"]["path"], device=device,
+                         command="sf-capture verify")
     runner = HFCaptureRunner(target, manifest["aux_layer_ids"])
     problems = []
     for i in range(min(k, len(fs))):

@@ -140,10 +140,19 @@ def silent_option(fn):
 
 # ---- config from options and recipe ------------------------------------------------------------
 
+RECIPE_TARGET = "target"
+"""A recipe's top-level key naming its target once, for every command that reads the recipe."""
+
+
 def read_recipe(path: str | None, section: str) -> dict:
     """The `section:` mapping of a recipe file ({} when there is no recipe or no such section).
     An empty recipe, or a section no command reads (a misspelt `Train:`), is an error naming it:
     either would leave the command running with its defaults."""
+    return dict(recipe_data(path).get(section) or {})
+
+
+def recipe_data(path: str | None) -> dict:
+    """A recipe file's mapping of sections (and its `target:`), checked; {} without a recipe."""
     if not path:
         return {}
     try:
@@ -153,14 +162,17 @@ def read_recipe(path: str | None, section: str) -> dict:
     if data is None:
         raise CommandError(f"{path}: the recipe is empty (a recipe has {', '.join(s + ':' for s in RECIPE_SECTIONS)} "
                            "sections)")
-    if not isinstance(data, dict) or not isinstance(data.get(section, {}), dict | None):
+    if not isinstance(data, dict) or not all(isinstance(data.get(s, {}), dict | None) for s in RECIPE_SECTIONS):
         raise CommandError(f"{path}: a recipe is a mapping of sections ({', '.join(s + ':' for s in RECIPE_SECTIONS)})")
-    unknown = [str(k) for k in data if k not in RECIPE_SECTIONS]
+    unknown = [str(k) for k in data if k not in (*RECIPE_SECTIONS, RECIPE_TARGET)]
     if unknown:
         raise CommandError(f"{path}: unknown section{'s' if len(unknown) > 1 else ''} "
-                           f"{', '.join(k + ':' for k in unknown)} (a recipe has "
+                           f"{', '.join(k + ':' for k in unknown)} (a recipe has {RECIPE_TARGET}: and "
                            f"{', '.join(s + ':' for s in RECIPE_SECTIONS)} sections)")
-    return dict(data.get(section) or {})
+    if not isinstance(data.get(RECIPE_TARGET, ""), str):
+        raise CommandError(f"{path}: {RECIPE_TARGET}: is a model directory or an embedded target's name, not "
+                           f"{data[RECIPE_TARGET]!r}")
+    return data
 
 
 def _optional(hint) -> bool:
@@ -238,17 +250,45 @@ def resolve_config(cls, section: str, recipe: str | None, options: dict, **fixed
     Inside a command, the output folder is then held for the command's life (hold_output)."""
     values = read_recipe(recipe, section)
     origins = {k: f"{recipe}: {section}: {k}" for k in values}
+    unnamed = target_from_recipe(cls, recipe, section, values, origins)
     ctx = click.get_current_context(silent=True)
     given = {k: v for k, v in options.items()
              if ctx is None or ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, None)}
+    for group in getattr(cls, "DECIDED_TOGETHER", ()):  # the command line decides, not the recipe's partner
+        if any(k in given for k in group):
+            for k in group:
+                if k not in given:
+                    values.pop(k, None)
+                    origins.pop(k, None)
     values.update(given)
     values.update(fixed)
     for k in (*given, *fixed):
         origins.pop(k, None)
     cfg = build_config(cls, values, source=f"{recipe}: {section}:" if recipe else "options", origins=origins)
+    if unnamed and "target" not in given and "target" not in fixed:  # after the section's own values are checked
+        raise CommandError(f"{recipe} names no target: add `{RECIPE_TARGET}: <model directory or embedded name>` at "
+                           f"its top (a recipe's command never runs the default target {cfg.target!r})")
     if ctx is not None and section in LOCKED and getattr(cfg, "output", None):
         hold_output(ctx, cfg.output, section)
     return cfg
+
+
+def target_from_recipe(cls, recipe: str | None, section: str, values: dict, origins: dict) -> bool:
+    """A recipe names its target once (`target:` at its top) for every command that reads it, its
+    section for the command or not: into `values` unless the section names it. A section naming
+    another target is one line. Returns whether the recipe names no target for a command that would
+    otherwise run a default one (resolve_config refuses that, unless --target is given)."""
+    fields = {f.name: f for f, _, _ in config_fields(cls)}
+    if not recipe or "target" not in fields:
+        return False
+    named = recipe_data(recipe).get(RECIPE_TARGET)
+    if named is not None and "target" in values and str(values["target"]) != named:
+        raise CommandError(f"{recipe}: {section}: target {values['target']!r} is not the recipe's target {named!r}: "
+                           f"a recipe names its target once, at its top")
+    if named is not None:
+        values.setdefault("target", named)
+        origins.setdefault("target", f"{recipe}: {RECIPE_TARGET}")
+    return named is None and "target" not in values and default_of(fields["target"]) is not None
 
 
 def given_on_command_line(name: str) -> bool:

@@ -15,6 +15,7 @@ import hashlib
 import inspect
 import json
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,12 @@ def resolve_target(target: str | os.PathLike) -> Path:
             f"nor an embedded target ({', '.join(EMBEDDED)}); specfoundry never downloads from a hub"
         )
     return path
+
+
+def announce_target(command: str, target: str, path: Path) -> None:
+    """The one line every command prints before it loads its target: which one runs, and from where."""
+    shown = str(target) if str(target) == str(path) else f"{target} ({path})"
+    print(f"{command}: target {shown}", file=sys.stderr)
 
 
 @dataclass(frozen=True)
@@ -262,6 +269,8 @@ class Target:
         placement = placement or Placement()
         path = resolve_target(target)
         ranks, device = join_launch(placement, device, command)
+        if ranks.rank == 0:
+            announce_target(command, target, path)
         dev = pick_device(device)
         kwargs = placement_kwargs(path, placement, dev)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(dev), **kwargs)

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, replace
 from importlib.resources import files
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -53,6 +54,8 @@ def parse_tree(spec) -> tuple[int, ...] | None:
 @dataclass(frozen=True, kw_only=True)
 class EvalConfig(Settings):
     """Settings of one sf-eval run (recorded in eval_config.json and in eval.json)."""
+
+    DECIDED_TOGETHER: ClassVar = (("k", "tree"),)  # a chain of k or a tree: the command line's, over the recipe's
 
     draft: str = setting(argument=True, help="An exported draft folder, an sf-train run folder, or one of its "
                          "checkpoints/step-N.")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import ClassVar
 
 from specfoundry.common.conversations import (
     BadInput,
@@ -63,6 +64,8 @@ def parse_starters(spec) -> tuple[str, ...]:
 @dataclass(frozen=True, kw_only=True)
 class RegenConfig(Settings):
     """Settings of one sf-regen run (recorded in regen_config.json beside its output)."""
+
+    DECIDED_TOGETHER: ClassVar = (("source", "synthesize"),)  # what is answered: the command line's
 
     source: str | None = setting(None, argument=True, help="Conversation file or folder (jsonl/json/parquet, "
                                  "ShareGPT or OpenAI shaped); none when prompts are synthesised.")

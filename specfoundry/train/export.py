@@ -16,7 +16,7 @@ from pathlib import Path
 from specfoundry.common.files import TMP_SUFFIX, atomic_write_json, replace_dir
 from specfoundry.common.settings import Settings, config_dict, setting, shared
 from specfoundry.common.shards import check_output_folder
-from specfoundry.common.target import EMBEDDED_DEFAULT, resolve_target, target_identity
+from specfoundry.common.target import EMBEDDED_DEFAULT, announce_target, resolve_target, target_identity
 from specfoundry.families import FAMILIES
 from specfoundry.families.folders import find_draft_files, locate_draft, trained_for
 from specfoundry.families.interface import DraftLoadError, serving_verifier
@@ -62,6 +62,7 @@ def run_export(cfg: ExportConfig) -> Path:
     recorded = trained_for(ref)
     target = cfg.target or (recorded or {}).get("name") or EMBEDDED_DEFAULT
     target_dir = resolve_target(target)
+    announce_target("sf-export", target, target_dir)
     identity = target_identity(target, target_dir)
     dcfg, tensors = find_draft_files(ref.for_target(identity.num_layers))
     check_fits_target(dcfg, identity, cfg.format)

@@ -22,6 +22,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -33,6 +34,7 @@ from specfoundry.common.taps import parse_layer_ids
 from specfoundry.common.target import (
     COMPLETION,
     EMBEDDED_DEFAULT,
+    announce_target,
     load_tokenizer,
     resolve_target,
     target_identity,
@@ -63,6 +65,8 @@ class TrainConfig(Settings):
     """Settings of one sf-train run (recorded in train_config.json beside the checkpoints). After
     `layers`, one field per registered family (families/__init__.py) holds its options group: eagle3,
     dflash, ...; every option name is unique across the groups (unique_options, at import)."""
+
+    DECIDED_TOGETHER: ClassVar = (("max_steps", "epochs"),)  # how long: the command line's, over the recipe's
 
     featureset: str = setting(argument=True, help="Feature-set folder written by sf-capture.")
     output: str = shared("output", resume=False)
@@ -192,6 +196,8 @@ class Trainer:
         cfg = self.cfg
         self.accel = self.build_accelerator()
         self.target_dir = self.target_dir or resolve_target(cfg.target)
+        if self.accel.is_main_process:
+            announce_target("sf-train", cfg.target, self.target_dir)
         check_output_folder(self.out, "train", cfg)  # before any long work
         self.fs = FeatureSet(cfg.featureset, verify=cfg.verify_shards)
         identity = check_featureset(self.fs, cfg, self.target_dir)
