@@ -344,12 +344,12 @@ def build_config(cls, values: dict, source: str = "options", origins: dict[str, 
             raise click.UsageError(f"{name} is required (on the command line or in the recipe)")
     hints = typing.get_type_hints(cls)
     kwargs = nested.pop(())
-    for path, sub in sorted(nested.items(), key=lambda p: -len(p[0])):
-        assert len(path) == 1, "configs nest one level deep"
-        kwargs[path[0]] = hints[path[0]](**sub)
-    try:
+    try:  # a check of several settings together (__post_init__), of a nested group or the whole
+        for path, sub in sorted(nested.items(), key=lambda p: -len(p[0])):
+            assert len(path) == 1, "configs nest one level deep"
+            kwargs[path[0]] = hints[path[0]](**sub)
         return cls(**kwargs)
-    except (TypeError, ValueError) as e:  # a check of several settings together (__post_init__)
+    except (TypeError, ValueError) as e:
         raise CommandError(str(e)) from e
 
 

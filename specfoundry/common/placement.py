@@ -46,7 +46,11 @@ class PlacementError(ValueError):
 
 def parse_max_memory(spec) -> dict | None:
     """--max-memory: comma-separated DEVICE=SIZE (a recipe may give a mapping). Devices are GPU
-    indices, 'cpu' or 'disk'; sizes as accelerate reads them (a byte count, or with a unit)."""
+    indices of this machine, 'cpu' or 'disk'; sizes as accelerate reads them (a byte count, or a
+    number with a unit: 70GiB, 500MB), returned in bytes. Anything else is a ValueError naming it."""
+    import torch
+    from accelerate.utils import convert_file_size_to_int
+
     if spec is None:
         return None
     items = spec.items() if isinstance(spec, dict) else [p.split("=", 1) for p in str(spec).split(",") if p.strip()]
@@ -57,7 +61,17 @@ def parse_max_memory(spec) -> dict | None:
         device, size = str(item[0]).strip(), str(item[1]).strip()
         if not (device.isdigit() or device in ("cpu", "disk")):
             raise ValueError(f"--max-memory device {device!r} is neither a GPU index, 'cpu' nor 'disk'")
-        out[int(device) if device.isdigit() else device] = int(size) if size.isdigit() else size
+        if device.isdigit() and int(device) >= torch.cuda.device_count():
+            raise ValueError(f"{device}={size}: this machine has no GPU {device} "
+                             f"({torch.cuda.device_count()} visible)")
+        try:
+            amount = convert_file_size_to_int(int(size) if size.isdigit() else size)
+        except ValueError:
+            amount = 0
+        if amount <= 0:
+            raise ValueError(f"{device}={size}: {size!r} is not a size (a byte count, or a number with a "
+                             "unit: 70GiB, 500MB)")
+        out[int(device) if device.isdigit() else device] = amount
     return out
 
 
