@@ -65,3 +65,37 @@ def test_sf_train_refuses_to_export_non_finite_weights(features, tmp_path):  # n
     with pytest.raises(NonFiniteError, match=r"draft\.norm\.weight: 1 of \d+ values are not finite"):
         trainer.finish()
     assert not (tmp_path / "run" / "export").exists() and not (tmp_path / "run" / ".export.tmp").exists()
+
+
+def test_sf_export_onto_a_full_disk_is_one_line_leaves_nothing_and_reruns_identically(tiny_llama_dir, tmp_path):
+    """issue 37 item 9: a SafetensorError traceback and a temporary folder left behind, before."""
+    import filecmp
+
+    from specfoundry.train.cli import export_main
+    from tests.test_faults import Tmpfs
+
+    source = tmp_path / "clean"
+    family, options = get_family("eagle3"), family_options("eagle3", tmp_path)
+    layers = family.default_layers(8, options)
+    torch.manual_seed(0)
+    draft, dcfg = family.build(options, stub_featureset(tmp_path, tiny_llama_dir, layers), tiny_llama_dir, layers, None)
+    family.export(draft.state_dict(), dcfg, source, {"num_layers": 8})
+    argv = ["run", str(source), "--target", str(tiny_llama_dir), "--format", "speculators", "--verifier", "v"]
+    reference = tmp_path / "reference"
+    assert CliRunner().invoke(export_main, [*argv, "-o", str(reference)]).exit_code == 0
+    disk = Tmpfs(tmp_path / "small", 1 << 20)  # the export's weights alone are several MB
+    try:
+        result = CliRunner().invoke(export_main, [*argv, "-o", str(disk.path / "export")])
+        errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+        assert result.exit_code == 2 and len(errors) == 1 and "No space left on device" in errors[0], result.output
+        assert str(disk.path) in errors[0] and "Traceback" not in result.output
+        assert list(disk.path.iterdir()) == []  # nothing left behind, the temporary folder included
+        disk.grow(64 << 20)
+        assert CliRunner().invoke(export_main, [*argv, "-o", str(disk.path / "export")]).exit_code == 0
+        names = sorted(p.name for p in reference.iterdir())
+        assert names == sorted(p.name for p in (disk.path / "export").iterdir())
+        files = [n for n in names if n != "export_config.json"]  # which records its own output folder
+        same, differ, _ = filecmp.cmpfiles(reference, disk.path / "export", files, shallow=False)
+        assert differ == [] and same == files
+    finally:
+        disk.unmount()

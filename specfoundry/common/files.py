@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -72,3 +73,14 @@ def replace_dir(tmp: Path, dest: Path) -> None:
         os.rename(dest, old)
     os.rename(tmp, dest)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def disk_full(e: BaseException, path: Path) -> OSError | None:
+    """The OSError (ENOSPC, naming `path`) that `e` is, where it says the disk is full: torch.save
+    and safetensors raise their own types for it (RuntimeError, SafetensorError), which name no file
+    and make a traceback of what is one line. None for any other error."""
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return OSError(errno.ENOSPC, "No space left on device", str(path))
+    if isinstance(e, Exception) and "No space left on device" in str(e):
+        return OSError(errno.ENOSPC, "No space left on device", str(path))
+    return None

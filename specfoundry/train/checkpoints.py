@@ -14,22 +14,21 @@ import shutil
 import sys
 from pathlib import Path
 
-from specfoundry.common.files import TMP_SUFFIX, atomic_write_json, replace_dir
+from specfoundry.common.files import TMP_SUFFIX, atomic_write_json, disk_full, replace_dir
 from specfoundry.families.folders import TRAINER_STATE, complete_checkpoints, incomplete_checkpoints
 
 
 def save_state(accel, path: Path) -> None:
-    """accelerate's save_state, with a full disk reported as the OSError it is: torch.save and
-    safetensors raise their own types for it (RuntimeError, SafetensorError), which name no file."""
-    from safetensors import SafetensorError
-
+    """accelerate's save_state, with a full disk reported as the OSError it is (common/files.py disk_full)."""
     try:
         accel.save_state(str(path))
-    except (RuntimeError, SafetensorError) as e:
-        full = "No space left" in str(e) or shutil.disk_usage(path if path.exists() else path.parent).free < (1 << 20)
-        if not full:
+    except Exception as e:
+        full = disk_full(e, path)
+        if full is None and shutil.disk_usage(path if path.exists() else path.parent).free < (1 << 20):
+            full = OSError(errno.ENOSPC, "No space left on device", str(path))  # a message that does not say so
+        if full is None:
             raise
-        raise OSError(errno.ENOSPC, "No space left on device", str(path)) from e
+        raise full from e
 
 
 def newest_complete_checkpoint(accel, out: Path) -> Path | None:

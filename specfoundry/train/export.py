@@ -13,7 +13,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from specfoundry.common.files import TMP_SUFFIX, atomic_write_json, replace_dir
+from specfoundry.common.files import TMP_SUFFIX, atomic_write_json, disk_full, replace_dir
 from specfoundry.common.settings import Settings, config_dict, setting, shared
 from specfoundry.common.shards import check_output_folder
 from specfoundry.common.target import EMBEDDED_DEFAULT, announce_target, resolve_target, target_identity
@@ -71,8 +71,15 @@ def run_export(cfg: ExportConfig) -> Path:
     dcfg = family.for_serving(dcfg, json.loads((target_dir / "config.json").read_text()))
     tmp = out.with_name(f".{out.name}{TMP_SUFFIX}")
     shutil.rmtree(tmp, ignore_errors=True)
-    family.export(tensors, dcfg, tmp, recorded, layout=cfg.format,
-                  verifier=serving_verifier(target, target_dir, cfg.verifier), speculative_tokens=cfg.k)
-    atomic_write_json(tmp / "export_config.json", config_dict(cfg))
+    try:  # written whole aside, or not at all: a failure (a full disk) leaves nothing behind
+        family.export(tensors, dcfg, tmp, recorded, layout=cfg.format,
+                      verifier=serving_verifier(target, target_dir, cfg.verifier), speculative_tokens=cfg.k)
+        atomic_write_json(tmp / "export_config.json", config_dict(cfg))
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        full = disk_full(e, out)
+        if full is not None:
+            raise full from e
+        raise
     replace_dir(tmp, out)
     return out
