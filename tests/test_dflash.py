@@ -695,7 +695,7 @@ def test_config_from_target_copies_the_target():
 @pytest.mark.parametrize("layers,mask_id,overrides,match", [
     ([5, 1], 0, {}, "strictly ascending"),
     ([1, 11], 0, {}, "0..10"),  # the last layer's output cannot be captured
-    ([1], 300, {}, "outside the target vocabulary"),
+    ([1], 300, {}, "mask_token_id 300 is not below vocab_size"),
     ([1], 0, {"layer_types": ["sliding_attention"]}, "sliding_window"),
     ([1], 0, {"hidden_act": "gelu"}, "SiLU"),
 ])

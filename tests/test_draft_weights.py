@@ -99,3 +99,22 @@ def test_sf_export_onto_a_full_disk_is_one_line_leaves_nothing_and_reruns_identi
         assert differ == [] and same == files
     finally:
         disk.unmount()
+
+
+@pytest.mark.parametrize(("vocab_size", "words"), [(1000, "mask_token_id 49151 is not below vocab_size 1000"),
+                                                    (60000, "vocab_size 60000, the target's vocabulary 49152")])
+def test_an_edited_vocab_size_names_the_field_and_both_values(tiny_llama_dir, tmp_path, vocab_size, words):
+    """issue 37 item 10: it said 'outside the target vocabulary of 1000', 1000 being the edited field."""
+    import json
+
+    family, options = get_family("dflash"), family_options("dflash", tmp_path)
+    layers = family.default_layers(8, options)
+    torch.manual_seed(0)
+    draft, dcfg = family.build(options, stub_featureset(tmp_path, tiny_llama_dir, layers), tiny_llama_dir, layers, None)
+    out = family.export(draft.state_dict(), dcfg, tmp_path / "export", {"num_layers": 8})
+    config = json.loads((out / "config.json").read_text())
+    config["vocab_size"] = vocab_size
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DraftLoadError) as e:
+        load_draft(locate_draft(out), tiny_llama_dir, torch.device("cpu"), torch.float32)
+    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)

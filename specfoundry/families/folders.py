@@ -171,8 +171,10 @@ def load_draft(ref: DraftRef, target_dir: Path, device: torch.device, dtype: tor
         raise DraftLoadError(f"draft {path}, read as {cfg.family} from its config.json: {'; '.join(parts)}")
     embed = target_embeddings(target_dir)
     if tuple(embed.shape) != tuple(draft.embed_tokens.weight.shape):
-        raise DraftLoadError(f"draft {path} expects embeddings {tuple(draft.embed_tokens.weight.shape)}, "
-                             f"the target has {tuple(embed.shape)}")
+        (rows, width), (theirs, their_width) = draft.embed_tokens.weight.shape, embed.shape
+        field = (f"vocab_size {rows}, the target's vocabulary {theirs}" if rows != theirs else
+                 f"a width of {width}, the target's hidden_size {their_width}")
+        raise DraftLoadError(f"draft {path}: its config.json gives {field}")
     draft.embed_tokens.weight.data.copy_(embed)
     return draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
 

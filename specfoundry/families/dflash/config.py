@@ -68,7 +68,8 @@ class DFlashConfig:
         if "sliding_attention" in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
             raise ValueError("sliding_attention layers need a positive sliding_window")
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the target vocabulary of {self.vocab_size}")
+            raise ValueError(f"mask_token_id {self.mask_token_id} is not below vocab_size {self.vocab_size} (the target's "
+                             "vocabulary, which the draft's tokens index): one of the two is wrong")
         if self.block_size < 2:
             raise ValueError(f"block_size must be at least 2 (slot 0 holds the anchor), got {self.block_size}")
 
