@@ -159,14 +159,15 @@ def test_rerun_with_other_settings_is_refused(tmp_path, chat_file, backend):
 
 def test_cli_reports_bad_input_and_keeps_good(tmp_path):
     src = tmp_path / "mixed.jsonl"
-    src.write_text(json.dumps(CHAT[0]) + "\n{oops\n" + json.dumps({"messages": [{"role": "user", "content": "x"}]})
+    # (a user turn alone is a prompt sf-regen answers; an assistant turn with nothing before it is not)
+    src.write_text(json.dumps(CHAT[0]) + "\n{oops\n" + json.dumps({"messages": [{"role": "assistant", "content": "x"}]})
                    + "\n" + json.dumps(CHAT[5]) + "\n")
     result = CliRunner().invoke(regen_cli, ["run", str(src), "-o", str(tmp_path / "out"), "--greedy",
                                             "--max-new-tokens", "4", "--silent"])
     assert result.exit_code == 0, result.output
-    assert f"{src}:2: malformed_json" in result.output and f"{src}:3: no_assistant_turn" in result.output
+    assert f"{src}:2: malformed_json" in result.output and f"{src}:3: starts_on_assistant" in result.output
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    assert manifest["bad_input_counts"] == {"malformed_json": 1, "no_assistant_turn": 1}
+    assert manifest["bad_input_counts"] == {"malformed_json": 1, "starts_on_assistant": 1}
     assert [r["id"] for r in rows(tmp_path / "out")] == ["c0", "c5"]
     strict = CliRunner().invoke(regen_cli, ["run", str(src), "-o", str(tmp_path / "s"), "--strict", "--silent"])
     assert strict.exit_code != 0 and f"{src}:2: malformed_json" in strict.output
@@ -310,3 +311,36 @@ def test_small_shards_are_generated_in_groups_and_written_in_order(tmp_path, bac
     written = rows(tmp_path / "out")
     assert [r["id"] for r in written] == [c["id"] for c in CHAT]
     assert written[1]["messages"][1]["content"] == "Name a colour."[::-1]
+
+
+def test_a_prompt_list_is_answered_and_its_rows_end_on_the_targets_answer(tmp_path, backend):
+    """Conversations that end on a user turn with no answer yet (a list of prompts, the commonest
+    regen input; issue 37 item 7: refused as no_assistant_turn / ends_on_user, nothing written): the
+    final user turn is answered, after the earlier assistant turns are regenerated as always; the
+    answer is the target's own greedy one. Capture still refuses a conversation without an answer."""
+    from specfoundry.capture.stage import CaptureConfig, prepare_samples
+
+    prompts = [{"id": "p1", "messages": [{"role": "user", "content": "Name a colour."}]},
+               {"id": "p2", "messages": [{"role": "system", "content": "Be brief."},
+                                         {"role": "user", "content": "Say hi."}]},
+               {"id": "p3", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                                         {"role": "user", "content": "And a number?"}]}]
+    source = write_jsonl(tmp_path / "prompts.jsonl", prompts)
+    cfg = RegenConfig(output=str(tmp_path / "out"), source=str(source), shard_size=4,
+                      sampling=SamplingConfig(temperature=0.0, max_new_tokens=16))
+    manifest = run_regen(cfg, backend, silent=True)
+    assert manifest["complete"] and manifest["totals"]["conversations_written"] == 3 and not manifest["bad_inputs"]
+    written = {r["id"]: r for r in rows(tmp_path / "out")}
+    for p in prompts:
+        row = written[p["id"]]
+        assert [m["role"] for m in row["messages"]] == [m["role"] for m in p["messages"]] + ["assistant"]
+        assert len(row["gen_token_ids"]) == sum(m["role"] == "assistant" for m in p["messages"]) + 1
+        history = row["messages"][:-1]
+        ids = torch.tensor([backend.render(history)])
+        ref = backend.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
+                                     eos_token_id=backend.stop_ids, pad_token_id=backend.pad_id)[0, ids.shape[1]:].tolist()
+        if ref and ref[-1] in backend.stop_ids:
+            ref = ref[:-1]
+        assert row["gen_token_ids"][-1] == ref, p["id"]
+    samples, bad, _ = prepare_samples(CaptureConfig(source=str(source), output="o"), backend.tokenizer)
+    assert not samples and {b.kind for b in bad} == {"no_assistant_turn", "ends_on_user"}

@@ -125,6 +125,16 @@ class Conversation:
         return sum(m.role == "assistant" for m in self.messages)
 
     @property
+    def ends_open(self) -> bool:
+        """Whether the last turn is a user turn with no answer yet (a prompt: sf-regen answers it)."""
+        return self.messages[-1].role == "user"
+
+    @property
+    def turns_to_answer(self) -> int:
+        """The assistant turns sf-regen writes: every recorded one, and the open last one."""
+        return self.num_assistant_turns + self.ends_open
+
+    @property
     def num_tool_exchanges(self) -> int:
         """Assistant messages that call tools (each with the results that answer it: one exchange)."""
         return sum(bool(m.tool_calls) for m in self.messages)
@@ -271,11 +281,14 @@ def iter_records(path: Path) -> Iterator[tuple[str, dict | None, str | None]]:
         yield f"{path}:row {i}", record, None
 
 
-def normalise(record: dict, location: str, default_id: str, prompt_only: bool = False) -> Conversation | BadInput:
+def normalise(record: dict, location: str, default_id: str, prompt_only: bool = False,
+              answer_open: bool = False) -> Conversation | BadInput:
     """One record in any accepted shape -> Conversation, or the first thing wrong with it.
 
     prompt_only: the record is a prompt to answer (sf-eval): it must end on a user turn, and
-    a trailing assistant turn (a reference answer) is dropped."""
+    a trailing assistant turn (a reference answer) is dropped. answer_open: a conversation may end
+    on a user turn with no answer yet, with or without assistant turns before it (sf-regen answers
+    it); without, there must be an answer to learn from (sf-capture)."""
     turns = record.get("messages")
     if turns is None:
         turns = record.get("conversations", record.get("conversation"))
@@ -299,12 +312,12 @@ def normalise(record: dict, location: str, default_id: str, prompt_only: bool = 
         if not messages or messages[-1].role != "user":
             return BadInput(location, "no_user_turn", "a prompt must end on a user turn")
         return Conversation(str(record.get("id") or default_id), tuple(messages), location, tools)
-    if not any(m.role == "assistant" for m in non_system):
+    if not any(m.role == "assistant" for m in non_system) and not (answer_open and non_system[-1].role == "user"):
         return BadInput(location, "no_assistant_turn", "no assistant turn to learn from")
     if messages[0].role == "assistant":  # a chat template renders no prompt before it: nothing it answers
         return BadInput(location, "starts_on_assistant", "turn 0 is an assistant turn with nothing before it (a "
                                                          "greeting): no prompt to regenerate or train it from")
-    if non_system[-1].role == "user":
+    if non_system[-1].role == "user" and not answer_open:
         return BadInput(location, "ends_on_user", "the last turn is a user turn with no answer")
     if non_system[-1].role == "tool":
         return BadInput(location, "ends_on_tool", "the last turn is a tool result with no answer")
@@ -387,11 +400,12 @@ def parse_tools(tools) -> tuple[dict, ...] | None:
 
 
 def load_conversations(source: str | Path, strict: bool = False, limit: int | None = None,
-                       prompt_only: bool = False, partial: bool = False) -> LoadResult:
+                       prompt_only: bool = False, partial: bool = False, answer_open: bool = False) -> LoadResult:
     """Load and normalise every conversation of a source, in a deterministic order.
 
     With ``strict`` the first bad record raises ConversationFormatError naming its location;
-    with ``prompt_only`` records are prompts (see normalise); ``partial``: see data_files.
+    with ``prompt_only`` records are prompts, with ``answer_open`` a conversation may end on an
+    unanswered user turn (see normalise); ``partial``: see data_files.
     """
     result = LoadResult()
     first_of: dict[str, str] = {}  # a record's own id -> where it was first used
@@ -402,7 +416,8 @@ def load_conversations(source: str | Path, strict: bool = False, limit: int | No
             item = (
                 BadInput(where, "invalid_utf8" if error.startswith("invalid UTF-8") else "malformed_json", error)
                 if record is None
-                else normalise(record, where, default_id=f"{path.stem}-{index}", prompt_only=prompt_only)
+                else normalise(record, where, default_id=f"{path.stem}-{index}", prompt_only=prompt_only,
+                               answer_open=answer_open)
             )
             if isinstance(item, Conversation) and record.get("id") is not None:
                 if item.id in first_of:  # two outputs under one id: which one a later stage means is unclear

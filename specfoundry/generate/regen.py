@@ -150,16 +150,17 @@ class RegenConfig(Settings):
 
 
 def over_long_prompt(conv: Conversation, tokenizer, max_tokens: int) -> BadInput | None:
-    """Over-long prompt check on the original conversation, turn by turn."""
+    """Over-long prompt check on the original conversation, turn by turn (the open last turn too)."""
     history = []
     extra = {"tools": list(conv.tools)} if conv.tools else {}
-    for m in conv.messages:
-        if m.role == "assistant":
+    for m in [*conv.messages, None] if conv.ends_open else conv.messages:
+        if m is None or m.role == "assistant":
             ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, **extra)
             n = len(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
             if n > max_tokens:
                 return BadInput(conv.location, "over_long_prompt", f"prompt has {n} tokens > {max_tokens}")
-        history.append(m.to_dict())
+        if m is not None:
+            history.append(m.to_dict())
     return None
 
 
@@ -183,7 +184,7 @@ class Regenerator:
         if not cfg.source:
             raise RegenError("no source given: pass a conversation file/folder or --synthesize N")
         try:
-            loaded = load_conversations(cfg.source, strict=cfg.strict)
+            loaded = load_conversations(cfg.source, strict=cfg.strict, answer_open=True)  # prompt lists too
         except (ConversationFormatError, FileNotFoundError) as e:
             raise RegenError(str(e)) from e
         conversations, bad = [], list(loaded.bad)

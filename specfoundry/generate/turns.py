@@ -53,10 +53,10 @@ class ConversationState:
     def next_request(self, shard: int, seed: int, tag: int) -> Request | None:
         """The request (tagged `tag`) for the next assistant turn, the original turns before it
         copied into the history; None when the conversation is finished or dropped."""
-        if self.status != "ok" or self.turn == self.conv.num_assistant_turns:
+        if self.status != "ok" or self.turn == self.conv.turns_to_answer:
             return None
         msgs = self.conv.messages
-        while msgs[self.cursor].role != "assistant":
+        while self.cursor < len(msgs) and msgs[self.cursor].role != "assistant":  # (the open last turn: all of them)
             self.built.append(msgs[self.cursor].to_dict())
             self.cursor += 1
         return Request(tag=tag, seed=derive_seed(seed, shard, self.index, self.turn),
@@ -94,11 +94,13 @@ def record_turn(cfg, tokenizer, s: ConversationState, g: Generation, counts: Sha
     """Put the generation `g` for s's next assistant turn into its history (or the recorded
     turn where the tool calls disagree), and count what it was. `cfg`: the run's RegenConfig (its
     --on-empty, --on-truncated, --on-tool-mismatch); `tokenizer`: the backend's, or None."""
-    recorded = s.conv.messages[s.cursor]
+    # the recorded assistant turn this one replaces; none for the open last turn of a prompt (its
+    # answer, tool calls or not, is the target's own)
+    recorded = s.conv.messages[s.cursor] if s.cursor < len(s.conv.messages) else None
     s.cursor += 1  # past the original assistant turn we replace
     turn, s.turn = s.turn, s.turn + 1
     counts.generated_tokens += g.num_tokens
-    if g.finish_reason != "error" and (recorded.tool_calls or g.tool_calls):
+    if recorded is not None and g.finish_reason != "error" and (recorded.tool_calls or g.tool_calls):
         if recorded.tool_calls and same_calls(g.tool_calls, recorded.tool_calls):
             s.tool_exchanges["kept"] += 1
             g = Generation(g.text, g.finish_reason, g.token_ids, g.num_tokens,
