@@ -118,3 +118,33 @@ def test_an_edited_vocab_size_names_the_field_and_both_values(tiny_llama_dir, tm
     with pytest.raises(DraftLoadError) as e:
         load_draft(locate_draft(out), tiny_llama_dir, torch.device("cpu"), torch.float32)
     assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_draft_vocabulary_holding_none_of_the_sets_tokens_is_refused(features, tmp_path):  # noqa: F811
+    """issue 37 item 5: EAGLE-3 trained 'successfully' with every loss exactly 0.0. Before training
+    sf-train says what share of the supervised tokens the vocabulary holds, and refuses none."""
+    from specfoundry.families.eagle3.export import export_draft
+    from specfoundry.families.folders import find_draft_files
+    from specfoundry.families.vocab import vocab_maps
+    from specfoundry.featureset.manifest import FeatureSetError
+    from specfoundry.train.trainer import run_train
+
+    first = run_train(tiny_cfg(features, tmp_path / "first", max_steps=1), silent=True)
+    cfg, tensors = find_draft_files(locate_draft(first["export"]))
+    unseen = torch.arange(40000, 40000 + cfg.draft_vocab_size)  # ids the set's answers never use
+    tensors["d2t"], tensors["t2d"] = vocab_maps(unseen, cfg.vocab_size)
+    foreign = export_draft(tensors, cfg, tmp_path / "foreign", None)
+    with pytest.raises(FeatureSetError, match=r"vocabulary holds none of feature set .* supervised tokens"):
+        run_train(tiny_cfg(features, tmp_path / "second", max_steps=1, init_from=str(foreign)), silent=True)
+    assert not (tmp_path / "second" / "export").exists()
+
+
+def test_a_micro_batch_with_nothing_to_learn_is_skipped_and_counted(features, tmp_path):  # noqa: F811
+    """issue 37 item 5: P-EAGLE died at step 1 (`element 0 of tensors does not require grad`) on a
+    micro-batch whose supervised tokens all fall outside its draft vocabulary (here: a vocabulary of
+    the one most frequent token, single-sample batches)."""
+    from specfoundry.train.trainer import run_train
+
+    result = run_train(tiny_cfg(features, tmp_path / "run", family="peagle", peagle_vocab_size=1, max_steps=6,
+                                max_batch_tokens=64), silent=True)
+    assert result["steps"] == 6 and result["history"][-1]["skipped_micro_batches"] >= 1

@@ -139,6 +139,12 @@ class DraftFamily:
         [{loss, hits, valid}] per predicted position); `seed` seeds the family's own sampling."""
         raise NotImplementedError
 
+    def vocab_coverage(self, draft, counts: torch.Tensor) -> float | None:
+        """The share of the feature set's supervised tokens (counts [V], token_counts.safetensors) the
+        draft's vocabulary holds: what it can learn to propose. None: it proposes over the target's
+        whole vocabulary."""
+        return None
+
     def set_progress(self, module: torch.nn.Module, step: int, total_steps: int) -> None:
         """Before each optimizer step: where the run is (step of total_steps), for a loss scheduled over
         the run (Domino's base-anchored curriculum); `module` is what `module()` built. Most families

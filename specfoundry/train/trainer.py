@@ -185,6 +185,7 @@ class Trainer:
         self.target_dir = target_dir
         self.out = Path(cfg.output)
         self.step = 0
+        self.skipped = 0  # micro-batches with nothing to learn, this run
         self.history: list[dict] = []
         self.tracker = NullTracker()
 
@@ -206,6 +207,7 @@ class Trainer:
         layers = select_layers(self.fs.manifest, self.family, options, cfg.layers, identity.num_layers,
                                f"feature set {cfg.featureset}")
         draft, self.dcfg = self.family.build(options, self.fs, self.target_dir, layers, cfg.init_from)
+        self.check_vocab_coverage(draft)
         self.dtype = torch.bfloat16 if self.accel.device.type == "cuda" else torch.float32
         model = self.family.module(draft, self.target_dir, self.dtype, options, cfg.seed)
         held = list(self.fs.manifest["aux_layer_ids"])
@@ -224,6 +226,21 @@ class Trainer:
             record_config(self.out, "train", cfg)
             atomic_write_json(self.out / "draft_config.json", self.dcfg.to_dict())
         return self
+
+    def check_vocab_coverage(self, draft) -> None:
+        """Say what share of the set's supervised tokens the draft's vocabulary holds; refuse a
+        vocabulary that holds none of them (every loss would be 0: nothing to learn)."""
+        coverage = self.family.vocab_coverage(draft, self.fs.token_counts())
+        if coverage is None:
+            return
+        if self.accel.is_main_process and not self.silent:
+            print(f"sf-train: the draft vocabulary holds {100 * coverage:.1f}% of the feature set's supervised tokens",
+                  file=sys.stderr)
+        if coverage == 0:
+            where = f"--init-from {self.cfg.init_from}'s" if self.cfg.init_from else "the draft's"
+            raise FeatureSetError(f"{where} vocabulary holds none of feature set {self.cfg.featureset}'s supervised "
+                                  "tokens: every loss would be 0 and nothing learnt (another draft vocabulary, or the "
+                                  "set of the data it was made for)")
 
     def build_accelerator(self):
         from accelerate import Accelerator, DistributedDataParallelKwargs
@@ -275,6 +292,7 @@ class Trainer:
         self.step = state["step"]
         self.loader.load_state_dict(state["loader"][accel.process_index])
         self.history = state.get("history", [])  # so history.json covers the whole run, not the last leg
+        self.skipped = self.history[-1].get("skipped_micro_batches", 0) if self.history else 0
         if accel.is_main_process and not self.silent:
             print(f"sf-train: resuming from {newest.name} (step {self.step})", file=sys.stderr)
 
@@ -296,6 +314,11 @@ class Trainer:
         accel = self.accel
         with accel.accumulate(self.model):
             loss, metrics = self.forward(batch, grad=True)
+            if not loss.requires_grad or sum(int(m["valid"]) for m in metrics) == 0:
+                # nothing to learn in this micro-batch (no supervised token the draft can propose): a
+                # zero gradient, so every rank still runs the same collectives, and it is counted
+                self.skipped += 1
+                loss = sum(p.reshape(-1)[0] * 0.0 for p in self.model.parameters() if p.requires_grad)
             accel.backward(loss)
             if accel.sync_gradients and self.cfg.clip_grad:
                 accel.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
@@ -316,7 +339,7 @@ class Trainer:
         per_micro = [self.forward_backward(batch) for batch in batches]
         self.step += 1
         metrics = {"step": self.step, **summarise(merge_metrics(per_micro, self.accel)),
-                   "lr": self.scheduler.get_last_lr()[0]}
+                   "lr": self.scheduler.get_last_lr()[0], "skipped_micro_batches": self.skipped}
         bad = [k for k, v in metrics.items() if k.startswith("loss_") and not math.isfinite(v)]
         if bad:  # stop before a checkpoint or an export can hold the weights this step has spoilt
             raise NonFiniteError(f"step {self.step}: {', '.join(bad)} not finite (the features were finite: "

@@ -64,6 +64,10 @@ class Eagle3Family(DraftFamily):
         model.embed_tokens.weight.data.copy_(target_embeddings(target_dir).float())
         return model, dcfg
 
+    def vocab_coverage(self, draft, counts: torch.Tensor) -> float:
+        counts = counts.to(torch.float64)
+        return float(counts[draft.t2d.cpu()].sum() / counts.sum().clamp(min=1))
+
     def module(self, draft: Eagle3Draft, target_dir: Path, dtype: torch.dtype, options: Eagle3Options, seed: int):
         return TTTModule(draft, target_lm_head(target_dir).to(dtype), ttt_length=options.ttt_length,
                          decay=options.loss_decay)

@@ -70,6 +70,10 @@ class PEagleFamily(DraftFamily):
         model.embed_tokens.weight.data.copy_(target_embeddings(target_dir).float())
         return model, dcfg
 
+    def vocab_coverage(self, draft, counts: torch.Tensor) -> float:
+        counts = counts.to(torch.float64)
+        return float(counts[draft.t2d.cpu()].sum() / counts.sum().clamp(min=1))
+
     def module(self, draft: PEagleDraft, target_dir: Path, dtype: torch.dtype, options: PEagleOptions, seed: int):
         if options.num_depths != draft.cfg.num_depths:
             raise ValueError(f"--num-depths {options.num_depths}: the draft (--init-from) was built for "
