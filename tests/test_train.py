@@ -438,7 +438,8 @@ def test_train_step_alone_updates_the_draft_and_returns_the_runs_first_metrics(t
     before = {n: p.detach().clone() for n, p in draft.named_parameters()}
     embed = draft.embed_tokens.weight.clone()
     metrics = trainer.train_step(next(iter(trainer.loader)))
-    assert set(metrics) == {"step", "loss_0", "loss_1", "loss_2", "acc_0", "acc_1", "acc_2", "sim_accept_len", "lr"}
+    assert set(metrics) == {"step", "loss_0", "loss_1", "loss_2", "acc_0", "acc_1", "acc_2", "sim_accept_len", "lr",
+                            "skipped_micro_batches"} and metrics["skipped_micro_batches"] == 0
     assert metrics["step"] == trainer.step == 1 and trainer.history == [metrics]
     assert all(math.isfinite(v) for v in metrics.values()) and metrics["loss_0"] > 0
     assert 0 <= metrics["acc_0"] <= 1 and metrics["lr"] == pytest.approx(3e-3)  # warmup 2: full lr at step 1
