@@ -126,3 +126,17 @@ def write_tiny_target(model_type: str, out: Path, tokenizer_dir: Path, seed: int
     tokenizer.chat_template = TINY_TEMPLATES.get(model_type, tokenizer.chat_template)
     tokenizer.save_pretrained(out)
     return out
+
+
+# ---- comparing fp32 results computed in another order -----------------------------------------
+
+def assert_close_scaled(got: torch.Tensor, want: torch.Tensor, rel: float, *, rows: bool = False, msg=None) -> None:
+    """got equals want up to `rel` of want's largest magnitude (of each row's, with `rows`): the
+    tolerance for two fp32 computations of one function in another order (other batch shapes,
+    chunks, a cache against a full forward, another BLAS blocking). Their difference comes from the
+    rounding of sums whose terms are as large as the largest entries (about sqrt(K) * 1.2e-7 of them
+    for K terms), not from each element's own size: a per-element rtol fails on the small entries
+    beside a large one on one machine's BLAS and passes on another's."""
+    scale = want.abs().amax(-1, keepdim=True) if rows else want.abs().max()
+    scale = scale.clamp(min=torch.finfo(torch.float32).tiny)
+    torch.testing.assert_close(got / scale, want / scale, atol=rel, rtol=0, msg=msg)

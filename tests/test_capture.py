@@ -21,19 +21,13 @@ from specfoundry.common.shards import OutputFolderError
 from specfoundry.common.target import Target
 from specfoundry.featureset.manifest import FeatureSetError, check_matches_target
 from specfoundry.featureset.store import FeatureSet
+from specfoundry.testing import assert_close_scaled
 from tests.conftest import CHAT, copies, write_jsonl
 
 
 @pytest.fixture
 def target(smollm2_target):
     return smollm2_target
-
-
-def row_scaled(x: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x and ref divided by each of ref's rows' largest magnitude: a tolerance on these is one
-    relative to the row's scale (see row_close)."""
-    scale = ref.abs().amax(-1, keepdim=True).clamp(min=1e-30)
-    return x / scale, ref / scale
 
 
 def row_close(x: torch.Tensor, ref: torch.Tensor) -> None:
@@ -45,7 +39,7 @@ def row_close(x: torch.Tensor, ref: torch.Tensor) -> None:
     row's largest entry, not its own size: a per-element rtol fails on small entries on one machine's
     BLAS and passes on another's. 1e-4 of the row's scale is 3x the estimate (measured here: 6e-7
     for the aux layers, 2e-6 for the normed final state); leaked padding moves a row by O(1) of it."""
-    torch.testing.assert_close(*row_scaled(x, ref), atol=1e-4, rtol=0)
+    assert_close_scaled(x, ref, 1e-4, rows=True)
 
 
 def test_hooked_features_equal_output_hidden_states_with_mixed_lengths(target):

@@ -19,6 +19,7 @@ from specfoundry.families.dflash.loss import DFlashModule, dflash_loss
 from specfoundry.families.dflash.model import DFlashCache
 from specfoundry.families.dflash.options import DFlashOptions
 from specfoundry.families.interface import anchor_seed
+from specfoundry.testing import assert_close_scaled
 from specfoundry.train.cli import main as train_main
 from specfoundry.train.trainer import TrainConfig
 from tests.test_cli_help import leaf_commands, options
@@ -107,7 +108,9 @@ def test_loss_and_gradients_match_the_loop_reference(kind, teacher, loss_kernel,
     ref_loss, ref_grads = loss_and_grads(model, lambda: reference_dpace(block_slots(model, batch, head, **kw), alpha))
     torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
     for name, g in grads.items():
-        torch.testing.assert_close(g, ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+        # the reference decodes one anchor at a time through a cache: every sum in another order
+        # (measured 1.4e-6 of the largest gradient); 5e-5 of it, while the wrong reference is 1e-3 off
+        assert_close_scaled(g, ref_grads[name], 5e-5, msg=name)
     if (kind, teacher, alpha) == ("plain", "hard", 0.5):
         _, attached = loss_and_grads(model, lambda: reference_dpace(block_slots(model, batch, head, **kw), alpha,
                                                                     detach=False))
@@ -150,8 +153,9 @@ def test_chunking_changes_nothing(teacher, loss_kernel):
     for chunk, (loss, grads) in runs.items():
         torch.testing.assert_close(loss, whole_loss, atol=1e-6, rtol=1e-6, msg=f"chunk {chunk}")
         for name, g in grads.items():
-            # fp32; the rows' matmuls differ only in how many rows go at once
-            torch.testing.assert_close(g, whole[name], atol=1e-6, rtol=1e-5, msg=f"chunk {chunk}: {name}")
+            # fp32; the rows' matmuls differ only in how many rows go at once: each weight's gradient
+            # sums up to ~100 rows in another order, ~sqrt(100) * 1.2e-7 of the largest (measured 2e-7)
+            assert_close_scaled(g, whole[name], 1e-5, msg=f"chunk {chunk}: {name}")
 
 
 def test_announced_loss_scale_and_eval_mode():
@@ -197,8 +201,12 @@ def test_dflash_objective_two_steps_match_recorded_losses():
             opt.zero_grad()
             loss.backward()
             opt.step()
-            losses.append(round(loss.item(), 4))
-    assert losses == RECORDED_DFLASH_LOSSES
+            losses.append(loss.item())
+    # the recorded values are rounded to 4 decimals (within 5e-5 of the run's) and a run varies by about
+    # 2e-6 with the machine's BLAS and thread count (a few fp32 steps: rounding the run's value to 4
+    # decimals flipped on one machine): 1e-4 holds both, and a change to the loss's math moves a loss
+    # of these steps by more than 1e-3
+    assert losses == pytest.approx(RECORDED_DFLASH_LOSSES, abs=1e-4, rel=0)
 
 
 RECORDED_DFLASH_LOSSES = [10.1782, 7.3723, 10.9068, 8.7185]  # recorded on CPU, torch 2.13, fp32, at bc08775

@@ -20,6 +20,7 @@ from specfoundry.families.interface import Batch
 from specfoundry.families.vocab import choose_draft_vocab, vocab_maps
 from specfoundry.featureset.store import Sample
 from specfoundry.kernels.tree_attention import tree_attention
+from specfoundry.testing import assert_close_scaled
 from specfoundry.train.loader import BatchDataset, FeatureLoader, plan_batches
 from specfoundry.train.trainer import TrainConfig, Trainer, resolved_pad_multiple, run_train
 from tests.conftest import CHAT, copies, write_jsonl
@@ -202,10 +203,12 @@ def test_a_ttt_pass_projects_q_k_v_with_one_weight_concatenated_once():
     wrt = [x, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight]
     grads = torch.autograd.grad(sum((o * u).sum() for o, u in zip(outs, upstream, strict=True)), wrt)
     ref_grads = torch.autograd.grad(sum((o * u).sum() for o, u in zip(refs, upstream, strict=True)), wrt)
+    # one fused QKV product against three: sums of other lengths and order, ~sqrt(K) * 1.2e-7 of the
+    # largest value (gradients up to ~18)
     for out, ref in zip(outs, refs, strict=True):
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        assert_close_scaled(out, ref, 1e-5)
     for name, g, ref in zip(["x", "q_proj", "k_proj", "v_proj", "o_proj"], grads, ref_grads, strict=True):
-        torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6, msg=name)
+        assert_close_scaled(g, ref, 1e-5, msg=name)
 
 
 @pytest.mark.gpu
@@ -269,8 +272,12 @@ def test_two_steps_match_recorded_losses():
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(round(loss.item(), 4))
-    assert losses == RECORDED_LOSSES
+        losses.append(loss.item())
+    # the recorded values are rounded to 4 decimals (within 5e-5 of the run's) and a run varies by about
+    # 2e-6 with the machine's BLAS and thread count (a few fp32 steps: rounding the run's value to 4
+    # decimals flipped on one machine): 1e-4 holds both, and a change to the loss's math moves a loss
+    # of these steps by more than 1e-3
+    assert losses == pytest.approx(RECORDED_LOSSES, abs=1e-4, rel=0)
 
 
 RECORDED_LOSSES = [9.4858, 7.3171]  # recorded on CPU, torch 2.13, fp32
