@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from specfoundry.families import FAMILIES
 from tests.conftest import CHAT, copies, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -269,6 +270,47 @@ def test_train_killed_then_rerun_equals_an_uninterrupted_run(tmp_path, train_fea
         lines = [line for line in rerun.stderr.splitlines() if "incomplete checkpoint" in line]
         assert len(lines) == 1 and said in lines[0] and "resuming from step-0000002" in lines[0], rerun.stderr
     assert_same_training(train_reference.folder(), tmp_path / "out")
+
+
+# every family's training, killed mid-checkpoint and rerun: the same export, history and files
+FAMILY_ARGS = {  # small drafts of each family, trained on the set of every family's layers
+    "eagle3": ["--draft-vocab-size", 512, "--ttt-length", 3],
+    # one draft layer reading the five layers a five-layer DFlash draft would (SmolLM2's, stored in the set)
+    "dflash": ["--num-draft-layers", 1, "--layers", "1,8,14,20,27", "--block-size", 4, "--num-anchors", 8],
+    "domino": ["--num-draft-layers", 1, "--layers", "1,8,14,20,27", "--block-size", 4, "--num-anchors", 8,
+               "--gru-hidden-dim", 16, "--correction-dim", 16],
+    "dspark": ["--num-draft-layers", 1, "--layers", "1,8,14,20,27", "--block-size", 4, "--num-anchors", 8,
+               "--markov-rank", 8],
+    "peagle": ["--peagle-vocab-size", 512, "--num-depths", 3, "--peagle-layers", 1],
+}
+
+
+@pytest.fixture(scope="module")
+def every_family_features(inputs) -> Path:
+    src = write_jsonl(inputs / "chat2-all.jsonl", copies(CHAT, 2))
+    ok(finish(start(CAPTURE, [src, "--shard-size", 8, "--max-length", 96, "--silent", "-o", inputs / "fs-all",
+                              "--families", ",".join(FAMILIES.names())])))
+    return inputs / "fs-all"
+
+
+def family_train_args(fs: Path, family: str):
+    return lambda out: [fs, "-o", out, "--family", family, *FAMILY_ARGS[family], "--lr", 3e-3, "--warmup-steps", 2,
+                        "--max-steps", 4, "--max-batch-tokens", 160, "--save-every", 2, "--eval-fraction", 0,
+                        "--num-workers", 0, "--loss", "reference", "--silent"]
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES.names() if f != FAMILIES.default])  # (the default: above)
+def test_every_familys_training_killed_mid_checkpoint_then_rerun_equals_an_uninterrupted_run(
+        tmp_path, every_family_features, family):
+    """issue 37 item 12: SIGKILL-and-resume was tried for EAGLE-3 (and DFlash) only."""
+    args = family_train_args(every_family_features, family)
+    reference = Reference(TRAIN, args).start(tmp_path / "reference")
+    fault, said = TRAIN_MOMENTS["during a checkpoint write (model weights half written)"]
+    killed(finish(start(TRAIN, args(tmp_path / "out"), fault)))
+    rerun = ok(finish(start(TRAIN, args(tmp_path / "out"))))
+    lines = [line for line in rerun.stderr.splitlines() if "incomplete checkpoint" in line]
+    assert len(lines) == 1 and said in lines[0] and "resuming from step-0000002" in lines[0], rerun.stderr
+    assert_same_training(reference.folder(), tmp_path / "out")
 
 
 # ---- a full disk: a small tmpfs as the output folder -----------------------------------------
