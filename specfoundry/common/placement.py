@@ -47,7 +47,7 @@ class PlacementError(ValueError):
 def parse_max_memory(spec) -> dict | None:
     """--max-memory: comma-separated DEVICE=SIZE (a recipe may give a mapping). Devices are GPU
     indices of this machine, 'cpu' or 'disk'; sizes as accelerate reads them (a byte count, or a
-    number with a unit: 70GiB, 500MB), returned in bytes. Anything else is a ValueError naming it."""
+    number with a unit such as GiB or MB), returned in bytes. Anything else is a ValueError naming it."""
     import torch
     from accelerate.utils import convert_file_size_to_int
 
