@@ -450,3 +450,28 @@ def test_the_lock_of_a_killed_run_never_blocks_a_rerun(tmp_path):
     with output_lock(out, "regen"):  # the rerun takes the folder over
         assert (out / "shard").is_file()
     assert sorted(p.name for p in out.iterdir()) == ["shard"]  # and leaves no lock file behind
+
+
+def test_an_edited_manifest_is_caught_by_verify_and_refused_by_readers(features, tmp_path):
+    """issue 37 item 4: aux_layer_ids changed by hand in manifest.json passed sf-capture verify (the
+    capture's own record still said otherwise), and sf-train trained on it and exported layer ids the
+    features do not come from. Also a shard's sample lengths edited in the manifest."""
+    from specfoundry.capture.verify import verify_featureset
+    from specfoundry.featureset.store import FeatureSet
+
+    fs, manifest = copy_set(features, tmp_path)
+    real = manifest["aux_layer_ids"]
+    manifest["aux_layer_ids"] = [i + 1 for i in real]  # as many layers, other ids: every width still fits
+    (fs / MANIFEST).write_text(json.dumps(manifest))
+    problems = verify_featureset(fs)
+    assert any(f"aux_layer_ids {manifest['aux_layer_ids']}" in p and str(real) in p for p in problems), problems
+    with pytest.raises(FeatureSetError, match=r"aux_layer_ids .* disagrees with"):
+        FeatureSet(fs)
+    with pytest.raises(FeatureSetError, match=r"aux_layer_ids .* disagrees with"):
+        run_train(tiny_cfg(fs, tmp_path / "run"), silent=True)
+    manifest["aux_layer_ids"] = real
+    lengths = manifest["shards"][0]["sample_lengths"]
+    assert lengths[0] != lengths[1]
+    manifest["shards"][0]["sample_lengths"] = [lengths[1], lengths[0], *lengths[2:]]  # same total, other samples
+    (fs / MANIFEST).write_text(json.dumps(manifest))
+    assert any("sample lengths" in p for p in verify_featureset(fs)), verify_featureset(fs)

@@ -8,7 +8,7 @@ import torch
 
 from specfoundry.common.files import checksum
 from specfoundry.featureset import fp8
-from specfoundry.featureset.manifest import FeatureSetError, read_manifest
+from specfoundry.featureset.manifest import FeatureSetError, read_manifest, record_disagreements
 from specfoundry.featureset.store import (
     BIT_PATTERNS,
     SCALED,
@@ -87,6 +87,9 @@ def check_shard(root: Path, manifest: dict, entry: dict) -> tuple[list[str], dic
     if len(r) != entry["num_samples"] or n != entry["num_tokens"]:
         problems.append(f"{entry['path']}: holds {len(r)} samples / {n} tokens, manifest says "
                         f"{entry['num_samples']} / {entry['num_tokens']}")
+    elif [int(b - a) for a, b in zip(r.offsets[:-1], r.offsets[1:], strict=True)] != list(entry["sample_lengths"]):
+        problems.append(f"{entry['path']}: the manifest's sample lengths are not the shard's (an edited manifest: "
+                        "restore it, or recapture)")
     if not problems:
         for state, layers in (("aux", [f"layer {i}" for i in manifest["aux_layer_ids"]]), ("final", ["final state"])):
             where = first_nonfinite(r, state, n, layers)
@@ -103,7 +106,7 @@ def verify_featureset(root: str | Path, recompute: int = 0, device: str | None =
     """Return one line per problem found (empty when the set is sound)."""
     root = Path(root)
     manifest = read_manifest(root)
-    problems = []
+    problems = record_disagreements(root, manifest)
     if not manifest.get("complete"):
         problems.append(f"{root}: the capture is not complete (rerun the same sf-capture command to finish)")
     totals = {"samples": 0, "tokens": 0, "loss_tokens": 0}

@@ -47,6 +47,37 @@ class FeatureSetError(ValueError):
     """A feature set is missing, damaged, or does not match what it is used with."""
 
 
+CAPTURE_RECORD = "capture_config.json"
+"""Beside the manifest: the capture's resolved settings (the manifest holds a copy, capture_config)."""
+
+
+def record_disagreements(root: Path, manifest: dict) -> list[str]:
+    """What the manifest says that the capture's own records (its capture_config copy, and the
+    folder's capture_config.json) say otherwise: the stored layers, their dtypes, the codec, the
+    maximum length. A hand-edited manifest would have a reader train on layer ids the features do
+    not come from. One line per disagreement; none for a set without a record (testing.py's)."""
+    records = [("the manifest's capture_config", manifest.get("capture_config"))]
+    if (Path(root) / CAPTURE_RECORD).is_file():
+        try:
+            records.append((CAPTURE_RECORD, json.loads((Path(root) / CAPTURE_RECORD).read_text())))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return [f"{Path(root) / CAPTURE_RECORD}: not valid JSON ({e})"]
+    out = []
+    for where, record in records:
+        if not isinstance(record, dict):
+            continue
+        expected = {"aux_layer_ids": ("aux_layers", record.get("aux_layers")),
+                    "storage_dtype": ("storage_dtype", record.get("storage_dtype")),
+                    "final_storage_dtype": ("final_storage_dtype",
+                                            record.get("final_storage_dtype") or record.get("storage_dtype")),
+                    "codec": ("codec", record.get("codec")), "max_length": ("max_length", record.get("max_length"))}
+        for field, (key, value) in expected.items():
+            if value is not None and manifest.get(field) != (list(value) if isinstance(value, list | tuple) else value):
+                out.append(f"{Path(root) / MANIFEST}: {field} {manifest.get(field)} disagrees with {where}'s {key} "
+                           f"{value}: the manifest was edited (restore it, or recapture)")
+    return out
+
+
 def read_manifest(root: Path) -> dict:
     path = Path(root) / MANIFEST
     if not path.is_file():

@@ -29,7 +29,7 @@ import torch
 
 from specfoundry.common.files import checksum
 from specfoundry.featureset import fp8
-from specfoundry.featureset.manifest import FeatureSetError, read_manifest
+from specfoundry.featureset.manifest import FeatureSetError, read_manifest, record_disagreements
 
 CODECS = ("zarr", "safetensors")
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -272,6 +272,9 @@ class FeatureSet:
         self.root = Path(root)
         self.verify = verify
         self.manifest = read_manifest(self.root)
+        edited = record_disagreements(self.root, self.manifest)
+        if edited:
+            raise FeatureSetError(edited[0])
         self.codec = self.manifest["codec"]
         self.dtype = self.manifest["storage_dtype"]
         self.final_dtype = self.manifest["final_storage_dtype"]
