@@ -24,7 +24,16 @@ import click
 from specfoundry.capture.stage import CaptureConfig, run_capture
 from specfoundry.common.cli import resolve_config, stage_command
 from specfoundry.common.placement import Placement, launch_env
-from specfoundry.common.settings import MAX_DRAFT, MAX_TOKENS, Range, Settings, config_dict, setting, shared
+from specfoundry.common.settings import (
+    MAX_DRAFT,
+    MAX_TOKENS,
+    Range,
+    Settings,
+    config_dict,
+    resume_settings,
+    setting,
+    shared,
+)
 from specfoundry.common.shards import record_config
 from specfoundry.common.target import EMBEDDED_DEFAULT, Target
 from specfoundry.eval.cli import FAILURES, main
@@ -83,7 +92,8 @@ class GateConfig(Settings):
 def load_gate_target(cfg: GateConfig) -> Target:
     """The target, loaded once for every stage of the gate (regen, capture, the checks)."""
     target = Target.load(cfg.target, device=cfg.device, placement=cfg.placement, chat_template=cfg.chat_template,
-                         command="sf-eval gate")
+                         command="sf-eval gate",
+                         settings=resume_settings(cfg))
     one_copy(target, "sf-eval gate")
     return target
 

@@ -531,3 +531,21 @@ def test_a_dflash_run_resumed_after_a_stop_equals_an_uninterrupted_one(tmp_path,
     assert "layers.2.self_attn.q_norm.weight" in names
     assert [x["loss_0"] for x in whole["history"]] == [x["loss_0"] for x in resumed["history"]]
     assert whole["history"][0]["loss_0"] > whole["history"][-1]["loss_0"]
+
+
+def test_training_ranks_with_other_settings_are_one_line_on_every_rank(tmp_path, smol_features):
+    """issue 37 item 2, for sf-train under a launch of several processes: another --lr on one rank
+    (each rank would step its own optimizer on averaged gradients) is refused on every rank, naming it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    args = sf_train_args(smol_features, tmp_path / "two", lr="r0=3e-3|r1=1e-3")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           "29541", str(Path(__file__).parent / "per_rank.py"), "specfoundry.train.cli", *args],
+                          env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+    assert done.returncode != 0 and len(errors) == 2, done.stderr[-3000:]
+    assert all("rank 1 runs with settings.lr 0.001, rank 0 with 0.003" in e for e in errors), errors
+    assert not (tmp_path / "two" / "checkpoints").exists()

@@ -37,7 +37,7 @@ from specfoundry.common.conversations import (
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.placement import Placement
 from specfoundry.common.progress import Progress
-from specfoundry.common.settings import Range, Settings, config_dict, setting, shared
+from specfoundry.common.settings import Range, Settings, config_dict, resume_settings, setting, shared
 from specfoundry.common.shards import (
     ShardedOutput,
     check_output_folder,
@@ -360,7 +360,8 @@ def run_capture(cfg: CaptureConfig, silent: bool = False, target: Target | None 
         raise CaptureError(str(e)) from e
     if target is None:
         target = Target.load(cfg.target, device=cfg.device, placement=cfg.placement, chat_template=cfg.chat_template,
-                             command="sf-capture run")
+                             command="sf-capture run",
+                             settings=resume_settings(cfg))
     ranks = target.ranks
     plan = plan_capture(cfg, target.tokenizer, target.identity)
     out = ShardedOutput(Path(cfg.output))

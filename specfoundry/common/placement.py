@@ -29,12 +29,13 @@ through that store.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from specfoundry.common.settings import Range, Settings, setting
+from specfoundry.common.settings import Range, Settings, config_dict, setting
 
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
@@ -188,12 +189,23 @@ def launch_env() -> tuple[int, int, int]:
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
 
 
-def join_launch(placement: Placement, device: str | None, command: str = "the command") -> tuple[Ranks, str | None]:
+def join_launch(placement: Placement, device: str | None, command: str = "the command",
+                record: dict | None = None) -> tuple[Ranks, str | None]:
     """Initialise the process groups this launch needs (module docstring) and pick the device:
-    (this rank's Ranks, the device, cuda:LOCAL_RANK on a GPU machine when none is given)."""
+    (this rank's Ranks, the device, cuda:LOCAL_RANK on a GPU machine when none is given). First,
+    the ranks of a launch compare what each runs (its placement and `record`: the command's
+    settings, the target's identity) through the launch's store: a difference is the same one-line
+    PlacementError on every rank (check_one_launch), before any of them builds a group or loads."""
     import torch
 
     rank, world, local = launch_env()
+    store = None
+    if world > 1 and not is_initialized():
+        store = launch_store(rank, world)
+        check_one_launch(exchange(store, rank, world, {"command": command, "placement": config_dict(placement),
+                                                       **(record or {})}))
+    elif world > 1:  # a caller (a test, accelerate) set the groups up already: their collective
+        check_one_launch(gathered({"command": command, "placement": config_dict(placement), **(record or {})}))
     n = placement.copy_size
     if n > 1 and world == 1:
         raise PlacementError(f"--tp/--ep {n} runs one rank per shard of the target: launch it as "
@@ -212,21 +224,84 @@ def join_launch(placement: Placement, device: str | None, command: str = "the co
     if cuda:
         torch.cuda.set_device(torch.device(device))
     backend = "nccl" if cuda else "gloo"
-    if dist.is_initialized():  # a caller (a test, accelerate) set the groups up already
+    if store is None:  # a caller (a test, accelerate) set the groups up already
         return ranks, device
     if n in (1, world):
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, store=dist.PrefixStore("specfoundry/all/", store), rank=rank,
+                                world_size=world)
         atexit.register(leave_launch, ranks)
         return ranks, device
-    env = os.environ
-    hosts_store = env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0  # else torchrun's agent does
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=hosts_store,
-                          timeout=timedelta(minutes=30))
     dist.init_process_group(backend, store=dist.PrefixStore(f"specfoundry/group{ranks.group}/", store),
                             rank=ranks.group_rank, world_size=n)
     ranks.store = store
     atexit.register(leave_launch, ranks)
     return ranks, device
+
+
+def is_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def launch_store(rank: int, world: int):
+    """The launch's TCPStore (torchrun's agent hosts it, or rank 0 does), which every group and the
+    ranks' comparison are built on."""
+    import torch.distributed as dist
+
+    env = os.environ
+    hosts_store = env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0  # else torchrun's agent does
+    return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=hosts_store,
+                         timeout=timedelta(minutes=30))
+
+
+LAUNCH_CHECK_S = 600
+"""How long a rank waits for the others' records before it says which did not come."""
+
+
+def exchange(store, rank: int, world: int, record: dict) -> list[dict]:
+    """Every rank's record, in rank order, through the store (each rank writes its own, then reads all)."""
+    store.set(f"specfoundry/launch/{rank}", json.dumps(record, sort_keys=True, default=str))
+    keys = [f"specfoundry/launch/{r}" for r in range(world)]
+    try:
+        store.wait(keys, timedelta(seconds=LAUNCH_CHECK_S))
+    except RuntimeError:
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise PlacementError(f"rank {rank}: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did "
+                             f"not join the launch within {LAUNCH_CHECK_S} s (their own output says why)") from None
+    return [json.loads(store.get(k)) for k in keys]
+
+
+def gathered(record: dict) -> list[dict]:
+    """Every rank's record over the process group already set up (accelerate's, a test's)."""
+    import torch.distributed as dist
+
+    records = [None] * dist.get_world_size()
+    dist.all_gather_object(records, json.loads(json.dumps(record, sort_keys=True, default=str)))
+    return records
+
+
+def check_one_launch(records: list[dict]) -> None:
+    """The ranks of one launch run one command on one target: the first field where a rank's record
+    differs from rank 0's is a PlacementError naming the rank and the field, the same on every rank
+    (so every rank stops, none waits on another in a collective)."""
+    first = flat(records[0])
+    for rank, record in enumerate(records[1:], start=1):
+        mine = flat(record)
+        for key in sorted(set(first) | set(mine)):
+            if first.get(key) != mine.get(key):
+                raise PlacementError(f"rank {rank} runs with {key} {mine.get(key)!r}, rank 0 with {first.get(key)!r}: "
+                                     "every rank of a launch must run the same command, settings and target weights")
+
+
+def flat(record: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in record.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def leave_launch(ranks: Ranks) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from specfoundry.common.embedded import EMBEDDED, EMBEDDED_DEFAULT, TargetError, convert_embedded
-from specfoundry.common.placement import Placement, PlacementError, Ranks, join_launch
+from specfoundry.common.placement import Placement, PlacementError, Ranks, join_launch, launch_env
 from specfoundry.common.taps import AuxLayerTap, decoder_layers
 
 __all__ = ["EMBEDDED", "EMBEDDED_DEFAULT", "Placement", "PlacementError", "Target", "TargetError"]
@@ -261,14 +261,24 @@ class Target:
     @classmethod
     def load(cls, target: str, *, device: str | None = None, dtype: torch.dtype | None = None,
              placement: Placement | None = None, chat_template: str | None = None,
-             command: str = "the command") -> Target:
+             command: str = "the command", settings: dict | None = None) -> Target:
         """Resolve `target`, join the launch's process groups (placement), load the model frozen
-        and in eval mode, the tokenizer rendering with `chat_template` (with_chat_template)."""
+        and in eval mode, the tokenizer rendering with `chat_template` (with_chat_template).
+        Under a launch of several processes the ranks first compare `settings` (what the command's
+        output depends on), their placement and the target's identity (config hash, weight
+        fingerprint): any difference is one line on every rank (placement.check_one_launch)."""
         from transformers import AutoModelForCausalLM
 
         placement = placement or Placement()
         path = resolve_target(target)
-        ranks, device = join_launch(placement, device, command)
+        record = None
+        if launch_env()[1] > 1:
+            from specfoundry.common.weights import weight_fingerprint
+
+            record = {"settings": settings or {}, "target": {
+                "config_sha256": target_identity(target, path).config_sha256,
+                "weight_fingerprint": weight_fingerprint(path)}}
+        ranks, device = join_launch(placement, device, command, record)
         if ranks.rank == 0:
             announce_target(command, target, path)
         dev = pick_device(device)

@@ -23,7 +23,15 @@ from specfoundry.common.conversations import load_conversations, prompt_ids, too
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.placement import Placement, PlacementError
 from specfoundry.common.progress import Progress
-from specfoundry.common.settings import MAX_DRAFT, Range, Settings, config_dict, setting, shared
+from specfoundry.common.settings import (
+    MAX_DRAFT,
+    Range,
+    Settings,
+    config_dict,
+    resume_settings,
+    setting,
+    shared,
+)
 from specfoundry.common.shards import check_output_folder
 from specfoundry.common.target import EMBEDDED_DEFAULT, Target
 from specfoundry.decoding.rounds import DecodeResult, target_generate
@@ -250,7 +258,8 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
     cfg, ref = check_config(cfg)
     if target is None:
         target = Target.load(cfg.target, device=cfg.device, dtype=getattr(torch, cfg.dtype) if cfg.dtype else None,
-                             placement=cfg.placement, chat_template=cfg.chat_template, command="sf-eval run")
+                             placement=cfg.placement, chat_template=cfg.chat_template, command="sf-eval run",
+                             settings=resume_settings(cfg))
     one_copy(target, "sf-eval run")
     # the draft runs in the target's dtype, on its input device
     device, dtype, tokenizer, identity, target_dir = (target.input_device, target.dtype, target.tokenizer,

@@ -14,11 +14,13 @@ BACKENDS = ("hf", "openai", "sglang")
 def make_backend(cfg) -> Backend:
     """The backend a RegenConfig names, loaded (its target too)."""
     if cfg.backend == "hf":
+        from specfoundry.common.settings import resume_settings
         from specfoundry.common.target import Target
         from specfoundry.generate.hf_backend import HFBackend
 
         target = Target.load(cfg.target, device=cfg.device, placement=cfg.placement, chat_template=cfg.chat_template,
-                             command="sf-regen run")
+                             command="sf-regen run",
+                             settings=resume_settings(cfg))
         return HFBackend(target, batch_size=cfg.batch_size, engine=cfg.hf_engine)
     if cfg.placement != type(cfg.placement)():
         if cfg.backend == "openai":

@@ -27,8 +27,17 @@ from typing import ClassVar
 import torch
 
 from specfoundry.common.files import TMP_SUFFIX, atomic_write_json, remove_temporaries, replace_dir
+from specfoundry.common.placement import check_one_launch, gathered
 from specfoundry.common.progress import Progress
-from specfoundry.common.settings import Range, Settings, config_dict, setting, shared, unique_options
+from specfoundry.common.settings import (
+    Range,
+    Settings,
+    config_dict,
+    resume_settings,
+    setting,
+    shared,
+    unique_options,
+)
 from specfoundry.common.shards import check_output_folder, record_config
 from specfoundry.common.taps import parse_layer_ids
 from specfoundry.common.target import (
@@ -199,6 +208,10 @@ class Trainer:
         self.target_dir = self.target_dir or resolve_target(cfg.target)
         if self.accel.is_main_process:
             announce_target("sf-train", cfg.target, self.target_dir)
+        if self.accel.num_processes > 1:  # one command, settings and target on every rank, or one line on each
+            check_one_launch(gathered({"command": "sf-train run", "settings": resume_settings(cfg), "target": {
+                "config_sha256": target_identity(cfg.target, self.target_dir).config_sha256,
+                "weight_fingerprint": weight_fingerprint(self.target_dir)}}))
         check_output_folder(self.out, "train", cfg)  # before any long work
         self.fs = FeatureSet(cfg.featureset, verify=cfg.verify_shards)
         identity = check_featureset(self.fs, cfg, self.target_dir)
