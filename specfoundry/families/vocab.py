@@ -30,3 +30,10 @@ def vocab_maps(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, 
 
 def draft_ids_from_d2t(d2t: torch.Tensor) -> torch.Tensor:
     return d2t + torch.arange(len(d2t), device=d2t.device)
+
+
+def vocab_coverage(t2d: torch.Tensor, counts: torch.Tensor) -> float:
+    """The share of counts [V] (the feature set's supervised tokens) on the ids t2d [V] marks as the
+    draft's vocabulary: what a draft of that vocabulary can learn to propose."""
+    counts = counts.to(torch.float64)
+    return float(counts[t2d.cpu()].sum() / counts.sum().clamp(min=1))

@@ -19,7 +19,7 @@ from specfoundry.families.eagle3.model import Eagle3Draft
 from specfoundry.families.eagle3.options import Eagle3Options
 from specfoundry.families.eagle3.ttt import TTTModule
 from specfoundry.families.interface import DraftFamily
-from specfoundry.families.vocab import choose_draft_vocab, vocab_maps
+from specfoundry.families.vocab import choose_draft_vocab, vocab_coverage, vocab_maps
 from specfoundry.featureset.manifest import FeatureSetError
 
 
@@ -65,8 +65,7 @@ class Eagle3Family(DraftFamily):
         return model, dcfg
 
     def vocab_coverage(self, draft, counts: torch.Tensor) -> float:
-        counts = counts.to(torch.float64)
-        return float(counts[draft.t2d.cpu()].sum() / counts.sum().clamp(min=1))
+        return vocab_coverage(draft.t2d, counts)
 
     def module(self, draft: Eagle3Draft, target_dir: Path, dtype: torch.dtype, options: Eagle3Options, seed: int):
         return TTTModule(draft, target_lm_head(target_dir).to(dtype), ttt_length=options.ttt_length,

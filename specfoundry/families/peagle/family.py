@@ -20,7 +20,7 @@ from specfoundry.families.peagle.export import export_draft, load_export, read_c
 from specfoundry.families.peagle.loss import PEagleModule
 from specfoundry.families.peagle.model import PEagleDraft
 from specfoundry.families.peagle.options import PEagleOptions
-from specfoundry.families.vocab import choose_draft_vocab, vocab_maps
+from specfoundry.families.vocab import choose_draft_vocab, vocab_coverage, vocab_maps
 from specfoundry.featureset.manifest import FeatureSetError
 
 
@@ -71,8 +71,7 @@ class PEagleFamily(DraftFamily):
         return model, dcfg
 
     def vocab_coverage(self, draft, counts: torch.Tensor) -> float:
-        counts = counts.to(torch.float64)
-        return float(counts[draft.t2d.cpu()].sum() / counts.sum().clamp(min=1))
+        return vocab_coverage(draft.t2d, counts)
 
     def module(self, draft: PEagleDraft, target_dir: Path, dtype: torch.dtype, options: PEagleOptions, seed: int):
         if options.num_depths != draft.cfg.num_depths:
