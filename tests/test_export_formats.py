@@ -320,10 +320,23 @@ def engine_view(c: dict, engine: str) -> dict:
             "vocab_size": c["vocab_size"], "hidden_act": c["hidden_act"], "num_hidden_layers": c["num_hidden_layers"],
             "target_hidden_size": c.get("target_hidden_size", c["hidden_size"]),
             "fc_norm": bool(c.get("fc_norm") or (engine == "sglang" and c.get("use_aux_norm"))),
-            "norm_output": bool(c.get("norm_output", False)),
             "draft_vocab_size": c["draft_vocab_size"] if engine == "sglang" else c.get("draft_vocab_size") or c["vocab_size"],
-            # SGLang has no such option: its layer 0 always takes the residual before hidden_norm
-            "norm_before_residual": False if engine == "sglang" else c.get("norm_before_residual", False)}
+            # SGLang and SpecForge have no such option: their layer 0 always takes the residual
+            # before hidden_norm
+            "norm_before_residual": False if engine in ("sglang", "specforge")
+            else c.get("norm_before_residual", False)}
+    if engine == "specforge":
+        # SpecForge's LlamaForCausalLMEagle3 (specforge/modeling/draft/llama3_eagle.py at a6b6b023):
+        # `self.norm_output = getattr(config, "norm_output", True)`, and compute_logits takes
+        # lm_head(norm(h)) when it is true, lm_head(h) when false; the next TTT step always reads the
+        # backbone's pre-norm output (specforge/algorithms/eagle3/model.py: hidden_states = backbone(...))
+        view["logits_from"] = "norm(h)" if c.get("norm_output", True) else "h"
+        view["next_step_reads"] = "h"
+    else:
+        # SGLang's LlamaModel.forward, vLLM's Eagle3 LlamaModel and speculators' Eagle3 core: the
+        # logits always come from norm(h); norm_output (absent: false) hands norm(h) to the next step
+        view["logits_from"] = "norm(h)"
+        view["next_step_reads"] = "norm(h)" if c.get("norm_output", False) else "h"
     return view
 
 
@@ -331,7 +344,10 @@ def engine_view(c: dict, engine: str) -> dict:
 def test_every_field_the_loaders_read_says_what_the_draft_was_trained_as(tmp_path, options):
     """Our draft keeps the incoming hidden state as the residual and normalises after
     (norm_before_residual false), which vLLM's speculators path assumes the opposite of when the
-    field is absent: so each field is written out, and each engine's view equals the draft's."""
+    field is absent: so each field is written out, and each engine's view equals the draft's.
+    norm_output is the opposite case (issue 37 item 6b): SpecForge reads `norm_output: false` as
+    "no norm before lm_head", so it is written only when true, and a standard draft builds the same
+    in SGLang, vLLM and SpecForge."""
     draft = random_draft(**options)
     cfg = draft.cfg
     want = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -339,17 +355,28 @@ def test_every_field_the_loaders_read_says_what_the_draft_was_trained_as(tmp_pat
             "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
             "rope_scaling": cfg.rope_scaling, "max_position_embeddings": cfg.max_position_embeddings,
             "vocab_size": cfg.vocab_size, "hidden_act": cfg.hidden_act, "num_hidden_layers": 1,
-            "target_hidden_size": cfg.target_hidden_size, "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output,
-            "draft_vocab_size": cfg.draft_vocab_size, "norm_before_residual": False}
+            "target_hidden_size": cfg.target_hidden_size, "fc_norm": cfg.fc_norm,
+            "draft_vocab_size": cfg.draft_vocab_size, "norm_before_residual": False,
+            # Eagle3Draft.forward: logits from the final norm; the next step reads norm(h) under
+            # norm_output (EAGLE-3.1), else the pre-norm h
+            "logits_from": "norm(h)", "next_step_reads": "norm(h)" if cfg.norm_output else "h"}
     sglang = config_of(export(tmp_path, draft, "sglang", "a"))
     speculators = config_of(export(tmp_path, draft, "speculators", "b"))
     hf = vllm_speculators_hf_config(speculators)
     for engine, c in (("sglang", sglang), ("vllm", sglang), ("vllm", hf)):
         assert engine_view(c, engine) == want, engine
+    specforge = engine_view(sglang, "specforge")
+    if cfg.norm_output:
+        # SpecForge has no post-norm recurrence at all: no config makes it build this draft
+        # (docs/serving.md says so); everything else it reads as trained
+        assert specforge == {**want, "next_step_reads": "h"}
+    else:
+        assert specforge == want
+    assert ("norm_output" in sglang) == ("norm_output" in speculators) == cfg.norm_output
     assert sglang["architectures"] == ["LlamaForCausalLMEagle3"] and sglang["tie_word_embeddings"] is False
     assert sglang["eagle_config"]["use_aux_hidden_state"] is True
     written = set(speculators) | set(speculators["transformer_layer_config"])
-    assert {"norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "draft_vocab_size",
+    assert {"norm_before_residual", "norm_before_fc", "fc_norm", "draft_vocab_size",
             "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "max_position_embeddings"} <= written
     assert speculators["speculators_config"]["verifier"] == VERIFIER
     assert speculators["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3

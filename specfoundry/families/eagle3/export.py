@@ -70,8 +70,8 @@ def layer_config(cfg: Eagle3Config) -> dict:
 
 
 def draft_options(cfg: Eagle3Config) -> dict:
-    """What both layouts write at the top level, where SGLang (fc_norm, norm_output) and vLLM (all
-    of them; its speculators path copies them from there) read them. norm_before_residual is
+    """What both layouts write at the top level, where SGLang (fc_norm, norm_output), vLLM (all of
+    them; its speculators path copies them from there) and SpecForge read them. norm_before_residual is
     written out because vLLM's speculators path takes an absent one as true: our draft keeps the
     incoming hidden state as the residual and normalises after (model.py, Eagle3DecoderLayer)."""
     if not cfg.aux_layer_ids:
@@ -81,10 +81,13 @@ def draft_options(cfg: Eagle3Config) -> dict:
         "target_hidden_size": cfg.target_hidden_size,
         "norm_before_residual": False,
         "norm_before_fc": False,
-        # EAGLE-3.1: a norm per captured state before fc (tensors fc_norm.{i}.weight), and the
-        # post-norm state fed to the next draft step
+        # EAGLE-3.1: a norm per captured state before fc (tensors fc_norm.{i}.weight)
         "fc_norm": cfg.fc_norm,
-        "norm_output": cfg.norm_output,
+        # EAGLE-3.1: the post-norm state fed to the next draft step. Written only when true: the
+        # key means that to SGLang, vLLM and speculators (absent: false), while SpecForge's draft
+        # class reads it as "norm before lm_head" (absent: true), so `norm_output: false` would
+        # make SpecForge drop the final norm; absent, all four build standard EAGLE-3.
+        **({"norm_output": True} if cfg.norm_output else {}),
         # vLLM's convention (the output of layer i is id i + 1); vLLM reads this field first
         "eagle_aux_hidden_state_layer_ids": to_vllm_ids(cfg.aux_layer_ids),
     }
