@@ -23,7 +23,7 @@ import click
 
 from specfoundry.capture.stage import CaptureConfig, run_capture
 from specfoundry.common.cli import resolve_config, stage_command
-from specfoundry.common.placement import Placement, launch_env
+from specfoundry.common.placement import FUSED_EXPERTS, Placement, launch_env
 from specfoundry.common.settings import (
     MAX_DRAFT,
     MAX_TOKENS,
@@ -91,6 +91,9 @@ class GateConfig(Settings):
 
 def load_gate_target(cfg: GateConfig) -> Target:
     """The target, loaded once for every stage of the gate (regen, capture, the checks)."""
+    from specfoundry.kernels.fused_moe import register_fused_experts
+
+    register_fused_experts(FUSED_EXPERTS)  # so that --experts-implementation can name it
     target = Target.load(cfg.target, device=cfg.device, placement=cfg.placement, chat_template=cfg.chat_template,
                          command="sf-eval gate",
                          settings=resume_settings(cfg))

@@ -62,6 +62,15 @@ TINY_PARALLEL_TARGETS = {
 """More tiny targets, for the tensor-parallel tests only: GLM-4-MoE (one dense layer first, then
 routed and shared experts)."""
 
+TINY_MOE_TARGETS = {
+    "deepseek_v3": dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+                        first_k_dense_replace=1, n_group=2, topk_group=1),
+}
+"""More tiny targets, for the experts-implementation tests: DeepSeek-V3 (multi-head latent
+attention, one dense layer first, then shared experts beside 8 routed ones picked within the best
+of 2 groups)."""
+
 QWEN3_STYLE_TEMPLATE = (
     "{%- set ns = namespace(last_user=-1) %}"
     "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
@@ -105,7 +114,7 @@ def write_tiny_target(model_type: str, out: Path, tokenizer_dir: Path, seed: int
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                  **{**TINY_SHAPE, **{**TINY_TARGETS, **TINY_PARALLEL_TARGETS}[model_type],
+                                  **{**TINY_SHAPE, **{**TINY_TARGETS, **TINY_PARALLEL_TARGETS, **TINY_MOE_TARGETS}[model_type],
                                      **overrides})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -62,7 +62,8 @@ def run_job(source: str, target: str, work: Path, placement: Placement, stages: 
 def main(argv=None) -> None:
     source, plan = (argv or sys.argv[1:])[:2]
     for job in json.loads(Path(plan).read_text()):
-        placement = Placement(tp=job.get("tp", 1), ep=job.get("ep", 1))
+        placement = Placement(tp=job.get("tp", 1), ep=job.get("ep", 1),
+                              experts_implementation=job.get("experts_implementation", "auto"))
         run_job(source, job["target"], Path(job["work"]), placement, job.get("stages", list(STAGES)))
 
 

@@ -2,7 +2,8 @@
 
 One torchrun launch of 2 CPU processes (gloo) runs every stage that runs the target, through
 tests/parallel_job.py, on tiny random targets: Llama with --tp 2 (capture, greedy regen, the gate,
-sf-eval), Qwen3-MoE with --tp 2 and with --ep 2, GLM-4-MoE with --tp 2, and a Llama with one KV
+sf-eval), Qwen3-MoE with --tp 2, with --ep 2 and with --ep 2 running the fused experts kernel
+(--experts-implementation sf_fused, on each rank's experts), GLM-4-MoE with --tp 2, and a Llama with one KV
 head, which --tp 2 cannot split (its attention is kept whole on each rank). This process then runs
 the same stages alone and compares. sf-capture itself is run under torchrun by the kill-and-resume
 test. --device-map with a --max-memory that offloads the layers is checked in this process.
@@ -43,6 +44,8 @@ JOBS = {  # name: (model type, config overrides, placement, stages)
     "llama-tp": ("llama", {}, {"tp": 2}, ["capture", "regen", "gate", "eval"]),
     "qwen3_moe-tp": ("qwen3_moe", {}, {"tp": 2}, ["capture", "regen"]),
     "qwen3_moe-ep": ("qwen3_moe", {}, {"ep": 2}, ["capture", "regen"]),
+    # the fused experts kernel (under Triton's interpreter here) on each rank's 2 experts
+    "qwen3_moe-ep_fused": ("qwen3_moe", {}, {"ep": 2, "experts_implementation": "sf_fused"}, ["capture"]),
     "glm4_moe-tp": ("glm4_moe", {}, {"tp": 2}, ["capture", "regen"]),
     "llama_kv1-tp": ("llama", {"num_key_value_heads": 1}, {"tp": 2}, ["capture"]),
 }

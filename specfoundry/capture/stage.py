@@ -35,7 +35,7 @@ from specfoundry.common.conversations import (
     tools_template_problem,
 )
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
-from specfoundry.common.placement import Placement
+from specfoundry.common.placement import FUSED_EXPERTS, Placement
 from specfoundry.common.progress import Progress
 from specfoundry.common.settings import Range, Settings, config_dict, resume_settings, setting, shared
 from specfoundry.common.shards import (
@@ -359,6 +359,9 @@ def run_capture(cfg: CaptureConfig, silent: bool = False, target: Target | None 
     except (ConversationFormatError, FileNotFoundError) as e:
         raise CaptureError(str(e)) from e
     if target is None:
+        from specfoundry.kernels.fused_moe import register_fused_experts
+
+        register_fused_experts(FUSED_EXPERTS)  # so that --experts-implementation can name it
         target = Target.load(cfg.target, device=cfg.device, placement=cfg.placement, chat_template=cfg.chat_template,
                              command="sf-capture run",
                              settings=resume_settings(cfg))

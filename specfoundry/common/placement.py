@@ -38,6 +38,8 @@ from datetime import timedelta
 from specfoundry.common.settings import Range, Settings, config_dict, setting
 
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+FUSED_EXPERTS = "sf_fused"
+EXPERTS_IMPLEMENTATIONS = ("auto", "eager", "grouped_mm", "batched_mm", FUSED_EXPERTS)  # common/experts.py
 
 
 class PlacementError(ValueError):
@@ -97,6 +99,12 @@ class Placement(Settings):
                                       help="With --device-map: memory per device, DEVICE=SIZE,... (e.g. "
                                            "0=70GiB,cpu=200GiB); what does not fit the GPUs goes to CPU memory, "
                                            "then disk.")
+    experts_implementation: str = setting(
+        "auto", resume=False, choices=EXPERTS_IMPLEMENTATIONS, shown="auto: grouped_mm on a GPU, eager on CPU",
+        help="MoE targets: how the routed experts run (common/experts.py). eager: transformers' loop over the "
+             "experts, the reference; grouped_mm: torch's grouped GEMM over tokens sorted by expert; batched_mm: a "
+             f"weight copy per token, small batches only; {FUSED_EXPERTS}: specfoundry's fused Triton kernel (CUDA; "
+             "SiLU-gated experts without biases, so not gpt-oss). Dense targets ignore it.")
 
     def __post_init__(self):
         super().__post_init__()

@@ -11,6 +11,7 @@ runs the target goes through it; lm_head and embeddings come from the weight fil
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from specfoundry.common.embedded import EMBEDDED, EMBEDDED_DEFAULT, TargetError, convert_embedded
+from specfoundry.common.experts import set_experts
 from specfoundry.common.placement import Placement, PlacementError, Ranks, join_launch, launch_env
 from specfoundry.common.taps import AuxLayerTap, decoder_layers
 
@@ -287,6 +289,11 @@ class Target:
         if not placement.device_map and placement.copy_size == 1:
             model.to(dev)
         model.eval().requires_grad_(False)
+        experts = set_experts(model, placement.experts_implementation, dev.type)
+        if experts is not None:  # an MoE target: the implementation in use, resolved from auto
+            placement = dataclasses.replace(placement, experts_implementation=experts)
+            if ranks.rank == 0:
+                print(f"{command}: experts run {experts}", file=sys.stderr)
         return cls(model, load_tokenizer(path, chat_template), target_identity(target, path), ranks=ranks,
                    placement=placement, device=dev)
 

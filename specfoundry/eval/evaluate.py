@@ -21,7 +21,7 @@ import torch
 
 from specfoundry.common.conversations import load_conversations, prompt_ids, tools_template_problem
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
-from specfoundry.common.placement import Placement, PlacementError
+from specfoundry.common.placement import FUSED_EXPERTS, Placement, PlacementError
 from specfoundry.common.progress import Progress
 from specfoundry.common.settings import (
     MAX_DRAFT,
@@ -257,6 +257,9 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
     started = time.perf_counter()
     cfg, ref = check_config(cfg)
     if target is None:
+        from specfoundry.kernels.fused_moe import register_fused_experts
+
+        register_fused_experts(FUSED_EXPERTS)  # so that --experts-implementation can name it
         target = Target.load(cfg.target, device=cfg.device, dtype=getattr(torch, cfg.dtype) if cfg.dtype else None,
                              placement=cfg.placement, chat_template=cfg.chat_template, command="sf-eval run",
                              settings=resume_settings(cfg))

@@ -14,10 +14,13 @@ BACKENDS = ("hf", "openai", "sglang")
 def make_backend(cfg) -> Backend:
     """The backend a RegenConfig names, loaded (its target too)."""
     if cfg.backend == "hf":
+        from specfoundry.common.placement import FUSED_EXPERTS
         from specfoundry.common.settings import resume_settings
         from specfoundry.common.target import Target
         from specfoundry.generate.hf_backend import HFBackend
+        from specfoundry.kernels.fused_moe import register_fused_experts
 
+        register_fused_experts(FUSED_EXPERTS)  # so that --experts-implementation can name it
         target = Target.load(cfg.target, device=cfg.device, placement=cfg.placement, chat_template=cfg.chat_template,
                              command="sf-regen run",
                              settings=resume_settings(cfg))

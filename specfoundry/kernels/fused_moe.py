@@ -49,10 +49,6 @@ try:
 except ImportError:  # a CPU-only install without the kernels extra: the reference is used
     triton = None
 
-FUSED_EXPERTS = "sf_fused"
-"""The name the fused path is registered under in transformers' ExpertsInterface."""
-
-
 # ---- the plain torch reference -------------------------------------------------------------------
 
 def fused_experts_reference(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
@@ -120,8 +116,8 @@ if triton is not None:
     @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, h_ptr, slot_ptr, block_expert_ptr, num_slots,
                         stride_xn, stride_we, stride_wr, stride_hr,
-                        TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                        TOP_K: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
         """h[rows, cols] = silu(x[tok] @ W_gate[e, cols]^T) * (x[tok] @ W_up[e, cols]^T)."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -133,7 +129,7 @@ if triton is not None:
         valid = slots < num_slots
         tokens = tl.where(valid, slots // TOP_K, 0).to(tl.int64)  # [BM]
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] intermediate columns
-        col_ok = cols < I
+        col_ok = cols < INTER
         w_expert = w_ptr + expert.to(tl.int64) * stride_we
         acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -144,7 +140,7 @@ if triton is not None:
                         mask=valid[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
             w_mask = k_ok[:, None] & col_ok[None, :]
             w_gate = tl.load(w_expert + cols[None, :] * stride_wr + ks[:, None], mask=w_mask, other=0.0)  # [BK, BN]
-            w_up = tl.load(w_expert + (cols[None, :] + I) * stride_wr + ks[:, None], mask=w_mask, other=0.0)
+            w_up = tl.load(w_expert + (cols[None, :] + INTER) * stride_wr + ks[:, None], mask=w_mask, other=0.0)
             acc_gate = _dot(a, w_gate, acc_gate, IEEE, UPCAST)
             acc_up = _dot(a, w_up, acc_up, IEEE, UPCAST)
         h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # SiLU(gate) * up, fp32
@@ -154,8 +150,8 @@ if triton is not None:
     @triton.jit
     def _down_kernel(h_ptr, w_ptr, out_ptr, slot_ptr, block_expert_ptr, weight_ptr, num_slots,
                      stride_hr, stride_we, stride_wr, stride_os,
-                     H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                     UPCAST: tl.constexpr):
+                     H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
         """out[slot, cols] = w[slot] * (h[rows] @ W_down[e, cols]^T), rows scattered to their slots."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -169,9 +165,9 @@ if triton is not None:
         col_ok = cols < H
         w_expert = w_ptr + expert.to(tl.int64) * stride_we
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
+        for k0 in range(0, INTER, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < I
+            k_ok = ks < INTER
             a = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_hr + ks[None, :],
                         mask=valid[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
             w = tl.load(w_expert + cols[None, :] * stride_wr + ks[:, None],
@@ -243,33 +239,19 @@ def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.
     _gate_up_kernel[(triton.cdiv(inter, launch.block_n), blocks)](
         x, gate_up_proj, h, slot_of_row, expert_of_block, slots,
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), h.stride(0),
-        TOP_K=top_k, H=hidden, I=inter, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, IEEE=ieee, UPCAST=upcast,
+        TOP_K=top_k, H=hidden, INTER=inter, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
+        BLOCK_K=launch.block_k, IEEE=ieee, UPCAST=upcast,
         num_warps=launch.num_warps, num_stages=launch.num_stages)
     _down_kernel[(triton.cdiv(hidden, launch.block_n), blocks)](
         h, down_proj, out, slot_of_row, expert_of_block, weights, slots,
         h.stride(0), down_proj.stride(0), down_proj.stride(1), out.stride(0),
-        H=hidden, I=inter, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, IEEE=ieee, UPCAST=upcast,
+        H=hidden, INTER=inter, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
+        BLOCK_K=launch.block_k, IEEE=ieee, UPCAST=upcast,
         num_warps=launch.num_warps, num_stages=launch.num_stages)
     return out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)  # [N, H]
 
 
 # ---- transformers' seam ---------------------------------------------------------------------------
-
-def unsupported_layout(experts: torch.nn.Module) -> str | None:
-    """Why `experts` (a `@use_experts_implementation` module) cannot run fused, or None."""
-    from transformers.activations import SiLUActivation
-
-    name = type(experts).__name__
-    if getattr(experts, "has_bias", False) or not getattr(experts, "is_concatenated", True) \
-            or getattr(experts, "is_transposed", False):
-        return f"{name} stores biased, interleaved or transposed expert weights (gpt-oss's layout)"
-    if not getattr(experts, "has_gate", True) or getattr(experts, "has_post_expert_norm", False):
-        return f"{name} has no gate projection or a norm after each expert"
-    if not isinstance(getattr(experts, "act_fn", None), (SiLUActivation, torch.nn.SiLU)) \
-            or type(experts)._apply_gate.__name__ != "_default_apply_gate":
-        return f"{name}'s activation is not SiLU(gate) * up"
-    return None
-
 
 def fused_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                           top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -278,9 +260,10 @@ def fused_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, to
                          sentinels=self._is_expert_parallel)
 
 
-def register_fused_experts() -> None:
-    """Add FUSED_EXPERTS to transformers' ExpertsInterface (idempotent)."""
+def register_fused_experts(name: str) -> None:
+    """Add fused_experts_forward to transformers' ExpertsInterface as `name` (idempotent); the
+    commands register it as common/experts.py's FUSED_EXPERTS, which also checks a model's layout."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 
-    if FUSED_EXPERTS not in ALL_EXPERTS_FUNCTIONS:
-        ExpertsInterface.register(FUSED_EXPERTS, fused_experts_forward)
+    if ALL_EXPERTS_FUNCTIONS.get(name) is not fused_experts_forward:
+        ExpertsInterface.register(name, fused_experts_forward)

@@ -1,0 +1,83 @@
+"""How a mixture-of-experts target runs its routed experts: transformers' experts interface.
+
+transformers' MoE models (Qwen3-MoE, DeepSeek-V3, GLM-4-MoE, gpt-oss, ...) keep their routed
+experts in one `@use_experts_implementation` module per layer, whose forward is looked up by the
+name in `config._experts_implementation` at every call:
+
+    eager       transformers' loop over the experts: the reference (CPU's default)
+    grouped_mm  tokens sorted by expert, torch's grouped GEMM (a GPU's default)
+    batched_mm  a gathered weight copy per token: small batches only (its memory grows with
+                tokens x top_k x an expert's weights)
+    sf_fused    specfoundry's Triton kernel (kernels/fused_moe.py), registered into the interface
+                by the commands that offer it; CUDA, SiLU-gated experts without biases
+
+transformers' other implementations (sonicmoe, deepgemm) load their kernels from a hub at run
+time, which specfoundry never does, so they are not offered. Dense targets have no experts
+module and ignore the choice. It changes how fast, not what: features agree within the
+tolerance the tests state, so it is a placement setting (resume=False), not one of the output.
+"""
+
+from __future__ import annotations
+
+import os
+
+from specfoundry.common.placement import EXPERTS_IMPLEMENTATIONS, FUSED_EXPERTS, PlacementError
+
+__all__ = ["EXPERTS_IMPLEMENTATIONS", "FUSED_EXPERTS", "experts_modules", "resolve_experts", "set_experts",
+           "unsupported_layout"]
+
+
+def resolve_experts(name: str, device_type: str) -> str:
+    """`auto` -> grouped_mm on a GPU, eager elsewhere; any other name as it is (or a PlacementError)."""
+    if name not in EXPERTS_IMPLEMENTATIONS:
+        raise PlacementError(f"--experts-implementation {name!r}: choose one of {', '.join(EXPERTS_IMPLEMENTATIONS)}")
+    if name == "auto":
+        return "grouped_mm" if device_type == "cuda" else "eager"
+    return name
+
+
+def experts_modules(model) -> list:
+    """The model's routed-experts modules (those transformers' experts interface dispatches)."""
+    return [m for m in model.modules() if hasattr(m, "is_concatenated") and hasattr(m, "_is_expert_parallel")]
+
+
+def unsupported_layout(experts) -> str | None:
+    """Why `experts` cannot run FUSED_EXPERTS (the kernel's layout: gate_up_proj [E, 2I, H] with the
+    gate rows first, down_proj [E, H, I], SiLU(gate) * up, no biases), or None."""
+    from torch import nn
+    from transformers.activations import SiLUActivation
+
+    name = type(experts).__name__
+    if getattr(experts, "has_bias", False) or not getattr(experts, "is_concatenated", True) \
+            or getattr(experts, "is_transposed", False):
+        return f"{name} stores biased, interleaved or transposed expert weights (gpt-oss's layout)"
+    if not getattr(experts, "has_gate", True) or getattr(experts, "has_post_expert_norm", False):
+        return f"{name} has no gate projection, or a norm after each expert"
+    gate = getattr(type(experts), "_apply_gate", None)
+    if not isinstance(getattr(experts, "act_fn", None), (SiLUActivation, nn.SiLU)) \
+            or getattr(gate, "__name__", "") != "_default_apply_gate":
+        return f"{name}'s activation is not SiLU(gate) * up"
+    return None
+
+
+def set_experts(model, name: str, device_type: str) -> str | None:
+    """Run `model`'s experts with `name` (resolved; see resolve_experts). Returns the name in use,
+    None for a dense model. A PlacementError names what cannot run and the fallback."""
+    modules = experts_modules(model)
+    if not modules:
+        return None
+    name = resolve_experts(name, device_type)
+    if name == FUSED_EXPERTS:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        if FUSED_EXPERTS not in ALL_EXPERTS_FUNCTIONS:  # a command offers it only after registering it
+            raise PlacementError(f"--experts-implementation {FUSED_EXPERTS}: this command does not offer it; "
+                                 "use grouped_mm")
+        if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise PlacementError(f"--experts-implementation {FUSED_EXPERTS} runs on a CUDA device; on "
+                                 f"{device_type} use eager (or auto)")
+        why = unsupported_layout(modules[0])
+        if why:
+            raise PlacementError(f"--experts-implementation {FUSED_EXPERTS}: {why}; use grouped_mm")
+    model.set_experts_implementation(name)
+    return name
