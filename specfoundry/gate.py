@@ -16,7 +16,7 @@ layers, positions, fit, decode.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import click
@@ -106,7 +106,7 @@ def build(cfg: GateConfig, target: Target | None = None, silent: bool = True) ->
     work = Path(cfg.output)
     target = target or load_gate_target(cfg)  # a bad target is refused before the folder records it
     if target.is_writer:
-        record_config(work, "gate", cfg)
+        record_config(work, "gate", replace(cfg, placement=target.placement))  # as it runs
         # the answer here is a placeholder: sf-regen replaces it with the target's greedy answer
         (work / "prompt.jsonl").write_text(json.dumps({"id": "gate", "messages": [
             {"role": "user", "content": cfg.prompt}, {"role": "assistant", "content": "-"}]}) + "\n")

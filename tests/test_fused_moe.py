@@ -279,3 +279,24 @@ def test_kernel_on_the_gpu_equals_grouped_mm_and_the_reference(tokens, h, i, e, 
     bound = 3.5 * UBF16 * mag
     assert ((got.float() - want).abs() <= bound + 1e-6).all()
     assert ((got.float() - theirs.float()).abs() <= 2 * bound + 1e-6).all()
+
+
+def test_capture_records_the_experts_implementation_it_ran(tiny_moe, tmp_path):
+    """auto is recorded as what it resolved to (eager on CPU); the features are the same data
+    whichever ran, so a rerun with another implementation resumes (placement is resume=False)."""
+    import json
+
+    from specfoundry.capture.stage import run_capture
+    from specfoundry.common.placement import Placement
+    from tests.conftest import CHAT, write_jsonl
+    from tests.parallel_job import capture_config
+
+    source = write_jsonl(tmp_path / "chat.jsonl", CHAT[:2])
+    run_capture(capture_config(str(tiny_moe["qwen3_moe"]), str(source), tmp_path / "cap", Placement()), silent=True)
+    recorded = json.loads((tmp_path / "cap" / "capture_config.json").read_text())
+    assert recorded["placement"]["experts_implementation"] == "eager"
+    again = capture_config(str(tiny_moe["qwen3_moe"]), str(source), tmp_path / "cap",
+                           Placement(experts_implementation="grouped_mm"))
+    run_capture(again, silent=True)  # resumes: nothing to redo, no refusal
+    recorded = json.loads((tmp_path / "cap" / "capture_config.json").read_text())
+    assert recorded["placement"]["experts_implementation"] == "grouped_mm"

@@ -369,7 +369,8 @@ def run_capture(cfg: CaptureConfig, silent: bool = False, target: Target | None 
     plan = plan_capture(cfg, target.tokenizer, target.identity)
     out = ShardedOutput(Path(cfg.output))
     if ranks.rank == 0:
-        record_config(out.root, "capture", plan.cfg)
+        # the placement as it runs: an MoE target's experts implementation resolved from auto
+        record_config(out.root, "capture", replace(plan.cfg, placement=target.placement))
     ranks.barrier()  # no rank writes into the folder before rank 0 has checked it and recorded the run
     mine = [s for s in range(plan.num_shards) if s % ranks.groups == ranks.group]
     todo = None

@@ -287,7 +287,9 @@ class Regenerator:
         ranks: Ranks = getattr(self.backend, "ranks", None) or Ranks()
         conversations, bad, num_shards = self.plan()
         if ranks.rank == 0:
-            record_config(self.out, "regen", self.cfg)
+            placed = getattr(self.backend, "target", None)  # the hf backend's placement as it runs
+            record_config(self.out, "regen", self.cfg if placed is None else
+                          replace(self.cfg, placement=placed.placement))
             atomic_write_bytes(self.out / "README.md", DATASET_CARD.encode())
             self.shards.pending([shard_path(i) for i in range(num_shards)])  # drops stale marks
             atomic_write_json(self.out / "manifest.json", regen_manifest(self.cfg, self.shards, self.backend.identity(), bad, num_shards))
