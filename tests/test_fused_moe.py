@@ -184,10 +184,10 @@ def tiny_moe(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("moe")
     smol = resolve_target("smollm2")
-    return {m: write_tiny_target(m, root / m, smol) for m in ("qwen3_moe", "deepseek_v3")}
+    return {m: write_tiny_target(m, root / m, smol) for m in ("qwen3_moe", "deepseek_v3", "glm4_moe")}
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "glm4_moe"])
 def test_features_with_the_fused_experts_equal_the_eager_ones(tiny_moe, model_type):
     """A Target loaded with --experts-implementation sf_fused taps the features the eager loop
     does. Not bit for bit: each expert's dots add in another order (fp32 here, IEEE). Per layer that
