@@ -43,7 +43,12 @@ import math
 
 import torch
 
-from specfoundry.kernels.soft_ce import _launch_config, _normaliser, soft_target_cross_entropy, triton_available
+from specfoundry.kernels.soft_ce import (
+    _launch_config,
+    _normaliser,
+    soft_target_cross_entropy,
+    triton_available,
+)
 
 try:
     import triton
