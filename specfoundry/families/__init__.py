@@ -75,6 +75,8 @@ class Family:
     """What each of its layouts is, for sf-export --format's help."""
     speculators_k: str | None = None
     """sf-export's -k for its speculators layout where -k is not given (None: it has none)."""
+    token_losses: tuple[str, ...] = ("ce",)
+    """The token losses it trains with (sf-train --token-loss; kernels/lk_loss.py), the first its default."""
 
 
 @dataclass(frozen=True)
@@ -267,6 +269,7 @@ FAMILIES = Registry((
         layouts_help="sglang, the folder SGLang serves (LlamaForCausalLMEagle3, which vLLM reads as well), or "
                      "speculators, vLLM's speculators format, served by `vllm serve OUTPUT` alone",
         speculators_k="3",
+        token_losses=("ce", "lk-alpha", "lk-lambda", "tv"),
         provider="specfoundry.families.eagle3.family:EAGLE3",
     ),
     Family(
@@ -330,6 +333,7 @@ FAMILIES = Registry((
         layouts=("speculators",),
         layouts_help="speculators only, vLLM's speculators format (parallel drafting), served by `vllm serve OUTPUT`",
         speculators_k="its trained depths K",
+        token_losses=("ce", "lk-alpha", "lk-lambda", "tv"),
         provider="specfoundry.families.peagle.family:PEAGLE",
     ),
 ))

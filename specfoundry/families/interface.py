@@ -32,10 +32,13 @@ from specfoundry.common.embedded import EMBEDDED_DEFAULT
 from specfoundry.families import FAMILIES, DraftLoadError
 from specfoundry.featureset.manifest import FeatureSetError
 from specfoundry.featureset.store import decode_state
+from specfoundry.kernels.lk_loss import TokenLoss
 
-__all__ = ["DRAFT_FILE", "TARGET_FILE", "DraftFamily", "DraftLoadError", "check_tensors", "expect_family", "load_tensors",
+__all__ = ["DRAFT_FILE", "TARGET_FILE", "TRAINING_FILE", "DraftFamily", "DraftLoadError", "check_tensors", "expect_family", "load_tensors",
            "read_config_json", "read_json", "select_layers"]
 
+TRAINING_FILE = "specfoundry_training.json"
+"""Beside an export sf-train writes: how it was trained (token loss, the step kept and why)."""
 TARGET_FILE = "specfoundry_target.json"
 """Beside every export: the identity of the target it was trained for (from the feature set)."""
 DRAFT_FILE = "specfoundry_draft.json"
@@ -134,9 +137,11 @@ class DraftFamily:
         """(draft nn.Module with the target's embeddings copied in, its config)."""
         raise NotImplementedError
 
-    def module(self, draft, target_dir: Path, dtype: torch.dtype, options, seed: int) -> torch.nn.Module:
+    def module(self, draft, target_dir: Path, dtype: torch.dtype, options, seed: int,
+               token_loss: TokenLoss = TokenLoss()) -> torch.nn.Module:
         """The training module: forward(batch, attention=, loss_kernel=, loss_scale=) returns (total loss,
-        [{loss, hits, valid}] per predicted position); `seed` seeds the family's own sampling."""
+        [{loss, hits, valid}] per predicted position); `seed` seeds the family's own sampling;
+        `token_loss` is one of the catalogue entry's token_losses (sf-train refuses the others)."""
         raise NotImplementedError
 
     def vocab_coverage(self, draft, counts: torch.Tensor) -> float | None:

@@ -21,10 +21,13 @@ def logit_rows(vocab_size: int, most: int = 1024) -> int:
 
 @torch.no_grad()
 def teacher_targets(final_hidden: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.Tensor,
-                    t2d: torch.Tensor, chunk: int | None = None, out_dtype: torch.dtype = torch.float32):
+                    t2d: torch.Tensor, chunk: int | None = None, out_dtype: torch.dtype = torch.float32,
+                    renormalise: bool = True):
     """final_hidden: [N, H]; lm_head: [V, H]; draft_ids: [Vd] sorted target ids.
 
-    Returns p [N, Vd] (softmax over the draft-vocabulary columns of the target logits),
+    Returns p [N, Vd] (softmax over the draft-vocabulary columns of the target logits; with
+    `renormalise` False, those columns of the softmax over the whole vocabulary, whose rows sum to
+    the teacher's mass inside the draft vocabulary: what the LK losses take),
     valid [N] bool (full-vocab argmax is in the draft vocabulary) and target_draft [N] (that
     argmax as a draft id, -1 where invalid). Chunked over rows (`chunk`, by default logit_rows(V)):
     no [N, V] tensor is kept; the peak is one chunk's logits, in the head's dtype and in fp32."""
@@ -43,5 +46,8 @@ def teacher_targets(final_hidden: torch.Tensor, lm_head: torch.Tensor, draft_ids
         top = logits.argmax(-1)
         valid[start : start + chunk] = t2d[top]
         target_draft[start : start + chunk] = t2d_index[top]
-        p[start : start + chunk] = torch.softmax(logits[:, draft_ids], dim=-1).to(out_dtype)
+        if renormalise:
+            p[start : start + chunk] = torch.softmax(logits[:, draft_ids], dim=-1).to(out_dtype)
+        else:
+            p[start : start + chunk] = torch.softmax(logits, dim=-1)[:, draft_ids].to(out_dtype)
     return p, valid, target_draft

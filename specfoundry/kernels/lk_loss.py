@@ -40,6 +40,7 @@ the announced upstream gradient `grad_scale` (rescaled in the backward if anothe
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -62,6 +63,29 @@ TOKEN_LOSSES = ("ce", "lk-alpha", "lk-lambda", "tv")
 MODES = {"tv": 0, "lk-alpha": 1, "lk-lambda": 2}
 ALPHA_FLOOR = 1e-12
 LK_CHUNK = 4096  # columns per chunk: three passes over a row's chunks stay in L2
+
+
+@dataclass(frozen=True)
+class TokenLoss:
+    """A family's per-token loss: `kind` one of TOKEN_LOSSES; kl_scale and kl_decay are LK-lambda's."""
+
+    kind: str = "ce"
+    kl_scale: float = 1.0
+    kl_decay: float = 3.0
+
+    def __post_init__(self):
+        if self.kind not in TOKEN_LOSSES:
+            raise ValueError(f"unknown token loss {self.kind!r}: choose one of {', '.join(TOKEN_LOSSES)}")
+
+    @property
+    def renormalised_teacher(self) -> bool:
+        """Cross-entropy learns the teacher renormalised over the draft vocabulary (as always); the
+        LK losses take its full-softmax probabilities, the mass outside never accepted."""
+        return self.kind == "ce"
+
+    def __call__(self, logits, target, mask, normaliser=None, *, impl: str = "auto", grad_scale: float = 1.0):
+        return token_loss(logits, target, mask, normaliser, loss=self.kind, kl_scale=self.kl_scale,
+                          kl_decay=self.kl_decay, impl=impl, grad_scale=grad_scale)
 
 
 # ---- the plain torch reference ---------------------------------------------------------------------

@@ -79,3 +79,42 @@ def write_checkpoint(accel, out: Path, step: int, loader_state: dict, record: di
                 shutil.rmtree(old, ignore_errors=True)
     accel.wait_for_everyone()
     return final
+
+
+# ---- --keep-best: the draft of the best held-out evaluation so far ----------------------------------
+
+BEST = "best"
+"""<run>/best/: draft.safetensors (the draft's weights by their export names) and best.json
+({step, eval_sim_accept_len}), replaced whole each time a later evaluation beats it."""
+
+
+def read_best(out: Path) -> dict | None:
+    """best.json of the run's kept draft, or None where none is kept yet."""
+    path = Path(out) / BEST / "best.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def read_best_state(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(out) / BEST / "draft.safetensors"))
+
+
+def write_best(out: Path, state: dict, meta: dict) -> None:
+    """Write best/ aside and rename it into place: a kill leaves the earlier best whole."""
+    from safetensors.torch import save_file
+
+    final = Path(out) / BEST
+    tmp = final.with_name(f".{BEST}{TMP_SUFFIX}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp / "draft.safetensors"))
+        atomic_write_json(tmp / "best.json", meta)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        full = disk_full(e, tmp)
+        if full is not None:
+            raise full from e
+        raise
+    replace_dir(tmp, final)

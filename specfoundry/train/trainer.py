@@ -50,10 +50,18 @@ from specfoundry.common.target import (
 )
 from specfoundry.common.weights import weight_fingerprint
 from specfoundry.families import FAMILIES, family_names, get_family
-from specfoundry.families.interface import Batch, check_finite, select_layers, serving_verifier
+from specfoundry.families.interface import TRAINING_FILE, Batch, check_finite, select_layers, serving_verifier
 from specfoundry.featureset.manifest import FeatureSetError, check_matches_target, tokenizer_hashes
 from specfoundry.featureset.store import FeatureSet
-from specfoundry.train.checkpoints import newest_complete_checkpoint, read_trainer_state, write_checkpoint
+from specfoundry.kernels.lk_loss import TOKEN_LOSSES, TokenLoss
+from specfoundry.train.checkpoints import (
+    newest_complete_checkpoint,
+    read_best,
+    read_best_state,
+    read_trainer_state,
+    write_best,
+    write_checkpoint,
+)
 from specfoundry.train.loader import FeatureLoader, split_indices
 from specfoundry.train.metrics import (
     NullTracker,
@@ -112,6 +120,19 @@ class TrainConfig(Settings):
                              "tree mask on CPU; eager: the original EAGLE-3 formulation.")
     loss: str = setting("auto", choices=LOSS_KERNELS, help="auto: the in-place Triton kernel on CUDA; "
                         "reference: plain torch.")
+    token_loss: str = setting("ce", choices=TOKEN_LOSSES,
+                              help="What each predicted token is trained on (docs/families.md, \"Objectives\"). ce: "
+                                   "cross-entropy against the teacher; tv: 1 - alpha, alpha = sum min(p, q) the "
+                                   "acceptance rate; lk-alpha: -log alpha; lk-lambda: lam * KL + (1 - lam) * TV, "
+                                   "lam = --lk-kl-scale * exp(-(--lk-kl-decay) * alpha). Each family's: "
+                                   + "; ".join(f"{name} {', '.join(FAMILIES.get(name).token_losses)}"
+                                               for name in family_names()) + ".")
+    lk_kl_scale: float = setting(1.0, valid=Range(0), help="LK-lambda: the KL weight where alpha is 0.")
+    lk_kl_decay: float = setting(3.0, valid=Range(0), help="LK-lambda: how fast the KL weight falls as alpha "
+                                 "rises (the LK paper's eta).")
+    keep_best: bool = setting(False, help="Export the draft of the evaluation with the highest held-out "
+                              "simulated acceptance length, not the last step's (recorded in the export's "
+                              "specfoundry_training.json); needs held-out samples.")
     num_workers: int = setting(2, resume=False, valid=Range(0, 256, zero="read in the training process"),
                                help="Background loader workers per rank.")
     verify_shards: bool = setting(True, resume=False, help="Check each shard's checksum when a loader process "
@@ -124,7 +145,16 @@ class TrainConfig(Settings):
 
     def __post_init__(self):
         super().__post_init__()
-        FAMILIES.get(self.family)  # an unknown name is refused however the config is built
+        family = FAMILIES.get(self.family)  # an unknown name is refused however the config is built
+        if self.token_loss not in family.token_losses:
+            raise ValueError(f"--token-loss {self.token_loss}: the {self.family} family trains with "
+                             f"{', '.join(family.token_losses)}")
+        if self.keep_best and not self.eval_fraction:
+            raise ValueError("--keep-best picks by the held-out evaluation: give --eval-fraction above 0")
+
+    @property
+    def objective(self) -> TokenLoss:
+        return TokenLoss(self.token_loss, self.lk_kl_scale, self.lk_kl_decay)
 
 
 class NonFiniteError(ValueError):
@@ -222,7 +252,7 @@ class Trainer:
         draft, self.dcfg = self.family.build(options, self.fs, self.target_dir, layers, cfg.init_from)
         self.check_vocab_coverage(draft)
         self.dtype = torch.bfloat16 if self.accel.device.type == "cuda" else torch.float32
-        model = self.family.module(draft, self.target_dir, self.dtype, options, cfg.seed)
+        model = self.family.module(draft, self.target_dir, self.dtype, options, cfg.seed, cfg.objective)
         held = list(self.fs.manifest["aux_layer_ids"])
         self.features = {"layers": [held.index(i) for i in layers], "final": self.family.needs_final_state(options)}
         self.build_loader()
@@ -382,6 +412,26 @@ class Trainer:
         return write_checkpoint(self.accel, self.out, self.step, self.loader.state_dict(),
                                 {"train_config": config_dict(self.cfg), "history": self.history}, self.cfg.keep_last)
 
+    def draft_state(self) -> dict[str, torch.Tensor]:
+        """The draft's weights by their export names. A collective under FSDP (the full state dict
+        is gathered): every rank must call it."""
+        accel = self.accel
+        state = accel.get_state_dict(self.model) if accel.num_processes > 1 else self.raw.state_dict()
+        return {k.removeprefix("draft."): v for k, v in state.items() if k.startswith("draft.")}
+
+    def keep_if_best(self, ev: dict) -> None:
+        """--keep-best: after an evaluation, keep the draft if its held-out simulated acceptance
+        length beats every earlier one (the first of equals stays). Every rank decides alike (the
+        metric is merged over ranks) and gathers the state; the main rank writes best/ whole."""
+        value = ev.get("sim_accept_len")
+        if value is None or (self.best is not None and not value > self.best["eval_sim_accept_len"]):
+            return
+        state = self.draft_state()
+        self.best = {"step": self.step, "eval_sim_accept_len": value}
+        if self.accel.is_main_process:
+            write_best(self.out, state, self.best)
+        self.accel.wait_for_everyone()
+
     # ---- finish ---------------------------------------------------------------------------------
 
     def finish(self) -> dict:
@@ -391,14 +441,21 @@ class Trainer:
         # ZeRO-2 evidence: each rank's optimizer state (Adam moments) should be ~1/world of the whole
         state_bytes = torch.tensor([optimizer_state_bytes(self.optimizer)], device=accel.device)
         per_rank = accel.gather(state_bytes).tolist()
-        # a collective under FSDP (the full state dict is gathered): every rank must call it
-        state = accel.get_state_dict(self.model) if accel.num_processes > 1 else self.raw.state_dict()
-        draft_state = {k: v for k, v in state.items() if k.startswith("draft.")}
+        draft_state = self.draft_state()
         try:  # weights a finite loss did not read can still have gone non-finite: never exported
             check_finite(draft_state, f"sf-train: the draft after step {self.step}")
         except ValueError as e:
             raise NonFiniteError(f"{e}; nothing exported (lower --lr or raise --warmup-steps, and rerun into a new "
                                  "folder)") from None
+        last_eval = next((h["eval_sim_accept_len"] for h in reversed(self.history) if "eval_sim_accept_len" in h),
+                         None)
+        cfg = self.cfg
+        training = {"token_loss": cfg.token_loss, "lk_kl_scale": cfg.lk_kl_scale, "lk_kl_decay": cfg.lk_kl_decay,
+                    "kept": "last", "step": self.step, "eval_sim_accept_len": last_eval}
+        if cfg.keep_best and self.best is not None:
+            draft_state = read_best_state(self.out)
+            training.update(kept="best", step=self.best["step"], eval_sim_accept_len=self.best["eval_sim_accept_len"],
+                            last_step=self.step, last_eval_sim_accept_len=last_eval)
         export = self.out / "export"
         if accel.is_main_process:
             atomic_write_json(self.out / "train_summary.json", {
@@ -409,8 +466,9 @@ class Trainer:
             tmp = export.with_name(f".{export.name}{TMP_SUFFIX}")
             shutil.rmtree(tmp, ignore_errors=True)
             target = {**self.fs.manifest["target"], "tokenizer_sha256": self.fs.manifest["tokenizer_sha256"]}
-            self.family.export({k.removeprefix("draft."): v for k, v in draft_state.items()},
-                               self.dcfg, tmp, target, verifier=serving_verifier(self.cfg.target, self.target_dir))
+            self.family.export(draft_state, self.dcfg, tmp, target,
+                               verifier=serving_verifier(self.cfg.target, self.target_dir))
+            atomic_write_json(tmp / TRAINING_FILE, training)
             replace_dir(tmp, export)
             atomic_write_json(self.out / "history.json", self.history)
             remove_temporaries(self.out)  # what a run killed mid-write left (.history.json.*.tmp, ...)
@@ -426,6 +484,7 @@ class Trainer:
         if not hasattr(self, "model"):
             self.build()
         self.resume()
+        self.best = read_best(self.out) if cfg.keep_best else None  # kept by an earlier leg of this run
         main = self.accel.is_main_process
         if cfg.tensorboard and main:
             self.tracker = TensorboardTracker(self.out / "tensorboard")
@@ -443,6 +502,13 @@ class Trainer:
                     ev = self.evaluate()
                     self.history[-1].update({f"eval_{k}": v for k, v in ev.items()})
                     self.tracker.log({f"eval/{k}": v for k, v in ev.items()}, self.step)
+                    if cfg.keep_best:
+                        self.keep_if_best(ev)
+                    if main and not self.silent and ev:
+                        best = f" (best {self.best['eval_sim_accept_len']:.3f} at step {self.best['step']})" \
+                            if self.best else ""
+                        progress.bar.write(f"step {self.step}: held-out sim_accept_len "
+                                           f"{ev['sim_accept_len']:.3f}{best}")
                 if self.step % cfg.save_every == 0 or last:
                     self.checkpoint()
         return self.finish()

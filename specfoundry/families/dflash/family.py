@@ -19,6 +19,7 @@ from specfoundry.families.dflash.model import DFlashDraft
 from specfoundry.families.dflash.options import DFlashOptions
 from specfoundry.families.interface import DraftFamily, load_tensors
 from specfoundry.featureset.manifest import FeatureSetError
+from specfoundry.kernels.lk_loss import TokenLoss
 
 
 def choose_mask_token(vocab_size: int, tokenizer_size: int, counts: torch.Tensor) -> int:
@@ -80,7 +81,10 @@ class DFlashFamily(DraftFamily):
                                  lambda mask: dflash_config_from_target(target_dir, layers, options.num_draft_layers,
                                                                         options.block_size, mask))
 
-    def module(self, draft: DFlashDraft, target_dir: Path, dtype: torch.dtype, options: DFlashOptions, seed: int):
+    def module(self, draft: DFlashDraft, target_dir: Path, dtype: torch.dtype, options: DFlashOptions, seed: int,
+               token_loss: TokenLoss = TokenLoss()):
+        if token_loss.kind != "ce":  # the catalogue offers ce only; sf-train refuses the others first
+            raise ValueError(f"--token-loss {token_loss.kind}: the dflash family trains with ce only")
         return DFlashModule(draft, target_lm_head(target_dir).to(dtype), num_anchors=options.num_anchors,
                             gamma=options.gamma, teacher=options.teacher, seed=seed, objective=options.objective,
                             dpace_alpha=options.dpace_alpha)

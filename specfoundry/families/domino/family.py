@@ -16,6 +16,7 @@ from specfoundry.families.domino.export import export_draft, load_export, read_c
 from specfoundry.families.domino.loss import DominoModule
 from specfoundry.families.domino.model import DominoDraft
 from specfoundry.families.interface import load_tensors
+from specfoundry.kernels.lk_loss import TokenLoss
 
 
 class DominoFamily(DFlashFamily):
@@ -40,7 +41,10 @@ class DominoFamily(DFlashFamily):
                                  lambda mask: domino_config_from_target(target_dir, layers, dflash.num_draft_layers,
                                                                         dflash.block_size, mask, own.gru_hidden_dim, own.correction_dim))
 
-    def module(self, draft: DominoDraft, target_dir: Path, dtype: torch.dtype, options, seed: int):
+    def module(self, draft: DominoDraft, target_dir: Path, dtype: torch.dtype, options, seed: int,
+               token_loss: TokenLoss = TokenLoss()):
+        if token_loss.kind != "ce":  # the catalogue offers ce only; sf-train refuses the others first
+            raise ValueError(f"--token-loss {token_loss.kind}: the domino family trains with ce only")
         dflash, own = options.parent, options.own
         if dflash.teacher != "hard":
             raise ValueError("Domino trains on the conversation's tokens: --teacher soft is DFlash's only")

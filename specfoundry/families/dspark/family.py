@@ -16,6 +16,7 @@ from specfoundry.families.dspark.export import export_draft, load_export, read_c
 from specfoundry.families.dspark.loss import DSparkModule
 from specfoundry.families.dspark.model import DSparkDraft
 from specfoundry.families.interface import load_tensors
+from specfoundry.kernels.lk_loss import TokenLoss
 
 
 class DSparkFamily(DFlashFamily):
@@ -37,7 +38,10 @@ class DSparkFamily(DFlashFamily):
                                  lambda mask: dspark_config_from_target(target_dir, layers, dflash.num_draft_layers,
                                                                         dflash.block_size, mask, own.markov_rank, own.confidence_with_markov))
 
-    def module(self, draft: DSparkDraft, target_dir: Path, dtype: torch.dtype, options, seed: int):
+    def module(self, draft: DSparkDraft, target_dir: Path, dtype: torch.dtype, options, seed: int,
+               token_loss: TokenLoss = TokenLoss()):
+        if token_loss.kind != "ce":  # the catalogue offers ce only; sf-train refuses the others first
+            raise ValueError(f"--token-loss {token_loss.kind}: the dspark family trains with ce only")
         dflash, own = options.parent, options.own
         if dflash.teacher != "hard":
             raise ValueError("DSpark's teacher is its own (cross entropy on the tokens, L1 to the target's final-state "

@@ -21,6 +21,7 @@ from specfoundry.families.eagle3.ttt import TTTModule
 from specfoundry.families.interface import DraftFamily
 from specfoundry.families.vocab import choose_draft_vocab, vocab_coverage, vocab_maps
 from specfoundry.featureset.manifest import FeatureSetError
+from specfoundry.kernels.lk_loss import TokenLoss
 
 
 class Eagle3Family(DraftFamily):
@@ -67,9 +68,10 @@ class Eagle3Family(DraftFamily):
     def vocab_coverage(self, draft, counts: torch.Tensor) -> float:
         return vocab_coverage(draft.t2d, counts)
 
-    def module(self, draft: Eagle3Draft, target_dir: Path, dtype: torch.dtype, options: Eagle3Options, seed: int):
+    def module(self, draft: Eagle3Draft, target_dir: Path, dtype: torch.dtype, options: Eagle3Options, seed: int,
+               token_loss: TokenLoss = TokenLoss()):
         return TTTModule(draft, target_lm_head(target_dir).to(dtype), ttt_length=options.ttt_length,
-                         decay=options.loss_decay)
+                         decay=options.loss_decay, token_loss=token_loss)
 
 
     def export(self, state, draft_config: Eagle3Config, out: Path, target: dict | None, layout: str = "sglang",

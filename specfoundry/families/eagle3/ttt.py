@@ -12,7 +12,8 @@ and index i:
     valid         x_{i+2+s} is an assistant token, i+2+s < n, teacher argmax in the draft vocab
 Keys of every step stay in the cache; the tree mask lets (s, i) see the prefix j <= i of step 0
 and its own branch (t, i) for t < s. loss = sum_s 0.8^s * loss_s, each the mean over valid
-positions of the soft-target CE.
+positions of the token loss: the soft-target CE, or an LK loss on the acceptance rate
+(kernels/lk_loss.py, sf-train --token-loss).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from specfoundry.families.eagle3.model import Eagle3Draft, TTTCache
 from specfoundry.families.interface import Batch
 from specfoundry.families.teacher import teacher_targets
 from specfoundry.families.vocab import draft_ids_from_d2t
-from specfoundry.kernels.soft_ce import soft_target_cross_entropy
+from specfoundry.kernels.lk_loss import TokenLoss
 
 
 def shift(x: torch.Tensor, by: int, width: int) -> torch.Tensor:
@@ -38,15 +39,16 @@ def shift(x: torch.Tensor, by: int, width: int) -> torch.Tensor:
 
 def ttt_loss(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, draft_ids: torch.Tensor, *,
              ttt_length: int = 7, decay: float = 0.8, attention: str = "auto", loss_kernel: str = "auto",
-             teacher_chunk: int | None = None, loss_scale: float = 1.0):
+             teacher_chunk: int | None = None, loss_scale: float = 1.0, token_loss: TokenLoss = TokenLoss()):
     """Returns (total loss, per-TTT-step metrics [{loss, hits, valid}]). loss_kernel: which
-    soft-target CE runs (auto, triton or reference). loss_scale: the gradient that will flow into
-    the total (1 / accumulation steps under Accelerate), so the in-place loss kernel writes each
-    TTT step's final gradient during the forward."""
+    kernel of the token loss runs (auto, triton or reference). loss_scale: the gradient that will
+    flow into the total (1 / accumulation steps under Accelerate), so the in-place loss kernel
+    writes each TTT step's final gradient during the forward."""
     bsz, seq = batch.input_ids.shape
     h = batch.final_hidden.shape[-1]
     p_all, ok_all, tgt_all = teacher_targets(batch.final_hidden.reshape(-1, h), lm_head, draft_ids, model.t2d,
-                                             chunk=teacher_chunk, out_dtype=batch.final_hidden.dtype)
+                                             chunk=teacher_chunk, out_dtype=batch.final_hidden.dtype,
+                                             renormalise=token_loss.renormalised_teacher)
     vd = p_all.shape[-1]
     p_all = p_all.view(bsz, seq, vd)
     ok_all, tgt_all = ok_all.view(bsz, seq), tgt_all.view(bsz, seq)
@@ -73,9 +75,9 @@ def ttt_loss(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, draft_ids:
         weight = decay ** s
         # a TTT step of weight 0 (--loss-decay 0 past step 0) teaches nothing: its loss is a metric only
         with torch.set_grad_enabled(torch.is_grad_enabled() and weight > 0):
-            loss_s = soft_target_cross_entropy(logits.reshape(-1, vd), target_p.reshape(-1, vd), valid.reshape(-1),
-                                               normaliser=n_valid.clamp(min=1).float(), impl=loss_kernel,
-                                               grad_scale=weight * loss_scale)
+            loss_s = token_loss(logits.reshape(-1, vd), target_p.reshape(-1, vd), valid.reshape(-1),
+                                normaliser=n_valid.clamp(min=1).float(), impl=loss_kernel,
+                                grad_scale=weight * loss_scale)
         total = total + weight * loss_s
         metrics.append({"loss": loss_s.detach(), "hits": hit.sum(), "valid": n_valid})
     return total, metrics
@@ -88,12 +90,12 @@ class TTTModule(torch.nn.Module):
     ttt_length and decay are the defaults of every forward; a call may override them."""
 
     def __init__(self, draft: Eagle3Draft, lm_head: torch.Tensor, compile_elementwise: bool = True,
-                 ttt_length: int = 7, decay: float = 0.8):
+                 ttt_length: int = 7, decay: float = 0.8, token_loss: TokenLoss = TokenLoss()):
         super().__init__()
         self.draft = draft.compile_elementwise(compile_elementwise)
         self.register_buffer("lm_head", lm_head, persistent=False)
-        self.ttt_length, self.decay = ttt_length, decay
+        self.ttt_length, self.decay, self.token_loss = ttt_length, decay, token_loss
 
     def forward(self, batch: Batch, **kw):
-        kw = {"ttt_length": self.ttt_length, "decay": self.decay, **kw}
+        kw = {"ttt_length": self.ttt_length, "decay": self.decay, "token_loss": self.token_loss, **kw}
         return ttt_loss(self.draft, batch, self.lm_head, draft_ids_from_d2t(self.draft.d2t), **kw)

@@ -22,6 +22,7 @@ from specfoundry.families.peagle.model import PEagleDraft
 from specfoundry.families.peagle.options import PEagleOptions
 from specfoundry.families.vocab import choose_draft_vocab, vocab_coverage, vocab_maps
 from specfoundry.featureset.manifest import FeatureSetError
+from specfoundry.kernels.lk_loss import TokenLoss
 
 
 class PEagleFamily(DraftFamily):
@@ -73,13 +74,14 @@ class PEagleFamily(DraftFamily):
     def vocab_coverage(self, draft, counts: torch.Tensor) -> float:
         return vocab_coverage(draft.t2d, counts)
 
-    def module(self, draft: PEagleDraft, target_dir: Path, dtype: torch.dtype, options: PEagleOptions, seed: int):
+    def module(self, draft: PEagleDraft, target_dir: Path, dtype: torch.dtype, options: PEagleOptions, seed: int,
+               token_loss: TokenLoss = TokenLoss()):
         if options.num_depths != draft.cfg.num_depths:
             raise ValueError(f"--num-depths {options.num_depths}: the draft (--init-from) was built for "
                              f"{draft.cfg.num_depths} depths")
         return PEagleModule(draft, target_lm_head(target_dir).to(dtype), num_depths=options.num_depths,
                             ratio=options.down_sample_ratio, ratio_min=options.down_sample_ratio_min, seed=seed,
-                            weights=options.peagle_loss_weights)
+                            weights=options.peagle_loss_weights, token_loss=token_loss)
 
     def export(self, state, draft_config: PEagleConfig, out: Path, target: dict | None, layout: str = "speculators",
                verifier: dict | None = None, speculative_tokens: int | None = None) -> Path:

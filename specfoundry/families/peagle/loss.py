@@ -32,7 +32,7 @@ from specfoundry.families.peagle.model import PEagleDraft
 from specfoundry.families.peagle.options import LOSS_WEIGHTS as WEIGHTS
 from specfoundry.families.teacher import teacher_targets
 from specfoundry.families.vocab import draft_ids_from_d2t
-from specfoundry.kernels.soft_ce import soft_target_cross_entropy
+from specfoundry.kernels.lk_loss import TokenLoss
 
 
 def cod_sizes(supervised: int, num_depths: int, ratio: float, ratio_min: float) -> list[int]:
@@ -111,7 +111,7 @@ def packed_states(draft: PEagleDraft, input_ids: torch.Tensor, aux: torch.Tensor
 def peagle_loss(draft: PEagleDraft, batch: Batch, lm_head: torch.Tensor, *, num_depths: int, ratio: float,
                 ratio_min: float, seed: int, attention: str = "auto", loss_kernel: str = "auto",
                 teacher_chunk: int | None = None, loss_scale: float = 1.0, kept: list | None = None,
-                weights: str = "element"):
+                weights: str = "element", token_loss: TokenLoss = TokenLoss()):
     """(total loss, per-depth metrics [{loss, hits, valid}] for d = 0..K-1). kept: each row's COD
     anchors (cod_sample's lists), drawn here from the seed unless given; weights: WEIGHTS."""
     if weights not in WEIGHTS:
@@ -128,7 +128,8 @@ def peagle_loss(draft: PEagleDraft, batch: Batch, lm_head: torch.Tensor, *, num_
     states = packed_states(draft, batch.input_ids, batch.aux_hidden, anchor, depth, real, attention)
     h = batch.final_hidden.shape[-1]
     p_all, ok_all, tgt_all = teacher_targets(batch.final_hidden.reshape(-1, h), lm_head, draft_ids_from_d2t(draft.d2t),
-                                             draft.t2d, chunk=teacher_chunk, out_dtype=batch.final_hidden.dtype)
+                                             draft.t2d, chunk=teacher_chunk, out_dtype=batch.final_hidden.dtype,
+                                             renormalise=token_loss.renormalised_teacher)
     label = anchor + 2 + depth  # the position of the token each element predicts
     lengths = torch.tensor(batch.lengths, device=device)[:, None]
     inside = real & (label < lengths)
@@ -152,9 +153,8 @@ def peagle_loss(draft: PEagleDraft, batch: Batch, lm_head: torch.Tensor, *, num_
         weight = 1.0 / num_depths if weights == "depth" else counted[d] / max(1, sum(counted))
         # a depth of weight 0 (nothing counted) teaches nothing: its loss is a metric only
         with torch.set_grad_enabled(torch.is_grad_enabled() and weight > 0):
-            loss_d = soft_target_cross_entropy(logits, p_all[rows_d], valid_d,
-                                               normaliser=n_valid.clamp(min=1).float(), impl=loss_kernel,
-                                               grad_scale=weight * loss_scale)
+            loss_d = token_loss(logits, p_all[rows_d], valid_d, normaliser=n_valid.clamp(min=1).float(),
+                                impl=loss_kernel, grad_scale=weight * loss_scale)
         total = total + weight * loss_d
         metrics.append({"loss": loss_d.detach(), "hits": hits, "valid": n_valid})
     return total, metrics
@@ -165,13 +165,15 @@ class PEagleModule(torch.nn.Module):
     teacher head is a frozen buffer. On a GPU the elementwise chains run compiled."""
 
     def __init__(self, draft: PEagleDraft, lm_head: torch.Tensor, *, num_depths: int, ratio: float = 0.7,
-                 ratio_min: float = 0.2, seed: int = 0, weights: str = "element", compile_elementwise: bool = True):
+                 ratio_min: float = 0.2, seed: int = 0, weights: str = "element", compile_elementwise: bool = True,
+                 token_loss: TokenLoss = TokenLoss()):
         super().__init__()
         self.draft = draft.compile_elementwise(compile_elementwise)
         self.register_buffer("lm_head", lm_head, persistent=False)
         self.num_depths, self.ratio, self.ratio_min, self.seed = num_depths, ratio, ratio_min, seed
-        self.weights = weights
+        self.weights, self.token_loss = weights, token_loss
 
     def forward(self, batch: Batch, **kw):
         return peagle_loss(self.draft, batch, self.lm_head, num_depths=self.num_depths, ratio=self.ratio,
-                           ratio_min=self.ratio_min, seed=self.seed, weights=self.weights, **kw)
+                           ratio_min=self.ratio_min, seed=self.seed, weights=self.weights,
+                           token_loss=self.token_loss, **kw)
