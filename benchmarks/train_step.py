@@ -1,7 +1,7 @@
 """sf-train step throughput on one GPU at the Llama-3.1-8B draft shape, features from disk.
 
     python -m benchmarks.train_step [--seq 4096] [--steps 8] [--profile] [--storage bfloat16,float8_e4m3fn]
-                                    [--impls ours,eager,plain]
+                                    [--impls ours,eager,plain] [--token-losses ce,lk-lambda]
 
 Shape: H 4096, 32 heads, 8 KV heads, head_dim 128, intermediate 14336, target vocab 128256,
 draft vocab 32000, T = 4096, TTT 7, batch 1. Random features are written to a safetensors
@@ -42,6 +42,7 @@ from benchmarks.common import MATMUL_TFLOPS, print_table, write_result
 from specfoundry.families.eagle3.config import Eagle3Config
 from specfoundry.families.eagle3.shapes import LLAMA8B_DRAFT, llama8b_ttt_module, random_ttt_module
 from specfoundry.featureset.store import FeatureSet
+from specfoundry.kernels.lk_loss import TokenLoss
 from specfoundry.testing import write_random_featureset
 from specfoundry.train.loader import FeatureLoader
 
@@ -102,7 +103,8 @@ def storage_label(fs: FeatureSet) -> str:
     return fs.dtype if fs.dtype == fs.final_dtype else f"{fs.dtype}+{fs.final_dtype}"
 
 
-def make_step(impl: str, fs: FeatureSet, t: int, ttt: int, cfg=LLAMA8B_DRAFT, device: str = "cuda"):
+def make_step(impl: str, fs: FeatureSet, t: int, ttt: int, cfg=LLAMA8B_DRAFT, device: str = "cuda",
+              token_loss: str = "ce"):
     """One training step of `impl` over its own loader of fs: next batch, to the device (float8
     dequantised there), teacher + TTT forward, backward, AdamW. On a CPU every impl runs the plain
     torch paths (no Triton, no FlexAttention)."""
@@ -119,7 +121,8 @@ def make_step(impl: str, fs: FeatureSet, t: int, ttt: int, cfg=LLAMA8B_DRAFT, de
     def step():
         batch = next(loader).to(device, torch.bfloat16)
         with torch.autocast(device, dtype=torch.bfloat16):
-            loss, _ = model(batch, ttt_length=ttt, attention=attention, loss_kernel=loss_kernel)
+            loss, _ = model(batch, ttt_length=ttt, attention=attention, loss_kernel=loss_kernel,
+                            token_loss=TokenLoss(token_loss))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -195,10 +198,10 @@ def data_path(fs: FeatureSet, t: int, device: str = "cuda", batches: int = 6) ->
             "host_to_device_MB": host_bytes / 1e6}
 
 
-def run(impl: str, fs: FeatureSet, t: int, steps: int, ttt: int, profile: bool = False) -> dict:
+def run(impl: str, fs: FeatureSet, t: int, steps: int, ttt: int, profile: bool = False, token_loss: str = "ce") -> dict:
     cfg = LLAMA8B_DRAFT
-    step = make_step(impl, fs, t, ttt)
-    row = {"impl": impl, "features": storage_label(fs), "T": t, "ttt": ttt}
+    step = make_step(impl, fs, t, ttt, token_loss=token_loss)
+    row = {"impl": impl, "features": storage_label(fs), "T": t, "ttt": ttt, "token_loss": token_loss}
     try:
         ms = time_steps(step, steps)
         if profile:
@@ -224,6 +227,9 @@ def main():
                     help="Which of ours, eager, plain run one after the other on the first storage ('' for none).")
     ap.add_argument("--block", type=int, default=2, help="Interleaved storages: steps per timed block.")
     ap.add_argument("--tiny", action="store_true", help="A tiny draft on the CPU, to check the script (no JSON).")
+    ap.add_argument("--token-losses", default="ce",
+                    help="Token losses to run ours with (sf-train --token-loss), each its own row; with more than "
+                         "one, summary.token_loss_vs_ce holds each one's step time and peak memory over ce's.")
     args = ap.parse_args()
     storages = [tuple(x.split("+")) if "+" in x else (x, x) for x in args.storage.split(",")]
     impls = [name for short, name in zip(("ours", "eager", "plain"), IMPLS, strict=True)
@@ -235,6 +241,13 @@ def main():
                                         aux, final) for k, (aux, final) in enumerate(storages)]
         rows = [run(impl, sets[0], args.seq, args.steps, args.ttt, profile=args.profile and k == 0)
                 for k, impl in enumerate(impls) if not args.tiny]
+        losses = [x for x in args.token_losses.split(",") if x != "ce"]
+        by_loss = [run(impls[0], sets[0], args.seq, args.steps, args.ttt, token_loss=x)
+                   for x in losses if not args.tiny]
+        if args.tiny:  # the CPU check: one step of each token loss through the plain paths
+            for x in losses:
+                make_step(impls[0], sets[0], args.seq, args.ttt, cfg, device, token_loss=x)()
+        rows += by_loss
         paths = []
         if len(sets) > 1:
             rows += run_interleaved(sets, args.seq, args.steps, args.ttt, args.block, cfg, device)
@@ -243,7 +256,7 @@ def main():
     for row in rows:
         if row["impl"] in list(IMPLS)[:-1] and isinstance(plain, float) and isinstance(row.get("ms_per_step"), float):
             row["speedup_vs_plain"] = plain / row["ms_per_step"]
-    print_table(rows, ["impl", "features", "T", "ttt", "ms_per_step", "ms_min", "ms_max", "tokens_per_s", "TFLOPs",
+    print_table(rows, ["impl", "features", "token_loss", "T", "ttt", "ms_per_step", "ms_min", "ms_max", "tokens_per_s", "TFLOPs",
                        "MFU_%", "peak_GiB", "speedup_vs_plain", "vs_first_storage_%"])
     if paths:
         print_table(paths, ["features", "loader_ms_per_batch", "to_device_ms", "host_to_device_MB"])
@@ -253,6 +266,13 @@ def main():
         extra["summary"] = {"storage_tokens_per_s": {r["features"]: r["tokens_per_s"] for r in interleaved},
                             "storage_vs_first_%": {r["features"]: r.get("vs_first_storage_%", 100.0)
                                                    for r in interleaved}}
+    ce = next((r for r in rows if r["impl"] == impls[0] and r.get("token_loss") == "ce"), None)
+    if by_loss and ce and isinstance(ce.get("ms_per_step"), float):
+        extra.setdefault("summary", {})["token_loss_vs_ce"] = {
+            r["token_loss"]: {"step_time_%": 100 * r["ms_per_step"] / ce["ms_per_step"],
+                              "peak_memory_%": 100 * r["peak_GiB"] / ce["peak_GiB"]}
+            for r in by_loss if isinstance(r.get("ms_per_step"), float)}
+        print(extra["summary"]["token_loss_vs_ce"])
     if not args.tiny:
         print(write_result("train_step", rows, extra))
 

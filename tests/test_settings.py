@@ -59,7 +59,8 @@ ACCEPTED = {
     ("sf-regen run", "--retries", "0"), ("sf-train run", "--weight-decay", "0"),
     ("sf-train run", "--warmup-steps", "0"), ("sf-train run", "--clip-grad", "0"),
     ("sf-train run", "--eval-fraction", "0"), ("sf-train run", "--keep-last", "0"),
-    ("sf-train run", "--num-workers", "0"), ("sf-eval run", "--temperature", "0"),
+    ("sf-train run", "--num-workers", "0"), ("sf-train run", "--lk-kl-scale", "0"),
+    ("sf-train run", "--lk-kl-decay", "0"), ("sf-eval run", "--temperature", "0"),
     ("sf-train run", "--dpace-alpha", "0"),  # D-PACE on the raw label probabilities, unsmoothed
     ("sf-capture verify", "--recompute", "0"),
     # 0 is an ordinary value

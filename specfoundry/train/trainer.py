@@ -127,9 +127,10 @@ class TrainConfig(Settings):
                                    "lam = --lk-kl-scale * exp(-(--lk-kl-decay) * alpha). Each family's: "
                                    + "; ".join(f"{name} {', '.join(FAMILIES.get(name).token_losses)}"
                                                for name in family_names()) + ".")
-    lk_kl_scale: float = setting(1.0, valid=Range(0), help="LK-lambda: the KL weight where alpha is 0.")
-    lk_kl_decay: float = setting(3.0, valid=Range(0), help="LK-lambda: how fast the KL weight falls as alpha "
-                                 "rises (the LK paper's eta).")
+    lk_kl_scale: float = setting(1.0, valid=Range(0, 100, zero="TV alone"),
+                                 help="LK-lambda: the KL weight where alpha is 0.")
+    lk_kl_decay: float = setting(3.0, valid=Range(0, 100, zero="a constant KL weight"),
+                                 help="LK-lambda: how fast the KL weight falls as alpha rises (the LK paper's eta).")
     keep_best: bool = setting(False, help="Export the draft of the evaluation with the highest held-out "
                               "simulated acceptance length, not the last step's (recorded in the export's "
                               "specfoundry_training.json); needs held-out samples.")
