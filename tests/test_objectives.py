@@ -5,6 +5,7 @@ the best held-out evaluation exported, the choice recorded, a resumed run byte-i
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -109,3 +110,95 @@ def test_without_keep_best_the_last_step_is_exported_and_said_so(tmp_path, smol_
     record = json.loads((tmp_path / "run" / "export" / TRAINING_FILE).read_text())
     assert record == {"token_loss": "ce", "lk_kl_scale": 1.0, "lk_kl_decay": 3.0, "kept": "last", "step": 2,
                       "eval_sim_accept_len": None}
+
+
+# ---- the DFlash family: the LK losses per block slot, the target's whole distribution the teacher ------
+
+def dflash_lk_reference(model, batch, head, kind, *, num_anchors, gamma, seed):
+    """test_dflash.py's block-by-block reference with the LK row loss in the CE's place."""
+    from specfoundry.families.dflash.anchors import sample_anchors
+    from specfoundry.families.dflash.block import DFlashCache
+    from specfoundry.families.interface import anchor_seed
+    from specfoundry.kernels.lk_loss import lk_rows_reference
+
+    b = model.cfg.block_size
+    context = model.project_context(batch.aux_hidden)
+    num, den = 0.0, 0.0
+    for r, index in enumerate(batch.indices):
+        n = batch.lengths[r]
+        for a in sample_anchors(batch.loss_mask[r], n, b, num_anchors, anchor_seed(seed, batch.epoch, index)).tolist():
+            cache = DFlashCache()
+            if a:
+                cache.append_context(model, context[r : r + 1, :a])
+            ids = torch.tensor([[int(batch.input_ids[r, a])] + [model.cfg.mask_token_id] * (b - 1)])
+            states = model.decode_block(ids, torch.arange(a, a + b)[None], cache)[0]
+            logits = model.block_logits(states[1:], head)  # [B-1, V]
+            for k in range(1, b):
+                if not (a + k < n and batch.loss_mask[r, a + k]):
+                    continue
+                p = torch.softmax(batch.final_hidden[r, a + k - 1] @ head.T, -1)
+                row, _ = lk_rows_reference(logits[k - 1 : k], p[None], kind)
+                w = math.exp(-(k - 1) / gamma)
+                num, den = num + w * row[0], den + w
+    return num / den
+
+
+@pytest.mark.parametrize("kind", LK)
+@pytest.mark.parametrize("loss_kernel", ["reference", "triton"])
+def test_dflash_lk_losses_match_the_block_by_block_reference(kind, loss_kernel):
+    """fp32; the chunked loss against the spelled-out one: summation order only (test_dflash.py's
+    tolerances)."""
+    from specfoundry.families.dflash.loss import dflash_loss
+    from tests.test_dflash import TINY as DTINY
+    from tests.test_dflash import loss_and_grads, make_batch, random_draft
+
+    model = random_draft()
+    head = torch.randn(DTINY.vocab_size, DTINY.hidden_size)
+    batch = make_batch([14, 9], seed=4)
+    kw = dict(num_anchors=5, gamma=7.0, seed=3)
+    loss, grads = loss_and_grads(model, lambda: dflash_loss(
+        model, batch, head, teacher="soft", label_chunk=2, loss_kernel=loss_kernel, attention="sdpa",
+        token_loss=TokenLoss(kind), **kw)[0])
+    ref, ref_grads = loss_and_grads(model, lambda: dflash_lk_reference(model, batch, head, kind, **kw))
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_dflash_dpace_composes_with_an_lk_loss():
+    """D-PACE weighs each slot by the draft's own acceptance so far: with LK-alpha its q_k =
+    exp(-loss) is alpha itself. The kernel and reference paths agree, and the weights differ from
+    the fixed decay's."""
+    from specfoundry.families.dflash.loss import dflash_loss
+    from tests.test_dflash import TINY as DTINY
+    from tests.test_dflash import loss_and_grads, make_batch, random_draft
+
+    model = random_draft()
+    head = torch.randn(DTINY.vocab_size, DTINY.hidden_size)
+    batch = make_batch([14, 9], seed=4)
+    out = {}
+    for impl in ("reference", "triton"):
+        out[impl] = loss_and_grads(model, lambda impl=impl: dflash_loss(
+            model, batch, head, teacher="soft", label_chunk=3, loss_kernel=impl, attention="sdpa", num_anchors=5,
+            seed=3, objective="dpace", token_loss=TokenLoss("lk-alpha"))[0])
+    torch.testing.assert_close(out["triton"][0], out["reference"][0], atol=1e-5, rtol=1e-5)
+    for name, g in out["reference"][1].items():
+        torch.testing.assert_close(out["triton"][1][name], g, atol=1e-5, rtol=1e-4, msg=name)
+    fixed = dflash_loss(model, batch, head, teacher="soft", label_chunk=3, loss_kernel="reference", attention="sdpa",
+                        num_anchors=5, seed=3, token_loss=TokenLoss("lk-alpha"))[0]
+    assert not torch.isclose(fixed, out["reference"][0])
+
+
+def test_dflash_lk_needs_the_soft_teacher_and_the_others_take_ce_only():
+    from specfoundry.families.dflash.loss import dflash_loss
+    from tests.test_dflash import TINY as DTINY
+    from tests.test_dflash import make_batch, random_draft
+
+    model = random_draft()
+    head = torch.randn(DTINY.vocab_size, DTINY.hidden_size)
+    with pytest.raises(ValueError, match="^--token-loss tv measures acceptance .*give --teacher soft"):
+        dflash_loss(model, make_batch([9], seed=1), head, teacher="hard", num_anchors=2, attention="sdpa",
+                    token_loss=TokenLoss("tv"))
+    for family in ("domino", "dspark"):
+        with pytest.raises(ValueError, match=f"the {family} family trains with ce$"):
+            TrainConfig(featureset="f", output="o", family=family, token_loss="lk-alpha")

@@ -284,6 +284,7 @@ FAMILIES = Registry((
         gate_k="blocks of k+1",
         layouts_help="sglang, the folder SGLang serves (DFlashDraftModel)",
         provider="specfoundry.families.dflash.family:DFLASH",
+        token_losses=("ce", "lk-alpha", "lk-lambda", "tv"),
     ),
     Family(
         name="domino",

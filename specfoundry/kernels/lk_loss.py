@@ -211,11 +211,11 @@ class LKLoss(torch.autograd.Function):
                              WRITE_GRAD=write_grad, num_warps=warps)
         ctx.save_for_backward(logits)
         ctx.grad_scale, ctx.wrote_grad, ctx.block = grad_scale, write_grad, blk
-        ctx.mark_non_differentiable(alpha)
-        return row_loss.sum() / norm, alpha
+        ctx.mark_non_differentiable(alpha, row_loss)
+        return row_loss.sum() / norm, alpha, row_loss
 
     @staticmethod
-    def backward(ctx, grad_output, _grad_alpha):
+    def backward(ctx, grad_output, _grad_alpha, _grad_rows):
         (grad,) = ctx.saved_tensors  # the logits buffer, holding dL/dz for grad_scale
         if not ctx.wrote_grad:
             raise RuntimeError("lk_loss: backward through a loss computed without its gradient")
@@ -229,23 +229,27 @@ class LKLoss(torch.autograd.Function):
 
 def lk_loss(logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, normaliser=None, *,
             loss: str = "lk-alpha", kl_scale: float = 1.0, kl_decay: float = 3.0, impl: str = "auto",
-            grad_scale: float = 1.0, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the masked mean LK `loss`, alpha [N] detached). impl: triton (in place: consumes logits),
-    reference, or auto. grad_scale: the upstream gradient announced, as soft_target_cross_entropy's."""
+            grad_scale: float = 1.0, block: int | None = None, rows: bool = False) -> tuple:
+    """(the masked mean LK `loss`, alpha [N] detached), and with `rows` the rows' losses [N] fp32
+    (detached, times the mask's weight). impl: triton (in place: consumes logits), reference, or
+    auto. grad_scale: the upstream gradient announced, as soft_target_cross_entropy's."""
     if loss not in MODES:
         raise ValueError(f"unknown LK loss {loss!r}: choose one of {', '.join(MODES)}")
     if impl == "auto":
         impl = "triton" if triton_available(logits.device) else "reference"
     if impl == "reference":
-        rows, alpha = lk_rows_reference(logits, target, loss, kl_scale, kl_decay)
-        return (rows * mask.float()).sum() / _normaliser(mask, normaliser), alpha
+        row_loss, alpha = lk_rows_reference(logits, target, loss, kl_scale, kl_decay)
+        row_loss = row_loss * mask.float()
+        out = row_loss.sum() / _normaliser(mask, normaliser), alpha
+        return (*out, row_loss.detach()) if rows else out
     if impl != "triton":
         raise ValueError(f"unknown loss impl {impl!r}: choose triton, reference or auto")
     write_grad = logits.requires_grad and torch.is_grad_enabled()
     if write_grad and not (math.isfinite(grad_scale) and grad_scale > 0):
         raise ValueError(f"lk_loss: grad_scale must be a positive finite number, got {grad_scale}")
-    return LKLoss.apply(logits, target, mask, normaliser, loss, float(kl_scale), float(kl_decay), float(grad_scale),
-                        write_grad, block)
+    value, alpha, row_loss = LKLoss.apply(logits, target, mask, normaliser, loss, float(kl_scale), float(kl_decay),
+                                          float(grad_scale), write_grad, block)
+    return (value, alpha, row_loss) if rows else (value, alpha)
 
 
 def token_loss(logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, normaliser=None, *, loss: str = "ce",

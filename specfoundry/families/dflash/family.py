@@ -14,7 +14,7 @@ from specfoundry.common.weights import target_embeddings, target_lm_head
 from specfoundry.families.dflash import options as dflash_options
 from specfoundry.families.dflash.config import DFlashConfig, dflash_config_from_target
 from specfoundry.families.dflash.export import export_draft, load_export, read_config
-from specfoundry.families.dflash.loss import DFlashModule
+from specfoundry.families.dflash.loss import DFlashModule, lk_refusal
 from specfoundry.families.dflash.model import DFlashDraft
 from specfoundry.families.dflash.options import DFlashOptions
 from specfoundry.families.interface import DraftFamily, load_tensors
@@ -83,11 +83,12 @@ class DFlashFamily(DraftFamily):
 
     def module(self, draft: DFlashDraft, target_dir: Path, dtype: torch.dtype, options: DFlashOptions, seed: int,
                token_loss: TokenLoss = TokenLoss()):
-        if token_loss.kind != "ce":  # the catalogue offers ce only; sf-train refuses the others first
-            raise ValueError(f"--token-loss {token_loss.kind}: the dflash family trains with ce only")
+        why = lk_refusal(token_loss.kind, options.teacher, draft.plain_head) if token_loss.kind != "ce" else None
+        if why:  # before any training
+            raise ValueError(why)
         return DFlashModule(draft, target_lm_head(target_dir).to(dtype), num_anchors=options.num_anchors,
                             gamma=options.gamma, teacher=options.teacher, seed=seed, objective=options.objective,
-                            dpace_alpha=options.dpace_alpha)
+                            dpace_alpha=options.dpace_alpha, token_loss=token_loss)
 
     def export(self, state, draft_config: DFlashConfig, out: Path, target: dict | None, layout: str = "sglang",
                verifier: dict | None = None, speculative_tokens: int | None = None) -> Path:

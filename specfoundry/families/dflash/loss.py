@@ -59,6 +59,7 @@ from specfoundry.families.dflash.model import DFlashDraft
 from specfoundry.families.dflash.options import OBJECTIVES
 from specfoundry.families.interface import Batch
 from specfoundry.families.teacher import logit_rows
+from specfoundry.kernels.lk_loss import TokenLoss, lk_loss
 from specfoundry.kernels.soft_ce import soft_target_cross_entropy
 
 TINY_SUM = torch.finfo(torch.float32).tiny
@@ -148,13 +149,16 @@ def hard_chunk(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, coef: 
 
 
 def soft_chunk(h: torch.Tensor, head: torch.Tensor, teacher_h: torch.Tensor, weight: float, normaliser: torch.Tensor,
-               announced: float, loss_kernel: str, want_grad: bool, logits, rows_ce: bool = False):
+               announced: float, loss_kernel: str, want_grad: bool, logits, rows_ce: bool = False,
+               token_loss: TokenLoss = TokenLoss()):
     """h [c, H] rows of one slot k, teacher_h [c, H] the target's final states one position before;
     logits(h): the draft's logits of the rows, h W^T (a plain head).
     Returns (sum of the rows' ce (fp32 0-d), hits [c], dL/dh [c, H] or None) through the in-place
     soft-target CE (its row mask carries the weight w_k; normaliser = sum(w)). rows_ce (D-PACE):
     the rows' ce [c] fp32 instead of their sum, taken before the kernel consumes the logits (two
-    more [c, V] fp32 temporaries)."""
+    more [c, V] fp32 temporaries). An LK `token_loss` takes the CE's place (kernels/lk_loss.py:
+    the teacher here is the target's whole distribution, so alpha is the slot's acceptance rate),
+    and its rows' losses, which the kernel stores, are rows_ce's values."""
     with torch.no_grad():
         p = torch.softmax((teacher_h @ head.T).float(), dim=-1)  # [c, V] the target's distribution
         target_ids = p.argmax(-1)
@@ -164,10 +168,16 @@ def soft_chunk(h: torch.Tensor, head: torch.Tensor, teacher_h: torch.Tensor, wei
         leaf = h.detach().requires_grad_(want_grad)
         z = logits(leaf)  # [c, V], consumed by the loss kernel
         hits = z.detach().argmax(-1) == target_ids  # before the kernel overwrites the logits
-        if rows_ce:
+        if rows_ce and token_loss.kind == "ce":
             with torch.no_grad():
                 ce = torch.log_softmax(z.detach().float(), dim=-1).mul_(p32).sum(-1).neg_()  # [c]
         rows = torch.full((len(h),), weight, device=h.device)
+        if token_loss.kind != "ce":
+            loss, _, row_losses = lk_loss(z, p, rows, normaliser, loss=token_loss.kind, kl_scale=token_loss.kl_scale,
+                                          kl_decay=token_loss.kl_decay, impl=loss_kernel, grad_scale=announced,
+                                          rows=True)
+            grad = torch.autograd.grad(loss, leaf, torch.tensor(announced, device=h.device))[0] if want_grad else None
+            return (row_losses / weight if rows_ce else loss.detach() * normaliser / weight), hits, grad
         loss = soft_target_cross_entropy(z, p, rows, normaliser=normaliser, impl=loss_kernel,
                                          grad_scale=announced)
         grad = torch.autograd.grad(loss, leaf, torch.tensor(announced, device=h.device))[0] if want_grad else None
@@ -186,7 +196,7 @@ def scored_rows(states: torch.Tensor, valid: torch.Tensor, anchors: torch.Tensor
 
 
 def chunked_loss(rows, head, counts, weights, targets, teacher: str, *, chunk: int, announced: float,
-                 loss_kernel: str, want_grad: bool, logits):
+                 loss_kernel: str, want_grad: bool, logits, token_loss: TokenLoss = TokenLoss()):
     """loss = sum_k w_k sum_{rows of k} ce / sum_k w_k n_k, chunk by chunk within each slot k.
     rows: detached (the gradient is computed here, not recorded). targets: labels [M] (hard) or
     the teacher's final states [M, H] (soft). logits(h): the draft's logits of rows, a plain head's
@@ -205,7 +215,8 @@ def chunked_loss(rows, head, counts, weights, targets, teacher: str, *, chunk: i
             ce, hit, g = hard_chunk(rows[s:e], head, targets[s:e], coef, want_grad, logits)
             ce = ce.sum()
         else:
-            ce, hit, g = soft_chunk(rows[s:e], head, targets[s:e], w, norm, announced, loss_kernel, want_grad, logits)
+            ce, hit, g = soft_chunk(rows[s:e], head, targets[s:e], w, norm, announced, loss_kernel, want_grad, logits,
+                                    token_loss=token_loss)
         ce_sums[k] += ce
         hits[k] += hit.sum()
         if g is not None:
@@ -215,7 +226,8 @@ def chunked_loss(rows, head, counts, weights, targets, teacher: str, *, chunk: i
 
 
 def dpace_chunked_loss(rows, head, counts, valid, where, alpha: float, targets, teacher: str, *, chunk: int,
-                       announced: float, loss_kernel: str, want_grad: bool, logits):
+                       announced: float, loss_kernel: str, want_grad: bool, logits,
+                       token_loss: TokenLoss = TokenLoss()):
     """chunked_loss with D-PACE's weights (module docstring): loss = sum w ce / sum w over the rows,
     w = dpace_weights of the rows' own ce (valid, where: dpace_weights'). Each chunk writes its
     gradient for a unit weight; once every row's ce is known, the gradient rows are scaled by
@@ -232,7 +244,7 @@ def dpace_chunked_loss(rows, head, counts, valid, where, alpha: float, targets, 
             ce[s:e], hit, g = hard_chunk(rows[s:e], head, targets[s:e], coef, want_grad, logits)
         else:
             ce[s:e], hit, g = soft_chunk(rows[s:e], head, targets[s:e], 1.0, unit, announced, loss_kernel, want_grad,
-                                         logits, rows_ce=True)
+                                         logits, rows_ce=True, token_loss=token_loss)
         ce_sums[k] += ce[s:e].sum()
         hits[k] += hit.sum()
         if g is not None:
@@ -302,10 +314,20 @@ def block_tokens(input_ids: torch.Tensor, b_idx: torch.Tensor, target_pos: torch
     return slots, input_ids[b_idx[:, None], span.clamp(max=input_ids.shape[1] - 1)]
 
 
+def lk_refusal(kind: str, teacher: str, plain_head: bool) -> str | None:
+    """Why the DFlash loss cannot take LK token loss `kind` with this teacher and head, or None."""
+    if teacher != "soft":
+        return (f"--token-loss {kind} measures acceptance against the target's whole distribution: give --teacher "
+                "soft (the target's lm_head over the captured final state)")
+    if not plain_head:
+        return f"--token-loss {kind}: this draft's head has parameters of its own; it trains with ce only"
+    return None
+
+
 def dflash_loss(model: DFlashDraft, batch: Batch, lm_head: torch.Tensor, *, num_anchors: int = 512,
                 gamma: float = 7.0, seed: int = 0, attention: str = "auto", loss_kernel: str = "auto",
                 loss_scale: float = 1.0, teacher: str = "hard", label_chunk: int | None = None,
-                objective: str = "dflash", dpace_alpha: float = 0.5):
+                objective: str = "dflash", dpace_alpha: float = 0.5, token_loss: TokenLoss = TokenLoss()):
     """Returns (total loss, per-slot metrics [{loss, hits, valid}] for k = 1..B-1).
 
     lm_head: [V, H] the target's (frozen). objective: "dflash", the slots weighted by the decay
@@ -324,6 +346,8 @@ def dflash_loss(model: DFlashDraft, batch: Batch, lm_head: torch.Tensor, *, num_
         raise ValueError(f"dpace_alpha must be in [0, 1], got {dpace_alpha}")
     if teacher == "soft" and batch.final_hidden is None:
         raise ValueError("the soft teacher reads the target's final hidden states; the batch holds none")
+    if token_loss.kind != "ce" and (teacher != "soft" or not model.plain_head):
+        raise ValueError(lk_refusal(token_loss.kind, teacher, model.plain_head))
     b = model.cfg.block_size
     anchors, keep = batch_anchors(batch, num_anchors, b, seed)
     ids, positions = block_inputs(batch.input_ids, anchors, b, model.cfg.mask_token_id)
@@ -347,7 +371,7 @@ def dflash_loss(model: DFlashDraft, batch: Batch, lm_head: torch.Tensor, *, num_
         loss_fn = chunked_loss if objective == "dflash" else dpace_chunked_loss
         value, grad, ce_sums, hits = loss_fn(rows.detach(), head, counts, *weighting, targets, teacher, chunk=chunk,
                                              announced=loss_scale, loss_kernel=loss_kernel, want_grad=want_grad,
-                                             logits=lambda h: model.block_logits(h, head))
+                                             logits=lambda h: model.block_logits(h, head), token_loss=token_loss)
         total = AttachGradient.apply(rows, value, grad, loss_scale) if want_grad else value
     else:
         slots, tokens = block_tokens(batch.input_ids, b_idx, target_pos, counts, b)
@@ -367,12 +391,14 @@ class DFlashModule(torch.nn.Module):
 
     def __init__(self, draft: DFlashDraft, lm_head: torch.Tensor, *, num_anchors: int = 512, gamma: float = 7.0,
                  seed: int = 0, teacher: str = "hard", label_chunk: int | None = None,
-                 compile_elementwise: bool = True, objective: str = "dflash", dpace_alpha: float = 0.5):
+                 compile_elementwise: bool = True, objective: str = "dflash", dpace_alpha: float = 0.5,
+                 token_loss: TokenLoss = TokenLoss()):
         super().__init__()
         self.draft = draft.compile_elementwise(compile_elementwise)
         self.register_buffer("lm_head", lm_head, persistent=False)
         self.options = dict(num_anchors=num_anchors, gamma=gamma, seed=seed, teacher=teacher,
-                            label_chunk=label_chunk, objective=objective, dpace_alpha=dpace_alpha)
+                            label_chunk=label_chunk, objective=objective, dpace_alpha=dpace_alpha,
+                            token_loss=token_loss)
 
     def forward(self, batch: Batch, attention: str = "auto", loss_kernel: str = "auto", loss_scale: float = 1.0):
         return dflash_loss(self.draft, batch, self.lm_head, attention=attention, loss_kernel=loss_kernel,
