@@ -43,33 +43,8 @@ export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:Tr
 [ "$DEV" = cuda ] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 mkdir -p "$RUN/logs"
 
-# side_by_side NAME MAX "CMD" ...: the commands in the background, at most MAX at once (1: one
-# after another), each logged to $RUN/logs/NAME-k.log; fails, naming the failed logs, when any failed
-side_by_side() {
-  local name=$1 max=$2; shift 2
-  [ "${SEQUENTIAL:-0}" = 1 ] && max=1
-  local k=0 running=0 pid rc failed=()
-  declare -A log_of=()
-  for cmd in "$@"; do
-    if [ "$running" -ge "$max" ]; then  # a slot frees when any one ends
-      rc=0; wait -n -p pid || rc=$?
-      [ "$rc" -ne 0 ] && failed+=("${log_of[$pid]}"); running=$((running - 1))
-    fi
-    local log="$RUN/logs/$name-$k.log"
-    echo "$(date +%T) start $name-$k: $cmd" | tee "$log"
-    bash -c "$cmd" >> "$log" 2>&1 &
-    log_of[$!]=$log; running=$((running + 1)); k=$((k + 1))
-  done
-  while [ "$running" -gt 0 ]; do
-    rc=0; wait -n -p pid || rc=$?
-    [ "$rc" -ne 0 ] && failed+=("${log_of[$pid]}"); running=$((running - 1))
-  done
-  echo "$(date +%T) end $name: ${#failed[@]} of $k failed"
-  if [ ${#failed[@]} -gt 0 ]; then
-    for log in "${failed[@]}"; do echo "== $log"; tail -n 15 "$log"; done
-    return 1
-  fi
-}
+# shellcheck source=scripts/side_by_side.sh
+. scripts/side_by_side.sh
 
 if [ -n "${REGEN_FROM:-}" ] && [ ! -e "$RUN/regen" ]; then tar xzf "$REGEN_FROM" -C "$RUN"; fi
 sf-regen run -o "$RUN/regen" --recipe "$EAGLE3" --synthesize "${SYNTH:-10240}" --device "$DEV" ${REGEN_OPTS:-}

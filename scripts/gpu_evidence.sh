@@ -27,6 +27,7 @@
 #
 #   bash scripts/gpu_evidence.sh start      copy the tree to $EV/repo, start `plan` (PLAN=rest: `plan_rest`,
 #                                           PLAN=next: `plan_next`, PLAN=families: `plan_families`,
+#                                           PLAN=moe: `plan_moe`, PLAN=objectives: `plan_objectives`,
 #                                           below) in the background
 #   bash scripts/gpu_evidence.sh wait [S]   wait until the plan ends or S seconds pass, then pack the
 #                                           results into $OUT/evidence.tar.gz and print the status
@@ -258,6 +259,45 @@ plan_families() {
   echo done > "$EV/done"
 }
 
+# PLAN=moe (issue 38; deadline DEADLINE, 1,380 s by default): the fused experts kernel's GPU tests,
+# then benchmarks/capture_moe.py with its profile (dense 8B, Qwen3-30B-A3B and DeepSeek-V3 shapes;
+# eager, grouped_mm, sf_fused; 8k, 32k, 64k tokens a batch), then issue 40's train-step bar (LK-lambda
+# against ce at the 8B draft shape). Estimates: tests ~60 s, capture_moe ~600 s, train_step ~120 s.
+plan_moe() {
+  begin_plan "plan moe: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s" || return 1
+  if [ "$DEV" = cuda ]; then
+    step gpu_tests 120 env LOG="$EV/gpu_tests.log" bash benchmarks/gpu_tests.sh tests/test_fused_moe.py tests/test_lk_loss.py
+    step capture_moe 700 python -m benchmarks.capture_moe --profile
+    step train_step_lk 200 python -m benchmarks.train_step --impls ours --storage bfloat16 --token-losses ce,lk-lambda
+  else
+    step capture_moe 300 env TRITON_INTERPRET=1 python -m benchmarks.capture_moe --device cpu --shapes tiny
+    step train_step_lk 300 python -m benchmarks.train_step --tiny --seq 128 --steps 2 --token-losses ce,lk-lambda
+  fi
+  echo "[$(elapsed) s] plan done"
+  echo done > "$EV/done"
+}
+
+# PLAN=objectives (issue 40; deadline DEADLINE): scripts/objectives_gpu.sh, 8 drafts at EPOCHS
+# (default 1 here, to fit one session: ~8 x 170 s of training 4 at a time, ~150 s of evals) and
+# no curve run unless CURVE_EPOCHS says so (a second session: CURVE_EPOCHS=6).
+plan_objectives() {
+  begin_plan "plan objectives: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s" || return 1
+  local from=""
+  [ -f "$EV/carry/regen10240.tar.gz" ] && from=$EV/carry/regen10240.tar.gz
+  if [ "$DEV" = cuda ]; then
+    step objectives 1300 env RUN="$RUN/objectives" EPOCHS="${EPOCHS:-1}" REGEN_FROM="$from" \
+      CURVE_EPOCHS="${CURVE_EPOCHS:-0}" EVAL_OPTS="--limit ${EVAL_LIMIT:-8}" bash scripts/objectives_gpu.sh
+  else
+    step objectives 900 env RUN="$RUN/objectives" DEV=cpu SYNTH=6 EPOCHS=1 CURVE_EPOCHS=2 CURVE_EVAL_EVERY=1 JOBS=2 \
+      EVAL_JOBS=2 RESULT=dry_objectives REGEN_OPTS="--batch-size 6 --max-new-tokens 16" \
+      EVAL_OPTS="--limit 1 --max-new-tokens 6 --prompts chat" \
+      TRAIN_OPTS="--num-workers 0 --max-batch-tokens 1024 --warmup-steps 1 --eval-fraction 0.3" \
+      bash scripts/objectives_gpu.sh
+  fi
+  echo "[$(elapsed) s] plan done"
+  echo done > "$EV/done"
+}
+
 pack() {
   local out=${OUT:-$EV/out}
   mkdir -p "$out"
@@ -289,6 +329,8 @@ case "${1:-}" in
   rest) plan_rest ;;
   next) plan_next ;;
   families) plan_families ;;
+  moe) plan_moe ;;
+  objectives) plan_objectives ;;
   wait)
     limit=${2:-540}; t=$(date +%s)
     while [ ! -f "$EV/done" ] && [ $(( $(date +%s) - t )) -lt "$limit" ]; do sleep 5; done
