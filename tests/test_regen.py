@@ -44,7 +44,7 @@ def test_greedy_regen_equals_model_generate(tmp_path, chat_file, backend):
         turn = 0
         for m in row["messages"]:
             if m["role"] == "assistant":
-                ids = torch.tensor([backend.render(history)])
+                ids = torch.tensor([backend.render(Request(tag=0, seed=0, messages=tuple(history)))])
                 ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
                                      eos_token_id=backend.stop_ids, pad_token_id=backend.pad_id)
                 ref_new = ref[0, ids.shape[1]:].tolist()
@@ -336,7 +336,7 @@ def test_a_prompt_list_is_answered_and_its_rows_end_on_the_targets_answer(tmp_pa
         assert [m["role"] for m in row["messages"]] == [m["role"] for m in p["messages"]] + ["assistant"]
         assert len(row["gen_token_ids"]) == sum(m["role"] == "assistant" for m in p["messages"]) + 1
         history = row["messages"][:-1]
-        ids = torch.tensor([backend.render(history)])
+        ids = torch.tensor([backend.render(Request(tag=0, seed=0, messages=tuple(history)))])
         ref = backend.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
                                      eos_token_id=backend.stop_ids, pad_token_id=backend.pad_id)[0, ids.shape[1]:].tolist()
         if ref and ref[-1] in backend.stop_ids:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specfoundry.common.conversations import template_arguments
+
 
 class TemplateMaskError(ValueError):
     """The template does not render an assistant message verbatim, so no mask can be derived."""
@@ -51,9 +53,9 @@ def locate(text: str, content: str, cursor: int) -> tuple[int, str]:
 
 
 def render_with_mask(tokenizer, messages: list[dict], max_length: int | None = None) -> Rendered:
-    """`messages` may carry the conversation's tools (common.conversations.ChatMessages)."""
-    tools = getattr(messages, "tools", None)
-    extra = {"tools": list(tools)} if tools else {}
+    """`messages` may carry the conversation's tools and template arguments (its mode's:
+    common.conversations.ChatMessages), which every rendering here is given."""
+    extra = template_arguments(messages)
 
     def render(upto: list[dict], generation_prompt: bool = False) -> str:
         return tokenizer.apply_chat_template(upto, add_generation_prompt=generation_prompt, tokenize=False, **extra)

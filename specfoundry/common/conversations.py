@@ -79,7 +79,8 @@ def records_sha256(conversations: list[Conversation]) -> str:
     """What a shard is made from: a hash of its conversations (ids, where each was read, messages,
     tools), recorded in its done mark, so a rerun notices a source that changed since."""
     records = [{"id": c.id, "location": c.location, "messages": [m.to_dict() for m in c.messages],
-                "tools": list(c.tools) if c.tools else None} for c in conversations]
+                "tools": list(c.tools) if c.tools else None, **({"mode": c.mode} if c.mode else {})}
+               for c in conversations]
     return hashlib.sha256(json.dumps(records, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -103,11 +104,24 @@ def with_json_arguments(message: dict) -> dict:
 
 class ChatMessages(list):
     """A list of message dicts that also carries the conversation's `tools` (None when it has
-    none), so a renderer given only the messages renders the tools too."""
+    none) and its chat-template arguments (`template_kwargs`, its mode's: {} for none), so a
+    renderer given only the messages renders them as the conversation was generated."""
 
-    def __init__(self, messages, tools: list[dict] | None = None):
+    def __init__(self, messages, tools: list[dict] | None = None, template_kwargs: dict | None = None):
         super().__init__(messages)
         self.tools = tools
+        self.template_kwargs = dict(template_kwargs or {})
+
+
+REASONING = ("keep", "drop")
+"""sf-regen --reasoning: keep the target's reasoning with its answer, or keep the answer only."""
+
+
+def template_arguments(messages) -> dict:
+    """apply_chat_template's keyword arguments for `messages` (a ChatMessages or a plain list):
+    the conversation's tools and its mode's template arguments."""
+    tools = getattr(messages, "tools", None)
+    return {**(getattr(messages, "template_kwargs", None) or {}), **({"tools": list(tools)} if tools else {})}
 
 
 @dataclass(frozen=True)
@@ -116,9 +130,16 @@ class Conversation:
     messages: tuple[Message, ...]
     location: str  # "file.jsonl:12" (line) or "file.parquet:row 3"
     tools: tuple[dict, ...] | None = None  # function schemas given to the chat template
+    mode: dict | None = None  # how it was generated: {chat_template_kwargs, reasoning} (sf-regen's rows)
 
     def to_messages(self) -> ChatMessages:
-        return ChatMessages([m.to_dict() for m in self.messages], list(self.tools) if self.tools else None)
+        return ChatMessages([m.to_dict() for m in self.messages], list(self.tools) if self.tools else None,
+                            self.template_kwargs)
+
+    @property
+    def template_kwargs(self) -> dict:
+        """The chat-template arguments it was generated with ({}: the template's defaults)."""
+        return dict((self.mode or {}).get("chat_template_kwargs") or {})
 
     @property
     def num_assistant_turns(self) -> int:
@@ -143,7 +164,7 @@ class Conversation:
 @dataclass(frozen=True)
 class BadInput:
     location: str
-    kind: str  # malformed_json | missing_role | missing_content | unknown_role | empty_conversation | ends_on_user | ends_on_tool | no_assistant_turn | starts_on_assistant | over_long_prompt | no_user_turn | bad_tool_call | bad_tools | orphan_tool_result | duplicate_id | empty_answer | template
+    kind: str  # malformed_json | bad_mode | missing_role | missing_content | unknown_role | empty_conversation | ends_on_user | ends_on_tool | no_assistant_turn | starts_on_assistant | over_long_prompt | no_user_turn | bad_tool_call | bad_tools | orphan_tool_result | duplicate_id | empty_answer | template
     detail: str
 
     def __str__(self) -> str:
@@ -299,6 +320,7 @@ def normalise(record: dict, location: str, default_id: str, prompt_only: bool = 
     messages = []
     try:
         tools = parse_tools(record.get("tools"))
+        mode = parse_mode(record.get("mode"))
         for t, turn in enumerate(turns):
             messages.append(parse_message(turn, t, messages))
     except BadRecord as e:
@@ -311,7 +333,7 @@ def normalise(record: dict, location: str, default_id: str, prompt_only: bool = 
             messages = messages[:-1]
         if not messages or messages[-1].role != "user":
             return BadInput(location, "no_user_turn", "a prompt must end on a user turn")
-        return Conversation(str(record.get("id") or default_id), tuple(messages), location, tools)
+        return Conversation(str(record.get("id") or default_id), tuple(messages), location, tools, mode)
     if not any(m.role == "assistant" for m in non_system) and not (answer_open and non_system[-1].role == "user"):
         return BadInput(location, "no_assistant_turn", "no assistant turn to learn from")
     if messages[0].role == "assistant":  # a chat template renders no prompt before it: nothing it answers
@@ -322,7 +344,7 @@ def normalise(record: dict, location: str, default_id: str, prompt_only: bool = 
     if non_system[-1].role == "tool":
         return BadInput(location, "ends_on_tool", "the last turn is a tool result with no answer")
     conv_id = str(record.get("id", default_id)) if record.get("id") is not None else default_id
-    return Conversation(conv_id, tuple(messages), location, tools)
+    return Conversation(conv_id, tuple(messages), location, tools, mode)
 
 
 class BadRecord(Exception):
@@ -383,6 +405,22 @@ def parse_tool_calls(calls, t: int) -> tuple[ToolCall, ...]:
         call_id = call.get("id")
         out.append(ToolCall(fn["name"], arguments, None if call_id is None else str(call_id)))
     return tuple(out)
+
+
+def parse_mode(mode) -> dict | None:
+    """A record's mode (sf-regen's rows: {"chat_template_kwargs": {...}, "reasoning": "keep"|"drop"},
+    as an object or its JSON text); None where it has none."""
+    if mode is None:
+        return None
+    if isinstance(mode, str):
+        try:
+            mode = json.loads(mode)
+        except json.JSONDecodeError as e:
+            raise BadRecord("bad_mode", f"'mode' is not JSON ({e.msg})") from e
+    if not isinstance(mode, dict) or not isinstance(mode.get("chat_template_kwargs", {}), dict) \
+            or mode.get("reasoning", "keep") not in REASONING:
+        raise BadRecord("bad_mode", "'mode' is not {chat_template_kwargs: an object, reasoning: keep or drop}")
+    return mode or None
 
 
 def parse_tools(tools) -> tuple[dict, ...] | None:
@@ -478,9 +516,8 @@ def tools_template_problem(conversations: list[Conversation], tokenizer) -> str 
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """The chat template up to the assistant's generation prompt (with the conversation's tools,
-    where it has some), as token ids."""
-    tools = getattr(messages, "tools", None)
+    """The chat template up to the assistant's generation prompt (with the conversation's tools
+    and template arguments, where it has some), as token ids."""
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        **({"tools": tools} if tools else {}))
+                                        **template_arguments(messages))
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # some versions return a BatchEncoding

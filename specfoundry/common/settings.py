@@ -93,6 +93,26 @@ SHARED = {
     "strict": (("--strict",), "Fail on the first bad input instead of reporting and skipping it.", None, None),
 }
 
+TEMPLATE_KWARGS_HELP = ("Arguments to the chat template, a JSON object, e.g. '{\"enable_thinking\": false}' (Qwen3's "
+                        "non-thinking mode) or '{\"reasoning_effort\": \"low\"}' (gpt-oss); a recipe may give a "
+                        "mapping. docs/stages.md, \"Reasoning targets\".")
+
+
+def parse_template_kwargs(value) -> dict | None:
+    """--chat-template-kwargs: a JSON object (text) or a recipe's mapping -> a dict; a ValueError
+    naming what is wrong otherwise."""
+    import json
+
+    if value is None or isinstance(value, dict):
+        return None if value is None else dict(value)
+    try:
+        out = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--chat-template-kwargs {value!r} is not JSON ({e.msg})") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"--chat-template-kwargs {value!r} is not a JSON object")
+    return out
+
 
 def setting(default=MISSING, *, help: str, factory=None, flags: tuple[str, ...] = (), choices=None,
             shown: str | None = None, resume: bool = True, argument: bool = False, cli: bool = True,

@@ -42,6 +42,7 @@ class Generation:
     num_tokens: int
     error: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()  # the calls the answer makes (requests with tools only)
+    reasoning: str | None = None  # a server's reasoning parser's part (reasoning_content), apart from text
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,11 @@ class Request:
     messages: tuple[dict, ...] = ()
     tools: tuple[dict, ...] | None = None
     text: str | None = None
+    template_kwargs: dict | None = None  # the chat template's arguments (the conversation's mode)
+
+    def template_arguments(self) -> dict:
+        """apply_chat_template's keyword arguments: the mode's, and the tools where there are some."""
+        return {**(self.template_kwargs or {}), **({"tools": list(self.tools)} if self.tools else {})}
 
 
 OnDone = Callable[[Request, Generation], Iterable[Request] | None]

@@ -17,7 +17,7 @@ from specfoundry.common.settings import config_dict
 from specfoundry.common.shards import ShardedOutput
 
 FORMAT = "specfoundry.regen"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: each row's mode
 
 TOOL_CALL = pa.struct([("id", pa.string()), ("type", pa.string()),
                        ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
@@ -31,6 +31,7 @@ ROW_SCHEMA = pa.schema([
     ("finish_reasons", pa.list_(pa.string())),  # per assistant turn; "recorded": the record's turn was kept
     ("gen_token_ids", pa.list_(pa.list_(pa.int32()))),
     ("flags", pa.list_(pa.string())),
+    ("mode", pa.string()),  # JSON: {chat_template_kwargs, reasoning}, what the row was generated in
 ])
 
 DATASET_CARD = """---
@@ -69,6 +70,7 @@ def regen_manifest(cfg, shards: ShardedOutput, target: dict, bad: list, num_shar
         "bad_inputs": [asdict(b) for b in bad],
         "shards": marks,
         "totals": dict(totals),
+        "modes": dict(sum((Counter(s.get("modes", {})) for s in marks), Counter())),  # {mode JSON: rows}
         "complete": len(marks) == num_shards,
     }
 
@@ -79,4 +81,5 @@ def write_shard(shards: ShardedOutput, shard: int, rows: list[dict], counts) -> 
         pq.write_table(pa.Table.from_pylist(rows, schema=ROW_SCHEMA), path)
         return checksum(path)
 
-    shards.commit(shard_path(shard), write, {"index": shard, "counts": asdict(counts)})
+    modes = Counter(r["mode"] for r in rows)
+    shards.commit(shard_path(shard), write, {"index": shard, "counts": asdict(counts), "modes": dict(modes)})

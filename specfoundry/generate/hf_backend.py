@@ -58,16 +58,17 @@ class HFBackend:
         target = identity.to_dict() if identity else {"name": str(self.model.config.name_or_path)}
         return {"backend": self.name, **target, "dtype": str(self.model.dtype), "engine": self.engine}
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Token ids of the chat template up to the start of the next assistant turn."""
-        extra = {"tools": list(tools)} if tools else {}
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **extra)
+    def render(self, request: Request) -> list[int]:
+        """Token ids of the chat template up to the start of the next assistant turn (with the
+        request's tools and template arguments)."""
+        text = self.tokenizer.apply_chat_template(list(request.messages), add_generation_prompt=True, tokenize=False,
+                                                  **request.template_arguments())
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def prompt_ids(self, request: Request) -> list[int]:
         if request.text is not None:
             return self.tokenizer(request.text, add_special_tokens=False)["input_ids"]
-        return self.render(request.messages, request.tools)
+        return self.render(request)
 
     # ---- serving ----------------------------------------------------------------------------
 

@@ -54,6 +54,8 @@ class OpenAIBackend:
         body["messages"] = [with_json_arguments(m) for m in request.messages]  # the API's form
         if request.tools:
             body["tools"] = list(request.tools)
+        if request.template_kwargs:  # vLLM's and SGLang's servers pass these to the chat template
+            body["chat_template_kwargs"] = dict(request.template_kwargs)
         return "/chat/completions", body
 
     @staticmethod
@@ -66,7 +68,10 @@ class OpenAIBackend:
         message = choice.get("message") or {}
         calls = tuple(ToolCall(c["function"]["name"], returned_arguments(c["function"].get("arguments")))
                       for c in message.get("tool_calls") or ())
-        return Generation(message.get("content") or "", reason, None, tokens, tool_calls=calls)
+        # a reasoning parser's part: vLLM's and SGLang's `reasoning_content` (newer vLLM: `reasoning`)
+        reasoning = message.get("reasoning_content", message.get("reasoning"))
+        return Generation(message.get("content") or "", reason, None, tokens, tool_calls=calls,
+                          reasoning=reasoning if isinstance(reasoning, str) else None)
 
     async def answer(self, client: httpx.AsyncClient, request: Request, sampling: SamplingConfig) -> Generation:
         path, body = self.body(request, sampling)

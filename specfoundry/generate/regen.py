@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from specfoundry.common.conversations import (
+    REASONING,
     BadInput,
     Conversation,
     ConversationFormatError,
@@ -32,7 +33,15 @@ from specfoundry.common.conversations import (
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.placement import Placement, Ranks
 from specfoundry.common.progress import Progress
-from specfoundry.common.settings import MAX_TOKENS, Range, Settings, setting, shared
+from specfoundry.common.settings import (
+    MAX_TOKENS,
+    TEMPLATE_KWARGS_HELP,
+    Range,
+    Settings,
+    parse_template_kwargs,
+    setting,
+    shared,
+)
 from specfoundry.common.shards import ShardedOutput, check_output_folder, output_inside_source, record_config
 from specfoundry.common.target import EMBEDDED_DEFAULT
 from specfoundry.generate.backend import Backend, Generation, Request, SamplingConfig, derive_seed, serve
@@ -72,6 +81,15 @@ class RegenConfig(Settings):
     output: str = shared("output", resume=False)
     target: str = shared("target", EMBEDDED_DEFAULT)
     chat_template: str | None = shared("chat_template", None)
+    chat_template_kwargs: dict | None = setting(
+        None, parse=parse_template_kwargs, shown="each conversation's recorded mode, else the template's defaults",
+        help=TEMPLATE_KWARGS_HELP + " The hf and sglang engines render with them; the openai backend sends them as "
+             "chat_template_kwargs. Every row records the mode it was generated in.")
+    reasoning: str = setting("keep", choices=REASONING,
+                             help="A reasoning target's <think> block (or a server parser's reasoning_content): keep "
+                                  "it in the answer, as the template renders it back, or drop it and keep the final "
+                                  "answer only. A reasoning never closed (cut at --max-new-tokens) has no answer: the "
+                                  "conversation is dropped and counted.")
     backend: str = setting("hf", choices=BACKENDS, help="hf: transformers in this process; openai: "
                            "OpenAI-compatible servers; sglang: offline sglang.Engine.")
     synthesize: int = setting(0, valid=Range(0, MAX_TOKENS, zero="read SOURCE"),
@@ -149,10 +167,13 @@ class RegenConfig(Settings):
 
 
 
-def over_long_prompt(conv: Conversation, tokenizer, max_tokens: int) -> BadInput | None:
-    """Over-long prompt check on the original conversation, turn by turn (the open last turn too)."""
+def over_long_prompt(conv: Conversation, tokenizer, max_tokens: int, template_kwargs: dict | None = None
+                     ) -> BadInput | None:
+    """Over-long prompt check on the original conversation, turn by turn (the open last turn too),
+    rendered in the mode it will be generated in."""
     history = []
-    extra = {"tools": list(conv.tools)} if conv.tools else {}
+    extra = {**(conv.template_kwargs if template_kwargs is None else template_kwargs),
+             **({"tools": list(conv.tools)} if conv.tools else {})}
     for m in [*conv.messages, None] if conv.ends_open else conv.messages:
         if m is None or m.role == "assistant":
             ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, **extra)
@@ -193,7 +214,7 @@ class Regenerator:
         if problem:
             raise RegenError(problem)
         for conv in loaded.conversations:
-            problem = tokenizer and over_long_prompt(conv, tokenizer, cfg.max_prompt_tokens)
+            problem = tokenizer and over_long_prompt(conv, tokenizer, cfg.max_prompt_tokens, cfg.chat_template_kwargs)
             if problem:
                 if cfg.strict:
                     raise RegenError(str(problem))
@@ -214,6 +235,13 @@ class Regenerator:
             digest = records_sha256(conversations[start * size : (group[-1] + 1) * size])
             out.update({shard_path(i): digest for i in group})
         return out
+
+    def mode_of(self, conv: Conversation) -> dict:
+        """The mode a conversation is generated in: --chat-template-kwargs where given, else the
+        one its record carries (a source of sf-regen's rows), and --reasoning."""
+        kwargs = self.cfg.chat_template_kwargs
+        return {"chat_template_kwargs": dict(conv.template_kwargs if kwargs is None else kwargs),
+                "reasoning": self.cfg.reasoning}
 
     # ---- one shard ------------------------------------------------------------------------
 
@@ -246,7 +274,8 @@ class Regenerator:
         """Every conversation of the shards `convs`, turn by turn, the turns of all of them
         interleaved; `shard_done(shard, rows, counts)` as each shard is complete, in shard order."""
         seed = self.cfg.sampling.seed
-        states = {shard: [ConversationState(c, i) for i, c in enumerate(cs)] for shard, cs in convs.items()}
+        states = {shard: [ConversationState(c, i, mode=self.mode_of(c)) for i, c in enumerate(cs)]
+                  for shard, cs in convs.items()}
         left = {shard: len(cs) for shard, cs in states.items()}
         order = sorted(states)
         flat = [(shard, s) for shard in order for s in states[shard]]

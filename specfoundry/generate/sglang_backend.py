@@ -45,9 +45,8 @@ class SGLangBackend:
     def text(self, request: Request) -> str:
         if request.text is not None:
             return request.text
-        extra = {"tools": list(request.tools)} if request.tools else {}
         return self.tokenizer.apply_chat_template(list(request.messages), add_generation_prompt=True,
-                                                  tokenize=False, **extra)
+                                                  tokenize=False, **request.template_arguments())
 
     def generate(self, requests: list[Request], sampling: SamplingConfig) -> list[Generation]:
         outputs = self.engine.generate([self.text(r) for r in requests],

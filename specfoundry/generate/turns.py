@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from specfoundry.common.conversations import Conversation, Message, with_json_arguments
 from specfoundry.generate.backend import Generation, Request, derive_seed
+from specfoundry.generate.reasoning import opens_reasoning, split_answer
 from specfoundry.generate.repetition import loop_cut
 from specfoundry.generate.tools import same_calls, with_recorded_ids
 
@@ -28,6 +29,7 @@ class ShardCounts:
     turns_loop_trimmed: int = 0
     loop_tokens_removed: int = 0
     turns_failed: int = 0
+    turns_reasoning_unclosed: int = 0  # a reasoning never closed (cut, or the turn ended in it): dropped
     generated_tokens: int = 0
     synthetic_prompts_empty: int = 0
     # every recorded tool exchange of the conversations in ends as one of these three
@@ -49,6 +51,7 @@ class ConversationState:
     flags: list[str] = field(default_factory=list)
     status: str = "ok"  # ok | empty | truncated | failed | tool_mismatch
     tool_exchanges: Counter = field(default_factory=Counter)  # kept / replaced
+    mode: dict = field(default_factory=lambda: {"chat_template_kwargs": {}, "reasoning": "keep"})
 
     def next_request(self, shard: int, seed: int, tag: int) -> Request | None:
         """The request (tagged `tag`) for the next assistant turn, the original turns before it
@@ -60,7 +63,8 @@ class ConversationState:
             self.built.append(msgs[self.cursor].to_dict())
             self.cursor += 1
         return Request(tag=tag, seed=derive_seed(seed, shard, self.index, self.turn),
-                       messages=tuple(self.built), tools=self.conv.tools)
+                       messages=tuple(self.built), tools=self.conv.tools,
+                       template_kwargs=dict(self.mode["chat_template_kwargs"]) or None)
 
     def row(self) -> dict:
         return {
@@ -71,6 +75,7 @@ class ConversationState:
             "finish_reasons": self.finish_reasons,
             "gen_token_ids": self.token_ids,
             "flags": self.flags,
+            "mode": json.dumps(self.mode, sort_keys=True),
         }
 
 
@@ -110,7 +115,17 @@ def record_turn(cfg, tokenizer, s: ConversationState, g: Generation, counts: Sha
             return
     if g.finish_reason == "length" and cfg.on_truncated == "trim" and not g.tool_calls:
         g = trim_loop(tokenizer, g, counts)
-    message = {"role": "assistant", "content": g.text}
+    answer = split_answer(g.text, s.mode["reasoning"], opened=prompt_opens_reasoning(tokenizer, s),
+                          reasoning_content=g.reasoning)
+    if answer.unclosed and g.finish_reason != "error":  # no answer: never kept as if the reasoning had ended
+        counts.turns_reasoning_unclosed += 1
+        counts.turns_truncated += g.finish_reason == "length"
+        s.flags.append(f"turn {turn}: reasoning not closed" + (" (truncated)" if g.finish_reason == "length" else ""))
+        s.finish_reasons.append(g.finish_reason)
+        s.token_ids.append(list(g.token_ids) if g.token_ids is not None else [])
+        s.status = "truncated"
+        return
+    message = {"role": "assistant", "content": answer.content}
     if g.tool_calls:
         message["tool_calls"] = [c.to_dict() for c in g.tool_calls]
     s.built.append(message)
@@ -120,7 +135,7 @@ def record_turn(cfg, tokenizer, s: ConversationState, g: Generation, counts: Sha
         counts.turns_failed += 1
         s.status = "failed"
         s.flags.append(f"turn {turn}: failed: {g.error}")
-    elif not g.text.strip() and not g.tool_calls:
+    elif not answer.content.strip() and not g.tool_calls:
         counts.turns_empty += 1
         s.flags.append(f"turn {turn}: empty")
         s.status = "empty" if cfg.on_empty == "drop" else s.status
@@ -133,6 +148,16 @@ def record_turn(cfg, tokenizer, s: ConversationState, g: Generation, counts: Sha
         s.status = "truncated" if cfg.on_truncated == "drop" else s.status
     else:
         counts.turns_ok += 1
+
+def prompt_opens_reasoning(tokenizer, s: ConversationState) -> bool:
+    """Whether the generation prompt of s's next turn (its history so far, rendered in its mode)
+    leaves a <think> block open, so that the text generated starts inside it (no tokenizer, as with
+    a server without a local one: the text says for itself)."""
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        return False
+    extra = {**s.mode["chat_template_kwargs"], **({"tools": list(s.conv.tools)} if s.conv.tools else {})}
+    return opens_reasoning(tokenizer.apply_chat_template(s.built, add_generation_prompt=True, tokenize=False, **extra))
+
 
 def keep_recorded(cfg, s: ConversationState, recorded: Message, turn: int, counts: ShardCounts) -> None:
     """The target's calls differ from the record's (or it called a tool where the record

@@ -1,0 +1,62 @@
+"""A reasoning target's answer: its reasoning and its final answer, and what sf-regen keeps.
+
+Reasoning templates (Qwen3's, DeepSeek-R1's) mark the reasoning as <think> ... </think> before the
+answer. Where it starts:
+- the target writes the opening tag itself (Qwen3 with enable_thinking: its generation prompt ends
+  at "<|im_start|>assistant\\n"), or
+- the generation prompt opens the block (DeepSeek-R1's template ends it with "<think>\\n"; Qwen3's
+  non-thinking mode renders a closed, empty block "<think>\\n\\n</think>\\n\\n" there instead, which
+  opens nothing): the text generated starts inside it.
+A server with a reasoning parser (vLLM's, SGLang's --reasoning-parser) returns the two apart, the
+reasoning in the message's `reasoning_content`.
+
+--reasoning keep: the message's content is what the target wrote after the assistant header,
+"<think>\\n{reasoning}\\n</think>\\n\\n{answer}" (a server's parts joined in that shape), which the
+template renders back whole for the last turn and as the answer alone for earlier ones
+(capture/template.py). drop: the content is the answer alone.
+A reasoning without its closing tag (cut by --max-new-tokens, or a turn ended inside it) has no
+answer: it is reported and the conversation dropped, never kept as if it had ended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class Answer:
+    content: str  # the message's content under the run's --reasoning
+    reasoning: str | None  # the reasoning found (None: the answer had none)
+    unclosed: bool  # a reasoning was opened and never closed: no answer
+
+
+def opens_reasoning(prompt_text: str) -> bool:
+    """Whether the rendered generation prompt leaves a <think> block open."""
+    return prompt_text.rfind(THINK_START) > prompt_text.rfind(THINK_END)
+
+
+def split_answer(text: str, reasoning: str = "keep", *, opened: bool = False,
+                 reasoning_content: str | None = None) -> Answer:
+    """The content sf-regen keeps for the generated `text` under `reasoning` (keep or drop).
+    opened: the generation prompt opened the block; reasoning_content: a server parser's part."""
+    if reasoning not in ("keep", "drop"):
+        raise ValueError(f"--reasoning {reasoning!r}: choose keep or drop")
+    if reasoning_content is not None:  # a server's parser split them already
+        thought, answer = reasoning_content.strip("\n"), text.lstrip("\n")
+        if reasoning == "drop":
+            return Answer(answer, thought, False)
+        return Answer(f"{THINK_START}\n{thought}\n{THINK_END}\n\n{answer}", thought, False)
+    body = text
+    started = opened or body.lstrip().startswith(THINK_START)
+    if not started:
+        return Answer(text, None, False)
+    if THINK_END not in body:
+        return Answer(text, body.split(THINK_START, 1)[-1].strip("\n"), True)
+    thought, answer = body.split(THINK_END, 1)
+    thought = thought.split(THINK_START, 1)[-1].strip("\n")
+    answer = answer.lstrip("\n")
+    if reasoning == "drop":
+        return Answer(answer, thought, False)
+    return Answer(text if not opened else f"{THINK_START}\n{text.lstrip(chr(10))}", thought, False)
