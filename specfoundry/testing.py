@@ -94,6 +94,28 @@ turns after the last user message show their reasoning, `<think>\\n{reasoning}\\
 is the non-thinking one (Qwen3's enable_thinking=False), which opens the turn with the empty block,
 since a random target writes no reasoning of its own."""
 
+QWEN3_THINKING_TEMPLATE = QWEN3_STYLE_TEMPLATE.replace(
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{%- endif %}",
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+"""QWEN3_STYLE_TEMPLATE with Qwen3's `enable_thinking` (default on): thinking, the generation prompt is
+the bare assistant header and the target writes its own <think> block; enable_thinking=False opens
+the turn with the empty block, as Qwen3's template does."""
+
+R1_STYLE_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{%- set content = m.content.split('</think>')[-1].lstrip('\\n') if '</think>' in m.content else m.content %}"
+    "{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+)
+"""DeepSeek-R1's reasoning rules in ChatML: the generation prompt opens the <think> block (the
+target's text starts inside it), and every assistant turn renders its answer alone, the reasoning
+dropped."""
+
 TINY_TEMPLATES = {"qwen3": QWEN3_STYLE_TEMPLATE, "qwen3_moe": QWEN3_STYLE_TEMPLATE}
 """The chat template a tiny target is saved with, where not its tokenizer's own (SmolLM2's ChatML)."""
 

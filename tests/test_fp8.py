@@ -282,7 +282,7 @@ def fp8_features(tmp_path_factory):
 
 def test_smollm2_features_round_trip_within_the_bound_massive_rows_included(target, chat_file):
     tok = target.tokenizer
-    samples, _, _ = prepare_samples(CaptureConfig(source=str(chat_file), output="unused"), tok)
+    samples, _, _, _ = prepare_samples(CaptureConfig(source=str(chat_file), output="unused"), tok)
     batch = [s["input_ids"] for s in samples]  # mixed lengths: one right-padded batch
     plain = HFCaptureRunner(target, [1, 14, 26])(batch)  # fp32, as the model computes them
     encoded = HFCaptureRunner(target, [1, 14, 26], storage=(FP8, "bfloat16"))(batch)  # padded batch, one pass

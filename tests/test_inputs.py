@@ -57,7 +57,7 @@ def test_capture_refuses_tool_conversations_whose_template_drops_the_tools(tmp_p
                                            r"target's own\) does not render tools.*--chat-template FILE"):
         prepare_samples(capture_cfg(src, tmp_path), tokenizer)
     # with a template that renders them: the call is trained on, the tools are in the text
-    samples, bad, _ = prepare_samples(capture_cfg(src, tmp_path), tool_tokenizer)
+    samples, bad, _, _ = prepare_samples(capture_cfg(src, tmp_path), tool_tokenizer)
     assert [s["id"] for s in samples] == ["single", "parallel", "error"] and bad == []
     first = tool_tokenizer.decode([t for t, m in zip(samples[0]["input_ids"], samples[0]["loss_mask"], strict=True)
                                    if m])
@@ -87,7 +87,7 @@ def test_a_conversation_opening_with_a_greeting_is_one_bad_input_not_a_lost_run(
     manifest = run_regen(cfg, EchoBackend(tokenizer), silent=True)  # before: a ValueError traceback, no output
     assert manifest["complete"] and [r["id"] for r in rows(tmp_path / "out")] == ["c0"]
     assert [(b["location"], b["kind"]) for b in manifest["bad_inputs"]] == [(f"{src}:1", "starts_on_assistant")]
-    samples, bad, _ = prepare_samples(capture_cfg(src, tmp_path), tokenizer)  # sf-capture: the same report
+    samples, bad, _, _ = prepare_samples(capture_cfg(src, tmp_path), tokenizer)  # sf-capture: the same report
     assert [s["id"] for s in samples] == ["c0"] and [(b.location, b.kind) for b in bad] == [
         (f"{src}:1", "starts_on_assistant")]
     with_system = {"messages": [{"role": "system", "content": "Be brief."}, *GREETING["conversations"]]}
@@ -101,7 +101,7 @@ def test_an_empty_assistant_message_is_reported_as_such(tmp_path, tokenizer):
                                      {"role": "user", "content": "Still there?"},
                                      {"role": "assistant", "content": "Yes."}]}
     src = write_jsonl(tmp_path / "chat.jsonl", [CHAT[0], empty])
-    samples, bad, _ = prepare_samples(capture_cfg(src, tmp_path), tokenizer)
+    samples, bad, _, _ = prepare_samples(capture_cfg(src, tmp_path), tokenizer)
     assert [s["id"] for s in samples] == ["c0"]
     assert [str(b) for b in bad] == [f"{src}:2: empty_answer: turn 1 is an empty assistant message: nothing to learn"]
 

@@ -342,5 +342,5 @@ def test_a_prompt_list_is_answered_and_its_rows_end_on_the_targets_answer(tmp_pa
         if ref and ref[-1] in backend.stop_ids:
             ref = ref[:-1]
         assert row["gen_token_ids"][-1] == ref, p["id"]
-    samples, bad, _ = prepare_samples(CaptureConfig(source=str(source), output="o"), backend.tokenizer)
+    samples, bad, _, _ = prepare_samples(CaptureConfig(source=str(source), output="o"), backend.tokenizer)
     assert not samples and {b.kind for b in bad} == {"no_assistant_turn", "ends_on_user"}

@@ -13,6 +13,7 @@ Writing runs in background threads, overlapping the next shard's prefill.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
@@ -28,6 +29,7 @@ from specfoundry.capture.template import TemplateMaskError, render_with_mask
 from specfoundry.capture.writer import BackgroundWriter
 from specfoundry.common.conversations import (
     BadInput,
+    ChatMessages,
     Conversation,
     ConversationFormatError,
     data_files,
@@ -37,7 +39,16 @@ from specfoundry.common.conversations import (
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.placement import FUSED_EXPERTS, Placement
 from specfoundry.common.progress import Progress
-from specfoundry.common.settings import Range, Settings, config_dict, resume_settings, setting, shared
+from specfoundry.common.settings import (
+    TEMPLATE_KWARGS_HELP,
+    Range,
+    Settings,
+    config_dict,
+    parse_template_kwargs,
+    resume_settings,
+    setting,
+    shared,
+)
 from specfoundry.common.shards import (
     ShardedOutput,
     check_output_folder,
@@ -106,6 +117,10 @@ class CaptureConfig(Settings):
     output: str = shared("output", resume=False)
     target: str = shared("target", EMBEDDED_DEFAULT)
     chat_template: str | None = shared("chat_template", None)
+    chat_template_kwargs: dict | None = setting(
+        None, parse=parse_template_kwargs, shown="each conversation's recorded mode (sf-regen's rows), else none",
+        help=TEMPLATE_KWARGS_HELP + " For conversations that record none; one that records other arguments is "
+             "refused, naming it (render a sample as it was generated).")
     aux_layers: tuple[int, ...] | None = setting(
         None, parse=parse_layer_ids, shown="the union of --families' defaults",
         help="Comma-separated ids of the decoder layers whose outputs are stored (id i: the output of layer i, "
@@ -202,8 +217,26 @@ def auto_shard_size(hidden_size: int, max_length: int, storage_dtype: str, final
     return max(1, min(MAX_AUTO_SHARD_SIZE, SHARD_BYTES // per_sample))
 
 
-def prepare_samples(cfg: CaptureConfig, tokenizer) -> tuple[list[dict], list[BadInput], int]:
-    """Render every conversation; returns (samples, bad inputs, samples skipped as untrainable)."""
+def rendered_mode(conv: Conversation, given: dict | None) -> tuple[ChatMessages, dict]:
+    """(conv's messages to render, carrying its template arguments; its mode {chat_template_kwargs,
+    reasoning}). A conversation renders in the mode it records; --chat-template-kwargs (`given`)
+    applies to one that records none, and one that records other arguments is refused: rendered in
+    another mode than it was generated in, its text is not what the target saw."""
+    recorded = conv.mode
+    if recorded is not None and given is not None and dict(recorded.get("chat_template_kwargs") or {}) != given:
+        raise CaptureError(f"{conv.location}: generated with chat-template arguments "
+                           f"{json.dumps(recorded.get('chat_template_kwargs') or {}, sort_keys=True)}, not "
+                           f"--chat-template-kwargs {json.dumps(given, sort_keys=True)}: leave the option out to render "
+                           "each conversation in its own mode, or regenerate it in this one")
+    kwargs = conv.template_kwargs if recorded is not None else dict(given or {})
+    messages = conv.to_messages()
+    messages.template_kwargs = kwargs
+    return messages, {"chat_template_kwargs": kwargs, "reasoning": (recorded or {}).get("reasoning")}
+
+
+def prepare_samples(cfg: CaptureConfig, tokenizer) -> tuple[list[dict], list[BadInput], int, Counter]:
+    """Render every conversation, each in its mode (rendered_mode); returns (samples, bad inputs,
+    samples skipped as untrainable, the samples' modes counted by their JSON)."""
     try:
         loaded = load_conversations(cfg.source, strict=cfg.strict, partial=cfg.partial)
     except (ConversationFormatError, FileNotFoundError) as e:
@@ -211,7 +244,7 @@ def prepare_samples(cfg: CaptureConfig, tokenizer) -> tuple[list[dict], list[Bad
     problem = tools_template_problem(loaded.conversations, tokenizer)  # the check sf-regen applies too
     if problem:
         raise CaptureError(problem)
-    samples, bad, skipped = [], list(loaded.bad), 0
+    samples, bad, skipped, modes = [], list(loaded.bad), 0, Counter()
     for conv in loaded.conversations:
         if cfg.limit is not None and len(samples) >= cfg.limit:
             break
@@ -219,8 +252,9 @@ def prepare_samples(cfg: CaptureConfig, tokenizer) -> tuple[list[dict], list[Bad
         if empty:
             bad.append(empty)
             continue
+        messages, mode = rendered_mode(conv, cfg.chat_template_kwargs)
         try:
-            r = render_with_mask(tokenizer, conv.to_messages(), cfg.max_length)
+            r = render_with_mask(tokenizer, messages, cfg.max_length)
         except TemplateMaskError as e:
             bad.append(BadInput(conv.location, "template", str(e)))
             continue
@@ -228,7 +262,8 @@ def prepare_samples(cfg: CaptureConfig, tokenizer) -> tuple[list[dict], list[Bad
             skipped += 1  # nothing trainable left after truncation
             continue
         samples.append({"id": conv.id, "input_ids": r.input_ids, "loss_mask": r.loss_mask})
-    return samples, bad, skipped
+        modes[json.dumps(mode, sort_keys=True)] += 1
+    return samples, bad, skipped, modes
 
 
 def empty_answer(conv: Conversation) -> BadInput | None:
@@ -263,7 +298,7 @@ def plan_capture(cfg: CaptureConfig, tokenizer, identity) -> CapturePlan:
         cfg = replace(cfg, shard_size=auto_shard_size(identity.hidden_size, cfg.max_length, cfg.storage_dtype,
                                                       cfg.final_storage_dtype, num_layers=len(aux_layers)))
     check_output_folder(Path(cfg.output), "capture", cfg)
-    samples, bad, skipped = prepare_samples(cfg, tokenizer)
+    samples, bad, skipped, modes = prepare_samples(cfg, tokenizer)
     if not samples:
         raise CaptureError(f"{cfg.source}: no sample with a trainable (assistant) token")
     tok_hash, template_hash = tokenizer_hashes(tokenizer)
@@ -277,6 +312,7 @@ def plan_capture(cfg: CaptureConfig, tokenizer, identity) -> CapturePlan:
         chat_template_source=chat_template_source(tokenizer),
         max_length=cfg.max_length,
         counts={"skipped_untrainable": skipped, "bad_inputs": len(bad)},
+        modes=dict(modes),  # {mode JSON: samples}: the chat-template arguments and reasoning they render in
         bad_inputs=[asdict(b) for b in bad],
         capture_config=config_dict(cfg))
     num_shards = (len(samples) + cfg.shard_size - 1) // cfg.shard_size

@@ -46,9 +46,13 @@ def locate(text: str, content: str, cursor: int) -> tuple[int, str]:
     answer is looked for instead, so such a turn trains on its answer (the target never sees its
     reasoning again either), and the last turn, rendered whole, on its reasoning and answer."""
     start = text.find(content, cursor) if content else -1
-    if start < 0 and THINK_END in content:
-        content = content.split(THINK_END)[-1].lstrip("\n")
-        start = text.find(content, cursor) if content else -1
+    if THINK_END in content:
+        answer = content.split(THINK_END)[-1].lstrip("\n")
+        alone = text.find(answer, cursor) if answer else -1
+        # the answer alone before the whole message: this turn was rendered without its reasoning,
+        # and the whole message found further on is a later turn's (the same text, reasoned again)
+        if alone >= 0 and (start < 0 or alone < start):
+            return alone, answer
     return start, content
 
 

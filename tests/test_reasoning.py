@@ -1,0 +1,216 @@
+"""Reasoning targets in their serving mode (issue 39): sf-regen's --chat-template-kwargs and
+--reasoning, the mode each row records, and sf-capture rendering every sample in its own mode.
+
+Templates: the reasoning rules of Qwen3's (enable_thinking; the reasoning of earlier turns dropped)
+and of DeepSeek-R1's (the generation prompt opens the <think> block), in ChatML so that SmolLM2's
+tokenizer renders them (specfoundry/testing.py). A scripted backend plays the target: what it
+writes is fixed, so the tests check what sf-regen and sf-capture make of it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoTokenizer
+
+from specfoundry.capture.stage import CaptureConfig, CaptureError, prepare_samples
+from specfoundry.capture.template import masked_texts, render_with_mask
+from specfoundry.common.target import resolve_target
+from specfoundry.generate.backend import Generation, SamplingConfig
+from specfoundry.generate.openai_backend import OpenAIBackend
+from specfoundry.generate.reasoning import opens_reasoning, split_answer
+from specfoundry.generate.regen import RegenConfig, run_regen
+from specfoundry.testing import QWEN3_THINKING_TEMPLATE, R1_STYLE_TEMPLATE
+from tests.conftest import write_jsonl
+
+THOUGHT = "<think>\nLet me think.\n</think>\n\nThe answer."
+PROMPTS = [{"id": "p0", "messages": [{"role": "user", "content": "Why?"}]},
+           {"id": "p1", "messages": [{"role": "user", "content": "How?"}, {"role": "assistant", "content": "x"},
+                                     {"role": "user", "content": "And then?"}]}]
+
+
+@pytest.fixture
+def tokenizer():
+    tok = AutoTokenizer.from_pretrained(resolve_target("smollm2"))
+    tok.chat_template = QWEN3_THINKING_TEMPLATE
+    return tok
+
+
+class ScriptedTarget:
+    """A backend whose every answer is `answer(request)` (text, finish reason); records the requests."""
+
+    name = "scripted"
+
+    def __init__(self, tokenizer, answer):
+        self.tokenizer, self.answer, self.requests = tokenizer, answer, []
+
+    def identity(self):
+        return {"backend": self.name}
+
+    def generate(self, requests, sampling):
+        self.requests += requests
+        out = []
+        for r in requests:
+            text, reason = self.answer(r)
+            ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            out.append(Generation(text, reason, ids, len(ids)))
+        return out
+
+
+def rows(folder):
+    return {r["id"]: r for p in sorted((folder / "data").glob("*.parquet")) for r in pq.read_table(p).to_pylist()}
+
+
+def regen(tmp_path, backend, name="out", **kw):
+    cfg = RegenConfig(output=str(tmp_path / name), source=str(write_jsonl(tmp_path / "p.jsonl", PROMPTS)),
+                      sampling=SamplingConfig(temperature=0.0, max_new_tokens=64), **kw)
+    return run_regen(cfg, backend, silent=True), rows(tmp_path / name)
+
+
+# ---- what a generated answer becomes ------------------------------------------------------------------
+
+def test_split_answer_keeps_or_drops_the_reasoning_and_never_keeps_an_unclosed_one():
+    assert split_answer(THOUGHT, "keep").content == THOUGHT
+    dropped = split_answer(THOUGHT, "drop")
+    assert dropped.content == "The answer." and dropped.reasoning == "Let me think."
+    # the prompt opened the block (DeepSeek-R1): the text starts inside it
+    opened = split_answer("Hmm.\n</think>\n\nYes.", "keep", opened=True)
+    assert opened.content == "<think>\nHmm.\n</think>\n\nYes." and not opened.unclosed
+    assert split_answer("Hmm.\n</think>\n\nYes.", "drop", opened=True).content == "Yes."
+    assert split_answer("<think>\nstill going", "keep").unclosed
+    assert split_answer("still going", "drop", opened=True).unclosed
+    plain = split_answer("No reasoning here.", "drop")
+    assert plain.content == "No reasoning here." and plain.reasoning is None and not plain.unclosed
+    # a server's reasoning parser gave the two apart
+    assert split_answer("Yes.", "keep", reasoning_content="Hmm.").content == "<think>\nHmm.\n</think>\n\nYes."
+    assert split_answer("Yes.", "drop", reasoning_content="Hmm.").content == "Yes."
+    assert opens_reasoning("<|im_start|>assistant\n<think>\n") and not opens_reasoning("<think>\n\n</think>\n\n")
+
+
+# ---- sf-regen ------------------------------------------------------------------------------------------
+
+def test_the_template_arguments_reach_the_prompt_and_every_row_records_its_mode(tmp_path, tokenizer):
+    target = ScriptedTarget(tokenizer, lambda r: ("The answer.", "stop"))
+    manifest, written = regen(tmp_path, target, chat_template_kwargs={"enable_thinking": False})
+    assert {json.dumps(r.template_kwargs) for r in target.requests} == {'{"enable_thinking": false}'}
+    mode = {"chat_template_kwargs": {"enable_thinking": False}, "reasoning": "keep"}
+    assert all(json.loads(r["mode"]) == mode for r in written.values())
+    assert manifest["modes"] == {json.dumps(mode, sort_keys=True): 2}
+    assert written["p0"]["messages"][-1]["content"] == "The answer."
+
+
+@pytest.mark.parametrize("reasoning,content", [("keep", THOUGHT), ("drop", "The answer.")])
+def test_reasoning_is_kept_or_dropped(tmp_path, tokenizer, reasoning, content):
+    manifest, written = regen(tmp_path, ScriptedTarget(tokenizer, lambda r: (THOUGHT, "stop")), reasoning=reasoning)
+    assert written["p0"]["messages"][-1]["content"] == content
+    assert json.loads(written["p0"]["mode"]) == {"chat_template_kwargs": {}, "reasoning": reasoning}
+    # the next turn is generated on the history as kept
+    assert manifest["totals"]["turns_ok"] == 3
+
+
+def test_a_reasoning_cut_before_it_closes_drops_its_conversation(tmp_path, tokenizer):
+    def answer(r):
+        return ("<think>\nstill thinking", "length") if r.messages[-1]["content"] == "Why?" else (THOUGHT, "stop")
+
+    manifest, written = regen(tmp_path, ScriptedTarget(tokenizer, answer))
+    assert set(written) == {"p1"}
+    t = manifest["totals"]
+    assert (t["turns_reasoning_unclosed"], t["dropped_truncated"], t["turns_truncated"]) == (1, 1, 1)
+
+
+def test_an_r1_style_prompt_opens_the_block_and_the_kept_answer_closes_it(tmp_path, tokenizer):
+    tokenizer.chat_template = R1_STYLE_TEMPLATE
+    _, written = regen(tmp_path, ScriptedTarget(tokenizer, lambda r: ("Let me think.\n</think>\n\nThe answer.", "stop")))
+    assert written["p0"]["messages"][-1]["content"] == THOUGHT
+
+
+def test_the_openai_backend_sends_the_arguments_and_merges_the_parsers_reasoning():
+    backend = OpenAIBackend("http://127.0.0.1:1/v1", model=None, target=None)
+    from specfoundry.generate.backend import Request
+
+    path, body = backend.body(Request(tag=0, seed=1, messages=({"role": "user", "content": "q"},),
+                                      template_kwargs={"enable_thinking": True}), SamplingConfig())
+    assert path == "/chat/completions" and body["chat_template_kwargs"] == {"enable_thinking": True}
+    g = backend.to_generation({"choices": [{"message": {"content": "Yes.", "reasoning_content": "Hmm."},
+                                            "finish_reason": "stop"}]}, completion=False)
+    assert (g.text, g.reasoning) == ("Yes.", "Hmm.")
+    assert split_answer(g.text, "keep", reasoning_content=g.reasoning).content == "<think>\nHmm.\n</think>\n\nYes."
+
+
+def test_regen_through_a_server_with_a_reasoning_parser(tmp_path):
+    """A fake OpenAI-compatible server that splits the reasoning out (vLLM's --reasoning-parser)."""
+    from tests.test_fleet import FAST, FakeServer
+
+    seen = []
+
+    class ReasoningServer(FakeServer):
+        def answer(self, body):
+            seen.append(body.get("chat_template_kwargs"))
+            return 200, {"choices": [{"message": {"role": "assistant", "content": "Yes.",
+                                                  "reasoning_content": "Hmm."}, "finish_reason": "stop"}],
+                         "usage": {"completion_tokens": 3}}
+
+    server = ReasoningServer()
+    try:
+        backend = OpenAIBackend([server.url], model=None, target=None, fleet=FAST)
+        cfg = RegenConfig(output=str(tmp_path / "out"), source=str(write_jsonl(tmp_path / "p.jsonl", PROMPTS)),
+                          backend="openai", openai_url=(server.url,), chat_template_kwargs={"enable_thinking": True},
+                          sampling=SamplingConfig(temperature=0.0, max_new_tokens=64))
+        run_regen(cfg, backend, silent=True)
+        written = rows(tmp_path / "out")
+    finally:
+        server.close()
+    assert seen and all(k == {"enable_thinking": True} for k in seen)
+    assert written["p0"]["messages"][-1]["content"] == "<think>\nHmm.\n</think>\n\nYes."
+
+
+# ---- sf-capture ----------------------------------------------------------------------------------------
+
+def test_capture_renders_each_row_in_its_mode_and_refuses_a_contradicting_option(tmp_path, tokenizer):
+    """Thinking off: the empty block is the template's generation prompt, not the target's text, so
+    it is not supervised; thinking on and kept: the reasoning of the turn is. Rows of both modes in
+    one source render each in its own."""
+    regen(tmp_path, ScriptedTarget(tokenizer, lambda r: ("The answer.", "stop")), name="off",
+          chat_template_kwargs={"enable_thinking": False})
+    regen(tmp_path, ScriptedTarget(tokenizer, lambda r: (THOUGHT, "stop")), name="on")
+    mixed = tmp_path / "mixed.jsonl"
+    both = [{**r, "id": f"{name}-{r['id']}"} for name in ("off", "on") for r in rows(tmp_path / name).values()]
+    mixed.write_text("".join(json.dumps(r) + "\n" for r in both))
+    samples, bad, _, modes = prepare_samples(CaptureConfig(source=str(mixed), output="o"), tokenizer)
+    assert not bad and len(samples) == 4 and sum(modes.values()) == 4 and len(modes) == 2
+    texts = {}
+    for s in samples:
+        runs = [tokenizer.decode([t for t, m in zip(s["input_ids"], s["loss_mask"], strict=True) if m])]
+        texts[s["id"]] = runs[0]
+    assert texts["off-p0"] == "The answer.<|im_end|>"  # not "<think>\n\n</think>\n\n": the template's prompt
+    assert texts["on-p0"] == THOUGHT + "<|im_end|>"  # the reasoning of the supervised turn
+    # p1's first answer ("x" replaced by the target's) is an earlier turn: its reasoning not rendered
+    assert texts["on-p1"] == "The answer.<|im_end|>" + THOUGHT + "<|im_end|>"
+    with pytest.raises(CaptureError, match=r'mixed.jsonl:1: generated with chat-template arguments '
+                                           r'\{"enable_thinking": false\}, not --chat-template-kwargs \{\}'):
+        prepare_samples(CaptureConfig(source=str(mixed), output="o", chat_template_kwargs={}), tokenizer)
+
+
+def test_a_source_without_modes_renders_with_the_option(tmp_path, tokenizer):
+    """An answer without a <think> block: the template shows it after an empty one, which the
+    target did not write, so in neither mode is it supervised; the mode is recorded as given."""
+    source = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "q"},
+                                                              {"role": "assistant", "content": "A."}]}])
+    for kwargs in ({"enable_thinking": False}, None):
+        samples, _, _, modes = prepare_samples(CaptureConfig(source=str(source), output="o",
+                                                             chat_template_kwargs=kwargs), tokenizer)
+        s = samples[0]
+        assert tokenizer.decode(s["input_ids"]).endswith("<think>\n\n</think>\n\nA.<|im_end|>\n")
+        assert tokenizer.decode([t for t, m in zip(s["input_ids"], s["loss_mask"], strict=True) if m]) == \
+            "A.<|im_end|>"
+        assert json.loads(next(iter(modes)))["chat_template_kwargs"] == (kwargs or {})
+
+
+def test_masked_texts_of_a_thinking_turn_decode_back(tokenizer):
+    from specfoundry.common.conversations import ChatMessages
+
+    messages = ChatMessages([{"role": "user", "content": "q"}, {"role": "assistant", "content": THOUGHT}],
+                            template_kwargs={"enable_thinking": True})
+    assert masked_texts(tokenizer, render_with_mask(tokenizer, messages)) == [THOUGHT + "<|im_end|>"]
