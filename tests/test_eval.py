@@ -342,3 +342,20 @@ def test_bad_prompt_set_and_draft_fail_clearly(tmp_path, smollm2_dir):
         run_eval(EvalConfig(draft=str(tmp_path), tree=(2, 2), temperature=0.7))
     result = CliRunner().invoke(main, ["run", str(tmp_path), "--tree", "4,x"])
     assert result.exit_code != 0 and "comma-separated integers" in str(result.output) + str(result.exception)
+
+
+def test_modes_render_the_prompts_and_are_reported_side_by_side(gate_run, smollm2_target):
+    """By default the prompts render in the mode of the draft's feature set (its export records
+    it); --modes decodes every set in each. SmolLM2's template ignores enable_thinking, so both
+    modes decode the same tokens here: what is checked is the routing and the report's shape."""
+    _, export = gate_run
+    base = dict(draft=str(export), prompt_sets=("chat",), limit=1, k=3, max_new_tokens=8, device="cpu",
+                baseline=False)
+    report = run_eval(EvalConfig(**base), target=smollm2_target)
+    assert report["modes_from"] == "the draft's feature set" and report["modes"] == {"default": {}}
+    assert set(report["sets"]) == {"chat"}
+    both = run_eval(EvalConfig(**base, modes=({}, {"enable_thinking": False})), target=smollm2_target)
+    assert set(both["sets"]) == {"chat [default]", "chat [enable_thinking=false]"}
+    assert both["modes_from"] == "--modes"
+    a, b = (both["sets"][s]["trained"] for s in ("chat [default]", "chat [enable_thinking=false]"))
+    assert a["tokens"] == b["tokens"] and a["accept_length"] == b["accept_length"]

@@ -108,8 +108,10 @@ def test_keep_best_resumed_after_a_stop_exports_the_same_bytes(tmp_path, smol_fe
 def test_without_keep_best_the_last_step_is_exported_and_said_so(tmp_path, smol_features):  # noqa: F811
     run_train(small_cfg(smol_features, tmp_path / "run", max_steps=2), silent=True)
     record = json.loads((tmp_path / "run" / "export" / TRAINING_FILE).read_text())
+    modes = record.pop("modes")
     assert record == {"token_loss": "ce", "lk_kl_scale": 1.0, "lk_kl_decay": 3.0, "kept": "last", "step": 2,
                       "eval_sim_accept_len": None}
+    assert modes == {json.dumps({"chat_template_kwargs": {}, "reasoning": None}, sort_keys=True): 16}
 
 
 # ---- the DFlash family: the LK losses per block slot, the target's whole distribution the teacher ------

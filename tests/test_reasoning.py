@@ -214,3 +214,27 @@ def test_masked_texts_of_a_thinking_turn_decode_back(tokenizer):
     messages = ChatMessages([{"role": "user", "content": "q"}, {"role": "assistant", "content": THOUGHT}],
                             template_kwargs={"enable_thinking": True})
     assert masked_texts(tokenizer, render_with_mask(tokenizer, messages)) == [THOUGHT + "<|im_end|>"]
+
+
+# ---- sf-eval -------------------------------------------------------------------------------------------
+
+def test_eval_prompts_render_in_the_mode_asked_and_the_default_is_the_feature_sets(tmp_path, tokenizer):
+    from types import SimpleNamespace
+
+    from specfoundry.eval.evaluate import EvalConfig, eval_modes, load_prompts, mode_label, parse_modes
+
+    off = dict(load_prompts("chat", tokenizer, 1, {"enable_thinking": False}))
+    on = dict(load_prompts("chat", tokenizer, 1, {}))
+    assert tokenizer.decode(next(iter(off.values()))).endswith("<think>\n\n</think>\n\n")
+    assert tokenizer.decode(next(iter(on.values()))).endswith("<|im_start|>assistant\n")
+    export = tmp_path / "export"
+    export.mkdir()
+    mode = {"chat_template_kwargs": {"enable_thinking": False}, "reasoning": "keep"}
+    (export / "specfoundry_training.json").write_text(json.dumps({"modes": {json.dumps(mode): 5}}))
+    ref = SimpleNamespace(path=export)
+    assert eval_modes(EvalConfig(draft="d"), ref) == ([{"enable_thinking": False}], "the draft's feature set")
+    assert eval_modes(EvalConfig(draft="d", chat_template_kwargs={}), ref) == ([{}], "--chat-template-kwargs")
+    assert eval_modes(EvalConfig(draft="d", modes=({}, {"a": 1})), ref)[0] == [{}, {"a": 1}]
+    assert mode_label({"enable_thinking": False}) == "enable_thinking=false" and mode_label({}) == "default"
+    with pytest.raises(ValueError, match="not a non-empty JSON list of objects"):
+        parse_modes('{"enable_thinking": true}')

@@ -119,8 +119,7 @@ class CaptureConfig(Settings):
     chat_template: str | None = shared("chat_template", None)
     chat_template_kwargs: dict | None = setting(
         None, parse=parse_template_kwargs, shown="each conversation's recorded mode (sf-regen's rows), else none",
-        help=TEMPLATE_KWARGS_HELP + " For conversations that record none; one that records other arguments is "
-             "refused, naming it (render a sample as it was generated).")
+        help=TEMPLATE_KWARGS_HELP)
     aux_layers: tuple[int, ...] | None = setting(
         None, parse=parse_layer_ids, shown="the union of --families' defaults",
         help="Comma-separated ids of the decoder layers whose outputs are stored (id i: the output of layer i, "

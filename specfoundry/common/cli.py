@@ -102,7 +102,7 @@ def _option(f: dataclasses.Field, hint):
     if meta.get("valid") is not None and click_type in (int, float):
         click_type = IntIn(meta["valid"]) if click_type is int else FloatIn(meta["valid"])
     return click.option(*flags, f.name, type=click_type, default=default, help=meta["help"], show_default=show,
-                        metavar="A,B,..." if is_tuple else None)
+                        metavar="A,B,..." if is_tuple and not meta.get("parse") else None)
 
 
 def config_options(cls, *, skip: tuple[str, ...] = ()):

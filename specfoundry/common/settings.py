@@ -95,7 +95,10 @@ SHARED = {
 
 TEMPLATE_KWARGS_HELP = ("Arguments to the chat template, a JSON object, e.g. '{\"enable_thinking\": false}' (Qwen3's "
                         "non-thinking mode) or '{\"reasoning_effort\": \"low\"}' (gpt-oss); a recipe may give a "
-                        "mapping. docs/stages.md, \"Reasoning targets\".")
+                        "mapping. sf-regen generates in them (the openai backend sends them as chat_template_kwargs) "
+                        "and records them with every row; sf-capture renders each row in its recorded mode (this "
+                        "option: for rows that record none; a row recording others is refused); sf-eval renders its "
+                        "prompts in them. docs/stages.md, \"Reasoning targets\".")
 
 
 def parse_template_kwargs(value) -> dict | None:

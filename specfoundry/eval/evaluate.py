@@ -9,6 +9,7 @@ target's own greedy output (the baseline run), token for token.
 
 from __future__ import annotations
 
+import json
 import platform
 import sys
 import time
@@ -25,9 +26,11 @@ from specfoundry.common.placement import FUSED_EXPERTS, Placement, PlacementErro
 from specfoundry.common.progress import Progress
 from specfoundry.common.settings import (
     MAX_DRAFT,
+    TEMPLATE_KWARGS_HELP,
     Range,
     Settings,
     config_dict,
+    parse_template_kwargs,
     resume_settings,
     setting,
     shared,
@@ -39,7 +42,14 @@ from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
 from specfoundry.decoding.tree import check_branching, parse_branching, shape_name
 from specfoundry.families import FAMILIES
-from specfoundry.families.folders import DraftRef, check_trained_for, load_draft, locate_draft, untrained_like
+from specfoundry.families.folders import (
+    DraftRef,
+    check_trained_for,
+    load_draft,
+    locate_draft,
+    training_record,
+    untrained_like,
+)
 
 BUILTIN_SETS = ("chat", "code", "math", "multiturn")
 
@@ -59,6 +69,20 @@ def parse_tree(spec) -> tuple[int, ...] | None:
     return parse_branching(spec)
 
 
+def parse_modes(value) -> tuple[dict, ...]:
+    """--modes: a JSON list of objects (or a recipe's list of mappings)."""
+    if isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        try:
+            items = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--modes {value!r} is not JSON ({e.msg})") from None
+    if not isinstance(items, list) or not items or not all(isinstance(x, dict) for x in items):
+        raise ValueError(f"--modes {value!r} is not a non-empty JSON list of objects")
+    return tuple(dict(x) for x in items)
+
+
 @dataclass(frozen=True, kw_only=True)
 class EvalConfig(Settings):
     """Settings of one sf-eval run (recorded in eval_config.json and in eval.json)."""
@@ -71,6 +95,14 @@ class EvalConfig(Settings):
     output: str | None = shared("output", None, resume=False)
     target: str = shared("target", EMBEDDED_DEFAULT)
     chat_template: str | None = shared("chat_template", None)
+    chat_template_kwargs: dict | None = setting(
+        None, parse=parse_template_kwargs, shown="the mode the draft's feature set was rendered in (recorded with "
+        "its export), else none", help=TEMPLATE_KWARGS_HELP)
+    modes: tuple[dict, ...] = setting(
+        (), parse=parse_modes, shown="none: one mode (--chat-template-kwargs)",
+        help="Evaluate in several modes: a JSON list of chat-template argument objects, e.g. "
+             "'[{\"enable_thinking\": true}, {\"enable_thinking\": false}]'; each set is decoded in each, "
+             "reported side by side as SET [MODE].")
     prompt_sets: tuple[str, ...] = setting(
         BUILTIN_SETS, flags=("--prompts",),
         help=f"Comma-separated prompt sets: built-in held-out sets ({', '.join(BUILTIN_SETS)}) or dataset files "
@@ -104,6 +136,26 @@ class EvalConfig(Settings):
             raise ValueError("--prompts names no prompt set")
 
 
+def mode_label(kwargs: dict) -> str:
+    """A mode as reports name it: 'enable_thinking=false', 'default' for the template's own."""
+    return ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(kwargs.items())) or "default"
+
+
+def eval_modes(cfg: EvalConfig, ref: DraftRef) -> tuple[list[dict], str]:
+    """(the chat-template arguments of each mode to evaluate, where they came from): --modes,
+    else --chat-template-kwargs, else the mode the draft's feature set was rendered in (the most
+    common one where it holds several), else the template's defaults."""
+    if cfg.modes:
+        return [dict(m) for m in cfg.modes], "--modes"
+    if cfg.chat_template_kwargs is not None:
+        return [dict(cfg.chat_template_kwargs)], "--chat-template-kwargs"
+    recorded = (training_record(ref) or {}).get("modes") or {}
+    if recorded:
+        top = max(recorded, key=lambda m: recorded[m])
+        return [dict(json.loads(top).get("chat_template_kwargs") or {})], "the draft's feature set"
+    return [{}], "the template's defaults"
+
+
 def prompt_source(name: str) -> Path:
     """A built-in set's file (held out: never used for training), or a user's dataset file."""
     if name in BUILTIN_SETS:
@@ -114,8 +166,10 @@ def prompt_source(name: str) -> Path:
     return path
 
 
-def load_prompts(name: str, tokenizer, limit: int | None = None) -> list[tuple[str, list[int]]]:
-    """[(id, prompt token ids)] rendered with the target's chat template and generation prompt."""
+def load_prompts(name: str, tokenizer, limit: int | None = None, template_kwargs: dict | None = None
+                 ) -> list[tuple[str, list[int]]]:
+    """[(id, prompt token ids)] rendered with the target's chat template and generation prompt, in
+    the mode `template_kwargs` gives."""
     loaded = load_conversations(prompt_source(name), limit=limit, prompt_only=True)
     if loaded.bad:
         raise EvalError(f"bad prompt: {loaded.bad[0]}")
@@ -124,7 +178,12 @@ def load_prompts(name: str, tokenizer, limit: int | None = None) -> list[tuple[s
     problem = tools_template_problem(loaded.conversations, tokenizer)  # the check sf-regen and sf-capture apply
     if problem:
         raise EvalError(problem)
-    return [(conv.id, prompt_ids(tokenizer, conv.to_messages())) for conv in loaded.conversations]
+    rendered = []
+    for conv in loaded.conversations:
+        messages = conv.to_messages()
+        messages.template_kwargs = dict(template_kwargs or {})
+        rendered.append((conv.id, prompt_ids(tokenizer, messages)))
+    return rendered
 
 
 def summarise_set(results: list[DecodeResult], k: int) -> dict:
@@ -273,7 +332,9 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
     draft = load_draft(ref, target_dir, device, dtype)
     if draft.cfg.vocab_size != identity.vocab_size:
         raise EvalError(f"draft {cfg.draft} has vocab {draft.cfg.vocab_size}, target {cfg.target} {identity.vocab_size}")
-    sets = {name: load_prompts(name, tokenizer, cfg.limit) for name in cfg.prompt_sets}
+    modes, mode_from = eval_modes(cfg, ref)
+    sets = {(name if len(modes) == 1 else f"{name} [{mode_label(m)}]"): load_prompts(name, tokenizer, cfg.limit, m)
+            for name in cfg.prompt_sets for m in modes}
     family = ref.provider
     aux = list(draft.cfg.target_layers)
     runner_target = TargetRunner(target, aux)
@@ -286,6 +347,7 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
     report = {"config": config_dict(cfg), "convention": "accept_length = mean tokens per target verify forward, "
               "counting the target's own token (k+1 at most); the prompt's first token is not counted",
               "family": family.name, "aux_layer_ids": aux, "device": str(device),
+              "modes": {mode_label(m): m for m in modes}, "modes_from": mode_from,
               "dtype": str(dtype), "placement": config_dict(target.placement)}
     try:
         report["sets"] = decode_sets(cfg, runner_target, drafts, sets, set(target.end_of_turn_ids()),

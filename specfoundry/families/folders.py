@@ -19,7 +19,13 @@ from specfoundry.common.files import TMP_SUFFIX
 from specfoundry.common.target import load_tokenizer, target_identity
 from specfoundry.common.weights import target_embeddings, weight_fingerprint
 from specfoundry.families import FAMILIES, DraftLoadError, UnknownFamilyError
-from specfoundry.families.interface import TARGET_FILE, DraftFamily, load_tensors, read_config_json
+from specfoundry.families.interface import (
+    TARGET_FILE,
+    TRAINING_FILE,
+    DraftFamily,
+    load_tensors,
+    read_config_json,
+)
 from specfoundry.featureset.manifest import tokenizer_hashes
 
 __all__ = ["DraftLoadError", "DraftRef", "check_trained_for", "complete_checkpoints", "draft_module", "family_of",
@@ -128,6 +134,15 @@ def trained_for(ref: DraftRef) -> dict | None:
     for folder in (ref.path, ref.path / "export", ref.path.parent.parent / "export"):
         if (folder / TARGET_FILE).is_file():
             return read_config_json(folder, TARGET_FILE)
+    return None
+
+
+def training_record(ref: DraftRef) -> dict | None:
+    """How the draft was trained (sf-train's TRAINING_FILE beside its export: the token loss, the
+    step kept, the feature set's modes), or None where it records nothing."""
+    for folder in (ref.path, ref.path / "export", ref.path.parent.parent / "export"):
+        if (folder / TRAINING_FILE).is_file():
+            return read_config_json(folder, TRAINING_FILE)
     return None
 
 

@@ -83,8 +83,7 @@ class RegenConfig(Settings):
     chat_template: str | None = shared("chat_template", None)
     chat_template_kwargs: dict | None = setting(
         None, parse=parse_template_kwargs, shown="each conversation's recorded mode, else the template's defaults",
-        help=TEMPLATE_KWARGS_HELP + " The hf and sglang engines render with them; the openai backend sends them as "
-             "chat_template_kwargs. Every row records the mode it was generated in.")
+        help=TEMPLATE_KWARGS_HELP)
     reasoning: str = setting("keep", choices=REASONING,
                              help="A reasoning target's <think> block (or a server parser's reasoning_content): keep "
                                   "it in the answer, as the template renders it back, or drop it and keep the final "

@@ -452,7 +452,9 @@ class Trainer:
                          None)
         cfg = self.cfg
         training = {"token_loss": cfg.token_loss, "lk_kl_scale": cfg.lk_kl_scale, "lk_kl_decay": cfg.lk_kl_decay,
-                    "kept": "last", "step": self.step, "eval_sim_accept_len": last_eval}
+                    "kept": "last", "step": self.step, "eval_sim_accept_len": last_eval,
+                    # what the feature set's samples were rendered in: sf-eval renders its prompts alike
+                    "modes": self.fs.manifest.get("modes") or {}}
         if cfg.keep_best and self.best is not None:
             draft_state = read_best_state(self.out)
             training.update(kept="best", step=self.best["step"], eval_sim_accept_len=self.best["eval_sim_accept_len"],
