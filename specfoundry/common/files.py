@@ -75,6 +75,25 @@ def replace_dir(tmp: Path, dest: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def write_dir_whole(dest: Path, fill) -> None:
+    """`fill(tmp)` writes a directory's files into a fresh hidden `tmp` beside `dest`, which then
+    replaces `dest` whole (replace_dir). On any failure `tmp` is removed, nothing is left behind,
+    and a full disk is the one-line OSError naming `dest` (disk_full)."""
+    dest = Path(dest)
+    tmp = dest.with_name(f".{dest.name}{TMP_SUFFIX}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        fill(tmp)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        full = disk_full(e, dest)
+        if full is not None:
+            raise full from e
+        raise
+    replace_dir(tmp, dest)
+
+
 def disk_full(e: BaseException, path: Path) -> OSError | None:
     """The OSError (ENOSPC, naming `path`) that `e` is, where it says the disk is full: torch.save
     and safetensors raise their own types for it (RuntimeError, SafetensorError), which name no file

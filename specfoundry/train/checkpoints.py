@@ -14,7 +14,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from specfoundry.common.files import TMP_SUFFIX, atomic_write_json, disk_full, replace_dir
+from specfoundry.common.files import TMP_SUFFIX, atomic_write_json, disk_full, replace_dir, write_dir_whole
 from specfoundry.families.folders import TRAINER_STATE, complete_checkpoints, incomplete_checkpoints
 
 
@@ -104,17 +104,9 @@ def write_best(out: Path, state: dict, meta: dict) -> None:
     """Write best/ aside and rename it into place: a kill leaves the earlier best whole."""
     from safetensors.torch import save_file
 
-    final = Path(out) / BEST
-    tmp = final.with_name(f".{BEST}{TMP_SUFFIX}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    def fill(tmp: Path) -> None:
         save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp / "draft.safetensors"))
         atomic_write_json(tmp / "best.json", meta)
-    except Exception as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        full = disk_full(e, tmp)
-        if full is not None:
-            raise full from e
-        raise
-    replace_dir(tmp, final)
+
+    write_dir_whole(Path(out) / BEST, fill)
+

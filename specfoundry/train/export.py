@@ -9,11 +9,10 @@ alone). Why a command of its own and not an sf-train option: docs/serving.md.
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from specfoundry.common.files import TMP_SUFFIX, atomic_write_json, disk_full, replace_dir
+from specfoundry.common.files import atomic_write_json, write_dir_whole
 from specfoundry.common.settings import Settings, config_dict, setting, shared
 from specfoundry.common.shards import check_output_folder
 from specfoundry.common.target import EMBEDDED_DEFAULT, announce_target, resolve_target, target_identity
@@ -69,17 +68,10 @@ def run_export(cfg: ExportConfig) -> Path:
     out = Path(cfg.output)
     check_output_folder(out, "export", cfg)
     dcfg = family.for_serving(dcfg, json.loads((target_dir / "config.json").read_text()))
-    tmp = out.with_name(f".{out.name}{TMP_SUFFIX}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:  # written whole aside, or not at all: a failure (a full disk) leaves nothing behind
+    def fill(tmp: Path) -> None:  # written whole aside, or not at all: a failure (a full disk) leaves nothing
         family.export(tensors, dcfg, tmp, recorded, layout=cfg.format,
                       verifier=serving_verifier(target, target_dir, cfg.verifier), speculative_tokens=cfg.k)
         atomic_write_json(tmp / "export_config.json", config_dict(cfg))
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        full = disk_full(e, out)
-        if full is not None:
-            raise full from e
-        raise
-    replace_dir(tmp, out)
+
+    write_dir_whole(out, fill)
     return out
