@@ -68,8 +68,8 @@ def test_lk_alpha_and_ce_differ_but_agree_in_direction():
 
 
 def test_a_family_that_cannot_take_a_token_loss_refuses_it_in_one_line():
-    with pytest.raises(ValueError, match=r"^--token-loss lk-lambda: the dflash family trains with ce$"):
-        TrainConfig(featureset="f", output="o", family="dflash", token_loss="lk-lambda")
+    with pytest.raises(ValueError, match=r"^--token-loss lk-lambda: the domino family trains with ce$"):
+        TrainConfig(featureset="f", output="o", family="domino", token_loss="lk-lambda")
     with pytest.raises(ValueError, match="--keep-best picks by the held-out evaluation"):
         TrainConfig(featureset="f", output="o", keep_best=True, eval_fraction=0.0)
     TrainConfig(featureset="f", output="o", family="peagle", token_loss="tv")  # P-EAGLE takes them all
