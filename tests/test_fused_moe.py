@@ -148,6 +148,15 @@ def test_launch_tiles_do_not_change_the_result():
     torch.testing.assert_close(a.double(), b.double(), rtol=0, atol=2 * float(bound.max()))
 
 
+def test_the_output_comes_back_in_the_callers_dtype():
+    """Under autocast the hidden states can be fp32 beside bf16 weights: the kernel computes in the
+    weights' dtype and returns the caller's, as transformers' implementations do."""
+    x, gate_up, down = weights(16, 16, 4)
+    idx, w = routing(7, 4, 2)
+    out = fused_experts(x, gate_up.bfloat16(), down.bfloat16(), idx, w)
+    assert out.dtype == torch.float32 and out.shape == (7, 16)
+
+
 def test_no_tokens_gives_an_empty_output():
     x, gate_up, down = weights(16, 16, 4)
     out = fused_experts(x[:0], gate_up, down, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))

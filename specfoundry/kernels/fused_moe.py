@@ -226,6 +226,7 @@ def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.
     if slots == 0:
         return x.new_zeros(num_tokens, hidden)
     launch = launch or default_launch(x, slots, num_experts)
+    out_dtype = x.dtype  # the caller's (under autocast, not the weights')
     x = x.to(gate_up_proj.dtype).contiguous()
     gate_up_proj, down_proj = gate_up_proj.contiguous(), down_proj.contiguous()
     slot_of_row, expert_of_block = align_slots(top_k_index, num_experts, launch.block_m)
@@ -248,7 +249,7 @@ def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.
         H=hidden, INTER=inter, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
         BLOCK_K=launch.block_k, IEEE=ieee, UPCAST=upcast,
         num_warps=launch.num_warps, num_stages=launch.num_stages)
-    return out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)  # [N, H]
+    return out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(out_dtype)  # [N, H]
 
 
 # ---- transformers' seam ---------------------------------------------------------------------------
