@@ -23,6 +23,7 @@ import click
 
 from specfoundry.capture.stage import CaptureConfig, run_capture
 from specfoundry.common.cli import resolve_config, stage_command
+from specfoundry.common.conversations import load_conversations
 from specfoundry.common.placement import FUSED_EXPERTS, Placement, launch_env
 from specfoundry.common.settings import (
     MAX_DRAFT,
@@ -37,7 +38,7 @@ from specfoundry.common.settings import (
 from specfoundry.common.shards import record_config
 from specfoundry.common.target import EMBEDDED_DEFAULT, Target
 from specfoundry.eval.cli import FAILURES, main
-from specfoundry.eval.evaluate import one_copy
+from specfoundry.eval.evaluate import mode_label, one_copy
 from specfoundry.families import FAMILIES, family_names
 from specfoundry.families.folders import DraftLoadError, locate_draft
 from specfoundry.families.gatekit import Check
@@ -101,15 +102,35 @@ def load_gate_target(cfg: GateConfig) -> Target:
     return target
 
 
+MODE_SWITCHES = ({"enable_thinking": False},)
+"""Chat-template arguments that put a template in another serving mode (Qwen3's non-thinking)."""
+
+
+def template_modes(tokenizer) -> list[dict]:
+    """The modes the gate checks: the template's default, and each of MODE_SWITCHES that renders
+    the generation prompt otherwise (a template without modes ignores the argument)."""
+    probe = [{"role": "user", "content": "?"}]
+    try:
+        plain = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+        return [{}] + [dict(m) for m in MODE_SWITCHES
+                       if tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False, **m) != plain]
+    except Exception:  # noqa: BLE001 - a template that cannot render the probe has no modes to try
+        return [{}]
+
+
 def build(cfg: GateConfig, target: Target | None = None, silent: bool = True) -> Path:
     """Regen, capture and train the one-conversation run; every stage resumes. Returns the export."""
     work = Path(cfg.output)
     target = target or load_gate_target(cfg)  # a bad target is refused before the folder records it
     if target.is_writer:
         record_config(work, "gate", replace(cfg, placement=target.placement))  # as it runs
-        # the answer here is a placeholder: sf-regen replaces it with the target's greedy answer
-        (work / "prompt.jsonl").write_text(json.dumps({"id": "gate", "messages": [
-            {"role": "user", "content": cfg.prompt}, {"role": "assistant", "content": "-"}]}) + "\n")
+        # the answer here is a placeholder: sf-regen replaces it with the target's greedy answer;
+        # one conversation per mode of the template, each regenerated and captured in its own
+        rows = [{"id": f"gate [{mode_label(kwargs)}]" if kwargs else "gate",
+                 "messages": [{"role": "user", "content": cfg.prompt}, {"role": "assistant", "content": "-"}],
+                 **({"mode": {"chat_template_kwargs": kwargs, "reasoning": "keep"}} if kwargs else {})}
+                for kwargs in template_modes(target.tokenizer)]
+        (work / "prompt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     target.ranks.group_barrier()
     run_regen(RegenConfig(output=str(work / "regen"), source=str(work / "prompt.jsonl"), target=cfg.target,
                           chat_template=cfg.chat_template, batch_size=1, shard_size=1,
@@ -166,13 +187,24 @@ def run_checks(cfg: GateConfig, export: Path, target: Target | None = None) -> l
         return [Check("export", False, f"{export} is a draft of family {ref.family}; the gate trained {cfg.family}")]
     target = target or load_gate_target(cfg)
     fs = FeatureSet(Path(cfg.output) / "features")
-    return ref.provider.gate_checks(cfg, ref.for_target(target.config.num_hidden_layers), fs, fs[0], target)
+    ref = ref.for_target(target.config.num_hidden_layers)
+    if len(fs) == 1:
+        return ref.provider.gate_checks(cfg, ref, fs, fs[0], target)
+    # one conversation per mode of the template (build): each one's checks, named by its mode
+    modes = [c.id for c in load_conversations(Path(cfg.output) / "regen").conversations]
+    checks = []
+    for i, mode in enumerate(modes):
+        label = mode.removeprefix("gate").strip() or "[default]"
+        checks += [replace(c, name=f"{c.name} {label}") for c in ref.provider.gate_checks(cfg, ref, fs, fs[i], target)]
+    return checks
 
 
 def verdict(checks: list[Check]) -> tuple[bool, str]:
     failed = [c for c in checks if not c.ok]
     if not failed:
-        return True, "gate passed: " + next(c.detail for c in checks if c.name == "decode")
+        return True, "gate passed: " + "; ".join(f"{c.name.removeprefix('decode').strip() or 'decode'}: {c.detail}"
+                                                 if c.name != "decode" else c.detail
+                                                 for c in checks if c.name.startswith("decode"))
     return False, f"gate failed at {failed[0].name}: {failed[0].detail}"
 
 

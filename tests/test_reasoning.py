@@ -238,3 +238,44 @@ def test_eval_prompts_render_in_the_mode_asked_and_the_default_is_the_feature_se
     assert mode_label({"enable_thinking": False}) == "enable_thinking=false" and mode_label({}) == "default"
     with pytest.raises(ValueError, match="not a non-empty JSON list of objects"):
         parse_modes('{"enable_thinking": true}')
+
+
+# ---- the gate ------------------------------------------------------------------------------------------
+
+# A two-mode template that renders back what a target that never thinks wrote, in either mode: the
+# non-thinking mode's empty block in the generation prompt and before the last answer, nothing in
+# thinking mode. (Qwen3's own puts the empty block before every last answer without one: a random
+# target, which writes no <think> block in thinking mode, would be trained on a context it never
+# saw, and the gate's fit check says so.)
+MODES_TEMPLATE = (
+    "{%- set off = enable_thinking is defined and enable_thinking is false %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + ('<think>\\n\\n</think>\\n\\n' if off and loop.last else '') + m.content"
+    " + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' + ('<think>\\n\\n</think>\\n\\n' if off else '') }}"
+    "{%- endif %}")
+
+
+def test_the_gate_checks_one_conversation_in_each_mode_of_the_template(tmp_path, tokenizer):
+    """A target whose template has a non-thinking mode: the gate regenerates, captures, trains and
+    decodes its prompt in both modes, each check named by its mode; SmolLM2's template has none."""
+    from specfoundry.gate import GateConfig, run_gate, template_modes
+    from specfoundry.testing import write_tiny_target
+
+    assert template_modes(AutoTokenizer.from_pretrained(resolve_target("smollm2"))) == [{}]
+    assert template_modes(tokenizer) == [{}, {"enable_thinking": False}]
+    target = write_tiny_target("qwen3", tmp_path / "qwen3", resolve_target("smollm2"))
+    (tmp_path / "modes.jinja").write_text(MODES_TEMPLATE)
+    cfg = GateConfig(output=str(tmp_path / "gate"), target=str(target), chat_template=str(tmp_path / "modes.jinja"),
+                     max_steps=200, max_new_tokens=24, device="cpu")
+    checks, ok, message = run_gate(cfg)
+    assert ok, message
+    assert {c.name for c in checks} >= {"decode [default]", "decode [enable_thinking=false]"}
+    written = rows(tmp_path / "gate" / "regen")
+    assert json.loads(written["gate [enable_thinking=false]"]["mode"])["chat_template_kwargs"] == \
+        {"enable_thinking": False}
+    manifest = json.loads((tmp_path / "gate" / "features" / "manifest.json").read_text())
+    assert len(manifest["modes"]) == 2

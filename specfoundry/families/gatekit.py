@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from specfoundry.common.conversations import load_conversations, prompt_ids
+from specfoundry.common.conversations import ChatMessages, load_conversations, prompt_ids
 from specfoundry.decoding.rounds import DecodeResult
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
@@ -70,10 +70,22 @@ def check_trained_setting(name: str, field: str, exported, trained) -> Check:
     return Check(name, True, f"{field} {exported}, as trained")
 
 
-def gate_prompt(work: Path, tokenizer) -> list[int]:
-    """The gate conversation's prompt (its regenerated answer left out), as token ids."""
-    conv = load_conversations(work / "regen").conversations[0].to_messages()
-    return prompt_ids(tokenizer, conv[:-1])
+def gate_prompt(work: Path, tokenizer, sample=None) -> list[int]:
+    """The prompt (its regenerated answer left out) of the gate conversation `sample` was captured
+    from, as token ids, rendered in that conversation's mode: the one whose prompt its tokens begin
+    with (the gate holds one conversation per mode of the template); the first without a sample."""
+    prompts = []
+    for conv in load_conversations(work / "regen").conversations:
+        messages = conv.to_messages()
+        prompts.append(prompt_ids(tokenizer, ChatMessages(messages[:-1], messages.tools, messages.template_kwargs)))
+    if sample is None:
+        return prompts[0]
+    ids = sample.input_ids.tolist()
+    found = [p for p in prompts if ids[: len(p)] == p]
+    if not found:
+        raise ValueError("no gate conversation's prompt begins the captured sample: the regen and capture of the "
+                         "gate's run disagree (rerun into a new folder)")
+    return max(found, key=len)
 
 
 def decode_check(bar: float, result: DecodeResult, shape: str) -> Check:
@@ -87,7 +99,7 @@ def decode_check(bar: float, result: DecodeResult, shape: str) -> Check:
 
 def decode_prompt(gate, target, decoder, runner_target: TargetRunner, sample, shape: str) -> Check:
     """Greedy decoding of the gate's prompt with the family's decoder, against the bar."""
-    result = decoder.generate(runner_target, gate_prompt(Path(gate.output), target.tokenizer),
+    result = decoder.generate(runner_target, gate_prompt(Path(gate.output), target.tokenizer, sample),
                               max_new_tokens=int(sample.loss_mask.sum()), eos=set(target.end_of_turn_ids()),
                               sampler=Sampler())
     return decode_check(gate.bar, result, shape)
