@@ -471,10 +471,11 @@ def test_batch_anchors_do_not_depend_on_the_batching():
 # ---- the loss ------------------------------------------------------------------------------------
 
 
-def reference_loss(model, batch, head, *, num_anchors, gamma, seed, teacher):
+def reference_loss(model, batch, head, *, num_anchors, gamma, seed, teacher, row_loss=None):
     """The loss spelled out block by block through the decoding path (a cache of the context
     before each anchor, then decode_block) and full logits, the draft's own (block_logits, given
-    each slot and its block's true tokens): (loss, {k: [ce of each valid slot]})."""
+    each slot and its block's true tokens): (loss, {k: [ce of each valid slot]}). row_loss(logits
+    [V], p [V]): another token loss in the soft CE's place (tests/test_objectives.py's LK losses)."""
     b = model.cfg.block_size
     context = model.project_context(batch.aux_hidden)
     num, den, per_slot = 0.0, 0.0, {k: [] for k in range(1, b)}
@@ -497,7 +498,8 @@ def reference_loss(model, batch, head, *, num_anchors, gamma, seed, teacher):
                     ce = F.cross_entropy(logits[k - 1], batch.input_ids[r, a + k])
                 else:
                     p = torch.softmax(batch.final_hidden[r, a + k - 1] @ head.T, -1)
-                    ce = -(p * torch.log_softmax(logits[k - 1], -1)).sum()
+                    ce = (row_loss(logits[k - 1], p) if row_loss is not None
+                          else -(p * torch.log_softmax(logits[k - 1], -1)).sum())
                 w = math.exp(-(k - 1) / gamma) if gamma > 0 else 1.0
                 num, den = num + w * ce, den + w
                 per_slot[k].append(ce.detach())

@@ -5,7 +5,6 @@ the best held-out evaluation exported, the choice recorded, a resumed run byte-i
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -118,32 +117,12 @@ def test_without_keep_best_the_last_step_is_exported_and_said_so(tmp_path, smol_
 # ---- the DFlash family: the LK losses per block slot, the target's whole distribution the teacher ------
 
 def dflash_lk_reference(model, batch, head, kind, *, num_anchors, gamma, seed):
-    """test_dflash.py's block-by-block reference with the LK row loss in the CE's place."""
-    from specfoundry.families.dflash.anchors import sample_anchors
-    from specfoundry.families.dflash.block import DFlashCache
-    from specfoundry.families.interface import anchor_seed
+    """test_dflash.py's block-by-block reference with the LK row loss in the soft CE's place."""
     from specfoundry.kernels.lk_loss import lk_rows_reference
+    from tests.test_dflash import reference_loss
 
-    b = model.cfg.block_size
-    context = model.project_context(batch.aux_hidden)
-    num, den = 0.0, 0.0
-    for r, index in enumerate(batch.indices):
-        n = batch.lengths[r]
-        for a in sample_anchors(batch.loss_mask[r], n, b, num_anchors, anchor_seed(seed, batch.epoch, index)).tolist():
-            cache = DFlashCache()
-            if a:
-                cache.append_context(model, context[r : r + 1, :a])
-            ids = torch.tensor([[int(batch.input_ids[r, a])] + [model.cfg.mask_token_id] * (b - 1)])
-            states = model.decode_block(ids, torch.arange(a, a + b)[None], cache)[0]
-            logits = model.block_logits(states[1:], head)  # [B-1, V]
-            for k in range(1, b):
-                if not (a + k < n and batch.loss_mask[r, a + k]):
-                    continue
-                p = torch.softmax(batch.final_hidden[r, a + k - 1] @ head.T, -1)
-                row, _ = lk_rows_reference(logits[k - 1 : k], p[None], kind)
-                w = math.exp(-(k - 1) / gamma)
-                num, den = num + w * row[0], den + w
-    return num / den
+    return reference_loss(model, batch, head, num_anchors=num_anchors, gamma=gamma, seed=seed, teacher="soft",
+                          row_loss=lambda z, p: lk_rows_reference(z[None], p[None], kind)[0][0])[0]
 
 
 @pytest.mark.parametrize("kind", LK)
