@@ -116,6 +116,31 @@ R1_STYLE_TEMPLATE = (
 target's text starts inside it), and every assistant turn renders its answer alone, the reasoning
 dropped."""
 
+HARMONY_STYLE_TEMPLATE = (
+    "{{- '<|start|>system<|message|>Reasoning: ' + (reasoning_effort if reasoning_effort is defined else 'medium')"
+    " + '<|end|>' }}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{%- if '<|channel|>' in m.content %}{{- raise_exception('channel tags belong in thinking, not content') }}{%- endif %}"
+    "{%- if loop.last and not add_generation_prompt %}"
+    "{%- if m.thinking is defined and m.thinking %}"
+    "{{- '<|start|>assistant<|channel|>analysis<|message|>' + m.thinking + '<|end|>' }}{%- endif %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + m.content + '<|return|>' }}"
+    "{%- else %}{{- '<|start|>assistant<|channel|>final<|message|>' + m.content + '<|end|>' }}{%- endif %}"
+    "{%- else %}{{- '<|start|>' + m.role + '<|message|>' + m.content + '<|end|>' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
+)
+"""The channel rules of gpt-oss's chat template (the harmony format), without its tools: the
+reasoning effort a template argument in the system message; the assistant's reasoning taken from the
+message's `thinking`, rendered in the analysis channel only for a conversation's last message
+rendered for training, every other turn as its final channel alone; the last message ends with
+<|return|>, earlier ones with <|end|>; the generation prompt is "<|start|>assistant" (the target
+writes the channel header itself); channel tags in the content are refused, as gpt-oss's template does."""
+
+HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]
+"""The special tokens HARMONY_STYLE_TEMPLATE renders (added to SmolLM2's tokenizer by the tests)."""
+
 TINY_TEMPLATES = {"qwen3": QWEN3_STYLE_TEMPLATE, "qwen3_moe": QWEN3_STYLE_TEMPLATE}
 """The chat template a tiny target is saved with, where not its tokenizer's own (SmolLM2's ChatML)."""
 

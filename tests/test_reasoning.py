@@ -22,7 +22,7 @@ from specfoundry.generate.backend import Generation, SamplingConfig
 from specfoundry.generate.openai_backend import OpenAIBackend
 from specfoundry.generate.reasoning import opens_reasoning, split_answer
 from specfoundry.generate.regen import RegenConfig, run_regen
-from specfoundry.testing import QWEN3_THINKING_TEMPLATE, R1_STYLE_TEMPLATE
+from specfoundry.testing import HARMONY_STYLE_TEMPLATE, HARMONY_TOKENS, QWEN3_THINKING_TEMPLATE, R1_STYLE_TEMPLATE
 from tests.conftest import write_jsonl
 
 THOUGHT = "<think>\nLet me think.\n</think>\n\nThe answer."
@@ -35,6 +35,15 @@ PROMPTS = [{"id": "p0", "messages": [{"role": "user", "content": "Why?"}]},
 def tokenizer():
     tok = AutoTokenizer.from_pretrained(resolve_target("smollm2"))
     tok.chat_template = QWEN3_THINKING_TEMPLATE
+    return tok
+
+
+@pytest.fixture
+def harmony():
+    """SmolLM2's tokenizer with gpt-oss's channel rules (testing.HARMONY_STYLE_TEMPLATE) and tokens."""
+    tok = AutoTokenizer.from_pretrained(resolve_target("smollm2"))
+    tok.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
+    tok.chat_template = HARMONY_STYLE_TEMPLATE
     return tok
 
 
@@ -279,3 +288,71 @@ def test_the_gate_checks_one_conversation_in_each_mode_of_the_template(tmp_path,
         {"enable_thinking": False}
     manifest = json.loads((tmp_path / "gate" / "features" / "manifest.json").read_text())
     assert len(manifest["modes"]) == 2
+
+
+# ---- channel templates (gpt-oss's harmony format) -------------------------------------------------------
+
+CHANNELS = "<|channel|>analysis<|message|>Let me think.<|end|><|start|>assistant<|channel|>final<|message|>The answer."
+
+
+def test_split_answer_reads_the_analysis_and_final_channels():
+    kept = split_answer(CHANNELS, "keep", channels=True)
+    assert (kept.content, kept.thinking, kept.unclosed) == ("The answer.", "Let me think.", False)
+    dropped = split_answer(CHANNELS, "drop", channels=True)
+    assert (dropped.content, dropped.thinking, dropped.reasoning) == ("The answer.", None, "Let me think.")
+    assert split_answer("<|channel|>final<|message|>Only this.<|return|>", "keep", channels=True).thinking is None
+    # cut inside the analysis: no final channel, no answer
+    assert split_answer("<|channel|>analysis<|message|>Still think", "keep", channels=True).unclosed
+    # harmony's tool calls and preambles (the commentary channel) are not read: the turn is unusable
+    call = split_answer("<|channel|>commentary to=functions.f<|message|>{}", "keep", channels=True)
+    assert "commentary" in call.unreadable
+    # a server's parser split them already (vLLM's harmony parser): the thinking field, not a <think> block
+    served = split_answer("Yes.", "keep", reasoning_content="Hmm.", channels=True)
+    assert (served.content, served.thinking) == ("Yes.", "Hmm.")
+
+
+@pytest.mark.parametrize("reasoning", ["keep", "drop"])
+def test_a_channel_template_is_regenerated_and_captured_with_every_channel_supervised(tmp_path, harmony, reasoning):
+    """Regen: the answer in content, the analysis in `thinking` (keep) or nowhere (drop), the
+    reasoning effort a template argument recorded with the mode. Capture: the last turn supervised
+    from its generation prompt's end, both channels and their headers, to <|return|> (drop: its answer
+    and <|return|>); an earlier turn
+    (rendered as its final channel alone) on its answer and <|end|>."""
+    target = ScriptedTarget(harmony, lambda r: (CHANNELS, "stop"))
+    manifest, written = regen(tmp_path, target, reasoning=reasoning, chat_template_kwargs={"reasoning_effort": "low"})
+    assert all(r.template_kwargs == {"reasoning_effort": "low"} for r in target.requests)
+    last = written["p0"]["messages"][-1]
+    assert last["content"] == "The answer."
+    assert last["thinking"] == ("Let me think." if reasoning == "keep" else None)
+    assert manifest["totals"]["turns_ok"] == 3
+    assert json.loads(written["p1"]["mode"]) == {"chat_template_kwargs": {"reasoning_effort": "low"},
+                                                 "reasoning": reasoning}
+
+    samples, bad, _, _ = prepare_samples(CaptureConfig(source=str(tmp_path / "out"), output="o"), harmony)
+    assert not bad
+    by_id = {s["id"]: s for s in samples}
+    rendered = harmony.decode(by_id["p0"]["input_ids"])
+    assert rendered.startswith("<|start|>system<|message|>Reasoning: low<|end|>")
+    # drop: the final channel's header is the template's scaffold of a turn without its analysis (the
+    # target, which reasons first, never writes it right after its generation prompt): not supervised
+    last_turn = (CHANNELS if reasoning == "keep" else "The answer.") + "<|return|>"
+    runs = masked_texts(harmony, render_with_mask(harmony, rows_messages(written["p1"])))
+    assert runs == ["The answer.<|end|>", last_turn]  # p1's first turn is history: its final channel alone
+    masked = [t for t, m in zip(by_id["p0"]["input_ids"], by_id["p0"]["loss_mask"], strict=True) if m]
+    assert harmony.decode(masked) == last_turn
+
+
+def rows_messages(row):
+    from specfoundry.common.conversations import normalise
+
+    return normalise(row, "row", "r").to_messages() if isinstance(row, dict) else row
+
+
+def test_a_turn_in_an_unknown_channel_drops_its_conversation(tmp_path, harmony):
+    def answer(r):
+        if r.messages[-1]["content"] == "Why?":
+            return "<|channel|>commentary to=functions.f<|message|>{}", "stop"
+        return CHANNELS, "stop"
+
+    manifest, written = regen(tmp_path, ScriptedTarget(harmony, answer))
+    assert set(written) == {"p1"} and manifest["totals"]["turns_failed"] == 1

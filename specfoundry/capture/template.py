@@ -9,6 +9,11 @@ whatever token the template puts right after the content (ChatML's <|im_end|>, L
 Tokens whose characters start inside [content start, end of that token) are trainable. The
 result is checked: decoding the masked tokens must give the assistant texts back.
 
+Channel templates (gpt-oss's harmony format): a turn whose `thinking` the template renders (the
+analysis channel, then the final one) is supervised from the end of its generation prompt to its
+end-of-turn token, every channel and channel header inside; a turn rendered with its final
+channel alone (the reasoning dropped from history) on its answer, as above.
+
 Tool conversations: the template is given the conversation's tools. An assistant turn that calls
 tools is rendered in the template's own call syntax, so its span is located by rendering: from
 the end of the history with its generation prompt to the end of the history with this turn
@@ -86,6 +91,7 @@ def render_with_mask(tokenizer, messages: list[dict], max_length: int | None = N
         if start < 0:
             raise TemplateMaskError("the chat template does not render an assistant message verbatim")
         end = start + len(content)
+        start = channels_start(text, m.get("thinking"), prefix, cursor, start)
         # extend by the first token the template emits after the content: the end of turn
         after = next((o for o in offsets if o[0] >= end and o[1] > o[0]), None)
         if after is not None and after[0] == end:
@@ -102,6 +108,19 @@ def render_with_mask(tokenizer, messages: list[dict], max_length: int | None = N
     if max_length is not None:
         ids, mask = ids[:max_length], mask[:max_length]
     return Rendered(ids, mask, spans, text)
+
+
+def channels_start(text: str, thinking: str | None, prefix: str, cursor: int, start: int) -> int:
+    """Where the span of a turn whose reasoning a channel template renders apart (gpt-oss's
+    `thinking`, in the analysis channel before the final one) starts: at the end of its generation
+    prompt, so that every channel the target wrote, headers included, is in the loss region. A turn
+    rendered without it (every turn but the last, in gpt-oss's template) starts at its answer."""
+    if not thinking:
+        return start
+    found = text.find(thinking, cursor)
+    if not 0 <= found < start:
+        return start
+    return len(prefix) if text.startswith(prefix) and len(prefix) <= found else found
 
 
 def call_span(text: str, prefix: str, upto: str) -> tuple[int, int]:

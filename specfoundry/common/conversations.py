@@ -62,10 +62,13 @@ class Message:
     tool_calls: tuple[ToolCall, ...] = ()  # assistant messages only
     tool_call_id: str | None = None  # tool messages: the call answered
     name: str | None = None  # tool messages: the function's name, where the record gives it
+    thinking: str | None = None  # assistant messages: the reasoning, where a channel template reads it apart
 
     def to_dict(self) -> dict:
-        """The message as chat templates take it (tool fields only where set)."""
+        """The message as chat templates take it (tool fields and thinking only where set)."""
         out = {"role": self.role, "content": self.content}
+        if self.thinking is not None:
+            out["thinking"] = self.thinking
         if self.tool_calls:
             out["tool_calls"] = [c.to_dict() for c in self.tool_calls]
         if self.tool_call_id is not None:
@@ -374,8 +377,12 @@ def parse_message(turn, t: int, before: list[Message]) -> Message:
         content = ""  # an assistant message that only calls tools
     if not isinstance(content, str):
         raise BadRecord("missing_content", f"turn {t} has no text content")
+    thinking = turn.get("thinking")
+    if thinking is not None and (role != "assistant" or not isinstance(thinking, str)):
+        raise BadRecord("missing_content", f"turn {t}: 'thinking' (a channel template's reasoning) must be the text "
+                                           f"of an assistant message, not a {type(thinking).__name__} in a {role} one")
     if role != "tool":
-        return Message(role, content, calls)
+        return Message(role, content, calls, thinking=thinking)
     call_id, name = turn.get("tool_call_id"), turn.get("name")
     exchange = next((m for m in reversed(before) if m.role != "tool"), None)
     if exchange is None or not exchange.tool_calls:

@@ -17,12 +17,13 @@ from specfoundry.common.settings import config_dict
 from specfoundry.common.shards import ShardedOutput
 
 FORMAT = "specfoundry.regen"
-FORMAT_VERSION = 3  # 3: each row's mode
+FORMAT_VERSION = 4  # 3: each row's mode; 4: messages' thinking
 
 TOOL_CALL = pa.struct([("id", pa.string()), ("type", pa.string()),
                        ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("tool_calls", pa.list_(TOOL_CALL)),
-                     ("tool_call_id", pa.string()), ("name", pa.string())])
+                     ("tool_call_id", pa.string()), ("name", pa.string()),
+                     ("thinking", pa.string())])  # a channel template's reasoning (sf-regen --reasoning keep)
 ROW_SCHEMA = pa.schema([
     ("id", pa.string()),
     ("messages", pa.list_(MESSAGE)),  # OpenAI shape; tool call arguments as JSON text

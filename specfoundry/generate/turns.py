@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from specfoundry.common.conversations import Conversation, Message, with_json_arguments
 from specfoundry.generate.backend import Generation, Request, derive_seed
-from specfoundry.generate.reasoning import opens_reasoning, split_answer
+from specfoundry.generate.reasoning import channel_template, opens_reasoning, split_answer
 from specfoundry.generate.repetition import loop_cut
 from specfoundry.generate.tools import same_calls, with_recorded_ids
 
@@ -116,7 +116,9 @@ def record_turn(cfg, tokenizer, s: ConversationState, g: Generation, counts: Sha
     if g.finish_reason == "length" and cfg.on_truncated == "trim" and not g.tool_calls:
         g = trim_loop(tokenizer, g, counts)
     answer = split_answer(g.text, s.mode["reasoning"], opened=prompt_opens_reasoning(tokenizer, s),
-                          reasoning_content=g.reasoning)
+                          reasoning_content=g.reasoning, channels=channel_template(tokenizer))
+    if answer.unreadable and g.finish_reason != "error":
+        g = Generation(g.text, "error", g.token_ids, g.num_tokens, error=answer.unreadable)
     if answer.unclosed and g.finish_reason != "error":  # no answer: never kept as if the reasoning had ended
         counts.turns_reasoning_unclosed += 1
         counts.turns_truncated += g.finish_reason == "length"
@@ -126,6 +128,8 @@ def record_turn(cfg, tokenizer, s: ConversationState, g: Generation, counts: Sha
         s.status = "truncated"
         return
     message = {"role": "assistant", "content": answer.content}
+    if answer.thinking is not None:  # a channel template's reasoning, where its template reads it
+        message["thinking"] = answer.thinking
     if g.tool_calls:
         message["tool_calls"] = [c.to_dict() for c in g.tool_calls]
     s.built.append(message)
