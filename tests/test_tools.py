@@ -170,7 +170,7 @@ def test_regen_keeps_or_replaces_each_exchange_and_the_mask_skips_tool_results(t
     for row, chat in zip((single, parallel, error), TOOL_CHATS, strict=True):  # tool results as given
         assert [m for m in row["messages"] if m["role"] == "tool"] == [
             {"role": "tool", "content": m["content"], "tool_calls": None, "tool_call_id": m["tool_call_id"],
-             "name": None} for m in chat["messages"] if m["role"] == "tool"]
+             "name": None, "thinking": None} for m in chat["messages"] if m["role"] == "tool"]
 
     # sf-capture's mask over the regenerated set: assistant text and calls, no tool result
     for conv in load_conversations(tmp_path / "out").conversations:
