@@ -27,7 +27,8 @@
 #
 #   bash scripts/gpu_evidence.sh start      copy the tree to $EV/repo, start `plan` (PLAN=rest: `plan_rest`,
 #                                           PLAN=next: `plan_next`, PLAN=families: `plan_families`,
-#                                           PLAN=moe: `plan_moe`, PLAN=objectives: `plan_objectives`,
+#                                           PLAN=moe: `plan_moe`, PLAN=decode: `plan_decode`,
+#                                           PLAN=objectives: `plan_objectives`,
 #                                           below) in the background
 #   bash scripts/gpu_evidence.sh wait [S]   wait until the plan ends or S seconds pass, then pack the
 #                                           results into $OUT/evidence.tar.gz and print the status
@@ -104,13 +105,17 @@ together() {
 }
 
 # what every plan does first: the environment, its start time and heading, the GPU's clocks, and a
-# wait for the SmolLM2 weights (the gguf call brings them)
+# wait for the SmolLM2 weights (the gguf call brings them; "later": the plan waits itself, later)
 begin_plan() {
   cd "$EV/repo"
   export PYTHONPATH=$EV/repo${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
   date +%s > "$EV/t0"
   echo "$1"
   [ "$DEV" = cuda ] && nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
+  [ "${2:-}" = later ] || wait_weights
+}
+
+wait_weights() {
   for _ in $(seq 150); do [ -f "$EV/gguf.ok" ] && break; sleep 2; done
   [ -f "$EV/gguf.ok" ] || { echo "no SmolLM2 weights after 300 s"; echo done > "$EV/done"; return 1; }
 }
@@ -277,6 +282,33 @@ plan_moe() {
   echo done > "$EV/done"
 }
 
+# PLAN=decode (issue 36, then issue 38's bar; deadline DEADLINE), each step alone on the GPU, in
+# priority order (estimates; setup ~150 s):
+#   gpu_tests     pytest -m gpu, every GPU test (graph-replayed decoding steps among them)    ~150 s
+#   decode_step   benchmarks/decode_step.py --profile: plain loop, graph reference, the core  ~200 s
+#   (the SmolLM2 weights: the plan waits for the gguf call here)
+#   decode_e2e    scripts/decode_gpu.sh: 2,048 conversations, 1 epoch, sf-eval of the 60 prompts
+#                 in float32 and bfloat16                                                     ~350 s
+#   regen_bench   benchmarks/regen.py --profile, SmolLM2 only (the 8B row skipped)            ~250 s
+#   capture_moe   benchmarks/capture_moe.py at 32k tokens a batch, with its profile           ~250 s
+plan_decode() {
+  begin_plan "plan decode: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s" later
+  if [ "$DEV" = cuda ]; then
+    step gpu_tests 220 env LOG="$EV/gpu_tests.log" bash benchmarks/gpu_tests.sh
+    step decode_step 300 python -m benchmarks.decode_step --profile
+    wait_weights || return 1
+    step decode_e2e 450 env RUN="$RUN/decode" SYNTH=2048 EPOCHS=1 bash scripts/decode_gpu.sh
+    step regen_bench 330 python -m benchmarks.regen --profile --llama8b-conversations 0
+    step capture_moe 300 python -m benchmarks.capture_moe --tokens 32768 --profile
+  else
+    step decode_step 120 python -m benchmarks.decode_step --device cpu --shapes tiny --iters 3
+    wait_weights || return 1
+    step decode_e2e 300 env RUN="$RUN/decode" DEV=cpu SYNTH=8 DTYPES=float32 bash scripts/decode_gpu.sh
+  fi
+  echo "[$(elapsed) s] plan done"
+  echo done > "$EV/done"
+}
+
 # PLAN=objectives (issue 40; deadline DEADLINE): scripts/objectives_gpu.sh, 8 drafts at EPOCHS
 # (default 1 here, to fit one session: ~8 x 170 s of training 4 at a time, ~150 s of evals) and
 # no curve run unless CURVE_EPOCHS says so (a second session: CURVE_EPOCHS=6).
@@ -330,6 +362,7 @@ case "${1:-}" in
   next) plan_next ;;
   families) plan_families ;;
   moe) plan_moe ;;
+  decode) plan_decode ;;
   objectives) plan_objectives ;;
   wait)
     limit=${2:-540}; t=$(date +%s)
