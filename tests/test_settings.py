@@ -250,3 +250,27 @@ def test_a_negative_max_length_is_refused_before_the_target_loads(tmp_path):
     assert result.exit_code == 2 and "Error: Invalid value for '--max-length': -5 is not in the range " \
         "1<=x<=16,777,216." in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl"]
+
+
+@pytest.mark.parametrize("cls, stage, field, other", [
+    (TrainConfig, "train", "token_loss", "lk-lambda"),
+    (TrainConfig, "train", "keep_best", True),
+    (TrainConfig, "train", "lk_kl_decay", 1.0),
+    (RegenConfig, "regen", "reasoning", "drop"),
+])
+def test_a_run_begun_before_a_setting_existed_resumes_at_its_as_before_value(tmp_path, cls, stage, field, other):
+    """The record of a run begun before `field` existed lacks it: at the value that does what that
+    run did (setting(before=...)) it is the same run; at another, a different one, named."""
+    import json
+
+    from specfoundry.common.settings import config_dict
+    from specfoundry.common.shards import OutputFolderError, check_output_folder
+
+    cfg = cls(source="chat.jsonl", output=str(tmp_path)) if cls is RegenConfig else \
+        cls(featureset="fs", output=str(tmp_path))
+    old = config_dict(cfg)
+    del old[field]
+    (tmp_path / f"{stage}_config.json").write_text(json.dumps(old))
+    check_output_folder(tmp_path, stage, cfg)
+    with pytest.raises(OutputFolderError, match=rf"{field}: '<unset>' -> {other!r}"):
+        check_output_folder(tmp_path, stage, dataclasses.replace(cfg, **{field: other}))

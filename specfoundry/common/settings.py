@@ -119,18 +119,21 @@ def parse_template_kwargs(value) -> dict | None:
 
 def setting(default=MISSING, *, help: str, factory=None, flags: tuple[str, ...] = (), choices=None,
             shown: str | None = None, resume: bool = True, argument: bool = False, cli: bool = True,
-            parse=None, repeatable: bool = False, valid: Range | None = None):
+            parse=None, repeatable: bool = False, valid: Range | None = None, before=None):
     """A config field with its help. `shown`: how a None (or computed) default reads in --help.
     `parse`: turns the text of the option (or a recipe's value) into the field's value.
     `resume=False`: where or how fast, not what is written; a resumed run may change it.
     `argument`: the command's positional input. `cli=False`: set by the command, not an option.
     `repeatable`: a tuple field given by repeating its option (a recipe gives a list).
     `valid`: the values a numeric setting takes (every int and float setting declares them); a
-    value outside is refused when the config is built, before any work, and --help shows them."""
+    value outside is refused when the config is built, before any work, and --help shows them.
+    `before`: the value that does what a run begun before this setting existed did (its record lacks
+    the key): such a run resumes while the setting has this value (None where not given)."""
     if valid is not None and valid.zero:
         help = f"{help.rstrip()} 0: {valid.zero}."
     meta = {"help": help, "flags": flags, "choices": choices, "shown": shown, "resume": resume,
-            "argument": argument, "cli": cli, "parse": parse, "repeatable": repeatable, "valid": valid}
+            "argument": argument, "cli": cli, "parse": parse, "repeatable": repeatable, "valid": valid,
+            "before": before}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -243,3 +246,14 @@ def config_dict(cfg, resume_only: bool = False) -> dict:
 def resume_settings(cfg) -> dict:
     """What a rerun into the same output must repeat."""
     return config_dict(cfg, resume_only=True)
+
+
+def as_before(cfg) -> dict:
+    """Each setting's value that does what a run begun before it existed did (setting(before=...);
+    None where not declared), nested as config_dict nests: common.shards.settings_diff's yardstick
+    for a key an earlier run's record lacks."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        out[f.name] = as_before(value) if dataclasses.is_dataclass(value) else f.metadata.get("before")
+    return out

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from specfoundry.common.files import atomic_write_json, checksum, remove_temporaries
-from specfoundry.common.settings import config_dict, resume_settings
+from specfoundry.common.settings import as_before, config_dict, resume_settings
 
 PARTIAL = ".partial-"
 
@@ -36,17 +36,20 @@ class OutputFolderError(ValueError):
     """The output folder cannot take this run (another run's settings, not a folder, ...)."""
 
 
-def settings_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+def settings_diff(old: dict, new: dict, prefix: str = "", as_before: dict | None = None) -> list[str]:
     """'key: old -> new' for every key of `new` whose value differs in `old` (nested dicts by dotted key).
-    A key `old` lacks is no difference while `new` leaves it None: a setting added to the config
-    after that run began, at its 'as before' value, so the run still resumes."""
-    diffs = []
+    A key `old` lacks is no difference while `new` holds its 'as before' value (`as_before`'s, from
+    common.settings.as_before; None where it names none): a setting added to the config after that
+    run began, set to do what the run did, so the run still resumes."""
+    diffs, as_before = [], as_before or {}
     for key, value in new.items():
-        if isinstance(old, dict) and key not in old and value is None:
+        yardstick = as_before.get(key)
+        if isinstance(old, dict) and key not in old and value == (None if isinstance(yardstick, dict) else yardstick):
             continue
         before = old.get(key, "<unset>") if isinstance(old, dict) else "<unset>"
         if isinstance(value, dict) and isinstance(before, dict):
-            diffs += settings_diff(before, value, f"{prefix}{key}.")
+            diffs += settings_diff(before, value, f"{prefix}{key}.",
+                                   yardstick if isinstance(yardstick, dict) else None)
         elif before != value:
             diffs.append(f"{prefix}{key}: {before!r} -> {value!r}")
     return diffs
@@ -99,7 +102,7 @@ def check_output_folder(root: Path, stage: str, cfg) -> Path:
             old = json.loads(path.read_text())
         except json.JSONDecodeError:
             old = {}  # a config file is written atomically; an unreadable one is not ours to trust
-        diffs = settings_diff(old, resume_settings(cfg))
+        diffs = settings_diff(old, resume_settings(cfg), as_before=as_before(cfg))
         if diffs:
             raise OutputFolderError(f"{root} holds an earlier {stage} run with other settings ({'; '.join(diffs)}); "
                                     "rerun with the same settings to resume, or choose a new folder")

@@ -84,7 +84,7 @@ class RegenConfig(Settings):
     chat_template_kwargs: dict | None = setting(
         None, parse=parse_template_kwargs, shown="each conversation's recorded mode, else the template's defaults",
         help=TEMPLATE_KWARGS_HELP)
-    reasoning: str = setting("keep", choices=REASONING,
+    reasoning: str = setting("keep", choices=REASONING, before="keep",
                              help="A reasoning target's <think> block (or a server parser's reasoning_content): keep "
                                   "it in the answer, as the template renders it back, or drop it and keep the final "
                                   "answer only. A reasoning never closed (cut at --max-new-tokens) has no answer: the "

@@ -120,18 +120,18 @@ class TrainConfig(Settings):
                              "tree mask on CPU; eager: the original EAGLE-3 formulation.")
     loss: str = setting("auto", choices=LOSS_KERNELS, help="auto: the in-place Triton kernel on CUDA; "
                         "reference: plain torch.")
-    token_loss: str = setting("ce", choices=TOKEN_LOSSES,
+    token_loss: str = setting("ce", choices=TOKEN_LOSSES, before="ce",
                               help="What each predicted token is trained on (docs/families.md, \"Objectives\"). ce: "
                                    "cross-entropy against the teacher; tv: 1 - alpha, alpha = sum min(p, q) the "
                                    "acceptance rate; lk-alpha: -log alpha; lk-lambda: lam * KL + (1 - lam) * TV, "
                                    "lam = --lk-kl-scale * exp(-(--lk-kl-decay) * alpha). Each family's: "
                                    + "; ".join(f"{name} {', '.join(FAMILIES.get(name).token_losses)}"
                                                for name in family_names()) + ".")
-    lk_kl_scale: float = setting(1.0, valid=Range(0, 100, zero="TV alone"),
+    lk_kl_scale: float = setting(1.0, valid=Range(0, 100, zero="TV alone"), before=1.0,
                                  help="LK-lambda: the KL weight where alpha is 0.")
-    lk_kl_decay: float = setting(3.0, valid=Range(0, 100, zero="a constant KL weight"),
+    lk_kl_decay: float = setting(3.0, valid=Range(0, 100, zero="a constant KL weight"), before=3.0,
                                  help="LK-lambda: how fast the KL weight falls as alpha rises (the LK paper's eta).")
-    keep_best: bool = setting(False, help="Export the draft of the evaluation with the highest held-out "
+    keep_best: bool = setting(False, before=False, help="Export the draft of the evaluation with the highest held-out "
                               "simulated acceptance length, not the last step's (recorded in the export's "
                               "specfoundry_training.json); needs held-out samples.")
     num_workers: int = setting(2, resume=False, valid=Range(0, 256, zero="read in the training process"),
