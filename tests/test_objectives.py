@@ -112,6 +112,11 @@ def test_without_keep_best_the_last_step_is_exported_and_said_so(tmp_path, smol_
                       "eval_sim_accept_len": None}
     # the feature set's samples (conftest's CHAT, read as it is: no recorded mode) all in the template's defaults
     assert list(modes) == [json.dumps({"chat_template_kwargs": {}, "reasoning": None}, sort_keys=True)]
+    # sf-export's other layout keeps the record (sf-eval's default mode reads it)
+    from specfoundry.train.export import ExportConfig, run_export
+
+    run_export(ExportConfig(draft=str(tmp_path / "run"), output=str(tmp_path / "speculators"), format="speculators"))
+    assert json.loads((tmp_path / "speculators" / TRAINING_FILE).read_text()) == {**record, "modes": modes}
 
 
 # ---- the DFlash family: the LK losses per block slot, the target's whole distribution the teacher ------

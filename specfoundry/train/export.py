@@ -17,8 +17,8 @@ from specfoundry.common.settings import Settings, config_dict, setting, shared
 from specfoundry.common.shards import check_output_folder
 from specfoundry.common.target import EMBEDDED_DEFAULT, announce_target, resolve_target, target_identity
 from specfoundry.families import FAMILIES
-from specfoundry.families.folders import find_draft_files, locate_draft, trained_for
-from specfoundry.families.interface import DraftLoadError, serving_verifier
+from specfoundry.families.folders import find_draft_files, locate_draft, trained_for, training_record
+from specfoundry.families.interface import TRAINING_FILE, DraftLoadError, serving_verifier
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,9 +68,13 @@ def run_export(cfg: ExportConfig) -> Path:
     out = Path(cfg.output)
     check_output_folder(out, "export", cfg)
     dcfg = family.for_serving(dcfg, json.loads((target_dir / "config.json").read_text()))
+    training = training_record(ref)  # how it was trained (token loss, step kept, modes): sf-eval's default mode
+
     def fill(tmp: Path) -> None:  # written whole aside, or not at all: a failure (a full disk) leaves nothing
         family.export(tensors, dcfg, tmp, recorded, layout=cfg.format,
                       verifier=serving_verifier(target, target_dir, cfg.verifier), speculative_tokens=cfg.k)
+        if training is not None:
+            atomic_write_json(tmp / TRAINING_FILE, training)
         atomic_write_json(tmp / "export_config.json", config_dict(cfg))
 
     write_dir_whole(out, fill)
