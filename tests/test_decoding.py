@@ -159,6 +159,37 @@ def test_a_graph_replayed_greedy_chain_equals_the_eager_one_on_a_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_graph_replayed_tree_expansion_equals_the_eager_one_on_a_gpu():
+    """EAGLE-3's tree expansion for one branching as one captured graph and as eager code over the
+    same committed state: the same trees, round after round (the replay reads the new state), and
+    the same tree decode, equal to the target's own greedy tokens."""
+    from specfoundry.families.eagle3.chain import DraftRunner
+    from specfoundry.families.eagle3.tree import TreeShape, expand_tree, tree_generate
+    from tests.test_eval import tiny_pair
+
+    model, draft = tiny_pair(vocab=64)
+    model, draft = model.cuda(), draft.cuda()
+    target = TargetRunner(Target.wrap(model), [0, 1, 2], graphs=True)
+    shape, prompt = TreeShape.of((3, 2, 2, 1)), list(range(1, 12))
+    runs = {}
+    for graphs in (False, True):
+        runner = DraftRunner(draft, graphs=graphs)
+        runner.reset(64)
+        target.reset(64)
+        logits, aux, _ = target.forward(prompt)
+        runner.extend(prompt[1:] + [int(logits[-1].argmax())], aux)
+        trees = []
+        for step in range(3):  # captured at the first, replayed after on a longer committed text
+            trees.append(expand_tree(runner, shape).tolist())
+            logits, aux, _ = target.forward([trees[-1][0]])
+            runner.extend([int(logits[-1].argmax())], aux)
+        out = tree_generate(target, runner, prompt, branching=shape.branching, max_new_tokens=20, eos=set())
+        runs[graphs] = (trees, out.tokens)
+    assert runs[True] == runs[False]
+
+
+@pytest.mark.gpu
 def test_a_graph_replayed_block_proposal_equals_the_eager_one_on_a_gpu():
     """DFlash's block proposal captured as a CUDA graph and run eagerly, over the same context,
     round after round (the context grows and is cropped between them): the same proposals and logits."""

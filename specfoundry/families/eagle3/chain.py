@@ -59,6 +59,7 @@ class DraftRunner:
         self.length = 0  # committed columns
         self.written = 0  # columns holding entries (committed, then this round's proposals)
         self.chains: dict[int, CapturedCall] = {}  # k -> the captured greedy chain
+        self.trees: dict[tuple[int, ...], CapturedCall] = {}  # branching -> the captured tree expansion (tree.py)
         h = draft.cfg.hidden_size
         self.pre = torch.zeros(1, 1, h, dtype=draft.fc.weight.dtype, device=self.device)  # next-step state
         self.logits = torch.zeros(draft.cfg.draft_vocab_size, device=self.device)  # [Vd] at the newest position
@@ -73,6 +74,7 @@ class DraftRunner:
             self.cache = StaticKVCache(capacity) if self.cache is None else self.cache.grown(capacity)
             self.kv_index = torch.arange(capacity, device=self.device)  # [C]
             self.chains.clear()
+            self.trees.clear()
 
     def __len__(self) -> int:
         return self.length

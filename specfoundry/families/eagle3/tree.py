@@ -16,52 +16,112 @@ its nodes too, because an accepted branch is not contiguous in the input). After
 cache is cropped to the pending tokens; the accepted nodes are read again in the next round's
 forward, a few tokens among the tree's many. Greedy only: with sampling, tree verification
 needs the multi-candidate rejection rule, which is not implemented.
+
+Host synchronisation: the tree's structure is fixed by its branching (TreeShape), so the draft's
+expansion runs on the device alone (a CUDA graph per branching on a GPU), its tokens go into the
+target's verify from the device (TargetRunner.forward's tail), and the host reads the tree's tokens
+and the target's choices together once a round, for the acceptance walk.
 """
 
 from __future__ import annotations
 
-import math
 import time
+from dataclasses import dataclass
 
 import torch
 
+from specfoundry.decoding.cache import visible
+from specfoundry.decoding.graphs import CapturedCall
 from specfoundry.decoding.rounds import DecodeResult, PhaseClock, finish
 from specfoundry.decoding.target import TargetRunner
 from specfoundry.decoding.tree import DraftTree, accept_tree, verify_mask
 from specfoundry.families.eagle3.chain import DraftRunner
 
 
+@dataclass(frozen=True)
+class TreeShape:
+    """A tree of one branching whatever its tokens: node parents and depths, breadth first, and the
+    node range [lo, hi) of each depth. The same every round, so the draft's expansion is one body
+    on the device (captured as a CUDA graph on a GPU, per branching) and only its tokens change."""
+
+    branching: tuple[int, ...]
+    parents: tuple[int, ...]
+    depths: tuple[int, ...]
+    levels: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, branching: tuple[int, ...]) -> TreeShape:
+        parents, depths, levels, frontier = [], [], [], [-1]
+        for depth, width in enumerate(branching, start=1):
+            lo = len(parents)
+            for parent in frontier:
+                parents += [parent] * width
+                depths += [depth] * width
+            levels.append((lo, len(parents)))
+            frontier = list(range(lo, len(parents)))
+        return cls(tuple(branching), tuple(parents), tuple(depths), tuple(levels))
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    def tree(self, tokens: list[int]) -> DraftTree:
+        return DraftTree(list(tokens), list(self.parents), list(self.depths))
+
+
+def expand_body(draft: DraftRunner, shape: TreeShape):
+    """The tree's draft expansion on the device alone, as a function of the draft's committed state
+    (pre, logits, base): returns target ids [N], breadth first. Depth d's nodes are the top
+    branching[d-1] draft ids of each parent's logits (parent-major, as topk orders them); all but
+    the deepest are then read in one draft forward: node n's entry at column base + n, position
+    base - 1 + d (training's step d), its parent's next-step state as hidden input, seeing the
+    committed entries and its ancestors."""
+    dev = draft.device
+    sees = shape.tree([0] * len(shape)).sees()  # [N, N] a node and its ancestors
+    static = []  # per depth read: parent rows [n_d] in the frontier, pattern [n_d, hi_d], columns [n_d]
+    for depth, (lo, hi) in enumerate(shape.levels[:-1], start=1):
+        parent_lo = shape.levels[depth - 2][0] if depth > 1 else 0
+        rows = [max(shape.parents[n], 0) - parent_lo for n in range(lo, hi)]
+        static.append((torch.tensor(rows, device=dev), sees[lo:hi, :hi].to(dev), torch.arange(lo, hi, device=dev)))
+
+    def body() -> torch.Tensor:
+        logits, pre = draft.logits[None], draft.pre  # [F, Vd] and [1, F, H] of the frontier's F parents
+        tokens = []
+        for depth, width in enumerate(shape.branching, start=1):
+            chosen = logits.topk(min(width, logits.shape[-1]), dim=-1).indices.reshape(-1)  # [n_d] draft ids
+            ids = draft.draft_to_target[chosen]  # [n_d] target ids
+            tokens.append(ids)
+            if depth == len(shape.branching):
+                break  # the deepest nodes need no draft forward of their own
+            rows, pattern, columns = static[depth - 1]
+            allowed = visible(draft.kv_index, draft.base, pattern)  # [n_d, C]
+            draft.cache.columns = draft.base + columns
+            positions = (draft.base + (depth - 1)).expand(1, ids.shape[0])  # [1, n_d]
+            pre, normed = draft.draft.decode_forward(ids[None], pre[:, rows], positions, draft.cache,
+                                                     allowed[None, None])
+            logits = draft.draft.lm_head(normed)[0].float()  # [n_d, Vd]
+        return torch.cat(tokens)
+
+    return body
+
+
 @torch.inference_mode()
+def expand_tree(draft: DraftRunner, shape: TreeShape) -> torch.Tensor:
+    """The tree's tokens [N] (target ids, on the device, not read by the host) from the draft's
+    newest state; the draft's committed entries are left as they were. On a GPU the body is
+    captured once per branching (and cache) and replayed."""
+    if draft.length + len(shape) > draft.cache.capacity:
+        draft.reset_capacity(draft.length + len(shape))
+    if not draft.graphs:
+        return expand_body(draft, shape)()
+    if shape.branching not in draft.trees:
+        draft.trees[shape.branching] = CapturedCall(expand_body(draft, shape), draft.device)
+    return draft.trees[shape.branching]()
+
+
 def propose_tree(draft: DraftRunner, branching: tuple[int, ...]) -> DraftTree:
-    """Expand the tree one depth per draft forward from the draft's newest state (which
-    predicts the first token); the draft's cache is left as it was found. Each depth takes one
-    top-k over all its parents at once and one copy of the chosen ids to the host (not one small
-    device sync per node, which costs more than the draft forward itself on a GPU)."""
-    base = draft.length
-    tree = DraftTree([], [], [])
-    parents = [-1]
-    logits, pre = draft.logits[None], draft.pre  # [F, Vd] and [1, F, H] of the frontier's F parents
-    for depth, width in enumerate(branching, start=1):
-        chosen = logits.topk(min(width, logits.shape[-1]), dim=-1).indices.tolist()  # [F][width] draft ids
-        new, rows = [], []
-        for row, (parent, ids) in enumerate(zip(parents, chosen, strict=True)):
-            for d in ids:
-                new.append(len(tree))
-                rows.append(row)
-                tree.tokens.append(draft.target_ids[d])
-                tree.parents.append(parent)
-                tree.depths.append(depth)
-        if depth == len(branching):
-            break  # the deepest nodes need no draft forward of their own
-        # the new nodes read (own token, parent's next-step state) at position (root) + depth - 1,
-        # as training's step `depth`; each sees the committed cache and its ancestors
-        # node n's entry is column base + n (breadth first: every node but the deepest is read)
-        pattern = tree.sees()[new][:, : len(tree)]  # [N, W]: its ancestors and itself among this round's entries
-        hidden = pre[:, torch.tensor(rows, device=pre.device)]  # [1, N, H]: each node's parent state
-        pre, logits = draft.run([tree.tokens[n] for n in new], hidden, [base - 1 + depth] * len(new), pattern)
-        parents = new
-    draft.forget_proposals()
-    return tree
+    """The draft's tree for `branching`, read by the host."""
+    shape = TreeShape.of(branching)
+    return shape.tree(expand_tree(draft, shape).tolist())
 
 
 def tree_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *, branching: tuple[int, ...],
@@ -70,7 +130,8 @@ def tree_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *
     decoding; accepted[i] counts the tree nodes accepted in round i."""
     device = target.device
     t0 = time.perf_counter()
-    nodes = sum(math.prod(branching[: d + 1]) for d in range(len(branching)))  # the tree's size
+    shape = TreeShape.of(branching)
+    nodes, structure = len(shape), shape.tree([0] * len(shape))  # the verify mask reads the structure alone
     target.reset(len(prompt) + max_new_tokens + len(branching) + 1 + nodes)  # a verify: pending + the tree
     draft.reset(len(prompt) + max_new_tokens + nodes)
     logits, aux, _ = target.forward(prompt)
@@ -82,13 +143,16 @@ def tree_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *
     clock = PhaseClock(device)
     while not done:
         m0 = clock.mark()
-        tree = propose_tree(draft, branching)
+        drafted = expand_tree(draft, shape)  # [N] on the device
         m1 = clock.mark()
         cached, p = len(target), len(pending)
-        positions = list(range(cached, cached + p)) + [cached + p - 1 + d for d in tree.depths]
-        logits, aux, _ = target.forward(pending + tree.tokens, positions=positions,
-                                        mask=verify_mask(tree, cached, p))
-        path, bonus = accept_tree(tree, logits.argmax(-1).tolist(), root_row=p - 1)
+        positions = list(range(cached, cached + p)) + [cached + p - 1 + d for d in shape.depths]
+        logits, aux, _ = target.forward(pending, positions=positions, mask=verify_mask(structure, cached, p),
+                                        tail=drafted)
+        # the round's one synchronisation: the tree's tokens and the target's choices, read together
+        read = torch.cat([drafted, logits.argmax(-1)]).tolist()
+        tree = shape.tree(read[:nodes])
+        path, bonus = accept_tree(tree, read[nodes:], root_row=p - 1)
         target.crop(cached + p)  # keep the pending tokens; the tree's entries go
         m2 = clock.mark()
         new = [tree.tokens[n] for n in path] + [bonus]
