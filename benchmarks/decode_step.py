@@ -12,7 +12,8 @@ step and the crop that undoes it (so every iteration starts from the same length
     tree          a tree verify: the pending token and the 8,4,2,1,1,1,1 tree (360 nodes)
     draft_F       family F's draft step, a random draft of the target's shape after the prompt's context:
                   EAGLE-3's greedy chain of 7, a DFlash / Domino / DSpark block of 16, P-EAGLE's round
-                  of 7 depths after one committed row
+                  of 7 depths after one committed row; draft_eagle3_tree: EAGLE-3's expansion of the
+                  8,4,2,1,1,1,1 tree (360 nodes: 6 draft forwards read the 296 above the deepest)
 Columns:
     plain         transformers as a user writes it: model(input_ids, past_key_values=DynamicCache),
                   then cache.crop (no tree: a plain loop has no tree mask)
@@ -221,6 +222,7 @@ def draft_steps(shape: str, model, prompt_len: int, graphs: bool) -> dict:
     from specfoundry.families.eagle3.chain import DraftRunner
     from specfoundry.families.eagle3.config import draft_config_from_target
     from specfoundry.families.eagle3.model import Eagle3Draft
+    from specfoundry.families.eagle3.tree import TreeShape, expand_body, expand_tree
     from specfoundry.families.peagle.config import peagle_config_from_target
     from specfoundry.families.peagle.decode import PEagleRunner, RoundInputs
     from specfoundry.families.peagle.model import PEagleDraft
@@ -240,9 +242,11 @@ def draft_steps(shape: str, model, prompt_len: int, graphs: bool) -> dict:
     steps = {}
     eagle = DraftRunner(placed(Eagle3Draft(draft_config_from_target(cfg, min(32000, vocab), AUX[shape]))),
                         graphs=graphs)
-    eagle.reset(prompt_len + 64)
+    shape_of_tree = TreeShape.of(TREE)
+    eagle.reset(prompt_len + 64 + len(shape_of_tree))  # room for the tree's entries: no regrowth while timed
     eagle.extend(tokens, aux(3))
     steps["eagle3"] = (lambda: eagle.propose(CHAIN, None, greedy=True), lambda: eagle.greedy_chain(CHAIN))
+    steps["eagle3_tree"] = (lambda: expand_tree(eagle, shape_of_tree), expand_body(eagle, shape_of_tree))
     layers, mask_id = DFLASH_LAYERS[shape], vocab - 1
     blocks = {
         "dflash": (BlockDraftRunner, DFlashDraft(dflash_config_from_target(cfg, layers, 5, BLOCK, mask_id))),
