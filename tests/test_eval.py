@@ -122,11 +122,11 @@ def true_greedy(model, prompt, n):
     return ids[len(prompt):]
 
 
-@pytest.mark.parametrize("branching", [(1, 1, 1), (2,), (3, 2), (5, 1, 1, 1), (3, 3, 3)])
+@pytest.mark.parametrize("branching", [(1, 1, 1), (2,), (3, 2), (5, 1, 1, 1), (3, 3, 3), (8, 1), (2, 8)])
 def test_tree_decoding_on_a_tiny_target_is_exact(branching):
     """A random 6-token target, where a random draft is often right: the tree's output is the
     target's greedy output, branches beyond the top-1 get accepted, and a tree of branching 1
-    is exactly the chain of the same depth."""
+    is exactly the chain of the same depth. A width over the draft's vocabulary takes all of it."""
     model, draft_model = tiny_pair()
     target, draft = TargetRunner(Target.wrap(model), [0, 1, 2]), DraftRunner(draft_model)
     tree_total, chain_total = 0, 0

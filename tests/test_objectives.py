@@ -105,7 +105,7 @@ def test_keep_best_resumed_after_a_stop_exports_the_same_bytes(tmp_path, smol_fe
 
 
 def test_without_keep_best_the_last_step_is_exported_and_said_so(tmp_path, smol_features):  # noqa: F811
-    run_train(small_cfg(smol_features, tmp_path / "run", max_steps=2), silent=True)
+    run_train(small_cfg(smol_features, tmp_path / "run", max_steps=2, save_every=1), silent=True)
     record = json.loads((tmp_path / "run" / "export" / TRAINING_FILE).read_text())
     modes = record.pop("modes")
     assert record == {"token_loss": "ce", "lk_kl_scale": 1.0, "lk_kl_decay": 3.0, "kept": "last", "step": 2,
@@ -117,6 +117,10 @@ def test_without_keep_best_the_last_step_is_exported_and_said_so(tmp_path, smol_
 
     run_export(ExportConfig(draft=str(tmp_path / "run"), output=str(tmp_path / "speculators"), format="speculators"))
     assert json.loads((tmp_path / "speculators" / TRAINING_FILE).read_text()) == {**record, "modes": modes}
+    # a checkpoint's export says it is one, at its own step, with what holds for the whole run
+    run_export(ExportConfig(draft=str(tmp_path / "run" / "checkpoints" / "step-0000002"), output=str(tmp_path / "ckpt")))
+    assert json.loads((tmp_path / "ckpt" / TRAINING_FILE).read_text()) == {
+        "token_loss": "ce", "lk_kl_scale": 1.0, "lk_kl_decay": 3.0, "modes": modes, "kept": "checkpoint", "step": 2}
 
 
 # ---- the DFlash family: the LK losses per block slot, the target's whole distribution the teacher ------

@@ -240,7 +240,7 @@ def test_eval_prompts_render_in_the_mode_asked_and_the_default_is_the_feature_se
     export.mkdir()
     mode = {"chat_template_kwargs": {"enable_thinking": False}, "reasoning": "keep"}
     (export / "specfoundry_training.json").write_text(json.dumps({"modes": {json.dumps(mode): 5}}))
-    ref = SimpleNamespace(path=export)
+    ref = SimpleNamespace(path=export, prefix="")  # an export (a checkpoint has the prefix "draft.")
     assert eval_modes(EvalConfig(draft="d"), ref) == ([{"enable_thinking": False}], "the draft's feature set")
     assert eval_modes(EvalConfig(draft="d", chat_template_kwargs={}), ref) == ([{}], "--chat-template-kwargs")
     assert eval_modes(EvalConfig(draft="d", modes=({}, {"a": 1})), ref)[0] == [{}, {"a": 1}]
@@ -306,6 +306,14 @@ def test_split_answer_reads_the_analysis_and_final_channels():
     # harmony's tool calls and preambles (the commentary channel) are not read: the turn is unusable
     call = split_answer("<|channel|>commentary to=functions.f<|message|>{}", "keep", channels=True)
     assert "commentary" in call.unreadable
+    # what follows a message's end marker before the next <|start|> is no text of it
+    spaced = split_answer("<|channel|>analysis<|message|>T<|end|>\n<|start|>assistant<|channel|>final<|message|>A"
+                          "<|return|>\n", "keep", channels=True)
+    assert (spaced.content, spaced.thinking) == ("A", "T")
+    # two analysis messages: the template renders back one, so the turn cannot be trained as written
+    twice = CHANNELS.replace("<|start|>assistant<|channel|>final", "<|start|>assistant<|channel|>analysis<|message|>"
+                             "More.<|end|><|start|>assistant<|channel|>final")
+    assert "several analysis messages" in split_answer(twice, "keep", channels=True).unreadable
     # a server's parser split them already (vLLM's harmony parser): the thinking field, not a <think> block
     served = split_answer("Yes.", "keep", reasoning_content="Hmm.", channels=True)
     assert (served.content, served.thinking) == ("Yes.", "Hmm.")
@@ -356,3 +364,19 @@ def test_a_turn_in_an_unknown_channel_drops_its_conversation(tmp_path, harmony):
 
     manifest, written = regen(tmp_path, ScriptedTarget(harmony, answer))
     assert set(written) == {"p1"} and manifest["totals"]["turns_failed"] == 1
+
+
+def test_the_channel_span_holds_when_the_answer_is_repeated_in_the_reasoning(harmony):
+    """The answer found inside the analysis first, or a short thinking inside a channel header of a
+    turn rendered without it, must not move the span: where the template renders a turn's thinking
+    is found by rendering it (capture/template.rendered_thinking)."""
+    from specfoundry.common.conversations import ChatMessages
+
+    last = ChatMessages([{"role": "user", "content": "2+2?"},
+                         {"role": "assistant", "content": "4", "thinking": "2+2 is 4, so say it."}])
+    assert masked_texts(harmony, render_with_mask(harmony, last)) == [
+        "<|channel|>analysis<|message|>2+2 is 4, so say it.<|end|><|start|>assistant<|channel|>final<|message|>4"
+        "<|return|>"]
+    earlier = ChatMessages([{"role": "user", "content": "a"}, {"role": "assistant", "content": "X", "thinking": "n"},
+                            {"role": "user", "content": "b"}, {"role": "assistant", "content": "Y"}])
+    assert masked_texts(harmony, render_with_mask(harmony, earlier)) == ["X<|end|>", "Y<|return|>"]

@@ -87,11 +87,13 @@ def render_with_mask(tokenizer, messages: list[dict], max_length: int | None = N
             spans.append(call_span(text, prefix, render(messages[: k + 1])))
             cursor = spans[-1][1]
             continue
-        start, content = locate(text, m["content"], cursor)
+        thought = rendered_thinking(render, messages, k, text, cursor)
+        start, content = locate(text, m["content"], cursor if thought < 0 else thought + len(m["thinking"]))
         if start < 0:
             raise TemplateMaskError("the chat template does not render an assistant message verbatim")
         end = start + len(content)
-        start = channels_start(text, m.get("thinking"), prefix, cursor, start)
+        if thought >= 0:  # every channel the target wrote, from its generation prompt's end
+            start = len(prefix) if text.startswith(prefix) and len(prefix) <= thought else thought
         # extend by the first token the template emits after the content: the end of turn
         after = next((o for o in offsets if o[0] >= end and o[1] > o[0]), None)
         if after is not None and after[0] == end:
@@ -110,17 +112,22 @@ def render_with_mask(tokenizer, messages: list[dict], max_length: int | None = N
     return Rendered(ids, mask, spans, text)
 
 
-def channels_start(text: str, thinking: str | None, prefix: str, cursor: int, start: int) -> int:
-    """Where the span of a turn whose reasoning a channel template renders apart (gpt-oss's
-    `thinking`, in the analysis channel before the final one) starts: at the end of its generation
-    prompt, so that every channel the target wrote, headers included, is in the loss region. A turn
-    rendered without it (every turn but the last, in gpt-oss's template) starts at its answer."""
+THINKING_PROBE = "\ue000specfoundry: this turn's thinking\ue000"
+"""Text no conversation holds (private-use characters), put in a turn's `thinking` to see where the
+template renders it."""
+
+
+def rendered_thinking(render, messages: list[dict], k: int, text: str, cursor: int) -> int:
+    """Where turn k's `thinking` (a channel template's reasoning) starts in the conversation's
+    `text`, or -1 where the template does not render it (gpt-oss's renders it for the last message
+    alone). Found by rendering the conversation with a probe in its place, so neither the answer
+    repeated inside the reasoning nor a short thinking matching a channel header misleads it."""
+    thinking = messages[k].get("thinking")
     if not thinking:
-        return start
-    found = text.find(thinking, cursor)
-    if not 0 <= found < start:
-        return start
-    return len(prefix) if text.startswith(prefix) and len(prefix) <= found else found
+        return -1
+    probed = [*messages[:k], {**messages[k], "thinking": THINKING_PROBE}, *messages[k + 1:]]
+    at = render(probed).find(THINKING_PROBE)
+    return at if at >= cursor and text[at: at + len(thinking)] == thinking else -1
 
 
 def call_span(text: str, prefix: str, upto: str) -> tuple[int, int]:

@@ -248,11 +248,15 @@ def resume_settings(cfg) -> dict:
     return config_dict(cfg, resume_only=True)
 
 
-def as_before(cfg) -> dict:
+class SettingsGroup(dict):
+    """as_before's value for a nested group of settings (a dict a setting's own value may be too)."""
+
+
+def as_before(cfg) -> SettingsGroup:
     """Each setting's value that does what a run begun before it existed did (setting(before=...);
     None where not declared), nested as config_dict nests: common.shards.settings_diff's yardstick
     for a key an earlier run's record lacks."""
-    out = {}
+    out = SettingsGroup()
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         out[f.name] = as_before(value) if dataclasses.is_dataclass(value) else f.metadata.get("before")

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from specfoundry.common.files import atomic_write_json, checksum, remove_temporaries
-from specfoundry.common.settings import as_before, config_dict, resume_settings
+from specfoundry.common.settings import SettingsGroup, as_before, config_dict, resume_settings
 
 PARTIAL = ".partial-"
 
@@ -40,16 +40,18 @@ def settings_diff(old: dict, new: dict, prefix: str = "", as_before: dict | None
     """'key: old -> new' for every key of `new` whose value differs in `old` (nested dicts by dotted key).
     A key `old` lacks is no difference while `new` holds its 'as before' value (`as_before`'s, from
     common.settings.as_before; None where it names none): a setting added to the config after that
-    run began, set to do what the run did, so the run still resumes."""
+    run began, set to do what the run did, so the run still resumes. A whole group it lacks is
+    compared setting by setting the same way."""
     diffs, as_before = [], as_before or {}
     for key, value in new.items():
         yardstick = as_before.get(key)
-        if isinstance(old, dict) and key not in old and value == (None if isinstance(yardstick, dict) else yardstick):
+        group = yardstick if isinstance(yardstick, SettingsGroup) else None
+        missing = isinstance(old, dict) and key not in old
+        if missing and group is None and value == yardstick:
             continue
         before = old.get(key, "<unset>") if isinstance(old, dict) else "<unset>"
-        if isinstance(value, dict) and isinstance(before, dict):
-            diffs += settings_diff(before, value, f"{prefix}{key}.",
-                                   yardstick if isinstance(yardstick, dict) else None)
+        if isinstance(value, dict) and (isinstance(before, dict) or (missing and group is not None)):
+            diffs += settings_diff(before if isinstance(before, dict) else {}, value, f"{prefix}{key}.", group)
         elif before != value:
             diffs.append(f"{prefix}{key}: {before!r} -> {value!r}")
     return diffs

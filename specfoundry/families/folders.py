@@ -137,10 +137,24 @@ def trained_for(ref: DraftRef) -> dict | None:
     return None
 
 
+RUN_WIDE = ("token_loss", "lk_kl_scale", "lk_kl_decay", "modes")
+"""The fields of a training record that hold for every step of its run (not the step kept and its
+evaluation)."""
+
+
 def training_record(ref: DraftRef) -> dict | None:
     """How the draft was trained (sf-train's TRAINING_FILE beside its export: the token loss, the
-    step kept, the feature set's modes), or None where it records nothing."""
-    for folder in (ref.path, ref.path / "export", ref.path.parent.parent / "export"):
+    step kept, the feature set's modes), or None where it records nothing. A checkpoint's: its
+    run's fields that hold for every step, kept 'checkpoint' at its own step."""
+    if ref.prefix:  # <run>/checkpoints/step-N
+        export = ref.path.parent.parent / "export"
+        if not (export / TRAINING_FILE).is_file():
+            return None
+        step = ref.path.name.removeprefix("step-")
+        run = read_config_json(export, TRAINING_FILE)
+        return {**{k: run[k] for k in RUN_WIDE if k in run}, "kept": "checkpoint",
+                "step": int(step) if step.isdigit() else None}
+    for folder in (ref.path, ref.path / "export"):
         if (folder / TRAINING_FILE).is_file():
             return read_config_json(folder, TRAINING_FILE)
     return None

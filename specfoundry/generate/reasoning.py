@@ -23,7 +23,8 @@ Channel templates (gpt-oss's harmony format) mark no <think> block: after the ge
 message's `thinking` field and refuses channel tags in the content, so sf-regen parses the channels:
 keep: content is the final channel's text and `thinking` the analysis channel's; drop: content alone.
 A turn with no final channel has no answer (unclosed); a channel other than analysis and final
-(commentary: harmony's tool calls and preambles) is not read here and makes the turn unusable.
+(commentary: harmony's tool calls and preambles), or two messages in one channel (the template
+renders back one of each), is not read here and makes the turn unusable.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def split_channels(text: str, reasoning: str, reasoning_content: str | None = No
     if reasoning_content is not None:
         answer, thought = text, reasoning_content
     else:
-        parts: dict[str, list[str]] = {}
+        parts: dict[str, str] = {}
         for segment in text.split(START):
             if not segment.strip() or segment.strip() == "assistant":
                 continue
@@ -66,12 +67,14 @@ def split_channels(text: str, reasoning: str, reasoning_content: str | None = No
             if not sep or name not in CHANNELS:
                 return Answer(text, None, False, unreadable=f"a message in channel {name or '(none)'!r}, not "
                                                             f"{' or '.join(CHANNELS)}")
-            for end in MESSAGE_ENDS:
-                body = body.removesuffix(end)
-            parts.setdefault(name, []).append(body)
+            if name in parts:  # the template renders one message of each: the turn cannot be rendered back
+                return Answer(text, None, False, unreadable=f"several {name} messages in one turn")
+            for end in MESSAGE_ENDS:  # a message ends at its marker; what follows it, before <|start|>, is no text
+                body = body.split(end, 1)[0]
+            parts[name] = body
         if "final" not in parts:  # cut inside the analysis, or ended without an answer
-            return Answer(text, "".join(parts.get("analysis", [])) or None, True)
-        answer, thought = "".join(parts["final"]), "".join(parts["analysis"]) if "analysis" in parts else None
+            return Answer(text, parts.get("analysis") or None, True)
+        answer, thought = parts["final"], parts.get("analysis")
     kept = thought if reasoning == "keep" and thought else None
     return Answer(answer, thought, False, thinking=kept)
 

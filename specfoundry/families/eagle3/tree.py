@@ -50,7 +50,10 @@ class TreeShape:
     levels: tuple[tuple[int, int], ...]
 
     @classmethod
-    def of(cls, branching: tuple[int, ...]) -> TreeShape:
+    def of(cls, branching: tuple[int, ...], vocab: int | None = None) -> TreeShape:
+        """The tree of `branching`, each width at most `vocab` (the draft's vocabulary: no more
+        distinct children to pick)."""
+        branching = tuple(min(w, vocab) for w in branching) if vocab else tuple(branching)
         parents, depths, levels, frontier = [], [], [], [-1]
         for depth, width in enumerate(branching, start=1):
             lo = len(parents)
@@ -59,7 +62,7 @@ class TreeShape:
                 depths += [depth] * width
             levels.append((lo, len(parents)))
             frontier = list(range(lo, len(parents)))
-        return cls(tuple(branching), tuple(parents), tuple(depths), tuple(levels))
+        return cls(branching, tuple(parents), tuple(depths), tuple(levels))
 
     def __len__(self) -> int:
         return len(self.parents)
@@ -87,7 +90,7 @@ def expand_body(draft: DraftRunner, shape: TreeShape):
         logits, pre = draft.logits[None], draft.pre  # [F, Vd] and [1, F, H] of the frontier's F parents
         tokens = []
         for depth, width in enumerate(shape.branching, start=1):
-            chosen = logits.topk(min(width, logits.shape[-1]), dim=-1).indices.reshape(-1)  # [n_d] draft ids
+            chosen = logits.topk(width, dim=-1).indices.reshape(-1)  # [n_d] draft ids
             ids = draft.draft_to_target[chosen]  # [n_d] target ids
             tokens.append(ids)
             if depth == len(shape.branching):
@@ -120,7 +123,7 @@ def expand_tree(draft: DraftRunner, shape: TreeShape) -> torch.Tensor:
 
 def propose_tree(draft: DraftRunner, branching: tuple[int, ...]) -> DraftTree:
     """The draft's tree for `branching`, read by the host."""
-    shape = TreeShape.of(branching)
+    shape = TreeShape.of(branching, draft.logits.shape[-1])
     return shape.tree(expand_tree(draft, shape).tolist())
 
 
@@ -130,7 +133,7 @@ def tree_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *
     decoding; accepted[i] counts the tree nodes accepted in round i."""
     device = target.device
     t0 = time.perf_counter()
-    shape = TreeShape.of(branching)
+    shape = TreeShape.of(branching, draft.logits.shape[-1])
     nodes, structure = len(shape), shape.tree([0] * len(shape))  # the verify mask reads the structure alone
     target.reset(len(prompt) + max_new_tokens + len(branching) + 1 + nodes)  # a verify: pending + the tree
     draft.reset(len(prompt) + max_new_tokens + nodes)
