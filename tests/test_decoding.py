@@ -180,7 +180,7 @@ def test_a_graph_replayed_tree_expansion_equals_the_eager_one_on_a_gpu():
         logits, aux, _ = target.forward(prompt)
         runner.extend(prompt[1:] + [int(logits[-1].argmax())], aux)
         trees = []
-        for step in range(3):  # captured at the first, replayed after on a longer committed text
+        for _ in range(3):  # captured at the first, replayed after on a longer committed text
             trees.append(expand_tree(runner, shape).tolist())
             logits, aux, _ = target.forward([trees[-1][0]])
             runner.extend([int(logits[-1].argmax())], aux)

@@ -22,7 +22,12 @@ from specfoundry.generate.backend import Generation, SamplingConfig
 from specfoundry.generate.openai_backend import OpenAIBackend
 from specfoundry.generate.reasoning import opens_reasoning, split_answer
 from specfoundry.generate.regen import RegenConfig, run_regen
-from specfoundry.testing import HARMONY_STYLE_TEMPLATE, HARMONY_TOKENS, QWEN3_THINKING_TEMPLATE, R1_STYLE_TEMPLATE
+from specfoundry.testing import (
+    HARMONY_STYLE_TEMPLATE,
+    HARMONY_TOKENS,
+    QWEN3_THINKING_TEMPLATE,
+    R1_STYLE_TEMPLATE,
+)
 from tests.conftest import write_jsonl
 
 THOUGHT = "<think>\nLet me think.\n</think>\n\nThe answer."
