@@ -178,6 +178,8 @@ def test_regen_through_a_server_with_a_reasoning_parser(tmp_path):
         server.close()
     assert seen and all(k == {"enable_thinking": True} for k in seen)
     assert written["p0"]["messages"][-1]["content"] == "<think>\nHmm.\n</think>\n\nYes."
+    # no local tokenizer saw the template: counted (sf-regen says so; a channel template reads `thinking`)
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["totals"]["turns_reasoning_joined_unseen"] == 3
 
 
 # ---- sf-capture ----------------------------------------------------------------------------------------

@@ -49,6 +49,11 @@ def run(greedy, recipe, silent, **options):
         hint = (f"no synthesised prompt ended within --max-new-tokens ({cfg.sampling.max_new_tokens})" if no_prompt
                 else "see the counts above")
         raise CommandError(f"{cfg.output}: no conversation written: {hint}")
+    if t.get("turns_reasoning_joined_unseen", 0):
+        click.echo(f"note: {t['turns_reasoning_joined_unseen']} answers' reasoning_content from the server kept as a "
+                   "<think> block in the content, without the target's tokenizer to see its template: right for "
+                   "Qwen3 and DeepSeek-R1 templates, not for gpt-oss's channels (rerun into a new folder with "
+                   "--target)", err=True)
     exchanges = [t.get(f"tool_exchanges_{k}", 0) for k in ("kept", "replaced", "dropped")]
     if any(exchanges):
         click.echo("tool exchanges: kept {}, replaced by the recorded ones {}, dropped {}".format(*exchanges))

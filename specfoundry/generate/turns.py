@@ -30,6 +30,9 @@ class ShardCounts:
     loop_tokens_removed: int = 0
     turns_failed: int = 0
     turns_reasoning_unclosed: int = 0  # a reasoning never closed (cut, or the turn ended in it): dropped
+    # a server's reasoning_content kept as a <think> block with no local tokenizer to see the template
+    # (right for Qwen3's and DeepSeek-R1's, not for a channel template's thinking field: --target)
+    turns_reasoning_joined_unseen: int = 0
     generated_tokens: int = 0
     synthetic_prompts_empty: int = 0
     # every recorded tool exchange of the conversations in ends as one of these three
@@ -117,6 +120,7 @@ def record_turn(cfg, tokenizer, s: ConversationState, g: Generation, counts: Sha
         g = trim_loop(tokenizer, g, counts)
     answer = split_answer(g.text, s.mode["reasoning"], opened=prompt_opens_reasoning(tokenizer, s),
                           reasoning_content=g.reasoning, channels=channel_template(tokenizer))
+    counts.turns_reasoning_joined_unseen += g.reasoning is not None and tokenizer is None and s.mode["reasoning"] == "keep"
     if answer.unreadable and g.finish_reason != "error":
         g = Generation(g.text, "error", g.token_ids, g.num_tokens, error=answer.unreadable)
     if answer.unclosed and g.finish_reason != "error":  # no answer: never kept as if the reasoning had ended
