@@ -27,6 +27,8 @@ target's own token. The first token (from the prompt's prefill) is not part of a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from specfoundry.decoding.accept import accept
@@ -59,7 +61,8 @@ class DraftRunner:
         self.length = 0  # committed columns
         self.written = 0  # columns holding entries (committed, then this round's proposals)
         self.chains: dict[int, CapturedCall] = {}  # k -> the captured greedy chain
-        self.trees: dict[tuple[int, ...], CapturedCall] = {}  # branching -> the captured tree expansion (tree.py)
+        # branching -> the tree expansion's body (tree.py), captured on a GPU
+        self.trees: dict[tuple[int, ...], Callable[[], torch.Tensor]] = {}
         h = draft.cfg.hidden_size
         self.pre = torch.zeros(1, 1, h, dtype=draft.fc.weight.dtype, device=self.device)  # next-step state
         self.logits = torch.zeros(draft.cfg.draft_vocab_size, device=self.device)  # [Vd] at the newest position

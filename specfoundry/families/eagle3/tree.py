@@ -110,14 +110,13 @@ def expand_body(draft: DraftRunner, shape: TreeShape):
 @torch.inference_mode()
 def expand_tree(draft: DraftRunner, shape: TreeShape) -> torch.Tensor:
     """The tree's tokens [N] (target ids, on the device, not read by the host) from the draft's
-    newest state; the draft's committed entries are left as they were. On a GPU the body is
-    captured once per branching (and cache) and replayed."""
+    newest state; the draft's committed entries are left as they were. The body (its static
+    tensors) is built once per branching and cache, and on a GPU captured and replayed."""
     if draft.length + len(shape) > draft.cache.capacity:
         draft.reset_capacity(draft.length + len(shape))
-    if not draft.graphs:
-        return expand_body(draft, shape)()
     if shape.branching not in draft.trees:
-        draft.trees[shape.branching] = CapturedCall(expand_body(draft, shape), draft.device)
+        body = expand_body(draft, shape)
+        draft.trees[shape.branching] = CapturedCall(body, draft.device) if draft.graphs else body
     return draft.trees[shape.branching]()
 
 
