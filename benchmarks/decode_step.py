@@ -124,7 +124,9 @@ def reference_step(model, cache: RefCache, start: int, ids: list[int], positions
 
 
 def bare_graph(fn):
-    """fn under one torch.cuda.graph (two warm-up calls on a side stream first): its replay."""
+    """fn under one torch.cuda.graph (two warm-up calls on a side stream first): its replay. The
+    replay holds fn, and so the static inputs fn closes over: a graph reads its inputs' addresses,
+    and freed inputs would be reused by later allocations (read as garbage ids)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.inference_mode():
@@ -134,7 +136,12 @@ def bare_graph(fn):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), torch.inference_mode():
         fn()
-    return graph.replay
+
+    def replay():
+        graph.replay()
+
+    replay.inputs = fn  # (kept alive with the replay)
+    return replay
 
 
 def build(shape: str, device: str):

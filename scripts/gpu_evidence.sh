@@ -284,22 +284,22 @@ plan_moe() {
 
 # PLAN=decode (issue 36, then issue 38's bar; deadline DEADLINE), each step alone on the GPU, in
 # priority order (estimates; setup ~150 s):
-#   gpu_tests     pytest -m gpu, every GPU test (graph-replayed decoding steps among them)    ~150 s
+#   gpu_tests     pytest -m gpu (GPU_TESTS: only these files), the graph-replayed steps among them ~150 s
 #   decode_step   benchmarks/decode_step.py --profile: plain loop, graph reference, the core  ~200 s
+#   capture_moe   benchmarks/capture_moe.py at 32k tokens a batch, with its profile            ~60 s
 #   (the SmolLM2 weights: the plan waits for the gguf call here)
 #   decode_e2e    scripts/decode_gpu.sh: 2,048 conversations, 1 epoch, sf-eval of the 60 prompts
 #                 in float32 and bfloat16                                                     ~350 s
 #   regen_bench   benchmarks/regen.py --profile, SmolLM2 only (the 8B row skipped)            ~250 s
-#   capture_moe   benchmarks/capture_moe.py at 32k tokens a batch, with its profile           ~250 s
 plan_decode() {
   begin_plan "plan decode: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s" later
   if [ "$DEV" = cuda ]; then
-    step gpu_tests 220 env LOG="$EV/gpu_tests.log" bash benchmarks/gpu_tests.sh
+    step gpu_tests 220 env LOG="$EV/gpu_tests.log" bash benchmarks/gpu_tests.sh ${GPU_TESTS:-}
     step decode_step 300 python -m benchmarks.decode_step --profile
+    step capture_moe 120 python -m benchmarks.capture_moe --tokens 32768 --profile
     wait_weights || return 1
     step decode_e2e 450 env RUN="$RUN/decode" SYNTH=2048 EPOCHS=1 bash scripts/decode_gpu.sh
     step regen_bench 330 python -m benchmarks.regen --profile --llama8b-conversations 0
-    step capture_moe 300 python -m benchmarks.capture_moe --tokens 32768 --profile
   else
     step decode_step 120 python -m benchmarks.decode_step --device cpu --shapes tiny --iters 3
     wait_weights || return 1

@@ -95,29 +95,39 @@ def test_the_cache_grows_keeping_what_it_holds():
     torch.testing.assert_close(got, full_logits(model, ids)[250:], **TOL)
 
 
-@pytest.mark.gpu
+# every graph-replay test runs twice: on a GPU (captured graphs, `-m gpu`) and on a CPU, where
+# decoding/graphs.CapturedCall does eagerly what a replay does and fails on any host read
+GRAPH_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", GRAPH_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graph_replayed_steps_equal_eager_ones_on_a_gpu(dtype):
+def test_graph_replayed_steps_equal_eager_ones(dtype, device):
     """The same chain of steps (prefill, one token, a verify of 5 with a crop, a tree) through the
     eager body and through captured graphs: equal logits and aux features (the replay runs the
     kernels the capture recorded, on the same inputs), and the target alone decodes the same tokens."""
-    model = gqa_model("mixed").to("cuda", dtype)
+    model = gqa_model("mixed").to(device, dtype)
     target = Target.wrap(model)
     eager, graphed = TargetRunner(target, [0], graphs=False), TargetRunner(target, [0], graphs=True)
     tree = DraftTree(tokens=[20, 21, 30, 31], parents=[-1, -1, 0, 1], depths=[1, 1, 2, 2])
     outs = {}
     for name, runner in (("eager", eager), ("graphed", graphed)):
         runner.reset(128)
-        got = [runner.forward(list(range(3, 40)))]
+
+        def kept(step):  # a replayed step's outputs are its graph's buffers, refilled by its next replay
+            logits, aux, _ = step
+            return logits.clone(), aux.clone()
+
+        got = [kept(runner.forward(list(range(3, 40))))]
         for _ in range(3):  # a step is captured at its first call (after a warm-up), replayed from the second
-            got.append(runner.forward([7]))
-            got.append(runner.forward([1, 2, 3, 4, 5]))
+            got.append(kept(runner.forward([7])))
+            got.append(kept(runner.forward([1, 2, 3, 4, 5])))
             runner.crop(len(runner) - 3)
             cached = len(runner)
-            got.append(runner.forward([9] + tree.tokens, positions=[cached] + [cached + d for d in tree.depths],
-                                      mask=verify_mask(tree, cached, 1)))
+            got.append(kept(runner.forward([9] + tree.tokens, positions=[cached] + [cached + d for d in tree.depths],
+                                           mask=verify_mask(tree, cached, 1))))
             runner.crop(cached + 1)
-        outs[name] = [(logits.clone(), aux.clone()) for logits, aux, _ in got]
+        outs[name] = got
     assert graphed.steps and not eager.steps
     for (a_logits, a_aux), (b_logits, b_aux) in zip(outs["eager"], outs["graphed"], strict=True):
         torch.testing.assert_close(b_logits, a_logits, rtol=0, atol=0)
@@ -127,15 +137,15 @@ def test_graph_replayed_steps_equal_eager_ones_on_a_gpu(dtype):
     assert runs[0].tokens == runs[1].tokens
 
 
-@pytest.mark.gpu
-def test_a_graph_replayed_greedy_chain_equals_the_eager_one_on_a_gpu():
+@pytest.mark.parametrize("device", GRAPH_DEVICES)
+def test_a_graph_replayed_greedy_chain_equals_the_eager_one(device):
     """EAGLE-3's greedy chain of k proposals as one captured graph and as eager steps over the same
     committed state: the same proposals and logits, round after round, and the same decode."""
     from specfoundry.families.eagle3.chain import DraftRunner, speculative_generate
     from tests.test_eval import tiny_pair
 
     model, draft = tiny_pair(vocab=64)
-    model, draft = model.cuda(), draft.cuda()
+    model, draft = model.to(device), draft.to(device)
     target = TargetRunner(Target.wrap(model), [0, 1, 2], graphs=True)
     runs = {}
     for graphs in (False, True):
@@ -158,9 +168,8 @@ def test_a_graph_replayed_greedy_chain_equals_the_eager_one_on_a_gpu():
         torch.testing.assert_close(b_rows, a_rows, rtol=0, atol=0)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_a_graph_replayed_tree_expansion_equals_the_eager_one_on_a_gpu():
+@pytest.mark.parametrize("device", GRAPH_DEVICES)
+def test_a_graph_replayed_tree_expansion_equals_the_eager_one(device):
     """EAGLE-3's tree expansion for one branching as one captured graph and as eager code over the
     same committed state: the same trees, round after round (the replay reads the new state), and
     the same tree decode, equal to the target's own greedy tokens."""
@@ -169,7 +178,7 @@ def test_a_graph_replayed_tree_expansion_equals_the_eager_one_on_a_gpu():
     from tests.test_eval import tiny_pair
 
     model, draft = tiny_pair(vocab=64)
-    model, draft = model.cuda(), draft.cuda()
+    model, draft = model.to(device), draft.to(device)
     target = TargetRunner(Target.wrap(model), [0, 1, 2], graphs=True)
     shape, prompt = TreeShape.of((3, 2, 2, 1)), list(range(1, 12))
     runs = {}
@@ -189,16 +198,16 @@ def test_a_graph_replayed_tree_expansion_equals_the_eager_one_on_a_gpu():
     assert runs[True] == runs[False]
 
 
-@pytest.mark.gpu
-def test_a_graph_replayed_block_proposal_equals_the_eager_one_on_a_gpu():
+@pytest.mark.parametrize("device", GRAPH_DEVICES)
+def test_a_graph_replayed_block_proposal_equals_the_eager_one(device):
     """DFlash's block proposal captured as a CUDA graph and run eagerly, over the same context,
     round after round (the context grows and is cropped between them): the same proposals and logits."""
     from specfoundry.families.dflash.block import BlockDraftRunner
     from tests.test_dflash import TINY, random_draft
 
-    draft = random_draft().cuda().eval()
-    head = torch.randn(TINY.vocab_size, TINY.hidden_size, device="cuda")
-    aux = torch.randn(40, 72, device="cuda")
+    draft = random_draft().to(device).eval()
+    head = torch.randn(TINY.vocab_size, TINY.hidden_size, device=device)
+    aux = torch.randn(40, 72, device=device)
     got = {}
     for graphs in (False, True):
         runner = BlockDraftRunner(draft, head, graphs=graphs)
@@ -216,8 +225,8 @@ def test_a_graph_replayed_block_proposal_equals_the_eager_one_on_a_gpu():
         torch.testing.assert_close(b_logits, a_logits, rtol=0, atol=0)
 
 
-@pytest.mark.gpu
-def test_a_graph_replayed_peagle_round_equals_the_eager_one_on_a_gpu():
+@pytest.mark.parametrize("device", GRAPH_DEVICES)
+def test_a_graph_replayed_peagle_round_equals_the_eager_one(device):
     """P-EAGLE's round forward (n pending rows, k proposals) captured per (n, k) and run eagerly: the
     same logits, rounds of different n interleaved."""
     from specfoundry.families.peagle.config import PEagleConfig
@@ -226,8 +235,8 @@ def test_a_graph_replayed_peagle_round_equals_the_eager_one_on_a_gpu():
     from tests.test_families import TINY
 
     torch.manual_seed(0)
-    draft = PEagleDraft(PEagleConfig(**TINY, num_hidden_layers=2, num_depths=4, mask_token_id=3)).cuda().eval()
-    aux = torch.randn(40, draft.cfg.num_aux * draft.cfg.target_hidden_size, device="cuda")
+    draft = PEagleDraft(PEagleConfig(**TINY, num_hidden_layers=2, num_depths=4, mask_token_id=3)).to(device).eval()
+    aux = torch.randn(40, draft.cfg.num_aux * draft.cfg.target_hidden_size, device=device)
     got = {}
     for graphs in (False, True):
         runner = PEagleRunner(draft, graphs=graphs)

@@ -219,6 +219,29 @@ def test_features_with_the_fused_experts_equal_the_eager_ones(tiny_moe, model_ty
         torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+def test_experts_are_found_as_older_transformers_mark_them(tiny_moe):
+    """transformers 5.17 (the H100/H200 image's) marks an experts module without 5.25's
+    `_is_expert_parallel`: found all the same (when it was not, a benchmark measured Qwen3-MoE as a
+    dense model), and the fused forward runs on it, sentinels handled."""
+    from transformers import AutoModelForCausalLM
+
+    from specfoundry.common.experts import experts_modules
+    from specfoundry.kernels.fused_moe import fused_experts_forward
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe["qwen3_moe"])
+    found = experts_modules(model)
+    assert len(found) == model.config.num_hidden_layers
+    for m in found:
+        del m._is_expert_parallel
+    assert experts_modules(model) == found
+    m, x = found[0], torch.randn(5, model.config.hidden_size)
+    idx = torch.tensor([[0, 1]] * 4 + [[m.num_experts, 2]])  # the last token's first slot: a sentinel
+    w = torch.full((5, 2), 0.5)
+    want = fused_experts_reference(x, m.gate_up_proj.detach(), m.down_proj.detach(), idx, w)
+    with torch.no_grad():
+        torch.testing.assert_close(fused_experts_forward(m, x, idx, w), want, rtol=1e-5, atol=1e-6)
+
+
 def test_auto_is_eager_on_cpu_and_a_dense_target_ignores_the_choice(tiny_moe, capsys):
     from specfoundry.common.placement import Placement
     from specfoundry.common.target import Target
@@ -252,6 +275,26 @@ def test_the_fused_experts_refuse_what_they_cannot_run(tiny_moe, monkeypatch):
 
 # ---- on the GPU, at real shapes -----------------------------------------------------------------------
 
+def reference_and_magnitude(x, gate_up, down, idx, w):
+    """The fp32 reference from the bf16 inputs and each row's magnitude sum_k |w| (|W_down| @ |h|)
+    (h from the reference), expert by expert with that expert's weights alone in fp32: every
+    expert's weights in fp32 at once are 28 GiB at DeepSeek-V3's shape, and a gather per token
+    (W[idx]) hundreds."""
+    inter = gate_up.shape[1] // 2
+    want = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [N, H]
+    mag = torch.zeros_like(want)
+    wmax = w.float().abs().max()
+    for e in range(gate_up.shape[0]):
+        token, slot = torch.where(idx == e)  # [M], [M]
+        if token.numel() == 0:
+            continue
+        gu = x[token].float() @ gate_up[e].float().T  # [M, 2I]
+        h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]  # [M, I]
+        want.index_add_(0, token, (h @ down[e].float().T) * w[token, slot, None].float())
+        mag.index_add_(0, token, (h.abs() @ down[e].float().abs().T) * wmax)
+    return want, mag
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,h,i,e,k", [(4096, 2048, 768, 128, 8),  # Qwen3-30B-A3B's layer
                                             (1024, 7168, 2048, 256, 8),  # DeepSeek-V3's
@@ -270,7 +313,7 @@ def test_kernel_on_the_gpu_equals_grouped_mm_and_the_reference(tokens, h, i, e, 
     w, idx = torch.topk(torch.softmax(logits, -1), k, dim=-1)
     w = (w / w.sum(-1, keepdim=True)).bfloat16()
     got = fused_experts(x, gate_up, down, idx, w, sentinels=False)
-    want = fused_experts_reference(x.float(), gate_up.float(), down.float(), idx, w.float())
+    want, mag = reference_and_magnitude(x, gate_up, down, idx, w)
 
     class Experts(torch.nn.Module):  # what grouped_mm_experts_forward reads from the module
         gate_up_proj, down_proj, num_experts, has_gate, has_bias = gate_up, down, e, True, False
@@ -281,10 +324,6 @@ def test_kernel_on_the_gpu_equals_grouped_mm_and_the_reference(tokens, h, i, e, 
             return torch.nn.functional.silu(gate) * up
 
     theirs = grouped_mm_experts_forward(Experts(), x, idx, w)
-    # magnitude bound per row, on the GPU: sum_k |w| (|W_down| @ |h|), h from the fp32 reference
-    gu = torch.einsum("nh,nkih->nki", x.float(), gate_up.float()[idx])
-    hh = (torch.nn.functional.silu(gu[..., :i]) * gu[..., i:]).abs()
-    mag = torch.einsum("nki,nkhi->nh", hh, down.float()[idx].abs()) * w.float().abs().max()
     bound = 3.5 * UBF16 * mag
     assert ((got.float() - want).abs() <= bound + 1e-6).all()
     assert ((got.float() - theirs.float()).abs() <= 2 * bound + 1e-6).all()

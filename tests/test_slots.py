@@ -267,13 +267,13 @@ def test_eager_targets_keep_their_attention(monkeypatch):
     assert kinds == {"eager"}
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_graph_replayed_decode_steps_write_what_eager_steps_write_on_a_gpu(temperature):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])  # (CPU: graphs.CapturedCall's
+@pytest.mark.parametrize("temperature", [0.0, 0.9])                                        # checked stand-in)
+def test_graph_replayed_decode_steps_write_what_eager_steps_write(temperature, device):
     """The slot engine with each window's decode step captured as a CUDA graph (after one eager step)
     and without graphs: the same tokens for every request, greedy and sampled (the draws are
     counter-based, so they replay as they ran), refills and follow-ups included."""
-    model = gqa_model("mixed").cuda()
+    model = gqa_model("mixed").to(device)
     sampling = SamplingConfig(temperature=temperature, max_new_tokens=40)
     outs = []
     for graphs in (False, True):

@@ -37,8 +37,11 @@ def resolve_experts(name: str, device_type: str) -> str:
 
 
 def experts_modules(model) -> list:
-    """The model's routed-experts modules (those transformers' experts interface dispatches)."""
-    return [m for m in model.modules() if hasattr(m, "is_concatenated") and hasattr(m, "_is_expert_parallel")]
+    """The model's routed-experts modules (those transformers' experts interface dispatches): what
+    its `use_experts_implementation` decorator marks, with the attributes every transformers 5 release
+    that has the interface sets (5.17 has no `_is_expert_parallel`; 5.25 sets it too)."""
+    return [m for m in model.modules() if hasattr(m, "is_concatenated") and hasattr(m, "has_gate")
+            and hasattr(m, "is_transposed")]
 
 
 def unsupported_layout(experts) -> str | None:

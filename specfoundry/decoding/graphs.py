@@ -5,21 +5,70 @@ caller refills in place, a static KV cache) and returns its outputs; the first c
 on a side stream (the allocator's first blocks and the kernels' first-call work stay out of the
 graph), captures it, and every call replays it and returns the same output tensors, refilled.
 The warm-up runs `fn` for real: a step whose writes are idempotent (a cache column written from
-the same inputs) is unaffected. Graphs of one runner share a memory pool.
+the same inputs) is unaffected.
+
+Every graph has its own memory pool. A shared pool is safe only for graphs replayed in the order
+they were captured (a later capture reuses an earlier graph's freed intermediates, so replaying
+the earlier one overwrites the later one's outputs), and the decoders replay steps in whatever
+order the text asks for; a pool whose graphs were all dropped (a cache regrown) cannot be captured
+into again either (torch asserts). A step's intermediates are a few of its T rows, so the memory
+this costs is small.
+
+On a CPU there are no graphs, and a CapturedCall does eagerly what a replay does, so that a CPU
+test of a runner built with graphs=True checks what a capture needs: `fn` runs under
+forbid_host_sync (any read of a device value by the host fails a capture: `t[0-d tensor]`,
+`.item()`, `nonzero`, a data-dependent shape), the first call runs it warmup + 1 times (the
+warm-up runs and the replay), and its outputs are copied into the first call's tensors (a replay
+refills the same buffers, so a caller that keeps an output past the next call sees it change).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+HOST_READS = {
+    "item", "_local_scalar_dense",  # .item(), int(t), bool(t), t[0-d tensor], a tensor in a Python `if`
+    "nonzero", "nonzero_static", "masked_select", "is_nonzero", "equal",
+    "_unique2", "unique_dim", "unique_consecutive", "unique_dim_consecutive",
+    "repeat_interleave",  # (the Tensor overload: its output size is read from the device)
+    "bincount", "histc", "_assert_async",
+}
+"""aten ops whose result the host must wait for: none of them may run inside a CUDA-graph capture."""
+
+
+class HostReadError(RuntimeError):
+    pass
+
+
+class _ForbidHostReads(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        if name in HOST_READS and not (name == "repeat_interleave" and "output_size" in (kwargs or {})):
+            raise HostReadError(f"{name}: a read of a device value by the host, which a CUDA-graph capture cannot "
+                                f"hold (this code runs captured on a GPU)")
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def forbid_host_sync():
+    """Fail any op under it that makes the host wait for a device value (HOST_READS)."""
+    with _ForbidHostReads():
+        yield
 
 
 class CapturedCall:
-    def __init__(self, fn, device: torch.device, pool=None, warmup: int = 2):
-        self.fn, self.device, self.pool, self.warmup = fn, device, pool, warmup
+    def __init__(self, fn, device: torch.device, warmup: int = 2):
+        self.fn, self.device, self.warmup = fn, torch.device(device), warmup
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs = None
 
     def __call__(self):
+        if self.device.type != "cuda":
+            return self.checked_call()
         if self.graph is None:
             self.capture()
         self.graph.replay()
@@ -33,5 +82,21 @@ class CapturedCall:
                 self.fn()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=self.pool):
+        with torch.cuda.graph(self.graph):
             self.outputs = self.fn()
+
+    def checked_call(self):
+        """The CPU's stand-in for capture and replay (the module docstring)."""
+        first = self.outputs is None
+        for _ in range(self.warmup if first else 0):
+            with forbid_host_sync():
+                self.fn()
+        with forbid_host_sync():
+            out = self.fn()
+        if first:
+            self.outputs = out
+        else:
+            for mine, new in zip(tree_flatten(self.outputs)[0], tree_flatten(out)[0], strict=True):
+                if isinstance(mine, torch.Tensor) and mine is not new:
+                    mine.copy_(new)
+        return self.outputs

@@ -53,24 +53,26 @@ class GraphStep:
     """One captured step of T tokens: static inputs (device), their pinned host staging, the graph and its
     outputs."""
 
-    def __init__(self, runner: TargetRunner, tokens: int, pool):
+    def __init__(self, runner: TargetRunner, tokens: int):
         device = runner.device
         self.tokens = tokens
-        self.host = torch.zeros(2 * tokens + 1, dtype=torch.int64).pin_memory()  # ids | positions | start
+        cuda = device.type == "cuda"  # (on a CPU: graphs.CapturedCall's checked stand-in, nothing pinned)
+        self.host = torch.zeros(2 * tokens + 1, dtype=torch.int64, pin_memory=cuda)  # ids | positions | start
         self.staged = torch.zeros(2 * tokens + 1, dtype=torch.int64, device=device)
-        self.host_pattern = torch.zeros(tokens, tokens, dtype=torch.bool).pin_memory()
+        self.host_pattern = torch.zeros(tokens, tokens, dtype=torch.bool, pin_memory=cuda)
         self.pattern = torch.zeros(tokens, tokens, dtype=torch.bool, device=device)
-        self.copied = torch.cuda.Event()
+        self.copied = torch.cuda.Event() if cuda else None
         self.inputs = StepInputs(self.staged[:tokens], self.staged[tokens: 2 * tokens], self.staged[2 * tokens],
                                  self.pattern)
-        self.call = CapturedCall(lambda: runner.body(self.inputs, want_hidden=False), device, pool)
+        self.call = CapturedCall(lambda: runner.body(self.inputs, want_hidden=False), device)
 
     def load(self, ids: list[int], positions: list[int], start: int, pattern: torch.Tensor,
              tail: torch.Tensor | None = None) -> None:
         """Copy the step's inputs in: one asynchronous copy from pinned memory (two when the pattern
         changed), and `tail`, the last ids, from the device (a copy on the device, after it). The host
         buffers are rewritten only once the last copy from them has run."""
-        self.copied.synchronize()
+        if self.copied is not None:
+            self.copied.synchronize()
         self.host[: len(ids)] = torch.tensor(ids)
         self.host[self.tokens: 2 * self.tokens] = torch.tensor(positions)
         self.host[2 * self.tokens] = start
@@ -80,7 +82,8 @@ class GraphStep:
         if not torch.equal(self.host_pattern, pattern):
             self.host_pattern.copy_(pattern)
             self.pattern.copy_(self.host_pattern, non_blocking=True)
-        self.copied.record()
+        if self.copied is not None:
+            self.copied.record()
 
 class TargetRunner:
     """The target (common/target.Target) with a static KV cache for one sequence; its tap gives the
@@ -99,7 +102,6 @@ class TargetRunner:
         self.cache: StaticKVCache | None = None
         self.length = 0  # committed columns
         self.steps: dict[int, GraphStep] = {}
-        self.pool = None
 
     def remove_hooks(self) -> None:
         self.tap.remove()
@@ -117,8 +119,6 @@ class TargetRunner:
         self.cache = StaticKVCache(capacity) if self.cache is None else self.cache.grown(capacity)
         self.kv_index = torch.arange(capacity, device=self.device)  # [C]
         self.steps.clear()  # their graphs read the old cache
-        if self.graphs:
-            self.pool = torch.cuda.graph_pool_handle()
 
     def __len__(self) -> int:
         return self.length
@@ -148,7 +148,7 @@ class TargetRunner:
         if self.graphs and start > 0 and not want_hidden:
             step = self.steps.get(count)
             if step is None:
-                step = self.steps[count] = GraphStep(self, count, self.pool)
+                step = self.steps[count] = GraphStep(self, count)
             step.load(ids, positions, start, pattern, tail)
             out = step.call()
         else:

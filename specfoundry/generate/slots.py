@@ -175,7 +175,6 @@ class SlotEngine:
         self.graphs = graphs_possible(target) if graphs is None else graphs
         self.step_graphs: dict[int, CapturedCall] = {}  # window -> the captured decode step
         self.warmed: set[int] = set()  # windows whose step ran once eagerly
-        self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.max_new = sampling.max_new_tokens
         self.device = target.input_device
         assert supported(self.model), "the slot engine cannot drive this model (see supported())"
@@ -293,7 +292,7 @@ class SlotEngine:
         if call is not None:
             call()
         elif self.graphs and window in self.warmed:  # captured without a warm-up: a step is no idempotent call
-            self.step_graphs[window] = CapturedCall(lambda: self.decode_step(window), self.device, self.pool,
+            self.step_graphs[window] = CapturedCall(lambda: self.decode_step(window), self.device,
                                                     warmup=0)
             self.step_graphs[window]()
         else:  # a window's first step runs eagerly: its kernels' first-call work stays out of the graph

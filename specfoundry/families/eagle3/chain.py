@@ -154,7 +154,8 @@ class DraftRunner:
         logits, pre = self.logits, self.pre
         tokens, rows = [], []
         for j in range(k):
-            token = self.draft_to_target[logits.argmax(-1)]  # [] target id
+            # [1] target id: index_select, not t[0-d tensor] (which Python turns into an int: a host read)
+            token = self.draft_to_target.index_select(0, logits.argmax(-1).view(1))
             tokens.append(token)
             rows.append(logits)
             if j + 1 < k:
@@ -163,7 +164,7 @@ class DraftRunner:
                 mask = (self.kv_index <= at)[None, None, None, :]  # [1, 1, 1, C]
                 pre, normed = self.draft.decode_forward(token.view(1, 1), pre, at.view(1, 1), self.cache, mask)
                 logits = self.draft.lm_head(normed)[0, -1].float()
-        return torch.stack(tokens), torch.stack(rows)
+        return torch.cat(tokens), torch.stack(rows)
 
     def forget_proposals(self) -> None:
         """This round's entries are no longer read (their columns are overwritten later)."""

@@ -98,7 +98,7 @@ class PEagleRunner:
                                      torch.zeros_like(aux))
                 self.calls[n, k] = CapturedCall(lambda: self.body(inputs, n, k), self.device), inputs
             call, inputs = self.calls[n, k]
-            inputs.ids.copy_(torch.tensor(ids).pin_memory(), non_blocking=True)  # (pinned blocks are kept until copied)
+            inputs.ids.copy_(torch.tensor(ids, pin_memory=self.device.type == "cuda"), non_blocking=True)  # (pinned blocks are kept until copied)
             inputs.aux.copy_(aux)
             logits = call()
         else:
