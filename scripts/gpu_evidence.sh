@@ -296,7 +296,7 @@ plan_decode() {
   if [ "$DEV" = cuda ]; then
     step gpu_tests 220 env LOG="$EV/gpu_tests.log" bash benchmarks/gpu_tests.sh ${GPU_TESTS:-}
     step decode_step 300 python -m benchmarks.decode_step --profile
-    step capture_moe 120 python -m benchmarks.capture_moe --tokens 32768 --profile
+    step capture_moe 120 python -m benchmarks.capture_moe --tokens 32768 --impls grouped_mm,sf_fused --profile
     wait_weights || return 1
     step decode_e2e 450 env RUN="$RUN/decode" SYNTH=2048 EPOCHS=1 bash scripts/decode_gpu.sh
     step regen_bench 330 python -m benchmarks.regen --profile --llama8b-conversations 0
