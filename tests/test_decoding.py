@@ -13,7 +13,7 @@ from specfoundry.decoding.rounds import target_generate
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
 from specfoundry.decoding.tree import DraftTree, verify_mask
-from tests.test_slots import gqa_model
+from tests.test_slots import GRAPH_DEVICES, gqa_model
 
 # fp32 on the CPU: the cached step and the full forward compute the same dot products in other
 # groupings (T keys at a time against the whole row), so they differ by accumulated rounding of
@@ -93,11 +93,6 @@ def test_the_cache_grows_keeping_what_it_holds():
     got, _, _ = runner.forward(ids[250:])
     assert runner.cache.capacity >= 299
     torch.testing.assert_close(got, full_logits(model, ids)[250:], **TOL)
-
-
-# every graph-replay test runs twice: on a GPU (captured graphs, `-m gpu`) and on a CPU, where
-# decoding/graphs.CapturedCall does eagerly what a replay does and fails on any host read
-GRAPH_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("device", GRAPH_DEVICES)

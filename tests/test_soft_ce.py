@@ -167,7 +167,7 @@ def test_real_shapes_on_gpu_without_a_second_buffer(dtype, atol, rtol, n, v):
     # 1 MiB (its kSmallSize), and counts the whole block as allocated: a large (> 1 MiB) request
     # may be charged up to 1 MiB more than asked. After the other GPU tests the 3 MiB dw took such
     # a block, 0.9 MB more than asked (twice, on an H200 and on an H100), which failed the
-    # (300, 49152) bf16 case; empty_cache cannot help, as it releases only wholly free segments.
+    # (300, 49152) bf16 case. empty_cache below releases only wholly free segments, so it cannot prevent this.
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()

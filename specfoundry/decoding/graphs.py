@@ -24,8 +24,6 @@ refills the same buffers, so a caller that keeps an output past the next call se
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -53,11 +51,9 @@ class _ForbidHostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@contextmanager
-def forbid_host_sync():
-    """Fail any op under it that makes the host wait for a device value (HOST_READS)."""
-    with _ForbidHostReads():
-        yield
+def forbid_host_sync() -> TorchDispatchMode:
+    """A context in which any op that makes the host wait for a device value (HOST_READS) fails."""
+    return _ForbidHostReads()
 
 
 class CapturedCall:
@@ -88,10 +84,9 @@ class CapturedCall:
     def checked_call(self):
         """The CPU's stand-in for capture and replay (the module docstring)."""
         first = self.outputs is None
-        for _ in range(self.warmup if first else 0):
-            with forbid_host_sync():
-                self.fn()
         with forbid_host_sync():
+            for _ in range(self.warmup if first else 0):
+                self.fn()
             out = self.fn()
         if first:
             self.outputs = out

@@ -257,7 +257,7 @@ def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.
 def fused_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                           top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts forward signature: (module, x [N, H], top_k_index, top_k_weights)."""
-    # (transformers before 5.2x sets no _is_expert_parallel: EP sentinels are then assumed possible)
+    # (transformers 5.17 sets no _is_expert_parallel: EP sentinels are then assumed possible)
     return fused_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights,
                          sentinels=getattr(self, "_is_expert_parallel", True))
 

@@ -98,7 +98,8 @@ class PEagleRunner:
                                      torch.zeros_like(aux))
                 self.calls[n, k] = CapturedCall(lambda: self.body(inputs, n, k), self.device), inputs
             call, inputs = self.calls[n, k]
-            inputs.ids.copy_(torch.tensor(ids, pin_memory=self.device.type == "cuda"), non_blocking=True)  # (pinned blocks are kept until copied)
+            pinned = torch.tensor(ids, pin_memory=self.device.type == "cuda")  # (kept by torch until copied)
+            inputs.ids.copy_(pinned, non_blocking=True)
             inputs.aux.copy_(aux)
             logits = call()
         else:
