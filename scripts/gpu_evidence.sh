@@ -28,7 +28,7 @@
 #   bash scripts/gpu_evidence.sh start      copy the tree to $EV/repo, start `plan` (PLAN=rest: `plan_rest`,
 #                                           PLAN=next: `plan_next`, PLAN=families: `plan_families`,
 #                                           PLAN=moe: `plan_moe`, PLAN=decode: `plan_decode`,
-#                                           PLAN=objectives: `plan_objectives`,
+#                                           PLAN=objectives: `plan_objectives`, PLAN=modes: `plan_modes`,
 #                                           below) in the background
 #   bash scripts/gpu_evidence.sh wait [S]   wait until the plan ends or S seconds pass, then pack the
 #                                           results into $OUT/evidence.tar.gz and print the status
@@ -330,6 +330,25 @@ plan_objectives() {
   echo done > "$EV/done"
 }
 
+# PLAN=modes (issue 39; deadline DEADLINE): scripts/modes_gpu.sh, SmolLM2 under the reasoning rules
+# of Qwen3's template: a draft trained in each mode (SYNTH=2048 conversations, 1 epoch, the two
+# side by side) and each evaluated in both modes, 8 prompts a set (EVAL_LIMIT). Estimates on one
+# H200: 2 regens and captures ~150 s, 2 trainings ~200 s, 2 evals of 2 modes x 4 sets ~120 s.
+plan_modes() {
+  begin_plan "plan modes: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s" || return 1
+  if [ "$DEV" = cuda ]; then
+    step modes 600 env RUN="$RUN/modes" SYNTH="${SYNTH_MODES:-2048}" EPOCHS=1 \
+      EVAL_OPTS="--limit ${EVAL_LIMIT:-8}" bash scripts/modes_gpu.sh
+  else
+    step modes 900 env RUN="$RUN/modes" DEV=cpu SYNTH=6 EPOCHS=1 RESULT=dry_modes \
+      REGEN_OPTS="--batch-size 6 --max-new-tokens 16" EVAL_OPTS="--limit 1 --max-new-tokens 6 --prompts chat" \
+      TRAIN_OPTS="--num-workers 0 --max-batch-tokens 1024 --warmup-steps 1 --eval-fraction 0.3" \
+      bash scripts/modes_gpu.sh
+  fi
+  echo "[$(elapsed) s] plan done"
+  echo done > "$EV/done"
+}
+
 pack() {
   local out=${OUT:-$EV/out}
   mkdir -p "$out"
@@ -364,6 +383,7 @@ case "${1:-}" in
   moe) plan_moe ;;
   decode) plan_decode ;;
   objectives) plan_objectives ;;
+  modes) plan_modes ;;
   wait)
     limit=${2:-540}; t=$(date +%s)
     while [ ! -f "$EV/done" ] && [ $(( $(date +%s) - t )) -lt "$limit" ]; do sleep 5; done
