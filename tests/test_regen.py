@@ -15,6 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from specfoundry.generate.dataset import FORMAT_VERSION
 from specfoundry.generate.backend import Generation, Request, SamplingConfig
 from specfoundry.generate.cli import main as regen_cli
 from specfoundry.generate.hf_backend import HFBackend
@@ -156,6 +157,22 @@ def test_rerun_with_other_settings_is_refused(tmp_path, chat_file, backend):
         run_regen(RegenConfig(output=str(out), source=str(chat_file), limit=1,
                               sampling=SamplingConfig(temperature=0.5, max_new_tokens=4)), backend, silent=True)
 
+
+
+def test_resume_of_a_folder_written_in_another_format_is_refused(tmp_path, chat_file, backend):
+    """Finished shards are never rewritten, so resuming an older format's folder would leave one
+    dataset with two row schemas: refused in one line naming the manifest and both versions."""
+    out = tmp_path / "o"
+    cfg = RegenConfig(output=str(out), source=str(chat_file), limit=2,
+                      sampling=SamplingConfig(temperature=0.0, max_new_tokens=4))
+    run_regen(cfg, backend, silent=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    run_regen(cfg, backend, silent=True)  # the same format resumes (nothing left to do)
+    manifest["format_version"] = FORMAT_VERSION - 1
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=f"manifest.json: its shards are regen format {FORMAT_VERSION - 1}, "
+                                         f"this sf-regen writes format {FORMAT_VERSION}"):
+        run_regen(cfg, backend, silent=True)
 
 def test_cli_reports_bad_input_and_keeps_good(tmp_path):
     src = tmp_path / "mixed.jsonl"

@@ -46,7 +46,7 @@ from specfoundry.common.shards import ShardedOutput, check_output_folder, output
 from specfoundry.common.target import EMBEDDED_DEFAULT
 from specfoundry.generate.backend import Backend, Generation, Request, SamplingConfig, derive_seed, serve
 from specfoundry.generate.backends import BACKENDS, make_backend
-from specfoundry.generate.dataset import DATASET_CARD, regen_manifest, shard_path, write_shard
+from specfoundry.generate.dataset import DATASET_CARD, check_resumable_format, regen_manifest, shard_path, write_shard
 from specfoundry.generate.hf_backend import ENGINES
 from specfoundry.generate.synth import DEFAULT_STARTERS, read_starters, starter_for, user_turn_prefix
 from specfoundry.generate.turns import ConversationState, ShardCounts, record_turn, shard_rows
@@ -315,6 +315,10 @@ class Regenerator:
         ranks: Ranks = getattr(self.backend, "ranks", None) or Ranks()
         conversations, bad, num_shards = self.plan()
         if ranks.rank == 0:
+            try:
+                check_resumable_format(self.out)
+            except ValueError as e:
+                raise RegenError(str(e)) from None
             placed = getattr(self.backend, "target", None)  # the hf backend's placement as it runs
             record_config(self.out, "regen", self.cfg if placed is None else
                           replace(self.cfg, placement=placed.placement))
