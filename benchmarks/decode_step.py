@@ -22,13 +22,16 @@ Columns:
                   4D mask, transformers' own sdpa attention; one replay
     core          TargetRunner with graphs (what sf-eval and the gate run): inputs copied in, mask
                   built in the graph, aux layers tapped, fp32 logits
+    core_fold1    core with the fold for one query a row (decoding/target.py FOLD_QUERIES=1): a verify
+                  or tree step attends through transformers' sdpa path (repeat_kv), as the reference does
     core_eager    the same body without graphs (the CPU path)
 For a draft row, `plain` is the family's step eager (its runner without graphs), `graph` the same body
 under one bare torch.cuda.graph written here, `core` the runner's own captured step.
 --device cpu --shapes tiny checks the script on a CPU (no graph columns).
 CUDA events around each (after warm-up, the columns interleaved in every iteration), median ms.
---profile adds torch.profiler tables of 10 core and 10 plain token steps. JSON: results/decode_step.json
-(`summary.ms`: shape -> row -> {plain, graph, core, core_eager}).
+--profile adds torch.profiler tables of 10 steps each: the token step (core, plain) and the verify of 8
+tokens (core, core_fold1, graph). JSON: results/decode_step.json (`summary.ms`: shape -> row ->
+{plain, graph, core, core_fold1, core_eager}).
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ TREE = (8, 4, 2, 1, 1, 1, 1)
 AUX = {"smollm2": [1, 14, 26], "8b": [1, 15, 28], "tiny": [1, 3, 4]}
 DFLASH_LAYERS = {"smollm2": [1, 8, 14, 20, 27], "8b": [1, 8, 15, 22, 29], "tiny": [1, 2, 3, 4, 5]}
 CHAIN, BLOCK = 7, 16
+COLUMNS = ("plain", "graph", "core", "core_fold1", "core_eager")
+PROFILED_VERIFY = 8  # tokens of the verify step --profile records (verify_k7)
 
 
 def tree_of(branching: tuple[int, ...], vocab: int) -> DraftTree:
@@ -166,7 +171,8 @@ def rows_of(shape: str, model, prompt_len: int, iters: int) -> list[dict]:
     tree = tree_of(TREE, vocab)
     target = Target.wrap(model)
     core, eager = TargetRunner(target, AUX[shape], graphs=True), TargetRunner(target, AUX[shape], graphs=False)
-    for runner in (core, eager):
+    fold1 = TargetRunner(target, AUX[shape], graphs=True, fold_queries=1)
+    for runner in (core, eager, fold1):
         runner.reset(prompt_len + len(tree) + 64)
         runner.forward(prompt)
     plain_cache = DynamicCache(config=model.config)
@@ -199,6 +205,8 @@ def rows_of(shape: str, model, prompt_len: int, iters: int) -> list[dict]:
 
         pattern = (mask[:, prompt_len:] if mask is not None else torch.ones(t, t, dtype=torch.bool).tril())
         fns, errors = {"core": core_step(core), "core_eager": core_step(eager)}, {}
+        if t > 1:  # (one token a row folds either way)
+            fns["core_fold1"] = core_step(fold1)
         if name != "tree":
             fns["plain"] = plain_step
         try:
@@ -206,9 +214,10 @@ def rows_of(shape: str, model, prompt_len: int, iters: int) -> list[dict]:
         except Exception as e:  # noqa: BLE001 - reported in the row, the other columns still measured
             errors["graph"] = f"{type(e).__name__}: {e}"[:300]
         ms = cuda_time_ms_interleaved(fns, warmup=3, iters=iters)
-        rows.append({"shape": shape, "row": name, "tokens": t, **{k: ms.get(k) for k in ("plain", "graph", "core",
-                                                                                      "core_eager")},
-                     "core/graph": ms["core"] / ms["graph"] if "graph" in ms else None, **errors})
+        rows.append({"shape": shape, "row": name, "tokens": t, **{k: ms.get(k) for k in COLUMNS},
+                     "core/graph": ms["core"] / ms["graph"] if "graph" in ms else None,
+                     "core_fold1/graph": ms["core_fold1"] / ms["graph"] if "graph" in ms and "core_fold1" in ms else None,
+                     **errors})
     return rows
 
 
@@ -318,19 +327,34 @@ def wall_ms(fn, iters: int) -> float:
 
 
 def profile(model, shape: str, prompt_len: int) -> dict:
+    """torch.profiler tables (device kernels and host ops) of 10 steps each: the token step (core,
+    plain) and the verify of PROFILED_VERIFY tokens (core, core_fold1, the graph reference)."""
     from transformers import DynamicCache
 
     prompt = list(range(1, prompt_len + 1))
-    runner = TargetRunner(Target.wrap(model), AUX[shape], graphs=True)
-    runner.reset(prompt_len + 64)
-    runner.forward(prompt)
+    target = Target.wrap(model)
+    runner = TargetRunner(target, AUX[shape], graphs=True)
+    fold1 = TargetRunner(target, AUX[shape], graphs=True, fold_queries=1)
+    for r in (runner, fold1):
+        r.reset(prompt_len + 64)
+        r.forward(prompt)
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
         model(input_ids=torch.tensor([prompt], device=model.device), **{cache_arg(model): cache}, use_cache=True)
+    t = PROFILED_VERIFY
+    chain = list(range(7, 7 + t))
+    ref_cache = RefCache(runner.cache.capacity)
+    reference_step(model, ref_cache, 0, prompt, list(range(prompt_len)),
+                   torch.ones(prompt_len, prompt_len, dtype=torch.bool).tril())()  # its prefill
+    reference = reference_step(model, ref_cache, prompt_len, chain, list(range(prompt_len, prompt_len + t)),
+                               torch.ones(t, t, dtype=torch.bool).tril())
     out = {}
-    for name, fn in (("core", lambda: (runner.forward([5]), runner.crop(prompt_len))),
-                     ("plain", lambda: (model(input_ids=torch.tensor([[5]], device=model.device), **{cache_arg(model): cache},
-                                              use_cache=True), cache.crop(-1)))):
+    for name, fn in (("core token", lambda: (runner.forward([5]), runner.crop(prompt_len))),
+                     ("plain token", lambda: (model(input_ids=torch.tensor([[5]], device=model.device),
+                                                    **{cache_arg(model): cache}, use_cache=True), cache.crop(-1))),
+                     (f"core verify_k{t - 1}", lambda: (runner.forward(chain), runner.crop(prompt_len))),
+                     (f"core_fold1 verify_k{t - 1}", lambda: (fold1.forward(chain), fold1.crop(prompt_len))),
+                     (f"graph verify_k{t - 1}", reference)):
         with torch.inference_mode():
             for _ in range(3):
                 fn()
@@ -341,8 +365,8 @@ def profile(model, shape: str, prompt_len: int) -> dict:
                     fn()
                 torch.cuda.synchronize()
         out[name] = {"device": profile_summary(prof), "host": profile_summary(prof, device=False)}
-        print_profile_summary(f"{shape} {name}: device, 10 token steps", out[name]["device"])
-        print_profile_summary(f"{shape} {name}: host, 10 token steps", out[name]["host"])
+        print_profile_summary(f"{shape} {name}: device, 10 steps", out[name]["device"])
+        print_profile_summary(f"{shape} {name}: host, 10 steps", out[name]["host"])
     return out
 
 
@@ -365,11 +389,10 @@ def main() -> None:
             profiles[shape] = profile(model, shape, args.prompt)
         del model
         torch.cuda.empty_cache()
-    print_table(rows, ["shape", "row", "tokens", "plain", "graph", "core", "core_eager", "core/graph"])
+    print_table(rows, ["shape", "row", "tokens", *COLUMNS, "core/graph", "core_fold1/graph"])
     summary = {"ms": {}}
     for r in rows:
-        summary["ms"].setdefault(r["shape"], {})[r["row"]] = {k: r.get(k) for k in ("plain", "graph", "core",
-                                                                                    "core_eager")}
+        summary["ms"].setdefault(r["shape"], {})[r["row"]] = {k: r.get(k) for k in COLUMNS}
     if args.device != "cuda":
         return  # a check of the script: no result file
     path = write_result(args.out, rows, {"summary": summary, "profile": profiles, "tree": list(TREE),

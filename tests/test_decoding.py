@@ -28,13 +28,19 @@ def full_logits(model, ids: list[int]) -> torch.Tensor:
         return model(input_ids=torch.tensor([ids])).logits[0].float()
 
 
+# fold_queries: every step folds the query heads onto the KV heads (None), or only a token step
+# does (1) and a verify goes through transformers' sdpa path (repeat_kv): the same attention
+FOLDS = [None, 1]
+
+
+@pytest.mark.parametrize("fold_queries", FOLDS)
 @pytest.mark.parametrize("layout", ["full", "sliding", "mixed"])
-def test_a_step_after_a_rejected_draft_sees_the_committed_text_only(layout):
+def test_a_step_after_a_rejected_draft_sees_the_committed_text_only(layout, fold_queries):
     """Prompt, then a chain of 4 drafts of which 1 is kept, then a new chain: its logits are the
     full forward's over the committed text, though the cache still holds the 3 rejected drafts'
     keys (the windowed layers see only their window: 8 positions)."""
     model = gqa_model(layout)
-    runner = TargetRunner(Target.wrap(model), [0], graphs=False)
+    runner = TargetRunner(Target.wrap(model), [0], graphs=False, fold_queries=fold_queries)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 96, (11,), generator=g).tolist()
     runner.reset(64)
@@ -50,11 +56,12 @@ def test_a_step_after_a_rejected_draft_sees_the_committed_text_only(layout):
     assert aux.shape == (4, 96) and len(runner) == len(committed) + 4
 
 
-def test_a_tree_verify_gives_each_node_its_branch():
+@pytest.mark.parametrize("fold_queries", FOLDS)
+def test_a_tree_verify_gives_each_node_its_branch(fold_queries):
     """Every node of a 2,2 tree under verify_mask: its logits are those of the full forward over
     the committed text and its own branch (its ancestors, then itself), at position root + depth."""
     model = gqa_model("full")
-    runner = TargetRunner(Target.wrap(model), [1], graphs=False)
+    runner = TargetRunner(Target.wrap(model), [1], graphs=False, fold_queries=fold_queries)
     prompt = list(range(3, 12))
     runner.reset(64)
     runner.forward(prompt[:-1])  # the newest token (the tree's root) is pending

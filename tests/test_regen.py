@@ -15,9 +15,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from specfoundry.generate.dataset import FORMAT_VERSION
 from specfoundry.generate.backend import Generation, Request, SamplingConfig
 from specfoundry.generate.cli import main as regen_cli
+from specfoundry.generate.dataset import FORMAT_VERSION
 from specfoundry.generate.hf_backend import HFBackend
 from specfoundry.generate.regen import RegenConfig, run_regen
 from specfoundry.generate.repetition import loop_cut

@@ -19,15 +19,11 @@ from transformers import (
 from transformers.integrations import sdpa_attention
 
 from specfoundry.common.target import Target, mask_layout
+from specfoundry.decoding.attention import one_query_folded_attention
 from specfoundry.generate.backend import Request, SamplingConfig
 from specfoundry.generate.hf_backend import HFBackend
 from specfoundry.generate.sampling import next_tokens, uniform
-from specfoundry.generate.slots import (
-    SLOT_ATTENTION,
-    SlotEngine,
-    slot_sdpa_attention,
-    supported,
-)
+from specfoundry.generate.slots import SLOT_ATTENTION, SlotEngine, supported
 
 # every graph-replay test runs twice: on a GPU (captured graphs, `-m gpu`) and on a CPU, where
 # decoding/graphs.CapturedCall does eagerly what a replay does and fails on any host read
@@ -241,7 +237,7 @@ def test_the_folded_attention_of_one_ranks_heads_and_what_it_leaves_to_transform
     query = torch.randn(4, 1, 3, 16).transpose(1, 2)  # [B, 3, 1, D] as a layer makes it
     mask = torch.rand(4, 1, 1, 40) > 0.3
     mask[:, :, :, 0] = True
-    out, _ = slot_sdpa_attention(module, query, key, value, mask, scaling=0.25)
+    out, _ = one_query_folded_attention(module, query, key, value, mask, scaling=0.25)
     per_head = torch.nn.functional.scaled_dot_product_attention(
         query, sdpa_attention.repeat_kv(key, 3), sdpa_attention.repeat_kv(value, 3), attn_mask=mask, scale=0.25)
     # [B, 1, 3, D]; another call's shapes: sums over 40 keys in another order, ~sqrt(40) * 1.2e-7 of
@@ -249,7 +245,7 @@ def test_the_folded_attention_of_one_ranks_heads_and_what_it_leaves_to_transform
     torch.testing.assert_close(out, per_head.transpose(1, 2), rtol=0, atol=1e-5)
     prefill = torch.randn(4, 3, 40, 16)
     causal = torch.ones(40, 40, dtype=torch.bool).tril()[None, None].expand(4, 1, 40, 40)
-    got, _ = slot_sdpa_attention(module, prefill, key, value, causal, scaling=0.25)
+    got, _ = one_query_folded_attention(module, prefill, key, value, causal, scaling=0.25)
     want, _ = sdpa_attention.sdpa_attention_forward(module, prefill, key, value, causal, scaling=0.25)
     assert torch.equal(got, want)
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 FOLDED_ATTENTION = "specfoundry_folded_sdpa"  # transformers' name of folded_sdpa_attention (any queries a row)
+ONE_QUERY_FOLDED_ATTENTION = "specfoundry_slot_sdpa"  # the fold for one query a row, more to transformers' path
 PLAIN_ONLY = ("softcap", "position_bias", "s_aux")  # sdpa's extras: the fold leaves them to transformers' path
 
 
@@ -76,18 +77,28 @@ def register_attention(name: str, function) -> None:
     AttentionMaskInterface.register(name, AttentionMaskInterface._global_mapping["sdpa"])
 
 
+def one_query_folded_attention(module, query, key, value, attention_mask, **kwargs):
+    """folded_sdpa_attention for one query per row (a decode step); several queries a row (a
+    prefill, a verify) go to transformers' sdpa path."""
+    return folded_sdpa_attention(module, query, key, value, attention_mask, max_queries=1, **kwargs)
+
+
+FOLDS = {None: (FOLDED_ATTENTION, folded_sdpa_attention), 1: (ONE_QUERY_FOLDED_ATTENTION, one_query_folded_attention)}
+"""The folds by the most queries a row they take (None: any), as (transformers' name, function)."""
+
+
 @contextmanager
-def folded_attention(config, name: str = FOLDED_ATTENTION, use: bool = True):
-    """Run the layers of `config` (the text config the attention modules read) with the attention
-    registered as `name` (folded_sdpa_attention by default), then restore what they had. A no-op
+def folded_attention(config, max_queries: int | None = None, use: bool = True):
+    """Run the layers of `config` (the text config the attention modules read) with the folded
+    attention for at most `max_queries` queries a row (FOLDS), then restore what they had. A no-op
     unless `use` and the target is sdpa (eager keeps eager: its masks are additive and it repeats
     the cache in its own code)."""
     before = config._attn_implementation
     if not use or before != "sdpa":
         yield
         return
-    if name == FOLDED_ATTENTION:
-        register_attention(FOLDED_ATTENTION, folded_sdpa_attention)
+    name, function = FOLDS[max_queries]
+    register_attention(name, function)
     config._attn_implementation = name
     try:
         yield

@@ -33,6 +33,11 @@ from specfoundry.decoding.attention import folded_attention
 from specfoundry.decoding.cache import StaticKVCache, visible
 from specfoundry.decoding.graphs import CapturedCall
 
+FOLD_QUERIES: int | None = None
+"""The most queries a row the target runner's steps attend with the fold (decoding/attention.py
+FOLDS; None: every step), more through transformers' sdpa path (repeat_kv). A token step folds
+either way; benchmarks/decode_step.py measures the verify and tree steps both ways."""
+
 COLUMN_ROUND = 256
 """Capacities are rounded up to a multiple of this, so nearby lengths share a cache and its graphs."""
 
@@ -88,15 +93,17 @@ class GraphStep:
 class TargetRunner:
     """The target (common/target.Target) with a static KV cache for one sequence; its tap gives the
     aux layers' outputs of each step. `graphs`: capture decode steps as CUDA graphs (default: where
-    graphs_possible)."""
+    graphs_possible). `fold_queries`: the most queries a row attended with the fold (FOLD_QUERIES)."""
 
-    def __init__(self, target: Target, aux_layers: list[int], *, graphs: bool | None = None):
+    def __init__(self, target: Target, aux_layers: list[int], *, graphs: bool | None = None,
+                 fold_queries: int | None = FOLD_QUERIES):
         self.target = target
         self.model = target.model
         self.tap = target.tap(aux_layers)
         self.aux_layers = self.tap.aux_layers
         self.device = target.input_device
         self.graphs = graphs_possible(target) if graphs is None else graphs
+        self.fold_queries = fold_queries
         # eager attention adds its mask to the scores; sdpa takes a boolean one
         self.additive = target.config._attn_implementation == "eager"
         self.cache: StaticKVCache | None = None
@@ -168,7 +175,7 @@ class TargetRunner:
         kv_pos = torch.where(offset < 0, self.kv_index, x.positions[offset.clamp(0, count - 1)])  # [C]
         masks = self.target.attention_masks(allowed[None], x.positions[None], kv_pos[None], additive=self.additive)
         self.cache.columns = x.start + self.kv_index[:count]  # [T]
-        with folded_attention(self.target.config):
+        with folded_attention(self.target.config, self.fold_queries):
             step = self.target.forward(x.ids[None], positions=x.positions[None], mask=masks, cache=self.cache,
                                        hidden=want_hidden)
         aux = self.tap.take()[0]  # [T, K*H]

@@ -46,7 +46,13 @@ from specfoundry.common.shards import ShardedOutput, check_output_folder, output
 from specfoundry.common.target import EMBEDDED_DEFAULT
 from specfoundry.generate.backend import Backend, Generation, Request, SamplingConfig, derive_seed, serve
 from specfoundry.generate.backends import BACKENDS, make_backend
-from specfoundry.generate.dataset import DATASET_CARD, check_resumable_format, regen_manifest, shard_path, write_shard
+from specfoundry.generate.dataset import (
+    DATASET_CARD,
+    check_resumable_format,
+    regen_manifest,
+    shard_path,
+    write_shard,
+)
 from specfoundry.generate.hf_backend import ENGINES
 from specfoundry.generate.synth import DEFAULT_STARTERS, read_starters, starter_for, user_turn_prefix
 from specfoundry.generate.turns import ConversationState, ShardCounts, record_turn, shard_rows

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specfoundry.common.target import Target, mask_layout
-from specfoundry.decoding.attention import folded_attention, folded_sdpa_attention, register_attention
+from specfoundry.decoding.attention import ONE_QUERY_FOLDED_ATTENTION, folded_attention
 from specfoundry.decoding.graphs import CapturedCall
 from specfoundry.decoding.target import graphs_possible
 from specfoundry.generate.backend import SamplingConfig
@@ -62,23 +62,13 @@ def supported(model) -> bool:
     return getattr(config, "_attn_implementation", "eager") in ("sdpa", "eager") and mask_layout(config) is not None
 
 
-SLOT_ATTENTION = "specfoundry_slot_sdpa"  # transformers' name of the engine's folded attention (one query a row)
-
-
-def slot_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
-    """decoding/attention.py's folded attention for one query per row (a decode step); prefill
-    (several queries a row) goes to transformers' sdpa path."""
-    return folded_sdpa_attention(module, query, key, value, attention_mask, max_queries=1, **kwargs)
-
-
-def register_slot_attention() -> None:
-    """Make SLOT_ATTENTION a name transformers knows (attention function and mask builder)."""
-    register_attention(SLOT_ATTENTION, slot_sdpa_attention)
+SLOT_ATTENTION = ONE_QUERY_FOLDED_ATTENTION  # transformers' name of the engine's folded attention (one query a row)
 
 
 def slot_attention(config, use: bool = True):
-    """The engine's forward with slot_sdpa_attention (decoding/attention.py folded_attention)."""
-    return folded_attention(config, SLOT_ATTENTION, use)
+    """The engine's forward with the fold for one query a row (decoding/attention.py): a decode
+    step folds; prefill (several queries a row) goes to transformers' sdpa path."""
+    return folded_attention(config, max_queries=1, use=use)
 
 
 class SlotCache:
@@ -186,8 +176,6 @@ class SlotEngine:
         self.refill_at = max(1, slots // 8)  # free slots worth one prefill forward
         self.stop = torch.tensor(stop_ids, dtype=torch.long, device=self.device)
         self.fold = config._attn_implementation == "sdpa"  # attend over the unexpanded cache (slot_attention)
-        if self.fold:
-            register_slot_attention()
 
     # ---- device state ---------------------------------------------------------------------
 
