@@ -23,8 +23,9 @@ weights) x tokens/s over 790 TFLOP/s. Attention FLOPs are not counted.
                                      [--profile] [--launch BM,BN,BK,WARPS,STAGES]
     python -m benchmarks.capture_moe --device cpu --shapes tiny      # checks the script on a CPU
 
---profile: a PyTorch profiler breakdown of one MoE layer's forward per implementation at each
-token count (kernels grouped by kind), into the JSON's "profile".
+--profile: PyTorch profiler breakdowns (kernels grouped by kind) per implementation at each token
+count, into the JSON's "profile": the whole bare forward (`SHAPE/IMPL/TOKENS/model`, dense too) and
+one MoE layer's block (`SHAPE/IMPL/TOKENS`).
 """
 
 from __future__ import annotations
@@ -172,6 +173,19 @@ def measure_shape(shape, model_type, fields, counts, seq, args, rows, summary_mf
             if tokens == 32768 or args.shapes == "tiny":
                 table = summary_mfu if kind == "bare" else summary_capture
                 table.setdefault(shape, {})[impl] = mfu if kind == "bare" else tps
+        if args.profile and cuda:  # the whole bare forward, by kind: where a layer's time goes besides its experts
+            for impl in impls:
+                if (impl, "bare") not in fns:
+                    continue
+                with torch.inference_mode():
+                    fns[(impl, "bare")]()
+                    torch.cuda.synchronize()
+                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                        fns[(impl, "bare")]()
+                        torch.cuda.synchronize()
+                key = f"{shape}/{impl}/{tokens}/model"
+                profile[key] = profile_summary(prof)
+                print_profile_summary(f"{key}: the bare forward, {layers} layers", profile[key])
         if args.profile and moe and cuda:
             layer = moe_layer(model)
             x = torch.randn(ids.shape[0], seq, model.config.hidden_size, device=args.device, dtype=model.dtype)

@@ -219,24 +219,34 @@ def test_features_with_the_fused_experts_equal_the_eager_ones(tiny_moe, model_ty
         torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-def test_experts_are_found_as_older_transformers_mark_them(tiny_moe):
+def test_experts_are_found_as_older_transformers_mark_them(tiny_moe, monkeypatch):
     """transformers 5.17 (the H100/H200 image's) marks an experts module without 5.25's
     `_is_expert_parallel`: found all the same (when it was not, a benchmark measured Qwen3-MoE as a
-    dense model), and the fused forward runs on it, sentinels handled."""
+    dense model), and the fused forward runs on it. Sentinels are then expected only where several
+    processes run (expert parallelism needs them): one process skips the zero fill, two handle them."""
     from transformers import AutoModelForCausalLM
 
     from specfoundry.common.experts import experts_modules
-    from specfoundry.kernels.fused_moe import fused_experts_forward
+    from specfoundry.kernels.fused_moe import expert_parallel, fused_experts_forward
 
     model = AutoModelForCausalLM.from_pretrained(tiny_moe["qwen3_moe"])
     found = experts_modules(model)
     assert len(found) == model.config.num_hidden_layers
+    assert not expert_parallel(found[0])  # 5.25's flag, False here
     for m in found:
         del m._is_expert_parallel
     assert experts_modules(model) == found
     m, x = found[0], torch.randn(5, model.config.hidden_size)
-    idx = torch.tensor([[0, 1]] * 4 + [[m.num_experts, 2]])  # the last token's first slot: a sentinel
     w = torch.full((5, 2), 0.5)
+    assert not expert_parallel(m)  # one process
+    idx = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 3], [0, 2]])
+    want = fused_experts_reference(x, m.gate_up_proj.detach(), m.down_proj.detach(), idx, w)
+    with torch.no_grad():
+        torch.testing.assert_close(fused_experts_forward(m, x, idx, w), want, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 2)
+    assert expert_parallel(m)
+    idx = torch.tensor([[0, 1]] * 4 + [[m.num_experts, 2]])  # the last token's first slot: a sentinel
     want = fused_experts_reference(x, m.gate_up_proj.detach(), m.down_proj.detach(), idx, w)
     with torch.no_grad():
         torch.testing.assert_close(fused_experts_forward(m, x, idx, w), want, rtol=1e-5, atol=1e-6)
