@@ -43,6 +43,31 @@ class RoundInputs:
     aux: torch.Tensor
 
 
+class RoundCall:
+    """A captured round and its static inputs, refilled per call from a pinned host buffer of the
+    ids (reused: rewritten only once its last copy has run) and the pending rows' features written
+    straight into the static aux (no concatenated copy first)."""
+
+    def __init__(self, call: CapturedCall, inputs: RoundInputs):
+        cuda = inputs.ids.device.type == "cuda"
+        self.call, self.inputs = call, inputs
+        self.host_ids = torch.zeros(inputs.ids.shape[0], dtype=torch.long, pin_memory=cuda)
+        self.copied = torch.cuda.Event() if cuda else None
+
+    def run(self, ids: list[int], aux: list[torch.Tensor]) -> torch.Tensor:
+        if self.copied is not None:
+            self.copied.synchronize()
+        self.host_ids.copy_(torch.tensor(ids))
+        self.inputs.ids.copy_(self.host_ids, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        if len(aux) > 1 and aux[0].device == self.inputs.aux.device:
+            torch.cat(aux, out=self.inputs.aux)  # [n, 3*Ht]
+        else:  # one piece, or features from another device (the target's)
+            self.inputs.aux.copy_(aux[0] if len(aux) == 1 else torch.cat(aux))
+        return self.call()
+
+
 class PEagleRunner:
     """The draft with its static KV cache (decoding/cache.py: every layer's keys, column i the row
     of position i) and its pending rows (see the module docstring). A round's forward reads the
@@ -60,7 +85,7 @@ class PEagleRunner:
         self.cache = StaticKVCache(COLUMN_ROUND)
         self.kv_index = torch.arange(COLUMN_ROUND, device=self.device)
         self.start = torch.zeros((), dtype=torch.long, device=self.device)  # the committed length
-        self.calls: dict[tuple[int, int], tuple[CapturedCall, RoundInputs]] = {}
+        self.calls: dict[tuple[int, int], RoundCall] = {}
         self.reset()
 
     def reset(self, reserve: int = 0) -> None:
@@ -91,18 +116,14 @@ class PEagleRunner:
         assert n >= 1, "a round needs the newest committed token"
         self.reserve(self.length + n + k - 1)
         ids = self.tokens + [self.draft.cfg.mask_token_id] * (k - 1)
-        aux = torch.cat(self.aux)  # [n, 3*Ht]
         if self.graphs and self.length > 0 and n <= MAX_DRAFT + 1:
             if (n, k) not in self.calls:
                 inputs = RoundInputs(torch.zeros(n + k - 1, dtype=torch.long, device=self.device),
-                                     torch.zeros_like(aux))
-                self.calls[n, k] = CapturedCall(lambda: self.body(inputs, n, k), self.device), inputs
-            call, inputs = self.calls[n, k]
-            pinned = torch.tensor(ids, pin_memory=self.device.type == "cuda")  # (kept by torch until copied)
-            inputs.ids.copy_(pinned, non_blocking=True)
-            inputs.aux.copy_(aux)
-            logits = call()
+                                     torch.zeros(n, self.aux[0].shape[1], dtype=self.aux[0].dtype, device=self.device))
+                self.calls[n, k] = RoundCall(CapturedCall(lambda: self.body(inputs, n, k), self.device), inputs)
+            logits = self.calls[n, k].run(ids, self.aux)
         else:
+            aux = torch.cat(self.aux)  # [n, 3*Ht]
             logits = self.body(RoundInputs(torch.tensor(ids, device=self.device), aux), n, k)
         self.length += n  # the mask slots' columns are this round's only
         self.start.fill_(self.length)
