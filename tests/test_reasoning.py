@@ -388,19 +388,3 @@ def test_the_channel_span_holds_when_the_answer_is_repeated_in_the_reasoning(har
                             {"role": "user", "content": "b"}, {"role": "assistant", "content": "Y"}])
     assert masked_texts(harmony, render_with_mask(harmony, earlier)) == ["X<|end|>", "Y<|return|>"]
 
-
-def test_the_modes_table_pairs_each_draft_with_its_own_mode():
-    """benchmarks/modes.py (scripts/modes_gpu.sh's gatherer): sets named 'SET [MODE]' by sf-eval
-    --modes are split, and the gain compares the draft's trained mode with the other one."""
-    from benchmarks.modes import split_set, summarise
-    assert split_set("chat [enable_thinking=false]") == ("chat", "enable_thinking=false")
-    with pytest.raises(SystemExit, match="names no mode"):
-        split_set("chat")
-    rows = [{"draft": d, "mode": m, "prompt_set": s, "accept_length": a}
-            for d, m, s, a in [("nothink", "enable_thinking=false", "chat", 3.0),
-                               ("nothink", "enable_thinking=false", "code", 5.0),
-                               ("nothink", "enable_thinking=true", "chat", 2.0),
-                               ("nothink", "enable_thinking=true", "code", 2.0)]]
-    summary = summarise(rows)
-    assert summary["mean"]["nothink"] == {"enable_thinking=false": 4.0, "enable_thinking=true": 2.0}
-    assert summary["matched_gain_pct"] == {"nothink": pytest.approx(100.0)}  # 4 against 2
