@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 from specfoundry import __version__
 from specfoundry.common.files import checksum
 from specfoundry.common.settings import config_dict
-from specfoundry.common.shards import ShardedOutput
+from specfoundry.common.shards import OutputFolderError, ShardedOutput
 
 FORMAT = "specfoundry.regen"
 FORMAT_VERSION = 4  # 3: each row's mode; 4: messages' thinking
@@ -62,7 +62,7 @@ def check_resumable_format(out: Path) -> None:
         return  # written atomically; an unreadable one is rebuilt from the done marks
     version = manifest.get("format_version")
     if manifest.get("shards") and version != FORMAT_VERSION:
-        raise ValueError(f"{path}: its shards are regen format {version}, this sf-regen writes format "
+        raise OutputFolderError(f"{path}: its shards are regen format {version}, this sf-regen writes format "
                          f"{FORMAT_VERSION} (rows with another schema); regenerate into a new folder, or remove "
                          f"{Path(out) / 'data'} and its done marks to start this one again")
 

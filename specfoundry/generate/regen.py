@@ -321,10 +321,7 @@ class Regenerator:
         ranks: Ranks = getattr(self.backend, "ranks", None) or Ranks()
         conversations, bad, num_shards = self.plan()
         if ranks.rank == 0:
-            try:
-                check_resumable_format(self.out)
-            except ValueError as e:
-                raise RegenError(str(e)) from None
+            check_resumable_format(self.out)
             placed = getattr(self.backend, "target", None)  # the hf backend's placement as it runs
             record_config(self.out, "regen", self.cfg if placed is None else
                           replace(self.cfg, placement=placed.placement))
