@@ -95,3 +95,25 @@ class CapturedCall:
                 if isinstance(mine, torch.Tensor) and mine is not new:
                     mine.copy_(new)
         return self.outputs
+
+
+class PinnedStaging:
+    """Host buffers a captured call's inputs are copied in from, pinned on a GPU so that the copies
+    are asynchronous, and reused: `wait()` before rewriting them (their last copy must have run),
+    `sent()` once the copies from them are queued. On a CPU nothing is pinned and nothing waits."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.copied = torch.cuda.Event() if self.cuda else None
+
+    def buffer(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed host buffer (pinned on a GPU)."""
+        return torch.zeros(*shape, dtype=dtype, pin_memory=self.cuda)
+
+    def wait(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+
+    def sent(self) -> None:
+        if self.copied is not None:
+            self.copied.record()

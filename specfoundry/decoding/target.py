@@ -31,7 +31,7 @@ import torch
 from specfoundry.common.target import Target
 from specfoundry.decoding.attention import folded_attention
 from specfoundry.decoding.cache import StaticKVCache, visible
-from specfoundry.decoding.graphs import CapturedCall
+from specfoundry.decoding.graphs import CapturedCall, PinnedStaging
 
 FOLD_QUERIES: int | None = None
 """The most queries a row the target runner's steps attend with the fold (decoding/attention.py
@@ -61,12 +61,11 @@ class GraphStep:
     def __init__(self, runner: TargetRunner, tokens: int):
         device = runner.device
         self.tokens = tokens
-        cuda = device.type == "cuda"  # (on a CPU: graphs.CapturedCall's checked stand-in, nothing pinned)
-        self.host = torch.zeros(2 * tokens + 1, dtype=torch.int64, pin_memory=cuda)  # ids | positions | start
+        self.staging = PinnedStaging(device)
+        self.host = self.staging.buffer(2 * tokens + 1, dtype=torch.int64)  # ids | positions | start
         self.staged = torch.zeros(2 * tokens + 1, dtype=torch.int64, device=device)
-        self.host_pattern = torch.zeros(tokens, tokens, dtype=torch.bool, pin_memory=cuda)
+        self.host_pattern = self.staging.buffer(tokens, tokens, dtype=torch.bool)
         self.pattern = torch.zeros(tokens, tokens, dtype=torch.bool, device=device)
-        self.copied = torch.cuda.Event() if cuda else None
         self.inputs = StepInputs(self.staged[:tokens], self.staged[tokens: 2 * tokens], self.staged[2 * tokens],
                                  self.pattern)
         self.call = CapturedCall(lambda: runner.body(self.inputs, want_hidden=False), device)
@@ -76,8 +75,7 @@ class GraphStep:
         """Copy the step's inputs in: one asynchronous copy from pinned memory (two when the pattern
         changed), and `tail`, the last ids, from the device (a copy on the device, after it). The host
         buffers are rewritten only once the last copy from them has run."""
-        if self.copied is not None:
-            self.copied.synchronize()
+        self.staging.wait()
         self.host[: len(ids)] = torch.tensor(ids)
         self.host[self.tokens: 2 * self.tokens] = torch.tensor(positions)
         self.host[2 * self.tokens] = start
@@ -87,8 +85,7 @@ class GraphStep:
         if not torch.equal(self.host_pattern, pattern):
             self.host_pattern.copy_(pattern)
             self.pattern.copy_(self.host_pattern, non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
+        self.staging.sent()
 
 class TargetRunner:
     """The target (common/target.Target) with a static KV cache for one sequence; its tap gives the

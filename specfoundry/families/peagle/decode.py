@@ -24,7 +24,7 @@ import torch
 from specfoundry.common.settings import MAX_DRAFT
 from specfoundry.decoding.accept import accept
 from specfoundry.decoding.cache import StaticKVCache, visible
-from specfoundry.decoding.graphs import CapturedCall
+from specfoundry.decoding.graphs import CapturedCall, PinnedStaging
 from specfoundry.decoding.rounds import DecodeResult, decode_rounds
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import COLUMN_ROUND, TargetRunner
@@ -49,18 +49,15 @@ class RoundCall:
     straight into the static aux (no concatenated copy first)."""
 
     def __init__(self, call: CapturedCall, inputs: RoundInputs):
-        cuda = inputs.ids.device.type == "cuda"
         self.call, self.inputs = call, inputs
-        self.host_ids = torch.zeros(inputs.ids.shape[0], dtype=torch.long, pin_memory=cuda)
-        self.copied = torch.cuda.Event() if cuda else None
+        self.staging = PinnedStaging(inputs.ids.device)
+        self.host_ids = self.staging.buffer(inputs.ids.shape[0], dtype=torch.long)
 
     def run(self, ids: list[int], aux: list[torch.Tensor]) -> torch.Tensor:
-        if self.copied is not None:
-            self.copied.synchronize()
+        self.staging.wait()
         self.host_ids.copy_(torch.tensor(ids))
         self.inputs.ids.copy_(self.host_ids, non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
+        self.staging.sent()
         if len(aux) > 1 and aux[0].device == self.inputs.aux.device:
             torch.cat(aux, out=self.inputs.aux)  # [n, 3*Ht]
         else:  # one piece, or features from another device (the target's)
