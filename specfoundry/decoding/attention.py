@@ -85,6 +85,7 @@ def one_query_folded_attention(module, query, key, value, attention_mask, **kwar
 
 FOLDS = {None: (FOLDED_ATTENTION, folded_sdpa_attention), 1: (ONE_QUERY_FOLDED_ATTENTION, one_query_folded_attention)}
 """The folds by the most queries a row they take (None: any), as (transformers' name, function)."""
+_registered: set[str] = set()  # the FOLDS names transformers knows already
 
 
 @contextmanager
@@ -98,7 +99,9 @@ def folded_attention(config, max_queries: int | None = None, use: bool = True):
         yield
         return
     name, function = FOLDS[max_queries]
-    register_attention(name, function)
+    if name not in _registered:  # once per process, not at every forward
+        register_attention(name, function)
+        _registered.add(name)
     config._attn_implementation = name
     try:
         yield
