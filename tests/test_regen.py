@@ -158,7 +158,6 @@ def test_rerun_with_other_settings_is_refused(tmp_path, chat_file, backend):
                               sampling=SamplingConfig(temperature=0.5, max_new_tokens=4)), backend, silent=True)
 
 
-
 def test_resume_of_a_folder_written_in_another_format_is_refused(tmp_path, chat_file, backend):
     """Finished shards are never rewritten, so resuming an older format's folder would leave one
     dataset with two row schemas: refused in one line naming the manifest and both versions."""
@@ -173,6 +172,7 @@ def test_resume_of_a_folder_written_in_another_format_is_refused(tmp_path, chat_
     with pytest.raises(ValueError, match=f"manifest.json: its shards are regen format {FORMAT_VERSION - 1}, "
                                          f"this sf-regen writes format {FORMAT_VERSION}"):
         run_regen(cfg, backend, silent=True)
+
 
 def test_cli_reports_bad_input_and_keeps_good(tmp_path):
     src = tmp_path / "mixed.jsonl"
