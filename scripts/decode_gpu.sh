@@ -3,12 +3,12 @@
 # of SYNTH synthesised conversations, capture, EPOCHS epochs with recipes/smollm2-h200.yaml), then
 # sf-eval of every built-in prompt set (60 prompts, 96 new tokens, chain k=7, with the target-alone
 # baseline) in each of DTYPES, the wall time of each sf-eval printed. Every stage resumes.
-#   RUN=DIR SYNTH=2048 EPOCHS=1 DTYPES="float32 bfloat16" bash scripts/decode_gpu.sh
+#   RUN=DIR SYNTH=2048 EPOCHS=1 DTYPES="float32 bfloat16" bash scripts/decode_gpu.sh   (DTYPES= : up to the draft)
 # DEV=cpu SYNTH=8 DTYPES=float32 checks the script on a CPU (minutes; the figures mean nothing there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/decode-gpu}
-SYNTH=${SYNTH:-2048} EPOCHS=${EPOCHS:-1} DTYPES=${DTYPES:-float32 bfloat16} DEV=${DEV:-cuda}
+SYNTH=${SYNTH:-2048} EPOCHS=${EPOCHS:-1} DTYPES=${DTYPES-float32 bfloat16} DEV=${DEV:-cuda}
 RECIPE=recipes/smollm2-h200.yaml
 mkdir -p "$RUN"
 sf-regen run -o "$RUN/regen" --recipe "$RECIPE" --synthesize "$SYNTH" --device "$DEV" \

@@ -29,6 +29,7 @@
 #                                           PLAN=next: `plan_next`, PLAN=families: `plan_families`,
 #                                           PLAN=moe: `plan_moe`, PLAN=decode: `plan_decode`,
 #                                           PLAN=objectives: `plan_objectives`, PLAN=modes: `plan_modes`,
+#                                           PLAN=session: `plan_session`,
 #                                           below) in the background
 #   bash scripts/gpu_evidence.sh wait [S]   wait until the plan ends or S seconds pass, then pack the
 #                                           results into $OUT/evidence.tar.gz and print the status
@@ -349,6 +350,34 @@ plan_modes() {
   echo done > "$EV/done"
 }
 
+# PLAN=session (issues 36 and 39 in one session of ~1800 s; deadline DEADLINE): the decode step of
+# SmolLM2's shape with the one-query fold column (no weights needed, alone); then, untimed and side by
+# side, issue 36's short pipeline up to the draft (decode_gpu.sh with no DTYPES), issue 39's modes run
+# and the GPU test files not yet run on a card; then, each alone and timed, issue 36's sf-eval
+# (decode_gpu.sh again: every earlier stage resumes as done) and the regen benchmark.
+plan_session() {
+  begin_plan "plan session: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s" later
+  if [ "$DEV" = cuda ]; then
+    step decode_step 150 python -m benchmarks.decode_step --shapes smollm2
+    wait_weights || return 1
+    together build 650 \
+      "env RUN=$RUN/decode SYNTH=2048 EPOCHS=1 DTYPES= bash scripts/decode_gpu.sh" \
+      "env RUN=$RUN/modes SYNTH=${SYNTH_MODES:-2048} EPOCHS=1 EVAL_OPTS='--limit ${EVAL_LIMIT:-8}' bash scripts/modes_gpu.sh" \
+      "env LOG=$EV/gpu_tests.log bash benchmarks/gpu_tests.sh ${GPU_TESTS:-}"
+    step decode_e2e 260 env RUN="$RUN/decode" SYNTH=2048 EPOCHS=1 bash scripts/decode_gpu.sh
+    step regen_bench 330 python -m benchmarks.regen --profile --llama8b-conversations 0
+  else
+    step decode_step 120 python -m benchmarks.decode_step --device cpu --shapes tiny --iters 3
+    wait_weights || return 1
+    together build 900 \
+      "env RUN=$RUN/decode DEV=cpu SYNTH=8 DTYPES= bash scripts/decode_gpu.sh" \
+      "env RUN=$RUN/modes DEV=cpu SYNTH=6 EPOCHS=1 RESULT=dry_modes REGEN_OPTS='--batch-size 6 --max-new-tokens 16' EVAL_OPTS='--limit 1 --max-new-tokens 6 --prompts chat' TRAIN_OPTS='--num-workers 0 --max-batch-tokens 1024 --warmup-steps 1 --eval-fraction 0.3' bash scripts/modes_gpu.sh"
+    step decode_e2e 300 env RUN="$RUN/decode" DEV=cpu SYNTH=8 DTYPES=float32 bash scripts/decode_gpu.sh
+  fi
+  echo "[$(elapsed) s] plan done"
+  echo done > "$EV/done"
+}
+
 pack() {
   local out=${OUT:-$EV/out}
   mkdir -p "$out"
@@ -384,6 +413,7 @@ case "${1:-}" in
   decode) plan_decode ;;
   objectives) plan_objectives ;;
   modes) plan_modes ;;
+  session) plan_session ;;
   wait)
     limit=${2:-540}; t=$(date +%s)
     while [ ! -f "$EV/done" ] && [ $(( $(date +%s) - t )) -lt "$limit" ]; do sleep 5; done
