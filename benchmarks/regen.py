@@ -37,6 +37,15 @@ a quarter of them two-turn), greedy as in the pipeline; and a randomly initialis
 Llama-3.1-8B's shape (bf16) on fewer conversations (a random model rarely stops, so nearly every
 answer runs to the cap). `--second-target tiny` swaps the 8B for a tiny one, to check the script
 on a CPU; the JSON goes to results/regen.json only from a GPU run (or to --out).
+
+--synthesize N swaps SmolLM2's workload for the stage as `sf-regen --recipe RECIPE --synthesize N`
+runs it (--recipe, default recipes/smollm2-h200.yaml: its batch, answer cap, sampling and the
+prompts the target writes itself), the workload of the stage figure issue 36 compares against
+(26,100 tokens/s on 10,240 prompts, benchmarks/RESULTS.md). --paths picks the rows (default every
+one; `before` alone takes minutes): e.g. `--synthesize 10240 --paths after,graph_step
+--llama8b-conversations 0` is the stage eager and graph-replayed, side by side. Its tokens are the
+answers' (the manifest's generated_tokens), its seconds the whole stage's, the target's writing of
+the prompts included.
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ from unittest.mock import patch
 import torch
 
 from benchmarks.common import print_profile_summary, print_table, profile_summary, write_result
+from specfoundry.common.cli import resolve_config
 from specfoundry.common.target import Target
 from specfoundry.eval.evaluate import prompt_source
 from specfoundry.generate.backend import SamplingConfig
@@ -90,6 +100,18 @@ def sync():
         torch.cuda.synchronize()
 
 
+class Workload:
+    """The stage as `sf-regen --recipe RECIPE --synthesize N` runs it: every regen setting from the
+    recipe (batch, answer cap, sampling, prompt temperature), N prompts the target writes."""
+
+    def __init__(self, recipe: str, synthesize: int):
+        self.recipe, self.synthesize = recipe, synthesize
+
+    def config(self, output: Path, engine: str) -> RegenConfig:
+        return resolve_config(RegenConfig, "regen", self.recipe,
+                              {"output": str(output), "synthesize": self.synthesize, "hf_engine": engine})
+
+
 @contextmanager
 def slot_phases(acc: dict):
     """Adds to acc the wall seconds (and calls) of every SlotEngine run's phases: step, collect,
@@ -116,12 +138,16 @@ def slot_phases(acc: dict):
         yield
 
 
-def stage(backend: HFBackend, source: Path, work: Path, name: str, max_new: int, batch: int, shard_size: int,
-          grouped: bool = True) -> dict:
-    """The regen stage's tokens/s with this backend; not `grouped`: one shard at a time, as the
-    stage generated before it grouped shards. With the slot engine, also its phases' seconds."""
-    cfg = RegenConfig(output=str(work / name), source=str(source), shard_size=shard_size, batch_size=batch,
-                      hf_engine=backend.engine, sampling=SamplingConfig(temperature=0.0, max_new_tokens=max_new))
+def stage(backend: HFBackend, source: Path | Workload, work: Path, name: str, max_new: int, batch: int,
+          shard_size: int, grouped: bool = True) -> dict:
+    """The regen stage's tokens/s with this backend over `source` (conversations, or a Workload
+    the target synthesises); not `grouped`: one shard at a time, as the stage generated before it
+    grouped shards. With the slot engine, also its phases' seconds."""
+    if isinstance(source, Workload):
+        cfg = source.config(work / name, backend.engine)
+    else:
+        cfg = RegenConfig(output=str(work / name), source=str(source), shard_size=shard_size, batch_size=batch,
+                          hf_engine=backend.engine, sampling=SamplingConfig(temperature=0.0, max_new_tokens=max_new))
     phases: dict = {}
     sync()
     t = time.perf_counter()
@@ -249,16 +275,30 @@ def profile_decode(model, batch: int, steps: int = 8, prompt_len: int = 64) -> d
     return out
 
 
+STAGE_PATHS = ("before", "generate_grouped", "after", "graph_step")
+FIXED_PATHS = ("plain_generate_ceiling", "slots_fixed_length")  # fixed_length() measures both
+PATHS = STAGE_PATHS + FIXED_PATHS
+
+
 def measure(label: str, model, tokenizer, conversations: int, batch: int, max_new: int, shard_size: int,
-            work: Path, profile: bool = False) -> tuple[list[dict], dict | None]:
-    source = work / f"{label}.jsonl"
-    source.write_text("".join(json.dumps(c) + "\n" for c in synthetic_conversations(conversations)))
+            work: Path, profile: bool = False, paths: tuple[str, ...] = PATHS,
+            workload: Workload | None = None) -> tuple[list[dict], dict | None]:
+    """The rows of `paths` for one target, over `conversations` built from the prompt sets or, given,
+    the synthesised `workload`."""
+    if workload is None:
+        source = work / f"{label}.jsonl"
+        source.write_text("".join(json.dumps(c) + "\n" for c in synthetic_conversations(conversations)))
+        warm = source
+    else:
+        source, warm = workload, Workload(workload.recipe, 8)
     before = HFBackend(Target.wrap(model, tokenizer), batch_size=batch, engine="generate")
     after = HFBackend(Target.wrap(model, tokenizer), batch_size=batch, engine="slots")
-    stage(after, source, work, f"{label}-warmup", 8, min(batch, 8), shard_size)  # kernels, allocator warmed up
+    stage(after, warm, work, f"{label}-warmup", 8, min(batch, 8), shard_size)  # kernels, allocator warmed up
     rows = {}
     for path, backend, grouped in (("before", before, False), ("generate_grouped", before, True),
                                    ("after", after, True), ("graph_step", after, True)):
+        if path not in paths:
+            continue
         # `after`: the slot engine's decode step eager, as measured before graphs; `graph_step`: replayed
         eager = patch("specfoundry.generate.slots.graphs_possible", return_value=False) if path == "after" else nullcontext()
         with eager:
@@ -266,11 +306,14 @@ def measure(label: str, model, tokenizer, conversations: int, batch: int, max_ne
         # each figure in the log as it is measured: a later failure keeps it
         print(f"{label} {path}: {rows[path]['output_tokens']} tokens in {rows[path]['seconds']:.1f} s, "
               f"{rows[path]['tokens_per_s']:,.0f} tokens/s", flush=True)
-    a, b = answers(work, f"{label}-before"), answers(work, f"{label}-after")
-    # bf16 logits differ in the last bit between batch shapes, so greedy answers can part ways
-    rows["after"]["same_answers_as_before"] = sum(b.get(k) == ids for k, ids in a.items()) / len(a)
-    rows.update(fixed_length(model, before.stop_ids, batch, max_new))
-    rows = [{"target": label, "path": k, "conversations": conversations, "batch": batch, **v} for k, v in rows.items()]
+    if "before" in rows and "after" in rows:
+        a, b = answers(work, f"{label}-before"), answers(work, f"{label}-after")
+        # bf16 logits differ in the last bit between batch shapes, so greedy answers can part ways
+        rows["after"]["same_answers_as_before"] = sum(b.get(k) == ids for k, ids in a.items()) / len(a)
+    if any(p in paths for p in FIXED_PATHS):
+        rows.update(fixed_length(model, before.stop_ids, batch, max_new))
+    n = conversations if workload is None else workload.synthesize
+    rows = [{"target": label, "path": k, "conversations": n, "batch": batch, **v} for k, v in rows.items()]
     return rows, (profile_decode(model, batch) if profile else None)
 
 
@@ -322,7 +365,19 @@ def main():
                     "transformers' DynamicCache step at the full batch, per target.")
     ap.add_argument("--profile-only", action="store_true", help="Only the decode-step profiles of --profile (no "
                     "stage runs): results/regen_profile.json on a GPU.")
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"The rows to measure, comma-separated, of: "
+                    f"{', '.join(PATHS)} (default: every one).")
+    ap.add_argument("--synthesize", type=int, default=0, help="SmolLM2's workload: this many prompts the target "
+                    "writes, the stage run as `sf-regen --recipe RECIPE --synthesize N` (default 0: --conversations "
+                    "from the prompt sets).")
+    ap.add_argument("--recipe", default="recipes/smollm2-h200.yaml", help="The recipe of --synthesize's stage (its "
+                    "regen section).")
     args = ap.parse_args()
+    paths = tuple(args.paths.split(","))
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown:
+        ap.error(f"--paths: unknown {', '.join(unknown)}; the rows are {', '.join(PATHS)}")
+    workload = Workload(args.recipe, args.synthesize) if args.synthesize else None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     smollm2 = Target.load("smollm2", device=device)
     model, tokenizer = smollm2.model, smollm2.tokenizer
@@ -332,19 +387,20 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         rows, profiles["smollm2"] = measure("smollm2", model, tokenizer, args.conversations, args.batch_size,
-                                            args.max_new_tokens, args.shard_size, work, args.profile)
+                                            args.max_new_tokens, args.shard_size, work, args.profile, paths, workload)
         del model, smollm2
         if args.llama8b_conversations:
             big = llama8b(args.second_target == "tiny", device)
             more, profiles[args.second_target] = measure(args.second_target, big, tokenizer, args.llama8b_conversations,
                                                          args.llama8b_batch_size, args.max_new_tokens, args.shard_size,
-                                                         work, args.profile)
+                                                         work, args.profile, paths)
             rows += more
     summary = {f"{t}_tokens_per_s": {r["path"]: r["tokens_per_s"] for r in rows if r["target"] == t}
                for t in dict.fromkeys(r["target"] for r in rows)}
     for t in summary.values():
-        t["after_over_before"] = t["after"] / t["before"]
-        t["graph_step_over_after"] = t["graph_step"] / t["after"]
+        for ratio, (num, den) in (("after_over_before", ("after", "before")), ("graph_step_over_after", ("graph_step", "after"))):
+            if num in t and t.get(den):
+                t[ratio] = t[num] / t[den]
     print_table(rows, ["target", "path", "conversations", "batch", "output_tokens", "seconds", "tokens_per_s",
                        "same_answers_as_before"])
     for r in rows:

@@ -291,7 +291,8 @@ plan_moe() {
 #   (the SmolLM2 weights: the plan waits for the gguf call here)
 #   decode_e2e    scripts/decode_gpu.sh: 2,048 conversations, 1 epoch, sf-eval of the 60 prompts
 #                 in float32 and bfloat16                                                     ~350 s
-#   regen_bench   benchmarks/regen.py --profile, SmolLM2 only (the 8B row skipped)            ~250 s
+#   regen_bench   benchmarks/regen.py: the recipe's stage on 10,240 synthesised prompts, eager
+#                 and graph-replayed, with the profile (SmolLM2 only)                          ~330 s
 plan_decode() {
   begin_plan "plan decode: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s" later
   if [ "$DEV" = cuda ]; then
@@ -300,7 +301,8 @@ plan_decode() {
     step capture_moe 120 python -m benchmarks.capture_moe --tokens 32768 --impls grouped_mm,sf_fused --profile
     wait_weights || return 1
     step decode_e2e 450 env RUN="$RUN/decode" SYNTH=2048 EPOCHS=1 bash scripts/decode_gpu.sh
-    step regen_bench 330 python -m benchmarks.regen --profile --llama8b-conversations 0
+    step regen_bench 330 python -m benchmarks.regen --synthesize 10240 --paths after,graph_step --profile \
+      --llama8b-conversations 0
   else
     step decode_step 120 python -m benchmarks.decode_step --device cpu --shapes tiny --iters 3
     wait_weights || return 1
@@ -350,29 +352,26 @@ plan_modes() {
   echo done > "$EV/done"
 }
 
-# PLAN=session (issues 36 and 39 in one session of ~1800 s; deadline DEADLINE): the decode step of
-# SmolLM2's shape with the one-query fold column (no weights needed, alone); then, untimed and side by
-# side, issue 36's short pipeline up to the draft (decode_gpu.sh with no DTYPES), issue 39's modes run
-# and the GPU test files not yet run on a card; then, each alone and timed, issue 36's sf-eval
-# (decode_gpu.sh again: every earlier stage resumes as done) and the regen benchmark.
+# PLAN=session (issue 36's two open GPU figures; deadline DEADLINE): the 8B shape's decode steps with
+# their profile (the verify of 8 of core, core_fold1 and the graph reference: the 8B verify rows were
+# 1.34-1.37x the reference, the token step 1.01x; no weights needed), then the regen stage as the
+# issue's 26,100 tokens/s was measured (recipes/smollm2-h200.yaml, 10,240 synthesised prompts),
+# eager and graph-replayed, with the step's profile. ~150 s + ~330 s.
+# (The previous session ran two SmolLM2 regens at batch 2048 side by side with the GPU tests on an
+# H100: both stopped on sf-regen's memory check, 25.3 GiB needed each. One regen at a time.)
 plan_session() {
   begin_plan "plan session: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s" later
   if [ "$DEV" = cuda ]; then
-    step decode_step 150 python -m benchmarks.decode_step --shapes smollm2
+    step decode_step 200 python -m benchmarks.decode_step --shapes 8b --profile
     wait_weights || return 1
-    together build 650 \
-      "env RUN=$RUN/decode SYNTH=2048 EPOCHS=1 DTYPES= bash scripts/decode_gpu.sh" \
-      "env RUN=$RUN/modes SYNTH=${SYNTH_MODES:-2048} EPOCHS=1 EVAL_OPTS='--limit ${EVAL_LIMIT:-8}' bash scripts/modes_gpu.sh" \
-      "env LOG=$EV/gpu_tests.log bash benchmarks/gpu_tests.sh ${GPU_TESTS:-}"
-    step decode_e2e 260 env RUN="$RUN/decode" SYNTH=2048 EPOCHS=1 bash scripts/decode_gpu.sh
-    step regen_bench 330 python -m benchmarks.regen --profile --llama8b-conversations 0
+    step regen_bench 360 python -m benchmarks.regen --synthesize 10240 --paths after,graph_step --profile \
+      --llama8b-conversations 0
   else
     step decode_step 120 python -m benchmarks.decode_step --device cpu --shapes tiny --iters 3
     wait_weights || return 1
-    together build 900 \
-      "env RUN=$RUN/decode DEV=cpu SYNTH=8 DTYPES= bash scripts/decode_gpu.sh" \
-      "env RUN=$RUN/modes DEV=cpu SYNTH=6 EPOCHS=1 RESULT=dry_modes REGEN_OPTS='--batch-size 6 --max-new-tokens 16' EVAL_OPTS='--limit 1 --max-new-tokens 6 --prompts chat' TRAIN_OPTS='--num-workers 0 --max-batch-tokens 1024 --warmup-steps 1 --eval-fraction 0.3' bash scripts/modes_gpu.sh"
-    step decode_e2e 300 env RUN="$RUN/decode" DEV=cpu SYNTH=8 DTYPES=float32 bash scripts/decode_gpu.sh
+    printf 'target: smollm2\nregen:\n  max_new_tokens: 48\n  batch_size: 4\n  temperature: 0.0\n' > "$EV/tiny.yaml"
+    step regen_bench 300 python -m benchmarks.regen --synthesize 8 --recipe "$EV/tiny.yaml" --batch-size 4 \
+      --paths after,graph_step --llama8b-conversations 0 --out dry_regen_stage
   fi
   echo "[$(elapsed) s] plan done"
   echo done > "$EV/done"
