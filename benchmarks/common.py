@@ -107,10 +107,12 @@ def command() -> str:
 
 
 def write_result(name: str, rows: list[dict], extra: dict | None = None) -> Path:
-    """results/<name>.json: the rows with the commit, machine and versions, command and date."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    """results/<name>.json: the rows with the commit, machine and versions, command and date. `name`
+    may end in .json and may be a path (absolute, or relative to results/)."""
+    name = name.removesuffix(".json")
     path = RESULTS / f"{name}.json"
-    payload = {"benchmark": name, "command": command(), "commit": commit(), "machine": machine(),
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": Path(name).name, "command": command(), "commit": commit(), "machine": machine(),
                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows, **(extra or {})}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path

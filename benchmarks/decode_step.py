@@ -371,12 +371,14 @@ def profile(model, shape: str, prompt_len: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default="smollm2,8b")
-    p.add_argument("--prompt", type=int, default=256)
-    p.add_argument("--iters", type=int, default=40)
-    p.add_argument("--profile", action="store_true")
-    p.add_argument("--out", default="decode_step")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--shapes", default="smollm2,8b", help=f"Comma-separated, of: {', '.join(SHAPES)}.")
+    p.add_argument("--prompt", type=int, default=256, help="Tokens of the prompt every step follows.")
+    p.add_argument("--iters", type=int, default=40, help="Timed iterations of each row (after 3 of warm-up).")
+    p.add_argument("--profile", action="store_true", help="Add torch.profiler tables: the token step (core, "
+                   "plain) and a verify of 8 tokens (core, core_fold1, graph).")
+    p.add_argument("--out", default="decode_step", help="The result's name under benchmarks/results/ (or a path).")
     p.add_argument("--device", default="cuda", help="cuda, or cpu to check the script (draft rows only, eager)")
     args = p.parse_args()
     rows, profiles = [], {}
