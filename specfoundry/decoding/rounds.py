@@ -141,16 +141,44 @@ def decode_rounds(target: TargetRunner, prompt: list[int], *, max_new_tokens: in
     return result
 
 
+GREEDY_READBACK = 4
+"""Greedy target-alone decoding reads its tokens back to the host every GREEDY_READBACK steps, not
+every step: each step's input is the previous step's argmax, left on the device (TargetRunner's
+`tail`), so the host queues the next steps while the device runs one, as an engine's asynchronous
+scheduling does. The cost: up to GREEDY_READBACK - 1 steps after an eos are run and dropped."""
+
+
 def target_generate(target: TargetRunner, prompt: list[int], *, max_new_tokens: int, eos: set[int],
                     sampler: Sampler) -> DecodeResult:
     """The target alone, one token per forward with the same KV cache: the speed baseline."""
     t0 = time.perf_counter()
     target.reset(len(prompt) + max_new_tokens)
     logits, _, _ = target.forward(prompt)
-    tokens = [sampler.pick(logits[-1])]
-    tokens, done = finish(tokens, eos, max_new_tokens)
-    while not done:
-        logits, _, _ = target.forward([tokens[-1]])
-        tokens, done = finish(tokens + [sampler.pick(logits[-1])], eos, max_new_tokens)
+    if sampler.greedy:
+        tokens = greedy_readback(target, logits[-1].argmax().reshape(1), max_new_tokens, eos)
+    else:
+        tokens, done = finish([sampler.pick(logits[-1])], eos, max_new_tokens)
+        while not done:
+            logits, _, _ = target.forward([tokens[-1]])
+            tokens, done = finish(tokens + [sampler.pick(logits[-1])], eos, max_new_tokens)
     sync(target.device)
     return DecodeResult(tokens, total_s=time.perf_counter() - t0, target_s=time.perf_counter() - t0)
+
+
+def greedy_readback(target: TargetRunner, first: torch.Tensor, max_new_tokens: int, eos: set[int]) -> list[int]:
+    """Greedy tokens after the prefill's pick `first` ([1], on the device): each step reads the
+    previous step's argmax from the device, and the host reads the picks back every GREEDY_READBACK
+    steps (an eos among them ends the decode there). Never more than max_new_tokens steps in all."""
+    tokens: list[int] = []
+    pending = [first]  # picks [1] on the device, not read yet
+    while True:
+        if len(pending) == GREEDY_READBACK or len(tokens) + len(pending) >= max_new_tokens:
+            tokens, done = finish(tokens + torch.cat(pending).tolist(), eos, max_new_tokens)
+            if done:
+                return tokens
+            pending = []
+        if pending:  # the newest pick is on the device only
+            logits, _, _ = target.forward([], tail=pending[-1])
+        else:
+            logits, _, _ = target.forward([tokens[-1]])
+        pending.append(logits[-1].argmax().reshape(1))  # queued before the next step rewrites logits
