@@ -352,13 +352,15 @@ plan_modes() {
   echo done > "$EV/done"
 }
 
-# PLAN=session (deadline DEADLINE; ~1,100 s in all): before the weights, the 8B shape's decode steps
+# PLAN=session (deadline DEADLINE; ~1,200 s in all): before the weights, the 8B shape's decode steps
 # with their profile (issue 36 item 1: the verify of 8 of core, core_fold1 and the graph reference;
 # the 8B verify rows were 1.34-1.37x the reference, the token step 1.01x) and issue 40's train-step
-# bar (LK-lambda against ce at the 8B draft shape); then issue 36's regen stage as its 26,100
+# bar (LK-lambda against ce at the 8B draft shape) and issue 38's MoE capture at 32k tokens with the
+# whole forward's profile (what the 10.7 ms of a Qwen3-30B-A3B layer outside the experts is); then
+# issue 36's regen stage as its 26,100
 # tokens/s was measured (recipes/smollm2-h200.yaml, 10,240 synthesised prompts), eager and
 # graph-replayed, with the step's profile; then issue 36's sf-eval end to end (the greedy baseline
-# now reads its tokens back every 4 steps). ~200 + ~200 + ~330 + ~350 s.
+# now reads its tokens back every 4 steps). ~200 + ~200 + ~100 + ~330 + ~350 s.
 # (The previous session ran two SmolLM2 regens at batch 2048 side by side with the GPU tests on an
 # H100: both stopped on sf-regen's memory check, 25.3 GiB needed each. One regen at a time.)
 plan_session() {
@@ -366,6 +368,7 @@ plan_session() {
   if [ "$DEV" = cuda ]; then
     step decode_step 200 python -m benchmarks.decode_step --shapes 8b --profile
     step train_step_lk 200 python -m benchmarks.train_step --impls ours --storage bfloat16 --token-losses ce,lk-lambda
+    step capture_moe 120 python -m benchmarks.capture_moe --tokens 32768 --impls grouped_mm,sf_fused --profile
     wait_weights || return 1
     step regen_bench 360 python -m benchmarks.regen --synthesize 10240 --paths after,graph_step --profile \
       --llama8b-conversations 0
