@@ -258,10 +258,11 @@ def test_a_graph_replayed_peagle_round_equals_the_eager_one(device):
 @pytest.mark.parametrize("graphs", [False, True])  # True on a CPU: graphs.CapturedCall's checked stand-in
 def test_greedy_readback_equals_reading_every_token(graphs):
     """target_generate's greedy decode, which feeds each step the previous argmax on the device and
-    reads the picks back every GREEDY_READBACK steps, gives exactly the tokens of a loop that reads
-    every pick before the next step: for caps that do and do not divide by the read-back, and for an
-    eos at the first pick, inside a read-back and at its end (the decode stops there, the tokens
-    after it are dropped). Exact: the same steps on the same inputs."""
+    reads the picks back in chunks of GREEDY_READBACK, a chunk late, gives exactly the tokens of a
+    loop that reads every pick before the next step: for caps that do and do not divide by the
+    chunk, and for an eos at the first pick, at a chunk's end, at the next one's start and later
+    (the decode stops there; the steps run after it are dropped). Exact: the same steps on the same
+    inputs."""
     from specfoundry.decoding.rounds import GREEDY_READBACK
 
     model = gqa_model("full")
@@ -278,7 +279,7 @@ def test_greedy_readback_equals_reading_every_token(graphs):
     free = every_token(24, set())
     assert len(set(free)) > 3, "a decode of distinct tokens, so the eos cases below differ"
     cases = [(24, set()), (23, set()), (GREEDY_READBACK + 1, set()), (1, set()),
-             (24, {free[0]}), (24, {free[5]}), (24, {free[GREEDY_READBACK - 1]})]
+             (24, {free[0]}), (24, {free[5]}), (24, {free[GREEDY_READBACK - 1]}), (24, {free[GREEDY_READBACK]})]
     for max_new, eos in cases:
         want = every_token(max_new, eos)
         got = target_generate(runner, prompt, max_new_tokens=max_new, eos=eos, sampler=Sampler()).tokens

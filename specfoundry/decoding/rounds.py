@@ -12,6 +12,7 @@ target's own token. The first token (from the prompt's prefill) is not part of a
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -141,11 +142,13 @@ def decode_rounds(target: TargetRunner, prompt: list[int], *, max_new_tokens: in
     return result
 
 
-GREEDY_READBACK = 4
-"""Greedy target-alone decoding reads its tokens back to the host every GREEDY_READBACK steps, not
-every step: each step's input is the previous step's argmax, left on the device (TargetRunner's
-`tail`), so the host queues the next steps while the device runs one, as an engine's asynchronous
-scheduling does. The cost: up to GREEDY_READBACK - 1 steps after an eos are run and dropped."""
+GREEDY_READBACK = 2
+"""Greedy target-alone decoding never waits for the host to read a token before the next step:
+each step's input is the previous step's argmax, left on the device (TargetRunner's `tail`), and
+the picks go to the host in chunks of GREEDY_READBACK by an asynchronous copy, read once a newer
+chunk is on its way (by then the copy has long run). The host so queues the next step while the
+device runs one, as an engine's asynchronous scheduling does. The cost: an eos is seen up to
+2 * GREEDY_READBACK - 1 steps late; those steps run and are dropped."""
 
 
 def target_generate(target: TargetRunner, prompt: list[int], *, max_new_tokens: int, eos: set[int],
@@ -166,19 +169,36 @@ def target_generate(target: TargetRunner, prompt: list[int], *, max_new_tokens: 
 
 
 def greedy_readback(target: TargetRunner, first: torch.Tensor, max_new_tokens: int, eos: set[int]) -> list[int]:
-    """Greedy tokens after the prefill's pick `first` ([1], on the device): each step reads the
-    previous step's argmax from the device, and the host reads the picks back every GREEDY_READBACK
-    steps (an eos among them ends the decode there). Never more than max_new_tokens steps in all."""
+    """Greedy tokens after the prefill's pick `first` ([1], on the device), read back as
+    GREEDY_READBACK says. Never more than max_new_tokens picks in all."""
     tokens: list[int] = []
-    pending = [first]  # picks [1] on the device, not read yet
+    last, picks = first, 1  # the newest pick [1] (device) and the picks made so far
+    pending = [first]  # picks not yet sent to the host
+    sent: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque()  # (host copy, its event)
     while True:
-        if len(pending) == GREEDY_READBACK or len(tokens) + len(pending) >= max_new_tokens:
-            tokens, done = finish(tokens + torch.cat(pending).tolist(), eos, max_new_tokens)
-            if done:
-                return tokens
+        if pending and (len(pending) == GREEDY_READBACK or picks >= max_new_tokens):
+            sent.append(copy_to_host(torch.cat(pending)))
             pending = []
-        if pending:  # the newest pick is on the device only
-            logits, _, _ = target.forward([], tail=pending[-1])
-        else:
-            logits, _, _ = target.forward([tokens[-1]])
-        pending.append(logits[-1].argmax().reshape(1))  # queued before the next step rewrites logits
+        while sent and (len(sent) > 1 or picks >= max_new_tokens):  # the oldest chunk, once a newer one is sent
+            host, copied = sent.popleft()
+            if copied is not None:
+                copied.synchronize()
+            tokens, done = finish(tokens + host.tolist(), eos, max_new_tokens)
+            if done:  # (at max_new_tokens picks at the latest)
+                return tokens
+        logits, _, _ = target.forward([], tail=last)
+        last = logits[-1].argmax().reshape(1)  # queued before the next step rewrites logits
+        pending.append(last)
+        picks += 1
+
+
+def copy_to_host(picks: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """picks [n] on their way to the host: a copy into pinned memory and the event after it (on a
+    GPU), or the tensor itself (elsewhere)."""
+    if picks.device.type != "cuda":
+        return picks, None
+    host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True)
+    host.copy_(picks, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
