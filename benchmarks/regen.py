@@ -289,8 +289,8 @@ def measure(label: str, model, tokenizer, conversations: int, batch: int, max_ne
         source = work / f"{label}.jsonl"
         source.write_text("".join(json.dumps(c) + "\n" for c in synthetic_conversations(conversations)))
         warm = source
-    else:
-        source, warm = workload, Workload(workload.recipe, 8)
+    else:  # the recipe's batch, as sf-regen --recipe runs it
+        source, warm, batch = workload, Workload(workload.recipe, 8), workload.config(work / "-", "slots").batch_size
     before = HFBackend(Target.wrap(model, tokenizer), batch_size=batch, engine="generate")
     after = HFBackend(Target.wrap(model, tokenizer), batch_size=batch, engine="slots")
     stage(after, warm, work, f"{label}-warmup", 8, min(batch, 8), shard_size)  # kernels, allocator warmed up
@@ -351,7 +351,7 @@ def profile_only(model, args, device: str) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", type=int, default=2048, help="SmolLM2 conversations.")
-    ap.add_argument("--batch-size", type=int, default=2048, help="SmolLM2 sequences at once (both paths).")
+    ap.add_argument("--batch-size", type=int, default=2048, help="SmolLM2 sequences at once (both paths; with --synthesize, the recipe's batch_size instead).")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="Tokens per answer, at most.")
     ap.add_argument("--shard-size", type=int, default=128, help="sf-regen's --shard-size (its default, and the "
                     "recipes').")

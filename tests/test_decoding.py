@@ -255,17 +255,19 @@ def test_a_graph_replayed_peagle_round_equals_the_eager_one(device):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("device", GRAPH_DEVICES)
 @pytest.mark.parametrize("graphs", [False, True])  # True on a CPU: graphs.CapturedCall's checked stand-in
-def test_greedy_readback_equals_reading_every_token(graphs):
+def test_greedy_readback_equals_reading_every_token(graphs, device):
     """target_generate's greedy decode, which feeds each step the previous argmax on the device and
     reads the picks back in chunks of GREEDY_READBACK, a chunk late, gives exactly the tokens of a
     loop that reads every pick before the next step: for caps that do and do not divide by the
     chunk, and for an eos at the first pick, at a chunk's end, at the next one's start and later
     (the decode stops there; the steps run after it are dropped). Exact: the same steps on the same
-    inputs."""
+    inputs. It never runs a step past the cap, and after an eos at most 2 * GREEDY_READBACK - 1
+    (the steps counted in `dropped_steps`)."""
     from specfoundry.decoding.rounds import GREEDY_READBACK
 
-    model = gqa_model("full")
+    model = gqa_model("full").to(device)
     runner = TargetRunner(Target.wrap(model), [0, 1], graphs=graphs)
     prompt = list(range(3, 30))
 
@@ -282,7 +284,12 @@ def test_greedy_readback_equals_reading_every_token(graphs):
              (24, {free[0]}), (24, {free[5]}), (24, {free[GREEDY_READBACK - 1]}), (24, {free[GREEDY_READBACK]})]
     for max_new, eos in cases:
         want = every_token(max_new, eos)
-        got = target_generate(runner, prompt, max_new_tokens=max_new, eos=eos, sampler=Sampler()).tokens
+        result = target_generate(runner, prompt, max_new_tokens=max_new, eos=eos, sampler=Sampler())
+        got, steps = result.tokens, len(runner) - len(prompt)  # the prefill gave the first token
         assert got == want, (max_new, eos)
+        assert steps <= max_new - 1, (max_new, eos, steps)  # never a step past the cap
         if eos:
             assert got[-1] in eos and not set(got[:-1]) & eos
+            assert result.dropped_steps <= 2 * GREEDY_READBACK - 1, (max_new, eos, result.dropped_steps)
+        else:
+            assert result.dropped_steps == 0 and len(got) == max_new

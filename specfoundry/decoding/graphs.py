@@ -103,7 +103,8 @@ class PinnedStaging:
     `sent()` once the copies from them are queued. On a CPU nothing is pinned and nothing waits."""
 
     def __init__(self, device: torch.device):
-        self.cuda = torch.device(device).type == "cuda"
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
         self.copied = torch.cuda.Event() if self.cuda else None
 
     def buffer(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -115,5 +116,5 @@ class PinnedStaging:
             self.copied.synchronize()
 
     def sent(self) -> None:
-        if self.copied is not None:
-            self.copied.record()
+        if self.copied is not None:  # on the copies' device's stream, whichever device is current
+            self.copied.record(torch.cuda.current_stream(self.device))

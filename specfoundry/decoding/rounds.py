@@ -30,6 +30,7 @@ def sync(device: torch.device) -> None:
 @dataclass
 class DecodeResult:
     tokens: list[int]  # generated tokens (the prompt excluded), cut after the first eos
+    dropped_steps: int = 0  # target steps run after the eos and dropped (the greedy target alone)
     accepted: list[int] = field(default_factory=list)  # drafts accepted per round
     draft_s: float = 0.0
     target_s: float = 0.0
@@ -165,7 +166,10 @@ def target_generate(target: TargetRunner, prompt: list[int], *, max_new_tokens: 
             logits, _, _ = target.forward([tokens[-1]])
             tokens, done = finish(tokens + [sampler.pick(logits[-1])], eos, max_new_tokens)
     sync(target.device)
-    return DecodeResult(tokens, total_s=time.perf_counter() - t0, target_s=time.perf_counter() - t0)
+    elapsed = time.perf_counter() - t0
+    # the prompt's prefill gave the first token; every later one took a step, and so did a dropped one
+    dropped = len(target) - len(prompt) - (len(tokens) - 1)
+    return DecodeResult(tokens, dropped_steps=dropped, total_s=elapsed, target_s=elapsed)
 
 
 def greedy_readback(target: TargetRunner, first: torch.Tensor, max_new_tokens: int, eos: set[int]) -> list[int]:
@@ -200,5 +204,5 @@ def copy_to_host(picks: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | 
     host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True)
     host.copy_(picks, non_blocking=True)
     copied = torch.cuda.Event()
-    copied.record()
+    copied.record(torch.cuda.current_stream(picks.device))  # the copy's stream, whichever device is current
     return host, copied
