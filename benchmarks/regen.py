@@ -111,6 +111,11 @@ class Workload:
         return resolve_config(RegenConfig, "regen", self.recipe,
                               {"output": str(output), "synthesize": self.synthesize, "hf_engine": engine})
 
+    @property
+    def batch_size(self) -> int:
+        """The recipe's batch: the slot engine's slots, as sf-regen --recipe runs it."""
+        return resolve_config(RegenConfig, "regen", self.recipe, {"output": "-"}).batch_size
+
 
 @contextmanager
 def slot_phases(acc: dict):
@@ -289,8 +294,8 @@ def measure(label: str, model, tokenizer, conversations: int, batch: int, max_ne
         source = work / f"{label}.jsonl"
         source.write_text("".join(json.dumps(c) + "\n" for c in synthetic_conversations(conversations)))
         warm = source
-    else:  # the recipe's batch, as sf-regen --recipe runs it
-        source, warm, batch = workload, Workload(workload.recipe, 8), workload.config(work / "-", "slots").batch_size
+    else:
+        source, warm, batch = workload, Workload(workload.recipe, 8), workload.batch_size
     before = HFBackend(Target.wrap(model, tokenizer), batch_size=batch, engine="generate")
     after = HFBackend(Target.wrap(model, tokenizer), batch_size=batch, engine="slots")
     stage(after, warm, work, f"{label}-warmup", 8, min(batch, 8), shard_size)  # kernels, allocator warmed up
