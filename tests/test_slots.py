@@ -280,11 +280,41 @@ def test_graph_replayed_decode_steps_write_what_eager_steps_write(temperature, d
         engine = SlotEngine(Target.wrap(model), slots=3, stop_ids=[STOP], sampling=sampling, graphs=graphs)
         results = {}
 
-        def done(tag, ids, results=results):
+        def done(tag, ids, results=results, engine=engine):
             results[tag] = ids
+            results["captured"] = bool(engine.step_graphs)  # (run releases them when it ends)
             return [(ids[:5] + [tag], 7, tag + 100)] if tag < 100 else []  # a follow-up request
 
         engine.run([(p, i, i) for i, p in enumerate(prompts(6, seed=2))], done)
-        assert bool(engine.step_graphs) == graphs
+        assert results.pop("captured") == graphs
         outs.append(results)
     assert outs[0] == outs[1]
+
+
+def test_a_finished_run_frees_its_cache_without_the_cycle_collector():
+    """A captured step's closure refers back to the engine (a reference cycle): run must free the
+    KV cache and the captured steps itself, or every engine sf-regen made (one per group of shards)
+    kept its cache until the cycle collector happened to run, and three of them filled a GPU."""
+    import gc
+    import weakref
+
+    model = gqa_model("mixed")
+    engine = SlotEngine(Target.wrap(model), slots=3, stop_ids=[STOP],
+                        sampling=SamplingConfig(temperature=0.0, max_new_tokens=12), graphs=True)
+    seen = {}
+
+    def done(tag, ids):
+        seen.setdefault("keys", weakref.ref(engine.cache.keys[0]))  # [slots, kv_heads, capacity, head_dim]
+        seen["captured"] = seen.get("captured", False) or bool(engine.step_graphs)
+        return []
+
+    gc.disable()
+    try:
+        engine.run([(p, i, i) for i, p in enumerate(prompts(4, seed=3))], done)
+        assert seen["captured"], "the run captured no step: the test would not see the cycle"
+        assert seen["keys"]() is None, "the KV cache outlived the run"
+        gone = weakref.ref(engine)
+        del engine
+        assert gone() is None, "the engine is held by a reference cycle"
+    finally:
+        gc.enable()

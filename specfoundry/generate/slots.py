@@ -341,14 +341,26 @@ class SlotEngine:
         if not queue:
             return
         self.allocate(round_up(len(queue[0].ids) + self.max_new, COLUMN_ROUND))
-        while queue or any(t is not None for t in self.tags):
-            free = [b for b, t in enumerate(self.tags) if t is None]
-            if queue and (len(free) >= self.refill_at or len(free) == self.slots):
-                self.refill(queue, free)
-            for _ in range(self.sync_every):
-                self.step()
-            for waiting, tokens in self.collect():
-                enqueue(on_done(waiting.tag, tokens) or ())
+        try:
+            while queue or any(t is not None for t in self.tags):
+                free = [b for b, t in enumerate(self.tags) if t is None]
+                if queue and (len(free) >= self.refill_at or len(free) == self.slots):
+                    self.refill(queue, free)
+                for _ in range(self.sync_every):
+                    self.step()
+                for waiting, tokens in self.collect():
+                    enqueue(on_done(waiting.tag, tokens) or ())
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Frees the KV cache and the captured steps now. A captured step's closure refers back to
+        the engine, a reference cycle that only Python's cycle collector breaks, whenever it happens
+        to run: sf-regen makes an engine per group of shards, and the stale 20 GiB caches of earlier
+        groups (2,048 slots of SmolLM2) filled an 80 GB card."""
+        self.step_graphs.clear()
+        self.warmed.clear()
+        self.cache = None
 
     def refill(self, queue: list[Waiting], free: list[int]) -> None:
         """Admit the longest waiting prompts into the free slots, in groups of bounded padded size."""
