@@ -25,6 +25,11 @@ Columns:
     core_fold1    core with the fold for one query a row (decoding/target.py FOLD_QUERIES=1): a verify
                   or tree step attends through transformers' sdpa path (repeat_kv), as the reference does
     core_eager    the same body without graphs (the CPU path)
+    core_compiled core with its body through torch.compile (TargetRunner `compiled`), on the rows of
+                  --compiled-rows (one compile per row's token count, ~1 min each for the 8B shape)
+The `alone` row is the target alone as sf-eval times it (decoding/rounds.py target_generate: a
+--prompt-token prompt, then ALONE_TOKENS greedy tokens, no eos), wall ms per generated token with
+the prefill included, core and core_compiled (summary.alone_tokens_per_s).
 For a draft row, `plain` is the family's step eager (its runner without graphs), `graph` the same body
 under one bare torch.cuda.graph written here, `core` the runner's own captured step.
 --device cpu --shapes tiny checks the script on a CPU (no graph columns).
@@ -65,7 +70,8 @@ TREE = (8, 4, 2, 1, 1, 1, 1)
 AUX = {"smollm2": [1, 14, 26], "8b": [1, 15, 28], "tiny": [1, 3, 4]}
 DFLASH_LAYERS = {"smollm2": [1, 8, 14, 20, 27], "8b": [1, 8, 15, 22, 29], "tiny": [1, 2, 3, 4, 5]}
 CHAIN, BLOCK = 7, 16
-COLUMNS = ("plain", "graph", "core", "core_fold1", "core_eager")
+COLUMNS = ("plain", "graph", "core", "core_fold1", "core_eager", "core_compiled")
+ALONE_TOKENS = 96  # sf-eval's default --max-new-tokens
 PROFILED_VERIFY = 8  # tokens of the verify step --profile records (verify_k7)
 
 
@@ -163,7 +169,7 @@ def build(shape: str, device: str):
     return model.eval().requires_grad_(False)
 
 
-def rows_of(shape: str, model, prompt_len: int, iters: int) -> list[dict]:
+def rows_of(shape: str, model, prompt_len: int, iters: int, compiled_rows: tuple[str, ...] = ()) -> list[dict]:
     from transformers import DynamicCache
 
     vocab = model.config.vocab_size
@@ -172,7 +178,8 @@ def rows_of(shape: str, model, prompt_len: int, iters: int) -> list[dict]:
     target = Target.wrap(model)
     core, eager = TargetRunner(target, AUX[shape], graphs=True), TargetRunner(target, AUX[shape], graphs=False)
     fold1 = TargetRunner(target, AUX[shape], graphs=True, fold_queries=1)
-    for runner in (core, eager, fold1):
+    compiled = TargetRunner(target, AUX[shape], graphs=True, compiled=True)
+    for runner in (core, eager, fold1, compiled):
         runner.reset(prompt_len + len(tree) + 64)
         runner.forward(prompt)
     plain_cache = DynamicCache(config=model.config)
@@ -207,6 +214,8 @@ def rows_of(shape: str, model, prompt_len: int, iters: int) -> list[dict]:
         fns, errors = {"core": core_step(core), "core_eager": core_step(eager)}, {}
         if t > 1:  # (one token a row folds either way)
             fns["core_fold1"] = core_step(fold1)
+        if name in compiled_rows:
+            fns["core_compiled"] = core_step(compiled)
         if name != "tree":
             fns["plain"] = plain_step
         try:
@@ -217,8 +226,33 @@ def rows_of(shape: str, model, prompt_len: int, iters: int) -> list[dict]:
         rows.append({"shape": shape, "row": name, "tokens": t, **{k: ms.get(k) for k in COLUMNS},
                      "core/graph": ms["core"] / ms["graph"] if "graph" in ms else None,
                      "core_fold1/graph": ms["core_fold1"] / ms["graph"] if "graph" in ms and "core_fold1" in ms else None,
+                     "core_compiled/graph": (ms["core_compiled"] / ms["graph"]
+                                             if "graph" in ms and "core_compiled" in ms else None),
                      **errors})
+    runners = {"core": core} | ({"core_compiled": compiled} if "token" in compiled_rows else {})
+    rows.append({"shape": shape, "row": "alone", "tokens": ALONE_TOKENS,
+                 **{name: alone_ms_per_token(r, prompt, iters=5) for name, r in runners.items()}})
     return rows
+
+
+def alone_ms_per_token(runner: TargetRunner, prompt: list[int], iters: int) -> float:
+    """Median wall ms per generated token of the target alone as sf-eval runs it (prefill included)."""
+    import statistics
+    import time
+
+    from specfoundry.decoding.rounds import target_generate
+    from specfoundry.decoding.sampler import Sampler
+
+    def run() -> float:
+        t = time.perf_counter()
+        out = target_generate(runner, prompt, max_new_tokens=ALONE_TOKENS, eos=set(),
+                              sampler=Sampler(0.0, torch.Generator(device=runner.device)))
+        torch.cuda.synchronize()
+        assert len(out.tokens) == ALONE_TOKENS
+        return 1e3 * (time.perf_counter() - t) / ALONE_TOKENS
+
+    run()  # warm-up
+    return statistics.median(run() for _ in range(iters))
 
 
 def draft_steps(shape: str, model, prompt_len: int, graphs: bool) -> dict:
@@ -378,6 +412,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=40, help="Timed iterations of each row (after 3 of warm-up).")
     p.add_argument("--profile", action="store_true", help="Add torch.profiler tables: the token step (core, "
                    "plain) and a verify of 8 tokens (core, core_fold1, graph).")
+    p.add_argument("--compiled-rows", default="token,verify_k7",
+                   help="Rows that get the core_compiled column (comma-separated; empty: none). 'token' "
+                        "also adds core_compiled to the `alone` row.")
     p.add_argument("--out", default="decode_step", help="The result's name under benchmarks/results/ (or a path).")
     p.add_argument("--device", default="cuda", help="cuda, or cpu to check the script (draft rows only, eager)")
     args = p.parse_args()
@@ -385,16 +422,20 @@ def main() -> None:
     for shape in args.shapes.split(","):
         model = build(shape, args.device)
         if args.device == "cuda":
-            rows += rows_of(shape, model, args.prompt, args.iters)
+            rows += rows_of(shape, model, args.prompt, args.iters, tuple(filter(None, args.compiled_rows.split(","))))
         rows += draft_rows(shape, model, args.prompt, args.iters)
         if args.profile and args.device == "cuda":
             profiles[shape] = profile(model, shape, args.prompt)
         del model
         torch.cuda.empty_cache()
-    print_table(rows, ["shape", "row", "tokens", *COLUMNS, "core/graph", "core_fold1/graph"])
-    summary = {"ms": {}}
+    print_table(rows, ["shape", "row", "tokens", *COLUMNS, "core/graph", "core_fold1/graph", "core_compiled/graph"])
+    summary = {"ms": {}, "alone_tokens_per_s": {}}
     for r in rows:
-        summary["ms"].setdefault(r["shape"], {})[r["row"]] = {k: r.get(k) for k in COLUMNS}
+        if r["row"] == "alone":
+            summary["alone_tokens_per_s"][r["shape"]] = {k: 1e3 / r[k] for k in COLUMNS if r.get(k)}
+        else:
+            summary["ms"].setdefault(r["shape"], {})[r["row"]] = {k: r.get(k) for k in COLUMNS}
+    print("target alone, tokens/s (prefill of --prompt tokens included):", summary["alone_tokens_per_s"])
     if args.device != "cuda":
         return  # a check of the script: no result file
     path = write_result(args.out, rows, {"summary": summary, "profile": profiles, "tree": list(TREE),

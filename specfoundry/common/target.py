@@ -386,7 +386,7 @@ class Target:
         final = out.last_hidden_state.to(self.input_device)  # [B, T, H]
         return (tap.take() if tap is not None else None), final
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: torch.compile cannot trace into it (TargetRunner `compiled`)
     def forward(self, ids: torch.Tensor, *, positions: torch.Tensor | None = None, mask=None, cache=None,
                 logits_to_keep: int | None = None, hidden: bool = False) -> Step:
         """The causal LM over ids [B, T] after `cache` (None: no cache kept). `mask`: a ready 4D

@@ -27,8 +27,11 @@ class StaticKVCache:
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store key / value [1, kv_heads, T, head_dim] at `columns`; return the layer's whole cache."""
         if layer_idx not in self.keys:
-            self.keys[layer_idx] = key.new_zeros(key.shape[:2] + (self.capacity, key.shape[3]))
-            self.values[layer_idx] = value.new_zeros(value.shape[:2] + (self.capacity, value.shape[3]))
+            # ordinary tensors, not inference tensors: a compiled step (TargetRunner `compiled`)
+            # writes into them, and torch.compile cannot trace a write into an inference tensor
+            with torch.inference_mode(False):
+                self.keys[layer_idx] = key.new_zeros(key.shape[:2] + (self.capacity, key.shape[3]))
+                self.values[layer_idx] = value.new_zeros(value.shape[:2] + (self.capacity, value.shape[3]))
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         columns = self.columns if self.columns.device == key.device else self.columns.to(key.device)  # a device map
         keys.index_copy_(2, columns, key)
@@ -43,7 +46,8 @@ class StaticKVCache:
         bigger = StaticKVCache(capacity)
         for mine, theirs in ((self.keys, bigger.keys), (self.values, bigger.values)):
             for layer, t in mine.items():
-                theirs[layer] = torch.cat([t, t.new_zeros(t.shape[:2] + (capacity - t.shape[2], t.shape[3]))], dim=2)
+                with torch.inference_mode(False):  # (as in update)
+                    theirs[layer] = torch.cat([t, t.new_zeros(t.shape[:2] + (capacity - t.shape[2], t.shape[3]))], dim=2)
         return bigger
 
 
