@@ -293,3 +293,39 @@ def test_greedy_readback_equals_reading_every_token(graphs, device):
             assert result.dropped_steps <= 2 * GREEDY_READBACK - 1, (max_new, eos, result.dropped_steps)
         else:
             assert result.dropped_steps == 0 and len(got) == max_new
+
+
+@pytest.mark.parametrize("device", GRAPH_DEVICES)
+def test_compiled_steps_equal_eager_ones(device):
+    """TargetRunner(compiled=True): the captured steps (one token, a verify of 5 with a crop, a tree)
+    through torch.compile give the eager body's logits and aux features, and the target alone
+    decodes the same tokens. Not bit-equal: inductor fuses the norms, the rotary embedding and the
+    gated MLP, reordering their fp32 sums. Each such sum of n terms moves by at most ~n * 2^-24
+    relative (n <= 128 here: H = 96, I = 128, 6 heads of 16); over 2 layers and the lm_head that is
+    below 1e-5 of the logits' size (~1), so rtol = atol = 1e-5 could fail only if a step read other
+    inputs or wrote the cache at other columns, which would move the logits by O(1)."""
+    model = gqa_model("mixed").to(device)
+    target = Target.wrap(model)
+    eager, compiled = TargetRunner(target, [0], graphs=False), TargetRunner(target, [0], graphs=True, compiled=True)
+    tree = DraftTree(tokens=[20, 21, 30, 31], parents=[-1, -1, 0, 1], depths=[1, 1, 2, 2])
+    outs = {}
+    for name, runner in (("eager", eager), ("compiled", compiled)):
+        runner.reset(128)
+        got = [tuple(t.clone() for t in runner.forward(list(range(3, 40)))[:2])]
+        for _ in range(2):
+            got.append(tuple(t.clone() for t in runner.forward([7])[:2]))
+            got.append(tuple(t.clone() for t in runner.forward([1, 2, 3, 4, 5])[:2]))
+            runner.crop(len(runner) - 3)
+            cached = len(runner)
+            step = runner.forward([9] + tree.tokens, positions=[cached] + [cached + d for d in tree.depths],
+                                  mask=verify_mask(tree, cached, 1))
+            got.append(tuple(t.clone() for t in step[:2]))
+            runner.crop(cached + 1)
+        outs[name] = got
+    assert compiled.compiled_body is not None and compiled.steps
+    for (a_logits, a_aux), (b_logits, b_aux) in zip(outs["eager"], outs["compiled"], strict=True):
+        torch.testing.assert_close(b_logits, a_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b_aux, a_aux, rtol=1e-5, atol=1e-5)
+    runs = [target_generate(r, list(range(3, 30)), max_new_tokens=24, eos=set(), sampler=Sampler())
+            for r in (eager, compiled)]
+    assert runs[0].tokens == runs[1].tokens
