@@ -352,35 +352,28 @@ plan_modes() {
   echo done > "$EV/done"
 }
 
-# PLAN=session (deadline DEADLINE; ~1,200 s in all): before the weights, the 8B shape's decode steps
-# with their profile (issue 36 item 1: the verify of 8 of core, core_fold1 and the graph reference;
-# the 8B verify rows were 1.34-1.37x the reference, the token step 1.01x) and issue 40's train-step
-# bar (LK-lambda against ce at the 8B draft shape) and issue 38's MoE capture at 32k tokens with the
-# whole forward's profile (what the 10.7 ms of a Qwen3-30B-A3B layer outside the experts is); then
-# issue 36's regen stage as its 26,100
-# tokens/s was measured (recipes/smollm2-h200.yaml, 10,240 synthesised prompts), eager and
-# graph-replayed, with the step's profile; then issue 36's sf-eval end to end (the greedy baseline
-# now reads its tokens back every 4 steps). ~200 + ~200 + ~100 + ~330 + ~350 s.
-# (The previous session ran two SmolLM2 regens at batch 2048 side by side with the GPU tests on an
-# H100: both stopped on sf-regen's memory check, 25.3 GiB needed each. One regen at a time.)
+# PLAN=session (deadline DEADLINE; ~1,300 s in all): before the weights, issue 40's LK-lambda train
+# step with its profile (110.3% of ce's step time, bar 110%: where the 15 ms go); then, with the
+# weights, issue 36's sf-eval end to end with and without --compile-target (bf16 both ways, then
+# float32 compiled; the compiled one-token SmolLM2 step measured 1.92 ms against 3.58); then, if
+# time is left, the 8B shape's compiled token and verify steps (~1-2 min of compile each).
+# ~200 + ~750 + ~350 s.
 plan_session() {
   begin_plan "plan session: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s" later
   if [ "$DEV" = cuda ]; then
-    step decode_step 200 python -m benchmarks.decode_step --shapes 8b --profile
-    step train_step_lk 200 python -m benchmarks.train_step --impls ours --storage bfloat16 --token-losses ce,lk-lambda
-    step capture_moe 120 python -m benchmarks.capture_moe --tokens 32768 --impls grouped_mm,sf_fused --profile
+    step train_step_lk 200 python -m benchmarks.train_step --impls ours --storage bfloat16 --token-losses ce,lk-lambda \
+      --profile
     wait_weights || return 1
-    step regen_bench 360 python -m benchmarks.regen --synthesize 10240 --paths after,graph_step --profile \
-      --llama8b-conversations 0
-    step decode_e2e 350 env RUN="$RUN/decode" SYNTH=2048 EPOCHS=1 bash scripts/decode_gpu.sh
+    step decode_e2e 600 env RUN="$RUN/decode" SYNTH=2048 EPOCHS=1 DTYPES=bfloat16 COMPILE="off on" \
+      bash scripts/decode_gpu.sh
+    step decode_e2e_fp32 200 env RUN="$RUN/decode" SYNTH=2048 EPOCHS=1 DTYPES=float32 COMPILE=on \
+      bash scripts/decode_gpu.sh
+    step decode_step_8b 350 python -m benchmarks.decode_step --shapes 8b --iters 20 --compiled-rows token,verify_k7
   else
-    step decode_step 120 python -m benchmarks.decode_step --device cpu --shapes tiny --iters 3
     step train_step_lk 300 python -m benchmarks.train_step --tiny --seq 128 --steps 2 --token-losses ce,lk-lambda
     wait_weights || return 1
-    printf 'target: smollm2\nregen:\n  max_new_tokens: 48\n  batch_size: 4\n  temperature: 0.0\n' > "$EV/tiny.yaml"
-    step regen_bench 300 python -m benchmarks.regen --synthesize 8 --recipe "$EV/tiny.yaml" --batch-size 4 \
-      --paths after,graph_step --llama8b-conversations 0 --out dry_regen_stage
-    step decode_e2e 300 env RUN="$RUN/decode" DEV=cpu SYNTH=8 DTYPES=float32 bash scripts/decode_gpu.sh
+    step decode_e2e 300 env RUN="$RUN/decode" DEV=cpu SYNTH=8 DTYPES=float32 COMPILE=off bash scripts/decode_gpu.sh
+    step decode_step 120 python -m benchmarks.decode_step --device cpu --shapes tiny --iters 3
   fi
   echo "[$(elapsed) s] plan done"
   echo done > "$EV/done"

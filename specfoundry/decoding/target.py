@@ -169,11 +169,11 @@ class TargetRunner:
         return out
 
     def captured_body(self, x: StepInputs):
-        """The body of a captured step (GraphStep): as it is, or `compiled`. A captured step of
-        ~1,350 kernels (SmolLM2: 45 a layer, mostly the elementwise pieces of the norms, the rotary
-        embedding and the gated MLP) costs ~2.5 ms of host time in its graph launch alone, more
-        than its kernels take on an H100; inductor fuses those pieces, and the launch shrinks with
-        the node count. Compiled once per step shape (tokens, cache capacity: dynamic=False),
+        """The body of a captured step (GraphStep): as it is, or `compiled`. A captured step of a
+        small target is host-bound: its graph launch (some 45 kernels a layer, mostly the
+        elementwise pieces of the norms, the rotary embedding and the gated MLP) takes longer on the
+        host than its kernels on the device (benchmarks/RESULTS.md, "Decoding"); inductor fuses
+        those pieces, and the launch shrinks with the node count. Compiled once per step shape (tokens, cache capacity: dynamic=False),
         fullgraph: a graph break is an error, not a silently slower step. The compiled call runs
         outside inference mode (torch.compile cannot trace its mutations of the cache there)."""
         if not self.compiled:

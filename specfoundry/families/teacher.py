@@ -48,6 +48,7 @@ def teacher_targets(final_hidden: torch.Tensor, lm_head: torch.Tensor, draft_ids
         target_draft[start : start + chunk] = t2d_index[top]
         if renormalise:
             p[start : start + chunk] = torch.softmax(logits[:, draft_ids], dim=-1).to(out_dtype)
-        else:
-            p[start : start + chunk] = torch.softmax(logits, dim=-1)[:, draft_ids].to(out_dtype)
+        else:  # exp(z_v - logsumexp(z)) of the draft columns: no [c, V] softmax written
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [c, 1]
+            p[start : start + chunk] = torch.exp(logits[:, draft_ids] - lse).to(out_dtype)
     return p, valid, target_draft

@@ -356,8 +356,9 @@ class SlotEngine:
     def release(self) -> None:
         """Frees the KV cache and the captured steps now. A captured step's closure refers back to
         the engine, a reference cycle that only Python's cycle collector breaks, whenever it happens
-        to run: sf-regen makes an engine per group of shards, and the stale 20 GiB caches of earlier
-        groups (2,048 slots of SmolLM2) filled an 80 GB card."""
+        to run: sf-regen makes an engine per group of shards, and the stale caches of earlier groups
+        filled a GPU at the SmolLM2 recipe's 2,048 slots (benchmarks/RESULTS.md, "Regen and
+        capture")."""
         self.step_graphs.clear()
         self.warmed.clear()
         self.cache = None
