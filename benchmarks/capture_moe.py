@@ -20,8 +20,13 @@ MFU = 2 x active parameters (without embeddings; a routed expert counts top_k / 
 weights) x tokens/s over 790 TFLOP/s. Attention FLOPs are not counted.
 
     python -m benchmarks.capture_moe [--tokens 8192,32768,65536] [--impls eager,grouped_mm,sf_fused]
-                                     [--profile] [--launch BM,BN,BK,WARPS,STAGES]
+                                     [--profile] [--compile-attention] [--launch BM,BN,BK,WARPS,STAGES]
     python -m benchmarks.capture_moe --device cpu --shapes tiny      # checks the script on a CPU
+
+--compile-attention adds, for every implementation but eager, a row `IMPL+compiled_attention`: each
+decoder layer's attention block (projections, q/k norms, rotary, attention) and its two RMSNorms
+through torch.compile (dynamic shapes), the experts as IMPL runs them. The profile of the whole
+forward put 43% of the Qwen3-30B-A3B forward's kernel time in unfused elementwise work there.
 
 --profile: PyTorch profiler breakdowns (kernels grouped by kind) per implementation at each token
 count, into the JSON's "profile": the whole bare forward (`SHAPE/IMPL/TOKENS/model`, dense too) and
@@ -109,6 +114,20 @@ def active_params(model) -> float:
     return total
 
 
+COMPILED = "+compiled_attention"  # an implementation's suffix: its rows with attention_compiled(model, True)
+
+
+def attention_compiled(model, on: bool) -> None:
+    """Run each decoder layer's attention block and its two norms through torch.compile (dynamic
+    shapes, compiled once at their first call) or, `on` False, eagerly again."""
+    for layer in model.model.layers:
+        for module in (layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm):
+            if not hasattr(module, "_sf_compiled_call"):
+                module.compile(dynamic=True)
+                module._sf_compiled_call = module._compiled_call_impl
+            module._compiled_call_impl = module._sf_compiled_call if on else None
+
+
 def moe_layer(model):
     """The first decoder layer that has routed experts (the profiled one), or None."""
     mods = experts_modules(model)
@@ -123,25 +142,31 @@ def measure_shape(shape, model_type, fields, counts, seq, args, rows, summary_mf
     params = active_params(model)
     moe = bool(experts_modules(model))
     impls = args.impls.split(",") if moe else ["dense"]
+    if args.compile_attention:
+        impls += [impl + COMPILED for impl in impls if impl != "eager"]
     layers = model.config.num_hidden_layers
     runner = HFCaptureRunner(target, [1, layers // 2, layers - 1])
+
+    def use(impl: str) -> None:  # the experts implementation, and the attention compiled or not
+        if args.compile_attention:
+            attention_compiled(model, impl.endswith(COMPILED))
+        if moe:
+            set_experts(model, impl.removesuffix(COMPILED), args.device)
     for tokens in counts:
         ids = torch.randint(0, model.config.vocab_size, (tokens // seq, seq), device=args.device)
         fns = {}
         for impl in impls:
             if impl == "eager" and tokens > args.eager_up_to:
                 continue
-            if impl == FUSED_EXPERTS and not cuda and args.shapes == "real":
+            if impl.removesuffix(COMPILED) == FUSED_EXPERTS and not cuda and args.shapes == "real":
                 continue
 
             def bare(impl=impl, ids=ids):
-                if moe:
-                    set_experts(model, impl, args.device)
+                use(impl)
                 model.model(input_ids=ids, use_cache=False)
 
             def capture(impl=impl, ids=ids):
-                if moe:
-                    set_experts(model, impl, args.device)
+                use(impl)
                 for _ in runner.capture_all([ids.tolist()]):
                     pass
 
@@ -190,8 +215,8 @@ def measure_shape(shape, model_type, fields, counts, seq, args, rows, summary_mf
             layer = moe_layer(model)
             x = torch.randn(ids.shape[0], seq, model.config.hidden_size, device=args.device, dtype=model.dtype)
             for impl in impls:
-                if impl == "eager" and tokens > args.eager_up_to:
-                    continue
+                if (impl == "eager" and tokens > args.eager_up_to) or impl.endswith(COMPILED):
+                    continue  # (the MoE block alone: no attention in it)
                 set_experts(model, impl, args.device)
                 mlp = layer.mlp
                 with torch.inference_mode():
@@ -216,6 +241,8 @@ def main():
                     help="Largest batch the (slow) eager loop is timed at.")
     ap.add_argument("--iters", type=int, default=5, help="Timed iterations (after 2 warm-ups).")
     ap.add_argument("--profile", action="store_true", help="Profile one MoE layer per implementation.")
+    ap.add_argument("--compile-attention", action="store_true",
+                    help="Add IMPL+compiled_attention rows (the module docstring).")
     ap.add_argument("--launch", default=None, help="The fused kernel's tiles BM,BN,BK,WARPS,STAGES (default: by shape).")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu to check the script (--shapes tiny).")
     ap.add_argument("--shapes", default="real", choices=["real", "tiny"])

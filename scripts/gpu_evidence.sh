@@ -355,9 +355,10 @@ plan_modes() {
 # PLAN=session (deadline DEADLINE; ~1,300 s in all): before the weights, issue 40's LK-lambda train
 # step with its profile (110.3% of ce's step time, bar 110%: where the 15 ms go); then, with the
 # weights, issue 36's sf-eval end to end with and without --compile-target (bf16 both ways, then
-# float32 compiled; the compiled one-token SmolLM2 step measured 1.92 ms against 3.58); then, if
-# time is left, the 8B shape's compiled token and verify steps (~1-2 min of compile each).
-# ~200 + ~750 + ~350 s.
+# float32 compiled; the compiled one-token SmolLM2 step measured 1.92 ms against 3.58); then issue
+# 38's MoE capture at 32k with each layer's attention block and norms compiled (43% of the
+# Qwen3-30B-A3B forward was unfused elementwise work there), profiled; then, if time is left, the 8B
+# shape's compiled token and verify steps (~1-2 min of compile each). ~200 + ~750 + ~200 + ~350 s.
 plan_session() {
   begin_plan "plan session: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s" later
   if [ "$DEV" = cuda ]; then
@@ -368,11 +369,15 @@ plan_session() {
       bash scripts/decode_gpu.sh
     step decode_e2e_fp32 200 env RUN="$RUN/decode" SYNTH=2048 EPOCHS=1 DTYPES=float32 COMPILE=on \
       bash scripts/decode_gpu.sh
+    step capture_moe 200 python -m benchmarks.capture_moe --tokens 32768 --impls grouped_mm,sf_fused \
+      --compile-attention --profile
     step decode_step_8b 350 python -m benchmarks.decode_step --shapes 8b --iters 20 --compiled-rows token,verify_k7
   else
     step train_step_lk 300 python -m benchmarks.train_step --tiny --seq 128 --steps 2 --token-losses ce,lk-lambda
     wait_weights || return 1
     step decode_e2e 300 env RUN="$RUN/decode" DEV=cpu SYNTH=8 DTYPES=float32 COMPILE=off bash scripts/decode_gpu.sh
+    step capture_moe 300 python -m benchmarks.capture_moe --device cpu --shapes tiny --impls eager,grouped_mm \
+      --compile-attention
     step decode_step 120 python -m benchmarks.decode_step --device cpu --shapes tiny --iters 3
   fi
   echo "[$(elapsed) s] plan done"
