@@ -301,11 +301,12 @@ def test_a_finished_run_frees_its_cache_without_the_cycle_collector():
     model = gqa_model("mixed")
     engine = SlotEngine(Target.wrap(model), slots=3, stop_ids=[STOP],
                         sampling=SamplingConfig(temperature=0.0, max_new_tokens=12), graphs=True)
-    seen = {}
+    seen, running = {}, [engine]  # (a list, emptied below: the callback must not keep the engine alive)
 
     def done(tag, ids):
-        seen.setdefault("keys", weakref.ref(engine.cache.keys[0]))  # [slots, kv_heads, capacity, head_dim]
-        seen["captured"] = seen.get("captured", False) or bool(engine.step_graphs)
+        current = running[0]
+        seen.setdefault("keys", weakref.ref(current.cache.keys[0]))  # [slots, kv_heads, capacity, head_dim]
+        seen["captured"] = seen.get("captured", False) or bool(current.step_graphs)
         return []
 
     gc.disable()
@@ -314,6 +315,7 @@ def test_a_finished_run_frees_its_cache_without_the_cycle_collector():
         assert seen["captured"], "the run captured no step: the test would not see the cycle"
         assert seen["keys"]() is None, "the KV cache outlived the run"
         gone = weakref.ref(engine)
+        running.clear()
         del engine
         assert gone() is None, "the engine is held by a reference cycle"
     finally:
