@@ -329,3 +329,22 @@ def test_compiled_steps_equal_eager_ones(device):
     runs = [target_generate(r, list(range(3, 30)), max_new_tokens=24, eos=set(), sampler=Sampler())
             for r in (eager, compiled)]
     assert runs[0].tokens == runs[1].tokens
+
+
+def test_a_compiled_runner_takes_more_step_shapes_than_dynamos_default():
+    """A tree verify's width varies with the pending tokens (one shape per depth), and every
+    compiled runner of a process shares dynamo's recompile count: more than its default of 8
+    shapes must still compile (decoding/target.py COMPILED_SHAPES), not fail the decode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                         attn_implementation="sdpa")).eval()
+    runner = TargetRunner(Target.wrap(model), [0], graphs=True, compiled=True)
+    runner.reset(128)
+    runner.forward(list(range(3, 20)))
+    for width in range(1, 11):  # 10 shapes
+        runner.forward(list(range(5, 5 + width)))
+        runner.crop(17)
+    assert len(runner.steps) == 10

@@ -32,11 +32,17 @@ from specfoundry.common.target import Target
 from specfoundry.decoding.attention import folded_attention
 from specfoundry.decoding.cache import StaticKVCache, visible
 from specfoundry.decoding.graphs import CapturedCall, PinnedStaging
+from specfoundry.kernels.tree_attention import RECOMPILE_LIMIT_HIT, raise_config
 
 FOLD_QUERIES: int | None = None
 """The most queries a row the target runner's steps attend with the fold (decoding/attention.py
 FOLDS; None: every step), more through transformers' sdpa path (repeat_kv). A token step folds
 either way; benchmarks/decode_step.py measures the verify and tree steps both ways."""
+
+COMPILED_SHAPES = 64
+"""Step shapes torch.compile may meet (`compiled`): one per token count, cache capacity and tap, over
+every compiled runner of the process. dynamo's default of 8 is too few: a tree verify's width
+varies with the pending tokens, one shape per depth. Past it a step fails in one line."""
 
 COLUMN_ROUND = 256
 """Capacities are rounded up to a multiple of this, so nearby lengths share a cache and its graphs."""
@@ -179,10 +185,17 @@ class TargetRunner:
         if not self.compiled:
             return self.body(x, want_hidden=False)
         if self.compiled_body is None:
+            config = torch._dynamo.config
+            raise_config(config, ("recompile_limit", "cache_size_limit"), COMPILED_SHAPES)
+            raise_config(config, ("accumulated_recompile_limit", "accumulated_cache_size_limit"), 4 * COMPILED_SHAPES)
             self.compiled_body = torch.compile(lambda inputs: self.body(inputs, want_hidden=False),
                                                dynamic=False, fullgraph=True)
-        with torch.inference_mode(False), torch.no_grad():
-            return self.compiled_body(x)
+        try:
+            with torch.inference_mode(False), torch.no_grad():
+                return self.compiled_body(x)
+        except RECOMPILE_LIMIT_HIT as e:
+            raise RuntimeError(f"the compiled target steps met more than {COMPILED_SHAPES} step shapes in this "
+                               "process (COMPILED_SHAPES); run without --compile-target") from e
 
     def body(self, x: StepInputs, want_hidden: bool):
         """One step over the static cache (the module docstring's mask), as eager code or under capture."""

@@ -10,6 +10,7 @@ target's own greedy output (the baseline run), token for token.
 from __future__ import annotations
 
 import json
+import math
 import platform
 import sys
 import time
@@ -129,7 +130,10 @@ class EvalConfig(Settings):
         False, help="Run the target's captured decode steps through torch.compile (one CUDA device, no --tp / "
                     "device map): fewer, fused kernels per step, whose graph launches cost less host time (a "
                     "one-token SmolLM2 step 3.6 -> 1.9 ms on an H100, benchmarks/RESULTS.md). Each step shape "
-                    "compiles once, in the untimed warm-up (about a minute; inductor caches it on disk).")
+                    "compiles once, at its first use (about a minute; inductor caches it on disk): the target "
+                    "alone's and a chain verify's in the untimed warm-up, a tree verify's widths (one per "
+                    "accepted depth) possibly inside a timed decode. Steps of different widths may round "
+                    "differently, so greedy equality can break on near-ties, as in bf16.")
     device: str | None = shared("device", None, resume=False)
     placement: Placement = Placement()
     # fp32 makes greedy decoding exactly reproducible across the batch shapes of verification and plain decoding
@@ -353,7 +357,8 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
     runner_target = TargetRunner(target, aux, compiled=cfg.compile_target)
     # the longest sequence a decode may hold, reserved once: no decode grows the cache (or recaptures)
     longest = max((len(ids) for prompts in sets.values() for _, ids in prompts), default=0)
-    runner_target.reserve(longest + cfg.max_new_tokens + 1 + MAX_DRAFT)
+    tree_width = sum(math.prod(cfg.tree[: d + 1]) for d in range(len(cfg.tree))) + len(cfg.tree) if cfg.tree else 0
+    runner_target.reserve(longest + cfg.max_new_tokens + 1 + max(MAX_DRAFT, tree_width))  # (a tree: its nodes and path)
     drafts = {"trained": family.decoder(draft, target, k=cfg.k, tree=cfg.tree)}
     if cfg.compare_untrained:
         drafts["untrained"] = family.decoder(untrained_like(draft, cfg.seed), target, k=cfg.k, tree=cfg.tree)
