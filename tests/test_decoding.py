@@ -348,3 +348,13 @@ def test_a_compiled_runner_takes_more_step_shapes_than_dynamos_default():
         runner.forward(list(range(5, 5 + width)))
         runner.crop(17)
     assert len(runner.steps) == 10
+
+
+@pytest.mark.parametrize("branching", [(1,), (4, 2, 2, 1), (8, 4, 2, 1, 1, 1, 1), (3, 1, 5)])
+def test_tree_nodes_counts_the_trees_the_decoder_builds(branching):
+    """sf-eval reserves a tree verify's width from tree_nodes: it must count the nodes the EAGLE-3
+    tree decoder lays out for that branching."""
+    from specfoundry.decoding.tree import tree_nodes
+    from specfoundry.families.eagle3.tree import TreeShape
+
+    assert tree_nodes(branching) == len(TreeShape.of(branching))

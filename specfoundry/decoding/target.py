@@ -179,9 +179,10 @@ class TargetRunner:
         small target is host-bound: its graph launch (some 45 kernels a layer, mostly the
         elementwise pieces of the norms, the rotary embedding and the gated MLP) takes longer on the
         host than its kernels on the device (benchmarks/RESULTS.md, "Decoding"); inductor fuses
-        those pieces, and the launch shrinks with the node count. Compiled once per step shape (tokens, cache capacity: dynamic=False),
-        fullgraph: a graph break is an error, not a silently slower step. The compiled call runs
-        outside inference mode (torch.compile cannot trace its mutations of the cache there)."""
+        those pieces, and the launch shrinks with the node count. Compiled once per step shape
+        (tokens, cache capacity: dynamic=False; COMPILED_SHAPES), fullgraph: a graph break is an
+        error, not a silently slower step. The compiled call runs outside inference mode
+        (torch.compile cannot trace its mutations of the cache there)."""
         if not self.compiled:
             return self.body(x, want_hidden=False)
         if self.compiled_body is None:

@@ -11,6 +11,7 @@ which is not implemented. A family drafts its tree (families/eagle3/tree.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,11 @@ def check_branching(branching: tuple[int, ...]) -> None:
     if not branching or min(branching) < 1 or len(branching) > MAX_DRAFT:
         raise ValueError(f"tree branching needs 1 to {MAX_DRAFT} depths, each >= 1, got "
                          f"{','.join(map(str, branching))!r}")
+
+
+def tree_nodes(branching: tuple[int, ...]) -> int:
+    """Nodes of a tree of that branching (vocabulary permitting): 4,2,2,1 -> 4 + 8 + 16 + 16 = 44."""
+    return sum(math.prod(branching[: d + 1]) for d in range(len(branching)))
 
 
 def shape_name(k: int, tree: tuple[int, ...] | None) -> str:

@@ -10,7 +10,6 @@ target's own greedy output (the baseline run), token for token.
 from __future__ import annotations
 
 import json
-import math
 import platform
 import sys
 import time
@@ -41,7 +40,7 @@ from specfoundry.common.target import EMBEDDED_DEFAULT, Target
 from specfoundry.decoding.rounds import DecodeResult, target_generate
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner, graphs_possible
-from specfoundry.decoding.tree import check_branching, parse_branching, shape_name
+from specfoundry.decoding.tree import check_branching, parse_branching, shape_name, tree_nodes
 from specfoundry.families import FAMILIES
 from specfoundry.families.folders import (
     DraftRef,
@@ -357,8 +356,8 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
     runner_target = TargetRunner(target, aux, compiled=cfg.compile_target)
     # the longest sequence a decode may hold, reserved once: no decode grows the cache (or recaptures)
     longest = max((len(ids) for prompts in sets.values() for _, ids in prompts), default=0)
-    tree_width = sum(math.prod(cfg.tree[: d + 1]) for d in range(len(cfg.tree))) + len(cfg.tree) if cfg.tree else 0
-    runner_target.reserve(longest + cfg.max_new_tokens + 1 + max(MAX_DRAFT, tree_width))  # (a tree: its nodes and path)
+    tree_width = tree_nodes(cfg.tree) + len(cfg.tree) if cfg.tree else 0  # a tree verify: its nodes and the pending path
+    runner_target.reserve(longest + cfg.max_new_tokens + 1 + max(MAX_DRAFT, tree_width))
     drafts = {"trained": family.decoder(draft, target, k=cfg.k, tree=cfg.tree)}
     if cfg.compare_untrained:
         drafts["untrained"] = family.decoder(untrained_like(draft, cfg.seed), target, k=cfg.k, tree=cfg.tree)
