@@ -28,7 +28,7 @@ A = sum_v I_v q_v:
 KL's value is sum p^ log p^ - sum p^ log q = (sum_v p_v log p_v) / s - log s - (sum_v p_v z_v) / s + lse.
 
 The kernel takes a row in chunks of BLOCK columns, three passes, each after the first mostly from
-L2: (1) lse by an online max / sum-exp, s, sum p z, sum p log p; (2) alpha and A from
+L2: (1) lse by an online max / sum-exp, s, and for LK-lambda sum p z and sum p log p; (2) alpha and A from
 q = exp(z - lse); (3) the gradient, over z. The row losses and alphas are stored ([N] fp32 each).
 alpha is clamped at ALPHA_FLOOR in lk-alpha's log and division (a row where the teacher's mass
 lies entirely outside the draft vocabulary has alpha = 0; the trainers mask such rows anyway).
@@ -146,8 +146,9 @@ if triton is not None:
                 d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
                 m = m_new
                 s += tl.sum(p, axis=0)
-                spz += tl.sum(p * tl.where(inside, z, 0.0), axis=0)
-                splogp += tl.sum(tl.where(p > 0, p * tl.log(tl.where(p > 0, p, 1.0)), 0.0), axis=0)
+                if MODE == 2:  # KL's terms: LK-lambda alone needs them (a log per element)
+                    spz += tl.sum(p * tl.where(inside, z, 0.0), axis=0)
+                    splogp += tl.sum(tl.where(p > 0, p * tl.log(tl.where(p > 0, p, 1.0)), 0.0), axis=0)
             lse = m + tl.log(d)
             # pass 2: alpha = sum min(p, q), A = sum_{q < p} q
             alpha = tl.zeros([], tl.float32)
