@@ -237,22 +237,16 @@ def rows_of(shape: str, model, prompt_len: int, iters: int, compiled_rows: tuple
 
 def alone_ms_per_token(runner: TargetRunner, prompt: list[int], iters: int) -> float:
     """Median wall ms per generated token of the target alone as sf-eval runs it (prefill included)."""
-    import statistics
-    import time
-
     from specfoundry.decoding.rounds import target_generate
     from specfoundry.decoding.sampler import Sampler
 
-    def run() -> float:
-        t = time.perf_counter()
+    def run() -> None:
         out = target_generate(runner, prompt, max_new_tokens=ALONE_TOKENS, eos=set(),
                               sampler=Sampler(0.0, torch.Generator(device=runner.device)))
         torch.cuda.synchronize()
         assert len(out.tokens) == ALONE_TOKENS
-        return 1e3 * (time.perf_counter() - t) / ALONE_TOKENS
 
-    run()  # warm-up
-    return statistics.median(run() for _ in range(iters))
+    return wall_ms(run, iters) / ALONE_TOKENS  # (wall_ms runs it once first: the warm-up)
 
 
 def draft_steps(shape: str, model, prompt_len: int, graphs: bool) -> dict:
