@@ -27,7 +27,9 @@ Columns:
     core_eager    the same body without graphs (the CPU path)
     core_compiled core with its body through torch.compile (TargetRunner `compiled`), on the rows of
                   --compiled-rows (one compile per row's token count, ~1 min each for the 8B shape)
-The `alone` row is the target alone as sf-eval times it (decoding/rounds.py target_generate: a
+The `prefill` row reads a PREFILL_TOKENS prompt into an empty cache (core: the captured prefill,
+padded to its bucket; graph: the reference captured at the prompt's own length; plain: a new
+DynamicCache). The `alone` row is the target alone as sf-eval times it (decoding/rounds.py target_generate: a
 --prompt-token prompt, then ALONE_TOKENS greedy tokens, no eos), wall ms per generated token with
 the prefill included, core and core_compiled (summary.alone_tokens_per_s).
 For a draft row, `plain` is the family's step eager (its runner without graphs), `graph` the same body
@@ -72,6 +74,7 @@ DFLASH_LAYERS = {"smollm2": [1, 8, 14, 20, 27], "8b": [1, 8, 15, 22, 29], "tiny"
 CHAIN, BLOCK = 7, 16
 COLUMNS = ("plain", "graph", "core", "core_fold1", "core_eager", "core_compiled")
 ALONE_TOKENS = 96  # sf-eval's default --max-new-tokens
+PREFILL_TOKENS = 100  # the `prefill` row's prompt: a short chat turn, padded to a bucket of 128
 PROFILED_VERIFY = 8  # tokens of the verify step --profile records (verify_k7)
 
 
@@ -229,10 +232,40 @@ def rows_of(shape: str, model, prompt_len: int, iters: int, compiled_rows: tuple
                      "core_compiled/graph": (ms["core_compiled"] / ms["graph"]
                                              if "graph" in ms and "core_compiled" in ms else None),
                      **errors})
+    rows.append(prefill_row(shape, model, core, eager, iters))
     runners = {"core": core} | ({"core_compiled": compiled} if "token" in compiled_rows else {})
     rows.append({"shape": shape, "row": "alone", "tokens": ALONE_TOKENS,
                  **{name: alone_ms_per_token(r, prompt, iters=5) for name, r in runners.items()}})
     return rows
+
+
+def prefill_row(shape: str, model, core: TargetRunner, eager: TargetRunner, iters: int) -> dict:
+    """The `prefill` row: a PREFILL_TOKENS prompt read into an empty cache. core: the captured
+    prefill, padded to its bucket (decoding/target.py prefill_bucket); core_eager: the eager body
+    (the path before padded prefills); plain: the model's forward into a new DynamicCache; graph: the
+    reference captured at the prompt's own length. Leaves the runners' caches holding that prompt."""
+    from transformers import DynamicCache
+
+    vocab = model.config.vocab_size
+    ids = torch.randint(vocab, (PREFILL_TOKENS,), generator=torch.Generator().manual_seed(2)).tolist()
+
+    def core_prefill(runner):
+        def run():
+            runner.reset(PREFILL_TOKENS)
+            runner.forward(ids)
+        return run
+
+    def plain():
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([ids], device=model.device),
+                  **{cache_arg(model): DynamicCache(config=model.config)}, use_cache=True)
+
+    fns = {"core": core_prefill(core), "core_eager": core_prefill(eager), "plain": plain,
+           "graph": reference_step(model, RefCache(core.cache.capacity), 0, ids, list(range(PREFILL_TOKENS)),
+                                   torch.ones(PREFILL_TOKENS, PREFILL_TOKENS, dtype=torch.bool).tril())}
+    ms = cuda_time_ms_interleaved(fns, warmup=3, iters=iters)
+    return {"shape": shape, "row": "prefill", "tokens": PREFILL_TOKENS, **{k: ms.get(k) for k in COLUMNS},
+            "core/graph": ms["core"] / ms["graph"]}
 
 
 def alone_ms_per_token(runner: TargetRunner, prompt: list[int], iters: int) -> float:

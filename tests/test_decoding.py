@@ -107,7 +107,9 @@ def test_the_cache_grows_keeping_what_it_holds():
 def test_graph_replayed_steps_equal_eager_ones(dtype, device):
     """The same chain of steps (prefill, one token, a verify of 5 with a crop, a tree) through the
     eager body and through captured graphs: equal logits and aux features (the replay runs the
-    kernels the capture recorded, on the same inputs), and the target alone decodes the same tokens."""
+    kernels the capture recorded, on the same inputs), and the target alone decodes the same tokens.
+    The prompt is 32 tokens, a prefill bucket: no pad rows, the same matrix shapes as the eager
+    prefill (a padded one is test_a_padded_prefill_hides_its_pad)."""
     model = gqa_model("mixed").to(device, dtype)
     target = Target.wrap(model)
     eager, graphed = TargetRunner(target, [0], graphs=False), TargetRunner(target, [0], graphs=True)
@@ -120,7 +122,7 @@ def test_graph_replayed_steps_equal_eager_ones(dtype, device):
             logits, aux, _ = step
             return logits.clone(), aux.clone()
 
-        got = [kept(runner.forward(list(range(3, 40))))]
+        got = [kept(runner.forward(list(range(3, 35))))]
         for _ in range(3):  # a step is captured at its first call (after a warm-up), replayed from the second
             got.append(kept(runner.forward([7])))
             got.append(kept(runner.forward([1, 2, 3, 4, 5])))
@@ -130,13 +132,67 @@ def test_graph_replayed_steps_equal_eager_ones(dtype, device):
                                            mask=verify_mask(tree, cached, 1))))
             runner.crop(cached + 1)
         outs[name] = got
-    assert graphed.steps and not eager.steps
+    assert graphed.steps and graphed.prefills and not eager.steps
     for (a_logits, a_aux), (b_logits, b_aux) in zip(outs["eager"], outs["graphed"], strict=True):
         torch.testing.assert_close(b_logits, a_logits, rtol=0, atol=0)
         torch.testing.assert_close(b_aux, a_aux, rtol=0, atol=0)
-    runs = [target_generate(r, list(range(3, 30)), max_new_tokens=24, eos=set(), sampler=Sampler())
+    runs = [target_generate(r, list(range(3, 35)), max_new_tokens=24, eos=set(), sampler=Sampler())
             for r in (eager, graphed)]
     assert runs[0].tokens == runs[1].tokens
+
+
+@pytest.mark.parametrize("device", GRAPH_DEVICES)
+@pytest.mark.parametrize("prompt_len", [1, 5, 16, 37, 100])
+def test_a_padded_prefill_hides_its_pad(prompt_len, device):
+    """A captured prefill pads the prompt to its bucket (decoding/target.py prefill_bucket): the
+    prompt's rows and every later step equal the eager runner's within rounding, so no pad row is
+    seen by the prompt (the causal pattern) or by a later step (its columns lie past the committed
+    length). Not bit-equal: the padded matrix products have more rows, and a GEMM may block and
+    round a row differently by the row count. fp32: each dot product of n <= 128 terms moves by at
+    most ~n * 2^-24 relative, over 2 layers and the lm_head well under TOL's 1e-5, while a pad key
+    seen by a real row moves its logits by ~1e-1."""
+    from specfoundry.decoding.target import prefill_bucket
+
+    model = gqa_model("mixed").to(device)
+    target = Target.wrap(model)
+    eager, graphed = TargetRunner(target, [0, 1], graphs=False), TargetRunner(target, [0, 1], graphs=True)
+    prompt = [3 + (7 * i) % 90 for i in range(prompt_len)]
+    outs = {}
+    for name, runner in (("eager", eager), ("graphed", graphed)):
+        runner.reset(prompt_len + 64)
+        logits, aux, _ = runner.forward(prompt)
+        got = [(logits.clone(), aux.clone())]
+        for token in (7, 8):
+            logits, aux, _ = runner.forward([token])
+            got.append((logits.clone(), aux.clone()))
+        logits, aux, _ = runner.forward([1, 2, 3, 4])
+        got.append((logits.clone(), aux.clone()))
+        outs[name] = got
+    assert list(graphed.prefills) == [prefill_bucket(prompt_len)] and not eager.prefills
+    assert outs["graphed"][0][0].shape[0] == prompt_len  # the pad rows' logits are dropped
+    for (a_logits, a_aux), (b_logits, b_aux) in zip(outs["eager"], outs["graphed"], strict=True):
+        torch.testing.assert_close(b_logits, a_logits, **TOL)
+        torch.testing.assert_close(b_aux, a_aux, **TOL)
+
+
+def test_prefill_buckets_and_the_eager_prefill_past_them(monkeypatch):
+    """Buckets are powers of two from PREFILL_MIN_BUCKET; a prompt longer than PREFILL_GRAPH_MAX, a
+    prefill that wants the final states, or one after committed text is not a padded prefill."""
+    import specfoundry.decoding.target as target_module
+    from specfoundry.decoding.target import PREFILL_MIN_BUCKET, prefill_bucket
+
+    assert [prefill_bucket(n) for n in (1, PREFILL_MIN_BUCKET, PREFILL_MIN_BUCKET + 1, 100, 128, 129)] == \
+        [PREFILL_MIN_BUCKET, PREFILL_MIN_BUCKET, 2 * PREFILL_MIN_BUCKET, 128, 128, 256]
+    monkeypatch.setattr(target_module, "PREFILL_GRAPH_MAX", 32)
+    runner = TargetRunner(Target.wrap(gqa_model("full")), [0], graphs=True)
+    runner.reset(128)
+    runner.forward(list(range(3, 36)))  # 33 tokens: eager
+    runner.reset(128)
+    runner.forward(list(range(3, 20)), want_hidden=True)  # the final states: eager
+    assert not runner.prefills
+    runner.reset(128)
+    runner.forward(list(range(3, 20)))
+    assert list(runner.prefills) == [32]
 
 
 @pytest.mark.parametrize("device", GRAPH_DEVICES)

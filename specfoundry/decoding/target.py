@@ -20,8 +20,14 @@ is captured once as a CUDA graph over static buffers (its ids, positions, start 
 replayed: one small host-to-device copy of those inputs from pinned memory (the pattern only when
 it changed), one graph launch, no synchronisation. Its outputs are the graph's buffers, valid
 until the next step of the same T; callers read them before then (the decoders take what they
-keep by indexing, which copies). The prompt's prefill, a step that wants the final states, and
-everything on a CPU run the same body eagerly: a CPU test runs exactly the code a GPU replays.
+keep by indexing, which copies). A prompt of at most PREFILL_GRAPH_MAX tokens is prefilled by a
+captured step too, padded to the next power of two (PREFILL_BUCKETS): its pad rows sit after the
+prompt, which the causal pattern hides from the prompt's rows, write cache columns past the
+committed length, which no later step sees, and their logits are dropped. Eagerly, a prefill's
+host work (some 1,500 kernel launches for a 30-layer target) cost more than the rest of a short
+answer's decode (benchmarks/RESULTS.md, "Decoding"). A longer prompt, a step that wants the final
+states, and everything on a CPU run the same body eagerly: a CPU test runs exactly the code a GPU
+replays.
 """
 
 from __future__ import annotations
@@ -44,6 +50,20 @@ COMPILED_SHAPES = 64
 every compiled runner of the process. dynamo's default of 8 is too few: a tree verify's width
 varies with the pending tokens, one shape per depth. Past it a step fails in one line."""
 
+PREFILL_GRAPH_MAX = 512
+"""The longest prompt prefilled by a captured step (padded to its bucket, the module docstring); a
+longer one runs eagerly, where its kernels' time outweighs their launches."""
+
+PREFILL_MIN_BUCKET = 16
+"""The smallest prefill bucket: buckets are the powers of two from it to PREFILL_GRAPH_MAX (6 graphs
+at most, each captured at its first use, without torch.compile even in a compiled runner)."""
+
+
+def prefill_bucket(tokens: int) -> int:
+    """The padded length of a captured prefill of `tokens` (<= PREFILL_GRAPH_MAX): a power of two."""
+    return max(PREFILL_MIN_BUCKET, 1 << (max(tokens, 1) - 1).bit_length())
+
+
 COLUMN_ROUND = 256
 """Capacities are rounded up to a multiple of this, so nearby lengths share a cache and its graphs."""
 
@@ -62,9 +82,9 @@ class StepInputs:
 
 class GraphStep:
     """One captured step of T tokens: static inputs (device), their pinned host staging, the graph and its
-    outputs."""
+    outputs. `compiled`: its body runs through the runner's torch.compile (captured_body)."""
 
-    def __init__(self, runner: TargetRunner, tokens: int):
+    def __init__(self, runner: TargetRunner, tokens: int, compiled: bool):
         device = runner.device
         self.tokens = tokens
         self.staging = PinnedStaging(device)
@@ -74,8 +94,8 @@ class GraphStep:
         self.pattern = torch.zeros(tokens, tokens, dtype=torch.bool, device=device)
         self.inputs = StepInputs(self.staged[:tokens], self.staged[tokens: 2 * tokens], self.staged[2 * tokens],
                                  self.pattern)
-        self.call = CapturedCall(lambda: runner.captured_body(self.inputs), device,
-                                 check_host_reads=not runner.compiled)  # (graphs.py: compiled code on a CPU)
+        self.call = CapturedCall(lambda: runner.captured_body(self.inputs, compiled), device,
+                                 check_host_reads=not compiled)  # (graphs.py: compiled code on a CPU)
 
     def load(self, ids: list[int], positions: list[int], start: int, pattern: torch.Tensor,
              tail: torch.Tensor | None = None) -> None:
@@ -113,7 +133,8 @@ class TargetRunner:
         self.additive = target.config._attn_implementation == "eager"
         self.cache: StaticKVCache | None = None
         self.length = 0  # committed columns
-        self.steps: dict[int, GraphStep] = {}
+        self.steps: dict[int, GraphStep] = {}  # by token count
+        self.prefills: dict[int, GraphStep] = {}  # by bucket (prefill_bucket), never compiled
         self.compiled = compiled
         self.compiled_body = None  # torch.compile of the body, made at the first captured step
 
@@ -133,6 +154,7 @@ class TargetRunner:
         self.cache = StaticKVCache(capacity) if self.cache is None else self.cache.grown(capacity)
         self.kv_index = torch.arange(capacity, device=self.device)  # [C]
         self.steps.clear()  # their graphs read the old cache
+        self.prefills.clear()
 
     def __len__(self) -> int:
         return self.length
@@ -159,12 +181,23 @@ class TargetRunner:
                 "a step sees every committed token"
             pattern = mask[:, start:].cpu()
         self.reserve(start + count)
+        bucket = prefill_bucket(count) if count <= PREFILL_GRAPH_MAX else 0
         if self.graphs and start > 0 and not want_hidden:
             step = self.steps.get(count)
             if step is None:
-                step = self.steps[count] = GraphStep(self, count)
+                step = self.steps[count] = GraphStep(self, count, self.compiled)
             step.load(ids, positions, start, pattern, tail)
             out = step.call()
+        elif (self.graphs and start == 0 and not want_hidden and tail is None and mask is None and bucket
+              and bucket <= self.cache.capacity):  # (a prefill never grows the cache for its pad)
+            step = self.prefills.get(bucket)
+            if step is None:
+                step = self.prefills[bucket] = GraphStep(self, bucket, compiled=False)
+            pad = bucket - count  # rows after the prompt's: token 0 at the next positions, causal
+            step.load(ids + [0] * pad, positions + list(range(count, bucket)), 0,
+                      torch.ones(bucket, bucket, dtype=torch.bool).tril())
+            logits, aux, _ = step.call()
+            out = logits[:count], aux[:count], None  # (views of the graph's buffers, as a step's are)
         else:
             head = torch.tensor(ids, dtype=torch.long, device=self.device)
             inputs = StepInputs(head if tail is None else torch.cat([head, tail.to(self.device)]),
@@ -174,8 +207,8 @@ class TargetRunner:
         self.length = start + count
         return out
 
-    def captured_body(self, x: StepInputs):
-        """The body of a captured step (GraphStep): as it is, or `compiled`. A captured step of a
+    def captured_body(self, x: StepInputs, compiled: bool):
+        """The body of a captured step (GraphStep): as it is, or `compiled` (self.compiled's steps). A captured step of a
         small target is host-bound: its graph launch (some 45 kernels a layer, mostly the
         elementwise pieces of the norms, the rotary embedding and the gated MLP) takes longer on the
         host than its kernels on the device (benchmarks/RESULTS.md, "Decoding"); inductor fuses
@@ -183,7 +216,7 @@ class TargetRunner:
         (tokens, cache capacity: dynamic=False; COMPILED_SHAPES), fullgraph: a graph break is an
         error, not a silently slower step. The compiled call runs outside inference mode
         (torch.compile cannot trace its mutations of the cache there)."""
-        if not self.compiled:
+        if not compiled:
             return self.body(x, want_hidden=False)
         if self.compiled_body is None:
             config = torch._dynamo.config

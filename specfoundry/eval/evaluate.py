@@ -39,7 +39,7 @@ from specfoundry.common.shards import check_output_folder
 from specfoundry.common.target import EMBEDDED_DEFAULT, Target
 from specfoundry.decoding.rounds import DecodeResult, target_generate
 from specfoundry.decoding.sampler import Sampler
-from specfoundry.decoding.target import TargetRunner, graphs_possible
+from specfoundry.decoding.target import PREFILL_GRAPH_MAX, TargetRunner, graphs_possible, prefill_bucket
 from specfoundry.decoding.tree import check_branching, parse_branching, shape_name, tree_nodes
 from specfoundry.families import FAMILIES
 from specfoundry.families.folders import (
@@ -272,7 +272,8 @@ def warm_up(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict, eos
     which would otherwise fall on the first set's tokens/s alone. Full length: after a warm-up
     of a few tokens the first timed decode was still slow (benchmarks/RESULTS.md, "Draft families"). Its
     outputs are dropped and its sampler is its own, so the timed decodes' tokens are those of a
-    run without it."""
+    run without it. Then one prompt of each other prefill bucket is prefilled (decoding/target.py
+    prefill_bucket): each bucket's graph is captured here, not inside a timed decode."""
     first = next((prompts[0][1] for prompts in sets.values() if prompts), None)
     if first is None:
         return
@@ -281,6 +282,11 @@ def warm_up(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict, eos
         target_generate(target, first, max_new_tokens=cfg.max_new_tokens, eos=eos, sampler=sampler)
     for runner in drafts.values():
         runner.generate(target, first, max_new_tokens=cfg.max_new_tokens, eos=eos, sampler=sampler)
+    by_bucket = {prefill_bucket(len(ids)): ids for prompts in sets.values() for _, ids in prompts
+                 if len(ids) <= PREFILL_GRAPH_MAX}
+    for ids in by_bucket.values():
+        target.reset(len(ids))
+        target.forward(ids)
 
 
 def decode_sets(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict, eos: set[int],
