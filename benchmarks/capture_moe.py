@@ -20,13 +20,18 @@ MFU = 2 x active parameters (without embeddings; a routed expert counts top_k / 
 weights) x tokens/s over 790 TFLOP/s. Attention FLOPs are not counted.
 
     python -m benchmarks.capture_moe [--tokens 8192,32768,65536] [--impls eager,grouped_mm,sf_fused]
-                                     [--profile] [--compile-attention] [--launch BM,BN,BK,WARPS,STAGES]
+                                     [--profile] [--compile-layers attention,layer]
+                                     [--launch BM,BN,BK,WARPS,STAGES]
     python -m benchmarks.capture_moe --device cpu --shapes tiny      # checks the script on a CPU
 
---compile-attention adds, for every implementation but eager, a row `IMPL+compiled_attention`: each
+--compile-layers adds, for every implementation but eager and each choice of sf-capture's
+--compile-layers given (common/compiled_layers.py), a row `IMPL+compiled_CHOICE`: `attention`, each
 decoder layer's attention block (projections, q/k norms, rotary, attention) and its two RMSNorms
-through torch.compile (dynamic shapes), the experts as IMPL runs them. The profile of the whole
-forward put 43% of the Qwen3-30B-A3B forward's kernel time in unfused elementwise work there.
+through torch.compile (dynamic shapes), the experts as IMPL runs them; `layer`, each whole decoder
+layer's forward. The profile of the whole forward put 43% of the Qwen3-30B-A3B forward's kernel
+time in unfused elementwise work. PYTORCH_CUDA_ALLOC_CONF defaults to expandable_segments:True
+here: with the compiled rows beside the others, DeepSeek-V3's grouped_mm ran out of memory at 32k
+tokens with 10.8 GiB reserved but free.
 
 --profile: PyTorch profiler breakdowns (kernels grouped by kind) per implementation at each token
 count, into the JSON's "profile": the whole bare forward (`SHAPE/IMPL/TOKENS/model`, dense too) and
@@ -36,11 +41,14 @@ one MoE layer's block (`SHAPE/IMPL/TOKENS`).
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
-import torch
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # (the docstring; before torch)
 
-from benchmarks.common import (
+import torch  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
     MATMUL_TFLOPS,
     cuda_time_ms_interleaved,
     print_profile_summary,
@@ -48,11 +56,12 @@ from benchmarks.common import (
     profile_summary,
     write_result,
 )
-from specfoundry.capture.runner import HFCaptureRunner
-from specfoundry.common.experts import FUSED_EXPERTS, experts_modules, set_experts
-from specfoundry.common.target import Target
-from specfoundry.kernels import fused_moe
-from specfoundry.kernels.fused_moe import MoeLaunch, register_fused_experts
+from specfoundry.capture.runner import HFCaptureRunner  # noqa: E402
+from specfoundry.common.compiled_layers import COMPILE_LAYERS, compile_layers  # noqa: E402
+from specfoundry.common.experts import FUSED_EXPERTS, experts_modules, set_experts  # noqa: E402
+from specfoundry.common.target import Target  # noqa: E402
+from specfoundry.kernels import fused_moe  # noqa: E402
+from specfoundry.kernels.fused_moe import MoeLaunch, register_fused_experts  # noqa: E402
 
 SEQ = 4096
 SHAPES = {
@@ -114,24 +123,38 @@ def active_params(model) -> float:
     return total
 
 
-COMPILED = "+compiled_attention"  # an implementation's suffix: its rows with attention_compiled(model, True)
+COMPILED = "+compiled_"  # IMPL+compiled_CHOICE: a row with compile_layers(model, CHOICE)
 
 
-def attention_compiled(model, on: bool) -> None:
-    """Run each decoder layer's attention block and its two norms through torch.compile (dynamic
-    shapes, compiled once at their first call) or, `on` False, eagerly again."""
-    for layer in model.model.layers:
-        for module in (layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm):
-            if not hasattr(module, "_sf_compiled_call"):
-                module.compile(dynamic=True)
-                module._sf_compiled_call = module._compiled_call_impl
-            module._compiled_call_impl = module._sf_compiled_call if on else None
+def split_row(impl: str) -> tuple[str, str]:
+    """A row's experts implementation and its compile_layers choice ("off" without the suffix)."""
+    experts, _, how = impl.partition(COMPILED)
+    return experts, how or "off"
 
 
 def moe_layer(model):
     """The first decoder layer that has routed experts (the profiled one), or None."""
     mods = experts_modules(model)
     return next((layer for layer in model.model.layers if any(m in mods for m in layer.modules())), None)
+
+
+def time_fitting(fns: dict, iters: int) -> tuple[dict, set]:
+    """CUDA-event ms of each fn, interleaved; if that runs out of memory, each (implementation,
+    path) alone, and those that still do are returned apart (their rows say so: grouped_mm at 64k
+    tokens on DeepSeek-V3 does not fit an 80 GB card) instead of ending the run."""
+    try:
+        return cuda_time_ms_interleaved(fns, warmup=2, iters=iters), set()
+    except torch.OutOfMemoryError:
+        pass
+    ms, failed = {}, set()
+    for key, fn in fns.items():
+        torch.cuda.empty_cache()
+        try:
+            ms.update(cuda_time_ms_interleaved({key: fn}, warmup=2, iters=iters))
+        except torch.OutOfMemoryError:
+            failed.add(key)
+    torch.cuda.empty_cache()
+    return ms, failed
 
 
 def measure_shape(shape, model_type, fields, counts, seq, args, rows, summary_mfu, summary_capture, profile):
@@ -142,23 +165,24 @@ def measure_shape(shape, model_type, fields, counts, seq, args, rows, summary_mf
     params = active_params(model)
     moe = bool(experts_modules(model))
     impls = args.impls.split(",") if moe else ["dense"]
-    if args.compile_attention:
-        impls += [impl + COMPILED for impl in impls if impl != "eager"]
+    choices = [c for c in args.compile_layers.split(",") if c] if args.compile_layers else []
+    impls += [impl + COMPILED + how for how in choices for impl in impls if impl != "eager"]
     layers = model.config.num_hidden_layers
     runner = HFCaptureRunner(target, [1, layers // 2, layers - 1])
 
-    def use(impl: str) -> None:  # the experts implementation, and the attention compiled or not
-        if args.compile_attention:
-            attention_compiled(model, impl.endswith(COMPILED))
+    def use(impl: str) -> None:  # the experts implementation, and the layers compiled or not
+        experts, how = split_row(impl)
+        if choices:
+            compile_layers(model, how)
         if moe:
-            set_experts(model, impl.removesuffix(COMPILED), args.device)
+            set_experts(model, experts, args.device)
     for tokens in counts:
         ids = torch.randint(0, model.config.vocab_size, (tokens // seq, seq), device=args.device)
         fns = {}
         for impl in impls:
             if impl == "eager" and tokens > args.eager_up_to:
                 continue
-            if impl.removesuffix(COMPILED) == FUSED_EXPERTS and not cuda and args.shapes == "real":
+            if split_row(impl)[0] == FUSED_EXPERTS and not cuda and args.shapes == "real":
                 continue
 
             def bare(impl=impl, ids=ids):
@@ -172,15 +196,18 @@ def measure_shape(shape, model_type, fields, counts, seq, args, rows, summary_mf
 
             fns[(impl, "bare")] = bare
             fns[(impl, "capture")] = capture
+        out_of_memory = set()
         with torch.inference_mode():
             if cuda:
-                ms = cuda_time_ms_interleaved(fns, warmup=2, iters=args.iters)
+                ms, out_of_memory = time_fitting(fns, args.iters)
             else:
                 ms = {}
                 for key, fn in fns.items():
                     t = time.perf_counter()
                     fn()
                     ms[key] = 1e3 * (time.perf_counter() - t)
+        for impl, kind in sorted(out_of_memory):
+            rows.append({"shape": shape, "experts": impl, "tokens": tokens, "path": kind, "error": "out of memory"})
         for (impl, kind), t in ms.items():
             peak = None
             if cuda and kind == "bare":
@@ -200,7 +227,7 @@ def measure_shape(shape, model_type, fields, counts, seq, args, rows, summary_mf
                 table.setdefault(shape, {})[impl] = mfu if kind == "bare" else tps
         if args.profile and cuda:  # the whole bare forward, by kind: where a layer's time goes besides its experts
             for impl in impls:
-                if (impl, "bare") not in fns:
+                if (impl, "bare") not in ms:
                     continue
                 with torch.inference_mode():
                     fns[(impl, "bare")]()
@@ -215,7 +242,7 @@ def measure_shape(shape, model_type, fields, counts, seq, args, rows, summary_mf
             layer = moe_layer(model)
             x = torch.randn(ids.shape[0], seq, model.config.hidden_size, device=args.device, dtype=model.dtype)
             for impl in impls:
-                if (impl == "eager" and tokens > args.eager_up_to) or impl.endswith(COMPILED):
+                if (impl == "eager" and tokens > args.eager_up_to) or COMPILED in impl:
                     continue  # (the MoE block alone: no attention in it)
                 set_experts(model, impl, args.device)
                 mlp = layer.mlp
@@ -241,8 +268,8 @@ def main():
                     help="Largest batch the (slow) eager loop is timed at.")
     ap.add_argument("--iters", type=int, default=5, help="Timed iterations (after 2 warm-ups).")
     ap.add_argument("--profile", action="store_true", help="Profile one MoE layer per implementation.")
-    ap.add_argument("--compile-attention", action="store_true",
-                    help="Add IMPL+compiled_attention rows (the module docstring).")
+    ap.add_argument("--compile-layers", default="", help=f"Comma-separated, of {', '.join(COMPILE_LAYERS[1:])}: "
+                    "add IMPL+compiled_CHOICE rows (the module docstring).")
     ap.add_argument("--launch", default=None, help="The fused kernel's tiles BM,BN,BK,WARPS,STAGES (default: by shape).")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu to check the script (--shapes tiny).")
     ap.add_argument("--shapes", default="real", choices=["real", "tiny"])
@@ -264,10 +291,10 @@ def main():
     for r in rows:  # against the dense shape at the same token count and path
         dense = next((d for d in rows if d["shape"] == "dense_8b" and d["tokens"] == r["tokens"]
                       and d["path"] == r["path"]), None)
-        if dense:
+        if dense and "MFU_%" in r and "MFU_%" in dense:
             r["MFU_vs_dense_%"] = 100 * r["MFU_%"] / dense["MFU_%"]
     print_table(rows, ["shape", "experts", "tokens", "path", "ms", "tokens_per_s", "MFU_%", "MFU_vs_dense_%",
-                       "peak_GiB_above_weights"])
+                       "peak_GiB_above_weights", "error"])
     if not cuda:
         print("(CPU: a check of the script, no figures)")
         return

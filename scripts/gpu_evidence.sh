@@ -352,32 +352,31 @@ plan_modes() {
   echo done > "$EV/done"
 }
 
-# PLAN=session (deadline DEADLINE; ~1,300 s in all): before the weights, issue 40's LK-lambda train
-# step with its profile (110.3% of ce's step time, bar 110%: where the 15 ms go); then, with the
-# weights, issue 36's sf-eval end to end with and without --compile-target (bf16 both ways, then
-# float32 compiled; the compiled one-token SmolLM2 step measured 1.92 ms against 3.58); then issue
-# 38's MoE capture at 32k with each layer's attention block and norms compiled (43% of the
-# Qwen3-30B-A3B forward was unfused elementwise work there), profiled; then, if time is left, the 8B
-# shape's compiled token and verify steps (~1-2 min of compile each). ~200 + ~750 + ~200 + ~350 s.
+# PLAN=session (deadline DEADLINE; ~1,250 s in all): before the weights, issue 38's MoE capture at
+# 32k with sf-capture's --compile-layers choices (attention measured 42.9% MFU for Qwen3-30B-A3B
+# with sf_fused, bar 45%; `layer` also fuses the residual adds and the router, not yet measured);
+# then, with the weights, issue 36's sf-eval end to end in bf16 with and without --compile-target,
+# now with the captured prefill (c508031; multiturn's target alone was 291 tok/s, bar 300, most of
+# its gap the 37 ms eager prefill); then capture_moe at 64k (grouped_mm rows that do not fit are
+# recorded as out of memory); then decode_step on SmolLM2 with the prefill row and compiled verify.
+# ~300 + ~350 + ~250 + ~200 s.
 plan_session() {
   begin_plan "plan session: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s" later
   if [ "$DEV" = cuda ]; then
-    step train_step_lk 200 python -m benchmarks.train_step --impls ours --storage bfloat16 --token-losses ce,lk-lambda \
-      --profile
+    step capture_moe 300 python -m benchmarks.capture_moe --tokens 32768 --impls grouped_mm,sf_fused \
+      --compile-layers attention,layer
     wait_weights || return 1
-    step decode_e2e 600 env RUN="$RUN/decode" SYNTH=2048 EPOCHS=1 DTYPES=bfloat16 COMPILE="off on" \
+    step decode_e2e 420 env RUN="$RUN/decode" SYNTH=2048 EPOCHS=1 DTYPES=bfloat16 COMPILE="off on" \
       bash scripts/decode_gpu.sh
-    step decode_e2e_fp32 200 env RUN="$RUN/decode" SYNTH=2048 EPOCHS=1 DTYPES=float32 COMPILE=on \
-      bash scripts/decode_gpu.sh
-    step capture_moe 200 python -m benchmarks.capture_moe --tokens 32768 --impls grouped_mm,sf_fused \
-      --compile-attention --profile
-    step decode_step_8b 350 python -m benchmarks.decode_step --shapes 8b --iters 20 --compiled-rows token,verify_k7
+    step capture_moe_64k 250 python -m benchmarks.capture_moe --tokens 65536 --impls grouped_mm,sf_fused \
+      --compile-layers attention
+    step decode_step 200 python -m benchmarks.decode_step --shapes smollm2 --iters 20 \
+      --compiled-rows token,verify_k7,tree
   else
-    step train_step_lk 300 python -m benchmarks.train_step --tiny --seq 128 --steps 2 --token-losses ce,lk-lambda
+    step capture_moe 300 python -m benchmarks.capture_moe --device cpu --shapes tiny --impls eager,grouped_mm \
+      --compile-layers attention,layer
     wait_weights || return 1
     step decode_e2e 300 env RUN="$RUN/decode" DEV=cpu SYNTH=8 DTYPES=float32 COMPILE=off bash scripts/decode_gpu.sh
-    step capture_moe 300 python -m benchmarks.capture_moe --device cpu --shapes tiny --impls eager,grouped_mm \
-      --compile-attention
     step decode_step 120 python -m benchmarks.decode_step --device cpu --shapes tiny --iters 3
   fi
   echo "[$(elapsed) s] plan done"

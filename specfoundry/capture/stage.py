@@ -27,6 +27,7 @@ from specfoundry import __version__
 from specfoundry.capture.runner import HFCaptureRunner, NonFiniteFeatures
 from specfoundry.capture.template import TemplateMaskError, render_with_mask
 from specfoundry.capture.writer import BackgroundWriter
+from specfoundry.common.compiled_layers import COMPILE_LAYERS, compile_layers
 from specfoundry.common.conversations import (
     BadInput,
     ChatMessages,
@@ -154,6 +155,13 @@ class CaptureConfig(Settings):
     limit: int | None = shared("limit", None)
     device: str | None = shared("device", None, resume=False)
     placement: Placement = Placement()
+    compile_layers: str = setting(
+        "off", resume=False, choices=COMPILE_LAYERS,
+        help="Run the target's decoder layers through torch.compile (common/compiled_layers.py), fusing the "
+             "elementwise work between the matmuls: `attention` compiles each layer's attention block and its two "
+             "norms (measured in benchmarks/RESULTS.md, \"Regen and capture\"), `layer` each whole layer (not yet "
+             "measured on a GPU). Compiles once, "
+             "at the first batch (minutes on a large target); the features differ by rounding only.")
     writers: int = setting(factory=lambda: min(4, os.cpu_count() or 1), resume=False,
                            shown="min(4, CPU cores)", valid=Range(1, 256),
                            help="Threads writing finished shards in the background; up to writers + 2 shards "
@@ -401,6 +409,11 @@ def run_capture(cfg: CaptureConfig, silent: bool = False, target: Target | None 
                              command="sf-capture run",
                              settings=resume_settings(cfg))
     ranks = target.ranks
+    if cfg.compile_layers != "off":
+        try:
+            compile_layers(target.model, cfg.compile_layers)
+        except ValueError as e:  # an architecture without the parts `attention` compiles
+            raise CaptureError(str(e)) from e
     plan = plan_capture(cfg, target.tokenizer, target.identity)
     out = ShardedOutput(Path(cfg.output))
     if ranks.rank == 0:
@@ -426,6 +439,8 @@ def run_capture(cfg: CaptureConfig, silent: bool = False, target: Target | None 
             capture_shards(plan, runner, todo, out, progress, write=ranks.is_writer)
     finally:
         runner.close()
+        if cfg.compile_layers != "off":
+            compile_layers(target.model, "off")  # (a target the caller passed in goes back as it came)
     ranks.barrier()  # every copy's shards must be marked before rank 0 lists them
     if ranks.rank != 0:
         return plan.base

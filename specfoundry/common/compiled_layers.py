@@ -1,0 +1,79 @@
+"""Decoder layers through torch.compile for prefill-only work (sf-capture `--compile-layers`).
+
+A prefill of a large batch spends much of its time in elementwise work between the matmuls: the
+RMSNorms in fp32 and their casts, Qwen3's per-head q/k norms, the rotary embedding, the residual
+adds. Each is its own kernel, a full pass over [T, H] in HBM. Inductor fuses those chains. What
+is compiled, per decoder layer:
+
+    attention   the attention block (projections, q/k norms, rotary, attention) and the layer's two
+                RMSNorms, each its own compiled module. The experts and the residual adds stay
+                eager. benchmarks/capture_moe.py measured this one (RESULTS.md, "Regen and capture").
+    layer       the decoder layer's whole forward. The experts run inside it, as their implementation
+                does (dynamo traces torch's grouped GEMM, and graph-breaks around what it cannot
+                trace). It also fuses the residual adds and the router. Not measured on a GPU yet.
+
+Both compile with dynamic shapes, once at the first call, shared by every layer of the model
+(they run the same code on other weights). A compile replaces a module's `_compiled_call_impl`
+(`attention`), or sets an instance `forward` (`layer`). Forward hooks on the decoder layers,
+such as the aux-layer tap, stay outside the compiled code either way. It changes how fast, not
+what: the features differ from eager ones by rounding only (tests/test_capture.py says by how
+much), so it is a `resume=False` setting.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specfoundry.common.taps import decoder_layers
+
+COMPILE_LAYERS = ("off", "attention", "layer")
+
+BACKEND = "inductor"
+"""torch.compile's backend. The tests run `aot_eager` on a CPU: it traces exactly what inductor
+would compile, and its compile time fits the suite."""
+
+
+def attention_parts(layer) -> list[torch.nn.Module]:
+    """A decoder layer's attention block and its two norms (the `attention` choice)."""
+    names = ("self_attn", "input_layernorm", "post_attention_layernorm")
+    missing = [n for n in names if not isinstance(getattr(layer, n, None), torch.nn.Module)]
+    if missing:
+        raise ValueError(f"--compile-layers attention: {type(layer).__name__} has no {', '.join(missing)}; "
+                         "use --compile-layers layer or off")
+    return [getattr(layer, n) for n in names]
+
+
+def compile_layers(model, how: str) -> None:
+    """Run `model`'s decoder layers as `how` says (COMPILE_LAYERS); `off` undoes an earlier choice."""
+    if how not in COMPILE_LAYERS:
+        raise ValueError(f"--compile-layers {how!r}: choose one of {', '.join(COMPILE_LAYERS)}")
+    _, layers = decoder_layers(model)
+    for layer in layers:
+        parts = attention_parts(layer) if how == "attention" else []
+        for module in [layer] + list(layer.modules()):
+            _use(module, compiled=module in parts, whole=False)
+        _use(layer, compiled=how == "layer", whole=True)
+
+
+def _use(module, compiled: bool, whole: bool) -> None:
+    """Switch `module` to its compiled call (made once, kept on it) or back. `whole`: the layer's
+    forward (instance attribute, so that its hooks run outside), else its _call_impl."""
+    key = "_sf_compiled_forward" if whole else "_sf_compiled_call"
+    made = getattr(module, key, None)
+    if whole:
+        if compiled:
+            if made is None:
+                made = torch.compile(type(module).forward.__get__(module), dynamic=True, backend=BACKEND)
+                setattr(module, key, made)
+            module.forward = made
+        elif made is not None:
+            module.__dict__.pop("forward", None)
+        return
+    if compiled:
+        if made is None:
+            module.compile(dynamic=True, backend=BACKEND)
+            made = module._compiled_call_impl
+            setattr(module, key, made)
+        module._compiled_call_impl = made
+    elif made is not None:
+        module._compiled_call_impl = None
