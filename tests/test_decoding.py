@@ -227,6 +227,43 @@ def test_a_graph_replayed_greedy_chain_equals_the_eager_one(device):
 
 
 @pytest.mark.parametrize("device", GRAPH_DEVICES)
+def test_a_graph_replayed_commit_equals_the_eager_one(device):
+    """EAGLE-3's commit (DraftRunner.extend after the prompt) as captured steps, one per token count,
+    and eagerly: the same logits and the same next-step state, committed length and proposals after
+    each, over commits of 1-3 tokens (each count captured at its first use, replayed after on a
+    longer text) with a rejected proposal between them. Exact: the same kernels on the same inputs."""
+    from specfoundry.families.eagle3.chain import DraftRunner
+    from tests.test_eval import tiny_pair
+
+    model, draft = tiny_pair(vocab=64)
+    draft = draft.to(device)
+    width = 3 * model.config.hidden_size  # aux rows [T, K*H] of three layers
+    g = torch.Generator().manual_seed(3)
+    commits = [(torch.randint(1, 64, (n,), generator=g).tolist(), torch.randn(n, width, generator=g))
+               for n in (1, 3, 2, 1, 3, 2)]
+    runs = {}
+    for graphs in (False, True):
+        runner = DraftRunner(draft, graphs=graphs)
+        runner.reset(64)
+        runner.extend(list(range(2, 12)), torch.randn(10, width, generator=torch.Generator().manual_seed(4)).to(device))
+        got = []
+        for tokens, aux in commits:
+            runner.propose(3, None, greedy=True)  # written past the committed text, then forgotten
+            logits = runner.extend(tokens, aux.to(device)).clone()
+            proposals, _ = runner.propose(3, None, greedy=True)
+            got.append((logits, runner.pre.clone(), runner.logits.clone(), int(runner.base), len(runner),
+                        proposals.tolist()))
+        runs[graphs] = got
+        assert bool(runner.extends) == graphs
+    for eager, graphed in zip(runs[False], runs[True], strict=True):
+        for a, b in zip(eager, graphed, strict=True):
+            if isinstance(a, torch.Tensor):
+                torch.testing.assert_close(b, a, rtol=0, atol=0)
+            else:
+                assert a == b
+
+
+@pytest.mark.parametrize("device", GRAPH_DEVICES)
 def test_a_graph_replayed_tree_expansion_equals_the_eager_one(device):
     """EAGLE-3's tree expansion for one branching as one captured graph and as eager code over the
     same committed state: the same trees, round after round (the replay reads the new state), and

@@ -33,12 +33,56 @@ import torch
 
 from specfoundry.decoding.accept import accept
 from specfoundry.decoding.cache import StaticKVCache, visible
-from specfoundry.decoding.graphs import CapturedCall
+from specfoundry.decoding.graphs import CapturedCall, PinnedStaging
 from specfoundry.decoding.rounds import DecodeResult, decode_rounds
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import COLUMN_ROUND, TargetRunner
 from specfoundry.families.eagle3.model import Eagle3Draft
 from specfoundry.families.vocab import draft_ids_from_d2t
+
+EXTEND_GRAPH_MAX = 16
+"""The most tokens a captured commit (DraftRunner.extend after the prompt) reads: a round commits
+a + 1 <= k + 1 of them, so one graph per count up to k + 1. A longer one (the prompt) runs eagerly."""
+
+
+class ExtendStep:
+    """DraftRunner.extend of T tokens after committed text, captured: static ids | start (staged from
+    pinned memory), aux rows [T, K*H] (copied on the device), the causal pattern. Idempotent, as a
+    captured call must be (graphs.py): it writes columns start..start+T-1 and sets `base` to
+    start + T from its inputs, never by adding to what is there."""
+
+    def __init__(self, runner: DraftRunner, tokens: int, aux: torch.Tensor):
+        device = runner.device
+        self.tokens = tokens
+        self.staging = PinnedStaging(device)
+        self.host = self.staging.buffer(tokens + 1, dtype=torch.int64)  # ids | start
+        self.staged = torch.zeros(tokens + 1, dtype=torch.int64, device=device)
+        self.aux = torch.zeros(tokens, aux.shape[-1], dtype=aux.dtype, device=device)  # [T, K*H]
+        self.pattern = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()  # [T, T]
+        self.offsets = torch.arange(tokens, device=device)  # [T]
+        self.call = CapturedCall(lambda: self.body(runner), device)
+
+    def body(self, runner: DraftRunner) -> torch.Tensor:
+        ids, start = self.staged[: self.tokens], self.staged[self.tokens]
+        hidden = runner.draft.project(self.aux.to(runner.draft.fc.weight.dtype)[None])  # [1, T, H]
+        at = start + self.offsets  # [T] columns and positions
+        runner.cache.columns = at
+        allowed = visible(runner.kv_index, start, self.pattern)  # [T, C]
+        pre, normed = runner.draft.decode_forward(ids[None], hidden, at[None], runner.cache, allowed[None, None])
+        logits = runner.draft.lm_head(normed)[0].float()  # [T, Vd]
+        runner.base.copy_(start + self.tokens)
+        runner.pre.copy_(pre[:, -1:])
+        runner.logits.copy_(logits[-1])
+        return logits
+
+    def __call__(self, tokens: list[int], start: int, aux: torch.Tensor) -> torch.Tensor:
+        self.staging.wait()  # the last copy from the host buffer has run
+        self.host[: self.tokens] = torch.tensor(tokens)
+        self.host[self.tokens] = start
+        self.staged.copy_(self.host, non_blocking=True)
+        self.staging.sent()
+        self.aux.copy_(aux)
+        return self.call()
 
 
 class DraftRunner:
@@ -61,6 +105,7 @@ class DraftRunner:
         self.length = 0  # committed columns
         self.written = 0  # columns holding entries (committed, then this round's proposals)
         self.chains: dict[int, CapturedCall] = {}  # k -> the captured greedy chain
+        self.extends: dict[int, ExtendStep] = {}  # token count -> the captured commit (extend)
         # branching -> the tree expansion's body (tree.py), captured on a GPU
         self.trees: dict[tuple[int, ...], Callable[[], torch.Tensor]] = {}
         h = draft.cfg.hidden_size
@@ -78,6 +123,7 @@ class DraftRunner:
             self.kv_index = torch.arange(capacity, device=self.device)  # [C]
             self.chains.clear()
             self.trees.clear()
+            self.extends.clear()
 
     def __len__(self) -> int:
         return self.length
@@ -110,10 +156,22 @@ class DraftRunner:
     @torch.inference_mode()
     def extend(self, tokens: list[int], aux: torch.Tensor) -> torch.Tensor:
         """Read (token t_{i+1}, aux a_i) for the next len(tokens) positions and commit them. Returns
-        all their logits [T, Vd] (the last row predicts the next token)."""
+        all their logits [T, Vd] (the last row predicts the next token). After committed text, at
+        most EXTEND_GRAPH_MAX tokens run as a captured step (ExtendStep) on a GPU: a round's commit,
+        whose eager launches took longer than the chain of proposals."""
+        self.forget_proposals()
+        count = len(tokens)
+        if self.graphs and self.length > 0 and 0 < count <= EXTEND_GRAPH_MAX:
+            if self.length + count > self.cache.capacity:
+                self.reset_capacity(self.length + count)
+            step = self.extends.get(count)
+            if step is None:
+                step = self.extends[count] = ExtendStep(self, count, aux)
+            logits = step(tokens, self.length, aux)
+            self.length = self.written = self.length + count
+            return logits
         dtype = self.draft.fc.weight.dtype
         hidden = self.draft.project(aux.to(dtype)[None])  # [1, T, H]
-        self.forget_proposals()
         pre, logits = self.run(tokens, hidden, list(range(self.length, self.length + len(tokens))))
         self.length = self.written
         self.base.fill_(self.length)
