@@ -295,8 +295,9 @@ def test_a_graph_replayed_tree_expansion_equals_the_eager_one(device):
 
 @pytest.mark.parametrize("device", GRAPH_DEVICES)
 def test_a_graph_replayed_block_proposal_equals_the_eager_one(device):
-    """DFlash's block proposal captured as a CUDA graph and run eagerly, over the same context,
-    round after round (the context grows and is cropped between them): the same proposals and logits."""
+    """DFlash's block proposal and its context appends (one per count of accepted positions) captured
+    as CUDA graphs and run eagerly, over the same context, round after round: the same proposals,
+    logits and committed lengths."""
     from specfoundry.families.dflash.block import BlockDraftRunner
     from tests.test_dflash import TINY, random_draft
 
@@ -308,15 +309,16 @@ def test_a_graph_replayed_block_proposal_equals_the_eager_one(device):
         runner = BlockDraftRunner(draft, head, graphs=graphs)
         runner.reset(64)
         runner.extend(aux[:11])
-        rounds = []
-        for r in range(4):
+        rounds, at = [], 11
+        for r, taken in enumerate((2, 1, 3, 2, 1)):  # accepted positions a round: a captured append each count
             drafts, logits = runner.propose(7 + r)
-            rounds.append((drafts.tolist(), logits.clone()))
-            runner.extend(aux[11 + 3 * r: 13 + 3 * r])  # two accepted positions a round
+            rounds.append((drafts.tolist(), logits.clone(), len(runner), int(runner.cache.start)))
+            runner.extend(aux[at: at + taken])
+            at += taken
         got[graphs] = rounds
-    assert (runner.proposal is not None)
-    for (a_drafts, a_logits), (b_drafts, b_logits) in zip(got[False], got[True], strict=True):
-        assert a_drafts == b_drafts
+    assert (runner.proposal is not None) and sorted(runner.appends) == [1, 2, 3]
+    for (a_drafts, a_logits, *a_lengths), (b_drafts, b_logits, *b_lengths) in zip(got[False], got[True], strict=True):
+        assert a_drafts == b_drafts and a_lengths == b_lengths
         torch.testing.assert_close(b_logits, a_logits, rtol=0, atol=0)
 
 

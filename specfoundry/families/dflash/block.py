@@ -27,11 +27,50 @@ from __future__ import annotations
 import torch
 
 from specfoundry.decoding.accept import accept_point_mass
-from specfoundry.decoding.graphs import CapturedCall
+from specfoundry.decoding.graphs import CapturedCall, PinnedStaging
 from specfoundry.decoding.rounds import DecodeResult, decode_rounds
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
 from specfoundry.families.dflash.model import DFlashCache, DFlashDraft
+
+APPEND_GRAPH_MAX = 64
+"""The most positions a captured context append (BlockDraftRunner.extend after the prompt) takes: a
+round commits a + 1 <= B of them, one graph per count. A longer one (the prompt) runs eagerly."""
+
+
+class ContextAppend:
+    """BlockDraftRunner.extend of T positions after the committed context, captured: the start staged
+    from pinned memory, the features aux [T, K*H] copied on the device. Idempotent, as a captured
+    call must be (decoding/graphs.py): it writes columns start..start+T-1 of every layer's cache
+    and sets the cache's device `start` to start + T from its inputs, never by adding."""
+
+    def __init__(self, runner: BlockDraftRunner, tokens: int, aux: torch.Tensor):
+        device = runner.device
+        self.tokens = tokens
+        self.staging = PinnedStaging(device)
+        self.host = self.staging.buffer(1, dtype=torch.int64)  # start
+        self.start = torch.zeros(1, dtype=torch.int64, device=device)
+        self.aux = torch.zeros(tokens, aux.shape[-1], dtype=aux.dtype, device=device)  # [T, K*H]
+        self.offsets = torch.arange(tokens, device=device)  # [T]
+        self.call = CapturedCall(lambda: self.body(runner), device)
+
+    def body(self, runner: BlockDraftRunner) -> None:
+        draft, cache = runner.draft, runner.cache
+        context = draft.project_context(self.aux.to(draft.fc.weight.dtype)[None])  # [1, T, H]
+        positions = self.start + self.offsets  # [T]
+        cos, sin = draft.rope(context, positions[None])
+        cache.kv.columns = positions
+        for i, layer in enumerate(draft.layers):
+            cache.kv.update(*layer.self_attn.context_kv(context, cos, sin), i)
+        cache.start.copy_(self.start[0] + self.tokens)
+
+    def __call__(self, start: int, aux: torch.Tensor) -> None:
+        self.staging.wait()  # the last copy from the host buffer has run
+        self.host[0] = start
+        self.start.copy_(self.host, non_blocking=True)
+        self.staging.sent()
+        self.aux.copy_(aux)
+        self.call()
 
 
 class BlockDraftRunner:
@@ -53,23 +92,37 @@ class BlockDraftRunner:
         self.cache = DFlashCache()
         self.cache.on(self.device)
         self.proposal: CapturedCall | None = None
+        self.appends: dict[int, ContextAppend] = {}  # positions -> the captured context append
 
     def reset(self, reserve: int = 0) -> None:
         """A new sequence (its cache reused, grown to `reserve` columns where needed)."""
         self.cache.crop(0)
         if self.cache.reserve(reserve + self.block_size):
             self.proposal = None  # it read the old cache
+            self.appends.clear()
 
     def __len__(self) -> int:
         return len(self.cache)
 
     @torch.inference_mode()
     def extend(self, aux: torch.Tensor) -> None:
-        """Take the target's features aux [T, K*H] of the next T positions as context."""
+        """Take the target's features aux [T, K*H] of the next T positions as context. After the
+        prompt, at most APPEND_GRAPH_MAX positions run as a captured step (ContextAppend) on a GPU: a
+        round's commit, some dozens of eager kernels a draft layer otherwise."""
+        count = aux.shape[0]
+        if self.cache.reserve(len(self.cache) + count + self.block_size):
+            self.proposal = None
+            self.appends.clear()
+        if self.graphs and len(self.cache) > 0 and 0 < count <= APPEND_GRAPH_MAX:
+            self.cache.on(self.device)
+            step = self.appends.get(count)
+            if step is None:
+                step = self.appends[count] = ContextAppend(self, count, aux)
+            step(len(self.cache), aux)
+            self.cache.length += count  # (its device `start` the step set)
+            return
         dtype = self.draft.fc.weight.dtype
         context = self.draft.project_context(aux.to(dtype)[None])  # [1, T, H]
-        if self.cache.reserve(len(self.cache) + aux.shape[0] + self.block_size):
-            self.proposal = None
         self.cache.append_context(self.draft, context)
 
     @torch.inference_mode()
