@@ -31,6 +31,7 @@ def test_compiled_layers_tap_the_eager_features(tiny, model_type, how, monkeypat
     would show on the second). fp32: the decompositions (RMSNorm into pow, mean, rsqrt) may
     reorder a sum of at most H = 64 terms, ~64 * 2^-24 relative a layer over 8 layers, far under
     1e-5; a skipped norm or a layer run twice moves the features by O(1)."""
+    from specfoundry.common.experts import experts_modules
     from specfoundry.common.target import Target
 
     monkeypatch.setattr(compiled_layers, "BACKEND", "aot_eager")
@@ -41,6 +42,10 @@ def test_compiled_layers_tap_the_eager_features(tiny, model_type, how, monkeypat
     tap = target.tap([1, 3, 5])
     want = [target.prefill(ids, tap) for ids in batches]
     compile_layers(target.model, how)
+    experts = experts_modules(target.model)
+    assert bool(experts) == (model_type == "qwen3_moe")
+    # `layer` leaves the routed experts to their implementation (a graph break on each side)
+    assert all(("forward" in m.__dict__) == (how == "layer") for m in experts)
     torch._dynamo.utils.counters.clear()
     got = [target.prefill(ids, tap) for ids in batches]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the compiled code ran
@@ -54,6 +59,7 @@ def test_compiled_layers_tap_the_eager_features(tiny, model_type, how, monkeypat
         torch.testing.assert_close(b, a, rtol=0, atol=0)  # off: the eager modules again
     layer = target.model.model.layers[0]
     assert "forward" not in layer.__dict__ and layer._compiled_call_impl is None
+    assert not any("forward" in m.__dict__ for m in experts)
     assert hasattr(layer, "_sf_compiled_forward") == (how == "layer")
     assert hasattr(layer.self_attn, "_sf_compiled_call") == (how == "attention")
 
@@ -93,3 +99,29 @@ def test_a_capture_with_compiled_layers_stores_the_eager_features(tiny, chat_fil
         assert torch.equal(a.input_ids, b.input_ids)
         torch.testing.assert_close(b.aux_hidden.float(), a.aux_hidden.float(), rtol=2 ** -7, atol=1e-6)
         torch.testing.assert_close(b.final_hidden.float(), a.final_hidden.float(), rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["attention", "layer"])
+@pytest.mark.parametrize("experts", ["grouped_mm", "sf_fused"])
+def test_inductor_compiled_layers_tap_the_eager_features_on_a_gpu(tiny, how, experts):
+    """The same through inductor on CUDA (fp32, TF32 off), Qwen3-MoE with each GPU experts
+    implementation. Inductor fuses the norms' and the rotary's chains, reordering their fp32 sums:
+    at most ~n * 2^-24 relative each (n <= 64 here), over 8 layers well under 1e-5."""
+    from specfoundry.common.experts import FUSED_EXPERTS
+    from specfoundry.common.placement import Placement
+    from specfoundry.common.target import Target
+    from specfoundry.kernels.fused_moe import register_fused_experts
+
+    register_fused_experts(FUSED_EXPERTS)
+    torch._dynamo.reset()
+    target = Target.load(str(tiny["qwen3_moe"]), device="cuda", dtype=torch.float32,
+                         placement=Placement(experts_implementation=experts))
+    tap = target.tap([1, 3, 5])
+    ids = torch.randint(100, 20000, (3, 17), generator=torch.Generator().manual_seed(0))
+    want = target.prefill(ids, tap)
+    compile_layers(target.model, how)
+    got = target.prefill(ids, tap)
+    compile_layers(target.model, "off")
+    for a, b in zip(want, got, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * a.abs().max().item())

@@ -8,9 +8,11 @@ is compiled, per decoder layer:
     attention   the attention block (projections, q/k norms, rotary, attention) and the layer's two
                 RMSNorms, each its own compiled module. The experts and the residual adds stay
                 eager. benchmarks/capture_moe.py measured this one (RESULTS.md, "Regen and capture").
-    layer       the decoder layer's whole forward. The experts run inside it, as their implementation
-                does (dynamo traces torch's grouped GEMM, and graph-breaks around what it cannot
-                trace). It also fuses the residual adds and the router. Not measured on a GPU yet.
+    layer       the decoder layer's whole forward but its routed experts, which dynamo leaves to their
+                implementation (torch.compiler.disable: a graph break on each side; dynamo would
+                otherwise trace into the fused kernel's launcher or transformers' loop). So the
+                residual adds, the router and the shared experts fuse with the rest. Not measured
+                on a GPU yet.
 
 Both compile with dynamic shapes, once at the first call, shared by every layer of the model
 (they run the same code on other weights). A compile replaces a module's `_compiled_call_impl`
@@ -47,12 +49,24 @@ def compile_layers(model, how: str) -> None:
     """Run `model`'s decoder layers as `how` says (COMPILE_LAYERS); `off` undoes an earlier choice."""
     if how not in COMPILE_LAYERS:
         raise ValueError(f"--compile-layers {how!r}: choose one of {', '.join(COMPILE_LAYERS)}")
+    from specfoundry.common.experts import experts_modules
+
     _, layers = decoder_layers(model)
     for layer in layers:
         parts = attention_parts(layer) if how == "attention" else []
         for module in [layer] + list(layer.modules()):
             _use(module, compiled=module in parts, whole=False)
+        for experts in experts_modules(layer):
+            _left_out(experts, how == "layer")
         _use(layer, compiled=how == "layer", whole=True)
+
+
+def _left_out(experts, on: bool) -> None:
+    """A routed-experts module whose forward dynamo does not trace (`on`), or traces again."""
+    if on:
+        experts.forward = torch.compiler.disable(type(experts).forward.__get__(experts))
+    else:
+        experts.__dict__.pop("forward", None)
 
 
 def _use(module, compiled: bool, whole: bool) -> None:
