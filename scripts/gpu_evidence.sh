@@ -352,17 +352,20 @@ plan_modes() {
   echo done > "$EV/done"
 }
 
-# PLAN=session (deadline DEADLINE; ~1,250 s in all): before the weights, issue 38's MoE capture at
+# PLAN=session (deadline DEADLINE; ~1,370 s in all): before the weights, issue 38's MoE capture at
 # 32k with sf-capture's --compile-layers choices (attention measured 42.9% MFU for Qwen3-30B-A3B
 # with sf_fused, bar 45%; `layer` also fuses the residual adds and the router, not yet measured);
 # then, with the weights, issue 36's sf-eval end to end in bf16 with and without --compile-target,
 # now with the captured prefill (c508031; multiturn's target alone was 291 tok/s, bar 300, most of
 # its gap the 37 ms eager prefill); then capture_moe at 64k (grouped_mm rows that do not fit are
 # recorded as out of memory); then decode_step on SmolLM2 with the prefill row and compiled verify.
-# ~300 + ~350 + ~250 + ~200 s.
+# First, the GPU tests of the compiled layers and of the captured prefill and commits.
+# ~120 + ~300 + ~350 + ~250 + ~200 s.
 plan_session() {
   begin_plan "plan session: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s" later
   if [ "$DEV" = cuda ]; then
+    step gpu_tests 120 env LOG="$EV/gpu_tests.log" bash benchmarks/gpu_tests.sh tests/test_compiled_layers.py \
+      tests/test_decoding.py
     step capture_moe 300 python -m benchmarks.capture_moe --tokens 32768 --impls grouped_mm,sf_fused \
       --compile-layers attention,layer
     wait_weights || return 1
