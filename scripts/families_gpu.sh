@@ -26,6 +26,8 @@
 #   REGEN_OPTS, TRAIN_OPTS, EVAL_OPTS  more options for every sf-regen, sf-train (options every family
 #                 reads: another family's is refused; default
 #                 --num-workers 2), sf-eval (acceptance and timing) command
+#   TIMING_OPTS   more options for the timing pass's sf-eval alone (e.g. --compile-target: the target's
+#                 steps compiled, where the acceptance evals keep the captured steps)
 #   RESULT        the result file's name under benchmarks/results (families)
 #   DEV           the target's device (cuda)
 set -euo pipefail
@@ -93,7 +95,7 @@ if [ "${TIMING_LIMIT:-4}" -gt 0 ]; then
     if [ -n "${STOP_AT:-}" ] && [ "$(date +%s)" -ge "$STOP_AT" ]; then echo "timing: $name skipped (STOP_AT)"; continue; fi
     [ "$name" = eagle3_chain_k7 ] && base=--baseline || base=--no-baseline
     side_by_side "timing_$name" 1 \
-      "sf-eval run $RUN/$draft -o $RUN/timing_$name --recipe $recipe $opts $base $EVAL_OPTS --limit ${TIMING_LIMIT:-4}" \
+      "sf-eval run $RUN/$draft -o $RUN/timing_$name --recipe $recipe $opts $base $EVAL_OPTS ${TIMING_OPTS:-} --limit ${TIMING_LIMIT:-4}" \
       || status=1
   done
   python -m benchmarks.families "$RUN" --out "${RESULT:-families}"

@@ -252,6 +252,7 @@ plan_families() {
   if [ "$DEV" = cuda ]; then
     # no timing decode starts within 120 s of the deadline: the acceptance figures are written first
     step families 1300 env RUN="$RUN/families" EPOCHS="$EPOCHS" REGEN_FROM="$from" TIMING_LIMIT="${TIMING_LIMIT:-2}" \
+      TIMING_OPTS="${TIMING_OPTS---compile-target}" \
       EVAL_OPTS="--limit ${EVAL_LIMIT:-8}" STOP_AT=$(( $(cat "$EV/t0") + $(deadline) - 120 )) bash scripts/families_gpu.sh
     step family_step 100 python -m benchmarks.family_step  # alone, if the deadline leaves room
   else
