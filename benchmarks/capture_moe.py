@@ -138,12 +138,14 @@ def moe_layer(model):
     return next((layer for layer in model.model.layers if any(m in mods for m in layer.modules())), None)
 
 
-def time_fitting(fns: dict, iters: int) -> tuple[dict, set]:
+def time_fitting(fns: dict, iters: int) -> tuple[dict, set, bool]:
     """CUDA-event ms of each fn, interleaved; if that runs out of memory, each (implementation,
-    path) alone, and those that still do are returned apart (their rows say so: grouped_mm at 64k
-    tokens on DeepSeek-V3 does not fit an 80 GB card) instead of ending the run."""
+    path) timed alone (without the interleaving that evens out clock drift: the rows say `timed:
+    alone`), and those that still do not fit are returned apart (their rows say so: grouped_mm at
+    64k tokens on DeepSeek-V3 does not fit an 80 GB card) instead of ending the run. Returns (ms,
+    what did not fit, whether timed alone)."""
     try:
-        return cuda_time_ms_interleaved(fns, warmup=2, iters=iters), set()
+        return cuda_time_ms_interleaved(fns, warmup=2, iters=iters), set(), False
     except torch.OutOfMemoryError:
         pass
     ms, failed = {}, set()
@@ -154,7 +156,24 @@ def time_fitting(fns: dict, iters: int) -> tuple[dict, set]:
         except torch.OutOfMemoryError:
             failed.add(key)
     torch.cuda.empty_cache()
-    return ms, failed
+    return ms, failed, True
+
+
+def profiled(fn, calls: int = 1):
+    """torch.profiler of `calls` calls of fn after one untimed call (CUDA activity), or None when
+    that runs out of memory."""
+    try:
+        with torch.inference_mode():
+            fn()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    fn()
+                torch.cuda.synchronize()
+        return prof
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
 
 
 def measure_shape(shape, model_type, fields, counts, seq, args, rows, summary_mfu, summary_capture, profile):
@@ -196,10 +215,10 @@ def measure_shape(shape, model_type, fields, counts, seq, args, rows, summary_mf
 
             fns[(impl, "bare")] = bare
             fns[(impl, "capture")] = capture
-        out_of_memory = set()
+        out_of_memory, alone = set(), False
         with torch.inference_mode():
             if cuda:
-                ms, out_of_memory = time_fitting(fns, args.iters)
+                ms, out_of_memory, alone = time_fitting(fns, args.iters)
             else:
                 ms = {}
                 for key, fn in fns.items():
@@ -214,14 +233,18 @@ def measure_shape(shape, model_type, fields, counts, seq, args, rows, summary_mf
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
-                with torch.inference_mode():
-                    fns[(impl, kind)]()
-                torch.cuda.synchronize()
-                peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+                try:
+                    with torch.inference_mode():
+                        fns[(impl, kind)]()
+                    torch.cuda.synchronize()
+                    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+                except torch.OutOfMemoryError:  # (it fitted when timed; the row keeps its times)
+                    torch.cuda.empty_cache()
             tps = tokens / (t / 1e3)
             mfu = 100 * 2 * params * tps / 1e12 / MATMUL_TFLOPS
             rows.append({"shape": shape, "experts": impl, "tokens": tokens, "path": kind, "ms": t,
-                         "tokens_per_s": tps, "MFU_%": mfu, "peak_GiB_above_weights": peak})
+                         "tokens_per_s": tps, "MFU_%": mfu, "peak_GiB_above_weights": peak,
+                         **({"timed": "alone"} if alone else {})})
             if tokens == 32768 or args.shapes == "tiny":
                 table = summary_mfu if kind == "bare" else summary_capture
                 table.setdefault(shape, {})[impl] = mfu if kind == "bare" else tps
@@ -229,13 +252,12 @@ def measure_shape(shape, model_type, fields, counts, seq, args, rows, summary_mf
             for impl in impls:
                 if (impl, "bare") not in ms:
                     continue
-                with torch.inference_mode():
-                    fns[(impl, "bare")]()
-                    torch.cuda.synchronize()
-                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                        fns[(impl, "bare")]()
-                        torch.cuda.synchronize()
                 key = f"{shape}/{impl}/{tokens}/model"
+                prof = profiled(fns[(impl, "bare")])
+                if prof is None:
+                    profile[key] = {"error": "out of memory under the profiler"}
+                    print(f"== {key}: out of memory under the profiler ==")
+                    continue
                 profile[key] = profile_summary(prof)
                 print_profile_summary(f"{key}: the bare forward, {layers} layers", profile[key])
         if args.profile and moe and cuda:
@@ -245,16 +267,12 @@ def measure_shape(shape, model_type, fields, counts, seq, args, rows, summary_mf
                 if (impl == "eager" and tokens > args.eager_up_to) or COMPILED in impl:
                     continue  # (the MoE block alone: no attention in it)
                 set_experts(model, impl, args.device)
-                mlp = layer.mlp
-                with torch.inference_mode():
-                    for _ in range(2):
-                        mlp(x)
-                    torch.cuda.synchronize()
-                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                        for _ in range(3):
-                            mlp(x)
-                        torch.cuda.synchronize()
                 key = f"{shape}/{impl}/{tokens}"
+                prof = profiled(lambda mlp=layer.mlp, x=x: mlp(x), calls=3)
+                if prof is None:
+                    profile[key] = {"error": "out of memory under the profiler"}
+                    print(f"== {key}: out of memory under the profiler ==")
+                    continue
                 profile[key] = profile_summary(prof)
                 print_profile_summary(f"{key}: one MoE block, 3 calls", profile[key])
     runner.tap.remove()
@@ -294,7 +312,7 @@ def main():
         if dense and "MFU_%" in r and "MFU_%" in dense:
             r["MFU_vs_dense_%"] = 100 * r["MFU_%"] / dense["MFU_%"]
     print_table(rows, ["shape", "experts", "tokens", "path", "ms", "tokens_per_s", "MFU_%", "MFU_vs_dense_%",
-                       "peak_GiB_above_weights", "error"])
+                       "peak_GiB_above_weights", "timed", "error"])
     if not cuda:
         print("(CPU: a check of the script, no figures)")
         return

@@ -260,12 +260,15 @@ def prefill_row(shape: str, model, core: TargetRunner, eager: TargetRunner, iter
             model(input_ids=torch.tensor([ids], device=model.device),
                   **{cache_arg(model): DynamicCache(config=model.config)}, use_cache=True)
 
-    fns = {"core": core_prefill(core), "core_eager": core_prefill(eager), "plain": plain,
-           "graph": reference_step(model, RefCache(core.cache.capacity), 0, ids, list(range(PREFILL_TOKENS)),
-                                   torch.ones(PREFILL_TOKENS, PREFILL_TOKENS, dtype=torch.bool).tril())}
+    fns, errors = {"core": core_prefill(core), "core_eager": core_prefill(eager), "plain": plain}, {}
+    try:
+        fns["graph"] = reference_step(model, RefCache(core.cache.capacity), 0, ids, list(range(PREFILL_TOKENS)),
+                                      torch.ones(PREFILL_TOKENS, PREFILL_TOKENS, dtype=torch.bool).tril())
+    except Exception as e:  # noqa: BLE001 - reported in the row, the other columns still measured
+        errors["graph"] = f"{type(e).__name__}: {e}"[:300]
     ms = cuda_time_ms_interleaved(fns, warmup=3, iters=iters)
     return {"shape": shape, "row": "prefill", "tokens": PREFILL_TOKENS, **{k: ms.get(k) for k in COLUMNS},
-            "core/graph": ms["core"] / ms["graph"]}
+            "core/graph": ms["core"] / ms["graph"] if "graph" in ms else None, **errors}
 
 
 def alone_ms_per_token(runner: TargetRunner, prompt: list[int], iters: int) -> float:

@@ -64,12 +64,18 @@ def test_compiled_layers_tap_the_eager_features(tiny, model_type, how, monkeypat
     assert hasattr(layer.self_attn, "_sf_compiled_call") == (how == "attention")
 
 
-def test_an_unknown_choice_is_refused(tiny):
+def test_an_unknown_choice_or_a_layer_without_the_parts_is_refused_changing_nothing(tiny):
+    """One line naming the choice; `attention` on a model one of whose layers lacks a norm is
+    refused before any layer is compiled."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny["llama"])
     with pytest.raises(ValueError, match="--compile-layers 'mlp': choose one of off, attention, layer"):
         compile_layers(model, "mlp")
+    del model.model.layers[2].post_attention_layernorm
+    with pytest.raises(ValueError, match="has no post_attention_layernorm; use --compile-layers layer or off"):
+        compile_layers(model, "attention")
+    assert not any(getattr(m, "_compiled_call_impl", None) for m in model.modules())
 
 
 def test_a_capture_with_compiled_layers_stores_the_eager_features(tiny, chat_file, tmp_path, monkeypatch):

@@ -408,12 +408,21 @@ def run_capture(cfg: CaptureConfig, silent: bool = False, target: Target | None 
         target = Target.load(cfg.target, device=cfg.device, placement=cfg.placement, chat_template=cfg.chat_template,
                              command="sf-capture run",
                              settings=resume_settings(cfg))
-    ranks = target.ranks
     if cfg.compile_layers != "off":
         try:
-            compile_layers(target.model, cfg.compile_layers)
+            compile_layers(target.model, cfg.compile_layers)  # all layers or none (undone below)
         except ValueError as e:  # an architecture without the parts `attention` compiles
             raise CaptureError(str(e)) from e
+    try:
+        return capture_with(cfg, target, silent)
+    finally:
+        if cfg.compile_layers != "off":
+            compile_layers(target.model, "off")  # (a target the caller passed in goes back as it came)
+
+
+def capture_with(cfg: CaptureConfig, target: Target, silent: bool) -> dict:
+    """run_capture's work once the target is loaded (and its layers compiled as asked)."""
+    ranks = target.ranks
     plan = plan_capture(cfg, target.tokenizer, target.identity)
     out = ShardedOutput(Path(cfg.output))
     if ranks.rank == 0:
@@ -439,8 +448,6 @@ def run_capture(cfg: CaptureConfig, silent: bool = False, target: Target | None 
             capture_shards(plan, runner, todo, out, progress, write=ranks.is_writer)
     finally:
         runner.close()
-        if cfg.compile_layers != "off":
-            compile_layers(target.model, "off")  # (a target the caller passed in goes back as it came)
     ranks.barrier()  # every copy's shards must be marked before rank 0 lists them
     if ranks.rank != 0:
         return plan.base

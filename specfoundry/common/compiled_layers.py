@@ -52,8 +52,9 @@ def compile_layers(model, how: str) -> None:
     from specfoundry.common.experts import experts_modules
 
     _, layers = decoder_layers(model)
-    for layer in layers:
-        parts = attention_parts(layer) if how == "attention" else []
+    # every layer's parts first: a layer that lacks them is refused before any layer changes
+    chosen = [attention_parts(layer) if how == "attention" else [] for layer in layers]
+    for layer, parts in zip(layers, chosen, strict=True):
         for module in [layer] + list(layer.modules()):
             _use(module, compiled=module in parts, whole=False)
         for experts in experts_modules(layer):

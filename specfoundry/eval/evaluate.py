@@ -293,6 +293,11 @@ def decode_sets(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict,
                 silent: bool = False) -> dict:
     """{set name: {label: summary, ...}} for every prompt set, each draft, and the target alone
     (on a GPU after warm_up)."""
+    # the longest sequence a decode may hold, reserved once, before the warm-up: no decode grows the
+    # cache (which would drop the captured steps and prefills: a recapture inside a timed decode)
+    longest = max((len(ids) for prompts in sets.values() for _, ids in prompts), default=0)
+    tree_width = tree_nodes(cfg.tree) + len(cfg.tree) if cfg.tree else 0  # a tree verify: its nodes and the pending path
+    target.reserve(longest + cfg.max_new_tokens + 1 + max(MAX_DRAFT, tree_width))
     if warms_up(target.device):
         warm_up(cfg, target, drafts, sets, eos)
     out = {}
@@ -360,10 +365,6 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
         raise EvalError("--compile-target needs the target's decode steps captured: one CUDA device, without "
                         "--tp / --ep or a device map; leave it off for this placement")
     runner_target = TargetRunner(target, aux, compiled=cfg.compile_target)
-    # the longest sequence a decode may hold, reserved once: no decode grows the cache (or recaptures)
-    longest = max((len(ids) for prompts in sets.values() for _, ids in prompts), default=0)
-    tree_width = tree_nodes(cfg.tree) + len(cfg.tree) if cfg.tree else 0  # a tree verify: its nodes and the pending path
-    runner_target.reserve(longest + cfg.max_new_tokens + 1 + max(MAX_DRAFT, tree_width))
     drafts = {"trained": family.decoder(draft, target, k=cfg.k, tree=cfg.tree)}
     if cfg.compare_untrained:
         drafts["untrained"] = family.decoder(untrained_like(draft, cfg.seed), target, k=cfg.k, tree=cfg.tree)

@@ -50,19 +50,21 @@ class ContextAppend:
         self.staging = PinnedStaging(device)
         self.host = self.staging.buffer(1, dtype=torch.int64)  # start
         self.start = torch.zeros(1, dtype=torch.int64, device=device)
-        self.aux = torch.zeros(tokens, aux.shape[-1], dtype=aux.dtype, device=device)  # [T, K*H]
+        # [T, K*H] in the draft's dtype: the copy in converts as the eager extend's .to(dtype) does
+        self.aux = torch.zeros(tokens, aux.shape[-1], dtype=runner.draft.fc.weight.dtype, device=device)
         self.offsets = torch.arange(tokens, device=device)  # [T]
         self.call = CapturedCall(lambda: self.body(runner), device)
 
-    def body(self, runner: BlockDraftRunner) -> None:
+    def body(self, runner: BlockDraftRunner) -> torch.Tensor:
         draft, cache = runner.draft, runner.cache
-        context = draft.project_context(self.aux.to(draft.fc.weight.dtype)[None])  # [1, T, H]
+        context = draft.project_context(self.aux[None])  # [1, T, H]
         positions = self.start + self.offsets  # [T]
         cos, sin = draft.rope(context, positions[None])
         cache.kv.columns = positions
         for i, layer in enumerate(draft.layers):
             cache.kv.update(*layer.self_attn.context_kv(context, cos, sin), i)
         cache.start.copy_(self.start[0] + self.tokens)
+        return cache.start  # (an output, as CapturedCall's CPU stand-in expects one)
 
     def __call__(self, start: int, aux: torch.Tensor) -> None:
         self.staging.wait()  # the last copy from the host buffer has run

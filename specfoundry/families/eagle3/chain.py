@@ -57,14 +57,15 @@ class ExtendStep:
         self.staging = PinnedStaging(device)
         self.host = self.staging.buffer(tokens + 1, dtype=torch.int64)  # ids | start
         self.staged = torch.zeros(tokens + 1, dtype=torch.int64, device=device)
-        self.aux = torch.zeros(tokens, aux.shape[-1], dtype=aux.dtype, device=device)  # [T, K*H]
+        # [T, K*H] in the draft's dtype: the copy in converts as the eager extend's .to(dtype) does
+        self.aux = torch.zeros(tokens, aux.shape[-1], dtype=runner.draft.fc.weight.dtype, device=device)
         self.pattern = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()  # [T, T]
         self.offsets = torch.arange(tokens, device=device)  # [T]
         self.call = CapturedCall(lambda: self.body(runner), device)
 
     def body(self, runner: DraftRunner) -> torch.Tensor:
         ids, start = self.staged[: self.tokens], self.staged[self.tokens]
-        hidden = runner.draft.project(self.aux.to(runner.draft.fc.weight.dtype)[None])  # [1, T, H]
+        hidden = runner.draft.project(self.aux[None])  # [1, T, H]
         at = start + self.offsets  # [T] columns and positions
         runner.cache.columns = at
         allowed = visible(runner.kv_index, start, self.pattern)  # [T, C]
