@@ -13,7 +13,9 @@ step and the crop that undoes it (so every iteration starts from the same length
     draft_F       family F's draft step, a random draft of the target's shape after the prompt's context:
                   EAGLE-3's greedy chain of 7, a DFlash / Domino / DSpark block of 16, P-EAGLE's round
                   of 7 depths after one committed row; draft_eagle3_tree: EAGLE-3's expansion of the
-                  8,4,2,1,1,1,1 tree (360 nodes: 6 draft forwards read the 296 above the deepest)
+                  8,4,2,1,1,1,1 tree (360 nodes: 6 draft forwards read the 296 above the deepest);
+                  draft_eagle3_commit / draft_dflash_commit: a round's commit of COMMIT_TOKENS accepted
+                  tokens (EAGLE-3's extend, DFlash's context append), cropped back after each
 Columns:
     plain         transformers as a user writes it: model(input_ids, past_key_values=DynamicCache),
                   then cache.crop (no tree: a plain loop has no tree mask)
@@ -75,6 +77,7 @@ CHAIN, BLOCK = 7, 16
 COLUMNS = ("plain", "graph", "core", "core_fold1", "core_eager", "core_compiled")
 ALONE_TOKENS = 96  # sf-eval's default --max-new-tokens
 PREFILL_TOKENS = 100  # the `prefill` row's prompt: a short chat turn, padded to a bucket of 128
+COMMIT_TOKENS = 2  # the commit rows: a round that accepted one proposal (and the target's own token)
 PROFILED_VERIFY = 8  # tokens of the verify step --profile records (verify_k7)
 
 
@@ -288,7 +291,7 @@ def alone_ms_per_token(runner: TargetRunner, prompt: list[int], iters: int) -> f
 def draft_steps(shape: str, model, prompt_len: int, graphs: bool) -> dict:
     """family -> (its step as sf-eval runs it, its step's body for a bare graph), a random draft of
     the target's shape (bf16 on a GPU) whose runner has read a context of prompt_len positions."""
-    from specfoundry.families.dflash.block import BlockDraftRunner
+    from specfoundry.families.dflash.block import BlockDraftRunner, ContextAppend
     from specfoundry.families.dflash.config import dflash_config_from_target
     from specfoundry.families.dflash.model import DFlashDraft
     from specfoundry.families.domino.config import domino_config_from_target
@@ -299,7 +302,7 @@ def draft_steps(shape: str, model, prompt_len: int, graphs: bool) -> dict:
     from specfoundry.families.dspark.decode import DSparkRunner
     from specfoundry.families.dspark.model import DSparkDraft
     from specfoundry.families.dspark.options import DSparkOptions
-    from specfoundry.families.eagle3.chain import DraftRunner
+    from specfoundry.families.eagle3.chain import DraftRunner, ExtendStep
     from specfoundry.families.eagle3.config import draft_config_from_target
     from specfoundry.families.eagle3.model import Eagle3Draft
     from specfoundry.families.eagle3.tree import TreeShape, expand_body, expand_tree
@@ -327,6 +330,18 @@ def draft_steps(shape: str, model, prompt_len: int, graphs: bool) -> dict:
     eagle.extend(tokens, aux(3))
     steps["eagle3"] = (lambda: eagle.propose(CHAIN, None, greedy=True), lambda: eagle.greedy_chain(CHAIN))
     steps["eagle3_tree"] = (lambda: expand_tree(eagle, shape_of_tree), expand_body(eagle, shape_of_tree))
+    committed, new_rows = len(eagle), aux(3, COMMIT_TOKENS)
+    new_tokens = list(range(5, 5 + COMMIT_TOKENS))
+    bare_extend = ExtendStep(eagle, COMMIT_TOKENS, new_rows)  # its static inputs filled once, for the bare graph
+    bare_extend.staged[:COMMIT_TOKENS] = torch.tensor(new_tokens, device=device)
+    bare_extend.staged[COMMIT_TOKENS] = committed
+    bare_extend.aux.copy_(new_rows)
+
+    def eagle_commit():  # the commit, then back to the same committed length
+        eagle.extend(new_tokens, new_rows)
+        eagle.crop(committed)
+
+    steps["eagle3_commit"] = (eagle_commit, lambda: bare_extend.body(eagle))
     layers, mask_id = DFLASH_LAYERS[shape], vocab - 1
     blocks = {
         "dflash": (BlockDraftRunner, DFlashDraft(dflash_config_from_target(cfg, layers, 5, BLOCK, mask_id))),
@@ -342,6 +357,17 @@ def draft_steps(shape: str, model, prompt_len: int, graphs: bool) -> dict:
         runner.extend(aux(len(layers)))
         runner.bonus.fill_(11)
         steps[name] = (lambda r=runner: r.propose(11), runner.propose_body)
+        if name == "dflash":  # the context append of a round's commit, then back to the same length
+            context_rows = aux(len(layers), COMMIT_TOKENS)
+            bare_append = ContextAppend(runner, COMMIT_TOKENS, context_rows)
+            bare_append.start.fill_(prompt_len)
+            bare_append.aux.copy_(context_rows)
+
+            def dflash_commit(r=runner, rows=context_rows):
+                r.extend(rows)
+                r.cache.crop(prompt_len)
+
+            steps["dflash_commit"] = (dflash_commit, lambda r=runner, b=bare_append: b.body(r))
     peagle = PEagleRunner(placed(PEagleDraft(peagle_config_from_target(cfg, min(32000, vocab), AUX[shape],
                                                                         num_hidden_layers=2, num_depths=CHAIN,
                                                                         mask_token_id=mask_id))), graphs=graphs)
