@@ -3,7 +3,8 @@
 # of SYNTH synthesised conversations, capture, EPOCHS epochs with recipes/smollm2-h200.yaml), then
 # sf-eval of every built-in prompt set (60 prompts, 96 new tokens, chain k=7, with the target-alone
 # baseline) in each of DTYPES, and in each of COMPILE ("off": the captured steps as they are, "on":
-# --compile-target), the wall time of each sf-eval printed. Every stage resumes.
+# --compile-target, "all": --compile-target --compile-draft), the wall time of each sf-eval
+# printed. Every stage resumes.
 #   RUN=DIR SYNTH=2048 EPOCHS=1 DTYPES="float32 bfloat16" COMPILE="off on" bash scripts/decode_gpu.sh
 #   (DTYPES= : up to the draft)
 # DEV=cpu SYNTH=8 DTYPES=float32 checks the script on a CPU (minutes; the figures mean nothing there).
@@ -23,7 +24,8 @@ for dtype in $DTYPES; do
     case $compile in
       off) out=$RUN/eval-$dtype opts= ;;
       on) out=$RUN/eval-$dtype-compiled opts=--compile-target ;;
-      *) echo "COMPILE: off or on, not $compile" >&2; exit 2 ;;
+      all) out=$RUN/eval-$dtype-compiled-draft opts="--compile-target --compile-draft" ;;
+      *) echo "COMPILE: off, on or all, not $compile" >&2; exit 2 ;;
     esac
     start=$(date +%s%N)
     sf-eval run "$RUN/train" -o "$out" --recipe "$RECIPE" --device "$DEV" --dtype "$dtype" $opts \

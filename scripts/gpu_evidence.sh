@@ -353,15 +353,16 @@ plan_modes() {
   echo done > "$EV/done"
 }
 
-# PLAN=session (deadline DEADLINE; ~1,370 s in all): before the weights, issue 38's MoE capture at
+# PLAN=session (deadline DEADLINE; ~1,450 s in all): before the weights, issue 38's MoE capture at
 # 32k with sf-capture's --compile-layers choices (attention measured 42.9% MFU for Qwen3-30B-A3B
 # with sf_fused, bar 45%; `layer` also fuses the residual adds and the router, not yet measured);
-# then, with the weights, issue 36's sf-eval end to end in bf16 with and without --compile-target,
+# then, with the weights, issue 36's sf-eval end to end in bf16 without and with --compile-target
+# (and with --compile-draft too: EAGLE-3's chain compiled),
 # now with the captured prefill (c508031; multiturn's target alone was 291 tok/s, bar 300, most of
 # its gap the 37 ms eager prefill); then capture_moe at 64k (grouped_mm rows that do not fit are
 # recorded as out of memory); then decode_step on SmolLM2 with the prefill row and compiled verify.
 # First, the GPU tests of the compiled layers and of the captured prefill and commits.
-# ~120 + ~300 + ~350 + ~250 + ~200 s.
+# ~120 + ~300 + ~480 + ~250 + ~200 s.
 plan_session() {
   begin_plan "plan session: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s" later
   if [ "$DEV" = cuda ]; then
@@ -370,7 +371,7 @@ plan_session() {
     step capture_moe 300 python -m benchmarks.capture_moe --tokens 32768 --impls grouped_mm,sf_fused \
       --compile-layers attention,layer
     wait_weights || return 1
-    step decode_e2e 420 env RUN="$RUN/decode" SYNTH=2048 EPOCHS=1 DTYPES=bfloat16 COMPILE="off on" \
+    step decode_e2e 480 env RUN="$RUN/decode" SYNTH=2048 EPOCHS=1 DTYPES=bfloat16 COMPILE="off on all" \
       bash scripts/decode_gpu.sh
     step capture_moe_64k 250 python -m benchmarks.capture_moe --tokens 65536 --impls grouped_mm,sf_fused \
       --compile-layers attention

@@ -342,6 +342,8 @@ def test_bad_prompt_set_and_draft_fail_clearly(tmp_path, smollm2_dir):
         run_eval(EvalConfig(draft=str(tmp_path), tree=(2, 2), temperature=0.7))
     with pytest.raises(EvalError, match="--compile-target .* CUDA device only"):
         run_eval(EvalConfig(draft=str(tmp_path), compile_target=True, device="cpu"))
+    with pytest.raises(EvalError, match="--compile-draft .* CUDA device only"):
+        run_eval(EvalConfig(draft=str(tmp_path), compile_draft=True, device="cpu"))
     result = CliRunner().invoke(main, ["run", str(tmp_path), "--tree", "4,x"])
     assert result.exit_code != 0 and "comma-separated integers" in str(result.output) + str(result.exception)
 

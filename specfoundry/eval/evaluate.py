@@ -133,6 +133,11 @@ class EvalConfig(Settings):
                     "alone's and a chain verify's in the untimed warm-up, a tree verify's widths (one per "
                     "accepted depth) possibly inside a timed decode. Steps of different widths may round "
                     "differently, so greedy equality can break on near-ties, as in bf16.")
+    compile_draft: bool = setting(
+        False, help="Run the draft's captured chain of proposals through torch.compile (EAGLE-3; one CUDA device): "
+                    "a small draft's chain is hundreds of tiny kernels, which inductor fuses. One compile per -k, in "
+                    "the untimed warm-up. The draft's rounding changes which proposals it makes, never the output: "
+                    "the target verifies them.")
     device: str | None = shared("device", None, resume=False)
     placement: Placement = Placement()
     # fp32 makes greedy decoding exactly reproducible across the batch shapes of verification and plain decoding
@@ -243,8 +248,15 @@ def check_config(cfg: EvalConfig) -> tuple[EvalConfig, DraftRef]:
     if cfg.compile_target and (not torch.cuda.is_available() or (cfg.device or "cuda").startswith("cpu")):
         raise EvalError("--compile-target compiles the target's captured decode steps, which run on a CUDA "
                         "device only; leave it off here")
+    if cfg.compile_draft and (not torch.cuda.is_available() or (cfg.device or "cuda").startswith("cpu")):
+        raise EvalError("--compile-draft compiles the draft's captured chain, which runs on a CUDA device only; "
+                        "leave it off here")
     ref = locate_draft(cfg.draft)  # the one time the draft's folder is read for what it holds
     dcfg = ref.config
+    if cfg.compile_draft and not ref.provider.compiles_draft:
+        raise EvalError(f"--compile-draft compiles EAGLE-3's chain; {ref.provider.name} drafts decode without it")
+    if cfg.compile_draft and cfg.tree:
+        raise EvalError("--compile-draft compiles the chain; --tree expands its trees uncompiled, so leave it off")
     try:
         k, tree, warning = ref.provider.decode_settings(dcfg, k=cfg.k, tree=cfg.tree, temperature=cfg.temperature,
                                                            k_given=cfg.k != EvalConfig.k, source=cfg.draft)
@@ -365,9 +377,10 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
         raise EvalError("--compile-target needs the target's decode steps captured: one CUDA device, without "
                         "--tp / --ep or a device map; leave it off for this placement")
     runner_target = TargetRunner(target, aux, compiled=cfg.compile_target)
-    drafts = {"trained": family.decoder(draft, target, k=cfg.k, tree=cfg.tree)}
+    drafts = {"trained": family.decoder(draft, target, k=cfg.k, tree=cfg.tree, compiled=cfg.compile_draft)}
     if cfg.compare_untrained:
-        drafts["untrained"] = family.decoder(untrained_like(draft, cfg.seed), target, k=cfg.k, tree=cfg.tree)
+        drafts["untrained"] = family.decoder(untrained_like(draft, cfg.seed), target, k=cfg.k, tree=cfg.tree,
+                                             compiled=cfg.compile_draft)
     report = {"config": config_dict(cfg), "convention": "accept_length = mean tokens per target verify forward, "
               "counting the target's own token (k+1 at most); the prompt's first token is not counted",
               "family": family.name, "aux_layer_ids": aux, "device": str(device),

@@ -198,9 +198,14 @@ class DraftFamily:
         (k_given: -k was set); ValueError (one line) for settings it cannot decode with."""
         raise NotImplementedError
 
-    def decoder(self, draft, target, *, k: int, tree: tuple[int, ...] | None):
+    compiles_draft = False
+    """Whether decoder(compiled=True) is offered (sf-eval --compile-draft): EAGLE-3's chain."""
+
+    def decoder(self, draft, target, *, k: int, tree: tuple[int, ...] | None, compiled: bool = False):
         """The draft's decoder for sf-eval: generate(target_runner, prompt, max_new_tokens=, eos=,
-        sampler=) -> DecodeResult (decoding/rounds.py). `target`: common/target.Target."""
+        sampler=) -> DecodeResult (decoding/rounds.py). `target`: common/target.Target. `compiled`:
+        its captured proposal through torch.compile (sf-eval --compile-draft); a family that does
+        not offer it raises ValueError (one line)."""
         raise NotImplementedError
 
     def decode_matches_training(self, draft, lm_head: torch.Tensor, ids: torch.Tensor,

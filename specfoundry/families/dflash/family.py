@@ -109,7 +109,9 @@ class DFlashFamily(DraftFamily):
 
         return decode_settings(cfg, k=k, tree=tree, k_given=k_given, source=source)
 
-    def decoder(self, draft: DFlashDraft, target, *, k, tree):
+    def decoder(self, draft: DFlashDraft, target, *, k, tree, compiled=False):
+        if compiled:
+            raise ValueError(f"--compile-draft compiles EAGLE-3's chain; {self.name} drafts decode without it")
         from specfoundry.families.dflash.block import BlockDraftRunner
         from specfoundry.families.dflash.decode import DFlashDecoder
 

@@ -68,7 +68,9 @@ class DominoFamily(DFlashFamily):
     def read_export(self, ref):
         return ref.config, load_tensors(ref.where / "model.safetensors")
 
-    def decoder(self, draft: DominoDraft, target, *, k, tree):
+    def decoder(self, draft: DominoDraft, target, *, k, tree, compiled=False):
+        if compiled:
+            raise ValueError(f"--compile-draft compiles EAGLE-3's chain; {self.name} drafts decode without it")
         from specfoundry.families.dflash.decode import BlockDecoder
         from specfoundry.families.domino.decode import DominoRunner
 

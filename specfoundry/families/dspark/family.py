@@ -71,7 +71,9 @@ class DSparkFamily(DFlashFamily):
 
         return decode_settings(cfg, k=k, tree=tree, k_given=k_given, source=source)
 
-    def decoder(self, draft: DSparkDraft, target, *, k, tree):
+    def decoder(self, draft: DSparkDraft, target, *, k, tree, compiled=False):
+        if compiled:
+            raise ValueError(f"--compile-draft compiles EAGLE-3's chain; {self.name} drafts decode without it")
         from specfoundry.families.dflash.decode import BlockDecoder
         from specfoundry.families.dspark.decode import DSparkRunner
 

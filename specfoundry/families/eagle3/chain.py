@@ -94,14 +94,21 @@ class DraftRunner:
     A greedy chain's k steps run as one body with no host synchronisation inside (each proposal is
     the argmax of the last step's logits, read on the device by the next step); on a GPU that body
     is captured once per k as a CUDA graph and replayed. Sampling picks each proposal on the host
-    from the seeded generator, step by step, over the same cache."""
+    from the seeded generator, step by step, over the same cache.
 
-    def __init__(self, draft: Eagle3Draft, *, graphs: bool | None = None):
+    `compiled`: the captured chain's body runs through torch.compile (fullgraph, one shape per k),
+    as TargetRunner's `compiled` steps do: a small draft's chain is hundreds of tiny kernels (the
+    norms', the rotary's and the gated MLP's elementwise pieces, k-1 times), which inductor fuses.
+    The tree expansion and the commit stay captured as they are."""
+
+    def __init__(self, draft: Eagle3Draft, *, graphs: bool | None = None, compiled: bool = False):
         self.draft = draft
         self.device = draft.fc.weight.device
         self.draft_to_target = draft_ids_from_d2t(draft.d2t)  # [Vd]
         self.target_ids: list[int] = self.draft_to_target.tolist()  # the same on the host: no sync per lookup
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.compiled = compiled
+        self.compiled_chain = None  # torch.compile of greedy_chain, made at the first captured chain
         self.cache: StaticKVCache | None = None
         self.length = 0  # committed columns
         self.written = 0  # columns holding entries (committed, then this round's proposals)
@@ -190,7 +197,8 @@ class DraftRunner:
             if self.length + k > self.cache.capacity:
                 self.reset_capacity(self.length + k)
             if self.graphs and k not in self.chains:
-                self.chains[k] = CapturedCall(lambda: self.greedy_chain(k), self.device)
+                self.chains[k] = CapturedCall(lambda: self.chain_body(k), self.device,
+                                              check_host_reads=not self.compiled)  # (graphs.py: compiled code)
             return self.chains[k]() if self.graphs else self.greedy_chain(k)  # [k] on the device, [k, Vd]
         base = self.length
         logits, pre = self.logits, self.pre
@@ -205,6 +213,17 @@ class DraftRunner:
                 logits = out[-1]
         self.forget_proposals()
         return tokens, all_logits
+
+    def chain_body(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured chain's body: greedy_chain as it is, or through torch.compile (`compiled`),
+        outside inference mode (dynamo cannot trace the cache writes there; the cache's tensors are
+        ordinary ones, decoding/cache.py)."""
+        if not self.compiled:
+            return self.greedy_chain(k)
+        if self.compiled_chain is None:
+            self.compiled_chain = torch.compile(self.greedy_chain, dynamic=False, fullgraph=True)
+        with torch.inference_mode(False), torch.no_grad():
+            return self.compiled_chain(k)
 
     def greedy_chain(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k greedy proposals (target ids [k]) and their logits [k, Vd] from the committed state

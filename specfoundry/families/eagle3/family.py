@@ -26,6 +26,7 @@ from specfoundry.kernels.lk_loss import TokenLoss
 
 class Eagle3Family(DraftFamily):
     name = "eagle3"
+    compiles_draft = True
     config_class = Eagle3Config
 
     def default_layers(self, num_target_layers: int, options: Eagle3Options) -> list[int]:
@@ -98,11 +99,11 @@ class Eagle3Family(DraftFamily):
 
         return decode_settings(k, tree)
 
-    def decoder(self, draft: Eagle3Draft, target, *, k, tree):
+    def decoder(self, draft: Eagle3Draft, target, *, k, tree, compiled=False):
         from specfoundry.families.eagle3.chain import DraftRunner
         from specfoundry.families.eagle3.decode import Eagle3Decoder
 
-        return Eagle3Decoder(DraftRunner(draft), k, tree)
+        return Eagle3Decoder(DraftRunner(draft, compiled=compiled), k, tree)
 
     def decode_matches_training(self, draft: Eagle3Draft, lm_head, ids, aux):
         from specfoundry.families.eagle3.decode import decode_matches_training
