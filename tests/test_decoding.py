@@ -260,9 +260,50 @@ def test_a_compiled_greedy_chain_equals_the_eager_one(device):
     for (a_tokens, a_rows), (b_tokens, b_rows) in zip(runs[False][0], runs[True][0], strict=True):
         assert a_tokens == b_tokens
         torch.testing.assert_close(b_rows, a_rows, rtol=1e-5, atol=1e-5)
-    assert [name for name in FAMILIES.names() if FAMILIES.provider(name).compiles_draft] == ["eagle3"]
-    with pytest.raises(ValueError, match="--compile-draft compiles EAGLE-3's chain; dflash drafts decode without"):
-        FAMILIES.provider("dflash").decoder(None, None, k=7, tree=None, compiled=True)
+    assert [name for name in FAMILIES.names() if FAMILIES.provider(name).compiles_draft] == \
+        ["eagle3", "dflash", "dspark"]
+    for name in ("domino", "peagle"):
+        with pytest.raises(ValueError, match=f"--compile-draft: {name} drafts decode uncompiled"):
+            FAMILIES.provider(name).decoder(None, None, k=7, tree=None, compiled=True)
+
+
+@pytest.mark.parametrize("device", GRAPH_DEVICES)
+@pytest.mark.parametrize("family", ["dflash", "dspark"])
+def test_a_compiled_block_proposal_equals_the_eager_one(family, device):
+    """BlockDraftRunner(compiled=True) (DFlash, and DSpark's sequential Markov head): the captured
+    block forward through torch.compile proposes the eager runner's tokens round after round, its
+    logits within fp32 reordering (the tolerance of the chain's test above, for the same reason)."""
+    from specfoundry.families.dflash.block import BlockDraftRunner
+    from specfoundry.families.dspark.decode import DSparkRunner
+
+    if family == "dflash":
+        from tests.test_dflash import random_draft
+
+        draft, runner_class = random_draft(), BlockDraftRunner
+    else:
+        from tests.test_dspark import tiny_draft
+
+        draft, runner_class = tiny_draft(), DSparkRunner
+    cfg = draft.cfg
+    draft = draft.to(device).eval()
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).to(device)
+    width = len(cfg.target_layer_ids) * cfg.target_hidden_size  # aux rows [T, K*Ht]
+    aux = torch.randn(40, width, generator=torch.Generator().manual_seed(2)).to(device)
+    got = {}
+    for compiled in (False, True):
+        runner = runner_class(draft, head, graphs=True, compiled=compiled)
+        runner.reset(64)
+        runner.extend(aux[:11])
+        rounds = []
+        for r in range(3):
+            drafts, logits = runner.propose(7 + r)
+            rounds.append((drafts.tolist(), logits.clone()))
+            runner.extend(aux[11 + 2 * r: 13 + 2 * r])
+        got[compiled] = rounds
+        assert (runner.compiled_body is not None) == compiled
+    for (a_drafts, a_logits), (b_drafts, b_logits) in zip(got[False], got[True], strict=True):
+        assert a_drafts == b_drafts
+        torch.testing.assert_close(b_logits, a_logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("device", GRAPH_DEVICES)

@@ -134,10 +134,10 @@ class EvalConfig(Settings):
                     "accepted depth) possibly inside a timed decode. Steps of different widths may round "
                     "differently, so greedy equality can break on near-ties, as in bf16.")
     compile_draft: bool = setting(
-        False, help="Run the draft's captured chain of proposals through torch.compile (EAGLE-3; one CUDA device): "
-                    "a small draft's chain is hundreds of tiny kernels, which inductor fuses. One compile per -k, in "
-                    "the untimed warm-up. The draft's rounding changes which proposals it makes, never the output: "
-                    "the target verifies them.")
+        False, help="Run the draft's captured proposal through torch.compile (one CUDA device): EAGLE-3's chain, "
+                    "the DFlash and DSpark block forward; a small draft's proposal is hundreds of tiny kernels, which "
+                    "inductor fuses. One compile per shape, in the untimed warm-up. The draft's rounding changes which "
+                    "tokens it proposes, never the output: the target verifies them.")
     device: str | None = shared("device", None, resume=False)
     placement: Placement = Placement()
     # fp32 makes greedy decoding exactly reproducible across the batch shapes of verification and plain decoding
@@ -254,9 +254,10 @@ def check_config(cfg: EvalConfig) -> tuple[EvalConfig, DraftRef]:
     ref = locate_draft(cfg.draft)  # the one time the draft's folder is read for what it holds
     dcfg = ref.config
     if cfg.compile_draft and not ref.provider.compiles_draft:
-        raise EvalError(f"--compile-draft compiles EAGLE-3's chain; {ref.provider.name} drafts decode without it")
+        raise EvalError(f"--compile-draft: {ref.provider.name} drafts decode uncompiled (EAGLE-3, DFlash and DSpark "
+                        "offer it)")
     if cfg.compile_draft and cfg.tree:
-        raise EvalError("--compile-draft compiles the chain; --tree expands its trees uncompiled, so leave it off")
+        raise EvalError("--compile-draft compiles EAGLE-3's chain; --tree expands its trees uncompiled, so leave it off")
     try:
         k, tree, warning = ref.provider.decode_settings(dcfg, k=cfg.k, tree=cfg.tree, temperature=cfg.temperature,
                                                            k_given=cfg.k != EvalConfig.k, source=cfg.draft)

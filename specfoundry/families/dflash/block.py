@@ -82,7 +82,8 @@ class BlockDraftRunner:
     DFlash's backbone overrides it with its sequential head) is captured once as a CUDA graph on a
     GPU and replayed; it reads the bonus token and the committed length from device buffers."""
 
-    def __init__(self, draft: DFlashDraft, lm_head: torch.Tensor, *, graphs: bool | None = None):
+    def __init__(self, draft: DFlashDraft, lm_head: torch.Tensor, *, graphs: bool | None = None,
+                 compiled: bool = False):
         self.draft = draft
         self.lm_head = lm_head  # [V, H] the target's
         self.device = lm_head.device
@@ -95,6 +96,8 @@ class BlockDraftRunner:
         self.cache.on(self.device)
         self.proposal: CapturedCall | None = None
         self.appends: dict[int, ContextAppend] = {}  # positions -> the captured context append
+        self.compiled = compiled  # the captured proposal's body through torch.compile (proposal_body)
+        self.compiled_body = None
 
     def reset(self, reserve: int = 0) -> None:
         """A new sequence (its cache reused, grown to `reserve` columns where needed)."""
@@ -135,8 +138,20 @@ class BlockDraftRunner:
         if not self.graphs:
             return self.propose_body()
         if self.proposal is None:
-            self.proposal = CapturedCall(self.propose_body, self.device)
+            self.proposal = CapturedCall(self.proposal_body, self.device,
+                                         check_host_reads=not self.compiled)  # (graphs.py: compiled code)
         return self.proposal()
+
+    def proposal_body(self):
+        """The captured proposal's body: propose_body as it is, or through torch.compile (`compiled`:
+        fullgraph, one shape; outside inference mode, whose tensors dynamo cannot trace writes to).
+        The block forward is some dozens of small kernels a draft layer, which inductor fuses."""
+        if not self.compiled:
+            return self.propose_body()
+        if self.compiled_body is None:
+            self.compiled_body = torch.compile(self.propose_body, dynamic=False, fullgraph=True)
+        with torch.inference_mode(False), torch.no_grad():
+            return self.compiled_body()
 
     def block_states(self) -> torch.Tensor:
         """The block [bonus, M, ..., M] at the next B positions after the committed context: its

@@ -64,6 +64,7 @@ def build_block_draft(dflash: DFlashOptions, fs, target_dir: Path, layers: list[
 
 class DFlashFamily(DraftFamily):
     name = "dflash"
+    compiles_draft = True
     config_class = DFlashConfig
     any_layer_count = True
 
@@ -110,12 +111,11 @@ class DFlashFamily(DraftFamily):
         return decode_settings(cfg, k=k, tree=tree, k_given=k_given, source=source)
 
     def decoder(self, draft: DFlashDraft, target, *, k, tree, compiled=False):
-        if compiled:
-            raise ValueError(f"--compile-draft compiles EAGLE-3's chain; {self.name} drafts decode without it")
         from specfoundry.families.dflash.block import BlockDraftRunner
         from specfoundry.families.dflash.decode import DFlashDecoder
 
-        return DFlashDecoder(BlockDraftRunner(draft, target.lm_head()))  # the logits read the target's lm_head
+        # the logits read the target's lm_head
+        return DFlashDecoder(BlockDraftRunner(draft, target.lm_head(), compiled=compiled))
 
     def decode_matches_training(self, draft: DFlashDraft, lm_head, ids, aux):
         from specfoundry.families.dflash.decode import decode_matches_training

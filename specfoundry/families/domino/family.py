@@ -21,6 +21,7 @@ from specfoundry.kernels.lk_loss import TokenLoss
 
 class DominoFamily(DFlashFamily):
     name = "domino"
+    compiles_draft = False  # (its GRU: dynamo does not trace an nn.GRU whole)
     config_class = DominoConfig
 
     def default_layers(self, num_target_layers: int, options) -> list[int]:
@@ -70,7 +71,8 @@ class DominoFamily(DFlashFamily):
 
     def decoder(self, draft: DominoDraft, target, *, k, tree, compiled=False):
         if compiled:
-            raise ValueError(f"--compile-draft compiles EAGLE-3's chain; {self.name} drafts decode without it")
+            raise ValueError(f"--compile-draft: {self.name} drafts decode uncompiled (EAGLE-3, DFlash and DSpark "
+                             "offer it)")
         from specfoundry.families.dflash.decode import BlockDecoder
         from specfoundry.families.domino.decode import DominoRunner
 

@@ -27,8 +27,9 @@ from specfoundry.families.dspark.model import DSparkDraft
 class DSparkRunner(BlockDraftRunner):
     """BlockDraftRunner whose B proposals go through the sequential Markov bias."""
 
-    def __init__(self, draft: DSparkDraft, lm_head: torch.Tensor, *, graphs: bool | None = None):
-        super().__init__(draft, lm_head, graphs=graphs)
+    def __init__(self, draft: DSparkDraft, lm_head: torch.Tensor, *, graphs: bool | None = None,
+                 compiled: bool = False):
+        super().__init__(draft, lm_head, graphs=graphs, compiled=compiled)
         self.confidences: list[torch.Tensor] = []  # per round, the B predicted acceptance probabilities [B]
 
     def reset(self, reserve: int = 0) -> None:

@@ -72,12 +72,10 @@ class DSparkFamily(DFlashFamily):
         return decode_settings(cfg, k=k, tree=tree, k_given=k_given, source=source)
 
     def decoder(self, draft: DSparkDraft, target, *, k, tree, compiled=False):
-        if compiled:
-            raise ValueError(f"--compile-draft compiles EAGLE-3's chain; {self.name} drafts decode without it")
         from specfoundry.families.dflash.decode import BlockDecoder
         from specfoundry.families.dspark.decode import DSparkRunner
 
-        return BlockDecoder(DSparkRunner(draft, target.lm_head()))
+        return BlockDecoder(DSparkRunner(draft, target.lm_head(), compiled=compiled))
 
     def decode_matches_training(self, draft: DSparkDraft, lm_head, ids, aux):
         from specfoundry.families.dspark.decode import decode_matches_training
