@@ -56,10 +56,10 @@ def compile_layers(model, how: str) -> None:
     chosen = [attention_parts(layer) if how == "attention" else [] for layer in layers]
     for layer, parts in zip(layers, chosen, strict=True):
         for module in [layer] + list(layer.modules()):
-            _use(module, compiled=module in parts, whole=False)
+            _use_call(module, compiled=module in parts)
         for experts in experts_modules(layer):
             _left_out(experts, how == "layer")
-        _use(layer, compiled=how == "layer", whole=True)
+        _use_forward(layer, compiled=how == "layer")
 
 
 def _left_out(experts, on: bool) -> None:
@@ -70,25 +70,24 @@ def _left_out(experts, on: bool) -> None:
         experts.__dict__.pop("forward", None)
 
 
-def _use(module, compiled: bool, whole: bool) -> None:
-    """Switch `module` to its compiled call (made once, kept on it) or back. `whole`: the layer's
-    forward (instance attribute, so that its hooks run outside), else its _call_impl."""
-    key = "_sf_compiled_forward" if whole else "_sf_compiled_call"
-    made = getattr(module, key, None)
-    if whole:
-        if compiled:
-            if made is None:
-                made = torch.compile(type(module).forward.__get__(module), dynamic=True, backend=BACKEND)
-                setattr(module, key, made)
-            module.forward = made
-        elif made is not None:
-            module.__dict__.pop("forward", None)
-        return
+def _use_call(module, compiled: bool) -> None:
+    """`module` called through its compiled _call_impl (made once, kept on it), or eagerly again."""
+    made = getattr(module, "_sf_compiled_call", None)
+    if compiled and made is None:
+        module.compile(dynamic=True, backend=BACKEND)
+        made = module._sf_compiled_call = module._compiled_call_impl
+    if compiled or made is not None:
+        module._compiled_call_impl = made if compiled else None
+
+
+def _use_forward(layer, compiled: bool) -> None:
+    """The layer's forward compiled (an instance attribute made once, kept on it: its hooks run
+    outside), or its class's forward again."""
+    made = getattr(layer, "_sf_compiled_forward", None)
     if compiled:
         if made is None:
-            module.compile(dynamic=True, backend=BACKEND)
-            made = module._compiled_call_impl
-            setattr(module, key, made)
-        module._compiled_call_impl = made
-    elif made is not None:
-        module._compiled_call_impl = None
+            made = layer._sf_compiled_forward = torch.compile(type(layer).forward.__get__(layer), dynamic=True,
+                                                              backend=BACKEND)
+        layer.forward = made
+    else:
+        layer.__dict__.pop("forward", None)

@@ -61,6 +61,21 @@ def forbid_host_sync() -> TorchDispatchMode:
     return _ForbidHostReads()
 
 
+def compiled_step(fn):
+    """fn through torch.compile, for a captured step's body: fullgraph (a graph break is an error, not
+    a silently slower step), static shapes (one compile per shape, at its first call), called
+    outside inference mode (dynamo cannot trace writes into inference tensors, and a step writes
+    its static cache, whose tensors decoding/cache.py keeps ordinary) under no_grad. Build its
+    CapturedCall with check_host_reads=False (the module docstring)."""
+    compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+
+    def call(*args):
+        with torch.inference_mode(False), torch.no_grad():
+            return compiled(*args)
+
+    return call
+
+
 class CapturedCall:
     def __init__(self, fn, device: torch.device, warmup: int = 2, check_host_reads: bool = True):
         self.fn, self.device, self.warmup = fn, torch.device(device), warmup

@@ -37,7 +37,7 @@ import torch
 from specfoundry.common.target import Target
 from specfoundry.decoding.attention import folded_attention
 from specfoundry.decoding.cache import StaticKVCache, visible
-from specfoundry.decoding.graphs import CapturedCall, PinnedStaging
+from specfoundry.decoding.graphs import CapturedCall, PinnedStaging, compiled_step
 from specfoundry.kernels.tree_attention import RECOMPILE_LIMIT_HIT, raise_config
 
 FOLD_QUERIES: int | None = None
@@ -138,7 +138,12 @@ class TargetRunner:
         self.steps: dict[int, GraphStep] = {}  # by token count
         self.prefills: dict[int, GraphStep] = {}  # by bucket (prefill_bucket), never compiled
         self.compiled = compiled
-        self.compiled_body = None  # torch.compile of the body, made at the first captured step
+        self.compiled_body = None  # the body through torch.compile, for the captured steps (captured_body)
+        if compiled:
+            config = torch._dynamo.config
+            raise_config(config, ("recompile_limit", "cache_size_limit"), COMPILED_SHAPES)
+            raise_config(config, ("accumulated_recompile_limit", "accumulated_cache_size_limit"), 4 * COMPILED_SHAPES)
+            self.compiled_body = compiled_step(lambda inputs: self.body(inputs, want_hidden=False))
 
     def remove_hooks(self) -> None:
         self.tap.remove()
@@ -215,20 +220,11 @@ class TargetRunner:
         elementwise pieces of the norms, the rotary embedding and the gated MLP) takes longer on the
         host than its kernels on the device (benchmarks/RESULTS.md, "Decoding"); inductor fuses
         those pieces, and the launch shrinks with the node count. Compiled once per step shape
-        (tokens, cache capacity: dynamic=False; COMPILED_SHAPES), fullgraph: a graph break is an
-        error, not a silently slower step. The compiled call runs outside inference mode
-        (torch.compile cannot trace its mutations of the cache there)."""
+        (tokens, cache capacity; COMPILED_SHAPES) by decoding/graphs.py compiled_step."""
         if not compiled:
             return self.body(x, want_hidden=False)
-        if self.compiled_body is None:
-            config = torch._dynamo.config
-            raise_config(config, ("recompile_limit", "cache_size_limit"), COMPILED_SHAPES)
-            raise_config(config, ("accumulated_recompile_limit", "accumulated_cache_size_limit"), 4 * COMPILED_SHAPES)
-            self.compiled_body = torch.compile(lambda inputs: self.body(inputs, want_hidden=False),
-                                               dynamic=False, fullgraph=True)
         try:
-            with torch.inference_mode(False), torch.no_grad():
-                return self.compiled_body(x)
+            return self.compiled_body(x)
         except RECOMPILE_LIMIT_HIT as e:
             raise RuntimeError(f"the compiled target steps met more than {COMPILED_SHAPES} step shapes in this "
                                "process (COMPILED_SHAPES); run without --compile-target") from e

@@ -245,12 +245,11 @@ def check_config(cfg: EvalConfig) -> tuple[EvalConfig, DraftRef]:
             check_branching(cfg.tree)
         except ValueError as e:
             raise EvalError(str(e)) from e
-    if cfg.compile_target and (not torch.cuda.is_available() or (cfg.device or "cuda").startswith("cpu")):
-        raise EvalError("--compile-target compiles the target's captured decode steps, which run on a CUDA "
-                        "device only; leave it off here")
-    if cfg.compile_draft and (not torch.cuda.is_available() or (cfg.device or "cuda").startswith("cpu")):
-        raise EvalError("--compile-draft compiles the draft's captured chain, which runs on a CUDA device only; "
-                        "leave it off here")
+    on_cuda = torch.cuda.is_available() and not (cfg.device or "cuda").startswith("cpu")
+    for option, on, what in (("--compile-target", cfg.compile_target, "the target's captured decode steps"),
+                             ("--compile-draft", cfg.compile_draft, "the draft's captured proposal")):
+        if on and not on_cuda:
+            raise EvalError(f"{option} compiles {what}, which run on a CUDA device only; leave it off here")
     ref = locate_draft(cfg.draft)  # the one time the draft's folder is read for what it holds
     dcfg = ref.config
     if cfg.compile_draft and not ref.provider.compiles_draft:

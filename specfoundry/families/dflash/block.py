@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from specfoundry.decoding.accept import accept_point_mass
-from specfoundry.decoding.graphs import CapturedCall, PinnedStaging
+from specfoundry.decoding.graphs import CapturedCall, PinnedStaging, compiled_step
 from specfoundry.decoding.rounds import DecodeResult, decode_rounds
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
@@ -58,11 +58,7 @@ class ContextAppend:
     def body(self, runner: BlockDraftRunner) -> torch.Tensor:
         draft, cache = runner.draft, runner.cache
         context = draft.project_context(self.aux[None])  # [1, T, H]
-        positions = self.start + self.offsets  # [T]
-        cos, sin = draft.rope(context, positions[None])
-        cache.kv.columns = positions
-        for i, layer in enumerate(draft.layers):
-            cache.kv.update(*layer.self_attn.context_kv(context, cos, sin), i)
+        cache.write_context(draft, context, self.start + self.offsets)  # positions [T]
         cache.start.copy_(self.start[0] + self.tokens)
         return cache.start  # (an output, as CapturedCall's CPU stand-in expects one)
 
@@ -97,7 +93,7 @@ class BlockDraftRunner:
         self.proposal: CapturedCall | None = None
         self.appends: dict[int, ContextAppend] = {}  # positions -> the captured context append
         self.compiled = compiled  # the captured proposal's body through torch.compile (proposal_body)
-        self.compiled_body = None
+        self.compiled_body = compiled_step(self.propose_body) if compiled else None
 
     def reset(self, reserve: int = 0) -> None:
         """A new sequence (its cache reused, grown to `reserve` columns where needed)."""
@@ -144,14 +140,9 @@ class BlockDraftRunner:
 
     def proposal_body(self):
         """The captured proposal's body: propose_body as it is, or through torch.compile (`compiled`:
-        fullgraph, one shape; outside inference mode, whose tensors dynamo cannot trace writes to).
-        The block forward is some dozens of small kernels a draft layer, which inductor fuses."""
-        if not self.compiled:
-            return self.propose_body()
-        if self.compiled_body is None:
-            self.compiled_body = torch.compile(self.propose_body, dynamic=False, fullgraph=True)
-        with torch.inference_mode(False), torch.no_grad():
-            return self.compiled_body()
+        decoding/graphs.py compiled_step). The block forward is some dozens of small kernels a draft
+        layer, which inductor fuses."""
+        return self.compiled_body() if self.compiled else self.propose_body()
 
     def block_states(self) -> torch.Tensor:
         """The block [bonus, M, ..., M] at the next B positions after the committed context: its

@@ -96,12 +96,17 @@ class DFlashCache:
         n = context_hidden.shape[1]
         self.on(context_hidden.device)
         self.reserve(self.length + n + model.cfg.block_size)  # and the next block's scratch columns
-        positions = torch.arange(self.length, self.length + n, device=context_hidden.device)
+        self.write_context(model, context_hidden, torch.arange(self.length, self.length + n,
+                                                                device=context_hidden.device))
+        self.crop(self.length + n)
+
+    def write_context(self, model: DFlashDraft, context_hidden: torch.Tensor, positions: torch.Tensor) -> None:
+        """Every layer's context keys and values of context_hidden [1, n, H] at columns and positions
+        `positions` [n] (on the device: a captured append computes them there, block.py ContextAppend)."""
         cos, sin = model.rope(context_hidden, positions[None])
         self.kv.columns = positions
         for i, layer in enumerate(model.layers):
             self.kv.update(*layer.self_attn.context_kv(context_hidden, cos, sin), i)
-        self.crop(self.length + n)
 
     def crop(self, length: int) -> None:
         """Keep the first `length` cached tokens (e.g. to drop the rejected part of a round)."""

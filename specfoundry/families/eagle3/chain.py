@@ -33,7 +33,7 @@ import torch
 
 from specfoundry.decoding.accept import accept
 from specfoundry.decoding.cache import StaticKVCache, visible
-from specfoundry.decoding.graphs import CapturedCall, PinnedStaging
+from specfoundry.decoding.graphs import CapturedCall, PinnedStaging, compiled_step
 from specfoundry.decoding.rounds import DecodeResult, decode_rounds
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import COLUMN_ROUND, TargetRunner
@@ -67,13 +67,9 @@ class ExtendStep:
         ids, start = self.staged[: self.tokens], self.staged[self.tokens]
         hidden = runner.draft.project(self.aux[None])  # [1, T, H]
         at = start + self.offsets  # [T] columns and positions
-        runner.cache.columns = at
-        allowed = visible(runner.kv_index, start, self.pattern)  # [T, C]
-        pre, normed = runner.draft.decode_forward(ids[None], hidden, at[None], runner.cache, allowed[None, None])
-        logits = runner.draft.lm_head(normed)[0].float()  # [T, Vd]
+        pre, logits = runner.forward_at(ids[None], hidden, at[None], at, start, self.pattern)
         runner.base.copy_(start + self.tokens)
-        runner.pre.copy_(pre[:, -1:])
-        runner.logits.copy_(logits[-1])
+        runner.keep_newest(pre, logits)
         return logits
 
     def __call__(self, tokens: list[int], start: int, aux: torch.Tensor) -> torch.Tensor:
@@ -108,7 +104,7 @@ class DraftRunner:
         self.target_ids: list[int] = self.draft_to_target.tolist()  # the same on the host: no sync per lookup
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.compiled = compiled
-        self.compiled_chain = None  # torch.compile of greedy_chain, made at the first captured chain
+        self.compiled_chain = compiled_step(self.greedy_chain) if compiled else None  # (chain_body)
         self.cache: StaticKVCache | None = None
         self.length = 0  # committed columns
         self.written = 0  # columns holding entries (committed, then this round's proposals)
@@ -148,13 +144,27 @@ class DraftRunner:
         width = self.written + count - self.length
         if pattern is None:
             pattern = torch.ones(count, width, dtype=torch.bool).tril(width - count)
-        allowed = visible(self.kv_index, torch.tensor(self.length, device=self.device), pattern.to(self.device))
-        self.cache.columns = torch.arange(self.written, self.written + count, device=self.device)
-        x = torch.tensor([ids], device=self.device)
-        pos = torch.tensor([positions], device=self.device)
-        pre, normed = self.draft.decode_forward(x, hidden, pos, self.cache, allowed[None, None])
+        out = self.forward_at(torch.tensor([ids], device=self.device), hidden,
+                              torch.tensor([positions], device=self.device),
+                              torch.arange(self.written, self.written + count, device=self.device),
+                              torch.tensor(self.length, device=self.device), pattern.to(self.device))
         self.written += count
-        return pre, self.draft.lm_head(normed)[0].float()  # [1, T, H], [T, Vd]
+        return out
+
+    def forward_at(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor,
+                   start: torch.Tensor, pattern: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft over ids [1, T] with hidden inputs [1, T, H] at positions [1, T], its entries
+        written at cache columns [T]; they see the columns before `start` (a 0-d device tensor) and,
+        of the W from it on, what pattern [T, W] says. Returns (pre [1, T, H], logits [T, Vd])."""
+        allowed = visible(self.kv_index, start, pattern)  # [T, C]
+        self.cache.columns = columns
+        pre, normed = self.draft.decode_forward(ids, hidden, positions, self.cache, allowed[None, None])
+        return pre, self.draft.lm_head(normed)[0].float()
+
+    def keep_newest(self, pre: torch.Tensor, logits: torch.Tensor) -> None:
+        """The newest committed position's next-step state and logits, which the next proposal reads."""
+        self.pre.copy_(pre[:, -1:])
+        self.logits.copy_(logits[-1])
 
     def reset_capacity(self, tokens: int) -> None:
         length, written = self.length, self.written
@@ -183,8 +193,7 @@ class DraftRunner:
         pre, logits = self.run(tokens, hidden, list(range(self.length, self.length + len(tokens))))
         self.length = self.written
         self.base.fill_(self.length)
-        self.pre.copy_(pre[:, -1:])
-        self.logits.copy_(logits[-1])
+        self.keep_newest(pre, logits)
         return logits
 
     @torch.inference_mode()
@@ -215,15 +224,9 @@ class DraftRunner:
         return tokens, all_logits
 
     def chain_body(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The captured chain's body: greedy_chain as it is, or through torch.compile (`compiled`),
-        outside inference mode (dynamo cannot trace the cache writes there; the cache's tensors are
-        ordinary ones, decoding/cache.py)."""
-        if not self.compiled:
-            return self.greedy_chain(k)
-        if self.compiled_chain is None:
-            self.compiled_chain = torch.compile(self.greedy_chain, dynamic=False, fullgraph=True)
-        with torch.inference_mode(False), torch.no_grad():
-            return self.compiled_chain(k)
+        """The captured chain's body: greedy_chain as it is, or through torch.compile (`compiled`:
+        decoding/graphs.py compiled_step, one compile per k)."""
+        return self.compiled_chain(k) if self.compiled else self.greedy_chain(k)
 
     def greedy_chain(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k greedy proposals (target ids [k]) and their logits [k, Vd] from the committed state
