@@ -28,6 +28,8 @@
 #                 --num-workers 2), sf-eval (acceptance and timing) command
 #   TIMING_OPTS   more options for the timing pass's sf-eval alone (e.g. --compile-target: the target's
 #                 steps compiled, where the acceptance evals keep the captured steps)
+#   DRAFT_TIMING_OPTS  more options for the timing pass of the drafts that take --compile-draft (the
+#                 EAGLE-3 chain, DFlash, D-PACE, Domino, DSpark; not the tree, not P-EAGLE)
 #   RESULT        the result file's name under benchmarks/results (families)
 #   DEV           the target's device (cuda)
 set -euo pipefail
@@ -94,8 +96,9 @@ if [ "${TIMING_LIMIT:-4}" -gt 0 ]; then
     IFS='|' read -r name draft recipe opts <<< "$e"
     if [ -n "${STOP_AT:-}" ] && [ "$(date +%s)" -ge "$STOP_AT" ]; then echo "timing: $name skipped (STOP_AT)"; continue; fi
     [ "$name" = eagle3_chain_k7 ] && base=--baseline || base=--no-baseline
+    case $name in eagle3_tree|peagle*) draft_opts= ;; *) draft_opts=${DRAFT_TIMING_OPTS:-} ;; esac
     side_by_side "timing_$name" 1 \
-      "sf-eval run $RUN/$draft -o $RUN/timing_$name --recipe $recipe $opts $base $EVAL_OPTS ${TIMING_OPTS:-} --limit ${TIMING_LIMIT:-4}" \
+      "sf-eval run $RUN/$draft -o $RUN/timing_$name --recipe $recipe $opts $base $EVAL_OPTS ${TIMING_OPTS:-} $draft_opts --limit ${TIMING_LIMIT:-4}" \
       || status=1
   done
   python -m benchmarks.families "$RUN" --out "${RESULT:-families}"

@@ -244,6 +244,8 @@ plan_next() {
 #   eval       8 prompts of each of the 4 held-out sets (EVAL_LIMIT), 8 side by side: the
 #              EAGLE-3 tree (360 nodes a round) is the slowest, ~7-15 tokens/s                 ~250 s
 #   timing     each draft alone, 2 prompts a set, the EAGLE-3 chain with the target alone    ~290 s
+#              (measured uncompiled), plus each run's compiles: --compile-target (inductor's disk
+#              cache serves the target's after the first run) and --compile-draft (not timed yet)
 #   family_step  the DFlash-backbone families' step by gradient path, if time is left        ~80 s
 plan_families() {
   begin_plan "plan families: commit ${GIT_COMMIT:-?}, device $DEV, epochs ${EPOCHS}, deadline ${DEADLINE}s" || return 1
@@ -252,7 +254,7 @@ plan_families() {
   if [ "$DEV" = cuda ]; then
     # no timing decode starts within 120 s of the deadline: the acceptance figures are written first
     step families 1300 env RUN="$RUN/families" EPOCHS="$EPOCHS" REGEN_FROM="$from" TIMING_LIMIT="${TIMING_LIMIT:-2}" \
-      TIMING_OPTS="${TIMING_OPTS---compile-target}" \
+      TIMING_OPTS="${TIMING_OPTS---compile-target}" DRAFT_TIMING_OPTS="${DRAFT_TIMING_OPTS---compile-draft}" \
       EVAL_OPTS="--limit ${EVAL_LIMIT:-8}" STOP_AT=$(( $(cat "$EV/t0") + $(deadline) - 120 )) bash scripts/families_gpu.sh
     step family_step 100 python -m benchmarks.family_step  # alone, if the deadline leaves room
   else

@@ -232,7 +232,7 @@ def test_a_compiled_greedy_chain_equals_the_eager_one(device):
     eager chain's tokens, round after round, with its logits within fp32 reordering (inductor fuses
     the norms' and the MLP's chains: each sum of n <= 128 terms moves by ~n * 2^-24 relative, over
     one layer and the lm_head far under 1e-5, while another token or cache column moves the logits
-    by O(1)), and the chain decode equals the eager one. Only EAGLE-3 offers it."""
+    by O(1)), and the chain decode equals the eager one; and which families offer --compile-draft."""
     from specfoundry.families import FAMILIES
     from specfoundry.families.eagle3.chain import DraftRunner, speculative_generate
     from tests.test_eval import tiny_pair
@@ -261,29 +261,34 @@ def test_a_compiled_greedy_chain_equals_the_eager_one(device):
         assert a_tokens == b_tokens
         torch.testing.assert_close(b_rows, a_rows, rtol=1e-5, atol=1e-5)
     assert [name for name in FAMILIES.names() if FAMILIES.provider(name).compiles_draft] == \
-        ["eagle3", "dflash", "dspark"]
-    for name in ("domino", "peagle"):
-        with pytest.raises(ValueError, match=f"--compile-draft: {name} drafts decode uncompiled"):
-            FAMILIES.provider(name).decoder(None, None, k=7, tree=None, compiled=True)
+        ["eagle3", "dflash", "domino", "dspark"]
+    with pytest.raises(ValueError, match="--compile-draft: peagle drafts decode uncompiled"):
+        FAMILIES.provider("peagle").decoder(None, None, k=7, tree=None, compiled=True)
 
 
 @pytest.mark.parametrize("device", GRAPH_DEVICES)
-@pytest.mark.parametrize("family", ["dflash", "dspark"])
+@pytest.mark.parametrize("family", ["dflash", "dspark", "domino"])
 def test_a_compiled_block_proposal_equals_the_eager_one(family, device):
-    """BlockDraftRunner(compiled=True) (DFlash, and DSpark's sequential Markov head): the captured
-    block forward through torch.compile proposes the eager runner's tokens round after round, its
-    logits within fp32 reordering (the tolerance of the chain's test above, for the same reason)."""
+    """BlockDraftRunner(compiled=True) (DFlash, DSpark's sequential Markov head, Domino's GRU
+    correction, one GRU step a proposal): the captured block forward through torch.compile proposes
+    the eager runner's tokens round after round, its logits within fp32 reordering (the tolerance
+    of the chain's test above, for the same reason)."""
     from specfoundry.families.dflash.block import BlockDraftRunner
+    from specfoundry.families.domino.decode import DominoRunner
     from specfoundry.families.dspark.decode import DSparkRunner
 
     if family == "dflash":
         from tests.test_dflash import random_draft
 
         draft, runner_class = random_draft(), BlockDraftRunner
-    else:
+    elif family == "dspark":
         from tests.test_dspark import tiny_draft
 
         draft, runner_class = tiny_draft(), DSparkRunner
+    else:
+        from tests.test_domino import tiny_draft
+
+        draft, runner_class = tiny_draft(), DominoRunner
     cfg = draft.cfg
     draft = draft.to(device).eval()
     head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).to(device)

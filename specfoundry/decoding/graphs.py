@@ -65,12 +65,13 @@ def compiled_step(fn):
     """fn through torch.compile, for a captured step's body: fullgraph (a graph break is an error, not
     a silently slower step), static shapes (one compile per shape, at its first call), called
     outside inference mode (dynamo cannot trace writes into inference tensors, and a step writes
-    its static cache, whose tensors decoding/cache.py keeps ordinary) under no_grad. Build its
-    CapturedCall with check_host_reads=False (the module docstring)."""
+    its static cache, whose tensors decoding/cache.py keeps ordinary) under no_grad, with dynamo's
+    allow_rnn (it traces an nn.GRU/LSTM only when asked: Domino's prefix GRU, one step a proposal).
+    Build its CapturedCall with check_host_reads=False (the module docstring)."""
     compiled = torch.compile(fn, dynamic=False, fullgraph=True)
 
     def call(*args):
-        with torch.inference_mode(False), torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad(), torch._dynamo.config.patch(allow_rnn=True):
             return compiled(*args)
 
     return call

@@ -135,7 +135,7 @@ class EvalConfig(Settings):
                     "differently, so greedy equality can break on near-ties, as in bf16.")
     compile_draft: bool = setting(
         False, help="Run the draft's captured proposal through torch.compile (one CUDA device): EAGLE-3's chain, "
-                    "the DFlash and DSpark block forward; a small draft's proposal is hundreds of tiny kernels, which "
+                    "the DFlash, DSpark and Domino block proposal; a small draft's proposal is hundreds of tiny kernels, which "
                     "inductor fuses. One compile per shape, in the untimed warm-up. The draft's rounding changes which "
                     "tokens it proposes, never the output: the target verifies them.")
     device: str | None = shared("device", None, resume=False)
@@ -253,8 +253,8 @@ def check_config(cfg: EvalConfig) -> tuple[EvalConfig, DraftRef]:
     ref = locate_draft(cfg.draft)  # the one time the draft's folder is read for what it holds
     dcfg = ref.config
     if cfg.compile_draft and not ref.provider.compiles_draft:
-        raise EvalError(f"--compile-draft: {ref.provider.name} drafts decode uncompiled (EAGLE-3, DFlash and DSpark "
-                        "offer it)")
+        offering = [name for name in FAMILIES.names() if FAMILIES.provider(name).compiles_draft]
+        raise EvalError(f"--compile-draft: {ref.provider.name} drafts decode uncompiled ({', '.join(offering)} offer it)")
     if cfg.compile_draft and cfg.tree:
         raise EvalError("--compile-draft compiles EAGLE-3's chain; --tree expands its trees uncompiled, so leave it off")
     try:

@@ -199,8 +199,8 @@ class DraftFamily:
         raise NotImplementedError
 
     compiles_draft = False
-    """Whether decoder(compiled=True) is offered (sf-eval --compile-draft): EAGLE-3's chain, the DFlash
-    and DSpark block proposals (Domino's GRU is not traceable whole, P-EAGLE's round not tried)."""
+    """Whether decoder(compiled=True) is offered (sf-eval --compile-draft): EAGLE-3's chain, the DFlash,
+    DSpark and Domino block proposals (P-EAGLE's round is not compiled: one shape per pending-row count)."""
 
     def decoder(self, draft, target, *, k: int, tree: tuple[int, ...] | None, compiled: bool = False):
         """The draft's decoder for sf-eval: generate(target_runner, prompt, max_new_tokens=, eos=,

@@ -21,7 +21,6 @@ from specfoundry.kernels.lk_loss import TokenLoss
 
 class DominoFamily(DFlashFamily):
     name = "domino"
-    compiles_draft = False  # (its GRU: dynamo does not trace an nn.GRU whole)
     config_class = DominoConfig
 
     def default_layers(self, num_target_layers: int, options) -> list[int]:
@@ -70,13 +69,10 @@ class DominoFamily(DFlashFamily):
         return ref.config, load_tensors(ref.where / "model.safetensors")
 
     def decoder(self, draft: DominoDraft, target, *, k, tree, compiled=False):
-        if compiled:
-            raise ValueError(f"--compile-draft: {self.name} drafts decode uncompiled (EAGLE-3, DFlash and DSpark "
-                             "offer it)")
         from specfoundry.families.dflash.decode import BlockDecoder
         from specfoundry.families.domino.decode import DominoRunner
 
-        return BlockDecoder(DominoRunner(draft, target.lm_head()))
+        return BlockDecoder(DominoRunner(draft, target.lm_head(), compiled=compiled))
 
     def decode_matches_training(self, draft: DominoDraft, lm_head, ids, aux):
         from specfoundry.families.domino.decode import decode_matches_training

@@ -111,8 +111,8 @@ class PEagleFamily(DraftFamily):
 
     def decoder(self, draft: PEagleDraft, target, *, k, tree, compiled=False):
         if compiled:
-            raise ValueError(f"--compile-draft: {self.name} drafts decode uncompiled (EAGLE-3, DFlash and DSpark "
-                             "offer it)")
+            raise ValueError(f"--compile-draft: {self.name} drafts decode uncompiled (its round is not "
+                             "compiled; EAGLE-3 and the DFlash family offer it)")
         from specfoundry.families.peagle.decode import PEagleDecoder, PEagleRunner
 
         return PEagleDecoder(PEagleRunner(draft), k)
