@@ -184,6 +184,32 @@ def test_gpt_oss_experts_are_named_as_unsupported():
     assert unsupported_layout(Qwen3MoeExperts(qwen)) is None
 
 
+
+def test_auto_picks_the_fused_experts_on_one_gpu_where_they_run(monkeypatch):
+    """`auto` on a GPU: sf_fused for the kernel's layout in one process once a command registered it;
+    grouped_mm for gpt-oss's layout, unregistered, or several processes; eager on CPU. (The choice
+    only: device_type is a name here, nothing runs.)"""
+    from transformers import GptOssConfig, Qwen3MoeConfig
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from specfoundry.common.experts import resolve_experts
+
+    qwen = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2))
+    oss = GptOssExperts(GptOssConfig(hidden_size=16, intermediate_size=16, num_local_experts=4))
+    register_fused_experts(FUSED_EXPERTS)
+    assert resolve_experts("auto", "cuda", qwen) == FUSED_EXPERTS
+    assert resolve_experts("auto", "cuda", oss) == "grouped_mm"
+    assert resolve_experts("auto", "cpu", qwen) == "eager"
+    assert resolve_experts("grouped_mm", "cuda", qwen) == "grouped_mm"  # a name given is kept
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 2)
+    assert resolve_experts("auto", "cuda", qwen) == "grouped_mm"
+    monkeypatch.undo()
+    monkeypatch.delitem(ALL_EXPERTS_FUNCTIONS._global_mapping, FUSED_EXPERTS)
+    assert resolve_experts("auto", "cuda", qwen) == "grouped_mm"
+
 # ---- targets run with it ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ name in `config._experts_implementation` at every call:
     batched_mm  a gathered weight copy per token: small batches only (its memory grows with
                 tokens x top_k x an expert's weights)
     sf_fused    specfoundry's Triton kernel (kernels/fused_moe.py), registered into the interface
-                by the commands that offer it; CUDA, SiLU-gated experts without biases
+                by the commands that offer it; CUDA, SiLU-gated experts without biases; `auto`'s
+                choice on one GPU where it runs (resolve_experts)
 
 transformers' other implementations (sonicmoe, deepgemm) load their kernels from a hub at run
 time, which specfoundry never does, so they are not offered. Dense targets have no experts
@@ -21,19 +22,45 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from specfoundry.common.placement import EXPERTS_IMPLEMENTATIONS, FUSED_EXPERTS, PlacementError
 
 __all__ = ["EXPERTS_IMPLEMENTATIONS", "FUSED_EXPERTS", "experts_modules", "resolve_experts", "set_experts",
            "unsupported_layout"]
 
 
-def resolve_experts(name: str, device_type: str) -> str:
-    """`auto` -> grouped_mm on a GPU, eager elsewhere; any other name as it is (or a PlacementError)."""
+def resolve_experts(name: str, device_type: str, experts=None) -> str:
+    """`auto` -> on a GPU, FUSED_EXPERTS where it can run `experts` (a routed-experts module of the
+    model) in one process, else grouped_mm; eager elsewhere. Any other name as it is (or a
+    PlacementError). FUSED_EXPERTS is the fastest measured (benchmarks/RESULTS.md, "Regen and
+    capture": capture of the Qwen3-30B-A3B and DeepSeek-V3 shapes at 8k and 32k tokens a batch, one
+    GPU); several processes (--tp, --ep) keep grouped_mm, which was not measured against it there."""
     if name not in EXPERTS_IMPLEMENTATIONS:
         raise PlacementError(f"--experts-implementation {name!r}: choose one of {', '.join(EXPERTS_IMPLEMENTATIONS)}")
     if name == "auto":
-        return "grouped_mm" if device_type == "cuda" else "eager"
+        if device_type != "cuda":
+            return "eager"
+        return FUSED_EXPERTS if experts is not None and fused_runs(experts) is None else "grouped_mm"
     return name
+
+
+def fused_runs(experts) -> str | None:
+    """Why FUSED_EXPERTS cannot run `experts` in this process, or None: the command must have
+    registered it, Triton must be installed, one process only (auto's condition), and the layout
+    must be the kernel's (unsupported_layout)."""
+    from importlib.util import find_spec
+
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if FUSED_EXPERTS not in ALL_EXPERTS_FUNCTIONS:
+        return "this command does not offer it"
+    if find_spec("triton") is None:
+        return "Triton is not installed"
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return "several processes"
+    return unsupported_layout(experts)
 
 
 def experts_modules(model) -> list:
@@ -69,7 +96,7 @@ def set_experts(model, name: str, device_type: str) -> str | None:
     modules = experts_modules(model)
     if not modules:
         return None
-    name = resolve_experts(name, device_type)
+    name = resolve_experts(name, device_type, modules[0])
     if name == FUSED_EXPERTS:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 

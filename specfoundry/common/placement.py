@@ -100,7 +100,7 @@ class Placement(Settings):
                                            "0=70GiB,cpu=200GiB); what does not fit the GPUs goes to CPU memory, "
                                            "then disk.")
     experts_implementation: str = setting(
-        "auto", resume=False, choices=EXPERTS_IMPLEMENTATIONS, shown="auto: grouped_mm on a GPU, eager on CPU",
+        "auto", resume=False, choices=EXPERTS_IMPLEMENTATIONS, shown="auto: sf_fused on one GPU where it runs, else grouped_mm; eager on CPU",
         help="MoE targets: how the routed experts run (common/experts.py). eager: transformers' loop over the "
              "experts, the reference; grouped_mm: torch's grouped GEMM over tokens sorted by expert; batched_mm: a "
              f"weight copy per token, small batches only; {FUSED_EXPERTS}: specfoundry's fused Triton kernel (CUDA; "
