@@ -309,6 +309,33 @@ def test_the_fused_experts_refuse_what_they_cannot_run(tiny_moe, monkeypatch):
         set_experts(model, FUSED_EXPERTS, "cpu")
 
 
+
+def test_a_moe_target_decodes_through_captured_steps_with_the_fused_experts(tmp_path):
+    """A tiny Qwen3-MoE in the decoding core with sf_fused (auto's pick on one GPU) and captured steps
+    (graphs.py's CPU stand-in, under which any read of a device value by the host fails, as it would
+    fail a CUDA-graph capture): the padded prefill and a verify of 5 give the eager loop's logits and
+    taps, uncaptured (the cache's columns and crops are the dense tests' in test_decoding.py). In fp32 (IEEE dots) the two differ only by each
+    expert dot's summation order, a few ulps a layer (test_features_with_the_fused_experts_equal_the_eager_ones),
+    far inside 1e-5 of the logits' largest value; a wrong expert, token or cache column moves them by O(1)."""
+    from specfoundry.common.placement import Placement
+    from specfoundry.common.target import Target, resolve_target
+    from specfoundry.decoding.target import TargetRunner
+    from specfoundry.testing import write_tiny_target
+
+    path = write_tiny_target("qwen3_moe", tmp_path / "moe", resolve_target("smollm2"), num_hidden_layers=2)
+    register_fused_experts(FUSED_EXPERTS)  # (two layers: Triton's interpreter is slow)
+    runs = {}
+    for name, graphs in (("eager", False), (FUSED_EXPERTS, True)):
+        target = Target.load(str(path), device="cpu", dtype=torch.float32, placement=Placement(experts_implementation=name))
+        runner = TargetRunner(target, [0], graphs=graphs)
+        runner.reset(64)
+        got = [runner.forward(list(range(100, 111)))]  # the prompt: a captured prefill (bucket 16)
+        got.append(runner.forward([300, 301, 302, 303, 304]))
+        runs[name] = [(logits.clone(), aux.clone()) for logits, aux, _ in got]
+    for (want_logits, want_aux), (logits, aux) in zip(runs["eager"], runs[FUSED_EXPERTS], strict=True):
+        torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5 * want_logits.abs().max().item())
+        torch.testing.assert_close(aux, want_aux, rtol=1e-5, atol=1e-5 * want_aux.abs().max().item())
+
 # ---- on the GPU, at real shapes -----------------------------------------------------------------------
 
 def reference_and_magnitude(x, gate_up, down, idx, w):
