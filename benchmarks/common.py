@@ -48,6 +48,25 @@ def cuda_time_ms_interleaved(fns: dict, warmup: int = 3, iters: int = 15) -> dic
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def cuda_time_ms_back_to_back(fn, calls: int = 10, repeats: int = 5) -> float:
+    """fn's CUDA-event time per call with `calls` calls enqueued back to back (no synchronisation
+    between them; after one warm-up call), the median of `repeats`: the device's time per call when
+    the host runs ahead. cuda_time_ms_interleaved synchronises after each call, so its figure also
+    holds whatever part of the host's launch the device waits for."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
 def peak_memory_gib(fn) -> float:
     """Peak allocated memory during one fn() call, above what was allocated before it."""
     torch.cuda.synchronize()

@@ -29,6 +29,9 @@ Columns:
     core_eager    the same body without graphs (the CPU path)
     core_compiled core with its body through torch.compile (TargetRunner `compiled`), on the rows of
                   --compiled-rows (one compile per row's token count, ~1 min each for the 8B shape)
+    core_b2b, graph_b2b  core and graph per call with 10 calls enqueued back to back (the other
+                  columns synchronise after each call, so they also hold the part of the host's
+                  launch the device waits for; these hold the device's time alone), target rows only
 The `prefill` row reads a PREFILL_TOKENS prompt into an empty cache (core: the captured prefill,
 padded to its bucket; graph: the reference captured at the prompt's own length; plain: a new
 DynamicCache). The `alone` row is the target alone as sf-eval times it (decoding/rounds.py target_generate: a
@@ -40,7 +43,8 @@ under one bare torch.cuda.graph written here, `core` the runner's own captured s
 CUDA events around each (after warm-up, the columns interleaved in every iteration), median ms.
 --profile adds torch.profiler tables of 10 steps each: the token step (core, plain) and the verify of 8
 tokens (core, core_fold1, graph). JSON: results/decode_step.json (`summary.ms`: shape -> row ->
-{plain, graph, core, core_fold1, core_eager}).
+{plain, graph, core, core_fold1, core_eager, core_compiled}; `summary.ms_back_to_back`: shape -> row ->
+{core_b2b, graph_b2b}).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import argparse
 import torch
 
 from benchmarks.common import (
+    cuda_time_ms_back_to_back,
     cuda_time_ms_interleaved,
     print_profile_summary,
     print_table,
@@ -75,6 +80,7 @@ AUX = {"smollm2": [1, 14, 26], "8b": [1, 15, 28], "tiny": [1, 3, 4]}
 DFLASH_LAYERS = {"smollm2": [1, 8, 14, 20, 27], "8b": [1, 8, 15, 22, 29], "tiny": [1, 2, 3, 4, 5]}
 CHAIN, BLOCK = 7, 16
 COLUMNS = ("plain", "graph", "core", "core_fold1", "core_eager", "core_compiled")
+B2B_COLUMNS = ("core_b2b", "graph_b2b")
 ALONE_TOKENS = 96  # sf-eval's default --max-new-tokens
 PREFILL_TOKENS = 100  # the `prefill` row's prompt: a short chat turn, padded to a bucket of 128
 COMMIT_TOKENS = 2  # the commit rows: a round that accepted one proposal (and the target's own token)
@@ -229,7 +235,9 @@ def rows_of(shape: str, model, prompt_len: int, iters: int, compiled_rows: tuple
         except Exception as e:  # noqa: BLE001 - reported in the row, the other columns still measured
             errors["graph"] = f"{type(e).__name__}: {e}"[:300]
         ms = cuda_time_ms_interleaved(fns, warmup=3, iters=iters)
-        rows.append({"shape": shape, "row": name, "tokens": t, **{k: ms.get(k) for k in COLUMNS},
+        b2b = {f"{k}_b2b": cuda_time_ms_back_to_back(fns[k]) for k in ("core", "graph") if k in fns}
+        rows.append({"shape": shape, "row": name, "tokens": t, **{k: ms.get(k) for k in COLUMNS}, **b2b,
+                     "core_b2b/graph_b2b": b2b["core_b2b"] / b2b["graph_b2b"] if "graph_b2b" in b2b else None,
                      "core/graph": ms["core"] / ms["graph"] if "graph" in ms else None,
                      "core_fold1/graph": ms["core_fold1"] / ms["graph"] if "graph" in ms and "core_fold1" in ms else None,
                      "core_compiled/graph": (ms["core_compiled"] / ms["graph"]
@@ -484,13 +492,16 @@ def main() -> None:
             profiles[shape] = profile(model, shape, args.prompt)
         del model
         torch.cuda.empty_cache()
-    print_table(rows, ["shape", "row", "tokens", *COLUMNS, "core/graph", "core_fold1/graph", "core_compiled/graph"])
-    summary = {"ms": {}, "alone_tokens_per_s": {}}
+    print_table(rows, ["shape", "row", "tokens", *COLUMNS, "core/graph", "core_fold1/graph", "core_compiled/graph",
+                       *B2B_COLUMNS, "core_b2b/graph_b2b"])
+    summary = {"ms": {}, "ms_back_to_back": {}, "alone_tokens_per_s": {}}
     for r in rows:
         if r["row"] == "alone":
             summary["alone_tokens_per_s"][r["shape"]] = {k: 1e3 / r[k] for k in COLUMNS if r.get(k)}
         else:
             summary["ms"].setdefault(r["shape"], {})[r["row"]] = {k: r.get(k) for k in COLUMNS}
+            if r.get("core_b2b") is not None:
+                summary["ms_back_to_back"].setdefault(r["shape"], {})[r["row"]] = {k: r.get(k) for k in B2B_COLUMNS}
     print("target alone, tokens/s (prefill of --prompt tokens included):", summary["alone_tokens_per_s"])
     if args.device != "cuda":
         return  # a check of the script: no result file
