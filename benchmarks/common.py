@@ -28,23 +28,29 @@ def cuda_time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
     return cuda_time_ms_interleaved({"fn": fn}, warmup, iters)["fn"]
 
 
-def cuda_time_ms_interleaved(fns: dict, warmup: int = 3, iters: int = 15) -> dict:
+def cuda_time_ms_interleaved(fns: dict, warmup: int = 3, iters: int = 15, host_ms: dict | None = None) -> dict:
     """Median CUDA-event time of each fn, the fns run in turn within every iteration, so that a
     drift of the card's clock during the run (seen as +-10% between runs of the same kernel)
-    falls on all of them alike and their ratio stays fair."""
+    falls on all of them alike and their ratio stays fair. `host_ms`, if given, gets each fn's
+    median host time: from the call until it returns, the device idle at the call."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     torch.cuda.synchronize()
     times = {name: [] for name in fns}
+    host = {name: [] for name in fns}
     for _ in range(iters):
         for name, fn in fns.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t = time.perf_counter()
             fn()
+            host[name].append(1e3 * (time.perf_counter() - t))
             end.record()
             torch.cuda.synchronize()
             times[name].append(start.elapsed_time(end))
+    if host_ms is not None:
+        host_ms.update({name: statistics.median(t) for name, t in host.items()})
     return {name: statistics.median(t) for name, t in times.items()}
 
 

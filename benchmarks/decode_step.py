@@ -32,6 +32,7 @@ Columns:
     core_b2b, graph_b2b  core and graph per call with 10 calls enqueued back to back (the other
                   columns synchronise after each call, so they also hold the part of the host's
                   launch the device waits for; these hold the device's time alone), target rows only
+    core_host, graph_host  the host's time in one call (until it returns), in the synchronised timing
 The `prefill` row reads a PREFILL_TOKENS prompt into an empty cache (core: the captured prefill,
 padded to its bucket; graph: the reference captured at the prompt's own length; plain: a new
 DynamicCache). The `alone` row is the target alone as sf-eval times it (decoding/rounds.py target_generate: a
@@ -44,7 +45,7 @@ CUDA events around each (after warm-up, the columns interleaved in every iterati
 --profile adds torch.profiler tables of 10 steps each: the token step (core, plain) and the verify of 8
 tokens (core, core_fold1, graph). JSON: results/decode_step.json (`summary.ms`: shape -> row ->
 {plain, graph, core, core_fold1, core_eager, core_compiled}; `summary.ms_back_to_back`: shape -> row ->
-{core_b2b, graph_b2b}).
+{core_b2b, graph_b2b, core_host, graph_host}).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ AUX = {"smollm2": [1, 14, 26], "8b": [1, 15, 28], "tiny": [1, 3, 4]}
 DFLASH_LAYERS = {"smollm2": [1, 8, 14, 20, 27], "8b": [1, 8, 15, 22, 29], "tiny": [1, 2, 3, 4, 5]}
 CHAIN, BLOCK = 7, 16
 COLUMNS = ("plain", "graph", "core", "core_fold1", "core_eager", "core_compiled")
-B2B_COLUMNS = ("core_b2b", "graph_b2b")
+B2B_COLUMNS = ("core_b2b", "graph_b2b", "core_host", "graph_host")
 ALONE_TOKENS = 96  # sf-eval's default --max-new-tokens
 PREFILL_TOKENS = 100  # the `prefill` row's prompt: a short chat turn, padded to a bucket of 128
 COMMIT_TOKENS = 2  # the commit rows: a round that accepted one proposal (and the target's own token)
@@ -234,15 +235,7 @@ def rows_of(shape: str, model, prompt_len: int, iters: int, compiled_rows: tuple
             fns["graph"] = reference_step(model, ref_cache, prompt_len, ids, positions, pattern)
         except Exception as e:  # noqa: BLE001 - reported in the row, the other columns still measured
             errors["graph"] = f"{type(e).__name__}: {e}"[:300]
-        ms = cuda_time_ms_interleaved(fns, warmup=3, iters=iters)
-        b2b = {f"{k}_b2b": cuda_time_ms_back_to_back(fns[k]) for k in ("core", "graph") if k in fns}
-        rows.append({"shape": shape, "row": name, "tokens": t, **{k: ms.get(k) for k in COLUMNS}, **b2b,
-                     "core_b2b/graph_b2b": b2b["core_b2b"] / b2b["graph_b2b"] if "graph_b2b" in b2b else None,
-                     "core/graph": ms["core"] / ms["graph"] if "graph" in ms else None,
-                     "core_fold1/graph": ms["core_fold1"] / ms["graph"] if "graph" in ms and "core_fold1" in ms else None,
-                     "core_compiled/graph": (ms["core_compiled"] / ms["graph"]
-                                             if "graph" in ms and "core_compiled" in ms else None),
-                     **errors})
+        rows.append({"shape": shape, "row": name, "tokens": t, **timed(fns, iters), **errors})
     rows.append(prefill_row(shape, model, core, eager, iters))
     runners = {"core": core} | ({"core_compiled": compiled} if "token" in compiled_rows else {})
     rows.append({"shape": shape, "row": "alone", "tokens": ALONE_TOKENS,
@@ -277,9 +270,21 @@ def prefill_row(shape: str, model, core: TargetRunner, eager: TargetRunner, iter
                                       torch.ones(PREFILL_TOKENS, PREFILL_TOKENS, dtype=torch.bool).tril())
     except Exception as e:  # noqa: BLE001 - reported in the row, the other columns still measured
         errors["graph"] = f"{type(e).__name__}: {e}"[:300]
-    ms = cuda_time_ms_interleaved(fns, warmup=3, iters=iters)
-    return {"shape": shape, "row": "prefill", "tokens": PREFILL_TOKENS, **{k: ms.get(k) for k in COLUMNS},
-            "core/graph": ms["core"] / ms["graph"] if "graph" in ms else None, **errors}
+    return {"shape": shape, "row": "prefill", "tokens": PREFILL_TOKENS, **timed(fns, iters), **errors}
+
+
+def timed(fns: dict, iters: int) -> dict:
+    """A target row's columns (COLUMNS and B2B_COLUMNS, the module docstring's) and ratios to graph."""
+    host = {}
+    ms = cuda_time_ms_interleaved(fns, warmup=3, iters=iters, host_ms=host)
+    out = {k: ms.get(k) for k in COLUMNS}
+    for k in ("core", "graph"):
+        if k in fns:
+            out[f"{k}_b2b"], out[f"{k}_host"] = cuda_time_ms_back_to_back(fns[k]), host[k]
+    for k in ("core", "core_fold1", "core_compiled"):
+        out[f"{k}/graph"] = ms[k] / ms["graph"] if k in ms and "graph" in ms else None
+    out["core_b2b/graph_b2b"] = out["core_b2b"] / out["graph_b2b"] if "graph_b2b" in out else None
+    return out
 
 
 def alone_ms_per_token(runner: TargetRunner, prompt: list[int], iters: int) -> float:
