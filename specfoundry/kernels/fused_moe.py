@@ -23,7 +23,7 @@ Kernel 1, gate_up (grid: I/BLOCK_N x R/BLOCK_M): a block's A tile is gathered fr
 up rows into two fp32 accumulators, and act(gate) * up is written to h [R, I].
 Kernel 2, down (grid: H/BLOCK_N x R/BLOCK_M): h @ W_down[e]^T in fp32, times w[slot], stored into
 the slot's own row of out [S, H] (a scatter back to token order); the top-k sum
-out.view(N, K, H).sum(1) accumulates in fp32.
+out.view(N, K, H).sum(1) accumulates in fp32 and rounds once.
 
 Against transformers' grouped_mm path, which writes x[perm] (S x H), gate_up (S x 2I), the
 activation (S x I), the down output, its weighted copy and its unpermuted copy (3 x S x H) before
@@ -249,7 +249,9 @@ def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.
         H=hidden, INTER=inter, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
         BLOCK_K=launch.block_k, IEEE=ieee, UPCAST=upcast,
         num_warps=launch.num_warps, num_stages=launch.num_stages)
-    return out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(out_dtype)  # [N, H]
+    # one reduction kernel: torch sums bf16/fp16 in an fp32 accumulator and rounds once into the
+    # output dtype, as an fp32 sum then a cast would, without the [N, H] fp32 intermediate's two passes
+    return out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=out_dtype)  # [N, H]
 
 
 # ---- transformers' seam ---------------------------------------------------------------------------
