@@ -363,13 +363,14 @@ plan_modes() {
 # now with the captured prefill (c508031; multiturn's target alone was 291 tok/s, bar 300, most of
 # its gap the 37 ms eager prefill); then capture_moe at 64k (grouped_mm rows that do not fit are
 # recorded as out of memory); then decode_step on SmolLM2 with the prefill row and compiled verify.
-# First, the GPU tests of the compiled layers and of the captured prefill and commits.
-# ~120 + ~300 + ~480 + ~250 + ~200 s.
+# First, the GPU tests of the compiled layers, of the captured prefill and commits, and of the
+# fused experts (a MoE target decoding through captured steps with `auto`, now sf_fused).
+# ~150 + ~300 + ~480 + ~250 + ~200 s.
 plan_session() {
   begin_plan "plan session: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s" later
   if [ "$DEV" = cuda ]; then
-    step gpu_tests 120 env LOG="$EV/gpu_tests.log" bash benchmarks/gpu_tests.sh tests/test_compiled_layers.py \
-      tests/test_decoding.py
+    step gpu_tests 150 env LOG="$EV/gpu_tests.log" bash benchmarks/gpu_tests.sh tests/test_compiled_layers.py \
+      tests/test_decoding.py tests/test_fused_moe.py
     step capture_moe 300 python -m benchmarks.capture_moe --tokens 32768 --impls grouped_mm,sf_fused \
       --compile-layers attention,layer
     wait_weights || return 1

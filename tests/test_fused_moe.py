@@ -18,6 +18,7 @@ from specfoundry.kernels.fused_moe import (
     fused_experts_reference,
     register_fused_experts,
 )
+from tests.test_slots import GRAPH_DEVICES
 
 U32 = 2.0 ** -24  # fp32 unit roundoff
 UBF16 = 2.0 ** -8  # bf16 unit roundoff
@@ -310,13 +311,15 @@ def test_the_fused_experts_refuse_what_they_cannot_run(tiny_moe, monkeypatch):
 
 
 
-def test_a_moe_target_decodes_through_captured_steps_with_the_fused_experts(tmp_path):
-    """A tiny Qwen3-MoE in the decoding core with sf_fused (auto's pick on one GPU) and captured steps
-    (graphs.py's CPU stand-in, under which any read of a device value by the host fails, as it would
-    fail a CUDA-graph capture): the padded prefill and a verify of 5 give the eager loop's logits and
-    taps, uncaptured (the cache's columns and crops are the dense tests' in test_decoding.py). In fp32 (IEEE dots) the two differ only by each
-    expert dot's summation order, a few ulps a layer (test_features_with_the_fused_experts_equal_the_eager_ones),
-    far inside 1e-5 of the logits' largest value; a wrong expert, token or cache column moves them by O(1)."""
+@pytest.mark.parametrize("device", GRAPH_DEVICES)
+def test_a_moe_target_decodes_through_captured_steps_with_the_fused_experts(tmp_path, device):
+    """A tiny Qwen3-MoE in the decoding core with sf_fused (on a GPU: what `auto` picks) and captured
+    steps (CUDA graphs; on a CPU graphs.py's stand-in, under which any read of a device value by the
+    host fails, as it would fail a capture): the padded prefill and a verify of 5 give the eager
+    loop's logits and taps, uncaptured (the cache's columns and crops are the dense tests' in
+    test_decoding.py). In fp32 (IEEE dots, no TF32) the two differ by each expert dot's summation
+    order, a few ulps a layer (test_features_with_the_fused_experts_equal_the_eager_ones), far inside
+    1e-5 of the logits' largest value; a wrong expert, token or cache column moves them by O(1)."""
     from specfoundry.common.placement import Placement
     from specfoundry.common.target import Target, resolve_target
     from specfoundry.decoding.target import TargetRunner
@@ -325,16 +328,19 @@ def test_a_moe_target_decodes_through_captured_steps_with_the_fused_experts(tmp_
     path = write_tiny_target("qwen3_moe", tmp_path / "moe", resolve_target("smollm2"), num_hidden_layers=2)
     register_fused_experts(FUSED_EXPERTS)  # (two layers: Triton's interpreter is slow)
     runs = {}
-    for name, graphs in (("eager", False), (FUSED_EXPERTS, True)):
-        target = Target.load(str(path), device="cpu", dtype=torch.float32, placement=Placement(experts_implementation=name))
+    for name, graphs in (("eager", False), ("auto" if device == "cuda" else FUSED_EXPERTS, True)):
+        target = Target.load(str(path), device=device, dtype=torch.float32,
+                             placement=Placement(experts_implementation=name))
+        assert target.placement.experts_implementation == ("eager" if name == "eager" else FUSED_EXPERTS)
         runner = TargetRunner(target, [0], graphs=graphs)
         runner.reset(64)
         got = [runner.forward(list(range(100, 111)))]  # the prompt: a captured prefill (bucket 16)
         got.append(runner.forward([300, 301, 302, 303, 304]))
-        runs[name] = [(logits.clone(), aux.clone()) for logits, aux, _ in got]
-    for (want_logits, want_aux), (logits, aux) in zip(runs["eager"], runs[FUSED_EXPERTS], strict=True):
+        runs[graphs] = [(logits.clone(), aux.clone()) for logits, aux, _ in got]
+    for (want_logits, want_aux), (logits, aux) in zip(runs[False], runs[True], strict=True):
         torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5 * want_logits.abs().max().item())
         torch.testing.assert_close(aux, want_aux, rtol=1e-5, atol=1e-5 * want_aux.abs().max().item())
+
 
 # ---- on the GPU, at real shapes -----------------------------------------------------------------------
 
