@@ -289,7 +289,12 @@ def test_the_gpu_warm_up_leaves_every_decoded_figure_but_time_unchanged(gate_run
         reports = []
         for forced in (False, True):
             monkeypatch.setattr(evaluate, "warms_up", lambda device, forced=forced: forced)
-            reports.append(run_eval(cfg, target=smollm2_target)["sets"]["chat"]["trained"])
+            report = run_eval(cfg, target=smollm2_target)
+            assert (report["warm_up_s"] is not None) == forced  # its time, apart from the sets'
+            assert ("; warm-up " in evaluate.format_table(report)) == forced
+            if forced:
+                assert 0 < report["warm_up_s"] < report["wall_s"]
+            reports.append(report["sets"]["chat"]["trained"])
         keys = ("prompts", "rounds", "tokens", "accept_length")
         assert {k: reports[0][k] for k in keys} == {k: reports[1][k] for k in keys}
     assert len(calls) == 2

@@ -302,16 +302,19 @@ def warm_up(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict, eos
 
 
 def decode_sets(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict, eos: set[int],
-                silent: bool = False) -> dict:
-    """{set name: {label: summary, ...}} for every prompt set, each draft, and the target alone
-    (on a GPU after warm_up)."""
+                silent: bool = False) -> tuple[dict, float | None]:
+    """({set name: {label: summary, ...}} for every prompt set, each draft, and the target alone;
+    the seconds of warm_up first, its captures and --compile-* compiles included, or None off a GPU)."""
     # the longest sequence a decode may hold, reserved once, before the warm-up: no decode grows the
     # cache (which would drop the captured steps and prefills: a recapture inside a timed decode)
     longest = max((len(ids) for prompts in sets.values() for _, ids in prompts), default=0)
     tree_width = tree_nodes(cfg.tree) + len(cfg.tree) if cfg.tree else 0  # a tree verify: its nodes and the pending path
     target.reserve(longest + cfg.max_new_tokens + 1 + max(MAX_DRAFT, tree_width))
+    warm_up_s = None
     if warms_up(target.device):
+        warm_started = time.perf_counter()
         warm_up(cfg, target, drafts, sets, eos)
+        warm_up_s = time.perf_counter() - warm_started
     out = {}
     for name, prompts in sets.items():
         entry, base, started = {}, None, time.perf_counter()
@@ -335,7 +338,7 @@ def decode_sets(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict,
                               "(numerical near-ties can do this in bf16)", file=sys.stderr)
         entry["wall_s"] = time.perf_counter() - started  # the set's decodes, the target alone's included
         out[name] = entry
-    return out
+    return out, warm_up_s
 
 
 def one_copy(target: Target, command: str) -> None:
@@ -387,8 +390,8 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
               "modes": {mode_label(m): m for m in modes}, "modes_from": mode_from,
               "dtype": str(dtype), "placement": config_dict(target.placement)}
     try:
-        report["sets"] = decode_sets(cfg, runner_target, drafts, sets, set(target.end_of_turn_ids()),
-                                     silent or not target.is_writer)
+        report["sets"], report["warm_up_s"] = decode_sets(cfg, runner_target, drafts, sets, set(target.end_of_turn_ids()),
+                                                          silent or not target.is_writer)
     finally:
         runner_target.remove_hooks()
     report["wall_s"] = time.perf_counter() - started  # the whole run: loading, warm-up and every set
@@ -426,7 +429,9 @@ def format_table(report: dict) -> str:
                      "(dropped, their time counted)")
     if "wall_s" in report:
         sets = ", ".join(f"{name} {entry['wall_s']:.1f} s" for name, entry in report["sets"].items() if "wall_s" in entry)
-        lines.append(f"wall time: {sets}; the whole run {report['wall_s']:.1f} s (loading and warm-up included)")
+        warm = report.get("warm_up_s")
+        warm = f"; warm-up {warm:.1f} s, its graph captures and compiles included" if warm is not None else ""
+        lines.append(f"wall time: {sets}; the whole run {report['wall_s']:.1f} s (loading and warm-up included{warm})")
     return "\n".join(lines)
 
 
