@@ -61,7 +61,7 @@ from specfoundry.common.compiled_layers import COMPILE_LAYERS, compile_layers  #
 from specfoundry.common.experts import FUSED_EXPERTS, experts_modules, set_experts  # noqa: E402
 from specfoundry.common.target import Target  # noqa: E402
 from specfoundry.kernels import fused_moe  # noqa: E402
-from specfoundry.kernels.fused_moe import MoeLaunch, register_fused_experts  # noqa: E402
+from specfoundry.kernels.fused_moe import MoeLaunch, Tiles, register_fused_experts  # noqa: E402
 
 SEQ = 4096
 SHAPES = {
@@ -278,6 +278,16 @@ def measure_shape(shape, model_type, fields, counts, seq, args, rows, summary_mf
     runner.tap.remove()
 
 
+def parse_launch(text: str) -> MoeLaunch:
+    """--launch's 5 or 9 comma-separated numbers (its help)."""
+    n = [int(v) for v in text.split(",")]
+    if len(n) == 5:
+        return MoeLaunch.uniform(*n)
+    if len(n) == 9:
+        return MoeLaunch(n[0], Tiles(*n[1:5]), Tiles(*n[5:9]))
+    raise SystemExit(f"--launch {text!r}: give 5 or 9 comma-separated numbers")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="8192,32768,65536", help="Tokens a batch (sequences of 4096), comma-separated.")
@@ -288,13 +298,14 @@ def main():
     ap.add_argument("--profile", action="store_true", help="Profile one MoE layer per implementation.")
     ap.add_argument("--compile-layers", default="", help=f"Comma-separated, of {', '.join(COMPILE_LAYERS[1:])}: "
                     "add IMPL+compiled_CHOICE rows (the module docstring).")
-    ap.add_argument("--launch", default=None, help="The fused kernel's tiles BM,BN,BK,WARPS,STAGES (default: by shape).")
+    ap.add_argument("--launch", default=None, help="The fused kernels' tiles: BM,BN,BK,WARPS,STAGES for both, or "
+                    "BM then BN,BK,WARPS,STAGES of gate_up then of down (9 numbers); default: by shape.")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu to check the script (--shapes tiny).")
     ap.add_argument("--shapes", default="real", choices=["real", "tiny"])
     args = ap.parse_args()
     cuda = args.device == "cuda"
     if args.launch:
-        launch = MoeLaunch(*map(int, args.launch.split(",")))
+        launch = parse_launch(args.launch)
         fused_moe.default_launch = lambda *a, **k: launch  # noqa: E731  (a sweep's fixed tiles)
     register_fused_experts(FUSED_EXPERTS)
     counts = [int(t) for t in args.tokens.split(",")]

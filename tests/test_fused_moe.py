@@ -143,8 +143,8 @@ def test_launch_tiles_do_not_change_the_result():
     """The block layout is a launch choice (benchmarks sweep it): two tilings agree to rounding."""
     x, gate_up, down = weights(48, 40, 5)
     idx, w = routing(7, 5, 2)
-    a = fused_experts(x, gate_up, down, idx, w, launch=MoeLaunch(block_m=16, block_n=16, block_k=16))
-    b = fused_experts(x, gate_up, down, idx, w, launch=MoeLaunch(block_m=32, block_n=32, block_k=32))
+    a = fused_experts(x, gate_up, down, idx, w, launch=MoeLaunch.uniform(16, 16, 16))
+    b = fused_experts(x, gate_up, down, idx, w, launch=MoeLaunch.uniform(32, 32, 32))
     bound = 4 * (48 + 40 + 2) * U32 * magnitude(x, gate_up, down, idx, w)
     torch.testing.assert_close(a.double(), b.double(), rtol=0, atol=2 * float(bound.max()))
 

@@ -117,8 +117,13 @@ if triton is not None:
     def _gate_up_kernel(x_ptr, w_ptr, h_ptr, slot_ptr, block_expert_ptr, num_slots,
                         stride_xn, stride_we, stride_wr, stride_hr,
                         TOP_K: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-        """h[rows, cols] = silu(x[tok] @ W_gate[e, cols]^T) * (x[tok] @ W_up[e, cols]^T)."""
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                        IEEE: tl.constexpr, UPCAST: tl.constexpr):
+        """h[rows, cols] = silu(x[tok] @ W_gate[e, cols]^T) * (x[tok] @ W_up[e, cols]^T). A padding
+        row reads token 0 (in bounds; its h row is written and never read for a slot), so only a
+        ragged K or N is masked
+        (EVEN_K: H a multiple of BLOCK_K, EVEN_N: INTER of BLOCK_N; unmasked loads pipeline and
+        vectorise without predicates)."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         expert = tl.load(block_expert_ptr + pid_m)
@@ -135,24 +140,38 @@ if triton is not None:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
-            k_ok = ks < H
-            a = tl.load(x_ptr + tokens[:, None] * stride_xn + ks[None, :],
-                        mask=valid[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
-            w_mask = k_ok[:, None] & col_ok[None, :]
-            w_gate = tl.load(w_expert + cols[None, :] * stride_wr + ks[:, None], mask=w_mask, other=0.0)  # [BK, BN]
-            w_up = tl.load(w_expert + (cols[None, :] + INTER) * stride_wr + ks[:, None], mask=w_mask, other=0.0)
+            a_ptrs = x_ptr + tokens[:, None] * stride_xn + ks[None, :]  # [BM, BK]
+            gate_ptrs = w_expert + cols[None, :] * stride_wr + ks[:, None]  # [BK, BN]
+            up_ptrs = gate_ptrs + INTER * stride_wr
+            if EVEN_K and EVEN_N:
+                a, w_gate, w_up = tl.load(a_ptrs), tl.load(gate_ptrs), tl.load(up_ptrs)
+            else:
+                k_ok = ks < H
+                w_mask = k_ok[:, None] & col_ok[None, :]
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+                w_up = tl.load(up_ptrs, mask=w_mask, other=0.0)
             acc_gate = _dot(a, w_gate, acc_gate, IEEE, UPCAST)
             acc_up = _dot(a, w_up, acc_up, IEEE, UPCAST)
         h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # SiLU(gate) * up, fp32
-        tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_hr + cols[None, :], h.to(h_ptr.dtype.element_ty),
-                 mask=valid[:, None] & col_ok[None, :])
+        # every row, padding rows too (token 0's values: finite, unused), so the down kernel's loads
+        # of whole blocks read only written memory
+        h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hr + cols[None, :]
+        if EVEN_N:
+            tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty))
+        else:
+            tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=col_ok[None, :])
 
     @triton.jit
     def _down_kernel(h_ptr, w_ptr, out_ptr, slot_ptr, block_expert_ptr, weight_ptr, num_slots,
                      stride_hr, stride_we, stride_wr, stride_os,
                      H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-        """out[slot, cols] = w[slot] * (h[rows] @ W_down[e, cols]^T), rows scattered to their slots."""
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
+                     UPCAST: tl.constexpr):
+        """out[slot, cols] = w[slot] * (h[rows] @ W_down[e, cols]^T), rows scattered to their slots. A
+        padding row reads h's own padding row (in bounds, written by _gate_up_kernel; its result is
+        never stored), so only a ragged K or N is masked, as in _gate_up_kernel (EVEN_K: INTER a
+        multiple of BLOCK_K, EVEN_N: H of BLOCK_N)."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         expert = tl.load(block_expert_ptr + pid_m)
@@ -167,11 +186,14 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < INTER
-            a = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_hr + ks[None, :],
-                        mask=valid[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
-            w = tl.load(w_expert + cols[None, :] * stride_wr + ks[:, None],
-                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BK, BN]
+            a_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hr + ks[None, :]  # [BM, BK]
+            w_ptrs = w_expert + cols[None, :] * stride_wr + ks[:, None]  # [BK, BN]
+            if EVEN_K and EVEN_N:
+                a, w = tl.load(a_ptrs), tl.load(w_ptrs)
+            else:
+                k_ok = ks < INTER
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc = _dot(a, w, acc, IEEE, UPCAST)
         route = tl.load(weight_ptr + slots, mask=valid, other=0.0).to(tl.float32)  # [BM]
         acc = acc * route[:, None]
@@ -181,23 +203,38 @@ if triton is not None:
 
 
 @dataclass(frozen=True)
-class MoeLaunch:
-    """Tile sizes and launch settings of both kernels (benchmarks/capture_moe.py sweeps them)."""
+class Tiles:
+    """One kernel's column and K tiles and its launch settings."""
 
-    block_m: int = 64
     block_n: int = 128
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
 
 
+@dataclass(frozen=True)
+class MoeLaunch:
+    """Both kernels' launch: the row block, shared (align_slots pads each expert's rows to it), and
+    each kernel's tiles (benchmarks/moe_tiles.py sweeps them, kernel by kernel)."""
+
+    block_m: int = 64
+    gate_up: Tiles = Tiles()
+    down: Tiles = Tiles()
+
+    @classmethod
+    def uniform(cls, block_m: int, block_n: int, block_k: int, num_warps: int = 4, num_stages: int = 3) -> MoeLaunch:
+        """The same tiles for both kernels."""
+        tiles = Tiles(block_n, block_k, num_warps, num_stages)
+        return cls(block_m, tiles, tiles)
+
+
 def default_launch(x: torch.Tensor, slots: int, num_experts: int) -> MoeLaunch:
     """Tiles by the rows an expert gets on average: 128-row blocks once most experts fill them
     (prefill of thousands of tokens), 64 below, 16 under the interpreter (small test shapes)."""
     if x.device.type != "cuda":
-        return MoeLaunch(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
+        return MoeLaunch.uniform(16, 16, 16, num_warps=1, num_stages=1)
     if slots // max(num_experts, 1) >= 1024:
-        return MoeLaunch(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+        return MoeLaunch.uniform(128, 128, 64, num_warps=8, num_stages=3)
     return MoeLaunch()
 
 
@@ -230,28 +267,60 @@ def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.
     x = x.to(gate_up_proj.dtype).contiguous()
     gate_up_proj, down_proj = gate_up_proj.contiguous(), down_proj.contiguous()
     slot_of_row, expert_of_block = align_slots(top_k_index, num_experts, launch.block_m)
-    rows = slot_of_row.numel()
-    h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)  # [R, I]
+    h = torch.empty(slot_of_row.numel(), inter, dtype=x.dtype, device=x.device)  # [R, I]
     out = (torch.zeros if sentinels else torch.empty)(slots, hidden, dtype=x.dtype, device=x.device)  # [S, H]
-    weights = top_k_weights.reshape(-1).contiguous()  # [S]
-    ieee = x.dtype == torch.float32
-    upcast = x.device.type != "cuda"  # the interpreter (see _dot)
-    blocks = rows // launch.block_m
-    _gate_up_kernel[(triton.cdiv(inter, launch.block_n), blocks)](
-        x, gate_up_proj, h, slot_of_row, expert_of_block, slots,
-        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), h.stride(0),
-        TOP_K=top_k, H=hidden, INTER=inter, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
-        BLOCK_K=launch.block_k, IEEE=ieee, UPCAST=upcast,
-        num_warps=launch.num_warps, num_stages=launch.num_stages)
-    _down_kernel[(triton.cdiv(hidden, launch.block_n), blocks)](
-        h, down_proj, out, slot_of_row, expert_of_block, weights, slots,
-        h.stride(0), down_proj.stride(0), down_proj.stride(1), out.stride(0),
-        H=hidden, INTER=inter, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
-        BLOCK_K=launch.block_k, IEEE=ieee, UPCAST=upcast,
-        num_warps=launch.num_warps, num_stages=launch.num_stages)
+    routes = Routes(slot_of_row, expert_of_block, top_k_weights.reshape(-1).contiguous(), top_k, launch.block_m)
+    launch_gate_up(x, gate_up_proj, h, routes, launch.gate_up)
+    launch_down(h, down_proj, out, routes, launch.down)
     # one reduction kernel: torch sums bf16/fp16 in an fp32 accumulator and rounds once into the
     # output dtype, as an fp32 sum then a cast would, without the [N, H] fp32 intermediate's two passes
     return out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=out_dtype)  # [N, H]
+
+
+@dataclass(frozen=True)
+class Routes:
+    """align_slots' layout of one call, with the slots' routing weights w [S], the top-k K and the row block."""
+
+    slot_of_row: torch.Tensor  # [R] int32
+    expert_of_block: torch.Tensor  # [R / block_m] int32
+    weights: torch.Tensor  # [S]
+    top_k: int
+    block_m: int
+
+    @property
+    def slots(self) -> int:
+        return self.weights.numel()
+
+
+def _exact_and_interpreted(x: torch.Tensor) -> tuple[bool, bool]:
+    """(IEEE: fp32 dots in fp32, not TF32; UPCAST: Triton's CPU interpreter, see _dot)."""
+    return x.dtype == torch.float32, x.device.type != "cuda"
+
+
+def launch_gate_up(x: torch.Tensor, gate_up_proj: torch.Tensor, h: torch.Tensor, routes: Routes, tiles: Tiles) -> None:
+    """Kernel 1 into h [R, I] (x [N, H] and gate_up_proj [E, 2I, H] contiguous, in one dtype)."""
+    hidden, inter = x.shape[1], h.shape[1]
+    ieee, upcast = _exact_and_interpreted(x)
+    blocks = routes.slot_of_row.numel() // routes.block_m
+    _gate_up_kernel[(triton.cdiv(inter, tiles.block_n), blocks)](
+        x, gate_up_proj, h, routes.slot_of_row, routes.expert_of_block, routes.slots,
+        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), h.stride(0),
+        TOP_K=routes.top_k, H=hidden, INTER=inter, BLOCK_M=routes.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, EVEN_K=hidden % tiles.block_k == 0, EVEN_N=inter % tiles.block_n == 0,
+        IEEE=ieee, UPCAST=upcast, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def launch_down(h: torch.Tensor, down_proj: torch.Tensor, out: torch.Tensor, routes: Routes, tiles: Tiles) -> None:
+    """Kernel 2 from h [R, I] into out [S, H] (down_proj [E, H, I] contiguous, h's dtype)."""
+    hidden, inter = out.shape[1], h.shape[1]
+    ieee, upcast = _exact_and_interpreted(h)
+    blocks = routes.slot_of_row.numel() // routes.block_m
+    _down_kernel[(triton.cdiv(hidden, tiles.block_n), blocks)](
+        h, down_proj, out, routes.slot_of_row, routes.expert_of_block, routes.weights, routes.slots,
+        h.stride(0), down_proj.stride(0), down_proj.stride(1), out.stride(0),
+        H=hidden, INTER=inter, BLOCK_M=routes.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        EVEN_K=inter % tiles.block_k == 0, EVEN_N=hidden % tiles.block_n == 0,
+        IEEE=ieee, UPCAST=upcast, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 # ---- transformers' seam ---------------------------------------------------------------------------
