@@ -355,32 +355,40 @@ plan_modes() {
   echo done > "$EV/done"
 }
 
-# PLAN=session (deadline DEADLINE; ~1,450 s in all): before the weights, issue 38's MoE capture at
-# 32k with sf-capture's --compile-layers choices (attention measured 42.9% MFU for Qwen3-30B-A3B
-# with sf_fused, bar 45%; `layer` also fuses the residual adds and the router, not yet measured);
-# then, with the weights, issue 36's sf-eval end to end in bf16 without and with --compile-target
-# (and with --compile-draft too: EAGLE-3's chain compiled),
-# now with the captured prefill (c508031; multiturn's target alone was 291 tok/s, bar 300, most of
-# its gap the 37 ms eager prefill); then capture_moe at 64k (grouped_mm rows that do not fit are
-# recorded as out of memory); then decode_step on SmolLM2 with the prefill row and compiled verify.
-# First, the GPU tests of the compiled layers, of the captured prefill and commits, and of the
-# fused experts (a MoE target decoding through captured steps with `auto`, now sf_fused).
-# ~150 + ~300 + ~480 + ~250 + ~200 s.
+# PLAN=session (deadline DEADLINE; ~1,580 s in all, so the last step, capture_moe at 64k, fits only
+# a deadline past ~1,600 s). First the GPU tests of the compiled layers, of the captured prefill and
+# commits, and of the fused experts (a MoE target decoding through captured steps with `auto`, now
+# sf_fused). Before the weights, issue 38: the fused kernels' tiles swept at Qwen3-30B-A3B's layer
+# (benchmarks/moe_tiles.py; the kernels' loads lost their masks since the last GPU run), then the
+# MoE capture at 32k with sf-capture's --compile-layers choices and the sweep's fastest tiles
+# (attention measured 42.9% MFU for Qwen3-30B-A3B with sf_fused, bar 45%; `layer` also fuses the
+# residual adds and the router, not yet measured). With the weights, issue 36: sf-eval end to end
+# in bf16 without and with --compile-target, and with --compile-draft too, now with the captured
+# prefill (multiturn's target alone was 291 tok/s, bar 300, most of its gap the 37 ms eager
+# prefill); decode_step on SmolLM2 with the back-to-back and host columns (the verify rows'
+# 1.6-1.9x); then capture_moe at 64k (grouped_mm rows that do not fit are recorded as out of memory).
+# ~150 + ~150 + ~300 + ~480 + ~200 + ~250 s.
 plan_session() {
   begin_plan "plan session: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s" later
   if [ "$DEV" = cuda ]; then
     step gpu_tests 150 env LOG="$EV/gpu_tests.log" bash benchmarks/gpu_tests.sh tests/test_compiled_layers.py \
       tests/test_decoding.py tests/test_fused_moe.py
+    step moe_tiles 150 python -m benchmarks.moe_tiles --shapes qwen3_30b_a3b --tokens 32768
+    local launch  # the sweep's fastest tiles, for every sf_fused row below (none: the default tiles)
+    launch=$(python3 -c 'import json; print(json.load(open("benchmarks/results/moe_tiles.json"))["summary"]["qwen3_30b_a3b"]["launch"]["arg"])' 2>/dev/null)
+    echo "[$(elapsed) s] sf_fused tiles: ${launch:-the default}"
     step capture_moe 300 python -m benchmarks.capture_moe --tokens 32768 --impls grouped_mm,sf_fused \
-      --compile-layers attention,layer
+      --compile-layers attention,layer ${launch:+--launch $launch}
     wait_weights || return 1
     step decode_e2e 480 env RUN="$RUN/decode" SYNTH=2048 EPOCHS=1 DTYPES=bfloat16 COMPILE="off on all" \
       bash scripts/decode_gpu.sh
-    step capture_moe_64k 250 python -m benchmarks.capture_moe --tokens 65536 --impls grouped_mm,sf_fused \
-      --compile-layers attention
     step decode_step 200 python -m benchmarks.decode_step --shapes smollm2 --iters 20 \
       --compiled-rows token,verify_k7,tree
+    step capture_moe_64k 250 python -m benchmarks.capture_moe --tokens 65536 --impls grouped_mm,sf_fused \
+      --compile-layers attention ${launch:+--launch $launch}
   else
+    step moe_tiles 60 env TRITON_INTERPRET=1 python -m benchmarks.moe_tiles --device cpu --shapes tiny --grid tiny \
+      --tokens 40
     step capture_moe 300 python -m benchmarks.capture_moe --device cpu --shapes tiny --impls eager,grouped_mm \
       --compile-layers attention,layer
     wait_weights || return 1

@@ -1,0 +1,209 @@
+"""The fused experts' two kernels (kernels/fused_moe.py) over a grid of tiles, kernel by kernel, at
+one MoE layer's shape on one GPU: which tiles to make the default (fused_moe.default_launch).
+
+    python -m benchmarks.moe_tiles [--shapes qwen3_30b_a3b,deepseek_v3] [--tokens 32768] [--grid small|full]
+    TRITON_INTERPRET=1 python -m benchmarks.moe_tiles --device cpu --shapes tiny --grid tiny   # checks the script on a CPU
+
+Shapes (bf16, random weights; routing from random router logits, top-k of a softmax):
+    qwen3_30b_a3b   H 2048, I 768, 128 experts, top 8
+    deepseek_v3     H 7168, I 2048, 256 experts, top 8
+For each row block BLOCK_M (shared by both kernels: align_slots pads each expert's rows to it) and
+each kernel's tiles (BLOCK_N, BLOCK_K, warps, stages), the kernel alone: CUDA events over ITERS
+launches after 2 of warm-up (the first compiles it), median ms and TFLOP/s (gate_up 4 S H I FLOPs,
+down 2 S I H, S = tokens x top_k slots). A tile that does not fit the SM's shared memory is
+recorded as such. Every result is checked against the default launch's (the same slots' rows): the
+tiles change the order of an fp32 accumulation only, so they agree within a few bf16 ulps of the
+values' magnitude (see `agrees`); a wrong tile would be off by O(1).
+JSON: results/moe_tiles.json, `summary`: shape -> kernel -> {best, default}, each {tiles, ms, tflops},
+and shape -> `launch` -> {arg, ms, default_ms}: the fastest pair under one row block, as
+`python -m benchmarks.capture_moe --launch ARG` takes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+
+import torch
+
+from benchmarks.common import MATMUL_TFLOPS, print_table, write_result
+from specfoundry.kernels import fused_moe
+from specfoundry.kernels.fused_moe import Routes, Tiles, align_slots, launch_down, launch_gate_up
+
+SHAPES = {  # (H, I, experts, top_k)
+    "qwen3_30b_a3b": (2048, 768, 128, 8),
+    "deepseek_v3": (7168, 2048, 256, 8),
+    "tiny": (32, 48, 4, 2),
+}
+GRIDS = {  # block_m values, then each kernel's (block_n, block_k, warps, stages) candidates
+    "small": ((128,), list(itertools.product((128, 256), (64, 128), (4, 8), (3, 4)))),
+    "full": ((64, 128), list(itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4, 5)))),
+    "tiny": ((16,), [(16, 16, 1, 1), (32, 16, 1, 1)]),
+}
+SMEM_BYTES = 227 * 1024  # an H100's / H200's shared memory a block may take
+ITERS = 10
+
+
+def smem(kernel: str, block_m: int, tiles: Tiles, itemsize: int = 2) -> int:
+    """Shared memory of the software pipeline: num_stages copies of the A tile and the B tile(s)
+    (gate_up loads a gate and an up tile)."""
+    b_tiles = 2 if kernel == "gate_up" else 1
+    return tiles.num_stages * (block_m * tiles.block_k + b_tiles * tiles.block_k * tiles.block_n) * itemsize
+
+
+def problem(shape: str, tokens: int, device: str):
+    """x [N, H], gate_up [E, 2I, H], down [E, H, I] (scaled so activations stay O(1)) and the routing."""
+    hidden, inter, experts, top_k = SHAPES[shape]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=g, device=device, dtype=dtype)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g, device=device, dtype=dtype) / hidden ** 0.5
+    down = torch.randn(experts, hidden, inter, generator=g, device=device, dtype=dtype) / inter ** 0.5
+    logits = torch.randn(tokens, experts, generator=g, device=device)
+    weights, index = logits.softmax(-1).topk(top_k, dim=-1)  # [N, K] each
+    return x, gate_up, down, index, weights.to(dtype)
+
+
+def timed_ms(fn, iters: int) -> float:
+    import statistics
+
+    for _ in range(2):
+        fn()
+    if not torch.cuda.is_available():
+        return float("nan")
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def agrees(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference over the largest value: bf16 results rounded once from fp32 sums in
+    another order differ by about 2^-8 of their magnitude at most; 2^-6 leaves room, while a wrong
+    tile, mask or row is off by O(1)."""
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+
+
+def sweep(shape: str, tokens: int, grid: str, device: str) -> list[dict]:
+    x, gate_up, down, index, weights = problem(shape, tokens, device)
+    hidden, inter, experts, top_k = SHAPES[shape]
+    slots = tokens * top_k
+    default = fused_moe.default_launch(x, slots, experts)
+    flops = {"gate_up": 4 * slots * hidden * inter, "down": 2 * slots * inter * hidden}
+    block_ms, candidates = GRIDS[grid]
+    rows = []
+    reference = {}
+    for block_m in sorted(set(block_ms) | {default.block_m}, key=lambda m: m != default.block_m):
+        slot_of_row, expert_of_block = align_slots(index, experts, block_m)
+        routes = Routes(slot_of_row, expert_of_block, weights.reshape(-1).contiguous(), top_k, block_m)
+        real = slot_of_row < slots  # [R] the rows that hold a slot
+        by_slot = torch.argsort(slot_of_row[real].long())  # those rows in slot order
+        h = torch.empty(slot_of_row.numel(), inter, dtype=x.dtype, device=device)
+        out = torch.empty(slots, hidden, dtype=x.dtype, device=device)
+        if block_m == default.block_m:  # the default launch's results (slot order), the check of every other
+            launch_gate_up(x, gate_up, h, routes, default.gate_up)
+            launch_down(h, down, out, routes, default.down)
+            reference = {"gate_up": h[real][by_slot].clone(), "down": out.clone()}
+        for kernel, values in itertools.product(("gate_up", "down"), candidates):
+            tiles, call = Tiles(*values), launch_gate_up if kernel == "gate_up" else launch_down
+            row = {"shape": shape, "tokens": tokens, "kernel": kernel, "block_m": block_m, "block_n": tiles.block_n,
+                   "block_k": tiles.block_k, "warps": tiles.num_warps, "stages": tiles.num_stages,
+                   "default": block_m == default.block_m and tiles == getattr(default, kernel)}
+            if device == "cuda" and smem(kernel, block_m, tiles) > SMEM_BYTES:
+                rows.append({**row, "error": "shared memory"})
+                continue
+            if kernel == "down":  # its input: h of the default gate_up tiles at this row block
+                launch_gate_up(x, gate_up, h, routes, default.gate_up)
+            args = (x, gate_up, h, routes, tiles) if kernel == "gate_up" else (h, down, out, routes, tiles)
+            try:
+                ms = timed_ms(lambda args=args, call=call: call(*args), ITERS if device == "cuda" else 1)
+            except Exception as e:  # noqa: BLE001 - recorded in the row (a tile Triton cannot place)
+                rows.append({**row, "error": f"{type(e).__name__}: {e}"[:200]})
+                continue
+            diff = agrees(h[real][by_slot] if kernel == "gate_up" else out, reference[kernel])
+            rate = flops[kernel] / ms / 1e9 if ms == ms else None  # TFLOP/s (none on a CPU)
+            rows.append({**row, "ms": ms, "tflops": rate, "of_peak": rate / MATMUL_TFLOPS if rate else None,
+                         "max_diff": diff})
+            if diff > 2 ** -6:
+                raise SystemExit(f"{shape} {kernel} {row}: differs from the default launch by {diff:.3g} of the "
+                                 "values' magnitude: a wrong tile")
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--shapes", default="qwen3_30b_a3b", help=f"Comma-separated, of: {', '.join(SHAPES)}.")
+    p.add_argument("--tokens", type=int, default=32768, help="Tokens of the layer's batch.")
+    p.add_argument("--grid", default="small", choices=list(GRIDS), help="The tiles tried (GRIDS).")
+    p.add_argument("--out", default="moe_tiles", help="The result's name under benchmarks/results/ (or a path).")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu to check the script (TRITON_INTERPRET=1).")
+    args = p.parse_args()
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--device cpu runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 (it is read "
+                         "when Triton is imported)")
+    rows, summary = [], {}
+    for shape in args.shapes.split(","):
+        got = sweep(shape, args.tokens, args.grid, args.device)
+        rows += got
+        for kernel in ("gate_up", "down"):
+            timed = [r for r in got if r["kernel"] == kernel and r.get("ms") is not None]
+            if not timed:
+                continue
+            best = min(timed, key=lambda r: r["ms"])
+            default = next((r for r in timed if r["default"]), None)
+            summary.setdefault(shape, {})[kernel] = {
+                name: None if r is None else {"tiles": {k: r[k] for k in TILE_KEYS}, "ms": r["ms"], "tflops": r["tflops"]}
+                for name, r in (("best", best), ("default", default))}
+        if shape in summary:
+            summary[shape]["launch"] = best_launch(got)
+    print_table(rows_to_show(rows), COLUMNS)
+    print("best and default per kernel:", summary)
+    if args.device != "cuda":
+        return  # a check of the script: no result file
+    path = write_result(args.out, rows, {"summary": summary, "tokens": args.tokens, "grid": args.grid})
+    print(f"wrote {path}")
+
+
+TILE_KEYS = ("block_m", "block_n", "block_k", "warps", "stages")
+COLUMNS = ["shape", "kernel", *TILE_KEYS, "default", "ms", "tflops", "of_peak", "max_diff", "error"]
+
+
+def best_launch(rows: list[dict]) -> dict:
+    """The fastest pair of tiles under one row block (both kernels share it): `arg`, the pair as
+    capture_moe's 9-number --launch; `ms`, its gate_up + down ms; `default_ms`, the default launch's."""
+    pairs = {}
+    for block_m in sorted({r["block_m"] for r in rows}):
+        fastest = {kernel: min((r for r in rows if r["kernel"] == kernel and r["block_m"] == block_m
+                                and r.get("ms") is not None), key=lambda r: r["ms"], default=None)
+                   for kernel in ("gate_up", "down")}
+        if None not in fastest.values():
+            pairs[block_m] = fastest
+    if not pairs:
+        return {}
+    block_m, pair = min(pairs.items(), key=lambda kv: kv[1]["gate_up"]["ms"] + kv[1]["down"]["ms"])
+    default = {r["kernel"]: r["ms"] for r in rows if r["default"] and r.get("ms") is not None}
+    arg = ",".join(str(v) for v in [block_m] + [pair[k][t] for k in ("gate_up", "down") for t in TILE_KEYS[1:]])
+    return {"arg": arg, "ms": pair["gate_up"]["ms"] + pair["down"]["ms"],
+            "default_ms": sum(default.values()) if len(default) == 2 else None}
+
+
+def rows_to_show(rows: list[dict]) -> list[dict]:
+    """Per shape and kernel: the 8 fastest, and the default wherever it ranks."""
+    shown = []
+    for _, group in itertools.groupby(sorted(rows, key=lambda r: (r["shape"], r["kernel"], r.get("ms") or float("inf"))),
+                                      key=lambda r: (r["shape"], r["kernel"])):
+        group = list(group)
+        shown += group[:8] + [r for r in group[8:] if r["default"]]
+    return shown
+
+
+if __name__ == "__main__":
+    main()
