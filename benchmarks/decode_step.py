@@ -388,7 +388,8 @@ def draft_steps(shape: str, model, prompt_len: int, graphs: bool) -> dict:
     peagle.read(tokens, aux(3))
     peagle.forward(CHAIN)
     row = aux(3, 1)
-    inputs = RoundInputs(torch.tensor([5] + [mask_id] * (CHAIN - 1), device=device), row)
+    inputs = RoundInputs(torch.tensor([5] + [mask_id] * (CHAIN - 1), device=device), row,
+                         torch.tensor(peagle.length, device=device))
 
     def peagle_step():
         peagle.read([5], row)

@@ -410,7 +410,7 @@ def test_a_graph_replayed_block_proposal_equals_the_eager_one(device):
 @pytest.mark.parametrize("device", GRAPH_DEVICES)
 def test_a_graph_replayed_peagle_round_equals_the_eager_one(device):
     """P-EAGLE's round forward (n pending rows, k proposals) captured per (n, k) and run eagerly: the
-    same logits, rounds of different n interleaved."""
+    same logits and greedy proposals, rounds of different n interleaved."""
     from specfoundry.families.peagle.config import PEagleConfig
     from specfoundry.families.peagle.decode import PEagleRunner
     from specfoundry.families.peagle.model import PEagleDraft
@@ -424,15 +424,16 @@ def test_a_graph_replayed_peagle_round_equals_the_eager_one(device):
         runner = PEagleRunner(draft, graphs=graphs)
         runner.reset(64)
         runner.read(list(range(5, 16)), aux[:11])
-        rows, at = [runner.forward(4).clone()], 11
+        rows, at = [[t.clone() for t in runner.round(4)]], 11
         for n in (1, 3, 2, 3, 1):
             runner.read(list(range(20, 20 + n)), aux[at: at + n])
             at += n
-            rows.append(runner.forward(4).clone())
+            rows.append([t.clone() for t in runner.round(4)])
         got[graphs] = rows
     assert runner.calls
-    for a, b in zip(got[False], got[True], strict=True):
-        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    for (a_logits, a_drafts), (b_logits, b_drafts) in zip(got[False], got[True], strict=True):
+        torch.testing.assert_close(b_logits, a_logits, rtol=0, atol=0)
+        assert torch.equal(b_drafts, a_drafts) and torch.equal(a_drafts, runner.draft_to_target[a_logits.argmax(-1)])
 
 
 @pytest.mark.parametrize("device", GRAPH_DEVICES)

@@ -242,27 +242,27 @@ def test_greedy_peagle_decoding_equals_the_targets_greedy(tiny_llama_dir):
     runner_target = TargetRunner(target, layers)
     runner = PEagleRunner(draft)
     forwards = {"n": 0}
-    forward = runner.forward
+    one_round = runner.round
 
     def counted(k):
         forwards["n"] += 1
-        return forward(k)
+        return one_round(k)
 
-    runner.forward = counted
+    runner.round = counted
     out = PEagleDecoder(runner, 3).generate(runner_target, prompt, max_new_tokens=n, eos=set(), sampler=Sampler())
     assert out.tokens == ref and forwards["n"] == len(out.accepted)
 
     full = prompt + ref
 
-    def nudged(k):  # +1e4 on the target's own next tokens, at 2 of 3 slots
-        logits = forward(k).clone()
+    def nudged(k):  # +1e4 on the target's own next tokens, at 2 of 3 slots (and the proposals after them)
+        logits = one_round(k)[0].clone()
         m = len(runner_target)  # the committed text the round drafts after
         for j in range(k):
             if m + j < len(full) and (m + j) % 3:
                 logits[j, full[m + j]] += 1e4
-        return logits
+        return logits, runner.draft_to_target[logits.argmax(-1)]
 
-    runner.forward = nudged
+    runner.round = nudged
     out = PEagleDecoder(runner, 3).generate(runner_target, prompt, max_new_tokens=n, eos=set(), sampler=Sampler())
     runner_target.remove_hooks()
     assert out.tokens == ref

@@ -37,26 +37,34 @@ from specfoundry.families.vocab import draft_ids_from_d2t
 @dataclass
 class RoundInputs:
     """A round's forward inputs on the device: ids [n+k-1] (the pending rows' tokens, then k-1 mask
-    tokens) and the pending rows' features aux [n, 3*Ht]."""
+    tokens), the pending rows' features aux [n, 3*Ht] and start [] int64, the committed length
+    (the first pending row's column)."""
 
     ids: torch.Tensor
     aux: torch.Tensor
+    start: torch.Tensor
 
 
 class RoundCall:
-    """A captured round and its static inputs, refilled per call from a pinned host buffer of the
-    ids (reused: rewritten only once its last copy has run) and the pending rows' features written
-    straight into the static aux (no concatenated copy first)."""
+    """A captured round and its static inputs, refilled per call: the ids and the start by one copy
+    from a pinned host buffer (reused: rewritten only once its last copy has run), the pending
+    rows' features written straight into the static aux (no concatenated copy first)."""
 
-    def __init__(self, call: CapturedCall, inputs: RoundInputs):
-        self.call, self.inputs = call, inputs
-        self.staging = PinnedStaging(inputs.ids.device)
-        self.host_ids = self.staging.buffer(inputs.ids.shape[0], dtype=torch.long)
+    def __init__(self, call: CapturedCall, inputs: RoundInputs, staged: torch.Tensor):
+        self.call, self.inputs, self.staged = call, inputs, staged  # staged: ids | start, on the device
+        self.staging = PinnedStaging(staged.device)
+        self.host = self.staging.buffer(staged.shape[0], dtype=torch.long)
 
-    def run(self, ids: list[int], aux: list[torch.Tensor]) -> torch.Tensor:
+    @classmethod
+    def build(cls, runner: PEagleRunner, n: int, k: int, width: int, dtype: torch.dtype) -> RoundCall:
+        staged = torch.zeros(n + k, dtype=torch.long, device=runner.device)  # n+k-1 ids, then the start
+        inputs = RoundInputs(staged[:-1], torch.zeros(n, width, dtype=dtype, device=runner.device), staged[-1])
+        return cls(CapturedCall(lambda: runner.body(inputs, n, k), runner.device), inputs, staged)
+
+    def run(self, ids: list[int], aux: list[torch.Tensor], start: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.staging.wait()
-        self.host_ids.copy_(torch.tensor(ids))
-        self.inputs.ids.copy_(self.host_ids, non_blocking=True)
+        self.host.copy_(torch.tensor(ids + [start]))
+        self.staged.copy_(self.host, non_blocking=True)
         self.staging.sent()
         if len(aux) > 1 and aux[0].device == self.inputs.aux.device:
             torch.cat(aux, out=self.inputs.aux)  # [n, 3*Ht]
@@ -81,13 +89,11 @@ class PEagleRunner:
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.cache = StaticKVCache(COLUMN_ROUND)
         self.kv_index = torch.arange(COLUMN_ROUND, device=self.device)
-        self.start = torch.zeros((), dtype=torch.long, device=self.device)  # the committed length
         self.calls: dict[tuple[int, int], RoundCall] = {}
         self.reset()
 
     def reset(self, reserve: int = 0) -> None:
-        self.length = 0
-        self.start.fill_(0)
+        self.length = 0  # committed columns
         self.tokens: list[int] = []  # pending rows' tokens
         self.aux: list[torch.Tensor] = []  # pending rows' features [n, 3*Ht]
         self.reserve(reserve)
@@ -106,45 +112,50 @@ class PEagleRunner:
         self.tokens += tokens
         self.aux.append(aux)
 
-    @torch.inference_mode()
     def forward(self, k: int) -> torch.Tensor:
         """One forward over the pending rows and k-1 mask slots: logits [k, Vd] of depths 0..k-1."""
+        return self.round(k)[0]
+
+    @torch.inference_mode()
+    def round(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's logits [k, Vd] and their greedy proposals [k] (target ids), both on the device."""
         n = len(self.tokens)
         assert n >= 1, "a round needs the newest committed token"
         self.reserve(self.length + n + k - 1)
         ids = self.tokens + [self.draft.cfg.mask_token_id] * (k - 1)
         if self.graphs and self.length > 0 and n <= MAX_DRAFT + 1:
             if (n, k) not in self.calls:
-                inputs = RoundInputs(torch.zeros(n + k - 1, dtype=torch.long, device=self.device),
-                                     torch.zeros(n, self.aux[0].shape[1], dtype=self.aux[0].dtype, device=self.device))
-                self.calls[n, k] = RoundCall(CapturedCall(lambda: self.body(inputs, n, k), self.device), inputs)
-            logits = self.calls[n, k].run(ids, self.aux)
+                self.calls[n, k] = RoundCall.build(self, n, k, self.aux[0].shape[1], self.aux[0].dtype)
+            out = self.calls[n, k].run(ids, self.aux, self.length)
         else:
-            aux = torch.cat(self.aux)  # [n, 3*Ht]
-            logits = self.body(RoundInputs(torch.tensor(ids, device=self.device), aux), n, k)
+            x = RoundInputs(torch.tensor(ids, device=self.device), torch.cat(self.aux),  # aux [n, 3*Ht]
+                            torch.tensor(self.length, device=self.device))
+            out = self.body(x, n, k)
         self.length += n  # the mask slots' columns are this round's only
-        self.start.fill_(self.length)
         self.tokens, self.aux = [], []
-        return logits
+        return out
 
-    def body(self, x: RoundInputs, n: int, k: int) -> torch.Tensor:
-        """The round's forward on the device alone, at columns and positions start..start+n+k-2."""
+    def body(self, x: RoundInputs, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The round's forward on the device alone, at columns and positions start..start+n+k-2: the
+        logits [k, Vd] and their argmax as target ids [k] (in the captured round, so that a greedy
+        round launches nothing after it)."""
         draft = self.draft
         dtype = draft.fc.weight.dtype
         count = n + k - 1
         hidden = torch.cat([draft.project(x.aux.to(dtype)), draft.mask_state().expand(k - 1, -1)])[None]
-        columns = self.start + self.kv_index[:count]  # [T]
+        columns = x.start + self.kv_index[:count]  # [T]
         self.cache.columns = columns
-        mask = visible(self.kv_index, self.start, torch.ones(count, count, dtype=torch.bool, device=self.device).tril())
+        mask = visible(self.kv_index, x.start, torch.ones(count, count, dtype=torch.bool, device=self.device).tril())
         normed = draft.decode_forward(x.ids[None], hidden, columns[None], self.cache, mask[None, None])
-        return draft.lm_head(normed[0, n - 1:]).float()
+        logits = draft.lm_head(normed[0, n - 1:]).float()  # [k, Vd]
+        return logits, self.draft_to_target[logits.argmax(-1)]
 
     def propose(self, k: int, pick, greedy: bool = False):
         """k proposals (target ids) from one forward, and each one's draft logits [Vd]. `greedy`: the
-        argmax on the device, the proposals a tensor [k] there (read with the acceptance decision)."""
-        logits = self.forward(k)
+        argmax's, a tensor [k] on the device (read with the acceptance decision)."""
+        logits, proposals = self.round(k)
         if greedy:
-            return self.draft_to_target[logits.argmax(-1)], logits
+            return proposals, logits
         return [self.target_ids[int(pick(row))] for row in logits], list(logits)
 
 
