@@ -3,12 +3,13 @@ one MoE layer's shape on one GPU: which tiles to make the default (fused_moe.def
 
     python -m benchmarks.moe_tiles [--shapes qwen3_30b_a3b,deepseek_v3] [--tokens 32768] [--grid small|full]
     TRITON_INTERPRET=1 python -m benchmarks.moe_tiles --device cpu --shapes tiny --grid tiny   # checks the script on a CPU
+    python -m benchmarks.moe_tiles --resources [--grid small]   # no GPU: each tile's shared memory, registers, spills
 
 Shapes (bf16, random weights; routing from random router logits, top-k of a softmax):
     qwen3_30b_a3b   H 2048, I 768, 128 experts, top 8
     deepseek_v3     H 7168, I 2048, 256 experts, top 8
-For each row block BLOCK_M (shared by both kernels: align_slots pads each expert's rows to it) and
-each kernel's tiles (BLOCK_N, BLOCK_K, warps, stages), the kernel alone: CUDA events over ITERS
+For each kernel's candidate tiles (GRIDS: BLOCK_M, BLOCK_N, BLOCK_K, warps, stages; BLOCK_M is shared
+by both kernels of a launch: align_slots pads each expert's rows to it), the kernel alone: CUDA events over ITERS
 launches after 2 of warm-up (the first compiles it), median ms and TFLOP/s (gate_up 4 S H I FLOPs,
 down 2 S I H, S = tokens x top_k slots). A tile that does not fit the SM's shared memory is
 recorded as such. Every result is checked against the default launch's (the same slots' rows): the
@@ -36,10 +37,18 @@ SHAPES = {  # (H, I, experts, top_k)
     "deepseek_v3": (7168, 2048, 256, 8),
     "tiny": (32, 48, 4, 2),
 }
-GRIDS = {  # block_m values, then each kernel's (block_n, block_k, warps, stages) candidates
-    "small": ((128,), list(itertools.product((128, 256), (64, 128), (4, 8), (3, 4)))),
-    "full": ((64, 128), list(itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4, 5)))),
-    "tiny": ((16,), [(16, 16, 1, 1), (32, 16, 1, 1)]),
+FULL = list(itertools.product((64, 128), (64, 128, 256), (32, 64, 128), (4, 8), (3, 4, 5)))
+GRIDS = {  # kernel -> its candidates (block_m, block_n, block_k, warps, stages)
+    # "small": of FULL, tiles that fit the shared memory without register spills at Qwen3-30B-A3B's
+    # layer (`--resources --grid full`, no GPU needed), around the default (128, 128, 64, 8, 3)
+    "small": {"gate_up": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 128, 32, 8, 5),
+                          (128, 64, 64, 8, 3), (128, 64, 64, 8, 4), (128, 64, 128, 8, 3),
+                          (64, 128, 64, 8, 3), (64, 128, 64, 8, 4), (64, 256, 32, 8, 4), (64, 128, 64, 4, 3)],
+              "down": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 8, 5), (128, 128, 128, 8, 3),
+                       (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 256, 32, 8, 4), (128, 128, 64, 4, 3),
+                       (64, 128, 64, 8, 4), (64, 256, 64, 8, 3), (64, 128, 128, 8, 3)]},
+    "full": {"gate_up": FULL, "down": FULL},
+    "tiny": {"gate_up": [(16, 16, 16, 1, 1), (16, 32, 16, 1, 1)], "down": [(16, 16, 16, 1, 1), (16, 32, 16, 1, 1)]},
 }
 SMEM_BYTES = 227 * 1024  # an H100's / H200's shared memory a block may take
 ITERS = 10
@@ -97,10 +106,11 @@ def sweep(shape: str, tokens: int, grid: str, device: str) -> list[dict]:
     slots = tokens * top_k
     default = fused_moe.default_launch(x, slots, experts)
     flops = {"gate_up": 4 * slots * hidden * inter, "down": 2 * slots * inter * hidden}
-    block_ms, candidates = GRIDS[grid]
+    candidates = GRIDS[grid]
+    block_ms = {c[0] for kernel in candidates for c in candidates[kernel]} | {default.block_m}
     rows = []
     reference = {}
-    for block_m in sorted(set(block_ms) | {default.block_m}, key=lambda m: m != default.block_m):
+    for block_m in sorted(block_ms, key=lambda m: m != default.block_m):  # the default's first: the reference
         slot_of_row, expert_of_block = align_slots(index, experts, block_m)
         routes = Routes(slot_of_row, expert_of_block, weights.reshape(-1).contiguous(), top_k, block_m)
         real = slot_of_row < slots  # [R] the rows that hold a slot
@@ -111,7 +121,7 @@ def sweep(shape: str, tokens: int, grid: str, device: str) -> list[dict]:
             launch_gate_up(x, gate_up, h, routes, default.gate_up)
             launch_down(h, down, out, routes, default.down)
             reference = {"gate_up": h[real][by_slot].clone(), "down": out.clone()}
-        for kernel, values in itertools.product(("gate_up", "down"), candidates):
+        for kernel, values in [(k, c[1:]) for k in ("gate_up", "down") for c in candidates[k] if c[0] == block_m]:
             tiles, call = Tiles(*values), launch_gate_up if kernel == "gate_up" else launch_down
             row = {"shape": shape, "tokens": tokens, "kernel": kernel, "block_m": block_m, "block_n": tiles.block_n,
                    "block_k": tiles.block_k, "warps": tiles.num_warps, "stages": tiles.num_stages,
@@ -137,6 +147,57 @@ def sweep(shape: str, tokens: int, grid: str, device: str) -> list[dict]:
     return rows
 
 
+def resources(shape: str, grid: str, arch: int = 90) -> list[dict]:
+    """Each candidate of `grid` compiled for sm_`arch` without a GPU (triton.compile to a GPUTarget,
+    with the 16-byte alignment hints the JIT gives aligned pointers and strides): its shared memory,
+    registers and spill stack (cuobjdump's resource usage), so a grid can drop what cannot fit or
+    spills before a GPU times it. Compiling for sm_90 needs Triton's bundled ptxas only."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    hidden, inter, _, top_k = SHAPES[shape]
+    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    out = []
+    for kernel in ("gate_up", "down"):
+        ptrs = ["x_ptr", "w_ptr", "h_ptr"] if kernel == "gate_up" else ["h_ptr", "w_ptr", "out_ptr"]
+        ints = (["num_slots", "stride_xn", "stride_we", "stride_wr", "stride_hr"] if kernel == "gate_up"
+                else ["weight_ptr", "num_slots", "stride_hr", "stride_we", "stride_wr", "stride_os"])
+        for bm, bn, bk, warps, stages in GRIDS[grid][kernel]:
+            sig = {**{n: "*bf16" for n in ptrs}, "slot_ptr": "*i32", "block_expert_ptr": "*i32",
+                   **{n: "*bf16" if n.endswith("_ptr") else "i32" for n in ints}}
+            k_dim, n_dim = (hidden, inter) if kernel == "gate_up" else (inter, hidden)
+            const = {**({"TOP_K": top_k} if kernel == "gate_up" else {}), "H": hidden, "INTER": inter, "BLOCK_M": bm,
+                     "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": k_dim % bk == 0, "EVEN_N": n_dim % bn == 0,
+                     "IEEE": False, "UPCAST": False}
+            sig.update({name: "constexpr" for name in const})
+            names = list(sig)
+            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                     if sig[n].startswith("*") or n.startswith("stride")}
+            fn = fused_moe._gate_up_kernel if kernel == "gate_up" else fused_moe._down_kernel
+            source = ASTSource(fn=fn, signature=sig, attrs=attrs,
+                               constexprs={(names.index(n),): v for n, v in const.items()})
+            row = {"shape": shape, "kernel": kernel, "block_m": bm, "block_n": bn, "block_k": bk, "warps": warps,
+                   "stages": stages}
+            compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                                      options={"num_warps": warps, "num_stages": stages})
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(compiled.asm["cubin"])
+                f.flush()
+                usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
+                                       text=True).stdout
+            found = {key: re.search(rf"{key}:(\d+)", usage) for key in ("REG", "STACK")}
+            out.append({**row, "shared_kb": compiled.metadata.shared / 1024,
+                        "registers": int(found["REG"].group(1)) if found["REG"] else None,
+                        "spill_stack": int(found["STACK"].group(1)) if found["STACK"] else None})
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -145,7 +206,14 @@ def main() -> None:
     p.add_argument("--grid", default="small", choices=list(GRIDS), help="The tiles tried (GRIDS).")
     p.add_argument("--out", default="moe_tiles", help="The result's name under benchmarks/results/ (or a path).")
     p.add_argument("--device", default="cuda", help="cuda, or cpu to check the script (TRITON_INTERPRET=1).")
+    p.add_argument("--resources", action="store_true", help="No GPU needed: compile the grid's tiles for sm_90 and "
+                   "print each one's shared memory, registers and spill stack, nothing timed (`resources`).")
     args = p.parse_args()
+    if args.resources:
+        for shape in args.shapes.split(","):
+            print_table(resources(shape, args.grid), ["shape", "kernel", *TILE_KEYS, "shared_kb", "registers",
+                                                      "spill_stack"])
+        return
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("--device cpu runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 (it is read "
                          "when Triton is imported)")
