@@ -112,6 +112,17 @@ def parse_python(src: str):
             gc.enable()
 
 
+def free_port() -> int:
+    """A TCP port no one listens on now, for a torchrun launch's --master_port: the OS picks it (a
+    bind to port 0), so two launches on the two xdist workers, or a fixed port another program
+    holds, never meet (torchrun exits 1 with EADDRINUSE on a taken port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def write_jsonl(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path

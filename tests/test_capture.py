@@ -7,7 +7,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +22,7 @@ from specfoundry.common.target import Target
 from specfoundry.featureset.manifest import FeatureSetError, check_matches_target
 from specfoundry.featureset.store import FeatureSet
 from specfoundry.testing import assert_close_scaled
-from tests.conftest import CHAT, copies, write_jsonl
+from tests.conftest import CHAT, copies, free_port, write_jsonl
 
 
 @pytest.fixture
@@ -132,13 +132,13 @@ def test_kill_and_resume_gives_identical_checksums(tmp_path):
     args = [sys.executable, "-m", "specfoundry.capture.cli", "run", str(src), "--shard-size", "2", "--silent"]
     subprocess.run(args + ["-o", str(tmp_path / "whole")], check=True, capture_output=True)
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(args + ["-o", str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while time.time() < deadline and len(list((killed / "shards").glob("*.done.json"))) < 2:
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert 2 <= len(list((killed / "shards").glob("*.done.json"))) < 6
+    # SIGKILLed just after its second done mark is in place (tests/faults.py: at that moment, not
+    # whenever a polling loop gets the CPU, which could be after the last shard)
+    fault = [str(Path(__file__).parent / "faults.py"), "--kill-at", "after-rename", "--match", "*/shards/*.done.json",
+             "--nth", "2", "--"]
+    run = subprocess.run([sys.executable, *fault, *args[2:], "-o", str(killed)], capture_output=True, text=True)
+    assert run.returncode == -signal.SIGKILL and "faults: killed at" in run.stderr, run.stderr[-2000:]
+    assert len(list((killed / "shards").glob("*.done.json"))) == 2
     subprocess.run(args + ["-o", str(killed)], check=True, capture_output=True)
     a = json.loads((tmp_path / "whole" / "manifest.json").read_text())
     b = json.loads((killed / "manifest.json").read_text())
@@ -157,7 +157,7 @@ def test_two_processes_write_the_same_feature_set_as_one(tmp_path):
     subprocess.run([sys.executable, "-m", "specfoundry.capture.cli", *args, "-o", str(tmp_path / "one")],
                    check=True, capture_output=True, env=env)
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          "29541", "-m", "specfoundry.capture.cli", *args, "-o", str(tmp_path / "two")],
+                          str(free_port()), "-m", "specfoundry.capture.cli", *args, "-o", str(tmp_path / "two")],
                          capture_output=True, text=True, env=env)
     assert two.returncode == 0, two.stderr[-2000:]
     a = json.loads((tmp_path / "one" / "manifest.json").read_text())

@@ -155,8 +155,12 @@ def test_loss_and_gradients_match_a_plain_torch_reference(weights, gradient, ups
     for name, p in draft.named_parameters():
         if p.requires_grad:
             # the hand-written gradient against autograd over the full logits: other sums, relative to
-            # the largest entry (~sqrt(rows) * 1.2e-7 of it)
-            assert_close_scaled(got[name], p.grad, 1e-5, msg=name)
+            # the largest entry. The sums are poorly conditioned here: against a float64 run the
+            # manual path is 2.0e-6 off and autograd 1.3e-6 (markov_w2), their gap 3.3e-6 of the
+            # largest gradient, and another BLAS's blocking can move each by as much again. 5e-5 of
+            # it (test_dpace's bound for the same comparison) is ~15x the measured gap, while a
+            # wrong gradient term is off by O(1e-3) or more of it.
+            assert_close_scaled(got[name], p.grad, 5e-5, msg=name)
     heads = ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
              "confidence_head.proj.bias"]
     assert all(got[n].abs().sum() > 0 for n in heads)  # the Markov and the confidence heads train

@@ -4,6 +4,7 @@ twice; the run stops in one line only when no server is left or a request used a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import threading
@@ -115,11 +116,16 @@ def regen(tmp_path, name, urls, source, fleet=FAST):
 
 
 def test_a_dying_and_a_stalling_server_lose_nothing(tmp_path, servers):
+    """The healthy server must never be given up: its requests get 2.5 s (FAST's 1 s could pass on a
+    loaded runner, GC or another worker holding the process) and it is given up only after 3 such
+    failures in a row, so only the stalled server's requests time out. The reference run, on one
+    healthy server, keeps FleetConfig's default timeouts."""
     chats = [{**c, "id": f"{c['id']}-{k}"} for k in range(4) for c in CHAT]  # 24 conversations, 28 turns
     src = write_jsonl(tmp_path / "chat.jsonl", chats)
-    _, reference, _ = regen(tmp_path, "one", [servers()], src)
+    _, reference, _ = regen(tmp_path, "one", [servers()], src, fleet=FleetConfig(concurrency=2, backoff_s=0.01))
     fleet = [servers(), servers("die", after=3), servers("stall", after=2)]
-    manifest, written, backend = regen(tmp_path, "fleet", fleet, src)
+    manifest, written, backend = regen(tmp_path, "fleet", fleet, src,
+                                       fleet=dataclasses.replace(FAST, request_timeout_s=2.5, max_failures=3))
     assert written == reference  # every conversation once, in order, with the same answers
     assert [r["id"] for r in written] == [c["id"] for c in chats]
     assert manifest["totals"]["turns_ok"] == 28 and manifest["totals"]["turns_failed"] == 0

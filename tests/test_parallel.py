@@ -35,7 +35,7 @@ from specfoundry.eval.evaluate import run_eval
 from specfoundry.featureset.store import FeatureSet
 from specfoundry.generate.regen import run_regen
 from specfoundry.testing import write_tiny_target
-from tests.conftest import CHAT, write_jsonl
+from tests.conftest import CHAT, free_port, write_jsonl
 from tests.parallel_job import capture_config, eval_config, regen_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,8 +51,9 @@ JOBS = {  # name: (model type, config overrides, placement, stages)
 }
 
 
-def torchrun(*args, port: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), *args]
+def torchrun(*args, nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+            str(free_port()), *args]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ def launched(tmp_path_factory):
     plan = [{"target": str(targets[(m, tuple(sorted(o.items())))]), "work": str(root / name), **placement,
              "stages": stages} for name, (m, o, placement, stages) in JOBS.items()]
     (root / "plan.json").write_text(json.dumps(plan))
-    run = subprocess.run(torchrun("-m", "tests.parallel_job", str(source), str(root / "plan.json"), port=29561),
+    run = subprocess.run(torchrun("-m", "tests.parallel_job", str(source), str(root / "plan.json")),
                          capture_output=True, text=True, env=ENV, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     return root, source, {name: job["target"] for name, job in zip(JOBS, plan, strict=True)}
@@ -157,17 +158,17 @@ def test_a_killed_rank_then_the_same_command_resumes_to_an_uninterrupted_capture
             "--storage-dtype", "float32", "--max-length", "96", "--silent", "--device", "cpu"]
     whole, killed = root / "llama-tp" / "capture", tmp_path / "killed"
 
-    def capture(out: Path, *extra, port: int, kill: bool = False):
+    def capture(out: Path, *extra, kill: bool = False):
         prefix = [str(ROOT / "tests" / "faults.py"), "--kill-at", "after-rename", "--match",
                   "*/shard-000001.safetensors", "--"] if kill else ["-m"]
         return subprocess.run(torchrun(*prefix, "specfoundry.capture.cli", *args, "--tp", "2", "-o", str(out),
-                                       *extra, port=port), capture_output=True, text=True, env=ENV, cwd=ROOT)
+                                       *extra), capture_output=True, text=True, env=ENV, cwd=ROOT)
 
-    faulty = capture(killed, port=29563, kill=True)
+    faulty = capture(killed, kill=True)
     assert faulty.returncode != 0 and "faults: killed at after os.replace" in faulty.stderr, faulty.stderr[-2000:]
     assert not json.loads((killed / "manifest.json").read_text())["complete"] if (killed / "manifest.json").exists() \
         else True
-    resumed = capture(killed, port=29565)
+    resumed = capture(killed)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     a = json.loads((whole / "manifest.json").read_text())
     b = json.loads((killed / "manifest.json").read_text())
@@ -246,9 +247,8 @@ def test_the_process_groups_of_several_copies_are_their_own(tmp_path):
               "line = f'{ranks.rank} {ranks.group} {dist.get_world_size()} {x.item()} {shared}'\n"
               "(pathlib.Path(sys.argv[1]) / f'rank{ranks.rank}.txt').write_text(line)\n")
     (tmp_path / "groups.py").write_text(script)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
-                          "29564", str(tmp_path / "groups.py"), str(tmp_path)], capture_output=True, text=True, env=ENV,
-                         cwd=ROOT)
+    run = subprocess.run(torchrun(str(tmp_path / "groups.py"), str(tmp_path), nproc=4), capture_output=True,
+                         text=True, env=ENV, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     lines = sorted(tuple(f.read_text().split(" ", 4)) for f in tmp_path.glob("rank*.txt"))
     assert lines == [("0", "0", "2", "1.0", "group 0 writer 0"), ("1", "0", "2", "1.0", "group 0 writer 0"),
@@ -273,8 +273,7 @@ def test_ranks_that_differ_are_one_line_on_every_rank_without_a_hang(tmp_path, t
     src = write_jsonl(tmp_path / "chat.jsonl", CHAT[:2])
     args = [str(ROOT / "tests" / "per_rank.py"), "specfoundry.capture.cli", "run", str(src), "-o", str(tmp_path / "fs"),
             "--target", str(tiny_llama_dir), "--silent", *options]
-    port = 29500 + (os.getpid() % 500) + list(LAUNCH_CASES).index(case)
-    done = subprocess.run(torchrun(*args, port=port), env={**ENV, **env}, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(torchrun(*args), env={**ENV, **env}, capture_output=True, text=True, timeout=300)
     errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
     # (torchrun's own agent reports a failed child with a traceback of its launcher; the ranks print none)
     ours = [line for line in done.stderr.splitlines() if 'File "' in line and "torch/distributed/" not in line

@@ -23,7 +23,7 @@ from specfoundry.kernels.tree_attention import tree_attention
 from specfoundry.testing import assert_close_scaled
 from specfoundry.train.loader import BatchDataset, FeatureLoader, plan_batches
 from specfoundry.train.trainer import TrainConfig, Trainer, resolved_pad_multiple, run_train
-from tests.conftest import CHAT, copies, write_jsonl
+from tests.conftest import CHAT, copies, free_port, write_jsonl
 
 TINY = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                    vocab_size=97, draft_vocab_size=40, target_hidden_size=24, aux_layer_ids=(1, 2, 3))
@@ -481,8 +481,8 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_pat
     subprocess.run([sys.executable, script, *sf_train_args(smol_features, one, **{"grad-accum": 2})],
                    check=True, env=env, capture_output=True)
     two = tmp_path / "two"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-                    script, *sf_train_args(smol_features, two)], check=True, env=env, capture_output=True)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                    str(free_port()), script, *sf_train_args(smol_features, two)], check=True, env=env, capture_output=True)
     h1 = json.loads((one / "history.json").read_text())
     h2 = json.loads((two / "history.json").read_text())
     assert len(h1) == len(h2) == 8
@@ -543,7 +543,7 @@ def test_training_ranks_with_other_settings_are_one_line_on_every_rank(tmp_path,
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     args = sf_train_args(smol_features, tmp_path / "two", lr="r0=3e-3|r1=1e-3")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           "29541", str(Path(__file__).parent / "per_rank.py"), "specfoundry.train.cli", *args],
+                           str(free_port()), str(Path(__file__).parent / "per_rank.py"), "specfoundry.train.cli", *args],
                           env=env, capture_output=True, text=True, timeout=300)
     errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
     assert done.returncode != 0 and len(errors) == 2, done.stderr[-3000:]
