@@ -94,9 +94,11 @@ def timed_ms(fn, iters: int) -> float:
 
 
 def agrees(got: torch.Tensor, want: torch.Tensor) -> float:
-    """The largest difference over the largest value: bf16 results rounded once from fp32 sums in
-    another order differ by about 2^-8 of their magnitude at most; 2^-6 leaves room, while a wrong
-    tile, mask or row is off by O(1)."""
+    """The largest difference over the largest value (inf where got holds a NaN: an unwritten
+    element): bf16 results rounded once from fp32 sums in another order differ by about 2^-8 of
+    their magnitude at most; 2^-6 leaves room, while a wrong tile, mask or row is off by O(1)."""
+    if torch.isnan(got).any():
+        return float("inf")
     return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
 
 
@@ -129,8 +131,13 @@ def sweep(shape: str, tokens: int, grid: str, device: str) -> list[dict]:
             if device == "cuda" and smem(kernel, block_m, tiles) > SMEM_BYTES:
                 rows.append({**row, "error": "shared memory"})
                 continue
-            if kernel == "down":  # its input: h of the default gate_up tiles at this row block
+            # NaN where the candidate writes, so that a row or column it leaves unwritten fails the check
+            # below instead of showing an earlier launch's values
+            if kernel == "gate_up":
+                h.fill_(float("nan"))
+            else:  # its input: h of the default gate_up tiles at this row block
                 launch_gate_up(x, gate_up, h, routes, default.gate_up)
+                out.fill_(float("nan"))
             args = (x, gate_up, h, routes, tiles) if kernel == "gate_up" else (h, down, out, routes, tiles)
             try:
                 ms = timed_ms(lambda args=args, call=call: call(*args), ITERS if device == "cuda" else 1)

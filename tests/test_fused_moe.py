@@ -187,9 +187,9 @@ def test_gpt_oss_experts_are_named_as_unsupported():
 
 
 def test_auto_picks_the_fused_experts_on_one_gpu_where_they_run(monkeypatch):
-    """`auto` on a GPU: sf_fused for the kernel's layout in one process once a command registered it;
-    grouped_mm for gpt-oss's layout, unregistered, or several processes; eager on CPU. (The choice
-    only: device_type is a name here, nothing runs.)"""
+    """`auto` on a GPU: sf_fused for the kernel's layout in one process on one device once a command
+    registered it; grouped_mm for gpt-oss's layout, unregistered, several processes or a model over
+    several devices; eager on CPU. (The choice only: device_type is a name here, nothing runs.)"""
     from transformers import GptOssConfig, Qwen3MoeConfig
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
@@ -204,6 +204,17 @@ def test_auto_picks_the_fused_experts_on_one_gpu_where_they_run(monkeypatch):
     assert resolve_experts("auto", "cuda", oss) == "grouped_mm"
     assert resolve_experts("auto", "cpu", qwen) == "eager"
     assert resolve_experts("grouped_mm", "cuda", qwen) == "grouped_mm"  # a name given is kept
+    assert resolve_experts("auto", "cuda", qwen, devices=2) == "grouped_mm"  # --device-map over two GPUs
+    from transformers import Qwen3MoeForCausalLM
+
+    from specfoundry.common.experts import set_experts
+
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=16, moe_intermediate_size=8,
+                                               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                               num_experts=4, num_experts_per_tok=2))
+    assert set_experts(model, "auto", "cuda") == FUSED_EXPERTS
+    model.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}  # as accelerate's dispatch leaves it
+    assert set_experts(model, "auto", "cuda") == "grouped_mm"
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 2)
     assert resolve_experts("auto", "cuda", qwen) == "grouped_mm"

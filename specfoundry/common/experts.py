@@ -30,18 +30,20 @@ __all__ = ["EXPERTS_IMPLEMENTATIONS", "FUSED_EXPERTS", "experts_modules", "resol
            "unsupported_layout"]
 
 
-def resolve_experts(name: str, device_type: str, experts=None) -> str:
+def resolve_experts(name: str, device_type: str, experts=None, devices: int = 1) -> str:
     """`auto` -> on a GPU, FUSED_EXPERTS where it can run `experts` (a routed-experts module of the
-    model) in one process, else grouped_mm; eager elsewhere. Any other name as it is (or a
-    PlacementError). FUSED_EXPERTS is the fastest measured (benchmarks/RESULTS.md, "Regen and
-    capture": capture of the Qwen3-30B-A3B and DeepSeek-V3 shapes at 8k and 32k tokens a batch, one
-    GPU); several processes (--tp, --ep) keep grouped_mm, which was not measured against it there."""
+    model) in one process on one device (`devices`: how many the model is spread over), else
+    grouped_mm; eager elsewhere. Any other name as it is (or a PlacementError). FUSED_EXPERTS is the
+    fastest measured (benchmarks/RESULTS.md, "Regen and capture": capture of the Qwen3-30B-A3B and
+    DeepSeek-V3 shapes at 8k and 32k tokens a batch, one GPU); several processes (--tp, --ep) or
+    devices (--device-map) keep grouped_mm, which was not measured against it there."""
     if name not in EXPERTS_IMPLEMENTATIONS:
         raise PlacementError(f"--experts-implementation {name!r}: choose one of {', '.join(EXPERTS_IMPLEMENTATIONS)}")
     if name == "auto":
         if device_type != "cuda":
             return "eager"
-        return FUSED_EXPERTS if experts is not None and fused_runs(experts) is None else "grouped_mm"
+        fits = experts is not None and devices == 1 and fused_runs(experts) is None
+        return FUSED_EXPERTS if fits else "grouped_mm"
     return name
 
 
@@ -96,7 +98,8 @@ def set_experts(model, name: str, device_type: str) -> str | None:
     modules = experts_modules(model)
     if not modules:
         return None
-    name = resolve_experts(name, device_type, modules[0])
+    devices = len({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()} or {None})
+    name = resolve_experts(name, device_type, modules[0], devices)
     if name == FUSED_EXPERTS:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 

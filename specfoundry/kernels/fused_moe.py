@@ -39,6 +39,7 @@ the reference is the summation order of each length-H or length-I dot.
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -270,11 +271,14 @@ def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.
     h = torch.empty(slot_of_row.numel(), inter, dtype=x.dtype, device=x.device)  # [R, I]
     out = (torch.zeros if sentinels else torch.empty)(slots, hidden, dtype=x.dtype, device=x.device)  # [S, H]
     routes = Routes(slot_of_row, expert_of_block, top_k_weights.reshape(-1).contiguous(), top_k, launch.block_m)
-    launch_gate_up(x, gate_up_proj, h, routes, launch.gate_up)
-    launch_down(h, down_proj, out, routes, launch.down)
-    # one reduction kernel: torch sums bf16/fp16 in an fp32 accumulator and rounds once into the
-    # output dtype, as an fp32 sum then a cast would, without the [N, H] fp32 intermediate's two passes
-    return out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=out_dtype)  # [N, H]
+    # Triton launches on the current device, not the tensors': under a device map the layer's device
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else nullcontext():
+        launch_gate_up(x, gate_up_proj, h, routes, launch.gate_up)
+        launch_down(h, down_proj, out, routes, launch.down)
+    slot_rows = out.view(num_tokens, top_k, hidden)
+    if out.dtype == out_dtype:  # one reduction: torch sums bf16/fp16 in fp32 and rounds once, as a sum and cast would
+        return slot_rows.sum(dim=1)  # [N, H]
+    return slot_rows.sum(dim=1, dtype=torch.float32).to(out_dtype)  # (sum(dtype=) would cast each term first)
 
 
 @dataclass(frozen=True)
