@@ -368,3 +368,32 @@ def test_modes_render_the_prompts_and_are_reported_side_by_side(gate_run, smollm
     assert both["modes_from"] == "--modes"
     a, b = (both["sets"][s]["trained"] for s in ("chat [default]", "chat [enable_thinking=false]"))
     assert a["tokens"] == b["tokens"] and a["accept_length"] == b["accept_length"]
+
+
+def test_the_default_dtype_is_the_exact_one_where_the_target_fits_its_gpu(tiny_llama_dir, monkeypatch):
+    """Without --dtype: float32 on CPU; on one GPU float32 (greedy output exactly the target's own)
+    while the target's float32 weights take at most half of the device, bfloat16 beyond, and over
+    several devices, each said in one line. (The device is a name here and its memory a number:
+    nothing runs on a GPU.)"""
+    from types import SimpleNamespace
+
+    import specfoundry.eval.evaluate as evaluate
+    from specfoundry.common.placement import Placement
+    from specfoundry.common.target import parameter_count
+
+    model = LlamaForCausalLM.from_pretrained(tiny_llama_dir)
+    count = parameter_count(tiny_llama_dir)
+    assert count == sum(p.numel() for p in model.parameters())  # from the config alone, tied weights once
+    assert evaluate.exact_default_dtype(EvalConfig(draft="d", target=str(tiny_llama_dir), device="cpu"))[0] == \
+        torch.float32
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2**30))
+    on_gpu = dict(draft="d", device="cuda")
+    monkeypatch.setattr(evaluate, "parameter_count", lambda path: 8 * 10**9)  # 32 GB in float32: fits half of 80 GiB
+    dtype, why = evaluate.exact_default_dtype(EvalConfig(**on_gpu))
+    assert dtype == torch.float32 and "exactly the target's own" in why
+    monkeypatch.setattr(evaluate, "parameter_count", lambda path: 30 * 10**9)  # 120 GB in float32
+    dtype, why = evaluate.exact_default_dtype(EvalConfig(**on_gpu))
+    assert dtype == torch.bfloat16 and "its float32 weights (112 GiB) would take more than 50% of cuda's 80 GiB" in why
+    monkeypatch.setattr(evaluate, "parameter_count", lambda path: 10**6)
+    dtype, why = evaluate.exact_default_dtype(EvalConfig(**on_gpu, placement=Placement(tp=2)))
+    assert dtype == torch.bfloat16 and "several devices" in why and "--dtype float32" in why

@@ -137,6 +137,17 @@ def pick_device(device: str | None = None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def parameter_count(path: Path) -> int:
+    """The parameters of the model at `path` (tied ones once), from its config alone: built on the
+    meta device, nothing read or allocated."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return sum(p.numel() for p in model.parameters())
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     """bf16 on GPU (the serving precision), fp32 on CPU (bf16 matmuls are slow there)."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32

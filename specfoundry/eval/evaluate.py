@@ -22,7 +22,7 @@ import torch
 
 from specfoundry.common.conversations import load_conversations, prompt_ids, tools_template_problem
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
-from specfoundry.common.placement import FUSED_EXPERTS, Placement, PlacementError
+from specfoundry.common.placement import FUSED_EXPERTS, Placement, PlacementError, launch_env
 from specfoundry.common.progress import Progress
 from specfoundry.common.settings import (
     MAX_DRAFT,
@@ -36,7 +36,7 @@ from specfoundry.common.settings import (
     shared,
 )
 from specfoundry.common.shards import check_output_folder
-from specfoundry.common.target import EMBEDDED_DEFAULT, Target
+from specfoundry.common.target import EMBEDDED_DEFAULT, Target, parameter_count, pick_device, resolve_target
 from specfoundry.decoding.rounds import DecodeResult, target_generate
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import PREFILL_GRAPH_MAX, TargetRunner, graphs_possible, prefill_bucket
@@ -141,7 +141,9 @@ class EvalConfig(Settings):
     device: str | None = shared("device", None, resume=False)
     placement: Placement = Placement()
     # fp32 makes greedy decoding exactly reproducible across the batch shapes of verification and plain decoding
-    dtype: str | None = shared("dtype", None, choices=("float32", "bfloat16"))
+    dtype: str | None = shared("dtype", None, choices=("float32", "bfloat16"), shown=(
+        "float32 (greedy output exactly the target's own) where the target's float32 weights take at most half of "
+        "its one GPU, else bfloat16; float32 on CPU"))
 
     def __post_init__(self):
         super().__post_init__()
@@ -272,6 +274,33 @@ def check_config(cfg: EvalConfig) -> tuple[EvalConfig, DraftRef]:
     return cfg, ref
 
 
+EXACT_SHARE = 0.5
+"""sf-eval's default dtype on one GPU is float32 when the target's float32 weights take at most this
+share of the device's memory; the rest holds the KV cache, the draft, fp32 logits and the captured
+steps' pools."""
+
+
+def exact_default_dtype(cfg: EvalConfig) -> tuple[torch.dtype, str]:
+    """(the target's dtype when --dtype is not given, why, as printed). The issue of decoding at GPU
+    speed asks for the exact side by default: greedy speculative output is the target's own token
+    for token in float32, while in bfloat16 a verify of k+1 tokens and a one-token step can round a
+    near-tie apart (docs/stages.md). float32 doubles the weights' memory, so a target whose float32
+    weights would crowd its GPU, or one spread over several devices, runs in bfloat16."""
+    device = pick_device(cfg.device)
+    if device.type != "cuda":
+        return torch.float32, "float32"
+    exact = "pass --dtype float32 for greedy output exactly the target's own"
+    if cfg.placement.copy_size > 1 or cfg.placement.device_map:
+        return torch.bfloat16, f"bfloat16, spread over several devices ({exact})"
+    need = 4 * parameter_count(resolve_target(cfg.target))
+    have = torch.cuda.get_device_properties(device).total_memory
+    if need <= EXACT_SHARE * have:
+        return torch.float32, ("float32, so that greedy output is exactly the target's own (--dtype bfloat16: the "
+                               "serving precision, faster, exact up to near-ties)")
+    return torch.bfloat16, (f"bfloat16: its float32 weights ({need / 2**30:.0f} GiB) would take more than "
+                            f"{EXACT_SHARE:.0%} of {device}'s {have / 2**30:.0f} GiB ({exact})")
+
+
 def warms_up(device) -> bool:
     """Whether decode_sets decodes untimed first (warm_up): on a GPU."""
     return torch.device(device).type == "cuda"
@@ -358,9 +387,14 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
         from specfoundry.kernels.fused_moe import register_fused_experts
 
         register_fused_experts(FUSED_EXPERTS)  # so that --experts-implementation can name it
-        target = Target.load(cfg.target, device=cfg.device, dtype=getattr(torch, cfg.dtype) if cfg.dtype else None,
-                             placement=cfg.placement, chat_template=cfg.chat_template, command="sf-eval run",
-                             settings=resume_settings(cfg))
+        if cfg.dtype:
+            dtype = getattr(torch, cfg.dtype)
+        else:
+            dtype, why = exact_default_dtype(cfg)
+            if launch_env()[0] == 0:
+                print(f"sf-eval: the target runs in {why}", file=sys.stderr)
+        target = Target.load(cfg.target, device=cfg.device, dtype=dtype, placement=cfg.placement,
+                             chat_template=cfg.chat_template, command="sf-eval run", settings=resume_settings(cfg))
     one_copy(target, "sf-eval run")
     # the draft runs in the target's dtype, on its input device
     device, dtype, tokenizer, identity, target_dir = (target.input_device, target.dtype, target.tokenizer,
