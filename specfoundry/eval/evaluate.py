@@ -280,6 +280,16 @@ share of the device's memory; the rest holds the KV cache, the draft, fp32 logit
 steps' pools."""
 
 
+def target_dtype(cfg: EvalConfig) -> torch.dtype:
+    """--dtype, or else exact_default_dtype's choice, said in one line (by the first rank)."""
+    if cfg.dtype:
+        return getattr(torch, cfg.dtype)
+    dtype, why = exact_default_dtype(cfg)
+    if launch_env()[0] == 0:
+        print(f"sf-eval: the target runs in {why}", file=sys.stderr)
+    return dtype
+
+
 def exact_default_dtype(cfg: EvalConfig) -> tuple[torch.dtype, str]:
     """(the target's dtype when --dtype is not given, why, as printed). The issue of decoding at GPU
     speed asks for the exact side by default: greedy speculative output is the target's own token
@@ -387,13 +397,7 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
         from specfoundry.kernels.fused_moe import register_fused_experts
 
         register_fused_experts(FUSED_EXPERTS)  # so that --experts-implementation can name it
-        if cfg.dtype:
-            dtype = getattr(torch, cfg.dtype)
-        else:
-            dtype, why = exact_default_dtype(cfg)
-            if launch_env()[0] == 0:
-                print(f"sf-eval: the target runs in {why}", file=sys.stderr)
-        target = Target.load(cfg.target, device=cfg.device, dtype=dtype, placement=cfg.placement,
+        target = Target.load(cfg.target, device=cfg.device, dtype=target_dtype(cfg), placement=cfg.placement,
                              chat_template=cfg.chat_template, command="sf-eval run", settings=resume_settings(cfg))
     one_copy(target, "sf-eval run")
     # the draft runs in the target's dtype, on its input device
