@@ -122,9 +122,8 @@ if triton is not None:
                         IEEE: tl.constexpr, UPCAST: tl.constexpr):
         """h[rows, cols] = silu(x[tok] @ W_gate[e, cols]^T) * (x[tok] @ W_up[e, cols]^T). A padding
         row reads token 0 (in bounds; its h row is written and never read for a slot), so only a
-        ragged K or N is masked
-        (EVEN_K: H a multiple of BLOCK_K, EVEN_N: INTER of BLOCK_N; unmasked loads pipeline and
-        vectorise without predicates)."""
+        ragged K or N is masked (EVEN_K: H a multiple of BLOCK_K, EVEN_N: INTER of BLOCK_N; unmasked
+        loads need no predicates)."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         expert = tl.load(block_expert_ptr + pid_m)
