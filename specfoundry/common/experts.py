@@ -42,15 +42,15 @@ def resolve_experts(name: str, device_type: str, experts=None, devices: int = 1)
     if name == "auto":
         if device_type != "cuda":
             return "eager"
-        fits = experts is not None and devices == 1 and fused_runs(experts) is None
+        fits = experts is not None and devices == 1 and fused_runs(experts, one_process=True) is None
         return FUSED_EXPERTS if fits else "grouped_mm"
     return name
 
 
-def fused_runs(experts) -> str | None:
-    """Why FUSED_EXPERTS cannot run `experts` in this process, or None: the command must have
-    registered it, Triton must be installed, one process only (auto's condition), and the layout
-    must be the kernel's (unsupported_layout)."""
+def fused_runs(experts, one_process: bool = False) -> str | None:
+    """Why FUSED_EXPERTS cannot run `experts` here, or None: the command must have registered it
+    (a command offers it only after registering it), Triton must be installed, the layout must be
+    the kernel's (unsupported_layout), and with `one_process` (auto's condition) one process runs."""
     from importlib.util import find_spec
 
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
@@ -60,7 +60,7 @@ def fused_runs(experts) -> str | None:
     if find_spec("triton") is None:
         return "Triton is not installed"
     dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if one_process and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return "several processes"
     return unsupported_layout(experts)
 
@@ -101,15 +101,10 @@ def set_experts(model, name: str, device_type: str) -> str | None:
     devices = len({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()} or {None})
     name = resolve_experts(name, device_type, modules[0], devices)
     if name == FUSED_EXPERTS:
-        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-        if FUSED_EXPERTS not in ALL_EXPERTS_FUNCTIONS:  # a command offers it only after registering it
-            raise PlacementError(f"--experts-implementation {FUSED_EXPERTS}: this command does not offer it; "
-                                 "use grouped_mm")
         if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise PlacementError(f"--experts-implementation {FUSED_EXPERTS} runs on a CUDA device; on "
                                  f"{device_type} use eager (or auto)")
-        why = unsupported_layout(modules[0])
+        why = fused_runs(modules[0])
         if why:
             raise PlacementError(f"--experts-implementation {FUSED_EXPERTS}: {why}; use grouped_mm")
     model.set_experts_implementation(name)
