@@ -355,8 +355,8 @@ plan_modes() {
   echo done > "$EV/done"
 }
 
-# PLAN=session (deadline DEADLINE; ~1,580 s in all, so the last step, capture_moe at 64k, fits only
-# a deadline past ~1,600 s). First the GPU tests of the compiled layers, of the captured prefill and
+# PLAN=session (deadline DEADLINE; ~1,610 s in all, so the last step, capture_moe at 64k, fits only
+# a deadline past ~1,630 s). First the GPU tests of the compiled layers, of the captured prefill and
 # commits, and of the fused experts (a MoE target decoding through captured steps with `auto`, now
 # sf_fused). Before the weights, issue 38: the fused kernels' tiles swept at Qwen3-30B-A3B's layer
 # (benchmarks/moe_tiles.py; the kernels' loads lost their masks since the last GPU run), then the
@@ -367,7 +367,7 @@ plan_modes() {
 # prefill (multiturn's target alone was 291 tok/s, bar 300, most of its gap the 37 ms eager
 # prefill); decode_step on SmolLM2 with the back-to-back and host columns (the verify rows'
 # 1.6-1.9x); then capture_moe at 64k (grouped_mm rows that do not fit are recorded as out of memory).
-# ~150 + ~150 + ~300 + ~480 + ~200 + ~250 s.
+# ~150 + ~150 + ~330 + ~480 + ~200 + ~250 s (the eager rows at 32k: the whole item-1 table in one run).
 plan_session() {
   begin_plan "plan session: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s" later
   if [ "$DEV" = cuda ]; then
@@ -377,7 +377,7 @@ plan_session() {
     local launch  # the sweep's fastest tiles, for every sf_fused row below (none: the default tiles)
     launch=$(python3 -c 'import json; print(json.load(open("benchmarks/results/moe_tiles.json"))["summary"]["qwen3_30b_a3b"]["launch"]["arg"])' 2>/dev/null)
     echo "[$(elapsed) s] sf_fused tiles: ${launch:-the default}"
-    step capture_moe 300 python -m benchmarks.capture_moe --tokens 32768 --impls grouped_mm,sf_fused \
+    step capture_moe 330 python -m benchmarks.capture_moe --tokens 32768 --impls eager,grouped_mm,sf_fused \
       --compile-layers attention,layer ${launch:+--launch $launch}
     wait_weights || return 1
     step decode_e2e 480 env RUN="$RUN/decode" SYNTH=2048 EPOCHS=1 DTYPES=bfloat16 COMPILE="off on all" \
