@@ -385,7 +385,7 @@ plan_session() {
     step decode_step 200 python -m benchmarks.decode_step --shapes smollm2 --iters 20 \
       --compiled-rows token,verify_k7,tree
     step capture_moe_64k 250 python -m benchmarks.capture_moe --tokens 65536 --impls grouped_mm,sf_fused \
-      --compile-layers attention ${launch:+--launch $launch}
+      --compile-layers attention ${launch:+--launch $launch} --out capture_moe_64k
   else
     step moe_tiles 60 env TRITON_INTERPRET=1 python -m benchmarks.moe_tiles --device cpu --shapes tiny --grid tiny \
       --tokens 40

@@ -230,11 +230,13 @@ class MoeLaunch:
 
 def default_launch(x: torch.Tensor, slots: int, num_experts: int) -> MoeLaunch:
     """Tiles by the rows an expert gets on average: 128-row blocks once most experts fill them
-    (prefill of thousands of tokens), 64 below, 16 under the interpreter (small test shapes)."""
+    (prefill of thousands of tokens; each kernel's tiles from the sweep at Qwen3-30B-A3B's layer),
+    64 below, 16 under the interpreter (small test shapes)."""
     if x.device.type != "cuda":
         return MoeLaunch.uniform(16, 16, 16, num_warps=1, num_stages=1)
-    if slots // max(num_experts, 1) >= 1024:
-        return MoeLaunch.uniform(128, 128, 64, num_warps=8, num_stages=3)
+    if slots // max(num_experts, 1) >= 1024:  # the fastest pair of benchmarks/moe_tiles.py's sweep (RESULTS.md)
+        return MoeLaunch(128, gate_up=Tiles(128, 64, num_warps=8, num_stages=4),
+                         down=Tiles(256, 64, num_warps=8, num_stages=4))
     return MoeLaunch()
 
 
