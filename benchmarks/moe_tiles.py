@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from benchmarks.common import MATMUL_TFLOPS, print_table, write_result
+from benchmarks.common import MATMUL_TFLOPS, cuda_time_ms_interleaved, print_table, write_result
 from specfoundry.kernels import fused_moe
 from specfoundry.kernels.fused_moe import Routes, Tiles, align_slots, launch_down, launch_gate_up
 
@@ -74,23 +74,13 @@ def problem(shape: str, tokens: int, device: str):
     return x, gate_up, down, index, weights.to(dtype)
 
 
-def timed_ms(fn, iters: int) -> float:
-    import statistics
-
-    for _ in range(2):
+def timed_ms(fn, device: str) -> float:
+    """fn's median CUDA-event ms over ITERS calls after 2 of warm-up (the first compiles it); on a CPU
+    (the script's check) one untimed call, and NaN."""
+    if device != "cuda":
         fn()
-    if not torch.cuda.is_available():
         return float("nan")
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return cuda_time_ms_interleaved({"fn": fn}, warmup=2, iters=ITERS)["fn"]
 
 
 def agrees(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -140,7 +130,7 @@ def sweep(shape: str, tokens: int, grid: str, device: str) -> list[dict]:
                 out.fill_(float("nan"))
             args = (x, gate_up, h, routes, tiles) if kernel == "gate_up" else (h, down, out, routes, tiles)
             try:
-                ms = timed_ms(lambda args=args, call=call: call(*args), ITERS if device == "cuda" else 1)
+                ms = timed_ms(lambda args=args, call=call: call(*args), device)
             except Exception as e:  # noqa: BLE001 - recorded in the row (a tile Triton cannot place)
                 rows.append({**row, "error": f"{type(e).__name__}: {e}"[:200]})
                 continue
