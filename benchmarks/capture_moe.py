@@ -302,6 +302,7 @@ def main():
                     "BM then BN,BK,WARPS,STAGES of gate_up then of down (9 numbers); default: by shape.")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu to check the script (--shapes tiny).")
     ap.add_argument("--shapes", default="real", choices=["real", "tiny"])
+    ap.add_argument("--out", default="capture_moe", help="The result's name under benchmarks/results/.")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     if args.launch:
@@ -327,7 +328,7 @@ def main():
     if not cuda:
         print("(CPU: a check of the script, no figures)")
         return
-    print(write_result("capture_moe", rows, {"summary": {"mfu_pct_32k": summary_mfu,
+    print(write_result(args.out, rows, {"summary": {"mfu_pct_32k": summary_mfu,
                                                          "capture_tokens_per_s_32k": summary_capture},
                                              "seq": seq, "profile": profile, "launch": args.launch}))
 

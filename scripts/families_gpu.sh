@@ -20,7 +20,8 @@
 #   REGEN_FROM    a .tar.gz of a finished regen folder `regen/` of the same command, used instead
 #                 of regenerating (sf-regen then finds it complete)
 #   EPOCHS        every family's epochs (default: each recipe's)
-#   JOBS          trainings at once (4: more overflow an H200's 140 GB), EVAL_JOBS evals at once (8)
+#   JOBS          trainings at once (default: scripts/side_by_side.sh's train_jobs, one per 35 GiB of
+#                 GPU memory: 4 on an H200, 2 on an 80 GB H100), EVAL_JOBS evals at once (8)
 #   TIMING_LIMIT  prompts per set in the timing pass (4; 0 skips the pass); STOP_AT: epoch seconds
 #                 after which no timing decode starts (families.json is written before the pass too)
 #   REGEN_OPTS, TRAIN_OPTS, EVAL_OPTS  more options for every sf-regen, sf-train (options every family
@@ -70,7 +71,7 @@ for d in "${DRAFTS[@]}"; do
 done
 # a training that fails (its log is named) leaves the others to be evaluated; the script fails at the end
 status=0
-side_by_side train "${JOBS:-4}" "${trains[@]}" || status=1
+side_by_side train "$(train_jobs)" "${trains[@]}" || status=1
 
 # the evals of every draft: NAME|DRAFT|RECIPE|OPTIONS (the EAGLE-3 draft decodes as a chain and a tree)
 EVALS=("eagle3_chain_k7|eagle3|$EAGLE3|"

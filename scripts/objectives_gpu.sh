@@ -11,7 +11,7 @@
 # evaluating every CURVE_EVAL_EVERY steps: the held-out acceptance curve, and the step kept.
 # Needs a CUDA machine with specfoundry installed (`pip install -e .` over your own torch).
 # Environment (as scripts/families_gpu.sh's): RUN (runs/smollm2-objectives), SYNTH (10240),
-# REGEN_FROM, EPOCHS (2), JOBS (4), EVAL_JOBS (8), REGEN_OPTS, TRAIN_OPTS, EVAL_OPTS, RESULT
+# REGEN_FROM, EPOCHS (2), JOBS (train_jobs: 4 on an H200, 2 on an H100), EVAL_JOBS (8), REGEN_OPTS, TRAIN_OPTS, EVAL_OPTS, RESULT
 # (objectives), DEV (cuda), CURVE_EPOCHS (6; 0 skips the curve run), CURVE_EVAL_EVERY (40).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +49,7 @@ done
 [ -n "${CURVE:-}" ] && trains=("sf-train run $RUN/features -o $RUN/curve_eagle3 --recipe $EAGLE3 $CURVE \
 --epochs $CURVE_EPOCHS $TRAIN_OPTS" "${trains[@]}")
 status=0
-side_by_side train "${JOBS:-4}" "${trains[@]}" || status=1
+side_by_side train "$(train_jobs)" "${trains[@]}" || status=1
 
 evals=()
 for d in "${DRAFTS[@]}"; do

@@ -27,3 +27,16 @@ side_by_side() {
     return 1
   fi
 }
+
+# train_jobs: how many SmolLM2 draft trainings share the GPU (JOBS when set). One training of the
+# smollm2-h200 recipes was seen to need up to ~35 GB (4 fit an H200's 141 GB, a fifth overflowed),
+# so one per 35 GiB of the GPU's memory, 1 to 4: 4 on an H200, 2 on an 80 GB H100; 2 on the CPU.
+train_jobs() {
+  if [ -n "${JOBS:-}" ]; then echo "$JOBS"; return; fi
+  local mib
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+  if [ -z "$mib" ]; then echo 2; return; fi
+  local jobs=$(( mib / 1024 / 35 ))
+  [ "$jobs" -lt 1 ] && jobs=1; [ "$jobs" -gt 4 ] && jobs=4
+  echo "$jobs"
+}
