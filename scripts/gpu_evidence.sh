@@ -315,12 +315,14 @@ plan_decode() {
   echo done > "$EV/done"
 }
 
-# PLAN=objectives (issue 40; deadline DEADLINE): scripts/objectives_gpu.sh, 8 drafts at EPOCHS
-# (default 1 here, to fit one session: ~8 x 170 s of training 4 at a time, ~150 s of evals) and
-# no curve run unless CURVE_EPOCHS says so (a second session: CURVE_EPOCHS=6). OBJECTIVES_EST: the
-# step's skip estimate (1300 s). CAPTURE_MOE=1: first, before the weights, issue 38's result file,
-# benchmarks/capture_moe.py at 8k and 32k tokens with every implementation and sf-capture's
-# --compile-layers choices (~250 s on an H100).
+# PLAN=objectives (issue 40; deadline DEADLINE): scripts/objectives_gpu.sh, 8 drafts at
+# OBJECTIVES_EPOCHS (default 1, to fit one session; EPOCHS's default of 2 is the other plans') and
+# no curve run unless CURVE_EPOCHS says so (a second session: CURVE_EPOCHS=6). On an H100, from
+# the run of 2026-12-05: regen and capture ~115 s, a DFlash epoch ~180 s for two side by side.
+# OBJECTIVES_EST: the step's skip estimate (1300 s); ONLY and RESULT as scripts/objectives_gpu.sh's.
+# CAPTURE_MOE=1: first, before the weights, issue 38's result file, benchmarks/capture_moe.py at
+# 8k and 32k tokens with every implementation and sf-capture's --compile-layers choices (177 s on
+# an H100).
 plan_objectives() {
   begin_plan "plan objectives: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s" later
   if [ "${CAPTURE_MOE:-0}" = 1 ]; then
@@ -336,7 +338,8 @@ plan_objectives() {
   local from=""
   [ -f "$EV/carry/regen10240.tar.gz" ] && from=$EV/carry/regen10240.tar.gz
   if [ "$DEV" = cuda ]; then
-    step objectives "${OBJECTIVES_EST:-1300}" env RUN="$RUN/objectives" EPOCHS="${EPOCHS:-1}" REGEN_FROM="$from" \
+    step objectives "${OBJECTIVES_EST:-1300}" env RUN="$RUN/objectives" EPOCHS="${OBJECTIVES_EPOCHS:-1}" \
+      REGEN_FROM="$from" ONLY="${ONLY:-}" RESULT="${RESULT:-objectives}" \
       CURVE_EPOCHS="${CURVE_EPOCHS:-0}" EVAL_OPTS="--limit ${EVAL_LIMIT:-8}" bash scripts/objectives_gpu.sh
   else
     step objectives 900 env RUN="$RUN/objectives" DEV=cpu SYNTH=6 EPOCHS=1 CURVE_EPOCHS=2 CURVE_EVAL_EVERY=1 JOBS=2 \

@@ -12,7 +12,8 @@
 # Needs a CUDA machine with specfoundry installed (`pip install -e .` over your own torch).
 # Environment (as scripts/families_gpu.sh's): RUN (runs/smollm2-objectives), SYNTH (10240),
 # REGEN_FROM, EPOCHS (2), JOBS (train_jobs: 4 on an H200, 2 on an H100), EVAL_JOBS (8), REGEN_OPTS, TRAIN_OPTS, EVAL_OPTS, RESULT
-# (objectives), DEV (cuda), CURVE_EPOCHS (6; 0 skips the curve run), CURVE_EVAL_EVERY (40).
+# (objectives), DEV (cuda), CURVE_EPOCHS (6; 0 skips the curve run), CURVE_EVAL_EVERY (40), ONLY
+# (the drafts to train, by name, space-separated; default all: a pilot that fits less device time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/smollm2-objectives}
@@ -38,6 +39,11 @@ DRAFTS=("dflash_ce|$DFLASH|--block-size 16 --teacher soft|"
 for loss in ce lk-alpha lk-lambda; do
   for seed in 0 1; do DRAFTS+=("eagle3_${loss//-/_}_seed$seed|$EAGLE3|--token-loss $loss --seed $seed|-k 7"); done
 done
+if [ -n "${ONLY:-}" ]; then  # a pilot: only the drafts named (space-separated)
+  kept=()
+  for d in "${DRAFTS[@]}"; do [[ " $ONLY " == *" ${d%%|*} "* ]] && kept+=("$d"); done
+  DRAFTS=("${kept[@]}")
+fi
 if [ "${CURVE_EPOCHS:-6}" -gt 0 ]; then
   CURVE="--token-loss ce --seed 0 --keep-best --eval-every ${CURVE_EVAL_EVERY:-40}"
 fi
