@@ -254,6 +254,7 @@ plan_families() {
   if [ "$DEV" = cuda ]; then
     # no timing decode starts within 120 s of the deadline: the acceptance figures are written first
     step families 1300 env RUN="$RUN/families" EPOCHS="$EPOCHS" REGEN_FROM="$from" TIMING_LIMIT="${TIMING_LIMIT:-2}" \
+      TRAIN_OPTS="--num-workers 2 --profile-steps 10" \
       TIMING_OPTS="${TIMING_OPTS---compile-target}" DRAFT_TIMING_OPTS="${DRAFT_TIMING_OPTS---compile-draft}" \
       EVAL_OPTS="--limit ${EVAL_LIMIT:-8}" STOP_AT=$(( $(cat "$EV/t0") + $(deadline) - 120 )) bash scripts/families_gpu.sh
     step family_step 100 python -m benchmarks.family_step  # alone, if the deadline leaves room
@@ -340,6 +341,7 @@ plan_objectives() {
   if [ "$DEV" = cuda ]; then
     step objectives "${OBJECTIVES_EST:-1300}" env RUN="$RUN/objectives" EPOCHS="${OBJECTIVES_EPOCHS:-1}" \
       REGEN_FROM="$from" ONLY="${ONLY:-}" RESULT="${RESULT:-objectives}" \
+      TRAIN_OPTS="--num-workers 2 --profile-steps 10" \
       CURVE_EPOCHS="${CURVE_EPOCHS:-0}" EVAL_OPTS="--limit ${EVAL_LIMIT:-8}" bash scripts/objectives_gpu.sh
   else
     step objectives 900 env RUN="$RUN/objectives" DEV=cpu SYNTH=6 EPOCHS=1 CURVE_EPOCHS=2 CURVE_EVAL_EVERY=1 JOBS=2 \

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -323,6 +324,14 @@ def test_flex_attention_on_cpu_is_refused_in_one_line(tmp_path, smol_features):
     with pytest.raises(ValueError, match="--attention flex needs a GPU"):
         run_train(TrainConfig(featureset=str(smol_features), output=str(tmp_path / "run"), attention="flex"),
                   silent=True)
+
+
+def test_profile_steps_write_profile_txt_and_the_log_gives_the_loops_split(tmp_path, smol_features, capsys):
+    run_train(small_cfg(smol_features, tmp_path / "run", max_steps=5, log_every=5, profile_steps=1))
+    profile = (tmp_path / "run" / "profile.txt").read_text()
+    assert "operators by host time" in profile and "aten::" in profile
+    assert "operators by device (CUDA) time" not in profile  # a CPU run has no device timeline
+    assert re.search(r"step 5: loss_0 .* \(data wait [\d,]+ ms, step [\d,]+ ms a step\)", capsys.readouterr().out)
 
 
 # the default run keeps the gate's overfit of SmolLM2's features (test_gate.py: 120 steps, then

@@ -70,6 +70,7 @@ from specfoundry.train.metrics import (
     optimizer_state_bytes,
     summarise,
 )
+from specfoundry.train.profiling import LoopClock, StepProfiler
 
 ATTENTIONS = ("auto", "flex", "sdpa", "eager")
 LOSS_KERNELS = ("auto", "triton", "reference")
@@ -142,7 +143,11 @@ class TrainConfig(Settings):
     init_from: str | None = setting(None, shown="none: a fresh draft",
                                     help="An exported draft to fine-tune (keeps its vocabulary map).")
     tensorboard: bool = setting(False, resume=False, help="Log to <output>/tensorboard.")
-    log_every: int = setting(10, resume=False, valid=Range(1), help="Print metrics every N optimizer steps.")
+    log_every: int = setting(10, resume=False, valid=Range(1), help="Print metrics every N optimizer steps, with "
+                             "the host time a step spent waiting for its batch and in the step itself.")
+    profile_steps: int = setting(0, resume=False, valid=Range(0, zero="off"),
+                                 help="Profile this many optimizer steps (torch.profiler, after the first 3) and "
+                                      "write <output>/profile.txt: operators by GPU time and by host time.")
 
     def __post_init__(self):
         super().__post_init__()
@@ -492,14 +497,18 @@ class Trainer:
         if cfg.tensorboard and main:
             self.tracker = TensorboardTracker(self.out / "tensorboard")
         data = iter(self.loader)
+        clock = LoopClock()
+        profiler = StepProfiler(self.out, cfg.profile_steps, self.accel.device, write=main)
         with Progress(self.total_steps, "step", "sf-train", self.silent or not main, initial=self.step) as progress:
             while self.step < self.total_steps:
-                batches = [next(data) for _ in range(cfg.grad_accum)]
-                metrics = self.train_step(batches)
+                batches = clock.time_data(lambda: [next(data) for _ in range(cfg.grad_accum)])
+                metrics = clock.time_step(lambda: self.train_step(batches))  # noqa: B023 (called at once)
+                profiler.step()
                 progress.update(1, sum(sum(b.lengths) for b in batches) * self.accel.num_processes)
                 if self.step % cfg.log_every == 0 and main and not self.silent:
                     progress.bar.write(f"step {self.step}: loss_0 {metrics['loss_0']:.3f} "
-                                       f"acc_0 {metrics['acc_0']:.3f} sim_accept_len {metrics['sim_accept_len']:.2f}")
+                                       f"acc_0 {metrics['acc_0']:.3f} sim_accept_len {metrics['sim_accept_len']:.2f} "
+                                       f"({clock.report()})")
                 last = self.step == self.total_steps
                 if self.eval_idx and (self.step % cfg.eval_every == 0 or last):
                     ev = self.evaluate()
@@ -514,6 +523,7 @@ class Trainer:
                                            f"{ev['sim_accept_len']:.3f}{best}")
                 if self.step % cfg.save_every == 0 or last:
                     self.checkpoint()
+        profiler.close()
         return self.finish()
 
 
