@@ -29,7 +29,8 @@
 #                                           PLAN=next: `plan_next`, PLAN=families: `plan_families`,
 #                                           PLAN=moe: `plan_moe`, PLAN=decode: `plan_decode`,
 #                                           PLAN=objectives: `plan_objectives`, PLAN=modes: `plan_modes`,
-#                                           PLAN=session: `plan_session`,
+#                                           PLAN=session: `plan_session`, PLAN=train_profile:
+#                                           `plan_train_profile`,
 #                                           below) in the background
 #   bash scripts/gpu_evidence.sh wait [S]   wait until the plan ends or S seconds pass, then pack the
 #                                           results into $OUT/evidence.tar.gz and print the status
@@ -354,6 +355,33 @@ plan_objectives() {
   echo done > "$EV/done"
 }
 
+# PLAN=train_profile (deadline DEADLINE; ~250 s with the start): why SmolLM2's drafts train at
+# ~12,400 tokens/s a job on an H100 (RESULTS.md, the objectives pilot), far below their FLOPs,
+# which makes issue 40's comparison and issue 36's families run longer than a session. sf-regen
+# of 2,048 synthesised conversations, one capture, then an EAGLE-3 and a DFlash b16 training each
+# alone for 25 steps with --profile-steps 10 (profile.txt in each run folder; the log lines give
+# the data wait and the step's host time).
+plan_train_profile() {
+  begin_plan "plan train_profile: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s" || return 1
+  local r=$RUN/train_profile opts=(--device "$DEV") train=(--max-steps 25 --warmup-steps 5 --log-every 5
+    --profile-steps 10 --num-workers 2)
+  if [ "$DEV" = cuda ]; then
+    step tp_regen 120 sf-regen run -o "$r/regen" --recipe "$RECIPE" --synthesize 2048 "${opts[@]}" || return 1
+  else
+    step tp_regen 300 sf-regen run -o "$r/regen" --recipe "$RECIPE" --synthesize 6 --batch-size 6 \
+      --max-new-tokens 16 "${opts[@]}" || return 1
+    train=(--max-steps 4 --warmup-steps 1 --log-every 2 --profile-steps 1 --num-workers 0 --max-batch-tokens 1024
+      --eval-fraction 0)
+  fi
+  step tp_capture 120 sf-capture run "$r/regen" -o "$r/features" --recipe "$RECIPE" --families eagle3,dflash \
+    "${opts[@]}" || return 1
+  step tp_eagle3 150 sf-train run "$r/features" -o "$r/eagle3" --recipe "$RECIPE" "${train[@]}"
+  step tp_dflash 150 sf-train run "$r/features" -o "$r/dflash" --recipe recipes/smollm2-h200-dflash.yaml \
+    --block-size 16 "${train[@]}"
+  echo "[$(elapsed) s] plan done"
+  echo done > "$EV/done"
+}
+
 # PLAN=modes (issue 39; deadline DEADLINE): scripts/modes_gpu.sh, SmolLM2 under the reasoning rules
 # of Qwen3's template: a draft trained in each mode (SYNTH=2048 conversations, 1 epoch, the two
 # side by side) and each evaluated in both modes, 8 prompts a set (EVAL_LIMIT). Estimates on one
@@ -452,6 +480,7 @@ case "${1:-}" in
   decode) plan_decode ;;
   objectives) plan_objectives ;;
   modes) plan_modes ;;
+  train_profile) plan_train_profile ;;
   session) plan_session ;;
   wait)
     limit=${2:-540}; t=$(date +%s)
