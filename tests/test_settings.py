@@ -62,7 +62,7 @@ ACCEPTED = {
     ("sf-train run", "--num-workers", "0"), ("sf-train run", "--lk-kl-scale", "0"),
     ("sf-train run", "--lk-kl-decay", "0"), ("sf-eval run", "--temperature", "0"),
     ("sf-train run", "--dpace-alpha", "0"),  # D-PACE on the raw label probabilities, unsmoothed
-    ("sf-capture verify", "--recompute", "0"),
+    ("sf-capture verify", "--recompute", "0"), ("sf-train run", "--profile-steps", "0"),
     # 0 is an ordinary value
     ("sf-regen run", "--seed", "0"), ("sf-train run", "--seed", "0"), ("sf-eval run", "--seed", "0"),
     ("sf-train run", "--mask-token-id", "0"), ("sf-train run", "--pard-token-id", "0"),

@@ -145,7 +145,8 @@ class TrainConfig(Settings):
     tensorboard: bool = setting(False, resume=False, help="Log to <output>/tensorboard.")
     log_every: int = setting(10, resume=False, valid=Range(1), help="Print metrics every N optimizer steps, with "
                              "the host time a step spent waiting for its batch and in the step itself.")
-    profile_steps: int = setting(0, resume=False, valid=Range(0, zero="off"),
+    # at most 1000: the profiler holds every event of its window in host memory until it ends
+    profile_steps: int = setting(0, resume=False, valid=Range(0, 1000, zero="off"),
                                  help="Profile this many optimizer steps (torch.profiler, after the first 3) and "
                                       "write <output>/profile.txt: operators by GPU time and by host time.")
 
