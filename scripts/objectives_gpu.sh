@@ -11,9 +11,10 @@
 # evaluating every CURVE_EVAL_EVERY steps: the held-out acceptance curve, and the step kept.
 # Needs a CUDA machine with specfoundry installed (`pip install -e .` over your own torch).
 # Environment (as scripts/families_gpu.sh's): RUN (runs/smollm2-objectives), SYNTH (10240),
-# REGEN_FROM, EPOCHS (2), JOBS (train_jobs: 4 on an H200, 2 on an H100), EVAL_JOBS (8), REGEN_OPTS, TRAIN_OPTS, EVAL_OPTS, RESULT
-# (objectives), DEV (cuda), CURVE_EPOCHS (6; 0 skips the curve run), CURVE_EVAL_EVERY (40), ONLY
-# (the drafts to train, by name, space-separated; default all: a pilot that fits less device time).
+# REGEN_FROM, EPOCHS (2), JOBS (train_jobs: 4 on an H200, 2 on an H100), EVAL_JOBS (8),
+# REGEN_OPTS, TRAIN_OPTS, EVAL_OPTS, RESULT (objectives), DEV (cuda), CURVE_EPOCHS (6; 0 skips
+# the curve run), CURVE_EVAL_EVERY (40), ONLY (the drafts to train, by name, space-separated;
+# default all: a pilot that fits less device time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/smollm2-objectives}

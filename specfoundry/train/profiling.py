@@ -10,7 +10,6 @@ uninterrupted one, and the history must not.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -29,18 +28,11 @@ class LoopClock:
         self.data_s = self.step_s = 0.0
         self.steps = 0
 
-    def time_data(self, fetch):
-        t = time.perf_counter()
-        out = fetch()
-        self.data_s += time.perf_counter() - t
-        return out
-
-    def time_step(self, step):
-        t = time.perf_counter()
-        out = step()
-        self.step_s += time.perf_counter() - t
+    def add(self, data_s: float, step_s: float) -> None:
+        """One optimizer step: the seconds it waited for its batches and the seconds it took."""
+        self.data_s += data_s
+        self.step_s += step_s
         self.steps += 1
-        return out
 
     def report(self) -> str:
         """'data wait X ms, step Y ms a step' over the steps since the last report; then resets."""
@@ -53,8 +45,9 @@ class LoopClock:
 
 class StepProfiler:
     """torch.profiler over `steps` optimizer steps after SKIPPED_STEPS (and one profiler warm-up
-    step); `step()` after every optimizer step. When the window closes, writes profile.txt in
-    `out`: operators by device time (CUDA) and by host time. steps 0: does nothing."""
+    step); a context manager, `step()` after every optimizer step. When the window closes (or the
+    context ends inside it), writes profile.txt in `out`: operators by device time (CUDA) and by
+    host time. steps 0: does nothing."""
 
     def __init__(self, out: Path, steps: int, device: torch.device, write: bool = True):
         self.out, self.steps, self.write = Path(out), steps, write
@@ -67,17 +60,19 @@ class StepProfiler:
         self.cuda = device.type == "cuda"
         self.prof = profile(activities=activities, on_trace_ready=self._written,
                             schedule=schedule(skip_first=SKIPPED_STEPS, wait=0, warmup=1, active=steps, repeat=1))
-        self.prof.__enter__()
+
+    def __enter__(self) -> StepProfiler:
+        if self.prof is not None:
+            self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.prof is not None:
+            self.prof.__exit__(*exc)
 
     def step(self) -> None:
         if self.prof is not None:
             self.prof.step()
-
-    def close(self) -> None:
-        """Ends the profiler (a run shorter than the window writes what it saw, if anything)."""
-        if self.prof is not None:
-            self.prof.__exit__(None, None, None)
-            self.prof = None
 
     def _written(self, prof) -> None:
         if not self.write:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import shutil
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -499,11 +500,14 @@ class Trainer:
             self.tracker = TensorboardTracker(self.out / "tensorboard")
         data = iter(self.loader)
         clock = LoopClock()
-        profiler = StepProfiler(self.out, cfg.profile_steps, self.accel.device, write=main)
-        with Progress(self.total_steps, "step", "sf-train", self.silent or not main, initial=self.step) as progress:
+        with StepProfiler(self.out, cfg.profile_steps, self.accel.device, write=main) as profiler, \
+                Progress(self.total_steps, "step", "sf-train", self.silent or not main, initial=self.step) as progress:
             while self.step < self.total_steps:
-                batches = clock.time_data(lambda: [next(data) for _ in range(cfg.grad_accum)])
-                metrics = clock.time_step(lambda: self.train_step(batches))  # noqa: B023 (called at once)
+                start = time.perf_counter()
+                batches = [next(data) for _ in range(cfg.grad_accum)]
+                fetched = time.perf_counter()
+                metrics = self.train_step(batches)
+                clock.add(fetched - start, time.perf_counter() - fetched)
                 profiler.step()
                 progress.update(1, sum(sum(b.lengths) for b in batches) * self.accel.num_processes)
                 if self.step % cfg.log_every == 0 and main and not self.silent:
@@ -524,7 +528,6 @@ class Trainer:
                                            f"{ev['sim_accept_len']:.3f}{best}")
                 if self.step % cfg.save_every == 0 or last:
                     self.checkpoint()
-        profiler.close()
         return self.finish()
 
 
