@@ -239,7 +239,7 @@ def test_state_dict_names_are_sglangs(layers):
     params = {n for n, _ in model.named_parameters()}
     assert params == sglang_names(layers)
     assert len(params) == 11 * layers + 3
-    assert set(model.state_dict()) == params | {"embed_tokens.weight"}  # the target's, a buffer, not exported
+    assert set(model.state_dict()) == params  # embed_tokens: the target's, a buffer outside the state dict
     assert model.state_dict()["fc.weight"].shape == (32, 3 * 24)
 
 
@@ -310,7 +310,7 @@ def spec_block(model, aux, block_ids, anchor):
 
     ctx_pos, blk_pos = torch.arange(anchor, dtype=torch.float64), torch.arange(anchor, anchor + b, dtype=torch.float64)
     c = rms(aux.double() @ w["fc.weight"].T, w["hidden_norm.weight"])[:anchor]  # [a, H]
-    h = w["embed_tokens.weight"][block_ids]  # [B, H]
+    h = model.embed_tokens.weight.double()[block_ids]  # [B, H] (a buffer outside the state dict)
     for i in range(cfg.num_hidden_layers):
         p = {k.split(f"layers.{i}.")[1]: v for k, v in w.items() if k.startswith(f"layers.{i}.")}
         x = rms(h, p["input_layernorm.weight"])
@@ -567,6 +567,7 @@ def test_a_head_with_parameters_trains_through_the_drafts_logits(teacher):
     plain = random_draft()
     headed = HeadedDraft(TINY)
     headed.load_state_dict(plain.state_dict(), strict=False)
+    headed.embed_tokens.weight.copy_(plain.embed_tokens.weight)  # a buffer outside the state dict
     head = torch.randn(TINY.vocab_size, TINY.hidden_size)
     batch = make_batch([14, 9], seed=4)
     kw = dict(num_anchors=5, gamma=2.0, seed=3, teacher=teacher)

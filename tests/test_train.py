@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from specfoundry.capture.stage import CaptureConfig, run_capture
 from specfoundry.common.cli import build_config
@@ -400,6 +401,28 @@ def test_resume_after_a_stop_gives_identical_weights(tmp_path, smol_features):
     assert [x["step"] for x in resumed["history"]] == list(range(1, 21))
     assert [x["loss_0"] for x in whole["history"]] == [x["loss_0"] for x in resumed["history"]]
     assert json.loads((tmp_path / "part" / "history.json").read_text()) == resumed["history"]
+
+
+def test_checkpoints_leave_out_the_targets_embeddings_and_older_ones_holding_them_resume(tmp_path, smol_features):
+    """The draft's frozen copy of the target's embeddings is rebuilt from the target, so a
+    checkpoint does not store it; a checkpoint written before that (holding it) still resumes under
+    accelerate's strict load, into the same export bit for bit."""
+    cfg = small_cfg(smol_features, tmp_path / "run", max_steps=4, save_every=2, keep_last=2)
+    run_train(cfg, silent=True)
+    first = load_file(str(tmp_path / "run" / "export" / "model.safetensors"))
+    step2 = tmp_path / "run" / "checkpoints" / "step-0000002" / "model.safetensors"
+    stored = load_file(str(step2))
+    assert not [k for k in stored if "embed_tokens" in k]
+    # step 2 as an older sf-train wrote it, and the run as if killed before step 4's checkpoint
+    save_file({**stored, "draft.embed_tokens.weight": torch.randn(49152, 576)}, str(step2))
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-0000004")
+    shutil.rmtree(tmp_path / "run" / "export")
+    resumed = run_train(cfg, silent=True)
+    assert resumed["steps"] == 4
+    again = load_file(str(tmp_path / "run" / "export" / "model.safetensors"))
+    assert set(again) == set(first)
+    for name in first:
+        assert torch.equal(again[name], first[name]), name
 
 
 def short_cfg(fs, out):

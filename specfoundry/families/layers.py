@@ -72,15 +72,28 @@ class RMSNorm(CompiledElementwise):
 class FrozenEmbedding(nn.Module):
     """The target's token embeddings, frozen. A buffer, not a parameter, so that FSDP/ZeRO never
     puts it into the sharded flat parameter: there it would fill whole ranks' shares (it is half
-    of an 8B draft's weights) and leave the Adam state of the trainable weights on the others."""
+    of an 8B draft's weights) and leave the Adam state of the trainable weights on the others.
+
+    Not persistent: outside the state dict, so sf-train's checkpoints do not hold a copy of the
+    target's embeddings (in fp32, 49,152 x 576 x 4 bytes = 113 MB for SmolLM2, 4.2 GB for a
+    128,256 x 8,192 vocabulary); every draft is built with them copied from the target (the families'
+    build, folders.load_draft), and no export writes them. A state dict that holds them (a
+    checkpoint written before) still loads: the copy is dropped, being the target's own."""
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
         # N(0, 1) as nn.Embedding initialises (same values, same RNG use) until the target's are copied in
-        self.register_buffer("weight", nn.init.normal_(torch.empty(vocab_size, hidden_size)))
+        self.register_buffer("weight", nn.init.normal_(torch.empty(vocab_size, hidden_size)), persistent=False)
+        self._register_load_state_dict_pre_hook(drop_stored_embedding)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
+
+
+def drop_stored_embedding(state_dict, prefix, *args) -> None:
+    """A load_state_dict pre-hook of FrozenEmbedding: an older checkpoint's copy of the target's
+    embeddings is dropped, not reported as an unexpected key."""
+    state_dict.pop(prefix + "weight", None)
 
 
 def set_compiled_elementwise(model: nn.Module, on: bool) -> nn.Module:
