@@ -21,7 +21,7 @@ from specfoundry.families.folders import DraftLoadError, check_trained_for, loca
 from specfoundry.families.interface import TARGET_FILE
 from specfoundry.featureset.manifest import MANIFEST, FeatureSetError
 from specfoundry.featureset.store import ShardReader, write_shard
-from specfoundry.train.trainer import TrainConfig, run_train
+from specfoundry.train.trainer import TrainConfig, Trainer, run_train
 from tests.conftest import CHAT, copies, write_jsonl
 
 
@@ -297,19 +297,71 @@ def test_another_chat_template_is_refused(features, tmp_path):
         run_train(tiny_cfg(fs, tmp_path / "run"), silent=True)
 
 
-def test_a_truncated_shard_read_by_a_loader_worker_is_one_line(features, tmp_path):
+def train_args(fs: Path, out: Path, *extra: str) -> list[str]:
+    """sf-train run's arguments for tiny_cfg's run of `fs` into `out`."""
+    return ["run", str(fs), "-o", str(out), "--draft-vocab-size", "256", "--ttt-length", "2", "--max-steps", "2",
+            "--max-batch-tokens", "256", "--eval-fraction", "0", "--loss", "reference", "--silent", *extra]
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_truncated_shard_is_one_line_whether_checked_first_or_read_by_a_loader_worker(features, tmp_path, verify):
+    """--verify-shards (the default) names it before the first step; without, the loader worker
+    that opens it raises, and the training process still prints one line."""
     from specfoundry.train.cli import main
 
     fs, manifest = copy_set(features, tmp_path)
     victim = fs / manifest["shards"][1]["path"]
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    args = ["run", str(fs), "-o", str(tmp_path / "run"), "--draft-vocab-size", "256", "--ttt-length", "2",
-            "--max-steps", "2", "--max-batch-tokens", "256", "--eval-fraction", "0", "--num-workers", "1",
-            "--loss", "reference", "--silent"]
-    result = CliRunner().invoke(main, args)
+    flag = "--verify-shards" if verify else "--no-verify-shards"
+    result = CliRunner().invoke(main, train_args(fs, tmp_path / "run", "--num-workers", "1", flag))
     assert result.exit_code == 2, (result.output, result.exception)
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1 and f"{manifest['shards'][1]['path']} is damaged or truncated" in errors[0], result.output
+    words = "is damaged or truncated" if verify else "is unreadable"
+    assert len(errors) == 1 and f"{manifest['shards'][1]['path']} {words}" in errors[0], result.output
+    assert not (tmp_path / "run" / "checkpoints").exists()  # no step was taken
+
+
+def test_every_shard_is_checked_once_before_the_first_step_by_threads_not_workers(features, tmp_path, monkeypatch):
+    """Each shard's checksum is read once a run, in the training process, before any batch: the
+    loader's workers (made anew each epoch) no longer read the set again each."""
+    from specfoundry.featureset.store import FeatureSet
+
+    log = tmp_path / "checked.txt"  # a file: a loader worker's checks happen in its own process
+    real = FeatureSet.check_shard
+
+    def counted(self, shard):
+        with open(log, "a") as f:
+            f.write(f"{shard}\n")
+        return real(self, shard)
+
+    monkeypatch.setattr(FeatureSet, "check_shard", counted)
+    trainer = Trainer(tiny_cfg(features, tmp_path / "run", max_steps=8, num_workers=1), silent=True)
+    trainer.train()
+    assert trainer.loader.state.epoch >= 2  # the worker was made anew for three epochs or more
+    assert sorted(int(x) for x in log.read_text().split()) == [0, 1]
+
+
+def test_a_damaged_shard_is_the_same_line_on_every_rank_without_a_hang(features, tmp_path):
+    """Under torchrun each rank checks its share of the shards (rank 0: shard 0, rank 1: shard 1):
+    the rank that finds the damage and the one that does not both stop with the same line."""
+    import subprocess
+    import sys
+
+    from tests.conftest import free_port
+
+    fs, manifest = copy_set(features, tmp_path)
+    victim = fs / manifest["shards"][1]["path"]
+    data = bytearray(victim.read_bytes())
+    data[-50] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), "-m", "specfoundry.train.cli", *train_args(fs, tmp_path / "run")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+    assert done.returncode != 0, done.stderr[-3000:]
+    words = f"{manifest['shards'][1]['path']} is damaged or truncated"
+    assert len(errors) == 2 and all(words in e for e in errors), done.stderr[-3000:]
 
 
 @contextmanager

@@ -12,17 +12,20 @@ class Progress:
     `status()` says where given (the openai fleet: servers up of all)."""
 
     def __init__(self, total: int | None, unit: str, desc: str, silent: bool = False, initial: int = 0,
-                 status=None):
+                 status=None, rate: bool = True):
+        """rate: show the token rate (False: a bar over items that carry no tokens)."""
         self.bar = tqdm(total=total, unit=unit, desc=desc, disable=silent, initial=initial, dynamic_ncols=True)
+        self.rate = rate
         self.tokens = 0
         self.start = time.perf_counter()
         self.status = status
 
     def update(self, items: int, tokens: int = 0) -> None:
         self.tokens += tokens
-        elapsed = max(time.perf_counter() - self.start, 1e-9)
-        extra = f", {self.status()}" if self.status is not None else ""
-        self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tok/s{extra}", refresh=False)
+        if self.rate:
+            elapsed = max(time.perf_counter() - self.start, 1e-9)
+            extra = f", {self.status()}" if self.status is not None else ""
+            self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tok/s{extra}", refresh=False)
         self.bar.update(items)
 
     def close(self) -> None:

@@ -75,8 +75,8 @@ class FrozenEmbedding(nn.Module):
     of an 8B draft's weights) and leave the Adam state of the trainable weights on the others.
 
     Not persistent: outside the state dict, so sf-train's checkpoints do not hold a copy of the
-    target's embeddings (in fp32, 49,152 x 576 x 4 bytes = 113 MB for SmolLM2, 4.2 GB for a
-    128,256 x 8,192 vocabulary); every draft is built with them copied from the target (the families'
+    target's embeddings (4 bytes for each of vocab x hidden values: 49,152 x 576 for SmolLM2,
+    128,256 x 8,192 for a Llama-3-70B draft); every draft is built with them copied from the target (the families'
     build, folders.load_draft), and no export writes them. A state dict that holds them (a
     checkpoint written before) still loads: the copy is dropped, being the target's own."""
 

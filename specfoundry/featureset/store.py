@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -290,15 +291,40 @@ class FeatureSet:
     def __len__(self) -> int:
         return len(self.index)
 
+    def shard_path(self, shard: int) -> Path:
+        """Where shard `shard` lies; FeatureSetError naming it where it is missing."""
+        entry = self.shards[shard]
+        path = self.root / entry["path"]
+        if not path.exists():
+            raise FeatureSetError(f"{self.root}: shard {entry['path']} listed in the manifest is missing")
+        return path
+
+    def check_shard(self, shard: int) -> None:
+        """Shard `shard` is on disk and its checksum is the manifest's (one read of it);
+        FeatureSetError naming it otherwise."""
+        entry = self.shards[shard]
+        if checksum(self.shard_path(shard)) != entry["sha256"]:
+            raise FeatureSetError(f"{self.root}: shard {entry['path']} is damaged or truncated (checksum "
+                                  "mismatch); recapture it (rerun the sf-capture command after deleting it)")
+
+    def check_shards(self, shards: list[int], threads: int = 8) -> Iterator[int]:
+        """check_shard over `shards`, `threads` at a time (hashlib and file reads release the GIL),
+        yielding each shard once checked, in the order given; the first damaged one raises."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(max_workers=max(1, min(threads, len(shards))))
+        try:
+            for shard, _ in zip(shards, pool.map(self.check_shard, shards), strict=True):
+                yield shard
+        finally:  # after a damaged shard (or a caller that stops early) the queued ones are not read
+            pool.shutdown(wait=True, cancel_futures=True)
+
     def reader(self, shard: int) -> ShardReader:
         if shard not in self._readers:
             entry = self.shards[shard]
-            path = self.root / entry["path"]
-            if not path.exists():
-                raise FeatureSetError(f"{self.root}: shard {entry['path']} listed in the manifest is missing")
-            if self.verify and checksum(path) != entry["sha256"]:
-                raise FeatureSetError(f"{self.root}: shard {entry['path']} is damaged or truncated (checksum "
-                                      "mismatch); recapture it (rerun the sf-capture command after deleting it)")
+            path = self.shard_path(shard)
+            if self.verify:
+                self.check_shard(shard)
             try:
                 self._readers[shard] = ShardReader(path, self.codec, self.dtype, self.final_dtype)
             except FeatureSetError:

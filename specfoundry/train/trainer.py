@@ -138,9 +138,9 @@ class TrainConfig(Settings):
                               "specfoundry_training.json); needs held-out samples.")
     num_workers: int = setting(2, resume=False, valid=Range(0, 256, zero="read in the training process"),
                                help="Background loader workers per rank.")
-    verify_shards: bool = setting(True, resume=False, help="Check each shard's checksum when a loader process "
-                                  "first opens it (one extra read of the set per worker), so a damaged shard is "
-                                  "named instead of trained on.")
+    verify_shards: bool = setting(True, resume=False, help="Check every shard's checksum before training (one "
+                                  "extra read of the set a run, shared out among the ranks and read by several "
+                                  "threads), so a damaged shard is named at the start instead of trained on.")
     init_from: str | None = setting(None, shown="none: a fresh draft",
                                     help="An exported draft to fine-tune (keeps its vocabulary map).")
     tensorboard: bool = setting(False, resume=False, help="Log to <output>/tensorboard.")
@@ -251,8 +251,10 @@ class Trainer:
                 "config_sha256": target_identity(cfg.target, self.target_dir).config_sha256,
                 "weight_fingerprint": weight_fingerprint(self.target_dir)}}))
         check_output_folder(self.out, "train", cfg)  # before any long work
-        self.fs = FeatureSet(cfg.featureset, verify=cfg.verify_shards)
+        self.fs = FeatureSet(cfg.featureset)
         identity = check_featureset(self.fs, cfg, self.target_dir)
+        if cfg.verify_shards:
+            self.check_shards()
         self.family = get_family(cfg.family)
         options = FAMILIES.options_for(cfg, cfg.family)
         layers = select_layers(self.fs.manifest, self.family, options, cfg.layers, identity.num_layers,
@@ -277,6 +279,27 @@ class Trainer:
             record_config(self.out, "train", cfg)
             atomic_write_json(self.out / "draft_config.json", self.dcfg.to_dict())
         return self
+
+    def check_shards(self) -> None:
+        """--verify-shards: every shard's checksum, once a run, before the first step. Rank r checks
+        shards r, r + world, ..., several at a time; a damaged one is the same FeatureSetError on
+        every rank (none waits for another in a collective). The loader's workers then read the
+        set unchecked: checked in each worker as it opened a shard, the set was read again per
+        worker and per epoch (their processes are made anew each epoch)."""
+        accel = self.accel
+        mine = list(range(accel.process_index, len(self.fs.shards), accel.num_processes))
+        error = None
+        with Progress(len(mine), "shard", "sf-train: checking shards", self.silent or not accel.is_main_process,
+                      rate=False) as progress:
+            try:
+                for _ in self.fs.check_shards(mine):
+                    progress.update(1)
+            except FeatureSetError as e:
+                error = str(e)
+        if accel.num_processes > 1:
+            error = next((r["error"] for r in gathered({"error": error}) if r["error"]), None)
+        if error:
+            raise FeatureSetError(error)
 
     def check_vocab_coverage(self, draft) -> None:
         """Say what share of the set's supervised tokens the draft's vocabulary holds; refuse a
