@@ -527,3 +527,50 @@ def test_an_edited_manifest_is_caught_by_verify_and_refused_by_readers(features,
     manifest["shards"][0]["sample_lengths"] = [lengths[1], lengths[0], *lengths[2:]]  # same total, other samples
     (fs / MANIFEST).write_text(json.dumps(manifest))
     assert any("sample lengths" in p for p in verify_featureset(fs)), verify_featureset(fs)
+
+
+def test_an_input_folder_spelled_relative_or_absolute_is_the_same_setting(features, tmp_path, monkeypatch):
+    """A rerun that names the feature set relative to another directory, or absolute, resumes;
+    so does a run whose record holds the path relative (recorded before paths were made
+    absolute); another folder is still another setting."""
+    from specfoundry.common.shards import check_output_folder, record_config
+
+    out = tmp_path / "run"
+    monkeypatch.chdir(features.parent)
+    first = tiny_cfg(features.name, out)
+    assert first.featureset == str(features.resolve())  # recorded absolute
+    out.mkdir()
+    record_config(out, "train", first)
+    monkeypatch.chdir(tmp_path)
+    check_output_folder(out, "train", tiny_cfg(features, out))  # absolute, from elsewhere: the same
+    record = json.loads((out / "train_config.json").read_text())
+    (out / "train_config.json").write_text(json.dumps({**record, "featureset": features.name}))
+    monkeypatch.chdir(features.parent)
+    check_output_folder(out, "train", tiny_cfg(features.name, out))  # an older record's relative path
+    with pytest.raises(OutputFolderError, match="featureset"):
+        check_output_folder(out, "train", tiny_cfg(tmp_path / "other", out))
+
+
+def test_files_written_whole_get_the_permissions_open_gives_not_mkstemps(tmp_path):
+    """An export's weights and records are read by a serving engine that may run as another
+    user: they get 0666 less the umask, as any file open() makes, not mkstemp's owner-only 0600."""
+    from specfoundry.common.files import UMASK, atomic_write_json
+
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    atomic_write_json(tmp_path / "record.json", {"a": 1})
+    mode = (tmp_path / "record.json").stat().st_mode & 0o777
+    assert mode == 0o666 & ~UMASK == plain.stat().st_mode & 0o777, oct(mode)
+
+
+def test_an_exports_files_get_the_permissions_open_gives(features, tmp_path):
+    """safetensors writes its files owner-only (0600); a folder written whole (an export, a
+    checkpoint) is given open()'s permissions before it is renamed into place."""
+    from specfoundry.common.files import UMASK
+
+    run_train(tiny_cfg(features, tmp_path / "run"), silent=True)
+    files = [p for p in (tmp_path / "run").rglob("*") if p.is_file() and p.name != ".lock"]
+    assert (tmp_path / "run" / "export" / "model.safetensors") in files
+    wrong = [f"{p.relative_to(tmp_path)} {oct(p.stat().st_mode & 0o777)}" for p in files
+             if p.stat().st_mode & 0o777 != 0o666 & ~UMASK]
+    assert not wrong, wrong

@@ -24,6 +24,7 @@ from click.core import ParameterSource
 from specfoundry.common.settings import (
     SHARED,
     Range,
+    absolute_path,
     check_valid,
     config_fields,
     default_of,
@@ -334,7 +335,9 @@ def build_config(cls, values: dict, source: str = "options", origins: dict[str, 
     for f, hint, path in config_fields(cls):
         if f.name in values:
             try:
-                nested.setdefault(path, {})[f.name] = _convert(values.pop(f.name), f, hint)
+                value = _convert(values.pop(f.name), f, hint)
+                nested.setdefault(path, {})[f.name] = absolute_path(value) if (
+                    f.metadata.get("path") and isinstance(value, str)) else value
             except _Invalid as e:
                 if f.name in origins:  # a recipe's value: the file, its section and the key
                     raise CommandError(f"{origins[f.name]}: {e}") from None

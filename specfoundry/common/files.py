@@ -11,11 +11,25 @@ import tempfile
 from pathlib import Path
 
 
+def process_umask() -> int:
+    """The process's file-creation mask (read by setting it and setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+UMASK = process_umask()
+"""Read once, on import (setting the umask to read it is not safe while other threads create files)."""
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write next to ``path`` and rename into place: readers see the old file or the new one."""
+    """Write next to ``path`` and rename into place: readers see the old file or the new one. The
+    file gets the permissions open() would give it (0666 less the umask), not mkstemp's 0600: an
+    export is read by a serving engine that may run as another user."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~UMASK)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -66,7 +80,12 @@ TMP_SUFFIX = ".tmp"
 
 def replace_dir(tmp: Path, dest: Path) -> None:
     """Put the complete directory `tmp` at `dest`: a reader sees the old directory or the new one
-    (briefly neither, never a partial one)."""
+    (briefly neither, never a partial one). Its files get open()'s permissions first (0666 less
+    the umask): safetensors writes its files owner-only, and a serving engine running as another
+    user reads an export."""
+    for f in Path(tmp).rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            os.chmod(f, 0o666 & ~UMASK)
     old = dest.with_name(f".{dest.name}.old")
     shutil.rmtree(old, ignore_errors=True)
     if dest.exists():

@@ -15,6 +15,7 @@ import math
 import types
 import typing
 from dataclasses import MISSING, dataclass
+from pathlib import Path
 
 from specfoundry.common.embedded import EMBEDDED_DEFAULT
 
@@ -119,7 +120,7 @@ def parse_template_kwargs(value) -> dict | None:
 
 def setting(default=MISSING, *, help: str, factory=None, flags: tuple[str, ...] = (), choices=None,
             shown: str | None = None, resume: bool = True, argument: bool = False, cli: bool = True,
-            parse=None, repeatable: bool = False, valid: Range | None = None, before=None):
+            parse=None, repeatable: bool = False, valid: Range | None = None, before=None, path: bool = False):
     """A config field with its help. `shown`: how a None (or computed) default reads in --help.
     `parse`: turns the text of the option (or a recipe's value) into the field's value.
     `resume=False`: where or how fast, not what is written; a resumed run may change it.
@@ -128,12 +129,15 @@ def setting(default=MISSING, *, help: str, factory=None, flags: tuple[str, ...] 
     `valid`: the values a numeric setting takes (every int and float setting declares them); a
     value outside is refused when the config is built, before any work, and --help shows them.
     `before`: the value that does what a run begun before this setting existed did (its record lacks
-    the key): such a run resumes while the setting has this value (None where not given)."""
+    the key): such a run resumes while the setting has this value (None where not given).
+    `path`: a local file or folder (an `argument` always is one): made absolute when the config is
+    built, so a rerun from another directory, or the same folder spelled otherwise, is the same
+    setting (path_settings)."""
     if valid is not None and valid.zero:
         help = f"{help.rstrip()} 0: {valid.zero}."
     meta = {"help": help, "flags": flags, "choices": choices, "shown": shown, "resume": resume,
             "argument": argument, "cli": cli, "parse": parse, "repeatable": repeatable, "valid": valid,
-            "before": before}
+            "before": before, "path": path or argument}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -241,6 +245,16 @@ def config_dict(cfg, resume_only: bool = False) -> dict:
             value = list(value)
         out[f.name] = value
     return out
+
+
+def absolute_path(value: str) -> str:
+    """A path setting as it is recorded and compared: absolute, `~` expanded, symlinks resolved."""
+    return str(Path(value).expanduser().resolve())
+
+
+def path_settings(cfg) -> list[str]:
+    """The names of cfg's top-level settings that are local paths (setting(path=) or an argument)."""
+    return [f.name for f in dataclasses.fields(cfg) if f.metadata.get("path")]
 
 
 def resume_settings(cfg) -> dict:

@@ -27,7 +27,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from specfoundry.common.files import atomic_write_json, checksum, remove_temporaries
-from specfoundry.common.settings import SettingsGroup, as_before, config_dict, resume_settings
+from specfoundry.common.settings import (
+    SettingsGroup,
+    absolute_path,
+    as_before,
+    config_dict,
+    path_settings,
+    resume_settings,
+)
 
 PARTIAL = ".partial-"
 
@@ -104,6 +111,8 @@ def check_output_folder(root: Path, stage: str, cfg) -> Path:
             old = json.loads(path.read_text())
         except json.JSONDecodeError:
             old = {}  # a config file is written atomically; an unreadable one is not ours to trust
+        if isinstance(old, dict):  # a path recorded relative (before paths were made absolute) is read from here
+            old.update({k: absolute_path(old[k]) for k in path_settings(cfg) if isinstance(old.get(k), str)})
         diffs = settings_diff(old, resume_settings(cfg), as_before=as_before(cfg))
         if diffs:
             raise OutputFolderError(f"{root} holds an earlier {stage} run with other settings ({'; '.join(diffs)}); "

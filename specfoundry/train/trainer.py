@@ -141,7 +141,7 @@ class TrainConfig(Settings):
     verify_shards: bool = setting(True, resume=False, help="Check every shard's checksum before training (one "
                                   "extra read of the set a run, shared out among the ranks and read by several "
                                   "threads), so a damaged shard is named at the start instead of trained on.")
-    init_from: str | None = setting(None, shown="none: a fresh draft",
+    init_from: str | None = setting(None, shown="none: a fresh draft", path=True,
                                     help="An exported draft to fine-tune (keeps its vocabulary map).")
     tensorboard: bool = setting(False, resume=False, help="Log to <output>/tensorboard.")
     log_every: int = setting(10, resume=False, valid=Range(1), help="Print metrics every N optimizer steps, with "
