@@ -108,6 +108,11 @@ def test_every_default_is_shown_in_help():
     (["sf-capture", "verify", "/nonexistent/fs"], "/nonexistent/fs"),
     (["sf-regen", "run", "-o", "OUT"], "no source given"),
     (["sf-capture", "run", "SRC", "-o", "OUT", "--recipe", "RECIPE"], "unknown settings bogus"),
+    # a device that is no torch device, or one this machine lacks: named before any work
+    (["sf-capture", "run", "SRC", "-o", "OUT", "--device", "gpu"], "'gpu' is not a torch device"),
+    (["sf-capture", "verify", "/nonexistent/fs", "--device", "gpu"], "'gpu' is not a torch device"),
+    (["sf-regen", "run", "-o", "OUT", "--synthesize", "2", "--device", "cuda:99"], "--device': 'cuda:99'"),
+    (["sf-eval", "run", "/nonexistent/draft", "--device", "cuda:99"], "--device': 'cuda:99'"),
 ])
 def test_expected_failures_are_one_line_errors_with_status_2(tmp_path, argv, words):
     recipe = tmp_path / "r.yaml"

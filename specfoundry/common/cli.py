@@ -23,6 +23,7 @@ from click.core import ParameterSource
 
 from specfoundry.common.settings import (
     SHARED,
+    SHARED_PARSE,
     Range,
     absolute_path,
     check_valid,
@@ -130,7 +131,15 @@ def recipe_option(fn):
 def shared_option(concept: str, default=None):
     """A click option for a SHARED concept on a command without a config field for it."""
     flags, help_text, none_shown, _ = SHARED[concept]
-    return click.option(*flags, concept, default=default, help=help_text,
+    parse = SHARED_PARSE.get(concept)
+
+    def checked(ctx, param, value):
+        try:
+            return value if value is None or parse is None else parse(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+
+    return click.option(*flags, concept, default=default, help=help_text, callback=checked,
                         show_default=none_shown if default is None else True)
 
 

@@ -143,6 +143,32 @@ def setting(default=MISSING, *, help: str, factory=None, flags: tuple[str, ...] 
     return dataclasses.field(default=default, metadata=meta)
 
 
+def parse_device(value: str) -> str:
+    """--device's value, checked before any work: a torch device this machine has."""
+    import torch
+
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"{value!r} is not a torch device (cpu, cuda, cuda:N, mps)") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise ValueError(f"{value!r}: this torch sees no CUDA device (a CPU build, or no GPU here); use cpu")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"{value!r}: this machine has {count} CUDA device{'s' * (count > 1)} "
+                             f"(cuda:0 to cuda:{count - 1})")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{value!r}: this torch has no MPS device; use cpu")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"{value!r}: specfoundry runs on cpu, cuda or mps")
+    return value
+
+
+SHARED_PARSE = {"device": parse_device}
+"""The SHARED concepts whose value is checked (and parsed) when the config is built."""
+
+
 def shared(concept: str, default=MISSING, *, resume: bool = True, choices=None, shown: str | None = None,
            help: str | None = None):
     """A field for one of the SHARED concepts: its flags, help and valid values are the same in
@@ -153,7 +179,7 @@ def shared(concept: str, default=MISSING, *, resume: bool = True, choices=None, 
         raise TypeError(f"shared({concept!r}): " + ("give its help (SHARED has none)" if help is None else
                                                     "its help is SHARED's, the same in every command"))
     return setting(default, help=help_text or help, flags=flags, choices=choices, resume=resume, valid=valid,
-                   shown=shown if shown is not None else none_shown)
+                   shown=shown if shown is not None else none_shown, parse=SHARED_PARSE.get(concept))
 
 
 def long_flag(f: dataclasses.Field) -> str:
