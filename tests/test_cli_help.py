@@ -113,6 +113,7 @@ def test_every_default_is_shown_in_help():
     (["sf-capture", "verify", "/nonexistent/fs", "--device", "gpu"], "'gpu' is not a torch device"),
     (["sf-regen", "run", "-o", "OUT", "--synthesize", "2", "--device", "cuda:99"], "--device': 'cuda:99'"),
     (["sf-eval", "run", "/nonexistent/draft", "--device", "cuda:99"], "--device': 'cuda:99'"),
+    (["sf-train", "run", "SRC", "-o", "OUT", "--max-steps", "3", "--epochs", "1"], "--max-steps and --epochs"),
 ])
 def test_expected_failures_are_one_line_errors_with_status_2(tmp_path, argv, words):
     recipe = tmp_path / "r.yaml"
