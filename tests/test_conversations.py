@@ -48,6 +48,31 @@ def test_every_bad_kind_is_reported_with_its_line_and_good_ones_kept(tmp_path):
     assert [m.role for m in result.conversations[1].messages] == ["user", "assistant"]
 
 
+def test_the_details_name_the_column_the_part_and_the_field(tmp_path):
+    """The column of a line's JSON error is that of the line, not of its newline; a non-text
+    content part and a 'messages' that is no list are named as what they are."""
+    unclosed = '{"messages": [{"role": "user", "content": "q"}]'
+    parts = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                          {"role": "assistant", "content": "a"}]}
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join([unclosed, json.dumps(parts), json.dumps({"messages": "hello"})]) + "\n")
+    details = [b.detail for b in load_conversations(path).bad]
+    assert details == [f"malformed JSON (Expecting ',' delimiter at column {len(unclosed) + 1})",
+                       "turn 0: content part 0 is of type 'image_url', not a text part ({\"type\": \"text\", "
+                       "\"text\": ...}): only text is trained on",
+                       "'messages' is a str, not a list of turns"]
+
+
+def test_openai_content_parts_of_text_are_one_text(tmp_path):
+    record = {"messages": [{"role": "user", "content": [{"type": "text", "text": "first"},
+                                                         {"type": "text", "text": "second"}]},
+                           {"role": "assistant", "content": [{"type": "text", "text": "a"}]}]}
+    path = tmp_path / "parts.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    (conv,) = load_conversations(path).conversations
+    assert [m.content for m in conv.messages] == ["first\nsecond", "a"]
+
+
 def test_strict_fails_on_the_first_bad_record(tmp_path):
     path = write_mixed(tmp_path / "mixed.jsonl")
     with pytest.raises(ConversationFormatError, match=rf"{path.name}:2: malformed_json"):

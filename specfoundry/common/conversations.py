@@ -271,7 +271,7 @@ def iter_records(path: Path) -> Iterator[tuple[str, dict | None, str | None]]:
                 if not line.strip():
                     continue
                 try:
-                    record = json.loads(line)
+                    record = json.loads(line.rstrip("\r\n"))  # with its newline, an unclosed line errs at line 2 column 1
                 except json.JSONDecodeError as e:
                     yield where, None, f"malformed JSON ({e.msg} at column {e.colno})"
                     continue
@@ -318,7 +318,10 @@ def normalise(record: dict, location: str, default_id: str, prompt_only: bool = 
         turns = record.get("conversations", record.get("conversation"))
     if turns is None:
         return BadInput(location, "empty_conversation", "no 'messages' or 'conversations' field")
-    if not isinstance(turns, list) or not turns:
+    if not isinstance(turns, list):
+        field = next(k for k in ("messages", "conversations", "conversation") if record.get(k) is turns)
+        return BadInput(location, "empty_conversation", f"'{field}' is a {type(turns).__name__}, not a list of turns")
+    if not turns:
         return BadInput(location, "empty_conversation", "the conversation has no turns")
     messages = []
     try:
@@ -358,6 +361,21 @@ class BadRecord(Exception):
         self.kind, self.detail = kind, detail
 
 
+def text_of_parts(parts: list, t: int) -> str:
+    """OpenAI's content as a list of parts ([{"type": "text", "text": ...}, ...]) as one text, the
+    parts joined by newlines (as vLLM's chat front end joins them); a part of another type (an
+    image, audio) is refused: the targets here read text."""
+    texts = []
+    for i, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            what = f"of type {kind!r}" if kind else f"a {type(part).__name__}"
+            raise BadRecord("missing_content", f"turn {t}: content part {i} is {what}, not a text part "
+                                               '({"type": "text", "text": ...}): only text is trained on')
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def parse_message(turn, t: int, before: list[Message]) -> Message:
     """Turn `t` as a Message; `before`: the turns so far (a tool result must answer the last call)."""
     if not isinstance(turn, dict):
@@ -375,6 +393,8 @@ def parse_message(turn, t: int, before: list[Message]) -> Message:
     calls = parse_tool_calls(turn.get("tool_calls"), t) if role == "assistant" else ()
     if content is None and calls:
         content = ""  # an assistant message that only calls tools
+    if isinstance(content, list):
+        content = text_of_parts(content, t)
     if not isinstance(content, str):
         raise BadRecord("missing_content", f"turn {t} has no text content")
     thinking = turn.get("thinking")
