@@ -2,6 +2,7 @@
 
 Accepted shapes (one conversation per record):
   OpenAI:   {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": "..."}]}
+            (a content may be a list of text parts, [{"type": "text", "text": "..."}], joined by newlines)
   ShareGPT: {"conversations": [{"from": "system"|"human"|"gpt", "value": "..."}]}
 An optional "id" is kept. Conversations with tools (OpenAI shape): a record-level "tools" list
 (the function schemas the chat template is given), assistant messages with "tool_calls"
