@@ -114,6 +114,7 @@ def test_every_default_is_shown_in_help():
     (["sf-regen", "run", "-o", "OUT", "--synthesize", "2", "--device", "cuda:99"], "--device': 'cuda:99'"),
     (["sf-eval", "run", "/nonexistent/draft", "--device", "cuda:99"], "--device': 'cuda:99'"),
     (["sf-train", "run", "SRC", "-o", "OUT", "--max-steps", "3", "--epochs", "1"], "--max-steps and --epochs"),
+    (["sf-export", "run", "/nonexistent/draft", "-o", "OUT", "-k", "6"], "written only into a speculators export"),
 ])
 def test_expected_failures_are_one_line_errors_with_status_2(tmp_path, argv, words):
     recipe = tmp_path / "r.yaml"

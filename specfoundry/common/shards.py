@@ -111,9 +111,11 @@ def check_output_folder(root: Path, stage: str, cfg) -> Path:
             old = json.loads(path.read_text())
         except json.JSONDecodeError:
             old = {}  # a config file is written atomically; an unreadable one is not ours to trust
-        if isinstance(old, dict):  # a path recorded relative (before paths were made absolute) is read from here
-            old.update({k: absolute_path(old[k]) for k in path_settings(cfg) if isinstance(old.get(k), str)})
-        diffs = settings_diff(old, resume_settings(cfg), as_before=as_before(cfg))
+        new = resume_settings(cfg)
+        for record in (old, new):  # paths compared absolute: one recorded relative (by an earlier version, or a
+            if isinstance(record, dict):  # config built in code) is read from the current directory
+                record.update({k: absolute_path(record[k]) for k in path_settings(cfg) if isinstance(record.get(k), str)})
+        diffs = settings_diff(old, new, as_before=as_before(cfg))
         if diffs:
             raise OutputFolderError(f"{root} holds an earlier {stage} run with other settings ({'; '.join(diffs)}); "
                                     "rerun with the same settings to resume, or choose a new folder")

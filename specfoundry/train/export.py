@@ -52,6 +52,9 @@ def check_fits_target(dcfg, identity, layout: str) -> None:
 
 def run_export(cfg: ExportConfig) -> Path:
     """Read cfg.draft, write it to cfg.output in cfg.format (whole or not at all); returns the folder."""
+    if cfg.k is not None and cfg.format != "speculators":  # else written nowhere, and nothing said
+        raise ValueError(f"-k {cfg.k} is written only into a speculators export (--format speculators); SGLang takes "
+                         "the tokens a round proposes when it serves (--speculative-num-steps)")
     source = Path(cfg.draft)
     ref = locate_draft(source)
     family = ref.provider
