@@ -102,8 +102,11 @@ def test_every_default_is_shown_in_help():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["sf-train", "run", "/nonexistent/fs", "-o", "OUT"], "/nonexistent/fs"),
-    (["sf-eval", "run", "/nonexistent/draft"], "/nonexistent/draft"),
+    (["sf-train", "run", "/nonexistent/fs", "-o", "OUT"], "/nonexistent/fs does not exist"),
+    (["sf-eval", "run", "/nonexistent/draft"], "/nonexistent/draft does not exist"),
+    # a run killed before it wrote its output: named as unfinished, with what to do
+    (["sf-eval", "run", "UNFINISHED_RUN"], "is an sf-train run that has not finished (no export/ yet): rerun"),
+    (["sf-capture", "verify", "UNFINISHED_SET"], "whose sf-capture has not finished (no manifest.json yet): rerun"),
     (["sf-export", "run", "/nonexistent/draft", "-o", "OUT"], "/nonexistent/draft"),
     (["sf-capture", "verify", "/nonexistent/fs"], "/nonexistent/fs"),
     (["sf-regen", "run", "-o", "OUT"], "no source given"),
@@ -119,7 +122,11 @@ def test_every_default_is_shown_in_help():
 def test_expected_failures_are_one_line_errors_with_status_2(tmp_path, argv, words):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("capture:\n  bogus: 1\n")
-    argv = [str(recipe) if a == "RECIPE" else str(tmp_path / a) if a in ("OUT", "SRC") else a for a in argv]
+    for folder, record in (("UNFINISHED_RUN", "train_config.json"), ("UNFINISHED_SET", "capture_config.json")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / record).write_text("{}")
+    argv = [str(recipe) if a == "RECIPE" else str(tmp_path / a) if a in ("OUT", "SRC") or a.startswith("UNFINISHED")
+            else a for a in argv]
     result = CliRunner().invoke(COMMANDS[argv[0]], argv[1:])
     assert result.exit_code == 2, (result.output, result.exception)
     assert "Traceback" not in result.output

@@ -116,6 +116,13 @@ def locate_draft(path: str | Path, num_target_layers: int | None = None) -> Draf
     if (path / "model.safetensors").is_file() and (run / "draft_config.json").is_file():
         config = checkpoint_config(run)
         return DraftRef(given, config.family, config, path / "model.safetensors", "draft.", num_target_layers)
+    if not given.exists():
+        raise DraftLoadError(f"{given} does not exist")
+    if (given / "train_config.json").is_file():  # a run that has not exported yet (killed, or still training)
+        kept = complete_checkpoints(given)
+        then = f", or name its newest checkpoint {kept[-1]}" if kept else ""
+        raise DraftLoadError(f"{given} is an sf-train run that has not finished (no export/ yet): rerun its sf-train "
+                             f"command to finish it{then}")
     raise DraftLoadError(f"{path} is not an exported draft (config.json + model.safetensors), an sf-train run "
                          "folder or one of its checkpoints/step-N folders")
 
