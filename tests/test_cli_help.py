@@ -132,3 +132,21 @@ def test_expected_failures_are_one_line_errors_with_status_2(tmp_path, argv, wor
     assert "Traceback" not in result.output
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and words in errors[0], result.output
+
+
+@pytest.mark.parametrize("text, words", [
+    ("train:\n  lr: 0.1\n  lr: 0.2\n", "not valid YAML at line 3, column 3: 'lr' is given twice in one mapping "
+                                       "(first at line 2)"),
+    ("train:\n  lr: 0.1\n bad: : x\n", "not valid YAML at line 3, column 2:"),
+])
+def test_a_recipe_that_yaml_would_misread_is_named_with_its_line(tmp_path, text, words):
+    """A key given twice (YAML keeps the last, silently) and a syntax error are named with the
+    line and column, before any work."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text)
+    result = CliRunner().invoke(COMMANDS["sf-train"], ["run", str(tmp_path / "fs"), "-o", str(tmp_path / "out"),
+                                                       "--recipe", str(recipe)])
+    assert result.exit_code == 2, (result.output, result.exception)
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and f"Error: {recipe}: {words}" in errors[0], result.output
+    assert not (tmp_path / "out").exists()

@@ -161,12 +161,35 @@ def read_recipe(path: str | None, section: str) -> dict:
     return dict(recipe_data(path).get(section) or {})
 
 
+class RecipeLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, refusing a key given twice in one mapping (YAML keeps the last one,
+    silently: a recipe's earlier value would be dropped unsaid)."""
+
+
+def mapping_without_repeats(loader: RecipeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"{key!r} is given twice in one mapping (first at line "
+                                                    f"{seen[key]})", key_node.start_mark)
+        seen[key] = key_node.start_mark.line + 1
+    return loader.construct_mapping(node, deep=deep)
+
+
+RecipeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping_without_repeats)
+
+
 def recipe_data(path: str | None) -> dict:
     """A recipe file's mapping of sections (and its `target:`), checked; {} without a recipe."""
     if not path:
         return {}
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.load(Path(path).read_text(), Loader=RecipeLoader)  # a SafeLoader: no tags that run code
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise CommandError(f"{path}: not valid YAML{where}: {e.problem or e.context}") from e
     except yaml.YAMLError as e:
         raise CommandError(f"{path}: not valid YAML: {e}".splitlines()[0]) from e
     if data is None:
