@@ -243,3 +243,14 @@ def test_default_shard_size_fits_a_memory_budget_and_is_recorded(tmp_path, chat_
     with pytest.raises(OutputFolderError, match="other settings .*shard_size: 256 -> 3"):
         run_capture(CaptureConfig(source=str(chat_file), output=str(tmp_path / "fs"), max_length=64, shard_size=3),
                     silent=True)
+
+
+def test_silent_hides_transformers_own_bars_too(tmp_path, chat_file):
+    """--silent: no progress bar at all, transformers' "Loading weights" one included (a separate
+    process: the switch is process-wide)."""
+    out = tmp_path / "fs"
+    done = subprocess.run([sys.executable, "-m", "specfoundry.capture.cli", "run", str(chat_file), "-o", str(out),
+                           "--silent"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Loading weights" not in done.stderr and "%|" not in done.stderr, done.stderr
+    assert (out / "manifest.json").is_file()

@@ -429,7 +429,15 @@ def stage_command(group: click.Group, name: str, config_cls, *errors: type[BaseE
     command's help where it is generated (else fn's docstring)."""
 
     def decorate(fn):
-        cmd = silent_option(expected_failures(*errors)(fn))
+        @functools.wraps(fn)
+        def quiet_when_silent(recipe, silent, **options):
+            if silent:  # transformers' own bars too ("Loading weights", the GGUF conversion)
+                from transformers.utils import logging as transformers_logging
+
+                transformers_logging.disable_progress_bar()
+            return fn(recipe, silent, **options)
+
+        cmd = silent_option(expected_failures(*errors)(quiet_when_silent))
         return group.command(name, context_settings=CONTEXT, help=help)(config_options(config_cls)(recipe_option(cmd)))
 
     return decorate

@@ -52,8 +52,10 @@ def run(recipe, silent, **options):
     result = run_train(cfg, silent=silent)
     last = result["history"][-1] if result["history"] else {}
     steps = result["steps"]
+    held = last.get("eval_sim_accept_len")  # the held-out split's, where there is one
     click.echo(f"trained {steps} step{'s' if steps != 1 else ''}; exported to {result['export']}; "
-               f"last sim_accept_len {last.get('sim_accept_len', float('nan')):.2f}")
+               f"sim_accept_len {last.get('sim_accept_len', float('nan')):.2f} on the last batch"
+               + (f", {held:.3f} held out" if held is not None else ""))
 
 
 def refuse_other_families_options(family: str) -> None:
