@@ -430,12 +430,12 @@ def stage_command(group: click.Group, name: str, config_cls, *errors: type[BaseE
 
     def decorate(fn):
         @functools.wraps(fn)
-        def quiet_when_silent(recipe, silent, **options):
-            if silent:  # transformers' own bars too ("Loading weights", the GGUF conversion)
+        def quiet_when_silent(**options):  # click passes every parameter by name
+            if options.get("silent"):  # transformers' own bars too ("Loading weights", the GGUF conversion)
                 from transformers.utils import logging as transformers_logging
 
                 transformers_logging.disable_progress_bar()
-            return fn(recipe, silent, **options)
+            return fn(**options)
 
         cmd = silent_option(expected_failures(*errors)(quiet_when_silent))
         return group.command(name, context_settings=CONTEXT, help=help)(config_options(config_cls)(recipe_option(cmd)))
