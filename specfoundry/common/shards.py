@@ -112,8 +112,10 @@ def check_output_folder(root: Path, stage: str, cfg) -> Path:
         except json.JSONDecodeError:
             old = {}  # a config file is written atomically; an unreadable one is not ours to trust
         new = resume_settings(cfg)
-        for record in (old, new):  # paths compared absolute: one recorded relative (by an earlier version, or a
-            if isinstance(record, dict):  # config built in code) is read from the current directory
+        # paths compare absolute: one recorded relative (by an earlier version, or by a config built
+        # in code) is read from the current directory
+        for record in (old, new):
+            if isinstance(record, dict):
                 record.update({k: absolute_path(record[k]) for k in path_settings(cfg) if isinstance(record.get(k), str)})
         diffs = settings_diff(old, new, as_before=as_before(cfg))
         if diffs:

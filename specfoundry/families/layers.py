@@ -76,9 +76,10 @@ class FrozenEmbedding(nn.Module):
 
     Not persistent: outside the state dict, so sf-train's checkpoints do not hold a copy of the
     target's embeddings (4 bytes for each of vocab x hidden values: 49,152 x 576 for SmolLM2,
-    128,256 x 8,192 for a Llama-3-70B draft); every draft is built with them copied from the target (the families'
-    build, folders.load_draft), and no export writes them. A state dict that holds them (a
-    checkpoint written before) still loads: the copy is dropped, being the target's own."""
+    128,256 x 8,192 for a Llama-3-70B draft). Every draft is built with them copied from the
+    target (the families' build, folders.load_draft), and no export writes them. A state dict
+    that holds them (a checkpoint written before) still loads: the copy is dropped, being the
+    target's own."""
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()

@@ -267,11 +267,10 @@ class ShardReader:
 class FeatureSet:
     """A feature set on disk: its manifest and an index over every sample of every shard."""
 
-    def __init__(self, root: str | Path, verify: bool = False):
-        """verify: check each shard's checksum against the manifest when this process first
-        opens it (one read of the shard), so a damaged or truncated shard is named, not trained on."""
+    def __init__(self, root: str | Path):
+        """Opens the manifest and indexes the samples; shards are opened as read, their checksums
+        checked only when asked (check_shards: sf-train does it once a run, before its first step)."""
         self.root = Path(root)
-        self.verify = verify
         self.manifest = read_manifest(self.root)
         edited = record_disagreements(self.root, self.manifest)
         if edited:
@@ -323,8 +322,6 @@ class FeatureSet:
         if shard not in self._readers:
             entry = self.shards[shard]
             path = self.shard_path(shard)
-            if self.verify:
-                self.check_shard(shard)
             try:
                 self._readers[shard] = ShardReader(path, self.codec, self.dtype, self.final_dtype)
             except FeatureSetError:
