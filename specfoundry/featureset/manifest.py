@@ -79,10 +79,11 @@ def record_disagreements(root: Path, manifest: dict) -> list[str]:
 
 
 def read_manifest(root: Path) -> dict:
-    path = Path(root) / MANIFEST
-    if not Path(root).exists():
+    root = Path(root)
+    path = root / MANIFEST
+    if not root.exists():
         raise FeatureSetError(f"{root} does not exist")
-    if not path.is_file() and (Path(root) / "capture_config.json").is_file():  # killed, or still capturing
+    if not path.is_file() and (root / "capture_config.json").is_file():  # killed, or still capturing
         raise FeatureSetError(f"{root} is a feature set whose sf-capture has not finished (no {MANIFEST} yet): rerun "
                               "its sf-capture command to finish it")
     if not path.is_file():
