@@ -551,6 +551,30 @@ def test_an_input_folder_spelled_relative_or_absolute_is_the_same_setting(featur
         check_output_folder(out, "train", tiny_cfg(tmp_path / "other", out))
 
 
+def test_a_local_target_spelled_relative_or_absolute_is_the_same_setting(features, tmp_path, monkeypatch):
+    """--target naming a local model directory is recorded absolute as the input folders are (a
+    record holding it relative is read from the current directory); an embedded name stays a name."""
+    from specfoundry.common.shards import check_output_folder, record_config
+
+    model = tmp_path / "models" / "mine"
+    model.mkdir(parents=True)
+    out = tmp_path / "run"
+    monkeypatch.chdir(model.parent)
+    first = tiny_cfg(features, out, target="mine")
+    assert first.target == str(model.resolve())
+    assert tiny_cfg(features, out, target="smollm2").target == "smollm2"
+    out.mkdir()
+    record_config(out, "train", first)
+    monkeypatch.chdir(tmp_path)
+    check_output_folder(out, "train", tiny_cfg(features, out, target="models/mine"))
+    record = json.loads((out / "train_config.json").read_text())
+    (out / "train_config.json").write_text(json.dumps({**record, "target": "mine"}))
+    monkeypatch.chdir(model.parent)
+    check_output_folder(out, "train", tiny_cfg(features, out, target="mine"))  # an older record's relative one
+    with pytest.raises(OutputFolderError, match="target"):
+        check_output_folder(out, "train", tiny_cfg(features, out, target="smollm2"))
+
+
 def test_files_written_whole_get_the_permissions_open_gives_not_mkstemps(tmp_path):
     """An export's weights and records are read by a serving engine that may run as another
     user: they get 0666 less the umask, as any file open() makes, not mkstemp's owner-only 0600."""

@@ -17,7 +17,7 @@ import typing
 from dataclasses import MISSING, dataclass
 from pathlib import Path
 
-from specfoundry.common.embedded import EMBEDDED_DEFAULT
+from specfoundry.common.embedded import EMBEDDED, EMBEDDED_DEFAULT
 
 # ---- valid values ------------------------------------------------------------------------------
 
@@ -165,7 +165,14 @@ def parse_device(value: str) -> str:
     return value
 
 
-SHARED_PARSE = {"device": parse_device}
+def parse_target(value: str) -> str:
+    """--target's value as it is recorded: an embedded target's name as given, a local model
+    directory absolute (absolute_path), so that a rerun from another directory resumes and each
+    stage's manifest names where the weights are."""
+    return value if value in EMBEDDED else absolute_path(value)
+
+
+SHARED_PARSE = {"device": parse_device, "target": parse_target}
 """The SHARED concepts whose value is checked (and parsed) when the config is built."""
 
 

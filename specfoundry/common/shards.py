@@ -32,6 +32,7 @@ from specfoundry.common.settings import (
     absolute_path,
     as_before,
     config_dict,
+    parse_target,
     path_settings,
     resume_settings,
 )
@@ -117,6 +118,8 @@ def check_output_folder(root: Path, stage: str, cfg) -> Path:
         for record in (old, new):
             if isinstance(record, dict):
                 record.update({k: absolute_path(record[k]) for k in path_settings(cfg) if isinstance(record.get(k), str)})
+                if isinstance(record.get("target"), str):
+                    record["target"] = parse_target(record["target"])
         diffs = settings_diff(old, new, as_before=as_before(cfg))
         if diffs:
             raise OutputFolderError(f"{root} holds an earlier {stage} run with other settings ({'; '.join(diffs)}); "
