@@ -322,6 +322,7 @@ plan_decode() {
 # no curve run unless CURVE_EPOCHS says so (a second session: CURVE_EPOCHS=6). On an H100, from
 # the run of 2026-12-05: regen and capture ~115 s, a DFlash epoch ~180 s for two side by side.
 # OBJECTIVES_EST: the step's skip estimate (1300 s); ONLY and RESULT as scripts/objectives_gpu.sh's.
+# GPU_TESTS: these test files' GPU tests first. AFTER_PROFILE, THEN_ONLY, THEN_EST: below.
 # CAPTURE_MOE=1: first, before the weights, issue 38's result file, benchmarks/capture_moe.py at
 # 8k and 32k tokens with every implementation and sf-capture's --compile-layers choices (177 s on
 # an H100).
@@ -336,6 +337,9 @@ plan_objectives() {
         --compile-layers attention,layer --out dry_capture_moe
     fi
   fi
+  if [ -n "${GPU_TESTS:-}" ] && [ "$DEV" = cuda ]; then
+    step gpu_tests 120 env LOG="$EV/gpu_tests.log" bash benchmarks/gpu_tests.sh $GPU_TESTS
+  fi
   wait_weights || return 1
   local from=""
   [ -f "$EV/carry/regen10240.tar.gz" ] && from=$EV/carry/regen10240.tar.gz
@@ -344,6 +348,19 @@ plan_objectives() {
       REGEN_FROM="$from" ONLY="${ONLY:-}" RESULT="${RESULT:-objectives}" \
       TRAIN_OPTS="--num-workers 2 --profile-steps 10" \
       CURVE_EPOCHS="${CURVE_EPOCHS:-0}" EVAL_OPTS="--limit ${EVAL_LIMIT:-8}" bash scripts/objectives_gpu.sh
+    # AFTER_PROFILE=1: one EAGLE-3 training alone on the same features, 25 steps profiled (as
+    # PLAN=train_profile's), the step time without a second job on the GPU
+    if [ "${AFTER_PROFILE:-0}" = 1 ]; then
+      step tp_eagle3 120 sf-train run "$RUN/objectives/features" -o "$RUN/train_profile/eagle3" --recipe "$RECIPE" \
+        --max-steps 25 --warmup-steps 5 --log-every 5 --profile-steps 10 --num-workers 2
+    fi
+    # THEN_ONLY: a second pass of the same script over the same features (regen and capture find
+    # theirs complete), training only these drafts, if the deadline leaves THEN_EST seconds
+    if [ -n "${THEN_ONLY:-}" ]; then
+      step objectives_then "${THEN_EST:-500}" env RUN="$RUN/objectives" EPOCHS="${OBJECTIVES_EPOCHS:-1}" \
+        ONLY="$THEN_ONLY" RESULT="${RESULT:-objectives}" TRAIN_OPTS="--num-workers 2 --profile-steps 10" \
+        CURVE_EPOCHS=0 EVAL_OPTS="--limit ${EVAL_LIMIT:-8}" bash scripts/objectives_gpu.sh
+    fi
   else
     step objectives 900 env RUN="$RUN/objectives" DEV=cpu SYNTH=6 EPOCHS=1 CURVE_EPOCHS=2 CURVE_EVAL_EVERY=1 JOBS=2 \
       EVAL_JOBS=2 RESULT=dry_objectives REGEN_OPTS="--batch-size 6 --max-new-tokens 16" \

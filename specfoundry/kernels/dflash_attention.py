@@ -27,9 +27,9 @@ once.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_mask
 
+from specfoundry.kernels.masked_sdpa import masked_sdpa
 from specfoundry.kernels.tree_attention import RECOMPILE_LIMIT_HIT, TooManyShapesError, compiled_flex
 
 
@@ -159,7 +159,7 @@ def dflash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anchors:
         mask = dflash_mask(backend, anchors, keep, lengths, ctx_len, block_size, sliding_window)
     gqa = hq != k.shape[1]
     if backend == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return masked_sdpa(q, k, v, mask, scale=scale)
     try:
         return compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, kernel_options=kernel_options)
     except RECOMPILE_LIMIT_HIT as e:

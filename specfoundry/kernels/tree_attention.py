@@ -23,8 +23,9 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
+
+from specfoundry.kernels.masked_sdpa import masked_sdpa
 
 
 def ttt_mask_mod(lengths: torch.Tensor, seq_len: int):
@@ -159,7 +160,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                 "each new (rows, width, step) compiles anew; round widths coarser (sf-train --pad-multiple 256) "
                 "or use --attention sdpa") from e
     mask = dense_ttt_mask(lengths, seq_len, step, q.device, mask_mod)
-    return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return masked_sdpa(q, k_cache, v_cache, mask, scale=scale)
 
 
 def eager_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths, step: int,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -33,6 +32,7 @@ from specfoundry.families.layers import (
     swiglu,
 )
 from specfoundry.families.peagle.config import PEagleConfig
+from specfoundry.kernels.masked_sdpa import masked_sdpa
 
 
 class PEagleAttention(CompiledElementwise):
@@ -65,7 +65,7 @@ class PEagleAttention(CompiledElementwise):
 
             out = compiled_flex(dynamic=True)(q, k, v, block_mask=mask, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            out = masked_sdpa(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.hd))
 
 

@@ -1,0 +1,39 @@
+"""SDPA under a dense mask that varies in shape from call to call (training batches), without
+cuDNN's attention backend.
+
+Why. A masked call with grouped KV heads (GQA) leaves torch on CUDA two backends: cuDNN and math;
+the memory-efficient kernel takes masks but not GQA, and flash takes no mask. cuDNN builds an
+execution graph for every new shape, a cost paid on the host. A training batch's width changes
+from batch to batch and EAGLE-3's keys grow with every TTT step, so nearly every call builds
+one: profiled on an H100, an EAGLE-3 training step on SmolLM2 was almost all host time, in cuDNN's
+forward and backward (benchmarks/RESULTS.md, "Training").
+
+What. On CUDA the keys and values are repeated to the query heads (the efficient kernel's MHA)
+and the call may use flash, the efficient kernel or math, never cuDNN; the efficient kernel runs
+any shape without a plan. The repeat costs a copy of the keys and values, G = Hq / Hkv times
+their size, and its backward a sum over each group: small beside the [T, L] mask it reads.
+On CPU the call is F.scaled_dot_product_attention's own, unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+SHAPE_FREE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""The CUDA backends that run a new shape without building a plan first (cuDNN is left out)."""
+
+
+def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v for q [B, Hq, T, D] over k, v [B, Hkv, L, D] (Hq a multiple
+    of Hkv); mask [B or 1, 1, T, L] bool (True attends) or additive, or None. Returns [B, Hq, T, Dv]."""
+    groups = q.shape[1] // k.shape[1]
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)  # [B, Hq, L, D]: query head h reads KV head h // groups
+        v = v.repeat_interleave(groups, dim=1)
+    with sdpa_kernel(SHAPE_FREE_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
