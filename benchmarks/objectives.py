@@ -1,7 +1,7 @@
 """Token losses side by side (issue 40): gathers the sf-eval reports of scripts/objectives_gpu.sh
 into benchmarks/results/objectives.json and prints the tables.
 
-    python -m benchmarks.objectives RUN [--out objectives]
+    python -m benchmarks.objectives RUN [--out objectives] [--with-run EARLIER]
 
 RUN holds one sf-eval folder per draft, eval_<draft> (eval_eagle3_ce_seed0, eval_eagle3_lk_alpha_seed1,
 eval_dflash_ce, eval_dflash_lk_lambda, ...), and optionally curve_eagle3/, a --keep-best run.
@@ -14,11 +14,18 @@ summary:
                          at least 3% ahead by more than the larger of the two seed spreads
     curve                the held-out simulated acceptance length per evaluation of curve_eagle3,
                          the step --keep-best kept and its value against the last evaluation's
+    data                 what the drafts trained on: samples, tokens, and a hash of the samples'
+                         token ids and loss masks (each shard's source_sha256, in order)
+--with-run EARLIER adds the drafts of an earlier run of the same comparison (a session's device
+time holds only part of it): a folder of its eval_<draft>/eval.json files, its curve_eagle3/ and
+its features/ manifest.json or fingerprint.json (what `--keep-run DEST` copies out of a run). Its data must be this run's
+(the same samples, token for token), else the two are not one comparison and nothing is written.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -65,6 +72,46 @@ def summarise(rows: list[dict]) -> dict:
             "best_lk": best}
 
 
+def fingerprint(run: Path) -> dict:
+    """RUN/features' samples, tokens and the hash of its shards' source_sha256 (the samples' ids,
+    token ids and loss masks, capture/stage.py's samples_sha256), from manifest.json, or from
+    fingerprint.json where only that was kept."""
+    folder = run / "features"
+    if (folder / "manifest.json").is_file():
+        manifest = json.loads((folder / "manifest.json").read_text())
+        shards = manifest["shards"]
+        return {"samples": sum(s["num_samples"] for s in shards), "tokens": sum(s["num_tokens"] for s in shards),
+                "samples_sha256": hashlib.sha256("".join(s["source_sha256"] for s in shards).encode()).hexdigest()}
+    if (folder / "fingerprint.json").is_file():
+        return json.loads((folder / "fingerprint.json").read_text())
+    raise SystemExit(f"{folder}: neither manifest.json nor fingerprint.json (not a run of scripts/objectives_gpu.sh?)")
+
+
+def with_run(rows: list[dict], run: Path, earlier: Path) -> list[dict]:
+    """rows and the earlier run's rows of drafts this run lacks, both trained on the same data."""
+    mine, theirs = fingerprint(run), fingerprint(earlier)
+    if mine != theirs:
+        raise SystemExit(f"{earlier} trained on other data than {run} ({theirs} against {mine}): "
+                         "not one comparison")
+    have = {r["draft"] for r in rows}
+    return rows + [r for r in gather(earlier) if r["draft"] not in have]
+
+
+def keep_run(run: Path, dest: Path) -> None:
+    """Copy what --with-run reads out of RUN into DEST, small enough to commit: the sf-eval
+    reports, curve_eagle3's history and training record, and features/fingerprint.json."""
+    import shutil
+
+    files = [p.relative_to(run) for p in sorted(run.glob("eval_*/eval.json"))]
+    files += [Path("curve_eagle3/history.json"), Path("curve_eagle3/export/specfoundry_training.json")]
+    for rel in files:
+        if (run / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(run / rel, dest / rel)
+    (dest / "features").mkdir(parents=True, exist_ok=True)
+    (dest / "features" / "fingerprint.json").write_text(json.dumps(fingerprint(run), indent=1) + "\n")
+
+
 def curve(run: Path) -> dict | None:
     folder = run / "curve_eagle3"
     history, record = folder / "history.json", folder / "export" / "specfoundry_training.json"
@@ -79,10 +126,21 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", type=Path)
     ap.add_argument("--out", default="objectives", help="The result file's name under benchmarks/results.")
+    ap.add_argument("--with-run", type=Path, help="An earlier run of the same comparison whose drafts join "
+                                                  "this run's (the same data required; see above).")
+    ap.add_argument("--keep-run", type=Path, metavar="DEST",
+                    help="Copy what --with-run reads out of RUN into DEST (small enough to commit), then stop.")
     args = ap.parse_args()
+    if args.keep_run:
+        keep_run(args.run, args.keep_run)
+        print(f"kept {args.run}'s reports, curve and data fingerprint in {args.keep_run}")
+        return
     rows = gather(args.run)
+    if args.with_run:
+        rows = with_run(rows, args.run, args.with_run)
     summary = summarise(rows)
-    summary["curve"] = curve(args.run)
+    summary["curve"] = curve(args.run) or (curve(args.with_run) if args.with_run else None)
+    summary["data"] = fingerprint(args.run)
     print_table(rows, ["draft", "set", "prompts", "accept_length", "greedy_equal"])
     table = [{"variant": v, **{s: f"{m:.3f} ({summary['vs_ce_pct'].get(v, {}).get(s, 0.0):+.1f}%)"
                                for s, m in sets.items()}} for v, sets in summary["mean_accept_length"].items()]

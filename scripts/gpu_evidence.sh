@@ -322,7 +322,9 @@ plan_decode() {
 # no curve run unless CURVE_EPOCHS says so (a second session: CURVE_EPOCHS=6). On an H100, from
 # the run of 2026-12-05: regen and capture ~115 s, a DFlash epoch ~180 s for two side by side.
 # OBJECTIVES_EST: the step's skip estimate (1300 s); ONLY and RESULT as scripts/objectives_gpu.sh's.
-# GPU_TESTS: these test files' GPU tests first. AFTER_PROFILE, THEN_ONLY, THEN_EST: below.
+# GPU_TESTS: these test files' GPU tests first. AFTER_PROFILE, THEN_ONLY, THEN_EST: below. WITH_RUN
+# (read by scripts/objectives_gpu.sh): e.g. benchmarks/results/objectives_h100_e02fe4a, the
+# EAGLE-3 drafts of 2026-12-06, so that a run of ONLY="dflash_ce dflash_lk_lambda" completes the table.
 # CAPTURE_MOE=1: first, before the weights, issue 38's result file, benchmarks/capture_moe.py at
 # 8k and 32k tokens with every implementation and sf-capture's --compile-layers choices (177 s on
 # an H100).

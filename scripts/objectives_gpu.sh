@@ -14,7 +14,8 @@
 # REGEN_FROM, EPOCHS (2), JOBS (train_jobs: 4 on an H200, 2 on an H100), EVAL_JOBS (8),
 # REGEN_OPTS, TRAIN_OPTS, EVAL_OPTS, RESULT (objectives), DEV (cuda), CURVE_EPOCHS (6; 0 skips
 # the curve run), CURVE_EVAL_EVERY (40), ONLY (the drafts to train, by name, space-separated;
-# default all: a pilot that fits less device time).
+# default all: a pilot that fits less device time), WITH_RUN (an earlier run's drafts joined to this
+# one's in the result: benchmarks/objectives.py --with-run; the same data required).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/smollm2-objectives}
@@ -68,5 +69,5 @@ for d in "${DRAFTS[@]}"; do
   fi
 done
 side_by_side eval "${EVAL_JOBS:-8}" "${evals[@]}" || status=1
-python -m benchmarks.objectives "$RUN" --out "${RESULT:-objectives}"
+python -m benchmarks.objectives "$RUN" --out "${RESULT:-objectives}" ${WITH_RUN:+--with-run "$WITH_RUN"}
 exit $status

@@ -5,7 +5,7 @@ Why. A masked call with grouped KV heads (GQA) leaves torch on CUDA two backends
 the memory-efficient kernel takes masks but not GQA, and flash takes no mask. cuDNN builds an
 execution graph for every new shape, a cost paid on the host. A training batch's width changes
 from batch to batch and EAGLE-3's keys grow with every TTT step, so nearly every call builds
-one: profiled on an H100, an EAGLE-3 training step on SmolLM2 was almost all host time, in cuDNN's
+one: profiled on a GPU, an EAGLE-3 training step on SmolLM2 was almost all host time, in cuDNN's
 forward and backward (benchmarks/RESULTS.md, "Training").
 
 What. On CUDA the keys and values are repeated to the query heads (the efficient kernel's MHA)
