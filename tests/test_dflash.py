@@ -709,6 +709,66 @@ def test_config_refuses_what_sglang_would_serve_wrongly(layers, mask_id, overrid
         dflash_config_from_target(QWEN3_LIKE, layers, 1, 16, mask_id, overrides=overrides)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,vocab", [(1, 7), (33, 1000), (130, 4099)])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_hard_ce_pieces_equal_cross_entropy_and_its_autograd(device, dtype, rows, vocab, compiled):
+    """hard_ce_rows and hard_ce_grad (eager, and compiled as a GPU step runs them: inductor on the
+    GPU; on a CPU aot_eager, which traces the same graph) against F.cross_entropy in float64 and
+    its autograd, the gradient scaled per row by coef. Several row counts in one process: the
+    compiled functions meet changing shapes, as the chunks of a step do."""
+    from specfoundry.families.dflash.loss import hard_ce_grad, hard_ce_rows
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g = torch.Generator().manual_seed(rows * 7 + vocab)
+    z = (torch.randn(rows, vocab, generator=g) * 4).to(dtype)
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    coef = torch.rand(rows, generator=g)
+    z64 = z.double().requires_grad_()
+    want_ce = F.cross_entropy(z64, labels, reduction="none")
+    (want_ce * coef.double()).sum().backward()
+    rows_fn, grad_fn = hard_ce_rows, hard_ce_grad
+    if compiled:
+        backend = "inductor" if device == "cuda" else "aot_eager"
+        rows_fn = torch.compile(hard_ce_rows, backend=backend, fullgraph=True, dynamic=True)
+        grad_fn = torch.compile(hard_ce_grad, backend=backend, fullgraph=True, dynamic=True)
+    zd, ld, cd = z.to(device), labels.to(device), coef.to(device)
+    ce, hits, lse = rows_fn(zd, ld)
+    grad = grad_fn(zd, ld, lse, cd, dtype)
+    assert ce.dtype == torch.float32 and grad.dtype == dtype and grad.shape == z.shape
+    # the inputs are exact in fp32 (z is rounded to `dtype` before both sides see it), so ce is off
+    # by fp32 rounding of a logsumexp over V terms of size up to ~e^16: ~1e-6 relative; the gradient
+    # is then rounded to `dtype` once (bf16: 2^-8 relative, on values at most 1 in size)
+    torch.testing.assert_close(ce.double().cpu(), want_ce.detach(), atol=1e-4, rtol=1e-5)
+    assert torch.equal(hits.cpu(), z.double().argmax(-1) == labels)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=4e-3, rtol=8e-3)
+    torch.testing.assert_close(grad.double().cpu(), z64.grad, **tol)
+
+
+def test_hard_chunk_is_the_same_compiled_or_not_on_cpu_and_the_chain_it_replaced():
+    """On a CPU hard_chunk computes exactly what the in-place fp32 chain before it did (the same
+    operations in the same order), so every CPU result, a resumed run's bytes included, is kept."""
+    from specfoundry.families.dflash.loss import hard_chunk
+
+    g = torch.Generator().manual_seed(3)
+    h, head = torch.randn(21, 16, generator=g), torch.randn(300, 16, generator=g)
+    labels, coef = torch.randint(0, 300, (21,), generator=g), torch.rand(21, generator=g)
+    ce, hits, grad = hard_chunk(h, head, labels, coef, True, lambda x: x @ head.T)
+    z = (h @ head.T).float()  # the chain as it was
+    lse = torch.logsumexp(z, dim=-1)
+    old_ce = lse - z.gather(1, labels[:, None]).squeeze(1)
+    old_hits = z.argmax(-1) == labels
+    z.sub_(lse[:, None]).exp_()
+    z[torch.arange(21), labels] -= 1.0
+    z.mul_(coef[:, None])
+    assert torch.equal(ce, old_ce) and torch.equal(hits, old_hits)
+    assert torch.equal(grad, (z.to(head.dtype) @ head).to(h.dtype))
+    compiled = hard_chunk(h, head, labels, coef, True, lambda x: x @ head.T, compiled=True)  # plain on a CPU
+    assert all(torch.equal(a, b) for a, b in zip(compiled, (ce, hits, grad), strict=True))
+
+
 # ---- on the GPU ----------------------------------------------------------------------------------
 
 

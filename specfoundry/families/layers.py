@@ -97,6 +97,11 @@ def drop_stored_embedding(state_dict, prefix, *args) -> None:
     state_dict.pop(prefix + "weight", None)
 
 
+def compiles_elementwise(model: nn.Module) -> bool:
+    """Whether set_compiled_elementwise turned `model`'s chains on (a loss then compiles its own)."""
+    return any(m.compiled_elementwise for m in model.modules() if isinstance(m, CompiledElementwise))
+
+
 def set_compiled_elementwise(model: nn.Module, on: bool) -> nn.Module:
     """Run the elementwise chains of every CompiledElementwise module of `model` compiled (on) or
     plain; off by default, so that decoding (sf-eval) compiles nothing."""

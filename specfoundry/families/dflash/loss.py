@@ -58,6 +58,7 @@ from specfoundry.families.dflash.anchors import batch_anchors, block_inputs, val
 from specfoundry.families.dflash.model import DFlashDraft
 from specfoundry.families.dflash.options import OBJECTIVES
 from specfoundry.families.interface import Batch
+from specfoundry.families.layers import compiled_on_cuda, compiles_elementwise
 from specfoundry.families.teacher import logit_rows
 from specfoundry.kernels.lk_loss import TokenLoss, lk_loss
 from specfoundry.kernels.soft_ce import soft_target_cross_entropy
@@ -128,24 +129,45 @@ def attach_gradients(value: torch.Tensor, announced: float, *pairs) -> torch.Ten
     return total
 
 
+def hard_ce_rows(z: torch.Tensor, labels: torch.Tensor):
+    """z [c, V] logits (any float dtype), labels [c]: (ce [c], hits [c] bool, lse [c]), summed in
+    fp32, with lse = logsumexp(z) and ce = lse - z[y]. One pass over z when compiled."""
+    zf = z.float()
+    lse = torch.logsumexp(zf, dim=-1)
+    return lse - zf.gather(1, labels[:, None]).squeeze(1), zf.argmax(-1) == labels, lse
+
+
+def hard_ce_grad(z: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """d(sum_rows coef * ce) / dz = coef * (softmax(z) - onehot(y)), [c, V] in `dtype`, the
+    softmax taken in fp32 as exp(z - lse). Compiled, one pass reading z and writing the result;
+    eager, the same operations in the same order as the in-place chain it replaced."""
+    onehot = torch.arange(z.shape[1], device=z.device)[None, :] == labels[:, None]  # [c, V]
+    return ((torch.exp(z.float() - lse[:, None]) - onehot.float()) * coef[:, None]).to(dtype)
+
+
+# on a GPU each runs through torch.compile: the eager chain was about ten memory passes over every
+# [c, V] fp32 chunk (the cast, logsumexp, argmax, gather, subtract, exp, one-hot, scale, cast back),
+# most of a SmolLM2 DFlash step's kernel time (benchmarks/RESULTS.md, "Training")
+HARD_CE_ROWS = compiled_on_cuda(hard_ce_rows)
+HARD_CE_GRAD = compiled_on_cuda(hard_ce_grad)
+
+
 @torch.no_grad()
 def hard_chunk(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor, want_grad: bool,
-               logits):
+               logits, compiled: bool = False):
     """h [c, H] rows of one slot k, labels [c]; coef [c] = w_k * announced / sum(w); logits(h): the
     draft's logits of the rows, h W^T (a plain head, whose W the gradient below multiplies by).
     Returns (ce [c] fp32, hits [c], dL/dh [c, H] or None). With z = h W^T and lse = logsumexp(z):
         ce = lse - z[y],     d ce / dz = softmax(z) - onehot(y)
-    computed in one fp32 [c, V] buffer (softmax written over z in place)."""
-    z = logits(h).float()  # [c, V]
-    hits = z.argmax(-1) == labels
-    lse = torch.logsumexp(z, dim=-1)
-    ce = lse - z.gather(1, labels[:, None]).squeeze(1)
+    (hard_ce_rows, hard_ce_grad; `compiled`: through torch.compile on a GPU, one pass over the
+    [c, V] logits each)."""
+    rows_fn, grad_fn = (HARD_CE_ROWS, HARD_CE_GRAD) if compiled else (hard_ce_rows, hard_ce_grad)
+    z = logits(h)  # [c, V]
+    ce, hits, lse = rows_fn(z, labels)
     if not want_grad:
         return ce, hits, None
-    z.sub_(lse[:, None]).exp_()
-    z[torch.arange(len(labels), device=z.device), labels] -= 1.0
-    z.mul_(coef[:, None])
-    return ce, hits, (z.to(head.dtype) @ head).to(h.dtype)
+    return ce, hits, (grad_fn(z, labels, lse, coef, head.dtype) @ head).to(h.dtype)
 
 
 def soft_chunk(h: torch.Tensor, head: torch.Tensor, teacher_h: torch.Tensor, weight: float, normaliser: torch.Tensor,
@@ -196,13 +218,15 @@ def scored_rows(states: torch.Tensor, valid: torch.Tensor, anchors: torch.Tensor
 
 
 def chunked_loss(rows, head, counts, weights, targets, teacher: str, *, chunk: int, announced: float,
-                 loss_kernel: str, want_grad: bool, logits, token_loss: TokenLoss = TokenLoss()):
+                 loss_kernel: str, want_grad: bool, logits, token_loss: TokenLoss = TokenLoss(),
+                 compiled: bool = False):
     """loss = sum_k w_k sum_{rows of k} ce / sum_k w_k n_k, chunk by chunk within each slot k.
     rows: detached (the gradient is computed here, not recorded). targets: labels [M] (hard) or
     the teacher's final states [M, H] (soft). logits(h): the draft's logits of rows, a plain head's
     h W^T (the gradient below is that product's). Returns (loss fp32 0-d,
     dloss/drows [M, H] for the upstream gradient `announced` or None, per-k ce sums [B-1], per-k
-    hits [B-1])."""
+    hits [B-1]). compiled: the hard teacher's chunk math through torch.compile on a GPU (hard_chunk;
+    the draft's own elementwise switch, compiles_elementwise, decides it)."""
     device = rows.device
     norm = torch.tensor(max(sum(w * c for w, c in zip(weights, counts, strict=True)), 1e-6), device=device)
     grad = torch.zeros_like(rows) if want_grad else None
@@ -212,7 +236,7 @@ def chunked_loss(rows, head, counts, weights, targets, teacher: str, *, chunk: i
         w = weights[k]
         if teacher == "hard":
             coef = torch.full((e - s,), w * announced, device=device) / norm
-            ce, hit, g = hard_chunk(rows[s:e], head, targets[s:e], coef, want_grad, logits)
+            ce, hit, g = hard_chunk(rows[s:e], head, targets[s:e], coef, want_grad, logits, compiled)
             ce = ce.sum()
         else:
             ce, hit, g = soft_chunk(rows[s:e], head, targets[s:e], w, norm, announced, loss_kernel, want_grad, logits,
@@ -227,7 +251,7 @@ def chunked_loss(rows, head, counts, weights, targets, teacher: str, *, chunk: i
 
 def dpace_chunked_loss(rows, head, counts, valid, where, alpha: float, targets, teacher: str, *, chunk: int,
                        announced: float, loss_kernel: str, want_grad: bool, logits,
-                       token_loss: TokenLoss = TokenLoss()):
+                       token_loss: TokenLoss = TokenLoss(), compiled: bool = False):
     """chunked_loss with D-PACE's weights (module docstring): loss = sum w ce / sum w over the rows,
     w = dpace_weights of the rows' own ce (valid, where: dpace_weights'). Each chunk writes its
     gradient for a unit weight; once every row's ce is known, the gradient rows are scaled by
@@ -241,7 +265,7 @@ def dpace_chunked_loss(rows, head, counts, valid, where, alpha: float, targets, 
     for k, s, e in slot_chunks(counts, chunk):
         if teacher == "hard":
             coef = torch.full((e - s,), announced, device=device)
-            ce[s:e], hit, g = hard_chunk(rows[s:e], head, targets[s:e], coef, want_grad, logits)
+            ce[s:e], hit, g = hard_chunk(rows[s:e], head, targets[s:e], coef, want_grad, logits, compiled)
         else:
             ce[s:e], hit, g = soft_chunk(rows[s:e], head, targets[s:e], 1.0, unit, announced, loss_kernel, want_grad,
                                          logits, rows_ce=True, token_loss=token_loss)
@@ -371,7 +395,8 @@ def dflash_loss(model: DFlashDraft, batch: Batch, lm_head: torch.Tensor, *, num_
         loss_fn = chunked_loss if objective == "dflash" else dpace_chunked_loss
         value, grad, ce_sums, hits = loss_fn(rows.detach(), head, counts, *weighting, targets, teacher, chunk=chunk,
                                              announced=loss_scale, loss_kernel=loss_kernel, want_grad=want_grad,
-                                             logits=lambda h: model.block_logits(h, head), token_loss=token_loss)
+                                             logits=lambda h: model.block_logits(h, head), token_loss=token_loss,
+                                             compiled=compiles_elementwise(model))
         total = AttachGradient.apply(rows, value, grad, loss_scale) if want_grad else value
     else:
         slots, tokens = block_tokens(batch.input_ids, b_idx, target_pos, counts, b)
