@@ -148,6 +148,43 @@ def test_loss_and_gradients_match_a_plain_torch_reference(base_weight, gradient,
     assert len(metrics) == 5 and [int(m["valid"]) for m in metrics] == valid.sum((0, 1)).tolist()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_chunk_gradients_equal_their_formula_in_float64(device, dtype, compiled):
+    """domino_grads (eager, and compiled as a GPU step runs it: inductor on the GPU, aot_eager on
+    a CPU) against dfinal = coef_f (softmax(final) - onehot), dbase = coef_b (softmax(base) -
+    onehot) + dfinal, dcorrection = on dfinal, in float64; two row counts in one process (the
+    chunks' shapes change)."""
+    from specfoundry.families.dflash.loss import hard_ce_rows
+    from specfoundry.families.domino.loss import domino_grads
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    fn = domino_grads
+    if compiled:
+        fn = torch.compile(domino_grads, backend="inductor" if device == "cuda" else "aot_eager", fullgraph=True,
+                           dynamic=True)
+    for rows, vocab in ((9, 97), (40, 1031)):
+        g = torch.Generator().manual_seed(rows)
+        final, base = ((torch.randn(rows, vocab, generator=g) * 3).to(dtype) for _ in range(2))
+        labels = torch.randint(0, vocab, (rows,), generator=g)
+        coef_f, coef_b = torch.rand(rows, generator=g), torch.rand(rows, generator=g)
+        on = torch.arange(rows) % 3 > 0
+        onehot = F.one_hot(labels, vocab).double()
+        dfinal = coef_f.double()[:, None] * (torch.softmax(final.double(), -1) - onehot)
+        dbase = coef_b.double()[:, None] * (torch.softmax(base.double(), -1) - onehot) + dfinal
+        args = [x.to(device) for x in (final, base, labels)]
+        lse = [hard_ce_rows(x, args[2])[2] for x in args[:2]]
+        got_base, got_corr = fn(*args, *lse, coef_f.to(device), coef_b.to(device), on.to(device), dtype)
+        assert got_base.dtype == got_corr.dtype == dtype
+        # fp32: exp and sums of fp32 values of size <= ~e^12 (unit roundoff 6e-8); bf16: one
+        # rounding of values at most 2 in size to 8 bits (2^-8 relative)
+        tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=8e-3, rtol=8e-3)
+        torch.testing.assert_close(got_base.double().cpu(), dbase, **tol)
+        torch.testing.assert_close(got_corr.double().cpu(), dfinal * on.double()[:, None], **tol)
+
+
 def test_with_lambda_one_only_the_backbone_learns():
     """lambda = 1 is DFlash's loss on shifted labels: the head gets exactly zero gradient."""
     draft = tiny_draft()

@@ -168,6 +168,43 @@ def test_loss_and_gradients_match_a_plain_torch_reference(weights, gradient, ups
     assert len(metrics) == 5 and [int(m["valid"]) for m in metrics] == counted.sum((0, 1)).tolist()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_chunk_pieces_equal_autograd_in_float64(device, dtype, compiled):
+    """dspark_rows and dspark_grad (eager, and compiled as a GPU step runs them: inductor on the
+    GPU, aot_eager on a CPU) against ce, l1 = sum |softmax(z) - softmax(t)| and autograd's gradient
+    of sum coef (ce_weight ce + l1_weight l1) in float64; two row counts in one process."""
+    from specfoundry.families.dspark.loss import dspark_grad, dspark_rows
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    rows_fn, grad_fn = dspark_rows, dspark_grad
+    if compiled:
+        backend = "inductor" if device == "cuda" else "aot_eager"
+        rows_fn = torch.compile(dspark_rows, backend=backend, fullgraph=True, dynamic=True)
+        grad_fn = torch.compile(dspark_grad, backend=backend, fullgraph=True, dynamic=True)
+    for rows, vocab in ((9, 97), (40, 1031)):
+        g = torch.Generator().manual_seed(rows)
+        z, t = ((torch.randn(rows, vocab, generator=g) * 3).to(dtype) for _ in range(2))
+        labels = torch.randint(0, vocab, (rows,), generator=g)
+        coef = torch.rand(rows, generator=g)
+        z64 = z.double().requires_grad_()
+        ce = F.cross_entropy(z64, labels, reduction="none")
+        l1 = (torch.softmax(z64, -1) - torch.softmax(t.double(), -1)).abs().sum(-1)
+        (coef.double() * (0.7 * ce + 0.4 * l1)).sum().backward()
+        zd, td, ld = z.to(device), t.to(device), labels.to(device)
+        got_ce, hits, lse, got_l1, sp = rows_fn(zd, td, ld)
+        dz = grad_fn(zd, td, ld, lse, sp, coef.to(device), 0.7, 0.4, dtype)
+        # ce and l1: fp32 sums over V terms (unit roundoff 6e-8, values up to ~e^12 before the
+        # logsumexp); the gradient is rounded once to `dtype` (bf16: 2^-8 of values at most ~2)
+        torch.testing.assert_close(got_ce.double().cpu(), ce.detach(), atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(got_l1.double().cpu(), l1.detach(), atol=1e-5, rtol=1e-5)
+        assert torch.equal(hits.cpu(), z.double().argmax(-1) == labels)
+        tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=8e-3, rtol=8e-3)
+        torch.testing.assert_close(dz.double().cpu(), z64.grad, **tol)
+
+
 def test_a_fresh_draft_trains_its_markov_head_and_the_acceptance_target_is_held():
     """markov_w2 starts at zero (the draft is its DFlash backbone), and still gets a gradient. With
     the confidence term alone, the logits get none: 1 - L1/2 is the BCE's target, held without

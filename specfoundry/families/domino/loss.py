@@ -28,10 +28,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from specfoundry.families.dflash.anchors import batch_anchors, block_inputs
-from specfoundry.families.dflash.loss import attach_gradients, check_announced
+from specfoundry.families.dflash.loss import HARD_CE_ROWS, attach_gradients, check_announced, hard_ce_rows
 from specfoundry.families.domino.config import PURE_DRAFT_PREFIX_LEN
 from specfoundry.families.domino.model import DominoDraft, correction_parameters
 from specfoundry.families.interface import Batch
+from specfoundry.families.layers import compiled_on_cuda, compiles_elementwise
 from specfoundry.families.teacher import logit_rows
 
 
@@ -69,16 +70,28 @@ def chunk_losses(draft: DominoDraft, rows, head, slots, prefix, labels):
             final.detach().argmax(-1) == labels)
 
 
-@torch.no_grad()
-def ce_and_softmax(z: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ce [c] = lse - z[y], softmax(z) written over the fp32 logits z [c, V])."""
-    lse = torch.logsumexp(z, dim=-1)
-    ce = lse - z.gather(1, labels[:, None]).squeeze(1)
-    return ce, z.sub_(lse[:, None]).exp_()
+def domino_grads(final: torch.Tensor, base: torch.Tensor, labels: torch.Tensor, lse_f: torch.Tensor,
+                 lse_b: torch.Tensor, coef_f: torch.Tensor, coef_b: torch.Tensor, on: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dbase, dcorrection) [c, V] in `dtype` from the final and base logits [c, V] (any float
+    dtype), their logsumexps [c], the rows' coefficients coef_f = coef (1 - lambda), coef_b =
+    coef lambda [c] and on [c] (slot >= PURE_DRAFT_PREFIX_LEN):
+        dfinal = coef_f (softmax(final) - onehot(y)),  dbase = coef_b (softmax(base) - onehot(y)) + dfinal,
+        dcorrection = on dfinal
+    the softmaxes in fp32 as exp(z - lse). Compiled, one pass reading both logits and writing both
+    results; eager, the operations of the in-place chain it replaced, in its order."""
+    onehot = (torch.arange(final.shape[1], device=final.device)[None, :] == labels[:, None]).float()  # [c, V]
+    dfinal = (torch.exp(final.float() - lse_f[:, None]) - onehot) * coef_f[:, None]
+    dbase = (torch.exp(base.float() - lse_b[:, None]) - onehot) * coef_b[:, None] + dfinal
+    return dbase.to(dtype), (dfinal * on[:, None]).to(dtype)
+
+
+DOMINO_GRADS = compiled_on_cuda(domino_grads)
 
 
 @torch.no_grad()
-def manual_chunk(draft: DominoDraft, rows, head, slots, features, labels, coef, base_weight: float, want_grad: bool):
+def manual_chunk(draft: DominoDraft, rows, head, slots, features, labels, coef, base_weight: float, want_grad: bool,
+                 compiled: bool = False):
     """One chunk's final and base ce [c] fp32 and the final logits' hits [c], with, for want_grad,
     the gradient of L = sum_rows coef ((1 - lambda) ce(final) + lambda ce(base)) taken at once:
     (dL/drows [c, H], dL/dfeatures [c, E], dL/dP2 [V, E]) for rows [c, H], features = silu(P1 [z; g])
@@ -87,23 +100,19 @@ def manual_chunk(draft: DominoDraft, rows, head, slots, features, labels, coef, 
         dfinal = coef (1 - lambda) (softmax(final) - onehot(y))
         dbase  = coef lambda (softmax(base) - onehot(y)) + dfinal
         dL/drows = dbase W,   dL/dfeatures = (on dfinal) P2,   dL/dP2 = (on dfinal)^T features
-    in two fp32 [c, V] buffers (each softmax written over its logits, then its gradient over it)."""
+    (hard_ce_rows for each logits' ce, domino_grads for the [c, V] gradients; `compiled`: each
+    through torch.compile on a GPU, one pass over the logits)."""
+    rows_fn, grads_fn = (HARD_CE_ROWS, DOMINO_GRADS) if compiled else (hard_ce_rows, domino_grads)
     base = draft.base_logits(rows, head)
-    final = draft.corrected(base, features, slots).float()  # [c, V]
-    hits = final.argmax(-1) == labels
-    ce_f, dfinal = ce_and_softmax(final, labels)
-    ce_b, dbase = ce_and_softmax(base.float(), labels)
+    final = draft.corrected(base, features, slots)  # [c, V]
+    ce_f, hits, lse_f = rows_fn(final, labels)
+    ce_b, _, lse_b = rows_fn(base, labels)
     if not want_grad:
         return ce_f, ce_b, hits, None
-    at_label = (torch.arange(len(labels), device=labels.device), labels)
-    dfinal[at_label] -= 1.0
-    dfinal.mul_((coef * (1.0 - base_weight))[:, None])
-    dbase[at_label] -= 1.0
-    dbase.mul_((coef * base_weight)[:, None]).add_(dfinal)
-    dcorrection = dfinal.mul_((slots >= PURE_DRAFT_PREFIX_LEN)[:, None]).to(head.dtype)
+    dbase, dcorrection = grads_fn(final, base, labels, lse_f, lse_b, coef * (1.0 - base_weight), coef * base_weight,
+                                  slots >= PURE_DRAFT_PREFIX_LEN, head.dtype)
     p2 = draft.embed_proj[2].weight
-    return ce_f, ce_b, hits, (dbase.to(head.dtype) @ head, dcorrection @ p2.to(head.dtype),
-                              dcorrection.T @ features.to(head.dtype))
+    return ce_f, ce_b, hits, (dbase @ head, dcorrection @ p2.to(head.dtype), dcorrection.T @ features.to(head.dtype))
 
 
 def domino_loss(draft: DominoDraft, batch: Batch, lm_head: torch.Tensor, *, base_weight: float,
@@ -160,6 +169,7 @@ def manual_loss(draft: DominoDraft, rows, head, j_idx, g, y, w, chunk: int, base
     want_grad = torch.is_grad_enabled() and rows.requires_grad
     if want_grad:
         check_announced(loss_scale, "domino_loss")
+    compiled = compiles_elementwise(draft)  # the chunks' [c, V] math compiled where the draft's chains are
     features = draft.correction_features(rows, g)  # [M, E]
     p2 = draft.embed_proj[2].weight  # [V, E]
     grads = (torch.zeros_like(rows), torch.zeros_like(features),
@@ -169,7 +179,7 @@ def manual_loss(draft: DominoDraft, rows, head, j_idx, g, y, w, chunk: int, base
         e = min(s + chunk, len(rows))
         ce_f[s:e], ce_b[s:e], hit, grad = manual_chunk(draft, rows[s:e].detach(), head, j_idx[s:e],
                                                        features[s:e].detach(), y[s:e], w[s:e] * loss_scale,
-                                                       base_weight, want_grad)
+                                                       base_weight, want_grad, compiled)
         hits.index_add_(0, j_idx[s:e], hit.long())
         if grad is not None:
             grads[0][s:e], grads[1][s:e] = grad[0], grad[1].to(grads[1].dtype)

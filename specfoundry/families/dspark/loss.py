@@ -36,6 +36,7 @@ from specfoundry.families.dflash.anchors import batch_anchors, block_inputs
 from specfoundry.families.dflash.loss import attach_gradients, check_announced
 from specfoundry.families.dspark.model import DSparkDraft, head_parameters
 from specfoundry.families.interface import Batch
+from specfoundry.families.layers import compiled_on_cuda, compiles_elementwise
 from specfoundry.families.teacher import logit_rows
 
 
@@ -73,9 +74,39 @@ def chunk_terms(draft: DSparkDraft, rows, head, prev, labels, teacher):
     return ce, l1, bce, logits.detach().argmax(-1) == labels, torch.sigmoid(c.detach())
 
 
+def dspark_rows(z: torch.Tensor, t: torch.Tensor, labels: torch.Tensor):
+    """From the draft's logits z and the target's t [c, V] (any float dtype) and labels [c]: (ce,
+    hits, lse, l1, sp) [c], with p = softmax(z) = exp(z - lse), q = softmax(t) and s = sign(p - q):
+    ce = lse - z[y], l1 = sum |p - q|, sp = <s, p>; all in fp32. Compiled, two passes over each
+    row (the logsumexps, then the sums that need them)."""
+    zf = z.float()
+    lse = torch.logsumexp(zf, dim=-1)
+    p = torch.exp(zf - lse[:, None])
+    d = -(torch.softmax(t.float(), dim=-1) - p)  # p - q
+    return (lse - zf.gather(1, labels[:, None]).squeeze(1), zf.argmax(-1) == labels, lse, d.abs().sum(-1),
+            (d.sign() * p).sum(-1))
+
+
+def dspark_grad(z: torch.Tensor, t: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, sp: torch.Tensor,
+                coef: torch.Tensor, ce_weight: float, l1_weight: float, dtype: torch.dtype) -> torch.Tensor:
+    """dL/dz [c, V] in `dtype` for L = sum_rows coef (ce_weight ce + l1_weight l1) (manual_chunk's
+    formulas), p and q recomputed from z, lse and t as dspark_rows takes them. Compiled, one pass
+    reading both logits and writing the result."""
+    zf = z.float()
+    p = torch.exp(zf - lse[:, None])
+    s = (-(torch.softmax(t.float(), dim=-1) - p)).sign()
+    onehot = (torch.arange(z.shape[1], device=z.device)[None, :] == labels[:, None]).float()  # [c, V]
+    dz = (s - sp[:, None]) * p * l1_weight + p * ce_weight - onehot * ce_weight
+    return (dz * coef[:, None]).to(dtype)
+
+
+DSPARK_ROWS = compiled_on_cuda(dspark_rows)
+DSPARK_GRAD = compiled_on_cuda(dspark_grad)
+
+
 @torch.no_grad()
 def manual_chunk(draft: DSparkDraft, rows, head, a_u, prev, labels, teacher, coef, ce_weight: float,
-                 l1_weight: float, want_grad: bool):
+                 l1_weight: float, want_grad: bool, compiled: bool = False):
     """One chunk's ce and l1 [c] fp32 and argmax hits [c] with, for want_grad, the gradient of
     L = sum_rows coef (ce_weight ce + l1_weight l1) taken at once: (dL/drows [c, H], dL/dA_u [c, R],
     dL/dP [V, R]) for rows [c, H], A_u = markov_w1[prev] [c, R] and P = markov_w2 [V, R]. With
@@ -83,21 +114,14 @@ def manual_chunk(draft: DSparkDraft, rows, head, a_u, prev, labels, teacher, coe
         d ce / dz = p - onehot(y)
         d l1 / dz_k = sum_v s_v p_v (delta_vk - p_k) = p_k (s_k - <s, p>)
         dL/drows = dz W,   dL/dA_u = dz P,   dL/dP = dz^T A_u            (dz = dL/dz [c, V])
-    in fp32 [c, V] buffers: p, then p - q overwritten by s and by dz, and the temporaries of |p - q|
-    and s * p."""
-    z = draft.step_logits(rows, head, prev).float()  # [c, V]
-    hits = z.argmax(-1) == labels
-    lse = torch.logsumexp(z, dim=-1)
-    ce = lse - z.gather(1, labels[:, None]).squeeze(1)
-    p = z.sub_(lse[:, None]).exp_()
-    d = torch.softmax((teacher @ head.T).float(), dim=-1).sub_(p).neg_()  # p - q
-    l1 = d.abs().sum(-1)
+    (dspark_rows, dspark_grad; `compiled`: through torch.compile on a GPU, no fp32 [c, V] buffer)."""
+    rows_fn, grad_fn = (DSPARK_ROWS, DSPARK_GRAD) if compiled else (dspark_rows, dspark_grad)
+    z = draft.step_logits(rows, head, prev)  # [c, V]
+    t = teacher @ head.T  # [c, V] the target's logits
+    ce, hits, lse, l1, sp = rows_fn(z, t, labels)
     if not want_grad:
         return ce, l1, hits, None
-    s = d.sign_()
-    dz = s.sub_((s * p).sum(-1, keepdim=True)).mul_(p).mul_(l1_weight).add_(p, alpha=ce_weight)
-    dz[torch.arange(len(labels), device=dz.device), labels] -= ce_weight
-    dz = dz.mul_(coef[:, None]).to(head.dtype)
+    dz = grad_fn(z, t, labels, lse, sp, coef, ce_weight, l1_weight, head.dtype)
     w2 = draft.markov_head.markov_w2.weight
     return ce, l1, hits, (dz @ head, dz @ w2.to(dz.dtype), dz.T @ a_u.to(dz.dtype))
 
@@ -111,6 +135,7 @@ def manual_loss(draft: DSparkDraft, rows, head, u, y, teacher, w, j_idx, chunk: 
     want_grad = torch.is_grad_enabled() and rows.requires_grad
     if want_grad:
         check_announced(loss_scale, "dspark_loss")
+    compiled = compiles_elementwise(draft)  # the chunks' [c, V] math compiled where the draft's chains are
     a_u = draft.markov_head.markov_w1(u)  # [M, R]
     w2 = draft.markov_head.markov_w2.weight  # [V, R]
     grads = (torch.zeros_like(rows), torch.zeros_like(a_u),
@@ -119,7 +144,8 @@ def manual_loss(draft: DSparkDraft, rows, head, u, y, teacher, w, j_idx, chunk: 
     for s in range(0, len(rows), chunk):
         e = min(s + chunk, len(rows))
         ce[s:e], l1[s:e], hit, g = manual_chunk(draft, rows[s:e].detach(), head, a_u[s:e].detach(), u[s:e], y[s:e],
-                                                teacher[s:e], w[s:e] * loss_scale, ce_weight, l1_weight, want_grad)
+                                                teacher[s:e], w[s:e] * loss_scale, ce_weight, l1_weight, want_grad,
+                                                compiled)
         hits.index_add_(0, j_idx[s:e], hit.long())
         if g is not None:
             grads[0][s:e], grads[1][s:e] = g[0], g[1].to(grads[1].dtype)
