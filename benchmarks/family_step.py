@@ -9,13 +9,17 @@ features (--samples rows of --seq tokens: ~16k tokens, the recipe's batch; each 
 one contiguous answer after a prompt). The step is the module's forward and backward under bf16
 autocast (no optimizer: it is the same for all). DFlash's loss takes its gradient by hand. Domino's
 and DSpark's run both ways: by hand (`gradient="manual"`, their default), and through autograd,
-chunk by chunk under activation checkpointing (their reference path). CUDA events after warm-up (compiles
-included there); peak from max_memory_allocated.
+chunk by chunk under activation checkpointing (their reference path). Each hand-written loss runs
+twice (`chunk_math`): its [c, V] chunk math compiled, as sf-train runs it on a GPU, and eager, as
+it ran before (the same module with the loss's compile switch held off). CUDA events after warm-up
+(compiles included there); peak from max_memory_allocated.
 """
 
 from __future__ import annotations
 
 import argparse
+from contextlib import ExitStack, nullcontext
+from unittest import mock
 
 import torch
 
@@ -31,6 +35,18 @@ from specfoundry.families.dspark.config import DSparkConfig
 from specfoundry.families.dspark.loss import DSparkModule
 from specfoundry.families.dspark.model import DSparkDraft
 from specfoundry.families.interface import Batch
+
+LOSS_MODULES = ("specfoundry.families.dflash.loss", "specfoundry.families.domino.loss",
+                "specfoundry.families.dspark.loss")
+"""The modules whose hand-written chunk math follows the draft's compile switch (compiles_elementwise)."""
+
+
+def eager_chunk_math():
+    """Hold each loss's chunk math eager while the draft's own chains stay compiled: the baseline."""
+    stack = ExitStack()
+    for name in LOSS_MODULES:
+        stack.enter_context(mock.patch(f"{name}.compiles_elementwise", lambda model: False))
+    return stack
 
 SMOL_DFLASH = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=5, num_attention_heads=9,
                    num_key_value_heads=3, head_dim=64, rope_theta=100000.0, max_position_embeddings=8192,
@@ -71,8 +87,10 @@ def main() -> None:
     args = ap.parse_args()
     batch = random_batch(args.samples, args.seq, DFlashConfig(**SMOL_DFLASH))
     rows = []
-    for family, gradient in (("dflash", "manual"), ("domino", "autograd"), ("domino", "manual"),
-                             ("dspark", "autograd"), ("dspark", "manual")):
+    for family, gradient, math in (("dflash", "manual", "eager"), ("dflash", "manual", "compiled"),
+                                   ("domino", "autograd", "-"), ("domino", "manual", "eager"),
+                                   ("domino", "manual", "compiled"), ("dspark", "autograd", "-"),
+                                   ("dspark", "manual", "eager"), ("dspark", "manual", "compiled")):
         model = module(family, gradient).cuda()
 
         def step(model=model):
@@ -81,14 +99,16 @@ def main() -> None:
             loss.backward()
             model.zero_grad(set_to_none=True)
 
-        ms = time_steps(step, args.steps)
-        rows.append({"family": family, "loss_gradient": gradient, "ms_per_step": ms,
+        torch.cuda.reset_peak_memory_stats()
+        with eager_chunk_math() if math == "eager" else nullcontext():
+            ms = time_steps(step, args.steps)
+        rows.append({"family": family, "loss_gradient": gradient, "chunk_math": math, "ms_per_step": ms,
                      "tokens_per_s": args.samples * args.seq / (ms * 1e-3),
                      "peak_GiB": torch.cuda.max_memory_allocated() / 2**30})
         print(rows[-1], flush=True)
         del model
         torch.cuda.empty_cache()
-    print_table(rows, ["family", "loss_gradient", "ms_per_step", "tokens_per_s", "peak_GiB"])
+    print_table(rows, ["family", "loss_gradient", "chunk_math", "ms_per_step", "tokens_per_s", "peak_GiB"])
     print(write_result("family_step", rows, {"settings": vars(args)}))
 
 

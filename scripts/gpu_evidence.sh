@@ -377,13 +377,20 @@ plan_objectives() {
 # PLAN=train_profile (deadline DEADLINE; ~250 s with the start): why SmolLM2's drafts train at
 # ~12,400 tokens/s a job on an H100 (RESULTS.md, the objectives pilot), far below their FLOPs,
 # which makes issue 40's comparison and issue 36's families run longer than a session. sf-regen
-# of 2,048 synthesised conversations, one capture, then an EAGLE-3 and a DFlash b16 training each
-# alone for 25 steps with --profile-steps 10 (profile.txt in each run folder; the log lines give
-# the data wait and the step's host time).
+# of 2,048 synthesised conversations, one capture, then a training of each of TP_FAMILIES (eagle3
+# and dflash by default; also domino, dspark, peagle) alone for 25 steps with --profile-steps 10
+# (profile.txt in each run folder; the log lines give the data wait and the step's host time).
+# GPU_TESTS: these test files' GPU tests first; FAMILY_STEP=1: then benchmarks/family_step.py (the
+# DFlash-backbone families' step, each hand-written loss's chunk math compiled and eager, ~100 s).
 plan_train_profile() {
-  begin_plan "plan train_profile: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s" || return 1
+  begin_plan "plan train_profile: commit ${GIT_COMMIT:-?}, device $DEV, deadline ${DEADLINE}s" later
   local r=$RUN/train_profile opts=(--device "$DEV") train=(--max-steps 25 --warmup-steps 5 --log-every 5
     --profile-steps 10 --num-workers 2)
+  if [ "$DEV" = cuda ]; then
+    [ -n "${GPU_TESTS:-}" ] && step gpu_tests 240 env LOG="$EV/gpu_tests.log" bash benchmarks/gpu_tests.sh $GPU_TESTS
+    [ "${FAMILY_STEP:-0}" = 1 ] && step family_step 150 python -m benchmarks.family_step
+  fi
+  wait_weights || return 1
   if [ "$DEV" = cuda ]; then
     step tp_regen 120 sf-regen run -o "$r/regen" --recipe "$RECIPE" --synthesize 2048 "${opts[@]}" || return 1
   else
@@ -392,11 +399,19 @@ plan_train_profile() {
     train=(--max-steps 4 --warmup-steps 1 --log-every 2 --profile-steps 1 --num-workers 0 --max-batch-tokens 1024
       --eval-fraction 0)
   fi
-  step tp_capture 120 sf-capture run "$r/regen" -o "$r/features" --recipe "$RECIPE" --families eagle3,dflash \
-    "${opts[@]}" || return 1
-  step tp_eagle3 150 sf-train run "$r/features" -o "$r/eagle3" --recipe "$RECIPE" "${train[@]}"
-  step tp_dflash 150 sf-train run "$r/features" -o "$r/dflash" --recipe recipes/smollm2-h200-dflash.yaml \
-    --block-size 16 "${train[@]}"
+  step tp_capture 120 sf-capture run "$r/regen" -o "$r/features" --recipe "$RECIPE" \
+    --families eagle3,dflash,domino,dspark,peagle "${opts[@]}" || return 1
+  local family
+  for family in ${TP_FAMILIES:-eagle3 dflash}; do
+    case $family in
+      eagle3) step tp_eagle3 150 sf-train run "$r/features" -o "$r/eagle3" --recipe "$RECIPE" "${train[@]}" ;;
+      peagle) step tp_peagle 150 sf-train run "$r/features" -o "$r/peagle" --recipe recipes/smollm2-h200-peagle.yaml \
+                "${train[@]}" ;;
+      dflash|domino|dspark) step "tp_$family" 150 sf-train run "$r/features" -o "$r/$family" \
+                --recipe recipes/smollm2-h200-dflash.yaml --family "$family" --block-size 16 "${train[@]}" ;;
+      *) echo "TP_FAMILIES: unknown family $family"; return 1 ;;
+    esac
+  done
   echo "[$(elapsed) s] plan done"
   echo done > "$EV/done"
 }
