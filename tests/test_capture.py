@@ -185,6 +185,16 @@ def test_verify_names_a_damaged_shard(tmp_path, chat_file):
     assert "shard-000001" in verify_featureset(tmp_path / "fs")[0]
 
 
+def test_verify_shows_a_bar_over_the_shards_unless_silent(tmp_path, chat_file):
+    run_capture(CaptureConfig(source=str(chat_file), output=str(tmp_path / "fs"), shard_size=2,
+                              codec="safetensors"), silent=True)
+    loud = CliRunner().invoke(capture_cli, ["verify", str(tmp_path / "fs")])
+    quiet = CliRunner().invoke(capture_cli, ["verify", str(tmp_path / "fs"), "--silent"])
+    assert loud.exit_code == quiet.exit_code == 0, (loud.output, quiet.output)
+    assert "sf-capture verify" in loud.output and "shard" in loud.output
+    assert "sf-capture verify" not in quiet.output and quiet.output.strip().endswith(": ok")
+
+
 def test_mismatching_target_is_refused_with_the_reason(tmp_path, chat_file):
     manifest = run_capture(CaptureConfig(source=str(chat_file), output=str(tmp_path / "fs"), limit=1), silent=True)
     ok = dict(hidden_size=576, vocab_size=49152, tokenizer_sha256=manifest["tokenizer_sha256"], aux_layer_ids=[1, 14, 26])

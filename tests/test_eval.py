@@ -273,6 +273,8 @@ def test_eval_report_and_untrained_floor(gate_run, tmp_path, smollm2_target):
     # the time the run took: each set's decodes, and the whole run around them
     assert 0 < sum(e["wall_s"] for e in report["sets"].values()) <= report["wall_s"]
     assert "the whole run" in (out / "eval.txt").read_text()
+    k = report["config"]["k"]  # the per-position columns are named and explained under the table
+    assert f"{'p' + str(k):>5}" in (out / "eval.txt").read_text() and f"p1..p{k}: " in (out / "eval.txt").read_text()
 
 
 def test_the_gpu_warm_up_leaves_every_decoded_figure_but_time_unchanged(gate_run, smollm2_target, monkeypatch):

@@ -14,6 +14,7 @@ from specfoundry.common.cli import (
     given_on_command_line,
     resolve_config,
     shared_option,
+    silent_option,
     stage_command,
 )
 from specfoundry.common.conversations import ConversationFormatError
@@ -57,11 +58,16 @@ def run(recipe, silent, **options):
 @click.option("--recompute", type=IntIn(Range(0)), default=0, show_default=True,
               help="Also rerun the target on this many samples and compare. 0: none.")
 @shared_option("device")
+@silent_option
 @expected_failures(*FAILURES)
-def verify(featureset, recompute, device):
+def verify(featureset, recompute, device, silent):
     """Check FEATURESET against its manifest: checksums, shapes, counts, NaN/Inf. Exit status 1
     when it finds a problem, 2 when it cannot check."""
-    problems = verify_featureset(featureset, recompute, device)
+    if silent:  # transformers' bars too, where --recompute loads the target
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+    problems = verify_featureset(featureset, recompute, device, silent=silent)
     if problems:
         click.echo(f"Error: {problems[0]}" + (f" (+{len(problems) - 1} more problems)" if len(problems) > 1 else ""),
                    err=True)

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from specfoundry.common.files import checksum
+from specfoundry.common.progress import Progress
 from specfoundry.featureset import fp8
 from specfoundry.featureset.manifest import FeatureSetError, read_manifest, record_disagreements
 from specfoundry.featureset.store import (
@@ -102,19 +103,23 @@ def check_shard(root: Path, manifest: dict, entry: dict) -> tuple[list[str], dic
     return problems, {"samples": len(r), "tokens": n, "loss_tokens": int(mask.sum())}
 
 
-def verify_featureset(root: str | Path, recompute: int = 0, device: str | None = None) -> list[str]:
-    """Return one line per problem found (empty when the set is sound)."""
+def verify_featureset(root: str | Path, recompute: int = 0, device: str | None = None,
+                      silent: bool = True) -> list[str]:
+    """Return one line per problem found (empty when the set is sound); a bar over the shards
+    unless silent (each is read whole, so a large set takes a while)."""
     root = Path(root)
     manifest = read_manifest(root)
     problems = record_disagreements(root, manifest)
     if not manifest.get("complete"):
         problems.append(f"{root}: the capture is not complete (rerun the same sf-capture command to finish)")
     totals = {"samples": 0, "tokens": 0, "loss_tokens": 0}
-    for entry in manifest["shards"]:
-        found, held = check_shard(root, manifest, entry)
-        problems += found
-        for k, v in held.items():
-            totals[k] += v
+    with Progress(len(manifest["shards"]), "shard", "sf-capture verify", silent) as progress:
+        for entry in manifest["shards"]:
+            found, held = check_shard(root, manifest, entry)
+            problems += found
+            for k, v in held.items():
+                totals[k] += v
+            progress.update(1, held.get("tokens", 0))
     for k, v in totals.items():
         if not problems and manifest["counts"][k] != v:
             problems.append(f"{root}: manifest counts {k}={manifest['counts'][k]}, shards hold {v}")

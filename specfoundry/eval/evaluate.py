@@ -461,6 +461,8 @@ def format_table(report: dict) -> str:
                          f"{alone if alone is not None else float('nan'):>8.1f} {s.get('speedup', float('nan')):>7.2f} "
                          f"{s.get('identical_to_target', '-'):>14}")
     lines.append(report["convention"])
+    lines.append(f"p1..p{k}: at draft position j, the share of the rounds that reached it (every draft token before "
+                 "it accepted) in which it was accepted too")
     dropped = [entry["target_alone_dropped_steps"] for entry in report["sets"].values() if "target_alone_dropped_steps" in entry]
     if dropped:
         lines.append(f"alone = the target alone; its greedy read-back ran {sum(dropped)} steps after an eos in all "
