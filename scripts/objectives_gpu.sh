@@ -15,7 +15,8 @@
 # REGEN_OPTS, TRAIN_OPTS, EVAL_OPTS, RESULT (objectives), DEV (cuda), CURVE_EPOCHS (6; 0 skips
 # the curve run), CURVE_EVAL_EVERY (40), ONLY (the drafts to train, by name, space-separated;
 # default all: a pilot that fits less device time), WITH_RUN (an earlier run's drafts joined to this
-# one's in the result: benchmarks/objectives.py --with-run; the same data required).
+# one's in the result: benchmarks/objectives.py --with-run; the same data required, else this run's
+# drafts are written alone, as RESULT_alone).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/smollm2-objectives}
@@ -69,5 +70,9 @@ for d in "${DRAFTS[@]}"; do
   fi
 done
 side_by_side eval "${EVAL_JOBS:-8}" "${evals[@]}" || status=1
-python -m benchmarks.objectives "$RUN" --out "${RESULT:-objectives}" ${WITH_RUN:+--with-run "$WITH_RUN"}
+if ! python -m benchmarks.objectives "$RUN" --out "${RESULT:-objectives}" ${WITH_RUN:+--with-run "$WITH_RUN"}; then
+  # WITH_RUN refused (other data, or unreadable): this run's drafts are written alone, not lost
+  [ -n "${WITH_RUN:-}" ] && python -m benchmarks.objectives "$RUN" --out "${RESULT:-objectives}_alone"
+  status=1
+fi
 exit $status
