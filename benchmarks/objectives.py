@@ -20,6 +20,8 @@ summary:
 time holds only part of it): a folder of its eval_<draft>/eval.json files, its curve_eagle3/ and
 its features/ manifest.json or fingerprint.json (what `--keep-run DEST` copies out of a run). Its data must be this run's
 (the same samples, token for token), else the two are not one comparison and nothing is written.
+Only the data are compared: that the drafts trained for the same epochs with the same recipe is
+the caller's to keep (the commands of both runs are in their logs).
 """
 
 from __future__ import annotations
@@ -87,6 +89,10 @@ def fingerprint(run: Path) -> dict:
     raise SystemExit(f"{folder}: neither manifest.json nor fingerprint.json (not a run of scripts/objectives_gpu.sh?)")
 
 
+def has_fingerprint(run: Path) -> bool:
+    return any((run / "features" / name).is_file() for name in ("manifest.json", "fingerprint.json"))
+
+
 def with_run(rows: list[dict], run: Path, earlier: Path) -> list[dict]:
     """rows and the earlier run's rows of drafts this run lacks, both trained on the same data."""
     mine, theirs = fingerprint(run), fingerprint(earlier)
@@ -140,7 +146,7 @@ def main():
         rows = with_run(rows, args.run, args.with_run)
     summary = summarise(rows)
     summary["curve"] = curve(args.run) or (curve(args.with_run) if args.with_run else None)
-    summary["data"] = fingerprint(args.run)
+    summary["data"] = fingerprint(args.run) if args.with_run or has_fingerprint(args.run) else None
     print_table(rows, ["draft", "set", "prompts", "accept_length", "greedy_equal"])
     table = [{"variant": v, **{s: f"{m:.3f} ({summary['vs_ce_pct'].get(v, {}).get(s, 0.0):+.1f}%)"
                                for s, m in sets.items()}} for v, sets in summary["mean_accept_length"].items()]

@@ -56,7 +56,7 @@ for d in "${DRAFTS[@]}"; do
   trains+=("sf-train run $RUN/features -o $RUN/$name --recipe $recipe $opts --epochs ${EPOCHS:-2} $TRAIN_OPTS")
 done
 [ -n "${CURVE:-}" ] && trains=("sf-train run $RUN/features -o $RUN/curve_eagle3 --recipe $EAGLE3 $CURVE \
---epochs $CURVE_EPOCHS $TRAIN_OPTS" "${trains[@]}")
+--epochs ${CURVE_EPOCHS:-6} $TRAIN_OPTS" "${trains[@]}")
 status=0
 side_by_side train "$(train_jobs)" "${trains[@]}" || status=1
 

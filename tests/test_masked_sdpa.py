@@ -30,19 +30,20 @@ def random_mask(b, t, length, generator):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("masked", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("b,hq,hkv,t,length,d", [(1, 4, 4, 5, 5, 16), (2, 9, 3, 7, 21, 64), (3, 8, 2, 33, 99, 32),
                                                 (2, 6, 1, 16, 48, 64)])
-def test_equals_attention_written_out(device, dtype, b, hq, hkv, t, length, d):
+def test_equals_attention_written_out(device, masked, dtype, b, hq, hkv, t, length, d):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     g = torch.Generator().manual_seed(b * 100 + t)
     q, k, v = (torch.randn(b, h, n, d, generator=g) for h, n in ((hq, t), (hkv, length), (hkv, length)))
-    mask = random_mask(b, t, length, g)
+    mask = random_mask(b, t, length, g) if masked else None
     grad_out = torch.randn(b, hq, t, d, generator=g)
     want = reference(q, k, v, mask)
     qd, kd, vd = (x.to(device, dtype, copy=True).requires_grad_() for x in (q, k, v))
-    out = masked_sdpa(qd, kd, vd, mask.to(device))
+    out = masked_sdpa(qd, kd, vd, mask.to(device) if masked else None)
     out.backward(grad_out.to(device, dtype))
     # float32: the kernels' sums of at most L = 99 products in float32 (unit roundoff 6e-8 times L
     # and the values' scale, ~1e-5); bfloat16: the inputs themselves round to 8 bits (2^-8 = 4e-3

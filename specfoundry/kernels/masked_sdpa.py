@@ -10,9 +10,14 @@ forward and backward (benchmarks/RESULTS.md, "Training").
 
 What. On CUDA the keys and values are repeated to the query heads (the efficient kernel's MHA)
 and the call may use flash, the efficient kernel or math, never cuDNN; the efficient kernel runs
-any shape without a plan. The repeat costs a copy of the keys and values, G = Hq / Hkv times
-their size, and its backward a sum over each group: small beside the [T, L] mask it reads.
-On CPU the call is F.scaled_dot_product_attention's own, unchanged.
+any shape without a plan. The repeat costs a copy of the keys and values at G = Hq / Hkv times
+their size, kept for the backward, and its backward a sum over each group. Beside the [T, L]
+additive mask the kernel reads (the bool mask in the query's dtype), the repeated K and V of one
+row take 2 Hq D / T times as much: about half for SmolLM2's draft (9 heads of 64) at T = 2048,
+four times for an 8B draft (32 heads of 128). Long rows of large drafts belong on FlexAttention
+(`--attention flex`), which holds neither. Without a mask the call passes the grouped heads as
+they are (flash takes GQA). The backends chosen here replace any the caller chose with
+torch.nn.attention.sdpa_kernel. On CPU the call is F.scaled_dot_product_attention's own, unchanged.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     groups = q.shape[1] // k.shape[1]
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+    if mask is None:  # flash takes the grouped heads as they are
+        with sdpa_kernel(SHAPE_FREE_BACKENDS):
+            return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=groups > 1)
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)  # [B, Hq, L, D]: query head h reads KV head h // groups
         v = v.repeat_interleave(groups, dim=1)
