@@ -148,7 +148,7 @@ def hard_ce_grad(z: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, coef:
 
 # on a GPU each runs through torch.compile: the eager chain was about ten memory passes over every
 # [c, V] fp32 chunk (the cast, logsumexp, argmax, gather, subtract, exp, one-hot, scale, cast back),
-# most of a SmolLM2 DFlash step's kernel time (benchmarks/RESULTS.md, "Training")
+# more than half of a SmolLM2 DFlash step's kernel time (benchmarks/RESULTS.md, "Training")
 HARD_CE_ROWS = compiled_on_cuda(hard_ce_rows)
 HARD_CE_GRAD = compiled_on_cuda(hard_ce_grad)
 
