@@ -101,6 +101,24 @@ def test_every_default_is_shown_in_help():
                 assert record and "[default:" in record[1], f"{path} {p.opts[0]} hides its default"
 
 
+def test_an_option_without_a_default_is_marked_required_and_the_others_not():
+    """--help shows which options a command cannot run without (no default: the command line or the
+    recipe's section must give them), though click itself does not refuse a command line without
+    them: a recipe may hold them. sf-train's -o is one; sf-eval's -o has a default."""
+    from specfoundry.common.cli import RecipeRequired
+
+    marked = set()
+    for path, cmd in leaf_commands().items():
+        ctx = click.Context(cmd, info_name=path)
+        for p in options(cmd):
+            record = p.get_help_record(ctx)
+            assert ("required: here or in the recipe" in record[1]) == isinstance(p, RecipeRequired), (path, p.opts)
+            if isinstance(p, RecipeRequired):
+                assert not p.required and p.default is None  # click leaves it to resolve_config
+                marked.add((path, p.opts[0]))
+    assert ("sf-train run", "-o") in marked and ("sf-eval run", "-o") not in marked
+
+
 @pytest.mark.parametrize("argv, words", [
     (["sf-train", "run", "/nonexistent/fs", "-o", "OUT"], "/nonexistent/fs does not exist"),
     (["sf-eval", "run", "/nonexistent/draft"], "/nonexistent/draft does not exist"),

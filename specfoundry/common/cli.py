@@ -75,6 +75,17 @@ class FloatIn(_InRange, click.FloatRange):
 
 # ---- options from a config ---------------------------------------------------------------------
 
+class RecipeRequired(click.Option):
+    """An option the command needs, from the command line or from the recipe's section: --help
+    marks it required, where click's own required=True would refuse a command line that leaves it
+    to the recipe (resolve_config names it when neither gives it)."""
+
+    def get_help_extra(self, ctx):
+        extra = super().get_help_extra(ctx)
+        extra["required"] = "required: here or in the recipe"
+        return extra
+
+
 def _click_default(f: dataclasses.Field, is_tuple: bool):
     """(default click passes, show_default) for a field: the real default where it reads well in
     --help, else None and the field's `shown` text."""
@@ -93,18 +104,20 @@ def _option(f: dataclasses.Field, hint):
     if meta.get("argument"):
         return click.argument(f.name, required=False, type=click.Path() if typ is str else typ)
     default, show = _click_default(f, is_tuple)
+    help_text = meta["help"]
+    cls = RecipeRequired if default_of(f) is MISSING else click.Option
     if meta.get("repeatable"):
-        return click.option(*flags, f.name, multiple=True, type=str, help=meta["help"], show_default=show)
+        return click.option(*flags, f.name, multiple=True, type=str, help=help_text, show_default=show, cls=cls)
     if typ is bool:
         long = flags[-1]
         return click.option(*flags[:-1], f"{long}/--no-{long[2:]}", f.name, default=bool(default),
-                            help=meta["help"], show_default=show)
+                            help=help_text, show_default=show, cls=cls)
     click_type = click.Choice(meta["choices"]) if meta.get("choices") else (
         str if is_tuple or meta.get("parse") else typ)
     if meta.get("valid") is not None and click_type in (int, float):
         click_type = IntIn(meta["valid"]) if click_type is int else FloatIn(meta["valid"])
-    return click.option(*flags, f.name, type=click_type, default=default, help=meta["help"], show_default=show,
-                        metavar="A,B,..." if is_tuple and not meta.get("parse") else None)
+    return click.option(*flags, f.name, type=click_type, default=default, help=help_text, show_default=show,
+                        metavar="A,B,..." if is_tuple and not meta.get("parse") else None, cls=cls)
 
 
 def config_options(cls, *, skip: tuple[str, ...] = ()):
