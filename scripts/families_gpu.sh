@@ -31,6 +31,8 @@
 #                 steps compiled, where the acceptance evals keep the captured steps)
 #   DRAFT_TIMING_OPTS  more options for the timing pass of the drafts that take --compile-draft (the
 #                 EAGLE-3 chain, DFlash, D-PACE, Domino, DSpark; not the tree, not P-EAGLE)
+#   ONLY          the drafts to train, by name, space-separated (default all seven); the others are
+#                 not evaluated (no export)
 #   RESULT        the result file's name under benchmarks/results (families)
 #   DEV           the target's device (cuda)
 set -euo pipefail
@@ -64,6 +66,11 @@ DRAFTS=("dspark|$DFLASH|--block-size 16 --family dspark"
         "dflash_b16_norm01|$DFLASH|--block-size 16 --final-norm-init 0.1"
         "eagle3|$EAGLE3|"
         "peagle_k7|$PEAGLE|--num-depths 7")
+if [ -n "${ONLY:-}" ]; then  # only the drafts named (space-separated), e.g. without dflash_b16_norm01
+  kept=()
+  for d in "${DRAFTS[@]}"; do [[ " $ONLY " == *" ${d%%|*} "* ]] && kept+=("$d"); done
+  DRAFTS=("${kept[@]}")
+fi
 trains=()
 for d in "${DRAFTS[@]}"; do
   IFS='|' read -r name recipe opts <<< "$d"

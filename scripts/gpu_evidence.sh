@@ -248,8 +248,13 @@ plan_next() {
 #              (measured uncompiled), plus each run's compiles: --compile-target (inductor's disk
 #              cache serves the target's after the first run) and --compile-draft (not timed yet)
 #   family_step  the DFlash-backbone families' step by gradient path, if time is left        ~80 s
+# GPU_TESTS: these test files' GPU tests first; ONLY (read by scripts/families_gpu.sh): the drafts
+# to train, e.g. all but dflash_b16_norm01 (issue 27's variant, not a family) to save a training.
 plan_families() {
   begin_plan "plan families: commit ${GIT_COMMIT:-?}, device $DEV, epochs ${EPOCHS}, deadline ${DEADLINE}s" || return 1
+  if [ -n "${GPU_TESTS:-}" ] && [ "$DEV" = cuda ]; then  # these test files' GPU tests first
+    step gpu_tests 240 env LOG="$EV/gpu_tests.log" bash benchmarks/gpu_tests.sh $GPU_TESTS
+  fi
   local from=""
   [ -f "$EV/carry/regen10240.tar.gz" ] && from=$EV/carry/regen10240.tar.gz
   if [ "$DEV" = cuda ]; then
