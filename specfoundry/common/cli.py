@@ -25,7 +25,6 @@ from specfoundry.common.settings import (
     SHARED,
     SHARED_PARSE,
     Range,
-    absolute_path,
     check_valid,
     config_fields,
     default_of,
@@ -381,8 +380,8 @@ def build_config(cls, values: dict, source: str = "options", origins: dict[str, 
         if f.name in values:
             try:
                 value = _convert(values.pop(f.name), f, hint)
-                nested.setdefault(path, {})[f.name] = absolute_path(value) if (
-                    f.metadata.get("path") and isinstance(value, str)) else value
+                recorded = f.metadata.get("recorded")
+                nested.setdefault(path, {})[f.name] = recorded(value) if recorded and isinstance(value, str) else value
             except _Invalid as e:
                 if f.name in origins:  # a recipe's value: the file, its section and the key
                     raise CommandError(f"{origins[f.name]}: {e}") from None

@@ -120,7 +120,8 @@ def parse_template_kwargs(value) -> dict | None:
 
 def setting(default=MISSING, *, help: str, factory=None, flags: tuple[str, ...] = (), choices=None,
             shown: str | None = None, resume: bool = True, argument: bool = False, cli: bool = True,
-            parse=None, repeatable: bool = False, valid: Range | None = None, before=None, path: bool = False):
+            parse=None, repeatable: bool = False, valid: Range | None = None, before=None, path: bool = False,
+            recorded=None):
     """A config field with its help. `shown`: how a None (or computed) default reads in --help.
     `parse`: turns the text of the option (or a recipe's value) into the field's value.
     `resume=False`: where or how fast, not what is written; a resumed run may change it.
@@ -130,14 +131,16 @@ def setting(default=MISSING, *, help: str, factory=None, flags: tuple[str, ...] 
     value outside is refused when the config is built, before any work, and --help shows them.
     `before`: the value that does what a run begun before this setting existed did (its record lacks
     the key): such a run resumes while the setting has this value (None where not given).
-    `path`: a local file or folder (an `argument` always is one): made absolute when the config is
-    built, so a rerun from another directory, or the same folder spelled otherwise, is the same
-    setting (path_settings)."""
+    `path`: a local file or folder (an `argument` always is one): its recorded form is absolute
+    (absolute_path). `recorded`: for another string setting, the function giving its recorded form
+    (the target's: recorded_target). A config is built with the recorded form, and a rerun's record
+    is compared in it (recorded_forms), so a rerun from another directory, or the same folder
+    spelled otherwise, is the same setting."""
     if valid is not None and valid.zero:
         help = f"{help.rstrip()} 0: {valid.zero}."
     meta = {"help": help, "flags": flags, "choices": choices, "shown": shown, "resume": resume,
             "argument": argument, "cli": cli, "parse": parse, "repeatable": repeatable, "valid": valid,
-            "before": before, "path": path or argument}
+            "before": before, "recorded": recorded or (absolute_path if path or argument else None)}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -165,15 +168,18 @@ def parse_device(value: str) -> str:
     return value
 
 
-def parse_target(value: str) -> str:
-    """--target's value as it is recorded: an embedded target's name as given, a local model
-    directory absolute (absolute_path), so that a rerun from another directory resumes and each
-    stage's manifest names where the weights are."""
+def recorded_target(value: str) -> str:
+    """--target's recorded form: an embedded target's name as given, a local model directory
+    absolute (absolute_path), so that a rerun from another directory resumes and each stage's
+    manifest names where the weights are."""
     return value if value in EMBEDDED else absolute_path(value)
 
 
-SHARED_PARSE = {"device": parse_device, "target": parse_target}
+SHARED_PARSE = {"device": parse_device}
 """The SHARED concepts whose value is checked (and parsed) when the config is built."""
+
+SHARED_RECORDED = {"target": recorded_target}
+"""The SHARED concepts with a recorded form of their own (setting's `recorded`)."""
 
 
 def shared(concept: str, default=MISSING, *, resume: bool = True, choices=None, shown: str | None = None,
@@ -186,7 +192,8 @@ def shared(concept: str, default=MISSING, *, resume: bool = True, choices=None, 
         raise TypeError(f"shared({concept!r}): " + ("give its help (SHARED has none)" if help is None else
                                                     "its help is SHARED's, the same in every command"))
     return setting(default, help=help_text or help, flags=flags, choices=choices, resume=resume, valid=valid,
-                   shown=shown if shown is not None else none_shown, parse=SHARED_PARSE.get(concept))
+                   shown=shown if shown is not None else none_shown, parse=SHARED_PARSE.get(concept),
+                   recorded=SHARED_RECORDED.get(concept))
 
 
 def long_flag(f: dataclasses.Field) -> str:
@@ -285,9 +292,10 @@ def absolute_path(value: str) -> str:
     return str(Path(value).expanduser().resolve())
 
 
-def path_settings(cfg) -> list[str]:
-    """The names of cfg's top-level settings that are local paths (setting(path=) or an argument)."""
-    return [f.name for f in dataclasses.fields(cfg) if f.metadata.get("path")]
+def recorded_forms(cfg) -> dict:
+    """{name: the function giving its recorded form} of cfg's top-level settings that have one
+    (setting's `path` and `recorded`)."""
+    return {f.name: f.metadata["recorded"] for f in dataclasses.fields(cfg) if f.metadata.get("recorded")}
 
 
 def resume_settings(cfg) -> dict:

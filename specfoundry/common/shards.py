@@ -29,11 +29,9 @@ from pathlib import Path
 from specfoundry.common.files import atomic_write_json, checksum, remove_temporaries
 from specfoundry.common.settings import (
     SettingsGroup,
-    absolute_path,
     as_before,
     config_dict,
-    parse_target,
-    path_settings,
+    recorded_forms,
     resume_settings,
 )
 
@@ -113,13 +111,12 @@ def check_output_folder(root: Path, stage: str, cfg) -> Path:
         except json.JSONDecodeError:
             old = {}  # a config file is written atomically; an unreadable one is not ours to trust
         new = resume_settings(cfg)
-        # paths compare absolute: one recorded relative (by an earlier version, or by a config built
-        # in code) is read from the current directory
+        # settings compare in their recorded forms: a path recorded relative (by an earlier version, or
+        # by a config built in code) is read from the current directory
         for record in (old, new):
             if isinstance(record, dict):
-                record.update({k: absolute_path(record[k]) for k in path_settings(cfg) if isinstance(record.get(k), str)})
-                if isinstance(record.get("target"), str):
-                    record["target"] = parse_target(record["target"])
+                record.update({k: form(record[k]) for k, form in recorded_forms(cfg).items()
+                               if isinstance(record.get(k), str)})
         diffs = settings_diff(old, new, as_before=as_before(cfg))
         if diffs:
             raise OutputFolderError(f"{root} holds an earlier {stage} run with other settings ({'; '.join(diffs)}); "
