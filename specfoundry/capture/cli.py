@@ -12,6 +12,7 @@ from specfoundry.common.cli import (
     IntIn,
     expected_failures,
     given_on_command_line,
+    hide_transformers_bars,
     resolve_config,
     shared_option,
     silent_option,
@@ -63,10 +64,8 @@ def run(recipe, silent, **options):
 def verify(featureset, recompute, device, silent):
     """Check FEATURESET against its manifest: checksums, shapes, counts, NaN/Inf. Exit status 1
     when it finds a problem, 2 when it cannot check."""
-    if silent:  # transformers' bars too, where --recompute loads the target
-        from transformers.utils import logging as transformers_logging
-
-        transformers_logging.disable_progress_bar()
+    if silent:  # where --recompute loads the target
+        hide_transformers_bars()
     problems = verify_featureset(featureset, recompute, device, silent=silent)
     if problems:
         click.echo(f"Error: {problems[0]}" + (f" (+{len(problems) - 1} more problems)" if len(problems) > 1 else ""),

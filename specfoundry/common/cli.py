@@ -155,6 +155,13 @@ def shared_option(concept: str, default=None):
                         show_default=none_shown if default is None else True)
 
 
+def hide_transformers_bars() -> None:
+    """--silent hides transformers' own bars too ("Loading weights", the GGUF conversion)."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+
+
 def silent_option(fn):
     return click.option("--silent", is_flag=True, default=False, show_default=True,
                         help="No progress bars.")(fn)
@@ -443,10 +450,8 @@ def stage_command(group: click.Group, name: str, config_cls, *errors: type[BaseE
     def decorate(fn):
         @functools.wraps(fn)
         def quiet_when_silent(**options):  # click passes every parameter by name
-            if options.get("silent"):  # transformers' own bars too ("Loading weights", the GGUF conversion)
-                from transformers.utils import logging as transformers_logging
-
-                transformers_logging.disable_progress_bar()
+            if options.get("silent"):
+                hide_transformers_bars()
             return fn(**options)
 
         cmd = silent_option(expected_failures(*errors)(quiet_when_silent))
