@@ -66,11 +66,7 @@ DRAFTS=("dspark|$DFLASH|--block-size 16 --family dspark"
         "dflash_b16_norm01|$DFLASH|--block-size 16 --final-norm-init 0.1"
         "eagle3|$EAGLE3|"
         "peagle_k7|$PEAGLE|--num-depths 7")
-if [ -n "${ONLY:-}" ]; then  # only the drafts named (space-separated), e.g. without dflash_b16_norm01
-  kept=()
-  for d in "${DRAFTS[@]}"; do [[ " $ONLY " == *" ${d%%|*} "* ]] && kept+=("$d"); done
-  DRAFTS=("${kept[@]}")
-fi
+keep_only DRAFTS  # ONLY: the drafts named
 trains=()
 for d in "${DRAFTS[@]}"; do
   IFS='|' read -r name recipe opts <<< "$d"

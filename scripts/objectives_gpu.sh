@@ -42,11 +42,7 @@ DRAFTS=("dflash_ce|$DFLASH|--block-size 16 --teacher soft|"
 for loss in ce lk-alpha lk-lambda; do
   for seed in 0 1; do DRAFTS+=("eagle3_${loss//-/_}_seed$seed|$EAGLE3|--token-loss $loss --seed $seed|-k 7"); done
 done
-if [ -n "${ONLY:-}" ]; then  # a pilot: only the drafts named (space-separated)
-  kept=()
-  for d in "${DRAFTS[@]}"; do [[ " $ONLY " == *" ${d%%|*} "* ]] && kept+=("$d"); done
-  DRAFTS=("${kept[@]}")
-fi
+keep_only DRAFTS  # ONLY: the drafts named
 if [ "${CURVE_EPOCHS:-6}" -gt 0 ]; then
   CURVE="--token-loss ce --seed 0 --keep-best --eval-every ${CURVE_EVAL_EVERY:-40}"
 fi

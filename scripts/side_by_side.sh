@@ -40,3 +40,13 @@ train_jobs() {
   [ "$jobs" -lt 1 ] && jobs=1; [ "$jobs" -gt 4 ] && jobs=4
   echo "$jobs"
 }
+
+# keep_only ARRAY: drop the entries "NAME|..." of the array named ARRAY whose NAME is not in $ONLY
+# (space-separated); with ONLY unset or empty, every entry stays
+keep_only() {
+  local -n entries=$1
+  [ -n "${ONLY:-}" ] || return 0
+  local kept=() entry
+  for entry in "${entries[@]}"; do [[ " $ONLY " == *" ${entry%%|*} "* ]] && kept+=("$entry"); done
+  entries=("${kept[@]}")
+}
