@@ -30,6 +30,7 @@ import argparse
 import hashlib
 import json
 import re
+import shutil
 from pathlib import Path
 
 from benchmarks.common import print_table, write_result
@@ -74,10 +75,10 @@ def summarise(rows: list[dict]) -> dict:
             "best_lk": best}
 
 
-def fingerprint(run: Path) -> dict:
+def fingerprint(run: Path) -> dict | None:
     """RUN/features' samples, tokens and the hash of its shards' source_sha256 (the samples' ids,
     token ids and loss masks, capture/stage.py's samples_sha256), from manifest.json, or from
-    fingerprint.json where only that was kept."""
+    fingerprint.json where only that was kept; None where neither is."""
     folder = run / "features"
     if (folder / "manifest.json").is_file():
         manifest = json.loads((folder / "manifest.json").read_text())
@@ -86,16 +87,21 @@ def fingerprint(run: Path) -> dict:
                 "samples_sha256": hashlib.sha256("".join(s["source_sha256"] for s in shards).encode()).hexdigest()}
     if (folder / "fingerprint.json").is_file():
         return json.loads((folder / "fingerprint.json").read_text())
-    raise SystemExit(f"{folder}: neither manifest.json nor fingerprint.json (not a run of scripts/objectives_gpu.sh?)")
+    return None
 
 
-def has_fingerprint(run: Path) -> bool:
-    return any((run / "features" / name).is_file() for name in ("manifest.json", "fingerprint.json"))
+def known_fingerprint(run: Path) -> dict:
+    """fingerprint(run), which --with-run and --keep-run cannot do without."""
+    found = fingerprint(run)
+    if found is None:
+        raise SystemExit(f"{run / 'features'}: neither manifest.json nor fingerprint.json (not a run of "
+                         "scripts/objectives_gpu.sh?)")
+    return found
 
 
 def with_run(rows: list[dict], run: Path, earlier: Path) -> list[dict]:
     """rows and the earlier run's rows of drafts this run lacks, both trained on the same data."""
-    mine, theirs = fingerprint(run), fingerprint(earlier)
+    mine, theirs = known_fingerprint(run), known_fingerprint(earlier)
     if mine != theirs:
         raise SystemExit(f"{earlier} trained on other data than {run} ({theirs} against {mine}): "
                          "not one comparison")
@@ -106,8 +112,6 @@ def with_run(rows: list[dict], run: Path, earlier: Path) -> list[dict]:
 def keep_run(run: Path, dest: Path) -> None:
     """Copy what --with-run reads out of RUN into DEST, small enough to commit: the sf-eval
     reports, curve_eagle3's history and training record, and features/fingerprint.json."""
-    import shutil
-
     files = [p.relative_to(run) for p in sorted(run.glob("eval_*/eval.json"))]
     files += [Path("curve_eagle3/history.json"), Path("curve_eagle3/export/specfoundry_training.json")]
     for rel in files:
@@ -115,7 +119,7 @@ def keep_run(run: Path, dest: Path) -> None:
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(run / rel, dest / rel)
     (dest / "features").mkdir(parents=True, exist_ok=True)
-    (dest / "features" / "fingerprint.json").write_text(json.dumps(fingerprint(run), indent=1) + "\n")
+    (dest / "features" / "fingerprint.json").write_text(json.dumps(known_fingerprint(run), indent=1) + "\n")
 
 
 def curve(run: Path) -> dict | None:
@@ -146,7 +150,7 @@ def main():
         rows = with_run(rows, args.run, args.with_run)
     summary = summarise(rows)
     summary["curve"] = curve(args.run) or (curve(args.with_run) if args.with_run else None)
-    summary["data"] = fingerprint(args.run) if args.with_run or has_fingerprint(args.run) else None
+    summary["data"] = fingerprint(args.run)
     print_table(rows, ["draft", "set", "prompts", "accept_length", "greedy_equal"])
     table = [{"variant": v, **{s: f"{m:.3f} ({summary['vs_ce_pct'].get(v, {}).get(s, 0.0):+.1f}%)"
                                for s, m in sets.items()}} for v, sets in summary["mean_accept_length"].items()]
