@@ -327,7 +327,7 @@ plan_decode() {
 # no curve run unless CURVE_EPOCHS says so (a second session: CURVE_EPOCHS=6). On an H100, from
 # the run of 2026-12-05: regen and capture ~115 s, a DFlash epoch ~180 s for two side by side.
 # OBJECTIVES_EST: the step's skip estimate (1300 s); ONLY and RESULT as scripts/objectives_gpu.sh's.
-# GPU_TESTS: these test files' GPU tests first. AFTER_PROFILE, THEN_ONLY, THEN_EST: below. WITH_RUN
+# GPU_TESTS: these test files' GPU tests first. FAMILY_STEP, AFTER_PROFILE, THEN_ONLY, THEN_EST: below. WITH_RUN
 # (read by scripts/objectives_gpu.sh): e.g. benchmarks/results/objectives_h100_e02fe4a, the
 # EAGLE-3 drafts of 2026-12-06, so that a run of ONLY="dflash_ce dflash_lk_lambda" completes the table.
 # CAPTURE_MOE=1: first, before the weights, issue 38's result file, benchmarks/capture_moe.py at
@@ -355,12 +355,13 @@ plan_objectives() {
       REGEN_FROM="$from" ONLY="${ONLY:-}" RESULT="${RESULT:-objectives}" \
       TRAIN_OPTS="--num-workers 2 --profile-steps 10" \
       CURVE_EPOCHS="${CURVE_EPOCHS:-0}" EVAL_OPTS="--limit ${EVAL_LIMIT:-8}" bash scripts/objectives_gpu.sh
-    # AFTER_PROFILE=1: one EAGLE-3 training alone on the same features, 25 steps profiled (as
-    # PLAN=train_profile's), the step time without a second job on the GPU
-    if [ "${AFTER_PROFILE:-0}" = 1 ]; then
-      step tp_eagle3 120 sf-train run "$RUN/objectives/features" -o "$RUN/train_profile/eagle3" --recipe "$RECIPE" \
-        --max-steps 25 --warmup-steps 5 --log-every 5 --profile-steps 10 --num-workers 2
-    fi
+    # FAMILY_STEP=1: benchmarks/family_step.py alone on the GPU (as PLAN=train_profile's, ~100 s)
+    [ "${FAMILY_STEP:-0}" = 1 ] && step family_step 150 python -m benchmarks.family_step
+    # AFTER_PROFILE: these families (e.g. "eagle3 dflash domino dspark peagle") each train alone on
+    # the same features (the capture's eagle3 and dflash layers serve all five), 25 steps profiled
+    # (as PLAN=train_profile's): the step time without a second job on the GPU
+    [ -n "${AFTER_PROFILE:-}" ] && profile_trainings "$RUN/objectives/features" "$RUN/train_profile" "$AFTER_PROFILE" \
+      --max-steps 25 --warmup-steps 5 --log-every 5 --profile-steps 10 --num-workers 2
     # THEN_ONLY: a second pass of the same script over the same features (regen and capture find
     # theirs complete), training only these drafts, if the deadline leaves THEN_EST seconds
     if [ -n "${THEN_ONLY:-}" ]; then
@@ -377,6 +378,22 @@ plan_objectives() {
   fi
   echo "[$(elapsed) s] plan done"
   echo done > "$EV/done"
+}
+
+# profile_trainings FEATURES OUT "FAMILIES" TRAIN_OPTION...: a training of each family (eagle3, dflash,
+# domino, dspark, peagle) from FEATURES alone on the GPU, in OUT/<family>, as the step tp_<family>
+# (150 s estimate each): the SmolLM2 recipes, the DFlash backbone at --block-size 16
+profile_trainings() {
+  local features=$1 out=$2 families=$3 family; shift 3
+  for family in $families; do
+    case $family in
+      eagle3) step tp_eagle3 150 sf-train run "$features" -o "$out/eagle3" --recipe "$RECIPE" "$@" ;;
+      peagle) step tp_peagle 150 sf-train run "$features" -o "$out/peagle" --recipe recipes/smollm2-h200-peagle.yaml "$@" ;;
+      dflash|domino|dspark) step "tp_$family" 150 sf-train run "$features" -o "$out/$family" \
+                --recipe recipes/smollm2-h200-dflash.yaml --family "$family" --block-size 16 "$@" ;;
+      *) echo "unknown family $family (eagle3, dflash, domino, dspark, peagle)"; return 1 ;;
+    esac
+  done
 }
 
 # PLAN=train_profile (deadline DEADLINE; ~250 s with the start): why SmolLM2's drafts train at
@@ -406,17 +423,7 @@ plan_train_profile() {
   fi
   step tp_capture 120 sf-capture run "$r/regen" -o "$r/features" --recipe "$RECIPE" \
     --families eagle3,dflash,domino,dspark,peagle "${opts[@]}" || return 1
-  local family
-  for family in ${TP_FAMILIES:-eagle3 dflash}; do
-    case $family in
-      eagle3) step tp_eagle3 150 sf-train run "$r/features" -o "$r/eagle3" --recipe "$RECIPE" "${train[@]}" ;;
-      peagle) step tp_peagle 150 sf-train run "$r/features" -o "$r/peagle" --recipe recipes/smollm2-h200-peagle.yaml \
-                "${train[@]}" ;;
-      dflash|domino|dspark) step "tp_$family" 150 sf-train run "$r/features" -o "$r/$family" \
-                --recipe recipes/smollm2-h200-dflash.yaml --family "$family" --block-size 16 "${train[@]}" ;;
-      *) echo "TP_FAMILIES: unknown family $family"; return 1 ;;
-    esac
-  done
+  profile_trainings "$r/features" "$r" "${TP_FAMILIES:-eagle3 dflash}" "${train[@]}"
   echo "[$(elapsed) s] plan done"
   echo done > "$EV/done"
 }
