@@ -1,6 +1,6 @@
 """The DFlash-backbone families' training step at SmolLM2's shape, by how each loss takes its gradient.
 
-    python -m benchmarks.family_step [--samples 48] [--seq 340] [--steps 6]
+    python -m benchmarks.family_step [--samples 48] [--seq 340] [--steps 6] [--families dflash,domino,dspark] [--out family_step]
 
 DFlash, Domino and DSpark drafts of SmolLM2-135M as recipes/smollm2-h200-dflash.yaml trains them
 (5 layers, H 576, 9 query / 3 KV heads of 64, target vocab 49,152, block 16, 256 anchors a sample;
@@ -11,8 +11,11 @@ autocast (no optimizer: it is the same for all). DFlash's loss takes its gradien
 and DSpark's run both ways: by hand (`gradient="manual"`, their default), and through autograd,
 chunk by chunk under activation checkpointing (their reference path). Each hand-written loss runs
 twice (`chunk_math`): its [c, V] chunk math compiled, as sf-train runs it on a GPU, and eager, as
-it ran before (the same module with the loss's compile switch held off). CUDA events after warm-up
-(compiles included there); peak from max_memory_allocated.
+it ran before (the same module with the loss's compile switch held off). DFlash runs with each
+teacher (`teacher_loss`): the hard labels, and the soft teacher (the target's distribution through
+its lm_head over the stored final state) with the cross-entropy and with LK-lambda, whose compiled
+chunk math is the teacher's softmax. CUDA events after warm-up (compiles included there); peak from
+max_memory_allocated.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from specfoundry.families.dspark.config import DSparkConfig
 from specfoundry.families.dspark.loss import DSparkModule
 from specfoundry.families.dspark.model import DSparkDraft
 from specfoundry.families.interface import Batch
+from specfoundry.kernels.lk_loss import TokenLoss
 
 LOSS_MODULES = ("specfoundry.families.dflash.loss", "specfoundry.families.domino.loss",
                 "specfoundry.families.dspark.loss")
@@ -67,11 +71,22 @@ def random_batch(samples: int, seq: int, cfg: DFlashConfig) -> Batch:
     return Batch(ids, mask, aux, final, [seq] * samples, list(range(samples)), 0).to("cuda", torch.bfloat16)
 
 
-def module(family: str, gradient: str):
+# family, teacher and token loss, gradient, chunk math: the rows, in order
+ROWS = (("dflash", "hard ce", "manual", "eager"), ("dflash", "hard ce", "manual", "compiled"),
+        ("dflash", "soft ce", "manual", "eager"), ("dflash", "soft ce", "manual", "compiled"),
+        ("dflash", "soft lk-lambda", "manual", "eager"), ("dflash", "soft lk-lambda", "manual", "compiled"),
+        ("domino", "hard ce", "autograd", "-"), ("domino", "hard ce", "manual", "eager"),
+        ("domino", "hard ce", "manual", "compiled"), ("dspark", "hard ce", "autograd", "-"),
+        ("dspark", "hard ce", "manual", "eager"), ("dspark", "hard ce", "manual", "compiled"))
+
+
+def module(family: str, teacher_loss: str, gradient: str):
     torch.manual_seed(0)
     head = (torch.randn(SMOL_DFLASH["vocab_size"], SMOL_DFLASH["hidden_size"]) * 0.02).to(torch.bfloat16)
     if family == "dflash":
-        return DFlashModule(DFlashDraft(DFlashConfig(**SMOL_DFLASH)), head, num_anchors=ANCHORS)
+        teacher, loss = teacher_loss.split()
+        return DFlashModule(DFlashDraft(DFlashConfig(**SMOL_DFLASH)), head, num_anchors=ANCHORS, teacher=teacher,
+                            token_loss=TokenLoss(loss))
     if family == "domino":
         draft = DominoDraft(DominoConfig(**SMOL_DFLASH, gru_hidden_dim=1024, emb_dim=256))
         return DominoModule(draft, head, num_anchors=ANCHORS, gradient=gradient)
@@ -84,14 +99,18 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=48, help="Rows in the batch.")
     ap.add_argument("--seq", type=int, default=340, help="Tokens per row.")
     ap.add_argument("--steps", type=int, default=6, help="Timed steps after 2 warm-up steps.")
+    ap.add_argument("--families", default="dflash,domino,dspark",
+                    help="The families measured, comma-separated (default: %(default)s).")
+    ap.add_argument("--out", default="family_step", help="The result's name under benchmarks/results/ (or a path).")
     args = ap.parse_args()
+    families = args.families.split(",")
+    unknown = sorted(set(families) - {row[0] for row in ROWS})
+    if unknown:
+        ap.error(f"--families: unknown {', '.join(unknown)} (dflash, domino, dspark)")
     batch = random_batch(args.samples, args.seq, DFlashConfig(**SMOL_DFLASH))
     rows = []
-    for family, gradient, math in (("dflash", "manual", "eager"), ("dflash", "manual", "compiled"),
-                                   ("domino", "autograd", "-"), ("domino", "manual", "eager"),
-                                   ("domino", "manual", "compiled"), ("dspark", "autograd", "-"),
-                                   ("dspark", "manual", "eager"), ("dspark", "manual", "compiled")):
-        model = module(family, gradient).cuda()
+    for family, teacher_loss, gradient, math in (row for row in ROWS if row[0] in families):
+        model = module(family, teacher_loss, gradient).cuda()
 
         def step(model=model):
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -102,14 +121,16 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         with eager_chunk_math() if math == "eager" else nullcontext():
             ms = time_steps(step, args.steps)
-        rows.append({"family": family, "loss_gradient": gradient, "chunk_math": math, "ms_per_step": ms,
+        rows.append({"family": family, "teacher_loss": teacher_loss, "loss_gradient": gradient, "chunk_math": math,
+                     "ms_per_step": ms,
                      "tokens_per_s": args.samples * args.seq / (ms * 1e-3),
                      "peak_GiB": torch.cuda.max_memory_allocated() / 2**30})
         print(rows[-1], flush=True)
         del model
         torch.cuda.empty_cache()
-    print_table(rows, ["family", "loss_gradient", "chunk_math", "ms_per_step", "tokens_per_s", "peak_GiB"])
-    print(write_result("family_step", rows, {"settings": vars(args)}))
+    print_table(rows, ["family", "teacher_loss", "loss_gradient", "chunk_math", "ms_per_step", "tokens_per_s",
+                       "peak_GiB"])
+    print(write_result(args.out, rows, {"settings": vars(args)}))
 
 
 if __name__ == "__main__":

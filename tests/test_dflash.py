@@ -769,6 +769,56 @@ def test_hard_chunk_is_the_same_compiled_or_not_on_cpu_and_the_chain_it_replaced
     assert all(torch.equal(a, b) for a, b in zip(compiled, (ce, hits, grad), strict=True))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,vocab", [(1, 7), (33, 1000), (130, 4099)])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_teacher_probs_equal_the_softmax_in_float64(device, dtype, rows, vocab, compiled):
+    """teacher_probs (eager, and compiled as a GPU step runs it: inductor on the GPU, aot_eager on a
+    CPU) against softmax in float64: p rounded once to `dtype`, the argmax the target's top token.
+    Several row counts in one process, as a step's chunks meet the compiled function."""
+    from specfoundry.families.dflash.loss import teacher_probs
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g = torch.Generator().manual_seed(rows * 5 + vocab)
+    t = (torch.randn(rows, vocab, generator=g) * 4).to(dtype)
+    fn = teacher_probs
+    if compiled:
+        fn = torch.compile(teacher_probs, backend="inductor" if device == "cuda" else "aot_eager", fullgraph=True,
+                           dynamic=True)
+    p, ids = fn(t.to(device), dtype)
+    want = torch.softmax(t.double(), dim=-1)
+    assert p.dtype == dtype and p.shape == t.shape
+    # the fp32 softmax is within a few fp32 ulps of float64's (~1e-6 relative); storing p in `dtype`
+    # rounds once more (bf16: 2^-8 relative); the atol covers probabilities that underflow fp32
+    tol = dict(atol=1e-7, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-7, rtol=2 ** -8)
+    torch.testing.assert_close(p.double().cpu(), want, **tol)
+    # t is exact in fp32, so the top logit is the top probability; random draws leave no ties
+    assert torch.equal(ids.cpu(), t.double().argmax(-1))
+
+
+def test_soft_chunk_is_the_same_compiled_or_not_on_cpu_and_the_chain_it_replaced():
+    """On a CPU the soft teacher's distribution is the chain it was before teacher_probs (the same
+    operations in the same order), compiled switch or not: every CPU result is kept."""
+    from specfoundry.families.dflash.loss import soft_chunk
+    from specfoundry.kernels.soft_ce import soft_target_cross_entropy
+
+    g = torch.Generator().manual_seed(4)
+    h, head = torch.randn(21, 16, generator=g), torch.randn(300, 16, generator=g)
+    teacher_h = torch.randn(21, 16, generator=g)
+    old_p = torch.softmax((teacher_h @ head.T).float(), dim=-1)  # the chain as it was
+    z = h @ head.T
+    old_loss = soft_target_cross_entropy(z.clone().requires_grad_(), old_p.to(h.dtype), torch.full((21,), 0.5),
+                                         normaliser=torch.tensor(10.5), impl="reference")
+    old_hits = z.argmax(-1) == old_p.argmax(-1)
+    runs = [soft_chunk(h, head, teacher_h, 0.5, torch.tensor(10.5), 1.0, "reference", True, lambda x: x @ head.T,
+                       compiled=c) for c in (False, True)]
+    for loss, hits, grad in runs:
+        assert torch.equal(loss, old_loss.detach() * 10.5 / 0.5) and torch.equal(hits, old_hits)
+        assert torch.equal(grad, runs[0][2])
+
+
 # ---- on the GPU ----------------------------------------------------------------------------------
 
 

@@ -153,6 +153,21 @@ HARD_CE_ROWS = compiled_on_cuda(hard_ce_rows)
 HARD_CE_GRAD = compiled_on_cuda(hard_ce_grad)
 
 
+def teacher_probs(t: torch.Tensor, dtype: torch.dtype):
+    """t [c, V] the target's logits of a chunk (any float dtype): (p [c, V] = softmax(t) taken in
+    fp32 and stored in `dtype`, the teacher's token argmax(p) [c]). Compiled, one pass computes
+    each row's max and sum of exp and one more writes p; eager, the same operations in the same
+    order as the chain it replaced."""
+    p = torch.softmax(t.float(), dim=-1)
+    return p.to(dtype), p.argmax(-1)
+
+
+# the soft teacher's eager chain made an fp32 copy of every [c, V] chunk of target logits, its
+# softmax, an argmax and a cast back, each a pass over the chunk: a larger share of a soft-teacher
+# DFlash step's kernel time than its loss kernel (benchmarks/RESULTS.md, "Training")
+TEACHER_PROBS = compiled_on_cuda(teacher_probs)
+
+
 @torch.no_grad()
 def hard_chunk(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor, want_grad: bool,
                logits, compiled: bool = False):
@@ -172,7 +187,7 @@ def hard_chunk(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, coef: 
 
 def soft_chunk(h: torch.Tensor, head: torch.Tensor, teacher_h: torch.Tensor, weight: float, normaliser: torch.Tensor,
                announced: float, loss_kernel: str, want_grad: bool, logits, rows_ce: bool = False,
-               token_loss: TokenLoss = TokenLoss()):
+               token_loss: TokenLoss = TokenLoss(), compiled: bool = False):
     """h [c, H] rows of one slot k, teacher_h [c, H] the target's final states one position before;
     logits(h): the draft's logits of the rows, h W^T (a plain head).
     Returns (sum of the rows' ce (fp32 0-d), hits [c], dL/dh [c, H] or None) through the in-place
@@ -180,12 +195,16 @@ def soft_chunk(h: torch.Tensor, head: torch.Tensor, teacher_h: torch.Tensor, wei
     the rows' ce [c] fp32 instead of their sum, taken before the kernel consumes the logits (two
     more [c, V] fp32 temporaries). An LK `token_loss` takes the CE's place (kernels/lk_loss.py:
     the teacher here is the target's whole distribution, so alpha is the slot's acceptance rate),
-    and its rows' losses, which the kernel stores, are rows_ce's values."""
+    and its rows' losses, which the kernel stores, are rows_ce's values. compiled: the teacher's
+    softmax through torch.compile on a GPU (teacher_probs; not with rows_ce and ce, which also
+    hold p in fp32)."""
     with torch.no_grad():
-        p = torch.softmax((teacher_h @ head.T).float(), dim=-1)  # [c, V] the target's distribution
-        target_ids = p.argmax(-1)
-        p32 = p if rows_ce else None  # held only for rows_ce: the kernel reads p in h's dtype
-        p = p.to(h.dtype)
+        t = teacher_h @ head.T  # [c, V] the target's logits
+        if rows_ce and token_loss.kind == "ce":  # ce below reads p in fp32; the kernel reads it in h's dtype
+            p32 = torch.softmax(t.float(), dim=-1)
+            p, target_ids = p32.to(h.dtype), p32.argmax(-1)
+        else:
+            p, target_ids = (TEACHER_PROBS if compiled else teacher_probs)(t, h.dtype)  # the target's distribution
     with torch.enable_grad():
         leaf = h.detach().requires_grad_(want_grad)
         z = logits(leaf)  # [c, V], consumed by the loss kernel
@@ -225,8 +244,9 @@ def chunked_loss(rows, head, counts, weights, targets, teacher: str, *, chunk: i
     the teacher's final states [M, H] (soft). logits(h): the draft's logits of rows, a plain head's
     h W^T (the gradient below is that product's). Returns (loss fp32 0-d,
     dloss/drows [M, H] for the upstream gradient `announced` or None, per-k ce sums [B-1], per-k
-    hits [B-1]). compiled: the hard teacher's chunk math through torch.compile on a GPU (hard_chunk;
-    the draft's own elementwise switch, compiles_elementwise, decides it)."""
+    hits [B-1]). compiled: each chunk's [c, V] math through torch.compile on a GPU (hard_chunk's, or
+    the soft teacher's softmax in soft_chunk; the draft's own elementwise switch,
+    compiles_elementwise, decides it)."""
     device = rows.device
     norm = torch.tensor(max(sum(w * c for w, c in zip(weights, counts, strict=True)), 1e-6), device=device)
     grad = torch.zeros_like(rows) if want_grad else None
@@ -240,7 +260,7 @@ def chunked_loss(rows, head, counts, weights, targets, teacher: str, *, chunk: i
             ce = ce.sum()
         else:
             ce, hit, g = soft_chunk(rows[s:e], head, targets[s:e], w, norm, announced, loss_kernel, want_grad, logits,
-                                    token_loss=token_loss)
+                                    token_loss=token_loss, compiled=compiled)
         ce_sums[k] += ce
         hits[k] += hit.sum()
         if g is not None:
@@ -268,7 +288,7 @@ def dpace_chunked_loss(rows, head, counts, valid, where, alpha: float, targets, 
             ce[s:e], hit, g = hard_chunk(rows[s:e], head, targets[s:e], coef, want_grad, logits, compiled)
         else:
             ce[s:e], hit, g = soft_chunk(rows[s:e], head, targets[s:e], 1.0, unit, announced, loss_kernel, want_grad,
-                                         logits, rows_ce=True, token_loss=token_loss)
+                                         logits, rows_ce=True, token_loss=token_loss, compiled=compiled)
         ce_sums[k] += ce[s:e].sum()
         hits[k] += hit.sum()
         if g is not None:
