@@ -96,12 +96,12 @@ def module(family: str, teacher_loss: str, gradient: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--samples", type=int, default=48, help="Rows in the batch.")
-    ap.add_argument("--seq", type=int, default=340, help="Tokens per row.")
-    ap.add_argument("--steps", type=int, default=6, help="Timed steps after 2 warm-up steps.")
+    ap.add_argument("--samples", type=int, default=48, help="Rows in the batch (default: %(default)s).")
+    ap.add_argument("--seq", type=int, default=340, help="Tokens per row (default: %(default)s).")
+    ap.add_argument("--steps", type=int, default=6, help="Timed steps after 2 warm-up steps (default: %(default)s).")
     ap.add_argument("--families", default="dflash,domino,dspark",
                     help="The families measured, comma-separated (default: %(default)s).")
-    ap.add_argument("--out", default="family_step", help="The result's name under benchmarks/results/ (or a path).")
+    ap.add_argument("--out", default="family_step", help="The result's name under benchmarks/results/ (or a path; default: %(default)s).")
     args = ap.parse_args()
     families = args.families.split(",")
     unknown = sorted(set(families) - {row[0] for row in ROWS})
