@@ -233,20 +233,23 @@ plan_next() {
   echo done > "$EV/done"
 }
 
-# PLAN=families (its deadline 1,650 s unless DEADLINE says otherwise): issue 27's quality run,
-# scripts/families_gpu.sh at EPOCHS=2 (estimates on one H200 from the run of 2026-12-02: 4
-# trainings side by side, 9,849 conversations; ~1,650 s in all, the timing pass cut at the
-# deadline, family_step only if time is left):
-#   machine start + setup, the GGUF                                                  ~110 s
+# PLAN=families (its deadline 1,650 s unless DEADLINE says otherwise): issue 27's quality run, and
+# issue 36's item 3 with the decoding core, scripts/families_gpu.sh at EPOCHS=2. Estimates on one
+# H100 80GB (2 trainings at a time) from the runs of 2026-12-06 (benchmarks/RESULTS.md, "Training":
+# each family's step alone 166 ms (EAGLE-3) to 353 ms (Domino) at 16,384 tokens; the objectives
+# run's stages); on an H200 (4 at a time) the run of 2026-12-02 took 1,407 s before those steps
+# got 2-6x faster:
+#   machine start + setup, the GGUF                                                  ~100 s
 #   regen      from .devkit/carry/regen10240.tar.gz when carried (sf-regen finds it complete), else
-#              sf-regen of 10,240 synthesised conversations (71 s of generation + conversion)  ~10 s
-#   capture    9,849 conversations, 2.29 M tokens, every family's layers (18 GB)               ~60 s
-#   train      7 drafts, 2 epochs, 4 at a time (DSpark and Domino ~800 s, the others ~330 s)   ~850 s
-#   eval       8 prompts of each of the 4 held-out sets (EVAL_LIMIT), 8 side by side: the
-#              EAGLE-3 tree (360 nodes a round) is the slowest, ~7-15 tokens/s                 ~250 s
-#   timing     each draft alone, 2 prompts a set, the EAGLE-3 chain with the target alone    ~290 s
-#              (measured uncompiled), plus each run's compiles: --compile-target (inductor's disk
-#              cache serves the target's after the first run) and --compile-draft (not timed yet)
+#              sf-regen of 10,240 synthesised conversations, then the capture of 9,849
+#              conversations, 2.29 M tokens, every family's layers, and sf-capture verify    ~230 s
+#   train      2 epochs (362 steps for the DFlash backbone, 286 for EAGLE-3 and P-EAGLE), each
+#              draft ~45 s of start-up, compiles and export beside its steps; six drafts  ~500 s
+#              (dflash_b16_norm01, the seventh, ~+90 s)
+#   eval       8 prompts of each of the 4 held-out sets (EVAL_LIMIT), 8 side by side       ~150 s
+#   timing     each draft alone, 2 prompts a set, the EAGLE-3 chain with the target alone,
+#              --compile-target and --compile-draft (inductor's disk cache serves the target's
+#              compile after the first run)                                                ~300 s
 #   family_step  the DFlash-backbone families' step by gradient path, if time is left        ~80 s
 # GPU_TESTS: these test files' GPU tests first; ONLY (read by scripts/families_gpu.sh): the drafts
 # to train, e.g. all but dflash_b16_norm01 (issue 27's variant, not a family) to save a training.
