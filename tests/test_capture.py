@@ -185,6 +185,37 @@ def test_verify_names_a_damaged_shard(tmp_path, chat_file):
     assert "shard-000001" in verify_featureset(tmp_path / "fs")[0]
 
 
+def test_verify_names_nonfinite_states_in_several_shards_in_the_manifests_order(tmp_path, chat_file, monkeypatch):
+    """The shards are checked on threads; the problems still come in the manifest's order, each at
+    its sample, token and layer, whichever shard finishes first (one thread or several)."""
+    import specfoundry.capture.verify as verify
+    from specfoundry.featureset.manifest import MANIFEST
+    from specfoundry.featureset.store import ShardReader, write_shard
+
+    run_capture(CaptureConfig(source=str(chat_file), output=str(tmp_path / "fs"), shard_size=2,
+                              codec="safetensors"), silent=True)
+    fs = tmp_path / "fs"
+    manifest = json.loads((fs / MANIFEST).read_text())
+    assert len(manifest["shards"]) >= 3 and manifest["storage_dtype"] == "bfloat16"
+    want = []
+    for shard, (sample, token, column, state) in ((2, (1, 3, 1, "aux")), (0, (0, 5, 0, "final"))):
+        entry = manifest["shards"][shard]
+        reader = ShardReader(fs / entry["path"], "safetensors", "bfloat16")
+        rows = [reader.sample(i, decode=False) for i in range(len(reader))]
+        rows = [{"input_ids": r.input_ids, "loss_mask": r.loss_mask, "aux_hidden": r.aux_hidden.clone(),
+                 "final_hidden": r.final_hidden.clone()} for r in rows]
+        rows[sample][f"{state}_hidden"][token, column * manifest["hidden_size"] + 7] = float("inf")
+        entry["sha256"] = write_shard(fs, entry["path"], rows, "safetensors", "bfloat16")
+        layer = f"layer {manifest['aux_layer_ids'][column]}" if state == "aux" else "final state"
+        want.append((shard, f"{entry['path']}: {state}_hidden holds NaN or Inf at sample {sample}, token {token}, "
+                            f"{layer}"))
+    (fs / MANIFEST).write_text(json.dumps(manifest))
+    want = [line for _, line in sorted(want)]
+    for threads in (1, 4):
+        monkeypatch.setattr(verify, "THREADS", threads)
+        assert verify_featureset(fs) == want
+
+
 def test_verify_shows_a_bar_over_the_shards_unless_silent(tmp_path, chat_file):
     run_capture(CaptureConfig(source=str(chat_file), output=str(tmp_path / "fs"), shard_size=2,
                               codec="safetensors"), silent=True)

@@ -54,3 +54,22 @@ def test_shard_samples_read_back(tmp_path, codec):
         assert torch.equal(got.loss_mask.bool(), s["loss_mask"])
         assert torch.equal(got.aux_hidden, s["aux_hidden"]) and torch.equal(got.final_hidden, s["final_hidden"])
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_all_finite_equals_torch_isfinite_on_every_kind_of_value(dtype):
+    """all_finite reads the exponent bits (float64 falls back to torch.isfinite): the same answer
+    as torch.isfinite for the largest finite values, subnormals, signed zeros, Inf and NaN, alone
+    and among ordinary values at any position."""
+    from specfoundry.featureset.store import all_finite
+
+    info = torch.finfo(dtype)
+    specials = torch.tensor([info.max, -info.max, info.tiny, info.tiny / 4, 0.0, -0.0, 1.0], dtype=torch.float64)
+    finite = torch.cat([specials.to(dtype), torch.randn(97).to(dtype)])  # subnormals stay subnormal in dtype
+    assert all_finite(finite) and torch.isfinite(finite).all()
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        for at in (0, 50, len(finite) - 1):
+            x = finite.clone()
+            x[at] = bad
+            assert not all_finite(x)
+            assert not all_finite(x.view(8, 13))  # any shape

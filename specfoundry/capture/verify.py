@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from specfoundry.featureset.store import (
     FeatureSet,
     ShardReader,
     decode_state,
+    is_finite,
 )
 
 CHUNK = 8192  # tokens decoded at once by the NaN/Inf check
@@ -39,28 +41,34 @@ def located(r: ShardReader, token: int, layer: str) -> str:
     return f"sample {j}, token {token - int(r.offsets[j])}, {layer}"
 
 
-def first_nonfinite(r: ShardReader, state: str, n: int, layers: list[str]) -> str | None:
-    """Where the first NaN or Inf of a state lies after decoding ('sample j, token t, layer ...'), or None."""
-    for start in range(0, n, CHUNK):
-        values, scale = r.state(state, start, min(n, start + CHUNK))
-        x = decode_state(values, scale, torch.float32)  # [rows, L*H]
-        bad = (~torch.isfinite(x.unflatten(-1, (len(layers), -1)))).any(-1).nonzero()  # [?, 2]: (row, layer)
-        if len(bad):
-            return located(r, start + int(bad[0, 0]), layers[int(bad[0, 1])])
-    return None
+def nonfinite_in(values: torch.Tensor, scale: torch.Tensor | None, layers: list[str]) -> tuple[int, str] | None:
+    """The first (row, layer name) of a chunk of stored states [rows, L*H] holding a NaN or Inf once
+    decoded, or None. is_finite answers for the stored values first (one pass, no float32 copy: a
+    bf16 value is finite exactly when its float32 value is; a float8 value times its scale is
+    finite when no value is NaN and scale x 448 is finite); only a chunk it doubts is decoded."""
+    if is_finite(values, scale):
+        return None
+    x = decode_state(values, scale, torch.float32)  # [rows, L*H]
+    bad = (~torch.isfinite(x.unflatten(-1, (len(layers), -1)))).any(-1).nonzero()  # [?, 2]: (row, layer)
+    return (int(bad[0, 0]), layers[int(bad[0, 1])]) if len(bad) else None
 
 
-def first_impossible_scale(r: ShardReader, state: str, n: int, layers: list[str]) -> str | None:
-    """A float8 state's first scale no capture writes (fp8.impossible_scales): its value and where."""
+def check_state(r: ShardReader, state: str, n: int, layers: list[str]) -> tuple[str | None, str | None]:
+    """One read of a stored state, chunk by chunk: (where its first NaN or Inf lies after decoding,
+    'sample j, token t, layer ...', else None; where a NaN or Inf lies, None, else a float8
+    state's first scale no capture writes (fp8.impossible_scales): its value and where, or None)."""
+    first_scale = None
     for start in range(0, n, CHUNK):
         values, scale = r.state(state, start, min(n, start + CHUNK))
-        if scale is None:
-            return None
-        bad = fp8.impossible_scales(values, scale).nonzero()  # [?, 2]: (row, layer)
-        if len(bad):
-            row, layer = int(bad[0, 0]), int(bad[0, 1])
-            return f"{float(scale[row, layer])} at {located(r, start + row, layers[layer])}"
-    return None
+        bad = nonfinite_in(values, scale, layers)
+        if bad:
+            return located(r, start + bad[0], bad[1]), None
+        if scale is not None and first_scale is None:
+            wrong = fp8.impossible_scales(values, scale).nonzero()  # [?, 2]: (row, layer)
+            if len(wrong):
+                row, layer = int(wrong[0, 0]), int(wrong[0, 1])
+                first_scale = f"{float(scale[row, layer])} at {located(r, start + row, layers[layer])}"
+    return None, first_scale
 
 
 def check_shard(root: Path, manifest: dict, entry: dict) -> tuple[list[str], dict]:
@@ -93,33 +101,45 @@ def check_shard(root: Path, manifest: dict, entry: dict) -> tuple[list[str], dic
                         "restore it, or recapture)")
     if not problems:
         for state, layers in (("aux", [f"layer {i}" for i in manifest["aux_layer_ids"]]), ("final", ["final state"])):
-            where = first_nonfinite(r, state, n, layers)
+            where, scale = check_state(r, state, n, layers)
             if where:
                 problems.append(f"{entry['path']}: {state}_hidden holds NaN or Inf at {where}")
-            scale = None if where else first_impossible_scale(r, state, n, layers)
             if scale:
                 problems.append(f"{entry['path']}: {state}_scale holds an impossible scale, {scale} (a scale is "
                                 "absmax/448: never negative, and 0 only for a row of zeros)")
     return problems, {"samples": len(r), "tokens": n, "loss_tokens": int(mask.sum())}
 
 
+THREADS = 8
+"""Shards checked at once: hashing, zarr's decompression and torch's passes release the GIL, so a
+machine with the cores reads several shards at the speed of one (as sf-train's check_shards)."""
+
+
 def verify_featureset(root: str | Path, recompute: int = 0, device: str | None = None,
                       silent: bool = True) -> list[str]:
-    """Return one line per problem found (empty when the set is sound); a bar over the shards
-    unless silent (each is read whole, so a large set takes a while)."""
+    """Return one line per problem found (empty when the set is sound), the shards' in the
+    manifest's order; a bar over the shards unless silent (each is read whole, THREADS at once,
+    so a large set takes a while)."""
     root = Path(root)
     manifest = read_manifest(root)
     problems = record_disagreements(root, manifest)
     if not manifest.get("complete"):
         problems.append(f"{root}: the capture is not complete (rerun the same sf-capture command to finish)")
     totals = {"samples": 0, "tokens": 0, "loss_tokens": 0}
-    with Progress(len(manifest["shards"]), "shard", "sf-capture verify", silent) as progress:
-        for entry in manifest["shards"]:
-            found, held = check_shard(root, manifest, entry)
-            problems += found
-            for k, v in held.items():
-                totals[k] += v
-            progress.update(1, held.get("tokens", 0))
+    entries = manifest["shards"]
+    pool = ThreadPoolExecutor(max_workers=max(1, min(THREADS, len(entries))))
+    try:
+        with Progress(len(entries), "shard", "sf-capture verify", silent) as progress:
+            futures = [pool.submit(check_shard, root, manifest, entry) for entry in entries]
+            for future in as_completed(futures):  # the bar moves as shards finish, in any order
+                progress.update(1, future.result()[1].get("tokens", 0))
+    finally:  # after an error or Ctrl-C the queued shards are not read
+        pool.shutdown(wait=True, cancel_futures=True)
+    for future in futures:
+        found, held = future.result()
+        problems += found
+        for k, v in held.items():
+            totals[k] += v
     for k, v in totals.items():
         if not problems and manifest["counts"][k] != v:
             problems.append(f"{root}: manifest counts {k}={manifest['counts'][k]}, shards hold {v}")

@@ -88,9 +88,23 @@ def decode_state(values: torch.Tensor, scale: torch.Tensor | None, dtype: torch.
     return fp8.dequantize(rows, scale, dtype or torch.bfloat16).flatten(-2)
 
 
+EXPONENT_BITS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
+                 torch.float32: (torch.int32, 0x7F800000)}
+"""Per IEEE float dtype: the integer view of its bits, and the mask of its exponent field."""
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """torch.isfinite(x).all() in one integer pass: an IEEE value is NaN or Inf exactly when its
+    exponent bits are all ones (on a CPU torch.isfinite over bf16 runs unvectorised, ~4x slower)."""
+    if x.dtype not in EXPONENT_BITS:
+        return bool(torch.isfinite(x).all())
+    as_int, mask = EXPONENT_BITS[x.dtype]
+    return not bool(((x.view(as_int) & mask) == mask).any())
+
+
 def is_finite(values: torch.Tensor, scale: torch.Tensor | None) -> bool:
     """Whether stored states decode to finite values only (float8: without decoding them)."""
-    return bool(torch.isfinite(values).all()) if scale is None else fp8.is_finite(values, scale)
+    return all_finite(values) if scale is None else fp8.is_finite(values, scale)
 
 
 def write_shard(root: Path, rel: str, samples: list[dict], codec: str, dtype: str,
