@@ -96,7 +96,7 @@ def main() -> None:
         s = timed(fn)
         rows.append({"what": f"one chunk's check, {name}", "seconds": s, "tokens_per_s": verify.CHUNK / s})
     print_table(rows, ["what", "seconds", "tokens_per_s"])
-    print(write_result(args.out, rows, {"settings": {**vars(args), "threads": verify.THREADS, "tokens": tokens,
+    print(write_result(args.out, rows, {"settings": {**vars(args), "threads": verify.THREADS, "set_tokens": tokens,
                                                      "cpus": os.cpu_count()}}))
 
 
