@@ -104,9 +104,10 @@ def main() -> None:
     ap.add_argument("--out", default="family_step", help="The result's name under benchmarks/results/ (or a path; default: %(default)s).")
     args = ap.parse_args()
     families = args.families.split(",")
-    unknown = sorted(set(families) - {row[0] for row in ROWS})
+    known = sorted({row[0] for row in ROWS})
+    unknown = sorted(set(families) - set(known))
     if unknown:
-        ap.error(f"--families: unknown {', '.join(unknown)} (dflash, domino, dspark)")
+        ap.error(f"--families: unknown {', '.join(unknown)} ({', '.join(known)})")
     batch = random_batch(args.samples, args.seq, DFlashConfig(**SMOL_DFLASH))
     rows = []
     for family, teacher_loss, gradient, math in (row for row in ROWS if row[0] in families):

@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 from pathlib import Path
 from unittest import mock
 
 import torch
 
 import specfoundry.capture.verify as verify
-from benchmarks.common import print_table, write_result
+from benchmarks.common import print_table, wall, write_result
 from specfoundry.common.files import atomic_write_json
 from specfoundry.featureset.manifest import MANIFEST, new_manifest
 from specfoundry.featureset.store import all_finite, shard_name, write_shard
@@ -55,12 +54,7 @@ def write_set(root: Path, shards: int, samples: int, tokens: int) -> int:
 def timed(fn, repeats: int = 5) -> float:
     """The median wall seconds of fn() over repeats, after one untimed call."""
     fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return sorted(wall(fn) for _ in range(repeats))[repeats // 2]
 
 
 def main() -> None:
@@ -78,14 +72,16 @@ def main() -> None:
         tokens = write_set(root, args.shards, args.samples, args.tokens)
         ways = {"one shard at a time": 1, f"{verify.THREADS} shards at once": verify.THREADS}
         seconds = {name: [] for name in ways}
-        assert verify.verify_featureset(root) == []  # the untimed pass: the page cache, and a sound set
+
+        def verify_sound():
+            problems = verify.verify_featureset(root)
+            assert problems == [], problems
+
+        verify_sound()  # the untimed pass: the page cache
         for _ in range(args.repeats):
             for name, threads in ways.items():
                 with mock.patch.object(verify, "THREADS", threads):
-                    start = time.perf_counter()
-                    problems = verify.verify_featureset(root)
-                    seconds[name].append(time.perf_counter() - start)
-                assert problems == [], problems
+                    seconds[name].append(wall(verify_sound))
         for name, times in seconds.items():
             best = min(times)
             rows.append({"what": f"verify, {name}", "seconds": best, "tokens_per_s": tokens / best})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -54,9 +54,10 @@ def nonfinite_in(values: torch.Tensor, scale: torch.Tensor | None, layers: list[
 
 
 def check_state(r: ShardReader, state: str, n: int, layers: list[str]) -> tuple[str | None, str | None]:
-    """One read of a stored state, chunk by chunk: (where its first NaN or Inf lies after decoding,
-    'sample j, token t, layer ...', else None; where a NaN or Inf lies, None, else a float8
-    state's first scale no capture writes (fp8.impossible_scales): its value and where, or None)."""
+    """One read of a stored state, chunk by chunk, for (nonfinite, scale), at most one of them set:
+    nonfinite, where its first NaN or Inf lies after decoding ('sample j, token t, layer ...');
+    else scale, a float8 state's first scale no capture writes (fp8.impossible_scales): its value
+    and where. (None, None) for a sound state."""
     first_scale = None
     for start in range(0, n, CHUNK):
         values, scale = r.state(state, start, min(n, start + CHUNK))
@@ -130,16 +131,14 @@ def verify_featureset(root: str | Path, recompute: int = 0, device: str | None =
     pool = ThreadPoolExecutor(max_workers=max(1, min(THREADS, len(entries))))
     try:
         with Progress(len(entries), "shard", "sf-capture verify", silent) as progress:
-            futures = [pool.submit(check_shard, root, manifest, entry) for entry in entries]
-            for future in as_completed(futures):  # the bar moves as shards finish, in any order
-                progress.update(1, future.result()[1].get("tokens", 0))
+            # the results in the manifest's order, THREADS shards read ahead
+            for found, held in pool.map(lambda entry: check_shard(root, manifest, entry), entries):
+                problems += found
+                for k, v in held.items():
+                    totals[k] += v
+                progress.update(1, held.get("tokens", 0))
     finally:  # after an error or Ctrl-C the queued shards are not read
         pool.shutdown(wait=True, cancel_futures=True)
-    for future in futures:
-        found, held = future.result()
-        problems += found
-        for k, v in held.items():
-            totals[k] += v
     for k, v in totals.items():
         if not problems and manifest["counts"][k] != v:
             problems.append(f"{root}: manifest counts {k}={manifest['counts'][k]}, shards hold {v}")
