@@ -383,6 +383,34 @@ def test_a_graph_replayed_tree_expansion_equals_the_eager_one(device):
 
 
 @pytest.mark.parametrize("device", GRAPH_DEVICES)
+def test_the_tree_decoders_warm_up_meets_every_verify_width(device):
+    """sf-eval's warm-up of a tree decoder (Eagle3Decoder.warm_up) captures the target's verify at
+    every width a round may use (p pending tokens and the nodes, p = 1..depth + 1), so that later
+    tree decodes capture (or compile) nothing; and it leaves no trace: their tokens are the
+    target's own greedy tokens."""
+    from specfoundry.families.eagle3.chain import DraftRunner
+    from specfoundry.families.eagle3.decode import Eagle3Decoder
+    from specfoundry.families.eagle3.tree import TreeShape, tree_generate, verify_widths
+    from tests.test_eval import tiny_pair, true_greedy
+
+    model, draft = tiny_pair()
+    prompts = ([1, 2, 3], [4, 0, 5, 2, 2], [3])
+    expected = [true_greedy(model, prompt, 30) for prompt in prompts]  # (on the CPU, before the move)
+    target = TargetRunner(Target.wrap(model.to(device)), [0, 1, 2], graphs=True)
+    runner = DraftRunner(draft.to(device), graphs=True)
+    branching = (3, 2, 1)
+    widths = verify_widths(TreeShape.of(branching, vocab=5))
+    assert widths == [p + 3 + 6 + 6 for p in (1, 2, 3, 4)]  # pending, then the nodes of depths 1-3
+    Eagle3Decoder(runner, k=3, tree=branching).warm_up(target, [1, 2, 3], max_new_tokens=30, eos=set(),
+                                                       sampler=Sampler())
+    assert set(widths) <= set(target.steps)
+    met = set(target.steps)
+    for prompt, tokens in zip(prompts, expected, strict=True):
+        assert tree_generate(target, runner, prompt, branching=branching, max_new_tokens=30, eos=set()).tokens == tokens
+    assert set(target.steps) == met
+
+
+@pytest.mark.parametrize("device", GRAPH_DEVICES)
 def test_a_graph_replayed_block_proposal_equals_the_eager_one(device):
     """DFlash's block proposal and its context appends (one per count of accepted positions) captured
     as CUDA graphs and run eagerly, over the same context, round after round: the same proposals,

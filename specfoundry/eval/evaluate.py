@@ -130,8 +130,8 @@ class EvalConfig(Settings):
                     "device map): fewer, fused kernels per step, whose graph launches cost less host time (a "
                     "one-token SmolLM2 step 3.6 -> 1.9 ms on an H100, benchmarks/RESULTS.md). Each step shape "
                     "compiles once, at its first use (about a minute; inductor caches it on disk): the target "
-                    "alone's and a chain verify's in the untimed warm-up, a tree verify's widths (one per "
-                    "accepted depth) possibly inside a timed decode. Steps of different widths may round "
+                    "alone's, a chain verify's and every width of a tree verify (one per accepted depth) in the "
+                    "untimed warm-up. Steps of different widths may round "
                     "differently, so greedy equality can break on near-ties, as in bf16.")
     compile_draft: bool = setting(
         False, help="Run the draft's captured proposal through torch.compile (one CUDA device): EAGLE-3's chain, "
@@ -318,7 +318,8 @@ def warms_up(device) -> bool:
 
 def warm_up(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict, eos: set[int]) -> None:
     """One untimed decode of the first prompt, at full length, by the target alone (with
-    --baseline) and by each draft, before any timed one. On a GPU the first decode pays for kernel
+    --baseline) and by each draft (its decoder's warm_up; a tree's also verifies once at every width
+    a round may use), before any timed one. On a GPU the first decode pays for kernel
     selection, library handles, the allocator's first blocks and clocks still rising from idle,
     which would otherwise fall on the first set's tokens/s alone. Full length: after a warm-up
     of a few tokens the first timed decode was still slow (benchmarks/RESULTS.md, "Draft families"). Its
@@ -332,7 +333,7 @@ def warm_up(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict, eos
     if cfg.baseline:
         target_generate(target, first, max_new_tokens=cfg.max_new_tokens, eos=eos, sampler=sampler)
     for runner in drafts.values():
-        runner.generate(target, first, max_new_tokens=cfg.max_new_tokens, eos=eos, sampler=sampler)
+        runner.warm_up(target, first, max_new_tokens=cfg.max_new_tokens, eos=eos, sampler=sampler)
     by_bucket = {prefill_bucket(len(ids)): ids for prompts in sets.values() for _, ids in prompts
                  if len(ids) <= PREFILL_GRAPH_MAX}
     for ids in by_bucket.values():

@@ -30,6 +30,11 @@ class BlockDecoder:
                  sampler: Sampler) -> DecodeResult:
         return block_generate(target, self.runner, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler)
 
+    def warm_up(self, target: TargetRunner, prompt: list[int], *, max_new_tokens: int, eos: set[int],
+                sampler: Sampler) -> None:
+        """sf-eval's untimed warm-up: one decode of `prompt` meets every step shape (one block a round)."""
+        self.generate(target, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler)
+
 
 DFlashDecoder = BlockDecoder
 

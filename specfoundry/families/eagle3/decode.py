@@ -13,7 +13,7 @@ from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
 from specfoundry.families.eagle3.chain import DraftRunner, speculative_generate
 from specfoundry.families.eagle3.model import Eagle3Draft, TTTCache
-from specfoundry.families.eagle3.tree import tree_generate
+from specfoundry.families.eagle3.tree import TreeShape, tree_generate, warm_tree_verifies
 
 
 @dataclass
@@ -31,6 +31,14 @@ class Eagle3Decoder:
                                  eos=eos)
         return speculative_generate(target, self.runner, prompt, k=self.k, max_new_tokens=max_new_tokens, eos=eos,
                                     sampler=sampler)
+
+    def warm_up(self, target: TargetRunner, prompt: list[int], *, max_new_tokens: int, eos: set[int],
+                sampler: Sampler) -> None:
+        """sf-eval's untimed warm-up: one decode of `prompt`, and with a tree the target's verify at every
+        width a round may use (tree.warm_tree_verifies), which one decode need not meet."""
+        self.generate(target, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler)
+        if self.tree:
+            warm_tree_verifies(target, prompt, TreeShape.of(self.tree, self.runner.logits.shape[-1]))
 
 
 def decode_settings(k: int, tree: tuple[int, ...] | None) -> tuple[int, tuple[int, ...] | None, None]:

@@ -126,6 +126,31 @@ def propose_tree(draft: DraftRunner, branching: tuple[int, ...]) -> DraftTree:
     return shape.tree(expand_tree(draft, shape).tolist())
 
 
+def verify_widths(shape: TreeShape) -> list[int]:
+    """The token counts of the target's tree verifies for `shape`: p pending tokens and the tree's
+    nodes, p from 1 (the root alone) to depth + 1 (the root and a whole accepted branch). Each is a
+    step shape of its own: a captured graph, and a compile under --compile-target."""
+    return [p + len(shape) for p in range(1, len(shape.branching) + 2)]
+
+
+@torch.inference_mode()
+def warm_tree_verifies(target: TargetRunner, prompt: list[int], shape: TreeShape) -> None:
+    """Run the target's tree verify once at each of verify_widths(shape), after `prompt`, each undone
+    by a crop, so that sf-eval's untimed warm-up captures (and compiles) them all: a width first met
+    inside a timed decode put its capture, or a compile of tens of seconds, into that decode's
+    target time. Leaves the target holding `prompt`."""
+    nodes, structure = len(shape), shape.tree([0] * len(shape))
+    target.reset(len(prompt) + len(shape.branching) + 1 + nodes)
+    target.forward(prompt)
+    cached = len(target)
+    for width in verify_widths(shape):
+        p = width - nodes
+        pending = (prompt * p)[-p:]  # any ids: the outputs are dropped
+        positions = list(range(cached, cached + p)) + [cached + p - 1 + d for d in shape.depths]
+        target.forward(pending + [prompt[-1]] * nodes, positions=positions, mask=verify_mask(structure, cached, p))
+        target.crop(cached)
+
+
 def tree_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *, branching: tuple[int, ...],
                   max_new_tokens: int, eos: set[int]) -> DecodeResult:
     """Greedy speculative decoding with a draft tree: the output equals the target's own greedy

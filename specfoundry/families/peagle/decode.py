@@ -177,6 +177,11 @@ class PEagleDecoder:
             verify=lambda drafts, logits_d, logits: accept(drafts, logits_d, logits, runner.draft_to_target, sampler),
             commit=runner.read)
 
+    def warm_up(self, target: TargetRunner, prompt: list[int], *, max_new_tokens: int, eos: set[int],
+                sampler: Sampler) -> None:
+        """sf-eval's untimed warm-up: one decode of `prompt` meets every step shape (k proposals a round)."""
+        self.generate(target, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler)
+
 
 def decode_settings(cfg: PEagleConfig, *, k: int, tree, k_given: bool, source: str):
     """(k, no tree, None): the trained depths K by default; -k up to K (a mask slot past the trained
