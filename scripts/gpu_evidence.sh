@@ -234,22 +234,26 @@ plan_next() {
 }
 
 # PLAN=families (its deadline 1,650 s unless DEADLINE says otherwise): issue 27's quality run, and
-# issue 36's item 3 with the decoding core, scripts/families_gpu.sh at EPOCHS=2. Estimates on one
-# H100 80GB (2 trainings at a time) from the runs of 2026-12-06 (benchmarks/RESULTS.md, "Training":
-# each family's step alone 166 ms (EAGLE-3) to 353 ms (Domino) at 16,384 tokens; the objectives
-# run's stages); on an H200 (4 at a time) the run of 2026-12-02 took 1,407 s before those steps
-# got 2-6x faster:
-#   machine start + setup, the GGUF                                                  ~100 s
+# issue 36's item 3 with the decoding core, scripts/families_gpu.sh at EPOCHS=2. Times of the run of
+# 2026-12-06 on one H100 80GB (2 trainings at a time; benchmarks/RESULTS.md, "Draft families"), 1,411 s
+# from the plan's start to its end, family_step included:
+#   machine start + setup, the GGUF                                                  ~120 s
 #   regen      from .devkit/carry/regen10240.tar.gz when carried (sf-regen finds it complete), else
-#              sf-regen of 10,240 synthesised conversations, then the capture of 9,849
-#              conversations, 2.29 M tokens, every family's layers, and sf-capture verify    ~230 s
-#   train      2 epochs (362 steps for the DFlash backbone, 286 for EAGLE-3 and P-EAGLE), each
-#              draft ~45 s of start-up, compiles and export beside its steps; six drafts  ~500 s
-#              (dflash_b16_norm01, the seventh, ~+90 s)
-#   eval       8 prompts of each of the 4 held-out sets (EVAL_LIMIT), 8 side by side       ~150 s
+#              sf-regen of 10,240 synthesised conversations (41 s), then the capture of 9,849
+#              conversations, 2.29 M tokens, every family's layers, and sf-capture verify    ~130 s
+#   train      2 epochs (362 steps for the DFlash backbone, 286 for EAGLE-3 and P-EAGLE), two at a
+#              time: DSpark and Domino 5:13 each, DFlash and D-PACE 2:34, EAGLE-3 1:09, P-EAGLE
+#              1:18; six drafts                                                            ~600 s
+#              (dflash_b16_norm01, the seventh, ~+150 s)
+#   eval       8 prompts of each of the 4 held-out sets (EVAL_LIMIT), 7 side by side       ~140 s
 #   timing     each draft alone, 2 prompts a set, the EAGLE-3 chain with the target alone,
-#              --compile-target and --compile-draft (inductor's disk cache serves the target's
-#              compile after the first run)                                                ~300 s
+#              --compile-target --dtype bfloat16 and --compile-draft (inductor's disk cache serves
+#              the target's compile after the first run; the tree's 4 verify widths compile in
+#              its warm-up, ~3 min). bfloat16, the dtype a target is served in: in sf-eval's
+#              float32 default a verify of 8 or 16 tokens took 2.2-2.4x a token of the target alone
+#              and one of 17 1.5x (cuBLAS's float32 kernels for 2-16 rows; RESULTS.md, "Draft
+#              families", 2026-12-06), so float32 tokens/s rank drafts by their verify width. The
+#              acceptance evals stay float32 (exact)                                      ~450 s
 #   family_step  the DFlash-backbone families' step by gradient path, if time is left        ~80 s
 # GPU_TESTS: these test files' GPU tests first; ONLY (read by scripts/families_gpu.sh): the drafts
 # to train, e.g. all but dflash_b16_norm01 (issue 27's variant, not a family) to save a training.
@@ -264,7 +268,7 @@ plan_families() {
     # no timing decode starts within 120 s of the deadline: the acceptance figures are written first
     step families 1300 env RUN="$RUN/families" EPOCHS="$EPOCHS" REGEN_FROM="$from" TIMING_LIMIT="${TIMING_LIMIT:-2}" \
       TRAIN_OPTS="--num-workers 2 --profile-steps 10" \
-      TIMING_OPTS="${TIMING_OPTS---compile-target}" DRAFT_TIMING_OPTS="${DRAFT_TIMING_OPTS---compile-draft}" \
+      TIMING_OPTS="${TIMING_OPTS---compile-target --dtype bfloat16}" DRAFT_TIMING_OPTS="${DRAFT_TIMING_OPTS---compile-draft}" \
       EVAL_OPTS="--limit ${EVAL_LIMIT:-8}" STOP_AT=$(( $(cat "$EV/t0") + $(deadline) - 120 )) bash scripts/families_gpu.sh
     step family_step 100 python -m benchmarks.family_step  # alone, if the deadline leaves room
   else
