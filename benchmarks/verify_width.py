@@ -9,9 +9,11 @@ block) at 7.5 ms, but of 17 (a DSpark block of 16) at 4.8 ms, against some 3.2 m
 measures that step alone, SmolLM2-135M's shape with random weights (benchmarks/decode_step.py SHAPES;
 a step's time depends on the shapes alone), after a prompt of --prompt tokens: the decoding core's
 captured step (decoding/target.py TargetRunner, as sf-eval runs it without --compile-target) of T
-tokens and the crop that undoes it, for each T of --widths, in three modes, one after the other:
+tokens and the crop that undoes it, for each T of --widths, in each mode of --modes, one after the other:
     float32        sf-eval's default: float32 weights, full-precision matmuls
     float32_tf32   float32 weights, matmuls in TF32 (torch.backends.cuda.matmul.allow_tf32)
+    float32_cublaslt  float32, matmuls through cuBLASLt (torch.backends.cuda.preferred_blas_library),
+                   whose kernel choice for few rows may differ from cuBLAS's
     bfloat16       bfloat16 weights
 The `mm_*` rows time the step's matmuls alone, per call with the host running ahead: the MLP's up
 projection [T, 576] x [576, 1536], its down projection [T, 1536] x [1536, 576], and the output head
@@ -39,7 +41,9 @@ from benchmarks.decode_step import AUX, SHAPES
 from specfoundry.common.target import Target
 from specfoundry.decoding.target import TargetRunner
 
-MODES = {"float32": (torch.float32, False), "float32_tf32": (torch.float32, True), "bfloat16": (torch.bfloat16, False)}
+MODES = {"float32": (torch.float32, False, "cublas"), "float32_tf32": (torch.float32, True, "cublas"),
+         "float32_cublaslt": (torch.float32, False, "cublaslt"), "bfloat16": (torch.bfloat16, False, "cublas")}
+"""mode -> (weights' dtype, TF32 matmuls, the BLAS library torch calls for a matmul)."""
 MATMULS = {"mm_up": (576, 1536), "mm_down": (1536, 576), "mm_head": (576, 49152)}  # (in, out) features
 
 
@@ -55,7 +59,7 @@ def build(dtype: torch.dtype, device: str):
 
 def step_rows(mode: str, widths: list[int], prompt_len: int, iters: int, device: str) -> dict:
     """{T: ms} of the core's step of T tokens (and its crop) after the prompt, in `mode`."""
-    dtype, tf32 = MODES[mode]
+    dtype, _, _ = MODES[mode]
     model = build(dtype, device)
     runner = TargetRunner(Target.wrap(model), AUX["smollm2"], graphs=device == "cuda")
     runner.reset(prompt_len + max(widths) + 1)
@@ -80,7 +84,7 @@ def step_rows(mode: str, widths: list[int], prompt_len: int, iters: int, device:
 
 def matmul_rows(mode: str, widths: list[int], device: str) -> dict:
     """{row: {T: ms}}: each of MATMULS alone at T rows, device time per call (back to back)."""
-    dtype, _ = MODES[mode]
+    dtype, _, _ = MODES[mode]
     out = {}
     for name, (k, n) in MATMULS.items():
         weight = torch.randn(n, k, device=device, dtype=dtype)
@@ -133,15 +137,20 @@ def main() -> None:
     if unknown:
         p.error(f"--modes: unknown mode(s) {', '.join(unknown)}; known: {', '.join(MODES)}")
     summary: dict[str, dict] = {"ms": {}}
-    previous_tf32 = torch.backends.cuda.matmul.allow_tf32
+    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cuda.preferred_blas_library()
     try:
         for mode in modes:
-            torch.backends.cuda.matmul.allow_tf32 = MODES[mode][1]  # (read at each matmul's launch and capture)
+            # (both read at each matmul's launch, so at each graph's capture)
+            _, torch.backends.cuda.matmul.allow_tf32, blas = MODES[mode]
+            if args.device == "cuda":  # (a CPU build refuses cuBLASLt; its check runs the mode as plain float32)
+                torch.backends.cuda.preferred_blas_library(blas)
             summary["ms"][mode] = {"step": step_rows(mode, widths, args.prompt, args.iters, args.device),
                                    **matmul_rows(mode, widths, args.device)}
             torch.cuda.empty_cache()
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous_tf32
+        torch.backends.cuda.matmul.allow_tf32 = previous[0]
+        if args.device == "cuda":
+            torch.backends.cuda.preferred_blas_library(previous[1])
     rows = [{"mode": mode, "row": row, **{f"T={t}": ms for t, ms in by_width.items()}}
             for mode, by_row in summary["ms"].items() for row, by_width in by_row.items()]
     print_table(rows, ["mode", "row", *(f"T={t}" for t in widths)])
