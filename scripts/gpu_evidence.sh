@@ -254,6 +254,8 @@ plan_next() {
 #              and one of 17 1.5x (cuBLAS's float32 kernels for 2-16 rows; RESULTS.md, "Draft
 #              families", 2026-12-06), so float32 tokens/s rank drafts by their verify width. The
 #              acceptance evals stay float32 (exact)                                      ~450 s
+#   verify_width  the target's verify step by width in float32 (cuBLAS, TF32, cuBLASLt) and
+#              bfloat16 (benchmarks/verify_width.py), if time is left                       ~60 s
 #   family_step  the DFlash-backbone families' step by gradient path, if time is left        ~80 s
 # GPU_TESTS: these test files' GPU tests first; ONLY (read by scripts/families_gpu.sh): the drafts
 # to train, e.g. all but dflash_b16_norm01 (issue 27's variant, not a family) to save a training.
@@ -270,7 +272,10 @@ plan_families() {
       TRAIN_OPTS="--num-workers 2 --profile-steps 10" \
       TIMING_OPTS="${TIMING_OPTS---compile-target --dtype bfloat16}" DRAFT_TIMING_OPTS="${DRAFT_TIMING_OPTS---compile-draft}" \
       EVAL_OPTS="--limit ${EVAL_LIMIT:-8}" STOP_AT=$(( $(cat "$EV/t0") + $(deadline) - 120 )) bash scripts/families_gpu.sh
-    step family_step 100 python -m benchmarks.family_step  # alone, if the deadline leaves room
+    # alone, each if the deadline leaves room: the float32 verify by width (cuBLASLt's kernels among
+    # the modes), then the DFlash-backbone families' step
+    step verify_width 90 python -m benchmarks.verify_width --profile-widths ""
+    step family_step 100 python -m benchmarks.family_step
   else
     step families 900 env RUN="$RUN/families" DEV=cpu SYNTH=6 EPOCHS=1 JOBS=2 EVAL_JOBS=3 TIMING_LIMIT=1 \
       RESULT=dry_families REGEN_OPTS="--batch-size 6 --max-new-tokens 16" \
