@@ -91,7 +91,7 @@ def matmul_rows(mode: str, widths: list[int], device: str) -> dict:
         out[name] = {}
         for t in widths:
             x = torch.randn(t, k, device=device, dtype=dtype)
-            out[name][t] = (cuda_time_ms_back_to_back(lambda x=x: torch.nn.functional.linear(x, weight))
+            out[name][t] = (cuda_time_ms_back_to_back(lambda x=x, w=weight: torch.nn.functional.linear(x, w))
                             if device == "cuda" else None)
     return out
 

@@ -34,7 +34,7 @@ from specfoundry.featureset.manifest import FeatureSetError
 from specfoundry.featureset.store import decode_state
 from specfoundry.kernels.lk_loss import TokenLoss
 
-__all__ = ["DRAFT_FILE", "TARGET_FILE", "TRAINING_FILE", "DraftFamily", "DraftLoadError", "check_tensors", "expect_family", "load_tensors",
+__all__ = ["DRAFT_FILE", "TARGET_FILE", "TRAINING_FILE", "Decoder", "DraftFamily", "DraftLoadError", "check_tensors", "expect_family", "load_tensors",
            "read_config_json", "read_json", "select_layers"]
 
 TRAINING_FILE = "specfoundry_training.json"
@@ -87,6 +87,21 @@ class Batch:
 
 
 MASK64 = (1 << 64) - 1
+
+
+class Decoder:
+    """What DraftFamily.decoder returns: `generate`, one sequence's speculative decode, and
+    `warm_up`, its part of sf-eval's untimed warm-up (eval/evaluate.py warm_up)."""
+
+    def generate(self, target, prompt: list[int], *, max_new_tokens: int, eos: set[int], sampler):
+        """(decoding/target.TargetRunner, prompt ids, ..., decoding/sampler.Sampler) -> decoding/rounds.DecodeResult."""
+        raise NotImplementedError
+
+    def warm_up(self, target, prompt: list[int], *, max_new_tokens: int, eos: set[int], sampler) -> None:
+        """One decode of `prompt`, its outputs dropped: it meets every step shape (a captured graph, a
+        compile) of a decoder whose rounds all have one shape, a chain or a block. A decoder whose
+        rounds vary (a tree) overrides it to meet the rest."""
+        self.generate(target, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler)
 
 
 def _splitmix64(z: int) -> int:
@@ -203,8 +218,7 @@ class DraftFamily:
     DSpark and Domino block proposals (P-EAGLE's round is not compiled: one shape per pending-row count)."""
 
     def decoder(self, draft, target, *, k: int, tree: tuple[int, ...] | None, compiled: bool = False):
-        """The draft's decoder for sf-eval: generate(target_runner, prompt, max_new_tokens=, eos=,
-        sampler=) -> DecodeResult (decoding/rounds.py). `target`: common/target.Target. `compiled`:
+        """The draft's Decoder for sf-eval (generate and warm_up). `target`: common/target.Target. `compiled`:
         its captured proposal through torch.compile (sf-eval --compile-draft); a family that does
         not offer it raises ValueError (one line)."""
         raise NotImplementedError

@@ -16,10 +16,11 @@ from specfoundry.families.dflash.anchors import block_inputs
 from specfoundry.families.dflash.block import BlockDraftRunner, block_generate
 from specfoundry.families.dflash.config import DFlashConfig
 from specfoundry.families.dflash.model import DFlashDraft
+from specfoundry.families.interface import Decoder
 
 
 @dataclass
-class BlockDecoder:
+class BlockDecoder(Decoder):
     """sf-eval's decoder of a draft on DFlash's backbone (DFlash, Domino, DSpark): one block of
     proposals a round, the runner's `propose` (block_size - 1 of them for DFlash and Domino,
     block_size for DSpark)."""
@@ -29,11 +30,6 @@ class BlockDecoder:
     def generate(self, target: TargetRunner, prompt: list[int], *, max_new_tokens: int, eos: set[int],
                  sampler: Sampler) -> DecodeResult:
         return block_generate(target, self.runner, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler)
-
-    def warm_up(self, target: TargetRunner, prompt: list[int], *, max_new_tokens: int, eos: set[int],
-                sampler: Sampler) -> None:
-        """sf-eval's untimed warm-up: one decode of `prompt` meets every step shape (one block a round)."""
-        self.generate(target, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler)
 
 
 DFlashDecoder = BlockDecoder

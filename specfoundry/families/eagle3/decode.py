@@ -14,10 +14,11 @@ from specfoundry.decoding.target import TargetRunner
 from specfoundry.families.eagle3.chain import DraftRunner, speculative_generate
 from specfoundry.families.eagle3.model import Eagle3Draft, TTTCache
 from specfoundry.families.eagle3.tree import TreeShape, tree_generate, warm_tree_verifies
+from specfoundry.families.interface import Decoder
 
 
 @dataclass
-class Eagle3Decoder:
+class Eagle3Decoder(Decoder):
     """A chain of k proposals per round, or the token tree of `tree`'s branching (greedy)."""
 
     runner: DraftRunner
@@ -34,9 +35,9 @@ class Eagle3Decoder:
 
     def warm_up(self, target: TargetRunner, prompt: list[int], *, max_new_tokens: int, eos: set[int],
                 sampler: Sampler) -> None:
-        """sf-eval's untimed warm-up: one decode of `prompt`, and with a tree the target's verify at every
-        width a round may use (tree.warm_tree_verifies), which one decode need not meet."""
-        self.generate(target, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler)
+        """Decoder.warm_up's decode, and with a tree the target's verify at every width a round may use
+        (tree.warm_tree_verifies), which one decode need not meet."""
+        super().warm_up(target, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler)
         if self.tree:
             warm_tree_verifies(target, prompt, TreeShape.of(self.tree, self.runner.logits.shape[-1]))
 

@@ -133,6 +133,14 @@ def verify_widths(shape: TreeShape) -> list[int]:
     return [p + len(shape) for p in range(1, len(shape.branching) + 2)]
 
 
+def verify_layout(shape: TreeShape, structure: DraftTree, cached: int, p: int) -> tuple[list[int], torch.Tensor]:
+    """The positions [p + N] and mask of a tree verify after `cached` committed tokens: p pending
+    tokens at the next positions, then each node at the root's (the last pending token's) position
+    plus its depth, seeing the committed text, the pending tokens and its ancestors (verify_mask)."""
+    positions = list(range(cached, cached + p)) + [cached + p - 1 + d for d in shape.depths]
+    return positions, verify_mask(structure, cached, p)
+
+
 @torch.inference_mode()
 def warm_tree_verifies(target: TargetRunner, prompt: list[int], shape: TreeShape) -> None:
     """Run the target's tree verify once at each of verify_widths(shape), after `prompt`, each undone
@@ -146,8 +154,8 @@ def warm_tree_verifies(target: TargetRunner, prompt: list[int], shape: TreeShape
     for width in verify_widths(shape):
         p = width - nodes
         pending = (prompt * p)[-p:]  # any ids: the outputs are dropped
-        positions = list(range(cached, cached + p)) + [cached + p - 1 + d for d in shape.depths]
-        target.forward(pending + [prompt[-1]] * nodes, positions=positions, mask=verify_mask(structure, cached, p))
+        positions, mask = verify_layout(shape, structure, cached, p)
+        target.forward(pending + [prompt[-1]] * nodes, positions=positions, mask=mask)
         target.crop(cached)
 
 
@@ -173,9 +181,8 @@ def tree_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *
         drafted = expand_tree(draft, shape)  # [N] on the device
         m1 = clock.mark()
         cached, p = len(target), len(pending)
-        positions = list(range(cached, cached + p)) + [cached + p - 1 + d for d in shape.depths]
-        logits, aux, _ = target.forward(pending, positions=positions, mask=verify_mask(structure, cached, p),
-                                        tail=drafted)
+        positions, mask = verify_layout(shape, structure, cached, p)
+        logits, aux, _ = target.forward(pending, positions=positions, mask=mask, tail=drafted)
         # the round's one synchronisation: the tree's tokens and the target's choices, read together
         read = torch.cat([drafted, logits.argmax(-1)]).tolist()
         tree = shape.tree(read[:nodes])

@@ -28,6 +28,7 @@ from specfoundry.decoding.graphs import CapturedCall, PinnedStaging
 from specfoundry.decoding.rounds import DecodeResult, decode_rounds
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import COLUMN_ROUND, TargetRunner
+from specfoundry.families.interface import Decoder
 from specfoundry.families.peagle.config import PEagleConfig
 from specfoundry.families.peagle.loss import pack_batch, pack_row, packed_states
 from specfoundry.families.peagle.model import PEagleDraft
@@ -160,7 +161,7 @@ class PEagleRunner:
 
 
 @dataclass
-class PEagleDecoder:
+class PEagleDecoder(Decoder):
     """k proposals per round from one draft forward."""
 
     runner: PEagleRunner
@@ -176,11 +177,6 @@ class PEagleDecoder:
             propose=lambda last: runner.propose(self.k, sampler.pick, greedy=sampler.greedy),
             verify=lambda drafts, logits_d, logits: accept(drafts, logits_d, logits, runner.draft_to_target, sampler),
             commit=runner.read)
-
-    def warm_up(self, target: TargetRunner, prompt: list[int], *, max_new_tokens: int, eos: set[int],
-                sampler: Sampler) -> None:
-        """sf-eval's untimed warm-up: one decode of `prompt` meets every step shape (k proposals a round)."""
-        self.generate(target, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler)
 
 
 def decode_settings(cfg: PEagleConfig, *, k: int, tree, k_given: bool, source: str):
