@@ -330,6 +330,70 @@ def test_every_registered_family_decodes_the_targets_greedy_tokens_through_the_c
     assert shapes >= 1
 
 
+@pytest.mark.parametrize("name", FAMILIES.names())
+def test_every_registered_familys_preparation_leaves_no_capture_to_a_timed_decode(name, tiny_llama_dir, tmp_path,
+                                                                                  monkeypatch):
+    """sf-eval's preparation (decode_sets: the caches reserved for the longest prompt, then the
+    warm-up on the first, shorter one) with graphs on: on a CPU each CapturedCall runs its stand-in,
+    built at the step's first use as on a GPU. After it, the timed decodes build none, the longer
+    prompt's included (without the draft's reserve its cache grew and dropped every step); every
+    count a round may commit (a + 1 for a = 0..its proposals) has its captured step, an untrained
+    draft's decode meeting few of them; and the tokens are the target's own."""
+    from specfoundry.common.target import Target
+    from specfoundry.decoding import graphs
+    from specfoundry.decoding.rounds import target_generate
+    from specfoundry.decoding.sampler import Sampler
+    from specfoundry.decoding.target import TargetRunner
+    from specfoundry.eval import evaluate
+
+    target = Target.load(str(tiny_llama_dir), device="cpu", dtype=torch.float32)
+    family, options = get_family(name), family_options(name, tmp_path)
+    layers = family.default_layers(8, options)
+    torch.manual_seed(0)
+    draft, dcfg = family.build(options, stub_featureset(tmp_path, tiny_llama_dir, layers), tiny_llama_dir, layers, None)
+    draft = draft.eval().requires_grad_(False)
+    short, long = list(range(100, 113)), list(range(100, 400))  # 13 and 300 tokens: caches of 256 and 512 columns
+    eager = TargetRunner(target, list(dcfg.target_layers), graphs=False)
+    want = [target_generate(eager, p, max_new_tokens=20, eos=set(), sampler=Sampler()).tokens for p in (short, long)]
+
+    built_after_warm_up = []
+    armed = [False]
+    real_init, real_warm_up = graphs.CapturedCall.__init__, evaluate.warm_up
+
+    def counting_init(self, fn, device, *args, **kwargs):
+        if armed[0]:
+            built_after_warm_up.append(fn)
+        real_init(self, fn, device, *args, **kwargs)
+
+    def warm_up_then_arm(*args):
+        real_warm_up(*args)
+        armed[0] = True
+
+    monkeypatch.setattr(graphs.CapturedCall, "__init__", counting_init)
+    monkeypatch.setattr(evaluate, "warm_up", warm_up_then_arm)
+    monkeypatch.setattr(evaluate, "warms_up", lambda device: True)  # (a GPU's preparation, on the CPU)
+    for tree in (None, (2, 2, 1)):  # its chain or block, and a tree where the family drafts one
+        try:
+            k, tree, _ = family.decode_settings(dcfg, k=3, tree=tree, temperature=0.0, k_given=False, source="draft")
+        except ValueError:
+            continue
+        armed[0] = False
+        decoder = family.decoder(draft, target, k=k, tree=tree)
+        decoder.runner.graphs = True
+        runner = TargetRunner(target, list(dcfg.target_layers), graphs=True)
+        cfg = evaluate.EvalConfig(draft="draft", k=k, tree=tree, max_new_tokens=20, baseline=False, device="cpu")
+        sets = {"first": [("short", short)], "second": [("long", long)]}
+        evaluate.decode_sets(cfg, runner, {"trained": decoder}, sets, set(), silent=True)
+        assert armed[0] and built_after_warm_up == [], (name, tree, len(built_after_warm_up))
+        r = decoder.runner
+        committed = (set(r.extends) if hasattr(r, "extends") else set(r.appends) if hasattr(r, "appends")
+                     else {n for n, _ in r.calls})
+        assert set(range(1, (len(tree) if tree else k) + 2)) <= committed, (name, tree, sorted(committed))
+        for prompt, tokens in zip((short, long), want, strict=True):
+            assert decoder.generate(runner, prompt, max_new_tokens=20, eos=set(), sampler=Sampler()).tokens == tokens
+        assert built_after_warm_up == [], (name, tree)
+
+
 # ---- no fallback: an unknown architecture or family is one line at every entry point -----------------
 
 

@@ -318,8 +318,8 @@ def warms_up(device) -> bool:
 
 def warm_up(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict, eos: set[int]) -> None:
     """One untimed decode of the first prompt, at full length, by the target alone (with
-    --baseline) and by each draft (its decoder's warm_up; a tree's also verifies once at every width
-    a round may use), before any timed one. On a GPU the first decode pays for kernel
+    --baseline) and by each draft (its decoder's warm_up, which also meets the draft's steps of every
+    count of accepted drafts, and a tree's verify at every width), before any timed one. On a GPU the first decode pays for kernel
     selection, library handles, the allocator's first blocks and clocks still rising from idle,
     which would otherwise fall on the first set's tokens/s alone. Full length: after a warm-up
     of a few tokens the first timed decode was still slow (benchmarks/RESULTS.md, "Draft families"). Its
@@ -345,11 +345,14 @@ def decode_sets(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict,
                 silent: bool = False) -> tuple[dict, float | None]:
     """({set name: {label: summary, ...}} for every prompt set, each draft, and the target alone;
     the seconds of warm_up first, its captures and --compile-* compiles included, or None off a GPU)."""
-    # the longest sequence a decode may hold, reserved once, before the warm-up: no decode grows the
-    # cache (which would drop the captured steps and prefills: a recapture inside a timed decode)
+    # the longest sequence a decode may hold, reserved once, before the warm-up, in the target's
+    # cache and each draft's: no decode grows one (which would drop its captured steps and
+    # prefills: a recapture, or a recompile, inside a timed decode)
     longest = max((len(ids) for prompts in sets.values() for _, ids in prompts), default=0)
     tree_width = tree_nodes(cfg.tree) + len(cfg.tree) if cfg.tree else 0  # a tree verify: its nodes and the pending path
     target.reserve(longest + cfg.max_new_tokens + 1 + max(MAX_DRAFT, tree_width))
+    for runner in drafts.values():
+        runner.reserve(longest + cfg.max_new_tokens)
     warm_up_s = None
     if warms_up(target.device):
         warm_started = time.perf_counter()

@@ -127,6 +127,21 @@ class BlockDraftRunner:
         self.cache.append_context(self.draft, context)
 
     @torch.inference_mode()
+    def warm_commits(self, most: int) -> None:
+        """Capture the context append (ContextAppend) of every count 1..most now, each after the same
+        one-position scratch context (its columns 1..count), which the next reset forgets. A count is
+        first met when a round accepts count - 1 proposals, which one decode need not reach."""
+        if not self.graphs:
+            return
+        aux = torch.zeros(most, self.draft.fc.in_features, device=self.device)  # [most, K*H] any features
+        self.reset()
+        self.extend(aux[:1])  # the scratch position (eager: an append after context is captured)
+        for count in range(1, min(most, APPEND_GRAPH_MAX) + 1):
+            self.cache.crop(1)
+            self.extend(aux[:count])
+        self.reset()
+
+    @torch.inference_mode()
     def propose(self, bonus: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's proposals after `bonus` (greedy, target ids on the device: the host reads them
         with the acceptance decision) and their logits [proposals, V]."""

@@ -31,6 +31,15 @@ class BlockDecoder(Decoder):
                  sampler: Sampler) -> DecodeResult:
         return block_generate(target, self.runner, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler)
 
+    def reserve(self, tokens: int) -> None:
+        # a block past the text: the last round's commit may run over max_new_tokens by up to a block
+        self.runner.reset(tokens + self.runner.block_size)
+
+    def warm_steps(self) -> None:
+        """The context append of every count a round may commit, a + 1 for a accepted proposals: a
+        block proposes block_size - 1 (DSpark's block_size), so counts 1..block_size + 1 serve all."""
+        self.runner.warm_commits(self.runner.block_size + 1)
+
 
 DFlashDecoder = BlockDecoder
 

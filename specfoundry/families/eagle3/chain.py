@@ -197,6 +197,21 @@ class DraftRunner:
         return logits
 
     @torch.inference_mode()
+    def warm_commits(self, most: int) -> None:
+        """Capture the commit (ExtendStep) of every count 1..most now, each after the same one-entry
+        scratch sequence (its columns 1..count), which the next reset forgets. A count is first met
+        when a round accepts count - 1 drafts, which one decode need not reach."""
+        if not self.graphs:
+            return
+        aux = torch.zeros(most, self.draft.fc.in_features, device=self.device)  # [most, K*H] any features
+        self.reset()
+        self.extend([0], aux[:1])  # the scratch entry (eager: a commit after committed text is captured)
+        for count in range(1, min(most, EXTEND_GRAPH_MAX) + 1):
+            self.crop(1)
+            self.extend([0] * count, aux[:count])
+        self.reset()
+
+    @torch.inference_mode()
     def propose(self, k: int, pick, greedy: bool = False):
         """k tokens (target ids) chained on the draft's own states, and each one's draft logits [Vd];
         the committed entries are left as they were. `greedy`: pick is the argmax, taken on the device:

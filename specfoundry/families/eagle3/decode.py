@@ -11,6 +11,7 @@ import torch
 from specfoundry.decoding.rounds import DecodeResult
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
+from specfoundry.decoding.tree import tree_nodes
 from specfoundry.families.eagle3.chain import DraftRunner, speculative_generate
 from specfoundry.families.eagle3.model import Eagle3Draft, TTTCache
 from specfoundry.families.eagle3.tree import TreeShape, tree_generate, warm_tree_verifies
@@ -33,13 +34,23 @@ class Eagle3Decoder(Decoder):
         return speculative_generate(target, self.runner, prompt, k=self.k, max_new_tokens=max_new_tokens, eos=eos,
                                     sampler=sampler)
 
+    def reserve(self, tokens: int) -> None:
+        # what a decode's proposals take past its text: k entries, or the tree's nodes (as
+        # speculative_generate and tree_generate reset it)
+        self.runner.reset(tokens + (tree_nodes(self.tree) if self.tree else self.k))
+
     def warm_up(self, target: TargetRunner, prompt: list[int], *, max_new_tokens: int, eos: set[int],
                 sampler: Sampler) -> None:
-        """Decoder.warm_up's decode, and with a tree the target's verify at every width a round may use
+        """Decoder.warm_up, and with a tree the target's verify at every width a round may use
         (tree.warm_tree_verifies), which one decode need not meet."""
         super().warm_up(target, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler)
         if self.tree:
             warm_tree_verifies(target, prompt, TreeShape.of(self.tree, self.runner.logits.shape[-1]))
+
+    def warm_steps(self) -> None:
+        """The commit of every count a round may take: a + 1 for a = 0..k (the chain) or 0..depth (the
+        tree's accepted path)."""
+        self.runner.warm_commits((len(self.tree) if self.tree else self.k) + 1)
 
 
 def decode_settings(k: int, tree: tuple[int, ...] | None) -> tuple[int, tuple[int, ...] | None, None]:

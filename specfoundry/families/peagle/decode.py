@@ -67,9 +67,9 @@ class RoundCall:
         self.host.copy_(torch.tensor(ids + [start]))
         self.staged.copy_(self.host, non_blocking=True)
         self.staging.sent()
-        if len(aux) > 1 and aux[0].device == self.inputs.aux.device:
+        if len(aux) > 1 and aux[0].device == self.inputs.aux.device and aux[0].dtype == self.inputs.aux.dtype:
             torch.cat(aux, out=self.inputs.aux)  # [n, 3*Ht]
-        else:  # one piece, or features from another device (the target's)
+        else:  # one piece, or features from another device or in another dtype (copy_ converts)
             self.inputs.aux.copy_(aux[0] if len(aux) == 1 else torch.cat(aux))
         return self.call()
 
@@ -106,6 +106,24 @@ class PEagleRunner:
         self.cache = self.cache.grown(capacity)
         self.kv_index = torch.arange(capacity, device=self.device)
         self.calls.clear()  # they read the old cache
+
+    @torch.inference_mode()
+    def warm_rounds(self, k: int) -> None:
+        """Capture the round of every pending-row count n = 1..k+1 (a round reads the a + 1 tokens the
+        last one committed) with k proposals now, each after the same one-row scratch sequence, which
+        the next reset forgets. A count n is first met when a round accepts n - 1 proposals, which one
+        decode need not reach."""
+        if not self.graphs:
+            return
+        aux = torch.zeros(k + 1, self.draft.fc.in_features, dtype=self.draft.fc.weight.dtype, device=self.device)  # [k+1, 3*Ht]
+        self.reset()
+        self.read([0], aux[:1])
+        self.round(k)  # the scratch row (eager: a round after committed text is captured)
+        for n in range(1, min(k + 1, MAX_DRAFT + 1) + 1):
+            self.length = 1
+            self.read([0] * n, aux[:n])
+            self.round(k)
+        self.reset()
 
     def read(self, tokens: list[int], aux: torch.Tensor) -> None:
         """Rows (token t_{i+1}, feature a_i) to read at the next forward."""
@@ -177,6 +195,13 @@ class PEagleDecoder(Decoder):
             propose=lambda last: runner.propose(self.k, sampler.pick, greedy=sampler.greedy),
             verify=lambda drafts, logits_d, logits: accept(drafts, logits_d, logits, runner.draft_to_target, sampler),
             commit=runner.read)
+
+    def reserve(self, tokens: int) -> None:
+        # a round reads its n <= k + 1 pending rows and writes k - 1 mask slots past the text
+        self.runner.reset(tokens + 2 * self.k)
+
+    def warm_steps(self) -> None:
+        self.runner.warm_rounds(self.k)
 
 
 def decode_settings(cfg: PEagleConfig, *, k: int, tree, k_given: bool, source: str):
