@@ -38,7 +38,7 @@ from specfoundry.common.target import Target
 from specfoundry.decoding.attention import folded_attention
 from specfoundry.decoding.cache import StaticKVCache, visible
 from specfoundry.decoding.graphs import CapturedCall, PinnedStaging, compiled_step
-from specfoundry.kernels.tree_attention import RECOMPILE_LIMIT_HIT, raise_config
+from specfoundry.kernels.tree_attention import raise_config, recompile_limit_hit
 
 FOLD_QUERIES: int | None = None
 """The most queries a row the target runner's steps attend with the fold (decoding/attention.py
@@ -225,7 +225,7 @@ class TargetRunner:
             return self.body(x, want_hidden=False)
         try:
             return self.compiled_body(x)
-        except RECOMPILE_LIMIT_HIT as e:
+        except recompile_limit_hit() as e:
             raise RuntimeError(f"the compiled target steps met more than {COMPILED_SHAPES} step shapes in this "
                                "process (COMPILED_SHAPES); run without --compile-target") from e
 

@@ -30,7 +30,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_mask
 
 from specfoundry.kernels.masked_sdpa import masked_sdpa
-from specfoundry.kernels.tree_attention import RECOMPILE_LIMIT_HIT, TooManyShapesError, compiled_flex
+from specfoundry.kernels.tree_attention import TooManyShapesError, compiled_flex, recompile_limit_hit
 
 
 def dflash_mask_mod(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int,
@@ -162,7 +162,7 @@ def dflash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anchors:
         return masked_sdpa(q, k, v, mask, scale=scale)
     try:
         return compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, kernel_options=kernel_options)
-    except RECOMPILE_LIMIT_HIT as e:
+    except recompile_limit_hit() as e:
         raise TooManyShapesError(
             f"compiled FlexAttention reached torch._dynamo's recompile limit at DFlash shape {tuple(q.shape)} "
             f"x {tuple(k.shape)}: each new (rows, anchors, width) compiles anew; round widths coarser "

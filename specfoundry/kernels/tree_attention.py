@@ -121,9 +121,13 @@ def raise_config(config, names: tuple[str, ...], value: int) -> None:
             return
 
 
-# what dynamo raises at the limit with fail_on_recompile_limit_hit (() catches nothing on a
-# torch without it)
-RECOMPILE_LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
+def recompile_limit_hit() -> type[Exception] | tuple:
+    """What dynamo raises at the limit with fail_on_recompile_limit_hit (() catches nothing on a
+    torch without it), for an `except recompile_limit_hit():` around a compiled call (the
+    expression is evaluated only when an exception reaches it). A function, not a module
+    constant: reading torch._dynamo.exc imports torch._dynamo, some 2 s of every fresh process
+    that imports this module, most of which never compile."""
+    return getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
 
 
 class TooManyShapesError(RuntimeError):
@@ -153,7 +157,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         try:
             return compiled(q, k_cache, v_cache, block_mask=mask, scale=scale, enable_gqa=gqa,
                             kernel_options=kernel_options)
-        except RECOMPILE_LIMIT_HIT as e:
+        except recompile_limit_hit() as e:
             raise TooManyShapesError(
                 f"compiled FlexAttention reached torch._dynamo's recompile limit "
                 f"({getattr(torch._dynamo.config, 'cache_size_limit', RECOMPILE_LIMIT)}) at batch shape {tuple(q.shape[:3])}, TTT step {step}: "
