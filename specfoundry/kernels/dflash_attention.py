@@ -20,15 +20,16 @@ every step, so the BlockMask's tiles are rebuilt every step, from the anchors by
 tensor ops (dflash_block_mask: nothing traced, nothing compiled); the mask_mod captures the
 anchors as tensors, so the compiled attention (one per shape, compiled_flex) is reused, not
 recompiled, when they change. On CPU (PyTorch has no FlexAttention backward there) the same
-mask_mod is materialised densely with `create_mask` and fed to SDPA: the mask logic is written
-once.
+mask_mod is materialised densely (kernels/dense_mask.py) and fed to SDPA: the mask logic is
+written once.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_mask
+from torch.nn.attention.flex_attention import BlockMask
 
+from specfoundry.kernels.dense_mask import dense_mask
 from specfoundry.kernels.masked_sdpa import masked_sdpa
 from specfoundry.kernels.tree_attention import TooManyShapesError, compiled_flex, recompile_limit_hit
 
@@ -70,7 +71,7 @@ def dense_dflash_mask(anchors: torch.Tensor, keep: torch.Tensor, lengths, ctx_le
     """The mask as a dense boolean tensor [Bsz, 1, N*B, T + N*B] (True = may attend)."""
     bsz, n = anchors.shape
     mod = dflash_mask_mod(anchors, keep, ctx_len, block_size, _as_lengths(lengths, anchors.device), sliding_window)
-    return create_mask(mod, bsz, 1, n * block_size, ctx_len + n * block_size, device=anchors.device)
+    return dense_mask(mod, bsz, 1, n * block_size, ctx_len + n * block_size, anchors.device)
 
 
 def _blocks_to_indices(occupied: torch.Tensor):

@@ -14,8 +14,8 @@ row of the mask is empty (no NaN from a softmax over nothing).
 
 On CUDA the attention runs through compiled `flex_attention` over a cached BlockMask, which
 skips the empty blocks (most of the later step blocks). On CPU, where PyTorch implements
-FlexAttention's forward but not its backward, the same mask_mod is materialised densely with
-`create_mask` and fed to SDPA: the mask logic is written once.
+FlexAttention's forward but not its backward, the same mask_mod is materialised densely
+(kernels/dense_mask.py) and fed to SDPA: the mask logic is written once.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from specfoundry.kernels.dense_mask import dense_mask
 from specfoundry.kernels.masked_sdpa import masked_sdpa
 
 
@@ -79,7 +80,7 @@ def ttt_block_mask(lengths, seq_len: int, step: int, device, mask_mod=ttt_mask_m
 def dense_ttt_mask(lengths, seq_len: int, step: int, device, mask_mod=ttt_mask_mod) -> torch.Tensor:
     """The same mask as a dense boolean tensor [B, 1, T, T*(step+1)] (True = may attend)."""
     lens = torch.as_tensor(list(lengths), dtype=torch.int32, device=device)
-    return create_mask(mask_mod(lens, seq_len), len(lens), 1, seq_len, seq_len * (step + 1), device=device)
+    return dense_mask(mask_mod(lens, seq_len), len(lens), 1, seq_len, seq_len * (step + 1), device)
 
 
 RECOMPILE_LIMIT = 1024

@@ -15,7 +15,9 @@ round's own mask slots before it (causal). A padding element sees itself only, s
 from __future__ import annotations
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+from specfoundry.kernels.dense_mask import dense_mask
 
 
 def peagle_mask_mod(anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tensor):
@@ -34,7 +36,7 @@ def peagle_mask_mod(anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tenso
 def dense_peagle_mask(anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     """The mask as a dense boolean tensor [B, 1, P, P] (True = may attend), for SDPA."""
     bsz, p = anchor.shape
-    return create_mask(peagle_mask_mod(anchor, depth, real), bsz, 1, p, p, device=anchor.device)
+    return dense_mask(peagle_mask_mod(anchor, depth, real), bsz, 1, p, p, anchor.device)
 
 
 def peagle_block_mask(anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tensor) -> BlockMask:
