@@ -330,12 +330,13 @@ def test_every_registered_family_decodes_the_targets_greedy_tokens_through_the_c
     assert shapes >= 1
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("name", FAMILIES.names())
-def test_every_registered_familys_preparation_leaves_no_capture_to_a_timed_decode(name, tiny_llama_dir, tmp_path,
-                                                                                  monkeypatch):
+def test_every_registered_familys_preparation_leaves_no_capture_to_a_timed_decode(name, device, tiny_llama_dir,
+                                                                                  tmp_path, monkeypatch):
     """sf-eval's preparation (decode_sets: the caches reserved for the longest prompt, then the
-    warm-up on the first, shorter one) with graphs on: on a CPU each CapturedCall runs its stand-in,
-    built at the step's first use as on a GPU. After it, the timed decodes build none, the longer
+    warm-up on the first, shorter one) with graphs on: CUDA graphs on a GPU; on a CPU each
+    CapturedCall runs its stand-in, built at the step's first use as on a GPU. After it, the timed decodes build none, the longer
     prompt's included (without the draft's reserve its cache grew and dropped every step); every
     count a round may commit (a + 1 for a = 0..its proposals) has its captured step, an untrained
     draft's decode meeting few of them; and the tokens are the target's own (its baseline's)."""
@@ -344,22 +345,22 @@ def test_every_registered_familys_preparation_leaves_no_capture_to_a_timed_decod
     from specfoundry.decoding.target import TargetRunner
     from specfoundry.eval import evaluate
 
-    target = Target.load(str(tiny_llama_dir), device="cpu", dtype=torch.float32)
+    target = Target.load(str(tiny_llama_dir), device=device, dtype=torch.float32)
     family, options = get_family(name), family_options(name, tmp_path)
     layers = family.default_layers(8, options)
     torch.manual_seed(0)
     draft, dcfg = family.build(options, stub_featureset(tmp_path, tiny_llama_dir, layers), tiny_llama_dir, layers, None)
-    draft = draft.eval().requires_grad_(False)
+    draft = draft.to(device).eval().requires_grad_(False)
     short, long = list(range(100, 113)), list(range(100, 360))  # 13 and 260 tokens: caches of 256 and 512 columns
 
     built_after_warm_up = []
     armed = [False]
     real_init, real_warm_up = graphs.CapturedCall.__init__, evaluate.warm_up
 
-    def counting_init(self, fn, device, *args, **kwargs):
+    def counting_init(self, fn, *args, **kwargs):
         if armed[0]:
             built_after_warm_up.append(fn)
-        real_init(self, fn, device, *args, **kwargs)
+        real_init(self, fn, *args, **kwargs)
 
     def warm_up_then_arm(*args):
         real_warm_up(*args)
@@ -367,7 +368,7 @@ def test_every_registered_familys_preparation_leaves_no_capture_to_a_timed_decod
 
     monkeypatch.setattr(graphs.CapturedCall, "__init__", counting_init)
     monkeypatch.setattr(evaluate, "warm_up", warm_up_then_arm)
-    monkeypatch.setattr(evaluate, "warms_up", lambda device: True)  # (a GPU's preparation, on the CPU)
+    monkeypatch.setattr(evaluate, "warms_up", lambda _: True)  # (a GPU's preparation, on the CPU too)
     for tree in (None, (2, 2, 1)):  # its chain or block, and a tree where the family drafts one
         try:
             k, tree, _ = family.decode_settings(dcfg, k=3, tree=tree, temperature=0.0, k_given=False, source="draft")
@@ -378,7 +379,7 @@ def test_every_registered_familys_preparation_leaves_no_capture_to_a_timed_decod
         decoder.runner.graphs = True
         runner = TargetRunner(target, list(dcfg.target_layers), graphs=True)
         # with the target alone beside it (baseline), whose greedy tokens the draft's must equal
-        cfg = evaluate.EvalConfig(draft="draft", k=k, tree=tree, max_new_tokens=12, baseline=True, device="cpu")
+        cfg = evaluate.EvalConfig(draft="draft", k=k, tree=tree, max_new_tokens=12, baseline=True, device=device)
         sets = {"first": [("short", short)], "second": [("long", long)]}
         out, _ = evaluate.decode_sets(cfg, runner, {"trained": decoder}, sets, set(), silent=True)
         assert armed[0] and built_after_warm_up == [], (name, tree, len(built_after_warm_up))
