@@ -318,12 +318,12 @@ def warms_up(device) -> bool:
 
 def warm_up(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict, eos: set[int]) -> None:
     """One untimed decode of the first prompt, at full length, by the target alone (with
-    --baseline) and by each draft (its decoder's warm_up, which also meets the draft's steps of every
-    count of accepted drafts, and a tree's verify at every width), before any timed one. On a GPU the first decode pays for kernel
-    selection, library handles, the allocator's first blocks and clocks still rising from idle,
-    which would otherwise fall on the first set's tokens/s alone. Full length: after a warm-up
-    of a few tokens the first timed decode was still slow (benchmarks/RESULTS.md, "Draft families"). Its
-    outputs are dropped and its sampler is its own, so the timed decodes' tokens are those of a
+    --baseline) and by each draft (its decoder's warm_up, which also meets the draft's steps of
+    every count of accepted drafts, and a tree's verify at every width), before any timed one. On
+    a GPU the first decode pays for kernel selection, library handles, the allocator's first
+    blocks and clocks still rising from idle, which would otherwise fall on the first set's
+    tokens/s alone. Full length: after a warm-up of a few tokens the first timed decode was still
+    slow (benchmarks/RESULTS.md, "Draft families"). Its outputs are dropped and its sampler is its own, so the timed decodes' tokens are those of a
     run without it. Then one prompt of each other prefill bucket is prefilled (decoding/target.py
     prefill_bucket): each bucket's graph is captured here, not inside a timed decode."""
     first = next((prompts[0][1] for prompts in sets.values() if prompts), None)

@@ -126,8 +126,8 @@ def recompile_limit_hit() -> type[Exception] | tuple:
     """What dynamo raises at the limit with fail_on_recompile_limit_hit (() catches nothing on a
     torch without it), for an `except recompile_limit_hit():` around a compiled call (the
     expression is evaluated only when an exception reaches it). A function, not a module
-    constant: reading torch._dynamo.exc imports torch._dynamo, some 2 s of every fresh process
-    that imports this module, most of which never compile."""
+    constant: reading torch._dynamo.exc imports torch._dynamo, a heavy import that a process
+    importing this module need not otherwise pay (sf-train --help, an early error)."""
     return getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
 
 

@@ -115,7 +115,8 @@ class PEagleRunner:
         decode need not reach."""
         if not self.graphs:
             return
-        aux = torch.zeros(k + 1, self.draft.fc.in_features, dtype=self.draft.fc.weight.dtype, device=self.device)  # [k+1, 3*Ht]
+        # [k+1, 3*Ht] any features, in the draft's dtype (RoundCall's buffer: copies convert into it)
+        aux = torch.zeros(k + 1, self.draft.fc.in_features, dtype=self.draft.fc.weight.dtype, device=self.device)
         self.reset()
         self.read([0], aux[:1])
         self.round(k)  # the scratch row (eager: a round after committed text is captured)
