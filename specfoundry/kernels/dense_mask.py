@@ -4,10 +4,9 @@ FlexAttention's own `create_mask` vmaps the mask_mod over (b, h, q_idx, kv_idx) 
 torch._dynamo's TransformGetItemToIndex, so its first call imports torch._dynamo (a heavy import
 where nothing else needs it) and each call runs the mask_mod through vmap. `dense_mask` gives the
 mask_mod the four index tensors shaped to broadcast against one another instead, and evaluates it
-once: each element goes through the same tensor ops with the
-same indices (indexing a buffer by an index tensor, `lengths[b]`, broadcasts like the rest), so
-the mask is the same, for every mask_mod FlexAttention accepts (tensor ops only, no Python
-branching on the indices).
+once: each element goes through the same tensor ops with the same indices (indexing a buffer by
+an index tensor, `lengths[b]`, broadcasts like the rest), so the mask is the same, for every
+mask_mod FlexAttention accepts (tensor ops only, no Python branching on the indices).
 """
 
 from __future__ import annotations
