@@ -139,8 +139,11 @@ def build(cfg: GateConfig, target: Target | None = None, silent: bool = True) ->
     run_capture(CaptureConfig(source=str(work / "regen"), output=str(work / "features"), target=cfg.target,
                               chat_template=cfg.chat_template, shard_size=1, device=cfg.device,
                               families=(cfg.family,)), silent=silent, target=target)
+    # the draft reads every layer the capture stored (the family's default taps), however many
+    # layers of its own the family's gate options give it
+    stored = tuple(FeatureSet(work / "features").manifest["aux_layer_ids"])
     train = TrainConfig(featureset=str(work / "features"), output=str(work / "train"), target=cfg.target,
-                        family=cfg.family, **FAMILIES.provider(cfg.family).gate_options(cfg), lr=cfg.lr,
+                        family=cfg.family, layers=stored, **FAMILIES.provider(cfg.family).gate_options(cfg), lr=cfg.lr,
                         warmup_steps=10,
                         max_steps=cfg.max_steps, eval_fraction=0.0, save_every=cfg.max_steps, keep_last=1,
                         num_workers=0, loss="auto" if target.input_device.type == "cuda" else "reference",
