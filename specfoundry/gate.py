@@ -21,7 +21,7 @@ from pathlib import Path
 
 import click
 
-from specfoundry.capture.stage import CaptureConfig, run_capture
+from specfoundry.capture.stage import CaptureConfig, run_capture, stored_layers
 from specfoundry.common.cli import resolve_config, stage_command
 from specfoundry.common.conversations import load_conversations
 from specfoundry.common.placement import FUSED_EXPERTS, Placement, launch_env
@@ -136,12 +136,12 @@ def build(cfg: GateConfig, target: Target | None = None, silent: bool = True) ->
                           chat_template=cfg.chat_template, batch_size=1, shard_size=1,
                           sampling=SamplingConfig(temperature=0.0, max_new_tokens=cfg.max_new_tokens)),
               HFBackend(target, batch_size=1), silent=silent)
-    run_capture(CaptureConfig(source=str(work / "regen"), output=str(work / "features"), target=cfg.target,
-                              chat_template=cfg.chat_template, shard_size=1, device=cfg.device,
-                              families=(cfg.family,)), silent=silent, target=target)
+    capture = CaptureConfig(source=str(work / "regen"), output=str(work / "features"), target=cfg.target,
+                            chat_template=cfg.chat_template, shard_size=1, device=cfg.device, families=(cfg.family,))
+    run_capture(capture, silent=silent, target=target)
     # the draft reads every layer the capture stored (the family's default taps), however many
     # layers of its own the family's gate options give it
-    stored = tuple(FeatureSet(work / "features").manifest["aux_layer_ids"])
+    stored = tuple(stored_layers(capture, target.config.num_hidden_layers))
     train = TrainConfig(featureset=str(work / "features"), output=str(work / "train"), target=cfg.target,
                         family=cfg.family, layers=stored, **FAMILIES.provider(cfg.family).gate_options(cfg), lr=cfg.lr,
                         warmup_steps=10,

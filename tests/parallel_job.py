@@ -2,12 +2,13 @@
 
     torchrun --nproc-per-node N -m tests.parallel_job SOURCE PLAN.json
 
-PLAN is a list of jobs {"target", "work", "tp", "ep", "stages"}, run one after the other in the
-same processes (the launch's process groups are made once; each stage loads and places its own
-target), through the stages' library calls as their commands make them (the commands are thin
-wrappers; test_parallel.py also runs sf-capture itself under torchrun): capture (float32 storage,
-so the test can compare the arithmetic), greedy regen (float32), the gate (which trains its
-draft in a child process), and sf-eval on the gate's export. Each writes into WORK/<stage>.
+PLAN is a list of jobs {"target", "work", "tp", "ep", "stages", "source" (SOURCE unless given)}, run
+one after the other in the same processes (the launch's process groups are made once; each stage
+loads and places its own target), through the stages' library calls as their commands make them (the
+commands are thin wrappers; test_parallel.py also runs sf-capture itself under torchrun): capture
+(float32 storage, so the test can compare the arithmetic), greedy regen (float32), the gate (which
+trains its draft in a child process), and sf-eval on the gate's export. Each writes into
+WORK/<stage>.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def main(argv=None) -> None:
     for job in json.loads(Path(plan).read_text()):
         placement = Placement(tp=job.get("tp", 1), ep=job.get("ep", 1),
                               experts_implementation=job.get("experts_implementation", "auto"))
-        run_job(source, job["target"], Path(job["work"]), placement, job.get("stages", list(STAGES)))
+        run_job(job.get("source", source), job["target"], Path(job["work"]), placement, job.get("stages", list(STAGES)))
 
 
 if __name__ == "__main__":
