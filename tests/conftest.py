@@ -19,6 +19,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 import json  # noqa: E402
 import random
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest  # noqa: E402
@@ -113,6 +114,36 @@ def parse_python(src: str):
     finally:
         if enabled:
             gc.enable()
+
+
+@contextmanager
+def torch_threads(n: int):
+    """torch on n threads inside the block: a command run in this process computes as the
+    processes a test starts with OMP_NUM_THREADS=n do (under xdist, already one thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def run_command(main, args: list) -> str:
+    """A specfoundry command (its click group `main`) run in this process as a child process with
+    OMP_NUM_THREADS=1 and CUDA_VISIBLE_DEVICES="" runs it, to the byte: one torch thread, no CUDA
+    device. No interpreter starts and nothing is imported again (a child's imports are most of a
+    small command's time). Returns its output; a failure raises with the command's traceback."""
+    import traceback
+    from unittest import mock
+
+    from click.testing import CliRunner
+
+    with torch_threads(1), mock.patch("torch.cuda.is_available", return_value=False):
+        result = CliRunner().invoke(main, [str(a) for a in args])
+    if result.exit_code != 0:
+        trace = "".join(traceback.format_exception(*result.exc_info)) if result.exc_info else ""
+        raise AssertionError(f"{' '.join(map(str, args))} exited {result.exit_code}:\n{result.output[-3000:]}\n{trace}")
+    return result.output
 
 
 def free_port() -> int:

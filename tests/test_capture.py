@@ -22,7 +22,7 @@ from specfoundry.common.target import Target
 from specfoundry.featureset.manifest import FeatureSetError, check_matches_target
 from specfoundry.featureset.store import FeatureSet
 from specfoundry.testing import assert_close_scaled
-from tests.conftest import CHAT, copies, free_port, write_jsonl
+from tests.conftest import CHAT, copies, free_port, run_command, write_jsonl
 
 
 @pytest.fixture
@@ -152,14 +152,15 @@ def test_kill_and_resume_gives_identical_checksums(tmp_path):
 def test_two_processes_write_the_same_feature_set_as_one(tmp_path):
     """torchrun, 2 CPU processes (gloo): rank r captures shards r, r+2, ... into one folder and
     rank 0 lists them after a barrier. Shard contents do not depend on who wrote them, so the
-    manifest's shards and the token counts equal a single process's byte for byte."""
+    manifest's shards and the token counts equal a single process's byte for byte. (The single
+    process is this one, through the command, one thread as each rank: no interpreter to start.)"""
     src = write_jsonl(tmp_path / "chat.jsonl", CHAT)
-    args = ["run", str(src), "--shard-size", "2", "--silent", "--codec", "safetensors"]
+    args = ["run", str(src), "--shard-size", "2", "--codec", "safetensors"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    subprocess.run([sys.executable, "-m", "specfoundry.capture.cli", *args, "-o", str(tmp_path / "one")],
-                   check=True, capture_output=True, env=env)
+    run_command(capture_cli, [*args, "-o", tmp_path / "one"])
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(free_port()), "-m", "specfoundry.capture.cli", *args, "-o", str(tmp_path / "two")],
+                          str(free_port()), "-m", "specfoundry.capture.cli", *args, "--silent", "-o",
+                          str(tmp_path / "two")],
                          capture_output=True, text=True, env=env)
     assert two.returncode == 0, two.stderr[-2000:]
     a = json.loads((tmp_path / "one" / "manifest.json").read_text())

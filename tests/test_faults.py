@@ -1,9 +1,10 @@
 """The fault matrix: every long stage killed (SIGKILL) at chosen moments, or run out of disk,
 then the same command run again, must end exactly as an uninterrupted run.
 
-Every command runs as a real process through tests/faults.py, which kills it for real at the
-moment chosen (just before or after a rename, half-way through a file write). An uninterrupted
-run of the same command, into another folder, is the reference: the resumed folder must hold
+Every killed command and every rerun runs as a real process through tests/faults.py, which kills
+it for real at the moment chosen (just before or after a rename, half-way through a file write).
+An uninterrupted run of the same command, into another folder, in this process (as a child with
+ENV would run it), is the reference: the resumed folder must hold
 the same files with the same bytes (the output folder's own path, recorded in the configs,
 aside), and no leftover of the killed run. One moment per stage runs by default; the rest are
 marked slow (`pytest -m slow tests/test_faults.py`).
@@ -11,6 +12,7 @@ marked slow (`pytest -m slow tests/test_faults.py`).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -22,8 +24,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from specfoundry.capture.cli import main as capture_cli
 from specfoundry.families import FAMILIES
-from tests.conftest import CHAT, copies, write_jsonl
+from tests.conftest import CHAT, copies, run_command, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULTS = ROOT / "tests" / "faults.py"
@@ -66,21 +69,22 @@ def killed(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 
 class Reference:
-    """An uninterrupted run of one command, started when first wanted and run beside the test's
-    own runs (its output is read once the test needs it)."""
+    """An uninterrupted run of one command into root/reference, made when the test first reads it.
+    It runs in this process (tests/conftest.py run_command: as a child with ENV's one thread and
+    no CUDA device would, byte for byte); the killed run and the rerun are the real processes."""
 
     def __init__(self, module: str, args_for):
-        self.module, self.args_for, self.proc, self.out = module, args_for, None, None
+        self.module, self.args_for, self.out, self.done = module, args_for, None, False
 
     def start(self, root: Path) -> Reference:
-        if self.proc is None:
+        if self.out is None:
             self.out = root / "reference"
-            self.proc = start(self.module, self.args_for(self.out))
         return self
 
     def folder(self) -> Path:
-        if not isinstance(self.proc, subprocess.CompletedProcess):
-            self.proc = ok(finish(self.proc))
+        if not self.done:
+            run_command(importlib.import_module(self.module).main, ["run", *self.args_for(self.out)])
+            self.done = True
         return self.out
 
 
@@ -216,7 +220,7 @@ def test_capture_killed_then_rerun_equals_an_uninterrupted_run(tmp_path, inputs,
 @pytest.fixture(scope="module")
 def train_features(inputs) -> Path:
     src = write_jsonl(inputs / "chat2.jsonl", copies(CHAT, 2))
-    ok(finish(start(CAPTURE, [src, "--shard-size", 8, "--max-length", 96, "--silent", "-o", inputs / "fs"])))
+    run_command(capture_cli, ["run", src, "--shard-size", 8, "--max-length", 96, "--silent", "-o", inputs / "fs"])
     return inputs / "fs"
 
 
@@ -288,8 +292,8 @@ FAMILY_ARGS = {  # small drafts of each family, trained on the set of every fami
 @pytest.fixture(scope="module")
 def every_family_features(inputs) -> Path:
     src = write_jsonl(inputs / "chat2-all.jsonl", copies(CHAT, 2))
-    ok(finish(start(CAPTURE, [src, "--shard-size", 8, "--max-length", 96, "--silent", "-o", inputs / "fs-all",
-                              "--families", ",".join(FAMILIES.names())])))
+    run_command(capture_cli, ["run", src, "--shard-size", 8, "--max-length", 96, "--silent", "-o", inputs / "fs-all",
+                              "--families", ",".join(FAMILIES.names())])
     return inputs / "fs-all"
 
 

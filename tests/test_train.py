@@ -25,7 +25,7 @@ from specfoundry.kernels.tree_attention import tree_attention
 from specfoundry.testing import assert_close_scaled
 from specfoundry.train.loader import BatchDataset, FeatureLoader, plan_batches
 from specfoundry.train.trainer import TrainConfig, Trainer, resolved_pad_multiple, run_train
-from tests.conftest import CHAT, copies, free_port, write_jsonl
+from tests.conftest import CHAT, copies, free_port, run_command, write_jsonl
 
 TINY = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                    vocab_size=97, draft_vocab_size=40, target_hidden_size=24, aux_layer_ids=(1, 2, 3))
@@ -507,11 +507,12 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_pat
     import subprocess
     import sys
 
+    from specfoundry.train.cli import main as train_cli
+
     script = shutil.which("sf-train") or str(Path(sys.executable).parent / "sf-train")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    one = tmp_path / "one"
-    subprocess.run([sys.executable, script, *sf_train_args(smol_features, one, **{"grad-accum": 2})],
-                   check=True, env=env, capture_output=True)
+    one = tmp_path / "one"  # the one process is this one, through the command, as a child would run it
+    run_command(train_cli, sf_train_args(smol_features, one, **{"grad-accum": 2}))
     two = tmp_path / "two"
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                     str(free_port()), script, *sf_train_args(smol_features, two)], check=True, env=env, capture_output=True)
