@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from specfoundry.capture.cli import main as capture_cli
 from specfoundry.capture.stage import run_capture
 from specfoundry.common.placement import Placement, PlacementError, distributed_config, join_launch
 from specfoundry.common.target import resolve_target
@@ -35,7 +36,7 @@ from specfoundry.eval.evaluate import run_eval
 from specfoundry.featureset.store import FeatureSet
 from specfoundry.generate.regen import run_regen
 from specfoundry.testing import write_tiny_target
-from tests.conftest import CHAT, free_port, write_jsonl
+from tests.conftest import CHAT, free_port, run_command, write_jsonl
 from tests.parallel_job import capture_config, eval_config, regen_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,13 +183,10 @@ def test_a_killed_rank_then_the_same_command_resumes_to_an_uninterrupted_capture
     a = json.loads((whole / "manifest.json").read_text())
     b = json.loads((killed / "manifest.json").read_text())
     assert b["complete"] and [s["sha256"] for s in a["shards"]] == [s["sha256"] for s in b["shards"]]
-    alone = subprocess.run([sys.executable, "-m", "specfoundry.capture.cli", *args, "-o", str(killed)],
-                           capture_output=True, text=True, env=ENV, cwd=ROOT)  # --tp 1: accepted, nothing to redo
-    assert alone.returncode == 0, alone.stderr[-2000:]
+    run_command(capture_cli, [*args, "-o", killed])  # --tp 1 (this process): accepted, nothing to redo
     assert json.loads((killed / "manifest.json").read_text())["shards"] == b["shards"]
-    refused = subprocess.run([sys.executable, "-m", "specfoundry.capture.cli", *args, "--max-length", "64", "-o",
-                              str(killed)], capture_output=True, text=True, env=ENV, cwd=ROOT)
-    assert refused.returncode == 2 and "max_length: 96 -> 64" in refused.stderr
+    refused = run_command(capture_cli, [*args, "--max-length", "64", "-o", killed], exit_code=2)
+    assert "max_length: 96 -> 64" in refused
 
 
 # ---- what cannot be placed is named before anything loads ---------------------------------------
