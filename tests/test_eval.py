@@ -87,7 +87,7 @@ def greedy_equality(decoding, limit, max_new_tokens, tree=None):
 
 
 def test_greedy_speculative_equals_target_generate(decoding):
-    assert greedy_equality(decoding, limit=1, max_new_tokens=24)[0] == len(BUILTIN_SETS) + 1
+    assert greedy_equality(decoding, limit=1, max_new_tokens=16)[0] == len(BUILTIN_SETS) + 1
 
 
 def test_tree_decoding_equals_target_generate_and_accepts_at_least_the_chain(decoding):
@@ -293,7 +293,7 @@ def test_the_gpu_warm_up_leaves_every_decoded_figure_but_time_unchanged(gate_run
     calls, original = [], evaluate.warm_up
     monkeypatch.setattr(evaluate, "warm_up", lambda *a: calls.append(1) or original(*a))
     for temperature in (0.0, 0.8):
-        cfg = EvalConfig(draft=str(export), prompt_sets=("chat",), limit=1, k=3, max_new_tokens=12, device="cpu",
+        cfg = EvalConfig(draft=str(export), prompt_sets=("chat",), limit=1, k=3, max_new_tokens=8, device="cpu",
                          temperature=temperature, baseline=temperature == 0.0)
         reports = []
         for forced in (False, True):

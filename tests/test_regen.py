@@ -61,7 +61,7 @@ def test_greedy_regen_equals_model_generate(tmp_path, chat_file, backend):
 def test_sampled_regen_is_reproducible_and_seed_sensitive(tmp_path, chat_file, backend):
     def run(name, seed):
         cfg = RegenConfig(output=str(tmp_path / name), source=str(chat_file), shard_size=3,
-                          sampling=SamplingConfig(temperature=0.8, max_new_tokens=16, seed=seed))
+                          sampling=SamplingConfig(temperature=0.8, max_new_tokens=8, seed=seed))
         run_regen(cfg, backend, silent=True)
         return rows(tmp_path / name)
 
