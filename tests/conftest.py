@@ -128,12 +128,12 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
-def run_command(main, args: list, exit_code: int = 0) -> str:
+def run_command(main, args: list, exit_code: int = 0):
     """A specfoundry command (its click group `main`) run in this process as a child process with
     OMP_NUM_THREADS=1 and CUDA_VISIBLE_DEVICES="" runs it, to the byte: one torch thread, no CUDA
     device. No interpreter starts and nothing is imported again (a child's imports are most of a
-    small command's time). Returns its output (stdout and stderr); another exit status than
-    `exit_code` raises with the command's traceback."""
+    small command's time). Returns click's Result (.stdout, .stderr, .output: both); another exit
+    status than `exit_code` raises with the command's traceback."""
     import traceback
     from unittest import mock
 
@@ -144,7 +144,7 @@ def run_command(main, args: list, exit_code: int = 0) -> str:
     if result.exit_code != exit_code:
         trace = "".join(traceback.format_exception(*result.exc_info)) if result.exc_info else ""
         raise AssertionError(f"{' '.join(map(str, args))} exited {result.exit_code}:\n{result.output[-3000:]}\n{trace}")
-    return result.output
+    return result
 
 
 def free_port() -> int:

@@ -1,13 +1,14 @@
 """The fault matrix: every long stage killed (SIGKILL) at chosen moments, or run out of disk,
 then the same command run again, must end exactly as an uninterrupted run.
 
-Every killed command and every rerun runs as a real process through tests/faults.py, which kills
-it for real at the moment chosen (just before or after a rename, half-way through a file write).
-An uninterrupted run of the same command, into another folder, in this process (as a child with
-ENV would run it), is the reference: the resumed folder must hold
-the same files with the same bytes (the output folder's own path, recorded in the configs,
-aside), and no leftover of the killed run. One moment per stage runs by default; the rest are
-marked slow (`pytest -m slow tests/test_faults.py`).
+Every killed command runs as a real process through tests/faults.py, which kills it for real at the
+moment chosen (just before or after a rename, half-way through a file write); a run out of disk is a
+real process too. The rerun of the same command, and an uninterrupted run of it into another folder
+(the reference), run in this process (tests/conftest.py run_command: as a child with ENV's one
+thread and no CUDA device would, byte for byte; no interpreter to start for each). The resumed
+folder must hold the same files with the same bytes (the output folder's own path, recorded in the
+configs, aside), and no leftover of the killed run. One moment per stage runs by default; the rest
+are marked slow (`pytest -m slow tests/test_faults.py`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return result
 
 
+def rerun(module: str, args: list) -> str:
+    """The command run again after its kill, in this process (tests/conftest.py run_command: as a
+    child with ENV would run it); returns what it wrote to stderr."""
+    return run_command(importlib.import_module(module).main, ["run", *args]).stderr
+
+
 def killed(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     """The run died of the SIGKILL tests/faults.py sends at the chosen moment (not earlier, not of itself)."""
     assert result.returncode == -signal.SIGKILL and "faults: killed at" in result.stderr, (
@@ -70,8 +77,7 @@ def killed(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 class Reference:
     """An uninterrupted run of one command into root/reference, made when the test first reads it.
-    It runs in this process (tests/conftest.py run_command: as a child with ENV's one thread and
-    no CUDA device would, byte for byte); the killed run and the rerun are the real processes."""
+    It runs in this process, as the rerun does (rerun)."""
 
     def __init__(self, module: str, args_for):
         self.module, self.args_for, self.out, self.done = module, args_for, None, False
@@ -151,7 +157,7 @@ def test_regen_killed_then_rerun_equals_an_uninterrupted_run(tmp_path, inputs, r
     data = tmp_path / "out" / "data"
     assert (data / "shard-00000.parquet.done.json").is_file() and not (data / "shard-00002.parquet").exists()
     assert not json.loads((tmp_path / "out" / "manifest.json").read_text())["complete"]
-    ok(finish(start(REGEN, args)))
+    rerun(REGEN, args)
     reference = regen_reference.folder()
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["complete"] and len(manifest["shards"]) == manifest["num_shards"] == 3
@@ -189,9 +195,8 @@ CAPTURE_CASES = [pytest.param(codec, moment, marks=[] if (codec, moment) == (
     for codec in EXT for moment in capture_moments(codec)]
 
 
-def verify(folder: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", CAPTURE, "verify", str(folder)], env=ENV, capture_output=True,
-                          text=True)
+def verify(folder: Path) -> str:
+    return run_command(capture_cli, ["verify", folder]).stdout
 
 
 def assert_same_featureset(reference: Path, resumed: Path) -> None:
@@ -201,8 +206,8 @@ def assert_same_featureset(reference: Path, resumed: Path) -> None:
     assert [(s["path"], s["sha256"]) for s in b["shards"]] == [(s["path"], s["sha256"]) for s in a["shards"]]
     assert leftovers(resumed) == []
     assert_same_files(reference, resumed)  # every shard file, done mark, manifest, token counts
-    result = verify(resumed)
-    assert result.returncode == 0 and result.stdout.strip() == f"{resumed}: ok", result.stderr
+    output = verify(resumed)
+    assert output.strip() == f"{resumed}: ok", output
 
 
 @pytest.mark.parametrize("codec,moment", CAPTURE_CASES)
@@ -211,7 +216,7 @@ def test_capture_killed_then_rerun_equals_an_uninterrupted_run(tmp_path, inputs,
     args = capture_args(inputs / "chat.jsonl", codec)(tmp_path / "out")
     killed(finish(start(CAPTURE, args, capture_moments(codec)[moment])))
     assert not (tmp_path / "out" / "manifest.json").exists()  # written last, once every shard is in
-    ok(finish(start(CAPTURE, args)))
+    rerun(CAPTURE, args)
     assert_same_featureset(reference.folder(), tmp_path / "out")
 
 
@@ -269,10 +274,10 @@ def test_train_killed_then_rerun_equals_an_uninterrupted_run(tmp_path, train_fea
     fault, said = TRAIN_MOMENTS[moment]
     args = train_args(train_features)(tmp_path / "out")
     killed(finish(start(TRAIN, args, fault)))
-    rerun = ok(finish(start(TRAIN, args)))
+    output = rerun(TRAIN, args)
     if said:
-        lines = [line for line in rerun.stderr.splitlines() if "incomplete checkpoint" in line]
-        assert len(lines) == 1 and said in lines[0] and "resuming from step-0000002" in lines[0], rerun.stderr
+        lines = [line for line in output.splitlines() if "incomplete checkpoint" in line]
+        assert len(lines) == 1 and said in lines[0] and "resuming from step-0000002" in lines[0], output
     assert_same_training(train_reference.folder(), tmp_path / "out")
 
 
@@ -311,9 +316,9 @@ def test_every_familys_training_killed_mid_checkpoint_then_rerun_equals_an_unint
     reference = Reference(TRAIN, args).start(tmp_path / "reference")
     fault, said = TRAIN_MOMENTS["during a checkpoint write (model weights half written)"]
     killed(finish(start(TRAIN, args(tmp_path / "out"), fault)))
-    rerun = ok(finish(start(TRAIN, args(tmp_path / "out"))))
-    lines = [line for line in rerun.stderr.splitlines() if "incomplete checkpoint" in line]
-    assert len(lines) == 1 and said in lines[0] and "resuming from step-0000002" in lines[0], rerun.stderr
+    output = rerun(TRAIN, args(tmp_path / "out"))
+    lines = [line for line in output.splitlines() if "incomplete checkpoint" in line]
+    assert len(lines) == 1 and said in lines[0] and "resuming from step-0000002" in lines[0], output
     assert_same_training(reference.folder(), tmp_path / "out")
 
 
@@ -360,7 +365,7 @@ def test_capture_on_a_full_disk_fails_in_one_line_then_resumes_identically(tmp_p
         args = capture_args(inputs / "chat.jsonl", codec)(out)
         assert_no_space_error(finish(start(CAPTURE, args)), out)
         disk.grow(64 << 20)
-        ok(finish(start(CAPTURE, args)))
+        rerun(CAPTURE, args)
         assert_same_featureset(reference, out)
     finally:
         disk.unmount()
@@ -384,7 +389,7 @@ def test_capture_with_the_disk_full_for_the_token_counts_fails_in_one_line_then_
         assert_no_space_error(finish(start(CAPTURE, args)), out)
         assert len(list((out / "shards").glob("*.done.json"))) == 3
         disk.grow(64 << 20)
-        ok(finish(start(CAPTURE, args)))
+        rerun(CAPTURE, args)
         assert_same_featureset(reference, out)
     finally:
         disk.unmount()
@@ -402,7 +407,7 @@ def test_train_on_a_full_disk_during_a_checkpoint_fails_in_one_line_then_resumes
         assert_no_space_error(finish(start(TRAIN, args)), out)
         assert (out / "checkpoints" / "step-0000002" / "trainer_state.json").is_file()
         disk.grow(4 * checkpoint)
-        ok(finish(start(TRAIN, args)))
+        rerun(TRAIN, args)
         assert_same_training(reference, out)
     finally:
         disk.unmount()

@@ -186,7 +186,7 @@ def test_a_killed_rank_then_the_same_command_resumes_to_an_uninterrupted_capture
     run_command(capture_cli, [*args, "-o", killed])  # --tp 1 (this process): accepted, nothing to redo
     assert json.loads((killed / "manifest.json").read_text())["shards"] == b["shards"]
     refused = run_command(capture_cli, [*args, "--max-length", "64", "-o", killed], exit_code=2)
-    assert "max_length: 96 -> 64" in refused
+    assert "max_length: 96 -> 64" in refused.stderr
 
 
 # ---- what cannot be placed is named before anything loads ---------------------------------------
