@@ -32,6 +32,7 @@ from specfoundry.families.eagle3.shapes import random_eagle3_draft
 from specfoundry.families.folders import DraftLoadError, load_draft, locate_draft
 from specfoundry.families.interface import DRAFT_FILE
 from specfoundry.train.cli import export_main
+from tests.conftest import torch_threads
 from tests.test_families import TINY, random_draft
 
 OPTIONS = [{}, {"fc_norm": True}, {"norm_output": True}, {"fc_norm": True, "norm_output": True}]
@@ -54,10 +55,8 @@ def config_of(path) -> dict:
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """These shapes are tiny: one thread runs them many times faster than a pool of them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -57,11 +57,6 @@ def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert result.returncode == 0, f"{' '.join(result.args)} exited {result.returncode}:\n{result.stderr[-3000:]}"
-    return result
-
-
 def rerun(module: str, args: list) -> str:
     """The command run again after its kill, in this process (tests/conftest.py run_command: as a
     child with ENV would run it); returns what it wrote to stderr."""
@@ -77,7 +72,7 @@ def killed(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 class Reference:
     """An uninterrupted run of one command into root/reference, made when the test first reads it.
-    It runs in this process, as the rerun does (rerun)."""
+    It runs in this process, as the rerun does (`rerun`)."""
 
     def __init__(self, module: str, args_for):
         self.module, self.args_for, self.out, self.done = module, args_for, None, False
@@ -89,7 +84,7 @@ class Reference:
 
     def folder(self) -> Path:
         if not self.done:
-            run_command(importlib.import_module(self.module).main, ["run", *self.args_for(self.out)])
+            rerun(self.module, self.args_for(self.out))
             self.done = True
         return self.out
 
