@@ -259,6 +259,8 @@ plan_next() {
 #   family_step  the DFlash-backbone families' step by gradient path, if time is left        ~80 s
 # GPU_TESTS: these test files' GPU tests first; ONLY (read by scripts/families_gpu.sh): the drafts
 # to train, e.g. all but dflash_b16_norm01 (issue 27's variant, not a family) to save a training.
+# FAMILIES_EST: the families step's skip estimate (1300 s, the six drafts'; ~900 s for four without
+# Domino and DSpark, the two slowest trainings).
 plan_families() {
   begin_plan "plan families: commit ${GIT_COMMIT:-?}, device $DEV, epochs ${EPOCHS}, deadline ${DEADLINE}s" || return 1
   if [ -n "${GPU_TESTS:-}" ] && [ "$DEV" = cuda ]; then  # these test files' GPU tests first
@@ -268,7 +270,7 @@ plan_families() {
   [ -f "$EV/carry/regen10240.tar.gz" ] && from=$EV/carry/regen10240.tar.gz
   if [ "$DEV" = cuda ]; then
     # no timing decode starts within 120 s of the deadline: the acceptance figures are written first
-    step families 1300 env RUN="$RUN/families" EPOCHS="$EPOCHS" REGEN_FROM="$from" TIMING_LIMIT="${TIMING_LIMIT:-2}" \
+    step families "${FAMILIES_EST:-1300}" env RUN="$RUN/families" EPOCHS="$EPOCHS" REGEN_FROM="$from" TIMING_LIMIT="${TIMING_LIMIT:-2}" \
       TRAIN_OPTS="--num-workers 2 --profile-steps 10" \
       TIMING_OPTS="${TIMING_OPTS---compile-target --dtype bfloat16}" DRAFT_TIMING_OPTS="${DRAFT_TIMING_OPTS---compile-draft}" \
       EVAL_OPTS="--limit ${EVAL_LIMIT:-8}" STOP_AT=$(( $(cat "$EV/t0") + $(deadline) - 120 )) bash scripts/families_gpu.sh
