@@ -45,6 +45,10 @@ def gather(run: Path, prefix: str = ACCEPTANCE) -> list[dict]:
                          "prompts": s["prompts"], "accept_length": s["accept_length"],
                          "draft_ms_per_round": s.get("draft_ms_per_round"),
                          "target_ms_per_round": s.get("target_ms_per_round"),
+                         # (reports before these keys have none)
+                         "prefill_ms_per_prompt": s.get("prefill_ms_per_prompt"),
+                         "start_ms_per_prompt": s.get("start_ms_per_prompt"),
+                         "other_ms_per_round": s.get("other_ms_per_round"),
                          "tokens_per_s": s["tokens_per_s"], "alone_tokens_per_s": entry.get("target_alone_tokens_per_s"),
                          "speedup": s.get("speedup"), "greedy_equal": s.get("identical_to_target"),
                          "device": report.get("environment", {}).get("gpu") or report.get("device")})

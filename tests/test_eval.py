@@ -148,6 +148,20 @@ def test_tree_decoding_on_a_tiny_target_is_exact(branching):
         assert tree_total > chain_total
 
 
+def test_a_decodes_phases_are_measured_and_fit_in_its_wall_time():
+    """The parts sf-eval reports (the prompt's prefill, the draft's read of it, the rounds' draft and
+    target time) are each measured, for the chain and the tree, and lie inside the decode's wall time:
+    on the host clock they are disjoint intervals within it, with Python's work between them (a
+    microsecond or more, far above float64's rounding of second-sized sums), so their sum stays below."""
+    model, draft_model = tiny_pair()
+    target, draft = TargetRunner(Target.wrap(model), [0, 1, 2]), DraftRunner(draft_model)
+    chain = speculative_generate(target, draft, [1, 2, 3], k=3, max_new_tokens=12, eos=set(), sampler=Sampler())
+    tree = tree_generate(target, draft, [1, 2, 3], branching=(2, 1), max_new_tokens=12, eos=set())
+    for out in (chain, tree):
+        phases = [out.prefill_s, out.start_s, out.draft_s, out.target_s]
+        assert min(phases) > 0 and sum(phases) < out.total_s
+
+
 @pytest.mark.gpu
 def test_tree_decoding_on_a_tiny_target_is_exact_on_gpu():
     """The tree path on CUDA (batched top-k per depth, masks moved to the device): output equal to
@@ -280,6 +294,10 @@ def test_eval_report_and_untrained_floor(gate_run, tmp_path, smollm2_target):
     # the time the run took: each set's decodes, and the whole run around them
     assert 0 < sum(e["wall_s"] for e in report["sets"].values()) <= report["wall_s"]
     assert "the whole run" in (out / "eval.txt").read_text()
+    # and the time outside the rounds, which with them accounts for tokens/s
+    chat = report["sets"]["chat"]["trained"]
+    assert chat["prefill_ms_per_prompt"] > 0 and chat["start_ms_per_prompt"] > 0 and chat["other_ms_per_round"] > 0
+    assert "outside the rounds" in (out / "eval.txt").read_text()
     k = report["config"]["k"]  # the per-position columns are named and explained under the table
     assert f"{'p' + str(k):>5}" in (out / "eval.txt").read_text() and f"p1..p{k}: " in (out / "eval.txt").read_text()
 

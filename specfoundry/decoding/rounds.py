@@ -32,9 +32,11 @@ class DecodeResult:
     tokens: list[int]  # generated tokens (the prompt excluded), cut after the first eos
     dropped_steps: int = 0  # target steps run after the eos and dropped (the greedy target alone)
     accepted: list[int] = field(default_factory=list)  # drafts accepted per round
-    draft_s: float = 0.0
-    target_s: float = 0.0
-    total_s: float = 0.0
+    draft_s: float = 0.0  # the rounds' proposals and commits
+    target_s: float = 0.0  # the rounds' verify forwards (the target alone: its whole decode)
+    prefill_s: float = 0.0  # the target's read of the prompt and its first pick (with a draft)
+    start_s: float = 0.0  # the draft's read of the prompt's features
+    total_s: float = 0.0  # the decode's wall time: the phases above, and the host's work between them
 
     @property
     def rounds(self) -> int:
@@ -79,6 +81,11 @@ class PhaseClock:
             self.spans[-1][2].synchronize()
         return sum(a.elapsed_time(b) * 1e-3 if self.cuda else b - a for p, a, b in self.spans if p == phase)
 
+    def fill(self, result: DecodeResult) -> None:
+        """result's draft, target, prefill and start seconds from this clock's spans."""
+        for phase in ("draft", "target", "prefill", "start"):
+            setattr(result, f"{phase}_s", self.seconds(phase))
+
 
 def greedy_on_device(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int, list[int]]:
     """accept.greedy_prefix for drafts [k] held on the device (target ids) against target_logits
@@ -108,12 +115,16 @@ def decode_rounds(target: TargetRunner, prompt: list[int], *, max_new_tokens: in
     device = target.device
     t0 = time.perf_counter()
     target.reset(len(prompt) + max_new_tokens + 1 + MAX_DRAFT)  # a round verifies at most 1 + MAX_DRAFT tokens
+    clock = PhaseClock(device)
+    p0 = clock.mark()
     logits, aux, _ = target.forward(prompt)
     tokens = [sampler.pick(logits[-1])]
     result = DecodeResult(tokens)
+    p1 = clock.mark()
     start(tokens, aux)
+    clock.add("prefill", p0, p1)
+    clock.add("start", p1, clock.mark())
     tokens, done = finish(tokens, eos, max_new_tokens)
-    clock = PhaseClock(device)
     while not done:
         m0 = clock.mark()
         drafts, extra = propose(tokens[-1])
@@ -138,7 +149,7 @@ def decode_rounds(target: TargetRunner, prompt: list[int], *, max_new_tokens: in
         result.accepted.append(a)
         tokens, done = finish(tokens + new, eos, max_new_tokens)
     result.tokens = tokens
-    result.draft_s, result.target_s = clock.seconds("draft"), clock.seconds("target")
+    clock.fill(result)
     result.total_s = time.perf_counter() - t0
     return result
 

@@ -216,6 +216,13 @@ def summarise_set(results: list[DecodeResult], k: int) -> dict:
         "accept_rate_by_position": [kept[j] / reached[j] if reached[j] else None for j in range(k)],
         "draft_ms_per_round": 1e3 * sum(r.draft_s for r in results) / max(rounds, 1),
         "target_ms_per_round": 1e3 * sum(r.target_s for r in results) / max(rounds, 1),
+        # the rest of a decode's time: the prompt's reads, and what is outside every phase (the
+        # host's work between them, the resets, the last synchronisation), so that the phases
+        # account for tokens_per_s
+        "prefill_ms_per_prompt": 1e3 * sum(r.prefill_s for r in results) / max(len(results), 1),
+        "start_ms_per_prompt": 1e3 * sum(r.start_s for r in results) / max(len(results), 1),
+        "other_ms_per_round": 1e3 * sum(r.total_s - r.draft_s - r.target_s - r.prefill_s - r.start_s
+                                        for r in results) / max(rounds, 1),
         "tokens_per_s": tokens / max(seconds, 1e-9),
     }
 
@@ -471,6 +478,12 @@ def format_table(report: dict) -> str:
     if dropped:
         lines.append(f"alone = the target alone; its greedy read-back ran {sum(dropped)} steps after an eos in all "
                      "(dropped, their time counted)")
+    outside = [f"{name} {s['prefill_ms_per_prompt']:.1f} + {s['start_ms_per_prompt']:.1f} ms, "
+               f"{s['other_ms_per_round']:.2f} ms"
+               for name, entry in report["sets"].items() if "other_ms_per_round" in (s := entry.get("trained", {}))]
+    if outside:
+        lines.append("outside the rounds (trained; a prompt: the target's prefill + the draft's read of it; a round: "
+                     f"the time outside every phase): {'; '.join(outside)}")
     if "wall_s" in report:
         sets = ", ".join(f"{name} {entry['wall_s']:.1f} s" for name, entry in report["sets"].items() if "wall_s" in entry)
         warm = report.get("warm_up_s")

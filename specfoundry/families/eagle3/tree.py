@@ -169,13 +169,17 @@ def tree_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *
     nodes, structure = len(shape), shape.tree([0] * len(shape))  # the verify mask reads the structure alone
     target.reset(len(prompt) + max_new_tokens + len(branching) + 1 + nodes)  # a verify: pending + the tree
     draft.reset(len(prompt) + max_new_tokens + nodes)
+    clock = PhaseClock(device)
+    p0 = clock.mark()
     logits, aux, _ = target.forward(prompt)
     tokens = [int(logits[-1].argmax())]
     result = DecodeResult(tokens)
+    p1 = clock.mark()
     draft.extend(prompt[1:] + tokens, aux)
+    clock.add("prefill", p0, p1)
+    clock.add("start", p1, clock.mark())
     pending = list(tokens)  # committed, not yet read by the target; the last is the tree's root
     tokens, done = finish(tokens, eos, max_new_tokens)
-    clock = PhaseClock(device)
     while not done:
         m0 = clock.mark()
         drafted = expand_tree(draft, shape)  # [N] on the device
@@ -201,6 +205,6 @@ def tree_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *
         pending = new
         tokens, done = finish(tokens + new, eos, max_new_tokens)
     result.tokens = tokens
-    result.draft_s, result.target_s = clock.seconds("draft"), clock.seconds("target")
+    clock.fill(result)
     result.total_s = time.perf_counter() - t0
     return result
