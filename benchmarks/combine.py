@@ -1,0 +1,91 @@
+"""Figures of separate runs in the one result file an issue names, each with its source.
+
+    python -m benchmarks.combine DEST KEY=FILE:SRCKEY [KEY=FILE:SRCKEY ...]
+
+DEST and FILE are result files under benchmarks/results (a name, `.json` optional, or a path); KEY
+and SRCKEY are dotted key paths. DEST's KEY becomes FILE's SRCKEY (a number or a whole table), and
+DEST's `sources` maps KEY to where it came from: the file and key, and that run's commit, command,
+machine and date. A DEST that does not exist is created holding only the combined keys and
+`sources`: it has no machine or commit of its own, each figure's is in its source. A KEY that DEST
+already holds with another value and no source (a figure of DEST's own run) is refused: combining
+never overwrites a measurement. Rerunning the same command changes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import RESULTS, command
+from specfoundry.common.files import atomic_write_json
+
+PROVENANCE = ("commit", "command", "machine", "date")  # what `sources` copies from a run's file
+
+
+def result_path(name: str) -> Path:
+    path = Path(name if name.endswith(".json") else f"{name}.json")
+    return path if path.is_absolute() else RESULTS / path
+
+
+def parse(spec: str) -> tuple[str, str, str]:
+    """KEY=FILE:SRCKEY -> (KEY, FILE, SRCKEY)."""
+    key, _, source = spec.partition("=")
+    file, _, source_key = source.rpartition(":")
+    if not (key and file and source_key):
+        raise SystemExit(f"{spec!r}: expected KEY=FILE:SRCKEY (dotted keys, FILE a result file)")
+    return key, file, source_key
+
+
+def lookup(tree: dict, dotted: str, where: str):
+    value = tree
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise SystemExit(f"{where}: no key {dotted!r}")
+        value = value[part]
+    return value
+
+
+def place(tree: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[last] = value
+
+
+def combine(dest: str, specs: list[str]) -> Path:
+    path = result_path(dest)
+    out = json.loads(path.read_text()) if path.exists() else {"benchmark": path.stem}
+    sources = out.setdefault("sources", {})
+    for spec in specs:
+        key, file, source_key = parse(spec)
+        source_path = result_path(file)
+        if not source_path.exists():
+            raise SystemExit(f"{spec!r}: {source_path} does not exist")
+        run = json.loads(source_path.read_text())
+        value = lookup(run, source_key, str(source_path))
+        try:
+            held = lookup(out, key, str(path))
+        except SystemExit:
+            held = None
+        if held is not None and held != value and key not in sources:
+            raise SystemExit(f"{path}: {key!r} is a figure of its own run; not overwritten by {source_path}")
+        place(out, key, value)
+        sources[key] = {"file": source_path.name, "key": source_key, **{k: run.get(k) for k in PROVENANCE}}
+    out["combined"] = {"command": command(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    atomic_write_json(path, out)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dest", help="the result file to write into (created if missing)")
+    parser.add_argument("specs", nargs="+", metavar="KEY=FILE:SRCKEY", help="a figure to copy, and from where")
+    args = parser.parse_args(argv)
+    print(f"wrote {combine(args.dest, args.specs)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
