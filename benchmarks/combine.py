@@ -6,9 +6,12 @@ DEST and FILE are result files under benchmarks/results (a name, `.json` optiona
 and SRCKEY are dotted key paths. DEST's KEY becomes FILE's SRCKEY (a number or a whole table), and
 DEST's `sources` maps KEY to where it came from: the file and key, and that run's commit, command,
 machine and date. A DEST that does not exist is created holding only the combined keys and
-`sources`: it has no machine or commit of its own, each figure's is in its source. A KEY that DEST
-already holds with another value and no source (a figure of DEST's own run) is refused: combining
-never overwrites a measurement. Rerunning the same command changes nothing.
+`sources`: it has no machine or commit of its own, each figure's is in its source. Combining never
+overwrites a measurement: a KEY that DEST holds as a figure of its own run (no source) is refused
+unless the value is the same (then left as its own), and so is a KEY above or below one combined
+before (combine whole tables or their parts, not both), a KEY given twice, and a FILE with no
+commit of its own (a combined file: combine from the run's file). Rerunning the same command
+changes nothing; `combined` lists each command that wrote into DEST.
 """
 
 from __future__ import annotations
@@ -59,22 +62,35 @@ def combine(dest: str, specs: list[str]) -> Path:
     path = result_path(dest)
     out = json.loads(path.read_text()) if path.exists() else {"benchmark": path.stem}
     sources = out.setdefault("sources", {})
-    for spec in specs:
-        key, file, source_key = parse(spec)
+    parsed = [parse(spec) for spec in specs]
+    keys = [key for key, _, _ in parsed]
+    if len(set(keys)) < len(keys):
+        raise SystemExit(f"a KEY is given twice: {sorted(k for k in set(keys) if keys.count(k) > 1)}")
+    for (key, file, source_key), spec in zip(parsed, specs, strict=True):
         source_path = result_path(file)
         if not source_path.exists():
             raise SystemExit(f"{spec!r}: {source_path} does not exist")
         run = json.loads(source_path.read_text())
+        if not run.get("commit"):
+            raise SystemExit(f"{source_path}: no commit of its own (a combined file?); combine from the run's file")
         value = lookup(run, source_key, str(source_path))
+        nested = [k for k in sources if k != key and (k.startswith(key + ".") or key.startswith(k + "."))]
+        if nested:
+            raise SystemExit(f"{path}: {key!r} overlaps {nested[0]!r}, combined before; combine whole tables or "
+                             "their parts, not both")
         try:
             held = lookup(out, key, str(path))
         except SystemExit:
             held = None
-        if held is not None and held != value and key not in sources:
+        if held is not None and key not in sources:
+            if held == value:
+                continue  # the file's own figure, left as its own
             raise SystemExit(f"{path}: {key!r} is a figure of its own run; not overwritten by {source_path}")
         place(out, key, value)
         sources[key] = {"file": source_path.name, "key": source_key, **{k: run.get(k) for k in PROVENANCE}}
-    out["combined"] = {"command": command(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    combined = out.setdefault("combined", [])
+    if command() not in [c["command"] for c in combined]:
+        combined.append({"command": command(), "date": time.strftime("%Y-%m-%d %H:%M:%S")})
     atomic_write_json(path, out)
     return path
 

@@ -137,6 +137,9 @@ def write_result(name: str, rows: list[dict], extra: dict | None = None) -> Path
     name = name.removesuffix(".json")
     path = RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and "sources" in json.loads(path.read_text()):
+        print(f"note: {path} held figures combined from other runs (its `sources`, benchmarks/combine.py); "
+              "this run's file replaces them", file=sys.stderr)
     payload = {"benchmark": Path(name).name, "command": command(), "commit": commit(), "machine": machine(),
                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows, **(extra or {})}
     path.write_text(json.dumps(payload, indent=2) + "\n")

@@ -163,6 +163,22 @@ def test_a_decodes_phases_are_measured_and_fit_in_its_wall_time():
 
 
 @pytest.mark.gpu
+def test_a_decodes_phases_fit_in_its_wall_time_on_gpu():
+    """On a GPU the phases are CUDA event spans in stream order, recorded after the decode's clock
+    starts and run before its last synchronisation: their sum is at most the wall time, up to
+    elapsed_time's resolution (about 0.5 us a reading; 1 us a span allowed)."""
+    model, draft_model = tiny_pair()
+    model, draft_model = model.cuda(), draft_model.cuda()
+    target, draft = TargetRunner(Target.wrap(model), [0, 1, 2]), DraftRunner(draft_model)
+    chain = speculative_generate(target, draft, [1, 2, 3], k=3, max_new_tokens=12, eos=set(), sampler=Sampler())
+    tree = tree_generate(target, draft, [1, 2, 3], branching=(2, 1), max_new_tokens=12, eos=set())
+    for out in (chain, tree):
+        phases = [out.prefill_s, out.start_s, out.draft_s, out.target_s]
+        spans = 2 + 3 * out.rounds
+        assert min(phases) > 0 and sum(phases) <= out.total_s + spans * 1e-6
+
+
+@pytest.mark.gpu
 def test_tree_decoding_on_a_tiny_target_is_exact_on_gpu():
     """The tree path on CUDA (batched top-k per depth, masks moved to the device): output equal to
     the target's own greedy decoding, on the same tiny pair as above."""

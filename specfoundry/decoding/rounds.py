@@ -35,7 +35,8 @@ class DecodeResult:
     draft_s: float = 0.0  # the rounds' proposals and commits
     target_s: float = 0.0  # the rounds' verify forwards (the target alone: its whole decode)
     prefill_s: float = 0.0  # the target's read of the prompt and its first pick (with a draft)
-    start_s: float = 0.0  # the draft's read of the prompt's features
+    start_s: float = 0.0  # the draft's read of the prompt's features (P-EAGLE: only queued; its first
+    # round's forward reads them, in draft_s)
     total_s: float = 0.0  # the decode's wall time: the phases above, and the host's work between them
 
     @property
@@ -57,12 +58,14 @@ def finish(tokens: list[int], eos: set[int], max_new_tokens: int) -> tuple[list[
 
 
 class PhaseClock:
-    """Time spent in each phase of the rounds without a host synchronisation per phase: on a GPU,
-    CUDA events recorded at the phase boundaries and read once, after the decode (device time
-    between them, the host's gaps included); elsewhere the host clock, whose work is done when a
-    call returns."""
+    """Time spent in each phase of a decode (the prompt's prefill, the draft's start, the rounds'
+    draft and target parts) without a host synchronisation per phase: on a GPU, CUDA events
+    recorded on the device's current stream at the phase boundaries and read once, after the
+    decode (device time between them, the host's gaps included); elsewhere the host clock, whose
+    work is done when a call returns."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.cuda = device.type == "cuda"
         self.spans: list[tuple[str, object, object]] = []
 
@@ -70,7 +73,7 @@ class PhaseClock:
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # the decode's device, whichever is current
         return event
 
     def add(self, phase: str, start, end) -> None:
@@ -108,7 +111,8 @@ def decode_rounds(target: TargetRunner, prompt: list[int], *, max_new_tokens: in
                                            the target's logits [n+1, V] over [last] + drafts
         commit(new, aux)                   the draft reads the a+1 committed tokens and their features
     The caller resets its draft; the target reads [last] + drafts in one forward and its cache is
-    cropped to the committed tokens; draft time is propose + commit, target time the verify forward.
+    cropped to the committed tokens; draft time is propose + commit, target time the verify forward,
+    prefill time the prompt's forward and first pick, start time `start`.
     Drafts on the device under greedy decoding are verified by the greedy prefix rule on the device
     (greedy_on_device): the proposals reach the target's step without the host, and a round has one
     synchronisation, the acceptance decision; with host drafts or sampling, `verify` decides."""

@@ -164,11 +164,11 @@ def tree_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *
     """Greedy speculative decoding with a draft tree: the output equals the target's own greedy
     decoding; accepted[i] counts the tree nodes accepted in round i."""
     device = target.device
-    t0 = time.perf_counter()
     shape = TreeShape.of(branching, draft.logits.shape[-1])
     nodes, structure = len(shape), shape.tree([0] * len(shape))  # the verify mask reads the structure alone
+    draft.reset(len(prompt) + max_new_tokens + nodes)  # (outside the decode's time, as the chain's caller's)
+    t0 = time.perf_counter()
     target.reset(len(prompt) + max_new_tokens + len(branching) + 1 + nodes)  # a verify: pending + the tree
-    draft.reset(len(prompt) + max_new_tokens + nodes)
     clock = PhaseClock(device)
     p0 = clock.mark()
     logits, aux, _ = target.forward(prompt)
