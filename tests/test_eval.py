@@ -12,9 +12,17 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specfoundry.common.target import Target
+from specfoundry.decoding.rounds import DecodeResult
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
-from specfoundry.eval.evaluate import BUILTIN_SETS, EvalConfig, EvalError, load_prompts, run_eval
+from specfoundry.eval.evaluate import (
+    BUILTIN_SETS,
+    EvalConfig,
+    EvalError,
+    load_prompts,
+    run_eval,
+    summarise_set,
+)
 from specfoundry.families.eagle3.chain import DraftRunner, speculative_generate
 from specfoundry.families.eagle3.config import draft_config_from_target
 from specfoundry.families.eagle3.model import Eagle3Draft
@@ -160,6 +168,22 @@ def test_a_decodes_phases_are_measured_and_fit_in_its_wall_time():
     for out in (chain, tree):
         phases = [out.prefill_s, out.start_s, out.draft_s, out.target_s]
         assert min(phases) > 0 and sum(phases) < out.total_s
+
+
+def test_a_sets_time_parts_add_up_to_its_decodes_wall_time():
+    """summarise_set's parts (draft, target and other a round; prefill and start a prompt) times their
+    counts give back the decodes' total time, and tokens/s is tokens over it."""
+    results = [DecodeResult([5] * 6, accepted=[2, 1, 0], draft_s=0.003, target_s=0.006, prefill_s=0.002,
+                            start_s=0.001, total_s=0.015),
+               DecodeResult([5] * 2, accepted=[1], draft_s=0.001, target_s=0.002, prefill_s=0.002, start_s=0.003,
+                            total_s=0.009)]
+    s = summarise_set(results, k=3)
+    assert (s["rounds"], s["tokens"]) == (4, 8)
+    assert s["other_ms_per_round"] == pytest.approx(1.0)  # (0.003 + 0.001) s over 4 rounds
+    parts = 4 * (s["draft_ms_per_round"] + s["target_ms_per_round"] + s["other_ms_per_round"]) \
+        + 2 * (s["prefill_ms_per_prompt"] + s["start_ms_per_prompt"])
+    assert parts == pytest.approx(24.0)  # ms; float64 sums of six terms: rounding near 1e-14 of pytest's 1e-6
+    assert s["tokens_per_s"] == pytest.approx(8 / 0.024)
 
 
 @pytest.mark.gpu
