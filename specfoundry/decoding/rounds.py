@@ -35,8 +35,7 @@ class DecodeResult:
     draft_s: float = 0.0  # the rounds' proposals and commits
     target_s: float = 0.0  # the rounds' verify forwards (the target alone: its whole decode)
     prefill_s: float = 0.0  # the target's read of the prompt and its first pick (with a draft)
-    start_s: float = 0.0  # the draft's read of the prompt's features (P-EAGLE: only queued; its first
-    # round's forward reads them, in draft_s)
+    start_s: float = 0.0  # the draft's read of the prompt's features
     total_s: float = 0.0  # the decode's wall time: the phases above, and the host's work between them
 
     @property

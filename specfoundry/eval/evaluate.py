@@ -217,10 +217,9 @@ def summarise_set(results: list[DecodeResult], k: int) -> dict:
         "draft_ms_per_round": 1e3 * sum(r.draft_s for r in results) / max(rounds, 1),
         "target_ms_per_round": 1e3 * sum(r.target_s for r in results) / max(rounds, 1),
         # the rest of a decode's time, so that the parts account for tokens_per_s: the prompt's
-        # reads (P-EAGLE's start only queues the prompt, which its first round reads), and what is
-        # outside every phase, per round though part of it comes once a prompt: the host's work
-        # between phases (on a GPU only where the device waited for it), before the first and after
-        # the last
+        # reads, and what is outside every phase, per round though part of it comes once a prompt:
+        # the host's work between phases (on a GPU only where the device waited for it), before the
+        # first and after the last
         "prefill_ms_per_prompt": 1e3 * sum(r.prefill_s for r in results) / max(len(results), 1),
         "start_ms_per_prompt": 1e3 * sum(r.start_s for r in results) / max(len(results), 1),
         "other_ms_per_round": 1e3 * sum(r.total_s - r.draft_s - r.target_s - r.prefill_s - r.start_s

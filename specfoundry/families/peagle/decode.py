@@ -3,8 +3,8 @@ target in one forward through decoding/rounds.py decode_rounds; as vLLM's parall
 
 Invariants at the start of a round (EAGLE-3's, families/eagle3/chain.py): the committed text is
 t_0..t_{m-1}; the draft's per-layer caches hold rows 0..j-1 (row i: token t_{i+1}, fc(a_i)) and the
-rows j..m-2 are pending (read at the next forward: the prompt's after prefill, the a+1 committed
-tokens after a round). A round:
+rows j..m-2 are pending (read at the next forward: the newest after the draft's start, which reads
+the prompt's other rows in one forward, and the a+1 committed tokens after a round). A round:
     1. propose  one forward over [pending rows, M x (k-1)] at positions j..m-2, m-1..m+k-3 (M: the mask
                 token with fc(mask_hidden)); the last pending row's logits give d_1 (depth 0), the mask
                 slots' give d_2..d_k (depths 1..k-1); then the caches drop the mask slots.
@@ -132,6 +132,18 @@ class PEagleRunner:
         self.tokens += tokens
         self.aux.append(aux)
 
+    @torch.inference_mode()
+    def start(self, tokens: list[int], aux: torch.Tensor) -> None:
+        """A decode's first rows (the prompt's, then the first token; aux [T, 3*Ht]): all but the newest
+        through one eager forward now (k = 1: no mask slot, its logits unread), the newest left
+        pending. The first round then reads one row, as a round after a one-token commit does, and the
+        prompt's forward is the start's work, not the first round's. Causal attention gives each row
+        the same cache entry as reading them all in the first round."""
+        if len(tokens) > 1:
+            self.read(tokens[:-1], aux[:-1])
+            self.round(1)
+        self.read(tokens[-1:], aux[-1:])
+
     def forward(self, k: int) -> torch.Tensor:
         """One forward over the pending rows and k-1 mask slots: logits [k, Vd] of depths 0..k-1."""
         return self.round(k)[0]
@@ -192,7 +204,7 @@ class PEagleDecoder(Decoder):
         runner.reset(len(prompt) + max_new_tokens + self.k)
         return decode_rounds(
             target, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler,
-            start=lambda first, aux: runner.read(prompt[1:] + first, aux),
+            start=lambda first, aux: runner.start(prompt[1:] + first, aux),
             propose=lambda last: runner.propose(self.k, sampler.pick, greedy=sampler.greedy),
             verify=lambda drafts, logits_d, logits: accept(drafts, logits_d, logits, runner.draft_to_target, sampler),
             commit=runner.read)
@@ -232,9 +244,10 @@ def training_logits(draft: PEagleDraft, ids: torch.Tensor, aux: torch.Tensor, an
 
 
 def decode_matches_training(draft: PEagleDraft, ids: torch.Tensor, aux: torch.Tensor, k: int | None = None):
-    """(the decoder's first round after the sequence ids (its rows 0..T-2 read at once), the training
-    forward of the rollout anchored at T-2), [k, Vd] each, k = the trained depths by default."""
+    """(the decoder's first round after the sequence ids (its rows 0..T-2 read by the decoder's
+    start), the training forward of the rollout anchored at T-2), [k, Vd] each, k = the trained
+    depths by default."""
     k = k or draft.cfg.num_depths
     runner = PEagleRunner(draft)
-    runner.read(ids[1:].tolist(), aux[:-1])
+    runner.start(ids[1:].tolist(), aux[:-1])
     return runner.forward(k), training_logits(draft, ids, aux, len(ids) - 2, k)
