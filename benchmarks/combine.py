@@ -42,10 +42,16 @@ def parse(spec: str) -> tuple[str, str, str]:
     return key, file, source_key
 
 
-def lookup(tree: dict, dotted: str, where: str):
+MISSING = object()
+
+
+def lookup(tree: dict, dotted: str, where: str, default=MISSING):
+    """tree's value at the dotted key; where it has none, `default`, or an error naming `where`."""
     value = tree
     for part in dotted.split("."):
         if not isinstance(value, dict) or part not in value:
+            if default is not MISSING:
+                return default
             raise SystemExit(f"{where}: no key {dotted!r}")
         value = value[part]
     return value
@@ -78,10 +84,7 @@ def combine(dest: str, specs: list[str]) -> Path:
         if nested:
             raise SystemExit(f"{path}: {key!r} overlaps {nested[0]!r}, combined before; combine whole tables or "
                              "their parts, not both")
-        try:
-            held = lookup(out, key, str(path))
-        except SystemExit:
-            held = None
+        held = lookup(out, key, str(path), default=None)
         if held is not None and key not in sources:
             if held == value:
                 continue  # the file's own figure, left as its own

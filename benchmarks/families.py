@@ -12,9 +12,10 @@ by side (the summary's `tokens_per_s_from` says which). Every figure comes from 
 acceptance length per held-out set (tokens per target verify forward, the target's own token
 counted), draft and target ms per round, tokens/s with the draft and, where the report decoded
 the target alone too, without it; the rows also carry the time outside the rounds where the
-report has it (prefill and the draft's start, ms a prompt; the rest, ms a round). The summary's `accept_length` maps each draft to {set: accept
-length}, its `tokens_per_s` each draft to {set: tokens/s with the draft} plus `target_alone`
-{set: tokens/s} (the first report that decoded the target alone on that set).
+report has it (prefill and the draft's start, ms a prompt; the rest, ms a round). The summary's
+`accept_length` maps each draft to {set: accept length}, its `tokens_per_s` each draft to {set:
+tokens/s with the draft} plus `target_alone` {set: tokens/s} (the first report that decoded the
+target alone on that set).
 """
 
 from __future__ import annotations

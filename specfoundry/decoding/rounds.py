@@ -89,6 +89,20 @@ class PhaseClock:
             setattr(result, f"{phase}_s", self.seconds(phase))
 
 
+def read_prompt(clock: PhaseClock, target: TargetRunner, prompt: list[int], pick, start) -> tuple[list[int], DecodeResult]:
+    """A decode's opening, timed as two phases: the target's prefill of the prompt and `pick` of the
+    first token from its last row (`prefill`), then `start(first, aux)`, the draft's read of the
+    prompt's features (`start`). Returns the first token [t] and the decode's result."""
+    p0 = clock.mark()
+    logits, aux, _ = target.forward(prompt)
+    first = [pick(logits[-1])]
+    p1 = clock.mark()
+    start(first, aux)
+    clock.add("prefill", p0, p1)
+    clock.add("start", p1, clock.mark())
+    return first, DecodeResult(first)
+
+
 def greedy_on_device(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int, list[int]]:
     """accept.greedy_prefix for drafts [k] held on the device (target ids) against target_logits
     [k+1, V]: (a, the target's own token after them, the drafts as a list), from one copy to the host
@@ -119,14 +133,7 @@ def decode_rounds(target: TargetRunner, prompt: list[int], *, max_new_tokens: in
     t0 = time.perf_counter()
     target.reset(len(prompt) + max_new_tokens + 1 + MAX_DRAFT)  # a round verifies at most 1 + MAX_DRAFT tokens
     clock = PhaseClock(device)
-    p0 = clock.mark()
-    logits, aux, _ = target.forward(prompt)
-    tokens = [sampler.pick(logits[-1])]
-    result = DecodeResult(tokens)
-    p1 = clock.mark()
-    start(tokens, aux)
-    clock.add("prefill", p0, p1)
-    clock.add("start", p1, clock.mark())
+    tokens, result = read_prompt(clock, target, prompt, sampler.pick, start)
     tokens, done = finish(tokens, eos, max_new_tokens)
     while not done:
         m0 = clock.mark()

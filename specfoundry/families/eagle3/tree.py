@@ -32,7 +32,7 @@ import torch
 
 from specfoundry.decoding.cache import visible
 from specfoundry.decoding.graphs import CapturedCall
-from specfoundry.decoding.rounds import DecodeResult, PhaseClock, finish
+from specfoundry.decoding.rounds import DecodeResult, PhaseClock, finish, read_prompt
 from specfoundry.decoding.target import TargetRunner
 from specfoundry.decoding.tree import DraftTree, accept_tree, verify_mask
 from specfoundry.families.eagle3.chain import DraftRunner
@@ -170,14 +170,8 @@ def tree_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *
     t0 = time.perf_counter()
     target.reset(len(prompt) + max_new_tokens + len(branching) + 1 + nodes)  # a verify: pending + the tree
     clock = PhaseClock(device)
-    p0 = clock.mark()
-    logits, aux, _ = target.forward(prompt)
-    tokens = [int(logits[-1].argmax())]
-    result = DecodeResult(tokens)
-    p1 = clock.mark()
-    draft.extend(prompt[1:] + tokens, aux)
-    clock.add("prefill", p0, p1)
-    clock.add("start", p1, clock.mark())
+    tokens, result = read_prompt(clock, target, prompt, lambda row: int(row.argmax()),
+                                 lambda first, aux: draft.extend(prompt[1:] + first, aux))
     pending = list(tokens)  # committed, not yet read by the target; the last is the tree's root
     tokens, done = finish(tokens, eos, max_new_tokens)
     while not done:
