@@ -51,6 +51,7 @@ tokens (core, core_fold1, graph). JSON: results/decode_step.json (`summary.ms`: 
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 
 import torch
 
@@ -245,7 +246,7 @@ def rows_of(shape: str, model, prompt_len: int, iters: int, compiled_rows: tuple
 
 def prefill_row(shape: str, model, core: TargetRunner, eager: TargetRunner, iters: int) -> dict:
     """The `prefill` row: a PREFILL_TOKENS prompt read into an empty cache. core: the captured
-    prefill, padded to its bucket (decoding/target.py prefill_bucket); core_eager: the eager body
+    prefill, padded to its bucket (decoding/steps.py prompt_bucket); core_eager: the eager body
     (the path before padded prefills); plain: the model's forward into a new DynamicCache; graph: the
     reference captured at the prompt's own length. Leaves the runners' caches holding that prompt."""
     from transformers import DynamicCache
@@ -304,7 +305,7 @@ def alone_ms_per_token(runner: TargetRunner, prompt: list[int], iters: int) -> f
 def draft_steps(shape: str, model, prompt_len: int, graphs: bool) -> dict:
     """family -> (its step as sf-eval runs it, its step's body for a bare graph), a random draft of
     the target's shape (bf16 on a GPU) whose runner has read a context of prompt_len positions."""
-    from specfoundry.families.dflash.block import BlockDraftRunner, ContextAppend
+    from specfoundry.families.dflash.block import BlockDraftRunner
     from specfoundry.families.dflash.config import dflash_config_from_target
     from specfoundry.families.dflash.model import DFlashDraft
     from specfoundry.families.domino.config import domino_config_from_target
@@ -315,12 +316,12 @@ def draft_steps(shape: str, model, prompt_len: int, graphs: bool) -> dict:
     from specfoundry.families.dspark.decode import DSparkRunner
     from specfoundry.families.dspark.model import DSparkDraft
     from specfoundry.families.dspark.options import DSparkOptions
-    from specfoundry.families.eagle3.chain import DraftRunner, ExtendStep
+    from specfoundry.families.eagle3.chain import DraftRunner
     from specfoundry.families.eagle3.config import draft_config_from_target
     from specfoundry.families.eagle3.model import Eagle3Draft
     from specfoundry.families.eagle3.tree import TreeShape, expand_body, expand_tree
     from specfoundry.families.peagle.config import peagle_config_from_target
-    from specfoundry.families.peagle.decode import PEagleRunner, RoundInputs
+    from specfoundry.families.peagle.decode import PEagleRunner
     from specfoundry.families.peagle.model import PEagleDraft
 
     cfg = model.config.to_dict()
@@ -345,16 +346,15 @@ def draft_steps(shape: str, model, prompt_len: int, graphs: bool) -> dict:
     steps["eagle3_tree"] = (lambda: expand_tree(eagle, shape_of_tree), expand_body(eagle, shape_of_tree))
     committed, new_rows = len(eagle), aux(3, COMMIT_TOKENS)
     new_tokens = list(range(5, 5 + COMMIT_TOKENS))
-    bare_extend = ExtendStep(eagle, COMMIT_TOKENS, new_rows)  # its static inputs filled once, for the bare graph
-    bare_extend.staged[:COMMIT_TOKENS] = torch.tensor(new_tokens, device=device)
-    bare_extend.staged[COMMIT_TOKENS] = committed
-    bare_extend.aux.copy_(new_rows)
+    bare_extend = eagle.extend_step(COMMIT_TOKENS)  # its body over inputs filled once, for the bare graph
+    extend_inputs = SimpleNamespace(ids=torch.tensor(new_tokens, device=device), start=torch.tensor(committed, device=device),
+                                    rows=torch.tensor(COMMIT_TOKENS, device=device), aux=new_rows.clone())
 
     def eagle_commit():  # the commit, then back to the same committed length
         eagle.extend(new_tokens, new_rows)
         eagle.crop(committed)
 
-    steps["eagle3_commit"] = (eagle_commit, lambda: bare_extend.body(eagle))
+    steps["eagle3_commit"] = (eagle_commit, lambda: bare_extend.body(extend_inputs))
     layers, mask_id = DFLASH_LAYERS[shape], vocab - 1
     blocks = {
         "dflash": (BlockDraftRunner, DFlashDraft(dflash_config_from_target(cfg, layers, 5, BLOCK, mask_id))),
@@ -368,19 +368,19 @@ def draft_steps(shape: str, model, prompt_len: int, graphs: bool) -> dict:
         runner = runner_class(placed(draft), head, graphs=graphs)
         runner.reset(prompt_len + 64)
         runner.extend(aux(len(layers)))
-        runner.bonus.fill_(11)
-        steps[name] = (lambda r=runner: r.propose(11), runner.propose_body)
+        bonus = torch.tensor(11, device=device)
+        steps[name] = (lambda r=runner: r.propose(11), lambda r=runner, b=bonus: r.propose_body(b))
         if name == "dflash":  # the context append of a round's commit, then back to the same length
             context_rows = aux(len(layers), COMMIT_TOKENS)
-            bare_append = ContextAppend(runner, COMMIT_TOKENS, context_rows)
-            bare_append.start.fill_(prompt_len)
-            bare_append.aux.copy_(context_rows)
+            bare_append = runner.append_step(COMMIT_TOKENS)
+            append_inputs = SimpleNamespace(start=torch.tensor(prompt_len, device=device),
+                                            rows=torch.tensor(COMMIT_TOKENS, device=device), aux=context_rows.clone())
 
             def dflash_commit(r=runner, rows=context_rows):
                 r.extend(rows)
                 r.cache.crop(prompt_len)
 
-            steps["dflash_commit"] = (dflash_commit, lambda r=runner, b=bare_append: b.body(r))
+            steps["dflash_commit"] = (dflash_commit, lambda b=bare_append, x=append_inputs: b.body(x))
     peagle = PEagleRunner(placed(PEagleDraft(peagle_config_from_target(cfg, min(32000, vocab), AUX[shape],
                                                                         num_hidden_layers=2, num_depths=CHAIN,
                                                                         mask_token_id=mask_id))), graphs=graphs)
@@ -388,8 +388,8 @@ def draft_steps(shape: str, model, prompt_len: int, graphs: bool) -> dict:
     peagle.read(tokens, aux(3))
     peagle.forward(CHAIN)
     row = aux(3, 1)
-    inputs = RoundInputs(torch.tensor([5] + [mask_id] * (CHAIN - 1), device=device), row,
-                         torch.tensor(peagle.length, device=device))
+    inputs = SimpleNamespace(ids=torch.tensor([5] + [mask_id] * (CHAIN - 1), device=device), aux=row,
+                             start=torch.tensor(peagle.length, device=device))
 
     def peagle_step():
         peagle.read([5], row)

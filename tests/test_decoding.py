@@ -145,14 +145,14 @@ def test_graph_replayed_steps_equal_eager_ones(dtype, device):
 @pytest.mark.parametrize("device", GRAPH_DEVICES)
 @pytest.mark.parametrize("prompt_len", [1, 5, 16, 37, 100])
 def test_a_padded_prefill_hides_its_pad(prompt_len, device):
-    """A captured prefill pads the prompt to its bucket (decoding/target.py prefill_bucket): the
+    """A captured prefill pads the prompt to its bucket (decoding/steps.py prompt_bucket): the
     prompt's rows and every later step equal the eager runner's within rounding, so no pad row is
     seen by the prompt (the causal pattern) or by a later step (its columns lie past the committed
     length). Not bit-equal: the padded matrix products have more rows, and a GEMM may block and
     round a row differently by the row count. fp32: each dot product of n <= 128 terms moves by at
     most ~n * 2^-24 relative, over 2 layers and the lm_head well under TOL's 1e-5, while a pad key
     seen by a real row moves its logits by ~1e-1."""
-    from specfoundry.decoding.target import prefill_bucket
+    from specfoundry.decoding.steps import prompt_bucket
 
     model = gqa_model("mixed").to(device)
     target = Target.wrap(model)
@@ -169,7 +169,7 @@ def test_a_padded_prefill_hides_its_pad(prompt_len, device):
         logits, aux, _ = runner.forward([1, 2, 3, 4])
         got.append((logits.clone(), aux.clone()))
         outs[name] = got
-    assert list(graphed.prefills) == [prefill_bucket(prompt_len)] and not eager.prefills
+    assert list(graphed.prefills) == [prompt_bucket(prompt_len)] and not eager.prefills
     assert outs["graphed"][0][0].shape[0] == prompt_len  # the pad rows' logits are dropped
     for (a_logits, a_aux), (b_logits, b_aux) in zip(outs["eager"], outs["graphed"], strict=True):
         torch.testing.assert_close(b_logits, a_logits, **TOL)
@@ -177,14 +177,14 @@ def test_a_padded_prefill_hides_its_pad(prompt_len, device):
 
 
 def test_prefill_buckets_and_the_eager_prefill_past_them(monkeypatch):
-    """Buckets are powers of two from PREFILL_MIN_BUCKET; a prompt longer than PREFILL_GRAPH_MAX, a
+    """Buckets are powers of two from PROMPT_MIN_BUCKET; a prompt longer than PROMPT_GRAPH_MAX, a
     prefill that wants the final states, or one after committed text is not a padded prefill."""
     import specfoundry.decoding.target as target_module
-    from specfoundry.decoding.target import PREFILL_MIN_BUCKET, prefill_bucket
+    from specfoundry.decoding.steps import PROMPT_MIN_BUCKET, prompt_bucket
 
-    assert [prefill_bucket(n) for n in (1, PREFILL_MIN_BUCKET, PREFILL_MIN_BUCKET + 1, 100, 128, 129)] == \
-        [PREFILL_MIN_BUCKET, PREFILL_MIN_BUCKET, 2 * PREFILL_MIN_BUCKET, 128, 128, 256]
-    monkeypatch.setattr(target_module, "PREFILL_GRAPH_MAX", 32)
+    assert [prompt_bucket(n) for n in (1, PROMPT_MIN_BUCKET, PROMPT_MIN_BUCKET + 1, 100, 128, 129)] == \
+        [PROMPT_MIN_BUCKET, PROMPT_MIN_BUCKET, 2 * PROMPT_MIN_BUCKET, 128, 128, 256]
+    monkeypatch.setattr(target_module, "PROMPT_GRAPH_MAX", 32)
     runner = TargetRunner(Target.wrap(gqa_model("full")), [0], graphs=True)
     runner.reset(128)
     runner.forward(list(range(3, 36)))  # 33 tokens: eager
@@ -199,7 +199,9 @@ def test_prefill_buckets_and_the_eager_prefill_past_them(monkeypatch):
 @pytest.mark.parametrize("device", GRAPH_DEVICES)
 def test_a_graph_replayed_greedy_chain_equals_the_eager_one(device):
     """EAGLE-3's greedy chain of k proposals as one captured graph and as eager steps over the same
-    committed state: the same proposals and logits, round after round, and the same decode."""
+    committed state: the same proposals and logits, round after round, and the same decode. The
+    prompt holds 16 tokens, a bucket's size: the captured read of it is unpadded, so the two starts
+    are the same products (a padded one has more rows, which a GEMM may round differently)."""
     from specfoundry.families.eagle3.chain import DraftRunner, speculative_generate
     from tests.test_eval import tiny_pair
 
@@ -211,8 +213,8 @@ def test_a_graph_replayed_greedy_chain_equals_the_eager_one(device):
         runner = DraftRunner(draft, graphs=graphs)
         runner.reset(64)
         target.reset(64)
-        logits, aux, _ = target.forward(list(range(1, 12)))
-        runner.extend(list(range(2, 12)) + [int(logits[-1].argmax())], aux)
+        logits, aux, _ = target.forward(list(range(1, 17)))
+        runner.extend(list(range(2, 17)) + [int(logits[-1].argmax())], aux)
         got = []
         for _ in range(3):  # captured at the first, replayed after
             tokens, rows = runner.propose(4, None, greedy=True)
@@ -249,8 +251,8 @@ def test_a_compiled_greedy_chain_equals_the_eager_one(device):
         runner = DraftRunner(draft, graphs=True, compiled=compiled)
         runner.reset(64)
         target.reset(64)
-        logits, aux, _ = target.forward(list(range(1, 12)))
-        runner.extend(list(range(2, 12)) + [int(logits[-1].argmax())], aux)
+        logits, aux, _ = target.forward(list(range(1, 17)))
+        runner.extend(list(range(2, 17)) + [int(logits[-1].argmax())], aux)
         got = []
         for token in (7, 9):  # captured at the first, replayed after a commit
             tokens, rows = runner.propose(4, None, greedy=True)
@@ -259,7 +261,7 @@ def test_a_compiled_greedy_chain_equals_the_eager_one(device):
         out = speculative_generate(target, runner, list(range(1, 12)), k=4, max_new_tokens=20, eos=set(),
                                    sampler=Sampler())
         runs[compiled] = (got, out.tokens)
-        assert (runner.compiled_chain is not None) == compiled
+        assert runner.chains.compiled == compiled
     assert runs[True][1] == runs[False][1]
     for (a_tokens, a_rows), (b_tokens, b_rows) in zip(runs[False][0], runs[True][0], strict=True):
         assert a_tokens == b_tokens
@@ -309,7 +311,7 @@ def test_a_compiled_block_proposal_equals_the_eager_one(family, device):
             rounds.append((drafts.tolist(), logits.clone()))
             runner.extend(aux[11 + 2 * r: 13 + 2 * r])
         got[compiled] = rounds
-        assert (runner.compiled_body is not None) == compiled
+        assert runner.proposals.compiled == compiled
     for (a_drafts, a_logits), (b_drafts, b_logits) in zip(got[False], got[True], strict=True):
         assert a_drafts == b_drafts
         assert_close_scaled(b_logits, a_logits, 1e-5, rows=True)
@@ -334,7 +336,8 @@ def test_a_graph_replayed_commit_equals_the_eager_one(device):
     for graphs in (False, True):
         runner = DraftRunner(draft, graphs=graphs)
         runner.reset(64)
-        runner.extend(list(range(2, 12)), torch.randn(10, width, generator=torch.Generator().manual_seed(4)).to(device))
+        # 16 tokens, a bucket's size: the captured read of the prompt is unpadded, the same products
+        runner.extend(list(range(2, 18)), torch.randn(16, width, generator=torch.Generator().manual_seed(4)).to(device))
         got = []
         for tokens, aux in commits:
             runner.propose(3, None, greedy=True)  # written past the committed text, then forgotten
@@ -343,7 +346,7 @@ def test_a_graph_replayed_commit_equals_the_eager_one(device):
             got.append((logits, runner.pre.clone(), runner.logits.clone(), int(runner.base), len(runner),
                         proposals.tolist()))
         runs[graphs] = got
-        assert bool(runner.extends) == graphs
+        assert bool(runner.extends.captured) == graphs
     for eager, graphed in zip(runs[False], runs[True], strict=True):
         for a, b in zip(eager, graphed, strict=True):
             if isinstance(a, torch.Tensor):
@@ -384,10 +387,11 @@ def test_a_graph_replayed_tree_expansion_equals_the_eager_one(device):
 
 @pytest.mark.parametrize("device", GRAPH_DEVICES)
 def test_the_tree_decoders_warm_up_meets_every_verify_width(device):
-    """sf-eval's warm-up of a tree decoder (Eagle3Decoder.warm_up) captures the target's verify at
+    """A tree decoder's step_keys, warmed as sf-eval's warm-up does, capture the target's verify at
     every width a round may use (p pending tokens and the nodes, p = 1..depth + 1), so that later
     tree decodes capture (or compile) nothing; and it leaves no trace: their tokens are the
     target's own greedy tokens."""
+    from specfoundry.decoding.steps import warm_steps
     from specfoundry.families.eagle3.chain import DraftRunner
     from specfoundry.families.eagle3.decode import Eagle3Decoder
     from specfoundry.families.eagle3.tree import TreeShape, tree_generate, verify_widths
@@ -401,8 +405,10 @@ def test_the_tree_decoders_warm_up_meets_every_verify_width(device):
     branching = (3, 2, 1)
     widths = verify_widths(TreeShape.of(branching, vocab=5))
     assert widths == [p + 3 + 6 + 6 for p in (1, 2, 3, 4)]  # pending, then the nodes of depths 1-3
-    Eagle3Decoder(runner, k=3, tree=branching).warm_up(target, [1, 2, 3], max_new_tokens=30, eos=set(),
-                                                       sampler=Sampler())
+    decoder = Eagle3Decoder(runner, k=3, tree=branching)
+    decoder.reserve(40)
+    target.reset(40 + len(branching) + 1 + len(TreeShape.of(branching, vocab=5)))
+    warm_steps(decoder.step_keys(target, [len(p) for p in prompts]))
     assert set(widths) <= set(target.steps)
     met = set(target.steps)
     for prompt, tokens in zip(prompts, expected, strict=True):
@@ -425,15 +431,15 @@ def test_a_graph_replayed_block_proposal_equals_the_eager_one(device):
     for graphs in (False, True):
         runner = BlockDraftRunner(draft, head, graphs=graphs)
         runner.reset(64)
-        runner.extend(aux[:11])
-        rounds, at = [], 11
+        runner.extend(aux[:16])  # a bucket's size: the captured read is unpadded, the same products
+        rounds, at = [], 16
         for r, taken in enumerate((2, 1, 3, 2, 1)):  # accepted positions a round: a captured append each count
             drafts, logits = runner.propose(7 + r)
             rounds.append((drafts.tolist(), logits.clone(), len(runner), int(runner.cache.start)))
             runner.extend(aux[at: at + taken])
             at += taken
         got[graphs] = rounds
-    assert (runner.proposal is not None) and sorted(runner.appends) == [1, 2, 3]
+    assert list(runner.proposals) == [None] and sorted(runner.appends) == [1, 2, 3, 16]  # 16: the prompt's
     for (a_drafts, a_logits, *a_lengths), (b_drafts, b_logits, *b_lengths) in zip(got[False], got[True], strict=True):
         assert a_drafts == b_drafts and a_lengths == b_lengths
         torch.testing.assert_close(b_logits, a_logits, rtol=0, atol=0)
@@ -462,7 +468,7 @@ def test_a_graph_replayed_peagle_round_equals_the_eager_one(device):
             at += n
             rows.append([t.clone() for t in runner.round(4)])
         got[graphs] = rows
-    assert runner.calls
+    assert len(runner.rounds)
     for (a_logits, a_drafts), (b_logits, b_drafts) in zip(got[False], got[True], strict=True):
         torch.testing.assert_close(b_logits, a_logits, rtol=0, atol=0)
         assert torch.equal(b_drafts, a_drafts) and torch.equal(a_drafts, runner.draft_to_target[a_logits.argmax(-1)])
@@ -537,7 +543,7 @@ def test_compiled_steps_equal_eager_ones(device):
             got.append(tuple(t.clone() for t in step[:2]))
             runner.crop(cached + 1)
         outs[name] = got
-    assert compiled.compiled_body is not None and compiled.steps
+    assert compiled.steps.compiled and compiled.steps.captured
     for (a_logits, a_aux), (b_logits, b_aux) in zip(outs["eager"], outs["compiled"], strict=True):
         assert_close_scaled(b_logits, a_logits, 1e-5, rows=True)
         assert_close_scaled(b_aux, a_aux, 1e-5, rows=True)

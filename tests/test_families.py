@@ -330,6 +330,16 @@ def test_every_registered_family_decodes_the_targets_greedy_tokens_through_the_c
     assert shapes >= 1
 
 
+def graphs_on(runner) -> None:
+    """A draft runner built off a GPU, made to capture its steps (their CPU stand-in) as on a GPU."""
+    from specfoundry.decoding.steps import CapturedSteps
+
+    runner.graphs = True
+    for steps in vars(runner).values():
+        if isinstance(steps, CapturedSteps):
+            steps.graphs = True
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("name", FAMILIES.names())
 def test_every_registered_familys_preparation_leaves_no_capture_to_a_timed_decode(name, device, tiny_llama_dir,
@@ -376,7 +386,7 @@ def test_every_registered_familys_preparation_leaves_no_capture_to_a_timed_decod
             continue
         armed[0] = False
         decoder = family.decoder(draft, target, k=k, tree=tree)
-        decoder.runner.graphs = True
+        graphs_on(decoder.runner)
         runner = TargetRunner(target, list(dcfg.target_layers), graphs=True)
         # with the target alone beside it (baseline), whose greedy tokens the draft's must equal
         cfg = evaluate.EvalConfig(draft="draft", k=k, tree=tree, max_new_tokens=12, baseline=True, device=device)
@@ -385,8 +395,8 @@ def test_every_registered_familys_preparation_leaves_no_capture_to_a_timed_decod
         assert armed[0] and built_after_warm_up == [], (name, tree, len(built_after_warm_up))
         assert [entry["trained"]["identical_to_target"] for entry in out.values()] == ["1/1", "1/1"], (name, tree)
         r = decoder.runner
-        committed = (set(r.extends) if hasattr(r, "extends") else set(r.appends) if hasattr(r, "appends")
-                     else {n for n, _ in r.calls})
+        committed = (set(r.extends.captured) if hasattr(r, "extends") else set(r.appends.captured)
+                     if hasattr(r, "appends") else {n for n, _ in r.rounds.captured})
         assert set(range(1, (len(tree) if tree else k) + 2)) <= committed, (name, tree, sorted(committed))
 
 

@@ -282,7 +282,7 @@ def test_graph_replayed_decode_steps_write_what_eager_steps_write(temperature, d
 
         def done(tag, ids, results=results, engine=engine):
             results[tag] = ids
-            results["captured"] = bool(engine.step_graphs)  # (run releases them when it ends)
+            results["captured"] = bool(engine.decode_steps.captured)  # (run releases them when it ends)
             return [(ids[:5] + [tag], 7, tag + 100)] if tag < 100 else []  # a follow-up request
 
         engine.run([(p, i, i) for i, p in enumerate(prompts(6, seed=2))], done)
@@ -306,7 +306,7 @@ def test_a_finished_run_frees_its_cache_without_the_cycle_collector():
     def done(tag, ids):
         current = running[0]
         seen.setdefault("keys", weakref.ref(current.cache.keys[0]))  # [slots, kv_heads, capacity, head_dim]
-        seen["captured"] = seen.get("captured", False) or bool(current.step_graphs)
+        seen["captured"] = seen.get("captured", False) or bool(current.decode_steps.captured)
         return []
 
     gc.disable()

@@ -83,6 +83,7 @@ class CapturedCall:
         self.check_host_reads = check_host_reads  # (the CPU stand-in: the module docstring)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs = None
+        self.ready = False  # captured (on a CPU: called once)
 
     def __call__(self):
         if self.device.type != "cuda":
@@ -102,41 +103,19 @@ class CapturedCall:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.outputs = self.fn()
+        self.ready = True
 
     def checked_call(self):
         """The CPU's stand-in for capture and replay (the module docstring)."""
-        first = self.outputs is None
+        first = not self.ready
         with forbid_host_sync() if self.check_host_reads else nullcontext():
             for _ in range(self.warmup if first else 0):
                 self.fn()
             out = self.fn()
         if first:
-            self.outputs = out
+            self.outputs, self.ready = out, True
         else:
             for mine, new in zip(tree_flatten(self.outputs)[0], tree_flatten(out)[0], strict=True):
                 if isinstance(mine, torch.Tensor) and mine is not new:
                     mine.copy_(new)
         return self.outputs
-
-
-class PinnedStaging:
-    """Host buffers a captured call's inputs are copied in from, pinned on a GPU so that the copies
-    are asynchronous, and reused: `wait()` before rewriting them (their last copy must have run),
-    `sent()` once the copies from them are queued. On a CPU nothing is pinned and nothing waits."""
-
-    def __init__(self, device: torch.device):
-        self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
-        self.copied = torch.cuda.Event() if self.cuda else None
-
-    def buffer(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed host buffer (pinned on a GPU)."""
-        return torch.zeros(*shape, dtype=dtype, pin_memory=self.cuda)
-
-    def wait(self) -> None:
-        if self.copied is not None:
-            self.copied.synchronize()
-
-    def sent(self) -> None:
-        if self.copied is not None:  # on the copies' device's stream, whichever device is current
-            self.copied.record(torch.cuda.current_stream(self.device))

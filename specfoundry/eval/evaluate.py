@@ -39,7 +39,8 @@ from specfoundry.common.shards import check_output_folder
 from specfoundry.common.target import EMBEDDED_DEFAULT, Target, parameter_count, pick_device, resolve_target
 from specfoundry.decoding.rounds import DecodeResult, target_generate
 from specfoundry.decoding.sampler import Sampler
-from specfoundry.decoding.target import PREFILL_GRAPH_MAX, TargetRunner, graphs_possible, prefill_bucket
+from specfoundry.decoding.steps import warm_steps
+from specfoundry.decoding.target import TargetRunner, graphs_possible
 from specfoundry.decoding.tree import check_branching, parse_branching, shape_name, tree_nodes
 from specfoundry.families import FAMILIES
 from specfoundry.families.folders import (
@@ -325,28 +326,26 @@ def warms_up(device) -> bool:
 
 
 def warm_up(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict, eos: set[int]) -> None:
-    """One untimed decode of the first prompt, at full length, by the target alone (with
-    --baseline) and by each draft (its decoder's warm_up, which also meets the draft's steps of
-    every count of accepted drafts, and a tree's verify at every width), before any timed one. On
-    a GPU the first decode pays for kernel selection, library handles, the allocator's first
-    blocks and clocks still rising from idle, which would otherwise fall on the first set's
-    tokens/s alone. Full length: after a warm-up of a few tokens the first timed decode was still
-    slow (benchmarks/RESULTS.md, "Draft families"). Its outputs are dropped and its sampler is its own, so the timed decodes' tokens are those of a
-    run without it. Then one prompt of each other prefill bucket is prefilled (decoding/target.py
-    prefill_bucket): each bucket's graph is captured here, not inside a timed decode."""
+    """One untimed decode of the first prompt, at full length, by the target alone (with --baseline)
+    and by each draft, before any timed one: on a GPU the first decode pays for kernel selection,
+    library handles, the allocator's first blocks and clocks still rising from idle, which would
+    otherwise fall on the first set's tokens/s alone (after a warm-up of a few tokens the first timed
+    decode was still slow). Then every captured step the decodes will meet is captured (and compiled)
+    now: the target's prompt reads of every set's prompt lengths and its one-token step, and each
+    decoder's step_keys. Its outputs are dropped and its sampler is its own, so the timed decodes'
+    tokens are those of a run without it."""
     first = next((prompts[0][1] for prompts in sets.values() if prompts), None)
     if first is None:
         return
+    lengths = sorted({len(ids) for prompts in sets.values() for _, ids in prompts})
     sampler = Sampler(cfg.temperature, torch.Generator(device=target.device).manual_seed(cfg.seed))
     if cfg.baseline:
         target_generate(target, first, max_new_tokens=cfg.max_new_tokens, eos=eos, sampler=sampler)
-    for runner in drafts.values():
-        runner.warm_up(target, first, max_new_tokens=cfg.max_new_tokens, eos=eos, sampler=sampler)
-    by_bucket = {prefill_bucket(len(ids)): ids for prompts in sets.values() for _, ids in prompts
-                 if len(ids) <= PREFILL_GRAPH_MAX}
-    for ids in by_bucket.values():
-        target.reset(len(ids))
-        target.forward(ids)
+    for decoder in drafts.values():
+        decoder.generate(target, first, max_new_tokens=cfg.max_new_tokens, eos=eos, sampler=sampler)
+    target.warm(tokens=[1] if cfg.baseline else [], prompts=lengths)
+    for decoder in drafts.values():
+        warm_steps(decoder.step_keys(target, lengths))
 
 
 def decode_sets(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict, eos: set[int],

@@ -90,12 +90,9 @@ MASK64 = (1 << 64) - 1
 
 
 class Decoder:
-    """What DraftFamily.decoder returns: `generate`, one sequence's speculative decode; `reserve` and
-    `warm_up`, its part of sf-eval's untimed preparation (eval/evaluate.py decode_sets, warm_up).
-
-    On a GPU a draft's steps are captured graphs (and compiled under --compile-draft), one per step
-    shape, each captured at its first use; a draft cache that grows drops them all. sf-eval times
-    decodes, so every shape must be met, and the cache sized, before the first timed one."""
+    """What DraftFamily.decoder returns: `generate`, one sequence's speculative decode, and what sf-eval's
+    untimed preparation needs of it: `reserve`, room for the longest decode, and `step_keys`, every
+    step a decode meets (the decoding core captures each before the first timed decode)."""
 
     def generate(self, target, prompt: list[int], *, max_new_tokens: int, eos: set[int], sampler):
         """(decoding/target.TargetRunner, prompt ids, ..., decoding/sampler.Sampler) -> decoding/rounds.DecodeResult."""
@@ -106,17 +103,10 @@ class Decoder:
         so that no later decode of such a length grows it."""
         raise NotImplementedError
 
-    def warm_up(self, target, prompt: list[int], *, max_new_tokens: int, eos: set[int], sampler) -> None:
-        """One decode of `prompt`, its outputs dropped, then warm_steps: together they meet every
-        step shape of the draft. A decoder whose target steps vary too (a tree's verify widths)
-        extends it."""
-        self.generate(target, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler)
-        self.warm_steps()
-
-    def warm_steps(self) -> None:
-        """Meet now the draft's step shapes that one decode need not: those that depend on how many
-        drafts a round accepts (the commit of a + 1 tokens, one captured step per count), which an
-        untrained or unlucky draft may not reach in a decode. Leaves no trace in the next decode."""
+    def step_keys(self, target, prompts: list[int]) -> list:
+        """[(decoding/steps.CapturedSteps, key)]: every step the decodes of prompts of these lengths
+        may meet, the draft's and the target's verify (`target`: the decoding/target.TargetRunner),
+        including those one decode need not reach (the commit of every count of accepted drafts)."""
         raise NotImplementedError
 
 
@@ -234,7 +224,7 @@ class DraftFamily:
     DSpark and Domino block proposals (P-EAGLE's round is not compiled: one shape per pending-row count)."""
 
     def decoder(self, draft, target, *, k: int, tree: tuple[int, ...] | None, compiled: bool = False):
-        """The draft's Decoder for sf-eval (generate, reserve, warm_up). `target`: common/target.Target. `compiled`:
+        """The draft's Decoder for sf-eval (generate, reserve, step_keys). `target`: common/target.Target. `compiled`:
         its captured proposal through torch.compile (sf-eval --compile-draft); a family that does
         not offer it raises ValueError (one line)."""
         raise NotImplementedError

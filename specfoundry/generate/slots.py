@@ -42,7 +42,7 @@ import torch
 
 from specfoundry.common.target import Target, mask_layout
 from specfoundry.decoding.attention import ONE_QUERY_FOLDED_ATTENTION, folded_attention
-from specfoundry.decoding.graphs import CapturedCall
+from specfoundry.decoding.steps import CapturedSteps, Step
 from specfoundry.decoding.target import graphs_possible
 from specfoundry.generate.backend import SamplingConfig
 from specfoundry.generate.sampling import next_tokens
@@ -163,10 +163,9 @@ class SlotEngine:
         decoding/target.py graphs_possible)."""
         self.target, self.model, self.slots, self.sampling = target, target.model, slots, sampling
         self.graphs = graphs_possible(target) if graphs is None else graphs
-        self.step_graphs: dict[int, CapturedCall] = {}  # window -> the captured decode step
-        self.warmed: set[int] = set()  # windows whose step ran once eagerly
         self.max_new = sampling.max_new_tokens
         self.device = target.input_device
+        self.decode_steps: CapturedSteps | None = None  # made with the state they read (allocate)
         assert supported(self.model), "the slot engine cannot drive this model (see supported())"
         config = target.config
         self.additive = config._attn_implementation == "eager"  # eager adds its mask to the scores
@@ -181,8 +180,9 @@ class SlotEngine:
 
     def allocate(self, capacity: int) -> None:
         self.check_memory(self.slots, capacity)
-        self.step_graphs.clear()  # they read the state tensors made here
-        self.warmed.clear()
+        # by attended window; a step advances the slots' state, so it is captured at its second call
+        self.decode_steps = CapturedSteps(self.device, lambda window: Step(lambda x: self.decode_step(window)),
+                                          graphs=self.graphs, idempotent=False)
         self.cache = SlotCache(self.slots, capacity)
         s, dev = self.slots, self.device
         self.start = torch.zeros(s, dtype=torch.long, device=dev)  # first column of the slot's prompt
@@ -216,8 +216,7 @@ class SlotEngine:
         if need > self.cache.capacity:
             self.check_memory(self.slots, need)
             self.cache.grow(need)
-            self.step_graphs.clear()  # they read the old cache
-            self.warmed.clear()
+            self.decode_steps.drop()  # they read the old cache
 
     # ---- masks ----------------------------------------------------------------------------
 
@@ -276,16 +275,7 @@ class SlotEngine:
         slots attend over the first `window` columns, the held slots' furthest end rounded up: on a
         GPU one captured graph per window replays the step (decode_step), no host work but the launch."""
         window = min(self.cache.capacity, round_up(self.horizon + 1, COLUMN_ROUND))
-        call = self.step_graphs.get(window)
-        if call is not None:
-            call()
-        elif self.graphs and window in self.warmed:  # captured without a warm-up: a step is no idempotent call
-            self.step_graphs[window] = CapturedCall(lambda: self.decode_step(window), self.device,
-                                                    warmup=0)
-            self.step_graphs[window]()
-        else:  # a window's first step runs eagerly: its kernels' first-call work stays out of the graph
-            self.warmed.add(window)
-            self.decode_step(window)
+        self.decode_steps(window)
         self.steps += 1
         self.horizon += 1
 
@@ -359,8 +349,7 @@ class SlotEngine:
         to run: sf-regen makes an engine per group of shards, and the stale caches of earlier groups
         filled a GPU at the SmolLM2 recipe's 2,048 slots (benchmarks/RESULTS.md, "Regen and
         capture")."""
-        self.step_graphs.clear()
-        self.warmed.clear()
+        self.decode_steps = None
         self.cache = None
 
     def refill(self, queue: list[Waiting], free: list[int]) -> None:

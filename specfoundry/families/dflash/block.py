@@ -27,56 +27,25 @@ from __future__ import annotations
 import torch
 
 from specfoundry.decoding.accept import accept_point_mass
-from specfoundry.decoding.graphs import CapturedCall, PinnedStaging, compiled_step
 from specfoundry.decoding.rounds import DecodeResult, decode_rounds
 from specfoundry.decoding.sampler import Sampler
+from specfoundry.decoding.steps import PROMPT_GRAPH_MAX, CapturedSteps, Step, prompt_bucket, prompt_buckets
 from specfoundry.decoding.target import TargetRunner
 from specfoundry.families.dflash.model import DFlashCache, DFlashDraft
 
 APPEND_GRAPH_MAX = 64
-"""The most positions a captured context append (BlockDraftRunner.extend after the prompt) takes: a
-round commits a + 1 <= B of them, one graph per count. A longer one (the prompt) runs eagerly."""
-
-
-class ContextAppend:
-    """BlockDraftRunner.extend of T positions after the committed context, captured: the start staged
-    from pinned memory, the features aux [T, K*H] copied on the device. Idempotent, as a captured
-    call must be (decoding/graphs.py): it writes columns start..start+T-1 of every layer's cache
-    and sets the cache's device `start` to start + T from its inputs, never by adding."""
-
-    def __init__(self, runner: BlockDraftRunner, tokens: int, aux: torch.Tensor):
-        device = runner.device
-        self.tokens = tokens
-        self.staging = PinnedStaging(device)
-        self.host = self.staging.buffer(1, dtype=torch.int64)  # start
-        self.start = torch.zeros(1, dtype=torch.int64, device=device)
-        # [T, K*H] in the draft's dtype: the copy in converts as the eager extend's .to(dtype) does
-        self.aux = torch.zeros(tokens, aux.shape[-1], dtype=runner.draft.fc.weight.dtype, device=device)
-        self.offsets = torch.arange(tokens, device=device)  # [T]
-        self.call = CapturedCall(lambda: self.body(runner), device)
-
-    def body(self, runner: BlockDraftRunner) -> torch.Tensor:
-        draft, cache = runner.draft, runner.cache
-        context = draft.project_context(self.aux[None])  # [1, T, H]
-        cache.write_context(draft, context, self.start + self.offsets)  # positions [T]
-        cache.start.copy_(self.start[0] + self.tokens)
-        return cache.start  # (an output, as CapturedCall's CPU stand-in expects one)
-
-    def __call__(self, start: int, aux: torch.Tensor) -> None:
-        self.staging.wait()  # the last copy from the host buffer has run
-        self.host[0] = start
-        self.start.copy_(self.host, non_blocking=True)
-        self.staging.sent()
-        self.aux.copy_(aux)
-        self.call()
+"""The most positions a captured context append (BlockDraftRunner.extend after committed context)
+takes: a round commits a + 1 <= B of them, one key per count. The prompt's append is captured in
+its bucket (decoding/steps.py prompt_bucket); anything else runs eagerly."""
 
 
 class BlockDraftRunner:
     """The DFlash draft with its context cache, and the target's lm_head its block_logits read.
 
     A proposal (propose_body: the block forward and its proposals, on the device alone; a family on
-    DFlash's backbone overrides it with its sequential head) is captured once as a CUDA graph on a
-    GPU and replayed; it reads the bonus token and the committed length from device buffers."""
+    DFlash's backbone overrides it with its sequential head) is one captured step (decoding/steps.py),
+    `compiled` through torch.compile; it reads the bonus token (its input) and the committed length
+    (the cache's device `start`)."""
 
     def __init__(self, draft: DFlashDraft, lm_head: torch.Tensor, *, graphs: bool | None = None,
                  compiled: bool = False):
@@ -86,89 +55,101 @@ class BlockDraftRunner:
         self.block_size = draft.cfg.block_size
         self.mask_token_id = draft.cfg.mask_token_id
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
-        self.bonus = torch.zeros((), dtype=torch.long, device=self.device)  # the block's first token
         self.slots = torch.arange(self.block_size, device=self.device)
         self.cache = DFlashCache()
         self.cache.on(self.device)
-        self.proposal: CapturedCall | None = None
-        self.appends: dict[int, ContextAppend] = {}  # positions -> the captured context append
-        self.compiled = compiled  # the captured proposal's body through torch.compile (proposal_body)
-        self.compiled_body = compiled_step(self.propose_body) if compiled else None
+        self.proposals = CapturedSteps(self.device, self.proposal_step, graphs=self.graphs, compiled=compiled)
+        self.appends = CapturedSteps(self.device, self.append_step, graphs=self.graphs)  # by position count
 
     def reset(self, reserve: int = 0) -> None:
         """A new sequence (its cache reused, grown to `reserve` columns where needed)."""
         self.cache.crop(0)
         if self.cache.reserve(reserve + self.block_size):
-            self.proposal = None  # it read the old cache
-            self.appends.clear()
+            self.drop()
 
     def __len__(self) -> int:
         return len(self.cache)
 
-    @torch.inference_mode()
-    def extend(self, aux: torch.Tensor) -> None:
-        """Take the target's features aux [T, K*H] of the next T positions as context. After the
-        prompt, at most APPEND_GRAPH_MAX positions run as a captured step (ContextAppend) on a GPU: a
-        round's commit, some dozens of eager kernels a draft layer otherwise."""
-        count = aux.shape[0]
-        if self.cache.reserve(len(self.cache) + count + self.block_size):
-            self.proposal = None
-            self.appends.clear()
-        if self.graphs and len(self.cache) > 0 and 0 < count <= APPEND_GRAPH_MAX:
-            self.cache.on(self.device)
-            step = self.appends.get(count)
-            if step is None:
-                step = self.appends[count] = ContextAppend(self, count, aux)
-            step(len(self.cache), aux)
-            self.cache.length += count  # (its device `start` the step set)
-            return
-        dtype = self.draft.fc.weight.dtype
-        context = self.draft.project_context(aux.to(dtype)[None])  # [1, T, H]
-        self.cache.append_context(self.draft, context)
+    def drop(self) -> None:
+        self.proposals.drop()  # they read the old cache
+        self.appends.drop()
 
     @torch.inference_mode()
-    def warm_commits(self, most: int) -> None:
-        """Capture the context append (ContextAppend) of every count 1..most now, each after the same
-        one-position scratch context (its columns 1..count), which the next reset forgets. A count is
-        first met when a round accepts count - 1 proposals, which one decode need not reach."""
-        if not self.graphs:
+    def extend(self, aux: torch.Tensor) -> None:
+        """Take the target's features aux [T, K*H] of the next T positions as context. A round's commit
+        (at most APPEND_GRAPH_MAX positions after committed context) is a captured step, and so is the
+        prompt's append on a GPU, in its bucket."""
+        count = aux.shape[0]
+        length = len(self.cache)
+        if length > 0 and 0 < count <= APPEND_GRAPH_MAX:
+            key = count
+        elif self.graphs and length == 0 and 0 < count <= PROMPT_GRAPH_MAX:
+            key = prompt_bucket(count)
+        else:
+            key = None
+        # the bucket's pad columns, and the next block's scratch columns after the committed ones
+        if self.cache.reserve(length + max(key or count, count + self.block_size)):
+            self.drop()
+        if key is None:
+            dtype = self.draft.fc.weight.dtype
+            self.cache.append_context(self.draft, self.draft.project_context(aux.to(dtype)[None]))  # [1, T, H]
             return
-        aux = torch.zeros(most, self.draft.fc.in_features, device=self.device)  # [most, K*H] any features
-        self.reset()
-        self.extend(aux[:1])  # the scratch position (eager: an append after context is captured)
-        for count in range(1, min(most, APPEND_GRAPH_MAX) + 1):
-            self.cache.crop(1)
-            self.extend(aux[:count])
-        self.reset()
+        self.appends(key, start=length, rows=count, aux=aux)
+        self.cache.length += count  # (its device `start` the step set)
+
+    def append_step(self, positions: int) -> Step:
+        """extend of T positions after `start` committed ones, of which the first `rows` are real (a
+        prompt's bucket: the rest are pad rows, whose columns come after the committed ones): start,
+        rows [] int64, aux [T, K*H] in the draft's dtype. Idempotent: it writes columns
+        start..start+T-1 of every layer and sets the cache's device `start` to start + rows from its
+        inputs, never by adding."""
+        offsets = torch.arange(positions, device=self.device)  # [T]
+
+        def body(x):
+            context = self.draft.project_context(x.aux[None])  # [1, T, H]
+            self.cache.write_context(self.draft, context, x.start + offsets)  # positions [T]
+            self.cache.start.copy_(x.start + x.rows)
+            return self.cache.start  # (an output, as the CPU stand-in of a capture expects one)
+
+        inputs = dict(start=torch.tensor(0), rows=torch.tensor(positions),
+                      aux=torch.zeros(positions, self.draft.fc.in_features, dtype=self.draft.fc.weight.dtype))
+        return Step(body, inputs)
+
+    @property
+    def proposal_count(self) -> int:
+        """Proposals a round: the block's slots after the bonus."""
+        return self.block_size - 1
+
+    def step_keys(self, prompts: list[int]) -> list[tuple[CapturedSteps, object]]:
+        """The proposal, the append of every count a round may commit (a + 1 for a accepted proposals:
+        a block proposes block_size - 1, DSpark's block_size, so counts 1..block_size + 1 serve all),
+        and the prompt's append in the buckets of these prompt lengths."""
+        keys = [(self.proposals, None)]
+        keys += [(self.appends, n) for n in range(1, min(self.block_size + 1, APPEND_GRAPH_MAX) + 1)]
+        return keys + ([(self.appends, b) for b in prompt_buckets(prompts)] if self.graphs else [])
 
     @torch.inference_mode()
     def propose(self, bonus: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's proposals after `bonus` (greedy, target ids on the device: the host reads them
         with the acceptance decision) and their logits [proposals, V]."""
-        self.bonus.fill_(bonus)
-        if not self.graphs:
-            return self.propose_body()
-        if self.proposal is None:
-            self.proposal = CapturedCall(self.proposal_body, self.device,
-                                         check_host_reads=not self.compiled)  # (graphs.py: compiled code)
-        return self.proposal()
+        return self.proposals(None, bonus=bonus)
 
-    def proposal_body(self):
-        """The captured proposal's body: propose_body as it is, or through torch.compile (`compiled`:
-        decoding/graphs.py compiled_step). The block forward is some dozens of small kernels a draft
-        layer, which inductor fuses."""
-        return self.compiled_body() if self.compiled else self.propose_body()
+    def proposal_step(self, key: None) -> Step:
+        """The proposal (propose_body) reading the bonus token from its input; through torch.compile
+        under `compiled`: the block forward is some dozens of small kernels a draft layer, which
+        inductor fuses."""
+        return Step(lambda x: self.propose_body(x.bonus), dict(bonus=torch.tensor(0)))
 
-    def block_states(self) -> torch.Tensor:
+    def block_states(self, bonus: torch.Tensor) -> torch.Tensor:
         """The block [bonus, M, ..., M] at the next B positions after the committed context: its
         final-normed states [B, H] (the cache's committed part unchanged)."""
-        ids = torch.where(self.slots == 0, self.bonus, self.mask_token_id)[None]  # [1, B]
+        ids = torch.where(self.slots == 0, bonus, self.mask_token_id)[None]  # [1, B]
         positions = (self.cache.start + self.slots)[None]  # [1, B]
         return self.draft.decode_block(ids, positions, self.cache)[0]
 
-    def propose_body(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose_body(self, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """DFlash's proposals: slot j (1 <= j < B) proposes the argmax of the draft's logits there."""
-        logits = self.draft.block_logits(self.block_states()[1:], self.lm_head).float()  # [B-1, V], the draft's own
+        logits = self.draft.block_logits(self.block_states(bonus)[1:], self.lm_head).float()  # [B-1, V], the draft's own
         return logits.argmax(-1), logits
 
 

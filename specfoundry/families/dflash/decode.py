@@ -35,10 +35,10 @@ class BlockDecoder(Decoder):
         # a block past the text: the last round's commit may run over max_new_tokens by up to a block
         self.runner.reset(tokens + self.runner.block_size)
 
-    def warm_steps(self) -> None:
-        """The context append of every count a round may commit, a + 1 for a accepted proposals: a
-        block proposes block_size - 1 (DSpark's block_size), so counts 1..block_size + 1 serve all."""
-        self.runner.warm_commits(self.runner.block_size + 1)
+    def step_keys(self, target: TargetRunner, prompts: list[int]) -> list:
+        """The draft's proposal and appends (BlockDraftRunner.step_keys), and the target's verify of
+        the bonus and the block's proposals."""
+        return self.runner.step_keys(prompts) + [(target.steps, self.runner.proposal_count + 1)]
 
 
 DFlashDecoder = BlockDecoder

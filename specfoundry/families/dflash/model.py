@@ -102,7 +102,7 @@ class DFlashCache:
 
     def write_context(self, model: DFlashDraft, context_hidden: torch.Tensor, positions: torch.Tensor) -> None:
         """Every layer's context keys and values of context_hidden [1, n, H] at columns and positions
-        `positions` [n] (on the device: a captured append computes them there, block.py ContextAppend)."""
+        `positions` [n] (on the device: a captured append computes them there, block.py append_step)."""
         cos, sin = model.rope(context_hidden, positions[None])
         self.kv.columns = positions
         for i, layer in enumerate(model.layers):

@@ -20,14 +20,14 @@ from specfoundry.families.domino.model import DominoDraft
 class DominoRunner(BlockDraftRunner):
     """BlockDraftRunner whose proposals go through the sequential GRU correction."""
 
-    def propose_body(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose_body(self, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's B-1 proposals after the bonus and their final logits [B-1, V]."""
         draft: DominoDraft = self.draft
-        z = self.block_states()  # [B, H]
+        z = self.block_states(bonus)  # [B, H]
         n = self.block_size - 1
         base = draft.base_logits(z[:n], self.lm_head)  # [B-1, V]: one product for the block
         slots = self.slots[:n]
-        state = draft.gru_step(self.bonus.view(1), None)  # g_0: the GRU after e(b)
+        state = draft.gru_step(bonus.view(1), None)  # g_0: the GRU after e(b)
         # each proposal stays on the device until the block is done: no host sync per slot
         drafts, rows = [], []
         for j in range(n):

@@ -32,6 +32,10 @@ class DSparkRunner(BlockDraftRunner):
         super().__init__(draft, lm_head, graphs=graphs, compiled=compiled)
         self.confidences: list[torch.Tensor] = []  # per round, the B predicted acceptance probabilities [B]
 
+    @property
+    def proposal_count(self) -> int:
+        return self.block_size  # the bonus's slot proposes too
+
     def reset(self, reserve: int = 0) -> None:
         super().reset(reserve)
         self.confidences = []
@@ -44,12 +48,12 @@ class DSparkRunner(BlockDraftRunner):
         self.confidences.append(confidence.clone())  # [B], read after the decode
         return drafts, rows
 
-    def propose_body(self):
+    def propose_body(self, bonus: torch.Tensor):
         """(the B proposals, their logits [B, V], their predicted acceptance probabilities [B])."""
         draft: DSparkDraft = self.draft
-        z = self.block_states()  # [B, H]
+        z = self.block_states(bonus)  # [B, H]
         base = draft.base_logits(z, self.lm_head)  # [B, V]: one product for the block
-        prev = self.bonus.view(1)
+        prev = bonus.view(1)
         # each proposal stays on the device until the block is done: no host sync per slot
         drafts, rows, confidence = [], [], []
         for j in range(self.block_size):

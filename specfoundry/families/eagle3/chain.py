@@ -27,59 +27,22 @@ target's own token. The first token (from the prompt's prefill) is not part of a
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from specfoundry.decoding.accept import accept
 from specfoundry.decoding.cache import StaticKVCache, visible
-from specfoundry.decoding.graphs import CapturedCall, PinnedStaging, compiled_step
 from specfoundry.decoding.rounds import DecodeResult, decode_rounds
 from specfoundry.decoding.sampler import Sampler
+from specfoundry.decoding.steps import PROMPT_GRAPH_MAX, CapturedSteps, Step, prompt_bucket, prompt_buckets
 from specfoundry.decoding.target import COLUMN_ROUND, TargetRunner
+from specfoundry.families.eagle3.expansion import TreeShape, expand_body
 from specfoundry.families.eagle3.model import Eagle3Draft
 from specfoundry.families.vocab import draft_ids_from_d2t
 
 EXTEND_GRAPH_MAX = 16
-"""The most tokens a captured commit (DraftRunner.extend after the prompt) reads: a round commits
-a + 1 <= k + 1 of them, so one graph per count up to k + 1. A longer one (the prompt) runs eagerly."""
-
-
-class ExtendStep:
-    """DraftRunner.extend of T tokens after committed text, captured: static ids | start (staged from
-    pinned memory), aux rows [T, K*H] (copied on the device), the causal pattern. Idempotent, as a
-    captured call must be (graphs.py): it writes columns start..start+T-1 and sets `base` to
-    start + T from its inputs, never by adding to what is there."""
-
-    def __init__(self, runner: DraftRunner, tokens: int, aux: torch.Tensor):
-        device = runner.device
-        self.tokens = tokens
-        self.staging = PinnedStaging(device)
-        self.host = self.staging.buffer(tokens + 1, dtype=torch.int64)  # ids | start
-        self.staged = torch.zeros(tokens + 1, dtype=torch.int64, device=device)
-        # [T, K*H] in the draft's dtype: the copy in converts as the eager extend's .to(dtype) does
-        self.aux = torch.zeros(tokens, aux.shape[-1], dtype=runner.draft.fc.weight.dtype, device=device)
-        self.pattern = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()  # [T, T]
-        self.offsets = torch.arange(tokens, device=device)  # [T]
-        self.call = CapturedCall(lambda: self.body(runner), device)
-
-    def body(self, runner: DraftRunner) -> torch.Tensor:
-        ids, start = self.staged[: self.tokens], self.staged[self.tokens]
-        hidden = runner.draft.project(self.aux[None])  # [1, T, H]
-        at = start + self.offsets  # [T] columns and positions
-        pre, logits = runner.forward_at(ids[None], hidden, at[None], at, start, self.pattern)
-        runner.base.copy_(start + self.tokens)
-        runner.keep_newest(pre, logits)
-        return logits
-
-    def __call__(self, tokens: list[int], start: int, aux: torch.Tensor) -> torch.Tensor:
-        self.staging.wait()  # the last copy from the host buffer has run
-        self.host[: self.tokens] = torch.tensor(tokens)
-        self.host[self.tokens] = start
-        self.staged.copy_(self.host, non_blocking=True)
-        self.staging.sent()
-        self.aux.copy_(aux)
-        return self.call()
+"""The most tokens a captured commit (DraftRunner.extend after committed text) reads: a round commits
+a + 1 <= k + 1 of them, one key per count. The prompt's read is captured in its bucket
+(decoding/steps.py prompt_bucket); anything else runs eagerly."""
 
 
 class DraftRunner:
@@ -104,14 +67,12 @@ class DraftRunner:
         self.target_ids: list[int] = self.draft_to_target.tolist()  # the same on the host: no sync per lookup
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.compiled = compiled
-        self.compiled_chain = compiled_step(self.greedy_chain) if compiled else None  # (chain_body)
         self.cache: StaticKVCache | None = None
         self.length = 0  # committed columns
         self.written = 0  # columns holding entries (committed, then this round's proposals)
-        self.chains: dict[int, CapturedCall] = {}  # k -> the captured greedy chain
-        self.extends: dict[int, ExtendStep] = {}  # token count -> the captured commit (extend)
-        # branching -> the tree expansion's body (tree.py), captured on a GPU
-        self.trees: dict[tuple[int, ...], Callable[[], torch.Tensor]] = {}
+        self.chains = CapturedSteps(self.device, self.chain_step, graphs=self.graphs, compiled=compiled)  # by k
+        self.extends = CapturedSteps(self.device, self.extend_step, graphs=self.graphs)  # by token count
+        self.trees = CapturedSteps(self.device, self.tree_step, graphs=self.graphs)  # by branching (tree.py)
         h = draft.cfg.hidden_size
         self.pre = torch.zeros(1, 1, h, dtype=draft.fc.weight.dtype, device=self.device)  # next-step state
         self.logits = torch.zeros(draft.cfg.draft_vocab_size, device=self.device)  # [Vd] at the newest position
@@ -125,9 +86,8 @@ class DraftRunner:
         if self.cache is None or capacity > self.cache.capacity:
             self.cache = StaticKVCache(capacity) if self.cache is None else self.cache.grown(capacity)
             self.kv_index = torch.arange(capacity, device=self.device)  # [C]
-            self.chains.clear()
-            self.trees.clear()
-            self.extends.clear()
+            for steps in (self.chains, self.extends, self.trees):
+                steps.drop()  # they read the old cache
 
     def __len__(self) -> int:
         return self.length
@@ -174,20 +134,23 @@ class DraftRunner:
     @torch.inference_mode()
     def extend(self, tokens: list[int], aux: torch.Tensor) -> torch.Tensor:
         """Read (token t_{i+1}, aux a_i) for the next len(tokens) positions and commit them. Returns
-        all their logits [T, Vd] (the last row predicts the next token). After committed text, at
-        most EXTEND_GRAPH_MAX tokens run as a captured step (ExtendStep) on a GPU: a round's commit,
-        whose eager launches took longer than the chain of proposals."""
+        their logits [T, Vd] (the last row predicts the next token). A round's commit (at most EXTEND_GRAPH_MAX tokens after
+        committed text) is a captured step, and so is the prompt's read on a GPU, in its bucket: its
+        eager launches, and a new shape per prompt, cost more than the target's prefill."""
         self.forget_proposals()
         count = len(tokens)
-        if self.graphs and self.length > 0 and 0 < count <= EXTEND_GRAPH_MAX:
-            if self.length + count > self.cache.capacity:
-                self.reset_capacity(self.length + count)
-            step = self.extends.get(count)
-            if step is None:
-                step = self.extends[count] = ExtendStep(self, count, aux)
-            logits = step(tokens, self.length, aux)
+        if self.length > 0 and 0 < count <= EXTEND_GRAPH_MAX:
+            key = count
+        elif self.graphs and self.length == 0 and 0 < count <= PROMPT_GRAPH_MAX:
+            key = prompt_bucket(count)
+        else:
+            key = None
+        if key is not None:
+            if self.length + key > self.cache.capacity:
+                self.reset_capacity(self.length + key)
+            logits = self.extends(key, ids=tokens, start=self.length, rows=count, aux=aux)
             self.length = self.written = self.length + count
-            return logits
+            return logits[:count]  # (a view of the step's buffer: a bucket's pad rows dropped)
         dtype = self.draft.fc.weight.dtype
         hidden = self.draft.project(aux.to(dtype)[None])  # [1, T, H]
         pre, logits = self.run(tokens, hidden, list(range(self.length, self.length + len(tokens))))
@@ -196,20 +159,33 @@ class DraftRunner:
         self.keep_newest(pre, logits)
         return logits
 
-    @torch.inference_mode()
-    def warm_commits(self, most: int) -> None:
-        """Capture the commit (ExtendStep) of every count 1..most now, each after the same one-entry
-        scratch sequence (its columns 1..count), which the next reset forgets. A count is first met
-        when a round accepts count - 1 drafts, which one decode need not reach."""
-        if not self.graphs:
-            return
-        aux = torch.zeros(most, self.draft.fc.in_features, device=self.device)  # [most, K*H] any features
-        self.reset()
-        self.extend([0], aux[:1])  # the scratch entry (eager: a commit after committed text is captured)
-        for count in range(1, min(most, EXTEND_GRAPH_MAX) + 1):
-            self.crop(1)
-            self.extend([0] * count, aux[:count])
-        self.reset()
+    def extend_step(self, tokens: int) -> Step:
+        """extend of T tokens after `start` committed ones, of which the first `rows` are real (a
+        prompt's bucket: the rest are pad rows after them, which causal attention hides from them):
+        ids [T], start [], rows [] int64, aux [T, K*H] in the draft's dtype (a copy in converts as the
+        eager extend's .to(dtype) does). Idempotent, as a captured body must be: it writes columns
+        start..start+T-1 and sets `base` to start + rows from its inputs, never by adding."""
+        pattern = torch.ones(tokens, tokens, dtype=torch.bool, device=self.device).tril()  # [T, T]
+        offsets = torch.arange(tokens, device=self.device)  # [T]
+        dtype = self.draft.fc.weight.dtype
+
+        def body(x):
+            hidden = self.draft.project(x.aux[None])  # [1, T, H]
+            at = x.start + offsets  # [T] columns and positions
+            pre, logits = self.forward_at(x.ids[None], hidden, at[None], at, x.start, pattern)
+            self.base.copy_(x.start + x.rows)
+            newest = (x.rows - 1).view(1)  # [1] the last real row
+            self.keep_newest(pre.index_select(1, newest), logits.index_select(0, newest))
+            return logits
+
+        inputs = dict(ids=torch.zeros(tokens, dtype=torch.long), start=torch.tensor(0), rows=torch.tensor(tokens),
+                      aux=torch.zeros(tokens, self.draft.fc.in_features, dtype=dtype))
+        return Step(body, inputs)
+
+    def step_keys(self, most_accepted: int, prompts: list[int]) -> list[tuple[CapturedSteps, object]]:
+        """The commits of 1..most_accepted + 1 tokens and the prompt reads of these prompt lengths."""
+        commits = [(self.extends, n) for n in range(1, min(most_accepted + 1, EXTEND_GRAPH_MAX) + 1)]
+        return commits + [(self.extends, b) for b in prompt_buckets(prompts)] if self.graphs else commits
 
     @torch.inference_mode()
     def propose(self, k: int, pick, greedy: bool = False):
@@ -220,10 +196,7 @@ class DraftRunner:
         if greedy:
             if self.length + k > self.cache.capacity:
                 self.reset_capacity(self.length + k)
-            if self.graphs and k not in self.chains:
-                self.chains[k] = CapturedCall(lambda: self.chain_body(k), self.device,
-                                              check_host_reads=not self.compiled)  # (graphs.py: compiled code)
-            return self.chains[k]() if self.graphs else self.greedy_chain(k)  # [k] on the device, [k, Vd]
+            return self.chains(k)  # [k] on the device, [k, Vd]
         base = self.length
         logits, pre = self.logits, self.pre
         tokens, all_logits = [], []
@@ -238,10 +211,14 @@ class DraftRunner:
         self.forget_proposals()
         return tokens, all_logits
 
-    def chain_body(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The captured chain's body: greedy_chain as it is, or through torch.compile (`compiled`:
-        decoding/graphs.py compiled_step, one compile per k)."""
-        return self.compiled_chain(k) if self.compiled else self.greedy_chain(k)
+    def chain_step(self, k: int) -> Step:
+        """The greedy chain of k proposals (greedy_chain), from the runner's committed state alone."""
+        return Step(lambda x: self.greedy_chain(k))
+
+    def tree_step(self, branching: tuple[int, ...]) -> Step:
+        """The expansion of the tree of `branching` (expansion.py expand_body)."""
+        body = expand_body(self, TreeShape.of(branching, self.logits.shape[-1]))
+        return Step(lambda x: body())
 
     def greedy_chain(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k greedy proposals (target ids [k]) and their logits [k, Vd] from the committed state

@@ -14,7 +14,7 @@ from specfoundry.decoding.target import TargetRunner
 from specfoundry.decoding.tree import tree_nodes
 from specfoundry.families.eagle3.chain import DraftRunner, speculative_generate
 from specfoundry.families.eagle3.model import Eagle3Draft, TTTCache
-from specfoundry.families.eagle3.tree import TreeShape, tree_generate, warm_tree_verifies
+from specfoundry.families.eagle3.tree import TreeShape, tree_generate, verify_widths
 from specfoundry.families.interface import Decoder
 
 
@@ -39,18 +39,16 @@ class Eagle3Decoder(Decoder):
         # speculative_generate and tree_generate reset it)
         self.runner.reset(tokens + (tree_nodes(self.tree) if self.tree else self.k))
 
-    def warm_up(self, target: TargetRunner, prompt: list[int], *, max_new_tokens: int, eos: set[int],
-                sampler: Sampler) -> None:
-        """Decoder.warm_up, and with a tree the target's verify at every width a round may use
-        (tree.warm_tree_verifies), which one decode need not meet."""
-        super().warm_up(target, prompt, max_new_tokens=max_new_tokens, eos=eos, sampler=sampler)
-        if self.tree:
-            warm_tree_verifies(target, prompt, TreeShape.of(self.tree, self.runner.logits.shape[-1]))
-
-    def warm_steps(self) -> None:
-        """The commit of every count a round may take: a + 1 for a = 0..k (the chain) or 0..depth (the
-        tree's accepted path)."""
-        self.runner.warm_commits((len(self.tree) if self.tree else self.k) + 1)
+    def step_keys(self, target: TargetRunner, prompts: list[int]) -> list:
+        """The prompt's read, the commit of every count a round may take (a + 1 for a = 0..k, or
+        0..depth of the tree's accepted path), the chain of k or the tree's expansion, and the
+        target's verify: k + 1 tokens, or the tree's nodes after each number of pending tokens."""
+        if not self.tree:
+            return (self.runner.step_keys(self.k, prompts) + [(self.runner.chains, self.k)]
+                    + [(target.steps, self.k + 1)])
+        shape = TreeShape.of(self.tree, self.runner.logits.shape[-1])
+        return (self.runner.step_keys(len(self.tree), prompts) + [(self.runner.trees, shape.branching)]
+                + [(target.steps, width) for width in verify_widths(shape)])
 
 
 def decode_settings(k: int, tree: tuple[int, ...] | None) -> tuple[int, tuple[int, ...] | None, None]:

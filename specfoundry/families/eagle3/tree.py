@@ -26,98 +26,24 @@ and the target's choices together once a round, for the acceptance walk.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
-from specfoundry.decoding.cache import visible
-from specfoundry.decoding.graphs import CapturedCall
 from specfoundry.decoding.rounds import DecodeResult, PhaseClock, finish, read_prompt
 from specfoundry.decoding.target import TargetRunner
 from specfoundry.decoding.tree import DraftTree, accept_tree, verify_mask
 from specfoundry.families.eagle3.chain import DraftRunner
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    """A tree of one branching whatever its tokens: node parents and depths, breadth first, and the
-    node range [lo, hi) of each depth. The same every round, so the draft's expansion is one body
-    on the device (captured as a CUDA graph on a GPU, per branching) and only its tokens change."""
-
-    branching: tuple[int, ...]
-    parents: tuple[int, ...]
-    depths: tuple[int, ...]
-    levels: tuple[tuple[int, int], ...]
-
-    @classmethod
-    def of(cls, branching: tuple[int, ...], vocab: int | None = None) -> TreeShape:
-        """The tree of `branching`, each width at most `vocab` (the draft's vocabulary: no more
-        distinct children to pick)."""
-        branching = tuple(min(w, vocab) for w in branching) if vocab else tuple(branching)
-        parents, depths, levels, frontier = [], [], [], [-1]
-        for depth, width in enumerate(branching, start=1):
-            lo = len(parents)
-            for parent in frontier:
-                parents += [parent] * width
-                depths += [depth] * width
-            levels.append((lo, len(parents)))
-            frontier = list(range(lo, len(parents)))
-        return cls(branching, tuple(parents), tuple(depths), tuple(levels))
-
-    def __len__(self) -> int:
-        return len(self.parents)
-
-    def tree(self, tokens: list[int]) -> DraftTree:
-        return DraftTree(list(tokens), list(self.parents), list(self.depths))
-
-
-def expand_body(draft: DraftRunner, shape: TreeShape):
-    """The tree's draft expansion on the device alone, as a function of the draft's committed state
-    (pre, logits, base): returns target ids [N], breadth first. Depth d's nodes are the top
-    branching[d-1] draft ids of each parent's logits (parent-major, as topk orders them); all but
-    the deepest are then read in one draft forward: node n's entry at column base + n, position
-    base - 1 + d (training's step d), its parent's next-step state as hidden input, seeing the
-    committed entries and its ancestors."""
-    dev = draft.device
-    sees = shape.tree([0] * len(shape)).sees()  # [N, N] a node and its ancestors
-    static = []  # per depth read: parent rows [n_d] in the frontier, pattern [n_d, hi_d], columns [n_d]
-    for depth, (lo, hi) in enumerate(shape.levels[:-1], start=1):
-        parent_lo = shape.levels[depth - 2][0] if depth > 1 else 0
-        rows = [max(shape.parents[n], 0) - parent_lo for n in range(lo, hi)]
-        static.append((torch.tensor(rows, device=dev), sees[lo:hi, :hi].to(dev), torch.arange(lo, hi, device=dev)))
-
-    def body() -> torch.Tensor:
-        logits, pre = draft.logits[None], draft.pre  # [F, Vd] and [1, F, H] of the frontier's F parents
-        tokens = []
-        for depth, width in enumerate(shape.branching, start=1):
-            chosen = logits.topk(width, dim=-1).indices.reshape(-1)  # [n_d] draft ids
-            ids = draft.draft_to_target[chosen]  # [n_d] target ids
-            tokens.append(ids)
-            if depth == len(shape.branching):
-                break  # the deepest nodes need no draft forward of their own
-            rows, pattern, columns = static[depth - 1]
-            allowed = visible(draft.kv_index, draft.base, pattern)  # [n_d, C]
-            draft.cache.columns = draft.base + columns
-            positions = (draft.base + (depth - 1)).expand(1, ids.shape[0])  # [1, n_d]
-            pre, normed = draft.draft.decode_forward(ids[None], pre[:, rows], positions, draft.cache,
-                                                     allowed[None, None])
-            logits = draft.draft.lm_head(normed)[0].float()  # [n_d, Vd]
-        return torch.cat(tokens)
-
-    return body
+from specfoundry.families.eagle3.expansion import TreeShape
 
 
 @torch.inference_mode()
 def expand_tree(draft: DraftRunner, shape: TreeShape) -> torch.Tensor:
     """The tree's tokens [N] (target ids, on the device, not read by the host) from the draft's
-    newest state; the draft's committed entries are left as they were. The body (its static
-    tensors) is built once per branching and cache, and on a GPU captured and replayed."""
+    newest state; the draft's committed entries are left as they were. One captured step per
+    branching (DraftRunner.trees)."""
     if draft.length + len(shape) > draft.cache.capacity:
         draft.reset_capacity(draft.length + len(shape))
-    if shape.branching not in draft.trees:
-        body = expand_body(draft, shape)
-        draft.trees[shape.branching] = CapturedCall(body, draft.device) if draft.graphs else body
-    return draft.trees[shape.branching]()
+    return draft.trees(shape.branching)
 
 
 def propose_tree(draft: DraftRunner, branching: tuple[int, ...]) -> DraftTree:
@@ -139,24 +65,6 @@ def verify_layout(shape: TreeShape, structure: DraftTree, cached: int, p: int) -
     plus its depth, seeing the committed text, the pending tokens and its ancestors (verify_mask)."""
     positions = list(range(cached, cached + p)) + [cached + p - 1 + d for d in shape.depths]
     return positions, verify_mask(structure, cached, p)
-
-
-@torch.inference_mode()
-def warm_tree_verifies(target: TargetRunner, prompt: list[int], shape: TreeShape) -> None:
-    """Run the target's tree verify once at each of verify_widths(shape), after `prompt`, each undone
-    by a crop, so that sf-eval's untimed warm-up captures (and compiles) them all: a width first met
-    inside a timed decode put its capture, or a compile of tens of seconds, into that decode's
-    target time. Leaves the target holding `prompt`."""
-    nodes, structure = len(shape), shape.tree([0] * len(shape))
-    target.reset(len(prompt) + len(shape.branching) + 1 + nodes)
-    target.forward(prompt)
-    cached = len(target)
-    for width in verify_widths(shape):
-        p = width - nodes
-        pending = (prompt * p)[-p:]  # any ids: the outputs are dropped
-        positions, mask = verify_layout(shape, structure, cached, p)
-        target.forward(pending + [prompt[-1]] * nodes, positions=positions, mask=mask)
-        target.crop(cached)
 
 
 def tree_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *, branching: tuple[int, ...],

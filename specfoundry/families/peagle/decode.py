@@ -18,15 +18,16 @@ rollout anchored at the last row (decode_matches_training).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
 from specfoundry.common.settings import MAX_DRAFT
 from specfoundry.decoding.accept import accept
 from specfoundry.decoding.cache import StaticKVCache, visible
-from specfoundry.decoding.graphs import CapturedCall, PinnedStaging
 from specfoundry.decoding.rounds import DecodeResult, decode_rounds
 from specfoundry.decoding.sampler import Sampler
+from specfoundry.decoding.steps import PROMPT_GRAPH_MAX, CapturedSteps, Step, prompt_bucket, prompt_buckets
 from specfoundry.decoding.target import COLUMN_ROUND, TargetRunner
 from specfoundry.families.interface import Decoder
 from specfoundry.families.peagle.config import PEagleConfig
@@ -35,52 +36,12 @@ from specfoundry.families.peagle.model import PEagleDraft
 from specfoundry.families.vocab import draft_ids_from_d2t
 
 
-@dataclass
-class RoundInputs:
-    """A round's forward inputs on the device: ids [n+k-1] (the pending rows' tokens, then k-1 mask
-    tokens), the pending rows' features aux [n, 3*Ht] and start [] int64, the committed length
-    (the first pending row's column)."""
-
-    ids: torch.Tensor
-    aux: torch.Tensor
-    start: torch.Tensor
-
-
-class RoundCall:
-    """A captured round and its static inputs, refilled per call: the ids and the start by one copy
-    from a pinned host buffer (reused: rewritten only once its last copy has run), the pending
-    rows' features written straight into the static aux (no concatenated copy first)."""
-
-    def __init__(self, call: CapturedCall, inputs: RoundInputs, staged: torch.Tensor):
-        self.call, self.inputs, self.staged = call, inputs, staged  # staged: ids | start, on the device
-        self.staging = PinnedStaging(staged.device)
-        self.host = self.staging.buffer(staged.shape[0], dtype=torch.long)
-
-    @classmethod
-    def build(cls, runner: PEagleRunner, n: int, k: int, width: int, dtype: torch.dtype) -> RoundCall:
-        staged = torch.zeros(n + k, dtype=torch.long, device=runner.device)  # n+k-1 ids, then the start
-        inputs = RoundInputs(staged[:-1], torch.zeros(n, width, dtype=dtype, device=runner.device), staged[-1])
-        return cls(CapturedCall(lambda: runner.body(inputs, n, k), runner.device), inputs, staged)
-
-    def run(self, ids: list[int], aux: list[torch.Tensor], start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self.staging.wait()
-        self.host.copy_(torch.tensor(ids + [start]))
-        self.staged.copy_(self.host, non_blocking=True)
-        self.staging.sent()
-        if len(aux) > 1 and aux[0].device == self.inputs.aux.device and aux[0].dtype == self.inputs.aux.dtype:
-            torch.cat(aux, out=self.inputs.aux)  # [n, 3*Ht]
-        else:  # one piece, or features from another device or in another dtype (copy_ converts)
-            self.inputs.aux.copy_(aux[0] if len(aux) == 1 else torch.cat(aux))
-        return self.call()
-
-
 class PEagleRunner:
     """The draft with its static KV cache (decoding/cache.py: every layer's keys, column i the row
     of position i) and its pending rows (see the module docstring). A round's forward reads the
     pending rows and k-1 mask slots, whose columns stay scratch: the committed length moves past the
-    pending rows only. On a GPU the forward of a round (n pending rows, k proposals) is captured once
-    per (n, k) as a CUDA graph over static inputs and replayed; the prompt's first forward, of many
-    rows, runs eagerly."""
+    pending rows only. A round's forward (n pending rows, k proposals) is one captured step per (n, k)
+    (decoding/steps.py), and so is the start's read of the prompt on a GPU, in its bucket (k = 1)."""
 
     def __init__(self, draft: PEagleDraft, *, graphs: bool | None = None):
         self.draft = draft
@@ -90,7 +51,7 @@ class PEagleRunner:
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.cache = StaticKVCache(COLUMN_ROUND)
         self.kv_index = torch.arange(COLUMN_ROUND, device=self.device)
-        self.calls: dict[tuple[int, int], RoundCall] = {}
+        self.rounds = CapturedSteps(self.device, self.round_step, graphs=self.graphs)  # by (rows, k)
         self.reset()
 
     def reset(self, reserve: int = 0) -> None:
@@ -105,26 +66,14 @@ class PEagleRunner:
         capacity = -(-tokens // COLUMN_ROUND) * COLUMN_ROUND
         self.cache = self.cache.grown(capacity)
         self.kv_index = torch.arange(capacity, device=self.device)
-        self.calls.clear()  # they read the old cache
+        self.rounds.drop()  # they read the old cache
 
-    @torch.inference_mode()
-    def warm_rounds(self, k: int) -> None:
-        """Capture the round of every pending-row count n = 1..k+1 (a round reads the a + 1 tokens the
-        last one committed) with k proposals now, each after the same one-row scratch sequence, which
-        the next reset forgets. A count n is first met when a round accepts n - 1 proposals, which one
-        decode need not reach."""
-        if not self.graphs:
-            return
-        # [k+1, 3*Ht] any features, in the draft's dtype (RoundCall's buffer: copies convert into it)
-        aux = torch.zeros(k + 1, self.draft.fc.in_features, dtype=self.draft.fc.weight.dtype, device=self.device)
-        self.reset()
-        self.read([0], aux[:1])
-        self.round(k)  # the scratch row (eager: a round after committed text is captured)
-        for n in range(1, min(k + 1, MAX_DRAFT + 1) + 1):
-            self.length = 1
-            self.read([0] * n, aux[:n])
-            self.round(k)
-        self.reset()
+    def step_keys(self, k: int, prompts: list[int]) -> list[tuple[CapturedSteps, object]]:
+        """The round of every pending-row count n = 1..k+1 (a round reads the a + 1 tokens the last one
+        committed) with k proposals, and the start's read of these prompt lengths (all rows but the
+        newest: a prompt of n tokens and the first token give n rows, n - 1 read), in their buckets."""
+        keys = [(self.rounds, (n, k)) for n in range(1, min(k + 1, MAX_DRAFT + 1) + 1)]
+        return keys + ([(self.rounds, (b, 1)) for b in prompt_buckets(prompts)] if self.graphs else [])
 
     def read(self, tokens: list[int], aux: torch.Tensor) -> None:
         """Rows (token t_{i+1}, feature a_i) to read at the next forward."""
@@ -153,21 +102,35 @@ class PEagleRunner:
         """forward's logits [k, Vd] and their greedy proposals [k] (target ids), both on the device."""
         n = len(self.tokens)
         assert n >= 1, "a round needs the newest committed token"
-        self.reserve(self.length + n + k - 1)
-        ids = self.tokens + [self.draft.cfg.mask_token_id] * (k - 1)
-        if self.graphs and self.length > 0 and n <= MAX_DRAFT + 1:
-            if (n, k) not in self.calls:
-                self.calls[n, k] = RoundCall.build(self, n, k, self.aux[0].shape[1], self.aux[0].dtype)
-            out = self.calls[n, k].run(ids, self.aux, self.length)
+        if self.length > 0 and n <= MAX_DRAFT + 1:
+            key = (n, k)
+        elif self.graphs and self.length == 0 and k == 1 and n <= PROMPT_GRAPH_MAX:
+            key = (prompt_bucket(n), 1)  # the start's read of the prompt: pad rows after the real ones
         else:
-            x = RoundInputs(torch.tensor(ids, device=self.device), torch.cat(self.aux),  # aux [n, 3*Ht]
-                            torch.tensor(self.length, device=self.device))
+            key = None
+        self.reserve(self.length + (key[0] if key else n) + k - 1)
+        ids = self.tokens + [self.draft.cfg.mask_token_id] * (k - 1)
+        if key is not None:
+            out = self.rounds(key, ids=ids, start=self.length, aux=tuple(self.aux))
+        else:
+            x = SimpleNamespace(ids=torch.tensor(ids, device=self.device), aux=torch.cat(self.aux),  # aux [n, 3*Ht]
+                                start=torch.tensor(self.length, device=self.device))
             out = self.body(x, n, k)
         self.length += n  # the mask slots' columns are this round's only
         self.tokens, self.aux = [], []
         return out
 
-    def body(self, x: RoundInputs, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def round_step(self, key: tuple[int, int]) -> Step:
+        """The round of n rows and k proposals (body): ids [n+k-1] (the rows' tokens, then k-1 mask
+        tokens), start [] int64, aux [n, 3*Ht] in the draft's dtype; a prompt's bucket holds fewer real
+        rows than n (k = 1: its logits are not read; its pad rows' ids and features are what the
+        inputs held)."""
+        n, k = key
+        inputs = dict(ids=torch.zeros(n + k - 1, dtype=torch.long), start=torch.tensor(0),
+                      aux=torch.zeros(n, self.draft.fc.in_features, dtype=self.draft.fc.weight.dtype))
+        return Step(lambda x: self.body(x, n, k), inputs)
+
+    def body(self, x, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The round's forward on the device alone, at columns and positions start..start+n+k-2: the
         logits [k, Vd] and their argmax as target ids [k] (in the captured round, so that a greedy
         round launches nothing after it)."""
@@ -213,8 +176,9 @@ class PEagleDecoder(Decoder):
         # a round reads its n <= k + 1 pending rows and writes k - 1 mask slots past the text
         self.runner.reset(tokens + 2 * self.k)
 
-    def warm_steps(self) -> None:
-        self.runner.warm_rounds(self.k)
+    def step_keys(self, target: TargetRunner, prompts: list[int]) -> list:
+        """The draft's rounds and prompt reads (PEagleRunner.step_keys), and the target's verify of k + 1."""
+        return self.runner.step_keys(self.k, prompts) + [(target.steps, self.k + 1)]
 
 
 def decode_settings(cfg: PEagleConfig, *, k: int, tree, k_given: bool, source: str):
