@@ -37,7 +37,7 @@ from specfoundry.families.domino.model import DominoDraft
 from specfoundry.families.dspark.config import DSparkConfig
 from specfoundry.families.dspark.loss import DSparkModule
 from specfoundry.families.dspark.model import DSparkDraft
-from specfoundry.families.interface import Batch
+from specfoundry.featureset.batch import Batch
 from specfoundry.kernels.lk_loss import TokenLoss
 
 LOSS_MODULES = ("specfoundry.families.dflash.loss", "specfoundry.families.domino.loss",

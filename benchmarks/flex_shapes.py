@@ -33,7 +33,7 @@ import torch
 from benchmarks.common import FlexArgsAttention, print_table, write_result
 from specfoundry.families.eagle3.config import Eagle3Config
 from specfoundry.families.eagle3.shapes import SMOL_DRAFT, random_ttt_module
-from specfoundry.families.interface import Batch
+from specfoundry.featureset.batch import Batch
 from specfoundry.kernels import tree_attention as ta
 from specfoundry.train.loader import padded_width, plan_batches
 

@@ -65,7 +65,7 @@ import torch
 from benchmarks.common import print_profile_summary, print_table, profile_summary, write_result
 from specfoundry.common.cli import resolve_config
 from specfoundry.common.target import Target
-from specfoundry.eval.evaluate import prompt_source
+from specfoundry.eval.prompts import prompt_source
 from specfoundry.generate.backend import SamplingConfig
 from specfoundry.generate.hf_backend import HFBackend
 from specfoundry.generate.regen import RegenConfig, Regenerator, run_regen

@@ -38,7 +38,8 @@ from specfoundry.common.settings import (
 from specfoundry.common.shards import record_config
 from specfoundry.common.target import EMBEDDED_DEFAULT, Target
 from specfoundry.eval.cli import FAILURES, main
-from specfoundry.eval.evaluate import mode_label, one_copy
+from specfoundry.eval.evaluate import one_copy
+from specfoundry.eval.prompts import mode_label
 from specfoundry.families import FAMILIES, family_names
 from specfoundry.families.folders import DraftLoadError, locate_draft
 from specfoundry.families.gatekit import Check
@@ -146,7 +147,7 @@ def build(cfg: GateConfig, target: Target | None = None, silent: bool = True) ->
                         family=cfg.family, layers=stored, **FAMILIES.provider(cfg.family).gate_options(cfg), lr=cfg.lr,
                         warmup_steps=10,
                         max_steps=cfg.max_steps, eval_fraction=0.0, save_every=cfg.max_steps, keep_last=1,
-                        num_workers=0, loss="auto" if target.input_device.type == "cuda" else "reference",
+                        num_workers=0, loss_kernel="auto" if target.input_device.type == "cuda" else "reference",
                         log_every=10**9)
     if target.ranks.world == 1:
         export = Path(run_train(train, silent=silent, target_dir=target.path)["export"])

@@ -161,7 +161,7 @@ def test_gemma3_270m_end_to_end(tmp_path):
     assert manifest["aux_layer_ids"] == [1, 8, 14]  # L = 18
     run_train(TrainConfig(featureset=str(tmp_path / "features"), output=str(tmp_path / "train"), target=target,
                           eagle3=Eagle3Options(draft_vocab_size=2048, ttt_length=3), lr=3e-3, warmup_steps=5,
-                          max_steps=40, eval_fraction=0.0, save_every=40, num_workers=0, loss="reference",
+                          max_steps=40, eval_fraction=0.0, save_every=40, num_workers=0, loss_kernel="reference",
                           attention="sdpa", log_every=10**9), silent=True)
     history = json.loads((tmp_path / "train" / "history.json").read_text())
     assert history[-1]["loss_0"] < 0.8 * history[0]["loss_0"], (history[0], history[-1])

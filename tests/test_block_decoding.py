@@ -8,7 +8,8 @@ import torch
 from specfoundry.decoding.accept import accept_point_mass
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
-from specfoundry.eval.evaluate import BUILTIN_SETS, EvalConfig, load_prompts, run_eval
+from specfoundry.eval.evaluate import EvalConfig, run_eval
+from specfoundry.eval.prompts import BUILTIN_SETS, load_prompts
 from specfoundry.families.dflash.block import BlockDraftRunner, block_generate
 from specfoundry.families.folders import load_draft, locate_draft
 from specfoundry.featureset.store import FeatureSet

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specfoundry.families.dflash.anchors import batch_anchors, sample_anchors
+from specfoundry.families.dflash.anchors import anchor_seed, batch_anchors, sample_anchors
 from specfoundry.families.dflash.config import DFlashConfig, dflash_config_from_target
 from specfoundry.families.dflash.loss import DFlashModule, dflash_loss
 from specfoundry.families.dflash.model import DFlashCache, DFlashDraft
-from specfoundry.families.interface import Batch, anchor_seed
+from specfoundry.featureset.batch import Batch
 from specfoundry.kernels.dflash_attention import (
     dense_dflash_mask,
     dflash_attention,

@@ -20,7 +20,7 @@ from specfoundry.families.domino.decode import DominoRunner, decode_matches_trai
 from specfoundry.families.domino.export import expected_tensors, export_draft, load_export
 from specfoundry.families.domino.loss import DominoModule, base_weight_at, domino_loss, shifted_targets
 from specfoundry.families.domino.model import DominoDraft
-from specfoundry.families.interface import Batch
+from specfoundry.featureset.batch import Batch
 from specfoundry.testing import assert_close_scaled
 from tests.test_train import run_stopped_and_resumed, small_cfg, smol_features  # noqa: F401 (a fixture)
 
@@ -234,7 +234,7 @@ def test_the_trainer_announces_its_step_to_the_module():
 
     trainer = Trainer.__new__(Trainer)
     trainer.step, trainer.total_steps = 7, 20
-    trainer.raw = SimpleNamespace(set_progress=lambda s, t: seen.append((s, t)))
+    trainer.unwrapped = SimpleNamespace(set_progress=lambda s, t: seen.append((s, t)))
     trainer.family = FAMILIES.provider("domino")
     trainer.cfg = SimpleNamespace(grad_accum=1)
     trainer.model = SimpleNamespace(train=stop)

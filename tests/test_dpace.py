@@ -14,11 +14,10 @@ from click.testing import CliRunner
 from specfoundry.common.cli import resolve_config
 from specfoundry.common.settings import config_dict
 from specfoundry.families.dflash import family
-from specfoundry.families.dflash.anchors import sample_anchors
+from specfoundry.families.dflash.anchors import anchor_seed, sample_anchors
 from specfoundry.families.dflash.loss import DFlashModule, dflash_loss
 from specfoundry.families.dflash.model import DFlashCache
 from specfoundry.families.dflash.options import DFlashOptions
-from specfoundry.families.interface import anchor_seed
 from specfoundry.testing import assert_close_scaled
 from specfoundry.train.cli import main as train_main
 from specfoundry.train.trainer import TrainConfig

@@ -61,9 +61,9 @@ def test_sf_train_refuses_to_export_non_finite_weights(features, tmp_path):  # n
     trainer.resume()
     trainer.train_step([next(iter(trainer.loader))])
     with torch.no_grad():
-        trainer.raw.draft.norm.weight[3] = float("inf")
+        trainer.unwrapped.draft.norm.weight[3] = float("inf")
     with pytest.raises(NonFiniteError, match=r"step 1: norm\.weight: 1 of \d+ values are not finite"):
-        trainer.finish()
+        trainer.write_outputs()
     assert not (tmp_path / "run" / "export").exists() and not (tmp_path / "run" / ".export.tmp").exists()
 
 

@@ -23,7 +23,7 @@ from specfoundry.families.dspark.export import expected_tensors, export_draft, l
 from specfoundry.families.dspark.loss import anchor_targets, dspark_loss
 from specfoundry.families.dspark.model import DSparkDraft
 from specfoundry.families.dspark.options import DSparkOptions
-from specfoundry.families.interface import Batch
+from specfoundry.featureset.batch import Batch
 from specfoundry.testing import assert_close_scaled
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -15,14 +15,9 @@ from specfoundry.common.target import Target
 from specfoundry.decoding.rounds import DecodeResult
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
-from specfoundry.eval.evaluate import (
-    BUILTIN_SETS,
-    EvalConfig,
-    EvalError,
-    load_prompts,
-    run_eval,
-    summarise_set,
-)
+from specfoundry.eval.evaluate import EvalConfig, run_eval
+from specfoundry.eval.prompts import BUILTIN_SETS, EvalError, load_prompts
+from specfoundry.eval.report import format_table, summarise_set
 from specfoundry.families.eagle3.chain import DraftRunner, speculative_generate
 from specfoundry.families.eagle3.config import draft_config_from_target
 from specfoundry.families.eagle3.model import Eagle3Draft
@@ -351,7 +346,7 @@ def test_the_gpu_warm_up_leaves_every_decoded_figure_but_time_unchanged(gate_run
             monkeypatch.setattr(evaluate, "warms_up", lambda device, forced=forced: forced)
             report = run_eval(cfg, target=smollm2_target)
             assert (report["warm_up_s"] is not None) == forced  # its time, apart from the sets'
-            assert ("; warm-up " in evaluate.format_table(report)) == forced
+            assert ("; warm-up " in format_table(report)) == forced
             if forced:
                 assert 0 < report["warm_up_s"] < report["wall_s"]
             reports.append(report["sets"]["chat"]["trained"])

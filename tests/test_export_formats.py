@@ -29,8 +29,7 @@ from specfoundry.families.eagle3.formats import read_eagle3
 from specfoundry.families.eagle3.model import Eagle3Draft, TTTCache
 from specfoundry.families.eagle3.options import Eagle3Options, default_aux_layers
 from specfoundry.families.eagle3.shapes import random_eagle3_draft
-from specfoundry.families.folders import DraftLoadError, load_draft, locate_draft
-from specfoundry.families.interface import DRAFT_FILE
+from specfoundry.families.folders import DRAFT_FILE, DraftLoadError, load_draft, locate_draft
 from specfoundry.train.cli import export_main
 from tests.conftest import torch_threads
 from tests.test_families import TINY, random_draft

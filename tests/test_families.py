@@ -23,8 +23,9 @@ from specfoundry.families.eagle3.options import Eagle3Options, default_aux_layer
 from specfoundry.families.eagle3.shapes import random_eagle3_draft
 from specfoundry.families.eagle3.ttt import shift
 from specfoundry.families.folders import find_draft_files, locate_draft
-from specfoundry.families.interface import Batch, select_layers
+from specfoundry.featureset.batch import Batch
 from specfoundry.featureset.manifest import FeatureSetError
+from specfoundry.train.loader import select_layers
 from tests.conftest import parse_python
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -363,7 +363,7 @@ def test_each_family_trains_from_a_float8_set(fp8_features, tmp_path, family):
     cfg = build_config(TrainConfig, dict(featureset=str(fp8_features), output=str(tmp_path / "run"), family=family,
                                          draft_vocab_size=256, ttt_length=2, lr=3e-3, warmup_steps=1, max_steps=2,
                                          max_batch_tokens=160, eval_fraction=0.0, save_every=2, num_workers=0,
-                                         log_every=1000, loss="reference", **options))
+                                         log_every=1000, loss_kernel="reference", **options))
     history = run_train(cfg, silent=True)["history"]
     assert len(history) == 2 and all(np.isfinite(x["loss_0"]) for x in history)
     assert (tmp_path / "run" / "export" / "model.safetensors").is_file()

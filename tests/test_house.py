@@ -181,6 +181,31 @@ def import_circles(imports) -> list[list[str]]:
     return circles
 
 
+def family_of_module(module: str) -> str | None:
+    from specfoundry.families import FAMILIES
+
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "families" and parts[2] in FAMILIES.names() else None
+
+
+def undeclared_family_uses(imports) -> list[str]:
+    """Imports from one family's folder into another's that the catalogue does not declare (the
+    importer neither extends nor builds on the imported family: families/__init__.py Family.builds_on)."""
+    from specfoundry.families import FAMILIES
+
+    out = []
+    for where, line, me, theirs in imports:
+        mine, used = family_of_module(me), family_of_module(theirs)
+        if mine and used and mine != used and used not in FAMILIES.uses(mine):
+            out.append(f"{where}:{line} family {mine} imports {theirs} without declaring that it builds on {used}")
+    return out
+
+
+def test_every_use_of_another_familys_code_is_declared():
+    undeclared = undeclared_family_uses(list(library_imports()))
+    assert not undeclared, "\n".join(undeclared)
+
+
 def test_the_dependency_rule_holds_over_every_import():
     breaks = rule_breaks(list(library_imports()))
     assert not breaks, "\n".join(breaks)
@@ -207,6 +232,12 @@ def test_the_rule_checks_find_what_they_look_for():
                                              "specfoundry/eval/cli.py:15", "specfoundry/eval/x.py:2",
                                              "specfoundry/capture/stage.py:7",
                                              "specfoundry/families/peagle/decode.py:4"], found
+    assert undeclared_family_uses([
+        ("specfoundry/families/dspark/decode.py", 3, "specfoundry.families.dspark.decode", "specfoundry.families.eagle3.chain"),
+        ("specfoundry/families/dspark/decode.py", 4, "specfoundry.families.dspark.decode", "specfoundry.families.dflash.block"),
+        ("specfoundry/families/peagle/model.py", 5, "specfoundry.families.peagle.model", "specfoundry.families.eagle3.model"),
+    ]) == ["specfoundry/families/dspark/decode.py:3 family dspark imports specfoundry.families.eagle3.chain without "
+           "declaring that it builds on eagle3"]
     assert import_circles([("a", 1, "specfoundry.common.cli", "specfoundry.common.shards"),
                            ("b", 2, "specfoundry.common.shards", "specfoundry.common.cli.config_dict")]) == [
         ["specfoundry.common.cli", "specfoundry.common.shards", "specfoundry.common.cli"]]

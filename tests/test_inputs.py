@@ -15,7 +15,7 @@ from specfoundry.capture.stage import CaptureConfig, CaptureError, prepare_sampl
 from specfoundry.capture.template import masked_texts, render_with_mask
 from specfoundry.common.conversations import ConversationFormatError, load_conversations
 from specfoundry.common.target import load_tokenizer
-from specfoundry.eval.evaluate import EvalError, load_prompts
+from specfoundry.eval.prompts import EvalError, load_prompts
 from specfoundry.generate.backend import SamplingConfig
 from specfoundry.generate.regen import RegenConfig, run_regen
 from tests.conftest import CHAT, write_jsonl

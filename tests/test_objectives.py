@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from specfoundry.families.eagle3.ttt import ttt_loss
-from specfoundry.families.interface import TRAINING_FILE
+from specfoundry.families.folders import TRAINING_FILE
 from specfoundry.families.teacher import teacher_targets
 from specfoundry.kernels.lk_loss import TokenLoss
 from specfoundry.train.trainer import TrainConfig, run_train

@@ -13,7 +13,6 @@ import torch
 
 from specfoundry.decoding.cache import StaticKVCache
 from specfoundry.families import FAMILIES, DraftLoadError
-from specfoundry.families.interface import Batch
 from specfoundry.families.peagle.config import PEagleConfig
 from specfoundry.families.peagle.decode import PEagleRunner, decode_matches_training, decode_settings
 from specfoundry.families.peagle.export import expected_tensors, export_draft, load_export
@@ -27,6 +26,7 @@ from specfoundry.families.peagle.loss import (
 )
 from specfoundry.families.peagle.mask import dense_peagle_mask
 from specfoundry.families.peagle.model import PEagleDraft
+from specfoundry.featureset.batch import Batch
 from tests.test_train import run_stopped_and_resumed, small_cfg, smol_features  # noqa: F401 (a fixture)
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -408,7 +408,7 @@ def test_sf_export_keeps_the_trained_depths_and_names_the_verifier_as_sf_train_d
     rule sf-train's export uses (serving_verifier); -k still asks for fewer."""
     from click.testing import CliRunner
 
-    from specfoundry.families.interface import serving_verifier
+    from specfoundry.families.folders import serving_verifier
     from specfoundry.train.cli import export_main
 
     draft = tiny_draft(vocab_size=49152, target_hidden_size=64, hidden_size=64, intermediate_size=128,
@@ -536,7 +536,7 @@ def test_a_peagle_run_resumed_after_a_stop_equals_an_uninterrupted_one(tmp_path,
 
     whole, resumed, names = run_stopped_and_resumed(cfg, tmp_path)
     assert "mask_hidden" in names
-    from specfoundry.families.interface import EMBEDDED_HF_ID
+    from specfoundry.families.folders import EMBEDDED_HF_ID
 
     served = json.loads((tmp_path / "whole" / "export" / "config.json").read_text())["speculators_config"]
     assert served["verifier"]["name_or_path"] == EMBEDDED_HF_ID  # not this machine's converted copy

@@ -237,7 +237,7 @@ def test_masked_texts_of_a_thinking_turn_decode_back(tokenizer):
 def test_eval_prompts_render_in_the_mode_asked_and_the_default_is_the_feature_sets(tmp_path, tokenizer):
     from types import SimpleNamespace
 
-    from specfoundry.eval.evaluate import EvalConfig, eval_modes, load_prompts, mode_label, parse_modes
+    from specfoundry.eval.prompts import eval_modes, load_prompts, mode_label, parse_modes
 
     off = dict(load_prompts("chat", tokenizer, 1, {"enable_thinking": False}))
     on = dict(load_prompts("chat", tokenizer, 1, {}))
@@ -248,9 +248,9 @@ def test_eval_prompts_render_in_the_mode_asked_and_the_default_is_the_feature_se
     mode = {"chat_template_kwargs": {"enable_thinking": False}, "reasoning": "keep"}
     (export / "specfoundry_training.json").write_text(json.dumps({"modes": {json.dumps(mode): 5}}))
     ref = SimpleNamespace(path=export, prefix="")  # an export (a checkpoint has the prefix "draft.")
-    assert eval_modes(EvalConfig(draft="d"), ref) == ([{"enable_thinking": False}], "the draft's feature set")
-    assert eval_modes(EvalConfig(draft="d", chat_template_kwargs={}), ref) == ([{}], "--chat-template-kwargs")
-    assert eval_modes(EvalConfig(draft="d", modes=({}, {"a": 1})), ref)[0] == [{}, {"a": 1}]
+    assert eval_modes((), None, ref) == ([{"enable_thinking": False}], "the draft's feature set")
+    assert eval_modes((), {}, ref) == ([{}], "--chat-template-kwargs")
+    assert eval_modes(({}, {"a": 1}), None, ref)[0] == [{}, {"a": 1}]
     assert mode_label({"enable_thinking": False}) == "enable_thinking=false" and mode_label({}) == "default"
     with pytest.raises(ValueError, match="not a non-empty JSON list of objects"):
         parse_modes('{"enable_thinking": true}')

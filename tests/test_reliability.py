@@ -17,8 +17,7 @@ from specfoundry.capture.stage import CaptureConfig, run_capture
 from specfoundry.common.cli import build_config
 from specfoundry.common.conversations import ConversationFormatError, load_conversations
 from specfoundry.common.shards import OutputFolderError, ShardedOutput
-from specfoundry.families.folders import DraftLoadError, check_trained_for, locate_draft
-from specfoundry.families.interface import TARGET_FILE
+from specfoundry.families.folders import TARGET_FILE, DraftLoadError, check_trained_for, locate_draft
 from specfoundry.featureset.manifest import MANIFEST, FeatureSetError
 from specfoundry.featureset.store import ShardReader, write_shard
 from specfoundry.train.trainer import TrainConfig, Trainer, run_train
@@ -38,7 +37,7 @@ def features(tmp_path_factory):
 def tiny_cfg(fs, out, **kw) -> TrainConfig:
     base = dict(featureset=str(fs), output=str(out), draft_vocab_size=256, ttt_length=2, lr=3e-3, warmup_steps=1,
                 max_steps=2, max_batch_tokens=256, eval_fraction=0.0, save_every=2, num_workers=0,
-                log_every=1000, loss="reference")
+                log_every=1000, loss_kernel="reference")
     return build_config(TrainConfig, {**base, **kw})
 
 

@@ -18,8 +18,8 @@ from specfoundry.families.eagle3.config import Eagle3Config
 from specfoundry.families.eagle3.export import expected_tensors, export_draft, validate
 from specfoundry.families.eagle3.model import Eagle3Draft, TTTCache, apply_rotary_pos_emb
 from specfoundry.families.eagle3.ttt import ttt_loss
-from specfoundry.families.interface import Batch
 from specfoundry.families.vocab import choose_draft_vocab, vocab_maps
+from specfoundry.featureset.batch import Batch
 from specfoundry.featureset.store import Sample
 from specfoundry.kernels.tree_attention import tree_attention
 from specfoundry.testing import assert_close_scaled
@@ -316,7 +316,7 @@ def small_cfg(fs, out, **kw):
                 max_steps=30, max_batch_tokens=512, eval_fraction=0.0, save_every=10, num_workers=0, log_every=1000,
                 # the Triton interpreter runs one Python loop per row: far too slow for a training
                 # run on CPU; test_kernel_paths_equal_plain_torch covers the kernel path
-                loss="reference")
+                loss_kernel="reference")
     base.update(kw)
     return build_config(TrainConfig, base)
 
@@ -473,7 +473,7 @@ def test_train_step_alone_updates_the_draft_and_returns_the_runs_first_metrics(t
     frozen buffers do not, and the metrics are those of step 1 of the same run driven by train()."""
     whole, _ = short_run
     trainer = Trainer(short_cfg(smol_features, tmp_path / "run"), silent=True).build()
-    draft = trainer.raw.draft
+    draft = trainer.unwrapped.draft
     before = {n: p.detach().clone() for n, p in draft.named_parameters()}
     embed = draft.embed_tokens.weight.clone()
     metrics = trainer.train_step(next(iter(trainer.loader)))
@@ -492,7 +492,7 @@ def test_train_step_alone_updates_the_draft_and_returns_the_runs_first_metrics(t
 
 def sf_train_args(fs, out, **kw):
     args = {"output": out, "draft-vocab-size": 512, "ttt-length": 3, "lr": 3e-3, "warmup-steps": 2,
-            "max-steps": 8, "max-batch-tokens": 160, "eval-fraction": 0.0, "num-workers": 0, "loss": "reference",
+            "max-steps": 8, "max-batch-tokens": 160, "eval-fraction": 0.0, "num-workers": 0, "loss-kernel": "reference",
             "log-every": 1000, **kw}
     return ["run", str(fs), *[x for k, v in args.items() for x in (f"--{k}", str(v))]]
 

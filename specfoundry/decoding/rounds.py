@@ -48,7 +48,7 @@ class DecodeResult:
         return (sum(self.accepted) + self.rounds) / max(self.rounds, 1)
 
 
-def finish(tokens: list[int], eos: set[int], max_new_tokens: int) -> tuple[list[int], bool]:
+def cut_at_end(tokens: list[int], eos: set[int], max_new_tokens: int) -> tuple[list[int], bool]:
     """Cut at max_new_tokens and after the first eos; say whether generation is over."""
     for i, t in enumerate(tokens[:max_new_tokens]):
         if t in eos:
@@ -134,11 +134,11 @@ def decode_rounds(target: TargetRunner, prompt: list[int], *, max_new_tokens: in
     target.reset(len(prompt) + max_new_tokens + 1 + MAX_DRAFT)  # a round verifies at most 1 + MAX_DRAFT tokens
     clock = PhaseClock(device)
     tokens, result = read_prompt(clock, target, prompt, sampler.pick, start)
-    tokens, done = finish(tokens, eos, max_new_tokens)
+    tokens, done = cut_at_end(tokens, eos, max_new_tokens)
     while not done:
-        m0 = clock.mark()
+        proposing = clock.mark()
         drafts, extra = propose(tokens[-1])
-        m1 = clock.mark()
+        verifying = clock.mark()
         on_device = isinstance(drafts, torch.Tensor)
         logits, aux, _ = (target.forward([tokens[-1]], tail=drafts) if on_device
                           else target.forward([tokens[-1]] + drafts))  # [n+1, V]
@@ -149,15 +149,15 @@ def decode_rounds(target: TargetRunner, prompt: list[int], *, max_new_tokens: in
             drafts = drafts.tolist() if on_device else drafts
             a, bonus = verify(drafts, extra, logits)
         target.crop(len(target) - n + a)  # keep the last committed token and the a accepted drafts
-        m2 = clock.mark()
+        committing = clock.mark()
         new = drafts[:a] + [bonus]
         commit(new, aux[: a + 1])
-        m3 = clock.mark()
-        clock.add("draft", m0, m1)
-        clock.add("target", m1, m2)
-        clock.add("draft", m2, m3)
+        done_round = clock.mark()
+        clock.add("draft", proposing, verifying)
+        clock.add("target", verifying, committing)
+        clock.add("draft", committing, done_round)
         result.accepted.append(a)
-        tokens, done = finish(tokens + new, eos, max_new_tokens)
+        tokens, done = cut_at_end(tokens + new, eos, max_new_tokens)
     result.tokens = tokens
     clock.fill(result)
     result.total_s = time.perf_counter() - t0
@@ -182,10 +182,10 @@ def target_generate(target: TargetRunner, prompt: list[int], *, max_new_tokens: 
     if sampler.greedy:
         tokens = greedy_readback(target, logits[-1].argmax().reshape(1), max_new_tokens, eos)
     else:
-        tokens, done = finish([sampler.pick(logits[-1])], eos, max_new_tokens)
+        tokens, done = cut_at_end([sampler.pick(logits[-1])], eos, max_new_tokens)
         while not done:
             logits, _, _ = target.forward([tokens[-1]])
-            tokens, done = finish(tokens + [sampler.pick(logits[-1])], eos, max_new_tokens)
+            tokens, done = cut_at_end(tokens + [sampler.pick(logits[-1])], eos, max_new_tokens)
     sync(target.device)
     elapsed = time.perf_counter() - t0
     # the prompt's prefill gave the first token; every later one took a step, and so did a dropped one
@@ -208,7 +208,7 @@ def greedy_readback(target: TargetRunner, first: torch.Tensor, max_new_tokens: i
             host, copied = sent.popleft()
             if copied is not None:
                 copied.synchronize()
-            tokens, done = finish(tokens + host.tolist(), eos, max_new_tokens)
+            tokens, done = cut_at_end(tokens + host.tolist(), eos, max_new_tokens)
             if done:  # (at max_new_tokens picks at the latest)
                 return tokens
         logits, _, _ = target.forward([], tail=last)

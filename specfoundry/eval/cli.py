@@ -10,7 +10,9 @@ from specfoundry.common.conversations import ConversationFormatError
 from specfoundry.common.placement import PlacementError, launch_env
 from specfoundry.common.shards import OutputFolderError
 from specfoundry.common.target import TargetError
-from specfoundry.eval.evaluate import EvalConfig, EvalError, format_table, run_eval
+from specfoundry.eval.evaluate import EvalConfig, run_eval
+from specfoundry.eval.prompts import EvalError
+from specfoundry.eval.report import format_table
 from specfoundry.families.folders import DraftLoadError
 from specfoundry.featureset.manifest import FeatureSetError
 

@@ -9,19 +9,15 @@ target's own greedy output (the baseline run), token for token.
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 import time
 from dataclasses import dataclass, replace
-from importlib.resources import files
 from pathlib import Path
 from typing import ClassVar
 
 import torch
 
-from specfoundry.common.conversations import load_conversations, prompt_ids, tools_template_problem
-from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.placement import FUSED_EXPERTS, Placement, PlacementError, launch_env
 from specfoundry.common.progress import Progress
 from specfoundry.common.settings import (
@@ -42,21 +38,23 @@ from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.steps import warm_steps
 from specfoundry.decoding.target import TargetRunner, graphs_possible
 from specfoundry.decoding.tree import check_branching, parse_branching, shape_name, tree_nodes
+from specfoundry.eval.prompts import (
+    BUILTIN_SETS,
+    EvalError,
+    eval_modes,
+    load_prompts,
+    mode_label,
+    parse_modes,
+)
+from specfoundry.eval.report import format_table, summarise_set, write_report
 from specfoundry.families import FAMILIES
 from specfoundry.families.folders import (
     DraftRef,
     check_trained_for,
     load_draft,
     locate_draft,
-    training_record,
     untrained_like,
 )
-
-BUILTIN_SETS = ("chat", "code", "math", "multiturn")
-
-
-class EvalError(ValueError):
-    """A user-facing problem with an evaluation (bad prompt set, draft and target that disagree)."""
 
 
 def parse_tree(spec) -> tuple[int, ...] | None:
@@ -68,20 +66,6 @@ def parse_tree(spec) -> tuple[int, ...] | None:
     if not isinstance(spec, str):
         raise ValueError(f"tree branching must be comma-separated integers, got {spec!r}")
     return parse_branching(spec)
-
-
-def parse_modes(value) -> tuple[dict, ...]:
-    """--modes: a JSON list of objects (or a recipe's list of mappings)."""
-    if isinstance(value, (list, tuple)):
-        items = list(value)
-    else:
-        try:
-            items = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--modes {value!r} is not JSON ({e.msg})") from None
-    if not isinstance(items, list) or not items or not all(isinstance(x, dict) for x in items):
-        raise ValueError(f"--modes {value!r} is not a non-empty JSON list of objects")
-    return tuple(dict(x) for x in items)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,83 +134,6 @@ class EvalConfig(Settings):
         super().__post_init__()
         if not self.prompt_sets:
             raise ValueError("--prompts names no prompt set")
-
-
-def mode_label(kwargs: dict) -> str:
-    """A mode as reports name it: 'enable_thinking=false', 'default' for the template's own."""
-    return ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(kwargs.items())) or "default"
-
-
-def eval_modes(cfg: EvalConfig, ref: DraftRef) -> tuple[list[dict], str]:
-    """(the chat-template arguments of each mode to evaluate, where they came from): --modes,
-    else --chat-template-kwargs, else the mode the draft's feature set was rendered in (the most
-    common one where it holds several), else the template's defaults."""
-    if cfg.modes:
-        return [dict(m) for m in cfg.modes], "--modes"
-    if cfg.chat_template_kwargs is not None:
-        return [dict(cfg.chat_template_kwargs)], "--chat-template-kwargs"
-    recorded = (training_record(ref) or {}).get("modes") or {}
-    if recorded:
-        top = max(recorded, key=lambda m: recorded[m])
-        return [dict(json.loads(top).get("chat_template_kwargs") or {})], "the draft's feature set"
-    return [{}], "the template's defaults"
-
-
-def prompt_source(name: str) -> Path:
-    """A built-in set's file (held out: never used for training), or a user's dataset file."""
-    if name in BUILTIN_SETS:
-        return Path(str(files("specfoundry.eval") / "prompts" / f"{name}.jsonl"))
-    path = Path(name)
-    if not path.exists():
-        raise EvalError(f"prompt set {name!r} is neither a built-in set {list(BUILTIN_SETS)} nor an existing file")
-    return path
-
-
-def load_prompts(name: str, tokenizer, limit: int | None = None, template_kwargs: dict | None = None
-                 ) -> list[tuple[str, list[int]]]:
-    """[(id, prompt token ids)] rendered with the target's chat template and generation prompt, in
-    the mode `template_kwargs` gives."""
-    loaded = load_conversations(prompt_source(name), limit=limit, prompt_only=True)
-    if loaded.bad:
-        raise EvalError(f"bad prompt: {loaded.bad[0]}")
-    if not loaded.conversations:
-        raise EvalError(f"prompt set {name!r} has no prompts")
-    problem = tools_template_problem(loaded.conversations, tokenizer)  # the check sf-regen and sf-capture apply
-    if problem:
-        raise EvalError(problem)
-    rendered = []
-    for conv in loaded.conversations:
-        messages = conv.to_messages()
-        messages.template_kwargs = dict(template_kwargs or {})
-        rendered.append((conv.id, prompt_ids(tokenizer, messages)))
-    return rendered
-
-
-def summarise_set(results: list[DecodeResult], k: int) -> dict:
-    accepted = [a for r in results for a in r.accepted]
-    rounds = len(accepted)
-    reached = [sum(a >= j for a in accepted) for j in range(k)]  # rounds whose draft j+1 was verified
-    kept = [sum(a >= j + 1 for a in accepted) for j in range(k)]
-    tokens = sum(len(r.tokens) for r in results)
-    seconds = sum(r.total_s for r in results)
-    return {
-        "prompts": len(results),
-        "rounds": rounds,
-        "tokens": tokens,
-        "accept_length": (sum(accepted) + rounds) / max(rounds, 1),
-        "accept_rate_by_position": [kept[j] / reached[j] if reached[j] else None for j in range(k)],
-        "draft_ms_per_round": 1e3 * sum(r.draft_s for r in results) / max(rounds, 1),
-        "target_ms_per_round": 1e3 * sum(r.target_s for r in results) / max(rounds, 1),
-        # the rest of a decode's time, so that the parts account for tokens_per_s: the prompt's
-        # reads, and what is outside every phase, per round though part of it comes once a prompt:
-        # the host's work between phases (on a GPU only where the device waited for it), before the
-        # first and after the last
-        "prefill_ms_per_prompt": 1e3 * sum(r.prefill_s for r in results) / max(len(results), 1),
-        "start_ms_per_prompt": 1e3 * sum(r.start_s for r in results) / max(len(results), 1),
-        "other_ms_per_round": 1e3 * sum(r.total_s - r.draft_s - r.target_s - r.prefill_s - r.start_s
-                                        for r in results) / max(rounds, 1),
-        "tokens_per_s": tokens / max(seconds, 1e-9),
-    }
 
 
 def decode_set(target: TargetRunner, decoder, prompts, cfg: EvalConfig, eos: set[int],
@@ -420,7 +327,7 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
     draft = load_draft(ref, target_dir, device, dtype)
     if draft.cfg.vocab_size != identity.vocab_size:
         raise EvalError(f"draft {cfg.draft} has vocab {draft.cfg.vocab_size}, target {cfg.target} {identity.vocab_size}")
-    modes, mode_from = eval_modes(cfg, ref)
+    modes, mode_from = eval_modes(cfg.modes, cfg.chat_template_kwargs, ref)
     sets = {(name if len(modes) == 1 else f"{name} [{mode_label(m)}]"): load_prompts(name, tokenizer, cfg.limit, m)
             for name in cfg.prompt_sets for m in modes}
     family = ref.provider
@@ -455,77 +362,3 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
     return report
 
 
-def format_table(report: dict) -> str:
-    k = report["config"]["k"]
-    head = (f"{'set':<10} {'draft':<9} {'accept len':>10} " + " ".join(f"{'p' + str(j + 1):>5}" for j in range(k))
-            + f" {'draft ms':>9} {'target ms':>9} {'tok/s':>8} {'alone':>8} {'speedup':>7} {'greedy==target':>14}")
-    lines = [head, "-" * len(head)]
-    for name, entry in report["sets"].items():
-        for label in ("trained", "untrained"):
-            s = entry.get(label)
-            if s is None:
-                continue
-            rates = " ".join(f"{r:5.2f}" if r is not None else "    -" for r in s["accept_rate_by_position"])
-            alone = entry.get("target_alone_tokens_per_s")
-            lines.append(f"{name:<10} {label:<9} {s['accept_length']:>10.2f} {rates} {s['draft_ms_per_round']:>9.1f} "
-                         f"{s['target_ms_per_round']:>9.1f} {s['tokens_per_s']:>8.1f} "
-                         f"{alone if alone is not None else float('nan'):>8.1f} {s.get('speedup', float('nan')):>7.2f} "
-                         f"{s.get('identical_to_target', '-'):>14}")
-    lines.append(report["convention"])
-    lines.append(f"p1..p{k}: at draft position j, the share of the rounds that reached it (every draft token before "
-                 "it accepted) in which it was accepted too")
-    dropped = [entry["target_alone_dropped_steps"] for entry in report["sets"].values() if "target_alone_dropped_steps" in entry]
-    if dropped:
-        lines.append(f"alone = the target alone; its greedy read-back ran {sum(dropped)} steps after an eos in all "
-                     "(dropped, their time counted)")
-    outside = [f"{name} {s['prefill_ms_per_prompt']:.1f} + {s['start_ms_per_prompt']:.1f} ms, "
-               f"{s['other_ms_per_round']:.2f} ms"
-               for name, entry in report["sets"].items() if "other_ms_per_round" in (s := entry.get("trained", {}))]
-    if outside:
-        lines.append("outside the rounds (trained; a prompt: the target's prefill + the draft's read of it; a round: "
-                     f"the time outside every phase): {'; '.join(outside)}")
-    if "wall_s" in report:
-        sets = ", ".join(f"{name} {entry['wall_s']:.1f} s" for name, entry in report["sets"].items() if "wall_s" in entry)
-        warm = report.get("warm_up_s")
-        warm = f"; warm-up {warm:.1f} s, its graph captures and compiles included" if warm is not None else ""
-        lines.append(f"wall time: {sets}; the whole run {report['wall_s']:.1f} s (loading and warm-up included{warm})")
-    return "\n".join(lines)
-
-
-def write_report(report: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "eval.json", report)
-    atomic_write_bytes(out / "eval.txt", (format_table(report) + "\n").encode())
-    atomic_write_json(out / "eval_config.json", report["config"])  # the record check_output_folder reads: last
-    plot_acceptance(report, out / "acceptance.png")
-
-
-def plot_acceptance(report: dict, path: Path) -> bool:
-    """Acceptance rate by draft position, one line per set (and draft). Needs matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install 'specfoundry[plot]')", file=sys.stderr)
-        return False
-    k = report["config"]["k"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, entry in report["sets"].items():
-        for label, style in (("trained", "-o"), ("untrained", ":x")):
-            if label in entry:
-                rates = [r if r is not None else float("nan") for r in entry[label]["accept_rate_by_position"]]
-                ax.plot(range(1, k + 1), rates, style,
-                        label=f"{name} ({label}, accept len {entry[label]['accept_length']:.2f})")
-    ax.set_xlabel("draft position j")
-    ax.set_ylabel("P(draft j accepted | 1..j-1 accepted)")
-    ax.set_ylim(0, 1)
-    ax.set_xticks(range(1, k + 1))
-    ax.legend(fontsize=7)
-    shape = shape_name(k, report["config"].get("tree"))
-    ax.set_title(f"acceptance by position, {shape}, T={report['config']['temperature']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True

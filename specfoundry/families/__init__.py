@@ -58,6 +58,9 @@ class Family:
     extends: str | None = None
     """The family it extends: its options group is read as the parent's (options_for), so the
     child adds options of its own and can never shadow the parent's."""
+    builds_on: tuple[str, ...] = ()
+    """Other families whose code it uses (its parent's it may use anyway); a house test holds every
+    import between family folders to this and `extends`."""
     speculators_types: tuple[str, ...] = ()
     """speculators_model_type values (vLLM's speculators format) that name this family."""
     projector_types: tuple[str, ...] = ()
@@ -100,8 +103,9 @@ class Registry:
         for f in families:
             if f.name in self.families:
                 raise TypeError(f"family {f.name!r} is registered twice")
-            if f.extends is not None and f.extends not in self.families:
-                raise TypeError(f"family {f.name!r} extends {f.extends!r}, which is not an earlier entry")
+            for other in (f.extends, *f.builds_on):
+                if other is not None and other not in self.families:
+                    raise TypeError(f"family {f.name!r} extends or builds on {other!r}, which is not an earlier entry")
             for arch in f.architectures:
                 if arch in self.by_architecture:
                     raise TypeError(f"architecture {arch!r} names two families: {self.by_architecture[arch]} and {f.name}")
@@ -137,6 +141,11 @@ class Registry:
         while out[0].extends is not None:
             out.insert(0, self.get(out[0].extends))
         return out
+
+    def uses(self, name: str) -> set[str]:
+        """The families whose code `name`'s may import: the ones it extends, directly or not, and
+        the ones it builds on."""
+        return {f.name for f in self.chain(name)[:-1]} | set(self.get(name).builds_on)
 
     def provider(self, name: str):
         """The family's provider (families/interface.py's interface), imported on first use."""
@@ -336,6 +345,7 @@ FAMILIES = Registry((
         speculators_k="its trained depths K",
         token_losses=("ce", "lk-alpha", "lk-lambda", "tv"),
         provider="specfoundry.families.peagle.family:PEAGLE",
+        builds_on=("eagle3", "dflash"),  # EAGLE-3: config, layouts, vocabulary checks; DFlash: mask token, anchor seeds
     ),
 ))
 """Every family specfoundry trains, in the order --help lists them."""

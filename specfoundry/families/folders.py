@@ -15,22 +15,25 @@ from pathlib import Path
 
 import torch
 
+from specfoundry.common.embedded import EMBEDDED_DEFAULT
 from specfoundry.common.files import TMP_SUFFIX
 from specfoundry.common.target import load_tokenizer, target_identity
 from specfoundry.common.weights import target_embeddings, weight_fingerprint
 from specfoundry.families import FAMILIES, DraftLoadError, UnknownFamilyError
-from specfoundry.families.interface import (
-    TARGET_FILE,
-    TRAINING_FILE,
-    DraftFamily,
-    load_tensors,
-    read_config_json,
-)
+from specfoundry.families.interface import DraftFamily
 from specfoundry.featureset.manifest import tokenizer_hashes
 
 __all__ = ["DraftLoadError", "DraftRef", "check_trained_for", "complete_checkpoints", "draft_module", "family_of",
            "family_of_export", "find_draft_files", "load_draft", "locate_draft", "target_num_layers", "trained_for",
            "untrained_like"]
+
+TRAINING_FILE = "specfoundry_training.json"
+"""Beside an export sf-train writes: how it was trained (token loss, the step kept and why)."""
+TARGET_FILE = "specfoundry_target.json"
+"""Beside every export: the identity of the target it was trained for (from the feature set)."""
+DRAFT_FILE = "specfoundry_draft.json"
+"""Beside every export: our own config of the draft, with its family."""
+
 
 
 def target_num_layers(target_dir: Path) -> int:
@@ -252,3 +255,148 @@ def incomplete_checkpoints(out: Path) -> list[Path]:
     older layout)."""
     temps = sorted((out / "checkpoints").glob(f"step-*{TMP_SUFFIX}"))
     return temps + [p for p in checkpoint_dirs(out) if not (p / TRAINER_STATE).is_file()]
+
+
+# ---- what an export holds, and reading a draft folder's files: each failure one line naming the file ----
+
+EMBEDDED_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+"""The Hugging Face id of the embedded default target: what a vLLM machine loads for it."""
+
+
+def serving_verifier(target: str, target_dir: Path, given: str | None = None) -> dict:
+    """A speculators export's verifier {name_or_path, architectures}: `given`, else the target as a
+    serving machine names it: the embedded default's Hugging Face id (not this machine's converted
+    copy), a local folder's absolute path, or the id as given. sf-train's export and sf-export's
+    write the same one."""
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    name = given or (EMBEDDED_HF_ID if target == EMBEDDED_DEFAULT else
+                     str(Path(target).resolve()) if Path(target).is_dir() else target)
+    return {"name_or_path": name, "architectures": config.get("architectures") or []}
+
+
+def write_export(out: Path, tensors: dict[str, torch.Tensor], config: dict, draft_config,
+                 target: dict | None) -> Path:
+    """An export folder: `tensors` as model.safetensors, the engine's `config` as config.json, our
+    config of the draft (DRAFT_FILE) and, when known, the identity of the target it was trained for
+    (TARGET_FILE)."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / DRAFT_FILE).write_text(json.dumps(draft_config.to_dict(), indent=2) + "\n")
+    if target is not None:
+        (out / TARGET_FILE).write_text(json.dumps(target, indent=2) + "\n")
+    return out
+
+
+def exported_tensors(state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
+                     skip: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The tensors an export writes: on the CPU, contiguous, floating ones in `dtype`, without the
+    names starting with `skip` (the target's embeddings, which the engines use; RoPE buffers)."""
+    out = {}
+    for name, t in state_dict.items():
+        if not name.startswith(skip):
+            t = t.detach().cpu()
+            out[name] = t.to(dtype).contiguous() if t.is_floating_point() else t.contiguous()
+    return out
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], spec: dict[str, tuple[tuple[int, ...], torch.dtype | None]],
+                  engine: str, family: str) -> None:
+    """Exactly the names of `spec` (an engine's loader, which ignores unknown names silently), each of
+    its shape and, where the spec gives one, its dtype; ValueError naming the first that differs."""
+    missing = sorted(set(spec) - set(tensors))
+    extra = sorted(set(tensors) - set(spec))
+    if missing or extra:
+        raise ValueError(f"export tensors do not match {engine}'s {family} names: missing {missing}, "
+                         f"unexpected {extra}")
+    for name, (shape, dtype) in spec.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"export tensor {name} has shape {tuple(t.shape)}, {engine} expects {shape}")
+        if dtype is not None and t.dtype != dtype:
+            raise ValueError(f"export tensor {name} has dtype {t.dtype}, expected {dtype}")
+
+
+INT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "max_position_embeddings", "vocab_size", "draft_vocab_size", "target_hidden_size",
+              "block_size", "mask_token_id", "sliding_window")
+FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
+ID_LISTS = ("eagle_aux_hidden_state_layer_ids", "target_layer_ids", "aux_layer_ids")
+
+
+def expect_family(path: Path, name: str) -> None:
+    """Refuse a draft folder whose config.json names another family than `name`, or none (one line)."""
+    found = FAMILIES.family_of_config(read_config_json(path), str(Path(path) / "config.json"))
+    if found != name:
+        raise DraftLoadError(f"{path} is a draft of family {found}, not {name}: pass --family {found}")
+
+
+def read_json(file: Path):
+    try:
+        return json.loads(Path(file).read_text())
+    except FileNotFoundError:
+        raise DraftLoadError(f"{Path(file).parent} has no {Path(file).name}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DraftLoadError(f"{file}: not JSON ({e})") from None
+
+
+def read_config_json(path: Path, name: str = "config.json") -> dict:
+    """A draft folder's config.json (or draft_config.json) as a mapping whose numeric settings are
+    numbers: an engine, and every reader here, would fail on anything else further on."""
+    file = Path(path) / name
+    config = read_json(file)
+    if not isinstance(config, dict):
+        raise DraftLoadError(f"{file}: not a JSON object of settings, but a {type(config).__name__}")
+    check_numbers(config, file)
+    return config
+
+
+def check_numbers(config: dict, file: Path, where: str = "") -> None:
+    """Refuse a numeric setting that is no number, naming the file and the field ('a.b' nested)."""
+    for key, value in config.items():
+        if isinstance(value, dict):
+            check_numbers(value, file, f"{where}{key}.")
+            continue
+        whole = isinstance(value, int) and not isinstance(value, bool)
+        if key in INT_FIELDS and value is not None and not whole:
+            raise DraftLoadError(f"{file}: {where}{key} is {value!r}, not an integer")
+        if key in FLOAT_FIELDS and value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise DraftLoadError(f"{file}: {where}{key} is {value!r}, not a number")
+        if key in ID_LISTS and value is not None and not (
+                isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)):
+            raise DraftLoadError(f"{file}: {where}{key} is {value!r}, not a list of layer ids")
+
+
+def load_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors, every floating one finite (check_finite): the one reader of a
+    draft's weights (an export, a checkpoint, --init-from). A damaged or truncated file, or a NaN or
+    inf in a weight, is one line naming the file (and the tensor), not a SafetensorError or a draft
+    that decodes garbage."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not Path(file).is_file():
+        raise DraftLoadError(f"{Path(file).parent} holds no {Path(file).name}")
+    try:
+        tensors = load_file(str(file))
+    except (SafetensorError, ValueError) as e:
+        raise DraftLoadError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0]}): it is damaged "
+                             "or truncated") from None
+    try:
+        check_finite(tensors, str(file))
+    except ValueError as e:
+        raise DraftLoadError(f"{e}: the draft is broken (retrain it, or use an earlier checkpoint)") from None
+    return tensors
+
+
+def check_finite(tensors: dict[str, torch.Tensor], source: str) -> None:
+    """ValueError naming `source` and the first floating tensor (by name) holding a NaN or an inf."""
+    for name in sorted(tensors):
+        t = tensors[name]
+        if t.is_floating_point():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                raise ValueError(f"{source}: {name}: {bad} of {t.numel()} values are not finite")

@@ -16,7 +16,7 @@ from specfoundry.common.settings import config_fields, long_flag
 from specfoundry.common.shards import OutputFolderError
 from specfoundry.common.target import TargetError
 from specfoundry.families import FAMILIES
-from specfoundry.families.interface import DraftLoadError
+from specfoundry.families.folders import DraftLoadError
 from specfoundry.featureset.manifest import FeatureSetError
 from specfoundry.kernels.tree_attention import TooManyShapesError
 from specfoundry.train.export import ExportConfig, run_export

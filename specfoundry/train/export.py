@@ -17,8 +17,15 @@ from specfoundry.common.settings import Settings, config_dict, setting, shared
 from specfoundry.common.shards import check_output_folder
 from specfoundry.common.target import EMBEDDED_DEFAULT, announce_target, resolve_target, target_identity
 from specfoundry.families import FAMILIES
-from specfoundry.families.folders import find_draft_files, locate_draft, trained_for, training_record
-from specfoundry.families.interface import TRAINING_FILE, DraftLoadError, serving_verifier
+from specfoundry.families.folders import (
+    TRAINING_FILE,
+    DraftLoadError,
+    find_draft_files,
+    locate_draft,
+    serving_verifier,
+    trained_for,
+    training_record,
+)
 
 
 @dataclass(frozen=True, kw_only=True)

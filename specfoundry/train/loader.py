@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from specfoundry.families.interface import Batch
+from specfoundry.families.interface import DraftFamily
+from specfoundry.featureset.batch import Batch
 from specfoundry.featureset.manifest import FeatureSetError
 from specfoundry.featureset.store import FeatureSet, is_finite
 
@@ -224,3 +225,32 @@ class FeatureLoader:
 
     def load_state_dict(self, d: dict) -> None:
         self.state = LoaderState(int(d["epoch"]), int(d["position"]))
+
+
+def select_layers(manifest: dict, family: DraftFamily, options, explicit: tuple[int, ...] | None,
+                  num_target_layers: int, source: str) -> list[int]:
+    """The stored layers a family reads: `explicit` (--layers) if given; else every stored layer when
+    the set holds exactly as many as the family reads; else the family's default for the target.
+    Refuses a layer the set lacks, naming it and what the set holds."""
+    held = list(manifest["aux_layer_ids"])
+    count = family.layer_count(options)
+    if explicit:
+        wanted = list(explicit)
+        how = "--layers"
+    elif count is None or len(held) == count:
+        wanted = held
+        how = ""
+    else:
+        wanted = family.default_layers(num_target_layers, options)
+        how = f"the {family.name} default for a {num_target_layers}-layer target"
+    if wanted != sorted(set(wanted)):  # engines concatenate the tapped layers in layer order
+        raise FeatureSetError(f"layers {wanted} ({how or source}) must be ascending and distinct (engines "
+                              "concatenate the tapped layers in layer order)" + ("" if explicit else "; pass --layers"))
+    if count is not None and len(wanted) != count and not (explicit and family.any_layer_count):
+        raise FeatureSetError(f"the {family.name} draft reads {count} layers; {how or source} gives {wanted}")
+    missing = [i for i in wanted if i not in held]
+    if missing:
+        raise FeatureSetError(f"{source} lacks layer{'s' if len(missing) > 1 else ''} "
+                              f"{', '.join(map(str, missing))} that the {family.name} draft reads ({how}: {wanted}); "
+                              f"it holds {held}: recapture with sf-capture --aux-layers, or pick --layers from those")
+    return wanted

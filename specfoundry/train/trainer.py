@@ -1,6 +1,6 @@
 """sf-train's Trainer: Accelerate for devices, mixed precision, accumulation and sharding.
 
-`Trainer.train` drives build → resume → (train_step, evaluate, checkpoint)* → finish; each is a
+`Trainer.train` drives build → resume → (train_step, evaluate, checkpoint)* → write_outputs; each is a
 method that tests and benchmarks can call alone. `train_step` is one optimizer step over
 grad_accum micro-batches, each one `forward_backward` (the TTT forward and its backward).
 
@@ -51,7 +51,8 @@ from specfoundry.common.target import (
 )
 from specfoundry.common.weights import weight_fingerprint
 from specfoundry.families import FAMILIES, family_names, get_family
-from specfoundry.families.interface import TRAINING_FILE, Batch, check_finite, select_layers, serving_verifier
+from specfoundry.families.folders import TRAINING_FILE, check_finite, serving_verifier
+from specfoundry.featureset.batch import Batch
 from specfoundry.featureset.manifest import FeatureSetError, check_matches_target, tokenizer_hashes
 from specfoundry.featureset.store import FeatureSet
 from specfoundry.kernels.lk_loss import TOKEN_LOSSES, TokenLoss
@@ -63,7 +64,7 @@ from specfoundry.train.checkpoints import (
     write_best,
     write_checkpoint,
 )
-from specfoundry.train.loader import FeatureLoader, split_indices
+from specfoundry.train.loader import FeatureLoader, select_layers, split_indices
 from specfoundry.train.metrics import (
     NullTracker,
     TensorboardTracker,
@@ -120,8 +121,8 @@ class TrainConfig(Settings):
     keep_last: int = setting(2, resume=False, valid=Range(0, zero="every one"), help="Complete checkpoints kept.")
     attention: str = setting("auto", choices=ATTENTIONS, help="auto: FlexAttention on CUDA, SDPA with the dense "
                              "tree mask on CPU; eager: the original EAGLE-3 formulation.")
-    loss: str = setting("auto", choices=LOSS_KERNELS, help="auto: the in-place Triton kernel on CUDA; "
-                        "reference: plain torch.")
+    loss_kernel: str = setting("auto", choices=LOSS_KERNELS, help="The token loss's kernel. auto: the in-place "
+                               "Triton kernel on CUDA; reference: plain torch.")
     token_loss: str = setting("ce", choices=TOKEN_LOSSES, before="ce",
                               help="What each predicted token is trained on (docs/families.md, \"Objectives\"). ce: "
                                    "cross-entropy against the teacher; tv: 1 - alpha, alpha = sum min(p, q) the "
@@ -274,7 +275,7 @@ class Trainer:
         self.param_bytes = sum(p.numel() * p.element_size() for p in draft.trainable_parameters())  # unsharded
         self.model, self.optimizer = self.accel.prepare(model, optimizer)
         self.accel.register_for_checkpointing(self.scheduler)
-        self.raw = self.accel.unwrap_model(self.model)
+        self.unwrapped = self.accel.unwrap_model(self.model)  # the draft module without Accelerate's wrappers
         if self.accel.is_main_process:
             record_config(self.out, "train", cfg)
             atomic_write_json(self.out / "draft_config.json", self.dcfg.to_dict())
@@ -379,7 +380,7 @@ class Trainer:
         batch = batch.to(self.accel.device, self.dtype)
         with self.accel.autocast():
             # accel.backward divides the loss by the accumulation steps: that is the gradient into it
-            return (self.model if grad else self.raw)(batch, attention=cfg.attention, loss_kernel=cfg.loss,
+            return (self.model if grad else self.unwrapped)(batch, attention=cfg.attention, loss_kernel=cfg.loss_kernel,
                                                       loss_scale=1.0 / cfg.grad_accum)
 
     def forward_backward(self, batch: Batch) -> list[dict]:
@@ -406,7 +407,7 @@ class Trainer:
         """One optimizer step over grad_accum micro-batches (a single Batch when grad_accum is 1).
         Returns its metrics (step, loss_s, acc_s, sim_accept_len, lr), also appended to history."""
         batches = [batches] if isinstance(batches, Batch) else list(batches)
-        self.family.set_progress(self.raw, self.step, self.total_steps)  # a loss scheduled over the run
+        self.family.set_progress(self.unwrapped, self.step, self.total_steps)  # a loss scheduled over the run
         if len(batches) != self.cfg.grad_accum:
             raise ValueError(f"train_step takes grad_accum = {self.cfg.grad_accum} micro-batches, got {len(batches)}")
         self.model.train()
@@ -427,7 +428,7 @@ class Trainer:
     def evaluate(self) -> dict:
         """Metrics over the held-out samples (this rank's share, merged over ranks); {} if none."""
         cfg, accel = self.cfg, self.accel
-        self.raw.eval()
+        self.unwrapped.eval()
         loader = FeatureLoader(self.fs, self.eval_idx, max_tokens=cfg.max_batch_tokens, seed=cfg.seed,
                                rank=accel.process_index, world=accel.num_processes, num_workers=0,
                                max_length=cfg.max_length, pad_multiple=resolved_pad_multiple(cfg, accel.device),
@@ -447,7 +448,7 @@ class Trainer:
         """The draft's weights by their export names. A collective under FSDP (the full state dict
         is gathered): every rank must call it."""
         accel = self.accel
-        state = accel.get_state_dict(self.model) if accel.num_processes > 1 else self.raw.state_dict()
+        state = accel.get_state_dict(self.model) if accel.num_processes > 1 else self.unwrapped.state_dict()
         return {k.removeprefix("draft."): v for k, v in state.items() if k.startswith("draft.")}
 
     def keep_if_best(self, ev: dict) -> None:
@@ -463,9 +464,9 @@ class Trainer:
             write_best(self.out, state, self.best)
         self.accel.wait_for_everyone()
 
-    # ---- finish ---------------------------------------------------------------------------------
+    # ---- the outputs ---------------------------------------------------------------------------------
 
-    def finish(self) -> dict:
+    def write_outputs(self) -> dict:
         """Export the draft and write train_summary.json and history.json (each atomically)."""
         accel = self.accel
         self.tracker.close()
@@ -512,7 +513,7 @@ class Trainer:
 
     def train(self) -> dict:
         """build (unless built) → resume → train_step (with evaluation and checkpoints on their
-        schedule) → finish."""
+        schedule) → write_outputs."""
         cfg = self.cfg
         if not hasattr(self, "model"):
             self.build()
@@ -551,7 +552,7 @@ class Trainer:
                                            f"{ev['sim_accept_len']:.3f}{best}")
                 if self.step % cfg.save_every == 0 or last:
                     self.checkpoint()
-        return self.finish()
+        return self.write_outputs()
 
 
 def run_train(cfg: TrainConfig, silent: bool = False, target_dir: Path | None = None) -> dict:

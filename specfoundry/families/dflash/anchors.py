@@ -6,7 +6,26 @@ from __future__ import annotations
 
 import torch
 
-from specfoundry.families.interface import Batch, anchor_seed
+from specfoundry.featureset.batch import Batch
+
+MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    """One splitmix64 step: a bijective 64-bit mix whose outputs of nearby inputs look unrelated."""
+    z = (z + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def anchor_seed(seed: int, epoch: int, sample_index: int) -> int:
+    """The anchor-sampling seed of one sample in one epoch: a function of the three numbers only,
+    so a sample's anchors do not depend on its batch, its row, the rank or a resume."""
+    z = 0
+    for v in (seed, epoch, sample_index):
+        z = _splitmix64(z ^ (int(v) & MASK64))
+    return z >> 1  # 63 bits: any torch.Generator seed
 
 
 def sample_anchors(loss_mask: torch.Tensor, length: int, block_size: int, num_anchors: int,

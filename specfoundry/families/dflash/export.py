@@ -17,22 +17,20 @@ speculative/dflash_utils.py and dflash_worker.py):
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from specfoundry.common.target import rope_settings
 from specfoundry.families.dflash.config import DFlashConfig
-from specfoundry.families.interface import (
-    DRAFT_FILE,
-    TARGET_FILE,
+from specfoundry.families.folders import (
     DraftLoadError,
     check_tensors,
     expect_family,
+    exported_tensors,
     load_tensors,
     read_config_json,
+    write_export,
 )
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -107,18 +105,9 @@ def write_block_export(state_dict: dict[str, torch.Tensor], cfg, out_dir: str | 
     """The SGLang directory of a draft on DFlash's backbone (DFlash, Domino, DSpark): its tensors but
     the target's embedding, checked by the family's `validate`, the family's `sglang_config`
     (cfg, num_target_layers) as config.json, our config, and the target's identity when given."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().cpu().to(dtype).contiguous() for name, t in state_dict.items()
-               if not name.startswith(("embed_tokens.", "rotary."))}  # the target's embedding; RoPE has no weights
+    tensors = exported_tensors(state_dict, dtype, skip=("embed_tokens.", "rotary."))  # the target's embedding; RoPE has no weights
     validate(tensors, cfg)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    num_target_layers = (target or {}).get("num_layers")
-    (out / "config.json").write_text(json.dumps(sglang_config(cfg, num_target_layers), indent=2) + "\n")
-    (out / DRAFT_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    if target is not None:
-        (out / TARGET_FILE).write_text(json.dumps(target, indent=2) + "\n")
-    return out
+    return write_export(Path(out_dir), tensors, sglang_config(cfg, (target or {}).get("num_layers")), cfg, target)
 
 
 def config_from_sglang(config: dict) -> DFlashConfig:

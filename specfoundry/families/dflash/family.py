@@ -17,7 +17,8 @@ from specfoundry.families.dflash.export import export_draft, load_export, read_c
 from specfoundry.families.dflash.loss import DFlashModule, lk_refusal
 from specfoundry.families.dflash.model import DFlashDraft
 from specfoundry.families.dflash.options import DFlashOptions
-from specfoundry.families.interface import DraftFamily, load_tensors
+from specfoundry.families.folders import load_tensors
+from specfoundry.families.interface import DraftFamily
 from specfoundry.featureset.manifest import FeatureSetError
 from specfoundry.kernels.lk_loss import TokenLoss
 

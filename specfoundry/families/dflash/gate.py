@@ -35,7 +35,7 @@ from specfoundry.families.gatekit import (
     check_trained_setting,
     decode_prompt,
 )
-from specfoundry.families.interface import Batch
+from specfoundry.featureset.batch import Batch
 from specfoundry.featureset.store import FeatureSet
 
 GATE_DRAFT_LAYERS = 2

@@ -57,9 +57,9 @@ from torch.utils.checkpoint import checkpoint
 from specfoundry.families.dflash.anchors import batch_anchors, block_inputs, valid_slots
 from specfoundry.families.dflash.model import DFlashDraft
 from specfoundry.families.dflash.options import OBJECTIVES
-from specfoundry.families.interface import Batch
 from specfoundry.families.layers import compiled_on_cuda, compiles_elementwise
 from specfoundry.families.teacher import logit_rows
+from specfoundry.featureset.batch import Batch
 from specfoundry.kernels.lk_loss import TokenLoss, lk_loss
 from specfoundry.kernels.soft_ce import soft_target_cross_entropy
 

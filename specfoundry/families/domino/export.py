@@ -32,7 +32,7 @@ import torch
 
 from specfoundry.families.dflash import export as dflash_export
 from specfoundry.families.domino.config import PROJECTOR_TYPE, PURE_DRAFT_PREFIX_LEN, DominoConfig
-from specfoundry.families.interface import check_tensors
+from specfoundry.families.folders import check_tensors
 
 
 def expected_tensors(cfg: DominoConfig) -> dict[str, tuple[int, ...]]:

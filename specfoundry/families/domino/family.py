@@ -15,7 +15,7 @@ from specfoundry.families.domino.config import DominoConfig, domino_config_from_
 from specfoundry.families.domino.export import export_draft, load_export, read_config
 from specfoundry.families.domino.loss import DominoModule
 from specfoundry.families.domino.model import DominoDraft
-from specfoundry.families.interface import load_tensors
+from specfoundry.families.folders import load_tensors
 from specfoundry.kernels.lk_loss import TokenLoss
 
 

@@ -31,9 +31,9 @@ from specfoundry.families.dflash.anchors import batch_anchors, block_inputs
 from specfoundry.families.dflash.loss import HARD_CE_ROWS, attach_gradients, check_announced, hard_ce_rows
 from specfoundry.families.domino.config import PURE_DRAFT_PREFIX_LEN
 from specfoundry.families.domino.model import DominoDraft, correction_parameters
-from specfoundry.families.interface import Batch
 from specfoundry.families.layers import compiled_on_cuda, compiles_elementwise
 from specfoundry.families.teacher import logit_rows
+from specfoundry.featureset.batch import Batch
 
 
 def base_weight_at(step: int, total_steps: int, start: float, end: float, fraction: float) -> float:

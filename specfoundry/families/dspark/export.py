@@ -44,7 +44,7 @@ import torch
 
 from specfoundry.families.dflash import export as dflash_export
 from specfoundry.families.dspark.config import MARKOV_HEAD_TYPE, DSparkConfig
-from specfoundry.families.interface import check_tensors
+from specfoundry.families.folders import check_tensors
 
 ARCHITECTURE = "Qwen3DSparkModel"
 

@@ -15,7 +15,7 @@ from specfoundry.families.dspark.config import DSparkConfig, dspark_config_from_
 from specfoundry.families.dspark.export import export_draft, load_export, read_config
 from specfoundry.families.dspark.loss import DSparkModule
 from specfoundry.families.dspark.model import DSparkDraft
-from specfoundry.families.interface import load_tensors
+from specfoundry.families.folders import load_tensors
 from specfoundry.kernels.lk_loss import TokenLoss
 
 

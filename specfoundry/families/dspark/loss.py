@@ -35,9 +35,9 @@ from torch.utils.checkpoint import checkpoint
 from specfoundry.families.dflash.anchors import batch_anchors, block_inputs
 from specfoundry.families.dflash.loss import attach_gradients, check_announced
 from specfoundry.families.dspark.model import DSparkDraft, head_parameters
-from specfoundry.families.interface import Batch
 from specfoundry.families.layers import compiled_on_cuda, compiles_elementwise
 from specfoundry.families.teacher import logit_rows
+from specfoundry.featureset.batch import Batch
 
 
 def slot_weights(block_size: int, gamma: float) -> torch.Tensor:

@@ -20,11 +20,9 @@ Embeddings are not exported: both engines share the target's.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from specfoundry.families.eagle3.config import Eagle3Config
 from specfoundry.families.eagle3.formats import (
@@ -34,12 +32,11 @@ from specfoundry.families.eagle3.formats import (
     read_eagle3,
     to_vllm_ids,
 )
-from specfoundry.families.interface import (
-    DRAFT_FILE,
-    TARGET_FILE,
+from specfoundry.families.folders import (
     check_tensors,
     expect_family,
     exported_tensors,
+    write_export,
 )
 
 __all__ = ["expected_tensors", "export_draft", "load_export", "sglang_config", "speculators_config", "validate"]
@@ -145,7 +142,6 @@ def export_draft(state_dict: dict[str, torch.Tensor], cfg: Eagle3Config, out_dir
     if layout not in LAYOUTS:
         raise ValueError(f"unknown export layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tensors = exported_tensors(state_dict, dtype, skip=("embed_tokens.", "rotary."))  # the engines use the target's embeddings
     validate(tensors, cfg)
     if layout == "speculators":
@@ -154,13 +150,7 @@ def export_draft(state_dict: dict[str, torch.Tensor], cfg: Eagle3Config, out_dir
         config = speculators_config(cfg, verifier, speculative_tokens or SPECULATIVE_TOKENS)
     else:
         config = sglang_config(cfg)
-    save_file({layout_name(n, layout): t for n, t in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / DRAFT_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    if target is not None:
-        (out / TARGET_FILE).write_text(json.dumps(target, indent=2) + "\n")
-    return out
+    return write_export(out, {layout_name(n, layout): t for n, t in tensors.items()}, config, cfg, target)
 
 
 def load_export(path: str | Path, num_target_layers: int | None = None) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:

@@ -27,7 +27,7 @@ import torch
 from specfoundry.common.target import rope_settings
 from specfoundry.families.eagle3.config import Eagle3Config
 from specfoundry.families.eagle3.options import default_aux_layers
-from specfoundry.families.interface import DraftLoadError, load_tensors, read_config_json, read_json
+from specfoundry.families.folders import DraftLoadError, load_tensors, read_config_json, read_json
 
 LAYOUTS = ("sglang", "speculators")
 # written by other tools beside the draft's own weights, and not the draft's: the target's

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from specfoundry.decoding.rounds import DecodeResult, PhaseClock, finish, read_prompt
+from specfoundry.decoding.rounds import DecodeResult, PhaseClock, cut_at_end, read_prompt
 from specfoundry.decoding.target import TargetRunner
 from specfoundry.decoding.tree import DraftTree, accept_tree, verify_mask
 from specfoundry.families.eagle3.chain import DraftRunner
@@ -81,11 +81,11 @@ def tree_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *
     tokens, result = read_prompt(clock, target, prompt, lambda row: int(row.argmax()),
                                  lambda first, aux: draft.extend(prompt[1:] + first, aux))
     pending = list(tokens)  # committed, not yet read by the target; the last is the tree's root
-    tokens, done = finish(tokens, eos, max_new_tokens)
+    tokens, done = cut_at_end(tokens, eos, max_new_tokens)
     while not done:
-        m0 = clock.mark()
+        proposing = clock.mark()
         drafted = expand_tree(draft, shape)  # [N] on the device
-        m1 = clock.mark()
+        verifying = clock.mark()
         cached, p = len(target), len(pending)
         positions, mask = verify_layout(shape, structure, cached, p)
         logits, aux, _ = target.forward(pending, positions=positions, mask=mask, tail=drafted)
@@ -94,18 +94,18 @@ def tree_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *
         tree = shape.tree(read[:nodes])
         path, bonus = accept_tree(tree, read[nodes:], root_row=p - 1)
         target.crop(cached + p)  # keep the pending tokens; the tree's entries go
-        m2 = clock.mark()
+        committing = clock.mark()
         new = [tree.tokens[n] for n in path] + [bonus]
         # (token t_{i+1}, aux a_i) pairs: the root's and the accepted nodes' features, computed
         # in this forward with exactly the committed text as their context
         draft.extend(new, aux[[p - 1] + [p + n for n in path]])
-        m3 = clock.mark()
-        clock.add("draft", m0, m1)
-        clock.add("target", m1, m2)
-        clock.add("draft", m2, m3)
+        done_round = clock.mark()
+        clock.add("draft", proposing, verifying)
+        clock.add("target", verifying, committing)
+        clock.add("draft", committing, done_round)
         result.accepted.append(len(path))
         pending = new
-        tokens, done = finish(tokens + new, eos, max_new_tokens)
+        tokens, done = cut_at_end(tokens + new, eos, max_new_tokens)
     result.tokens = tokens
     clock.fill(result)
     result.total_s = time.perf_counter() - t0

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from specfoundry.families.eagle3.model import Eagle3Draft, TTTCache
-from specfoundry.families.interface import Batch
 from specfoundry.families.teacher import teacher_targets
 from specfoundry.families.vocab import draft_ids_from_d2t
+from specfoundry.featureset.batch import Batch
 from specfoundry.kernels.lk_loss import TokenLoss
 
 

@@ -45,11 +45,9 @@ tensors (no prefix)
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from specfoundry.common.target import rope_settings
 from specfoundry.families.eagle3.export import layer_config
@@ -61,14 +59,13 @@ from specfoundry.families.eagle3.formats import (
     vocab_maps_of,
 )
 from specfoundry.families.eagle3.options import default_aux_layers
-from specfoundry.families.interface import (
-    DRAFT_FILE,
-    TARGET_FILE,
+from specfoundry.families.folders import (
     DraftLoadError,
     check_tensors,
     expect_family,
     exported_tensors,
     read_config_json,
+    write_export,
 )
 from specfoundry.families.peagle.config import PEagleConfig
 
@@ -144,13 +141,7 @@ def export_draft(state_dict: dict[str, torch.Tensor], cfg: PEagleConfig, out_dir
     if verifier is None:
         verifier = {"name_or_path": (target or {}).get("path") or (target or {}).get("name"), "architectures": []}
     config = speculators_config(cfg, verifier, speculative_tokens or cfg.num_depths)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / DRAFT_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    if target is not None:
-        (out / TARGET_FILE).write_text(json.dumps(target, indent=2) + "\n")
-    return out
+    return write_export(out, tensors, config, cfg, target)
 
 
 def config_from_speculators(config: dict, num_target_layers: int | None) -> PEagleConfig:

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import torch
 
-from specfoundry.families.interface import Batch, anchor_seed
+from specfoundry.families.dflash.anchors import anchor_seed
 from specfoundry.families.peagle.mask import peagle_mask
 from specfoundry.families.peagle.model import PEagleDraft
 from specfoundry.families.peagle.options import LOSS_WEIGHTS as WEIGHTS
 from specfoundry.families.teacher import teacher_targets
 from specfoundry.families.vocab import draft_ids_from_d2t
+from specfoundry.featureset.batch import Batch
 from specfoundry.kernels.lk_loss import TokenLoss
 
 
