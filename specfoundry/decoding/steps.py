@@ -76,10 +76,10 @@ class Step:
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def pieces(value) -> list:
-    """A call's value as its pieces, concatenated along the first dimension: a tuple is pieces (each a
-    tensor, a list of numbers, or None: nothing), anything else one piece."""
-    return [v for v in value if v is not None] if isinstance(value, tuple) else [value]
+def pieces(value: tuple) -> list:
+    """A tuple value's pieces, concatenated along the first dimension: each a tensor, a list of
+    numbers, or None (nothing)."""
+    return [v for v in value if v is not None]
 
 
 class _Group:
@@ -92,19 +92,25 @@ class _Group:
 
 
 class _Input:
-    """One input: its group, its span there, its shape; `rows(t, n)`: the first n rows of t."""
+    """One input: its group, its shape, its views there (on the device, on the host and, where
+    numpy has the dtype, the host's numpy view: a host value written through numpy costs no torch
+    dispatch, which is most of a small step's host time)."""
 
     def __init__(self, group: _Group, span: slice, shape: tuple[int, ...]):
-        self.group, self.span, self.shape = group, span, shape
+        self.group, self.shape = group, shape
+        self.length = shape[0] if shape else 1
         self.device = group.device[span].view(shape)
         self.host = group.host[span].view(shape)
+        self.numpy = self.host.numpy() if group.host.dtype in NUMPY_DTYPES else None
 
-    @property
-    def length(self) -> int:
-        return self.shape[0] if self.shape else 1
+    def rows(self, t, start: int, count: int):
+        """Rows start..start+count of t (a view of this input); the whole input when it has no rows."""
+        if not self.shape or (start == 0 and count == self.length):
+            return t
+        return t[start: start + count]
 
-    def rows(self, t: torch.Tensor, start: int, count: int) -> torch.Tensor:
-        return t[start: start + count] if self.shape else t
+
+NUMPY_DTYPES = (torch.int64, torch.int32, torch.bool, torch.float32)
 
 
 class Staged:
@@ -112,8 +118,8 @@ class Staged:
 
     def __init__(self, inputs: dict[str, torch.Tensor], device: torch.device):
         self.device = device
-        self.pinned = device.type == "cuda"
-        self.copied = torch.cuda.Event() if self.pinned else None  # after the last host-to-device copy
+        self.on_gpu = device.type != "cpu"
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None  # after the last host-to-device copy
         by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
         for name, value in inputs.items():
             value = torch.as_tensor(value)
@@ -121,7 +127,7 @@ class Staged:
         self.groups: list[_Group] = []
         self.inputs: dict[str, _Input] = {}
         for dtype, named in by_dtype.items():
-            group = _Group(dtype, sum(v.numel() for _, v in named), device, self.pinned)
+            group = _Group(dtype, sum(v.numel() for _, v in named), device, self.copied is not None)
             offset = 0
             for name, value in named:
                 self.inputs[name] = _Input(group, slice(offset, offset + value.numel()), tuple(value.shape))
@@ -136,47 +142,55 @@ class Staged:
             raise TypeError(f"a step takes exactly the inputs {sorted(self.inputs)}, got {sorted(values)}")
         if self.copied is not None:
             self.copied.synchronize()  # the last copy from the host buffers has run: they may be rewritten
-        from_host: set[_Group] = set()  # groups given host values by this call
         changed: set[_Group] = set()  # groups whose host buffer this call rewrote
+        unchanged: set[_Group] = set()  # groups given host values equal to what they held
         on_device = []  # (input, its rows, a device tensor) copied after the host's copies
         for name, value in values.items():
             put = self.inputs[name]
             row = 0
-            for piece in pieces(value):
-                count = (piece.shape[0] if put.shape and piece.dim() else 1) if isinstance(piece, torch.Tensor) \
-                    else len(piece) if isinstance(piece, list) else 1
-                if row + count > put.length:
-                    raise ValueError(f"input {name}: {row + count} rows given, it holds {put.length}")
-                if isinstance(piece, torch.Tensor):
-                    if piece.device.type != "cpu" and self.device.type != "cpu":
-                        on_device.append((put, put.rows(put.device, row, count), piece))
-                        row += count
-                        continue
-                    into = put.rows(put.host, row, count)
-                    piece = piece.reshape(into.shape)
-                    if not torch.equal(into, piece if piece.dtype == into.dtype else piece.to(into.dtype)):
-                        into.copy_(piece)
-                        changed.add(put.group)
-                elif isinstance(piece, list):  # numbers, written without a comparison (ids, positions)
-                    if count:
-                        put.rows(put.host, row, count).copy_(torch.tensor(piece, dtype=put.host.dtype))
-                        changed.add(put.group)
-                else:  # a number
-                    put.rows(put.host, row, 1).fill_(piece)
-                    changed.add(put.group)
-                from_host.add(put.group)
-                row += count
-        sent = False
-        for group in from_host:
-            if group in changed or group.stale:
-                group.device.copy_(group.host, non_blocking=self.pinned)
-                group.stale = False
-                sent = True
-        if sent and self.copied is not None:
+            for piece in (pieces(value) if type(value) is tuple else (value,)):
+                row += self.place(name, put, piece, row, changed, unchanged, on_device)
+        for group in changed | {g for g in unchanged if g.stale}:
+            group.device.copy_(group.host, non_blocking=self.copied is not None)
+            group.stale = False
+        if (changed or unchanged) and self.copied is not None:
             self.copied.record(torch.cuda.current_stream(self.device))
         for put, into, piece in on_device:
-            into.copy_(piece.reshape(into.shape))
+            into.copy_(piece if piece.shape == into.shape else piece.reshape(into.shape))
             put.group.stale = True
+
+    def place(self, name: str, put: _Input, piece, row: int, changed: set, unchanged: set, on_device: list) -> int:
+        """Write one piece of input `name` from its row `row`; returns its row count. Numbers and lists
+        are written without a comparison (ids, positions, lengths change every call); a host tensor
+        only where it differs from what the buffer holds (a tree's mask, met again)."""
+        if isinstance(piece, torch.Tensor):
+            count = piece.shape[0] if put.shape and piece.dim() else 1
+        else:
+            count = len(piece) if isinstance(piece, list) else 1
+        if row + count > put.length:
+            raise ValueError(f"input {name}: {row + count} rows given, it holds {put.length}")
+        if isinstance(piece, torch.Tensor):
+            if piece.device.type != "cpu" and self.on_gpu:
+                on_device.append((put, put.rows(put.device, row, count), piece))
+                return count
+            into = put.rows(put.host, row, count)
+            piece = piece.reshape(into.shape)
+            if torch.equal(into, piece if piece.dtype == into.dtype else piece.to(into.dtype)):
+                unchanged.add(put.group)
+            else:
+                into.copy_(piece)
+                changed.add(put.group)
+        elif put.numpy is not None:  # numbers through numpy: no torch dispatch
+            if put.shape:
+                put.numpy[row: row + count] = piece
+            else:
+                put.numpy[()] = piece
+            changed.add(put.group)
+        else:
+            put.rows(put.host, row, count).copy_(torch.tensor(piece, dtype=put.host.dtype).reshape(
+                put.rows(put.host, row, count).shape))
+            changed.add(put.group)
+        return count
 
 
 class CapturedSteps:

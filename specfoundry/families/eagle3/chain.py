@@ -150,7 +150,7 @@ class DraftRunner:
                 self.reset_capacity(self.length + key)
             logits = self.extends(key, ids=tokens, start=self.length, rows=count, aux=aux)
             self.length = self.written = self.length + count
-            return logits[:count]  # (a view of the step's buffer: a bucket's pad rows dropped)
+            return logits if key == count else logits[:count]  # (a bucket's pad rows dropped)
         dtype = self.draft.fc.weight.dtype
         hidden = self.draft.project(aux.to(dtype)[None])  # [1, T, H]
         pre, logits = self.run(tokens, hidden, list(range(self.length, self.length + len(tokens))))
