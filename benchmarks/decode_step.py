@@ -318,8 +318,8 @@ def draft_steps(shape: str, model, prompt_len: int, graphs: bool) -> dict:
     from specfoundry.families.dspark.options import DSparkOptions
     from specfoundry.families.eagle3.chain import DraftRunner
     from specfoundry.families.eagle3.config import draft_config_from_target
-    from specfoundry.families.eagle3.model import Eagle3Draft
     from specfoundry.families.eagle3.expansion import TreeShape, expand_body
+    from specfoundry.families.eagle3.model import Eagle3Draft
     from specfoundry.families.eagle3.tree import expand_tree
     from specfoundry.families.peagle.config import peagle_config_from_target
     from specfoundry.families.peagle.decode import PEagleRunner
