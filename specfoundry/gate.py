@@ -8,9 +8,8 @@ a bounded number of steps (sf-train) and exports it. A draft that has memorised 
 greedy answer must then be accepted almost every time when sf-eval decodes that prompt. When it
 is not, the family's checks say which stage disagrees; the first failure is named. Each family
 supplies its checks (families/<name>/gate.py, through the catalogue in families/__init__.py; the pieces they
-share are in families/gatekit.py), ending with its decode check. EAGLE-3's, in order: vocab map,
-export, features, positions, fit, decode; DFlash's (block k+1): export names, mask token,
-layers, positions, fit, decode.
+share are in families/gatekit.py), ending with its decode check (docs/families.md lists each
+family's).
 """
 
 from __future__ import annotations
@@ -65,7 +64,7 @@ class GateConfig(Settings):
     prompt: str = setting(DEFAULT_PROMPT, help="The one prompt whose greedy answer the draft overfits.")
     # the length cap of the target's greedy answer
     max_new_tokens: int = shared("max_new_tokens", 96)
-    # also the TTT length trained (EAGLE-3), or the block's proposals (DFlash: block_size k+1)
+    # what the draft is trained to propose per round (the catalogue's gate_k: TTT steps, a block of k+1, K depths)
     k: int = shared("draft_tokens", 4, help=FAMILIES.draft_tokens_help())
     max_steps: int = shared("max_steps", 200)
     lr: float = setting(3e-3, valid=Range(0, 1, min_open=True), help="Learning rate of the overfit.")

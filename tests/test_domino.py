@@ -235,7 +235,7 @@ def test_the_trainer_announces_its_step_to_the_module():
     trainer = Trainer.__new__(Trainer)
     trainer.step, trainer.total_steps = 7, 20
     trainer.unwrapped = SimpleNamespace(set_progress=lambda s, t: seen.append((s, t)))
-    trainer.family = FAMILIES.provider("domino")
+    trainer.provider = FAMILIES.provider("domino")
     trainer.cfg = SimpleNamespace(grad_accum=1)
     trainer.model = SimpleNamespace(train=stop)
     with pytest.raises(Stop):
@@ -440,11 +440,11 @@ def test_domino_gate_passes_on_the_tiny_target_and_names_broken_pieces(tiny_llam
 
 
 def test_dflash_only_objectives_are_refused():
-    from specfoundry.families import Extended, get_family
+    from specfoundry.families import FAMILIES, Extended
     from specfoundry.families.dflash.options import DFlashOptions
     from specfoundry.families.domino.options import DominoOptions
 
-    family = get_family("domino")
+    family = FAMILIES.provider("domino")
     for parent, words in ((DFlashOptions(teacher="soft"), "--teacher soft"), (DFlashOptions(objective="dpace"),
                                                                             "--objective dpace")):
         with pytest.raises(ValueError, match=words):

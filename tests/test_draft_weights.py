@@ -9,7 +9,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from specfoundry.families import FAMILIES, get_family
+from specfoundry.families import FAMILIES
 from specfoundry.families.folders import DraftLoadError, find_draft_files, load_draft, locate_draft
 from tests.test_families import family_options, stub_featureset
 from tests.test_reliability import features, tiny_cfg  # noqa: F401 - the feature set fixture
@@ -18,7 +18,7 @@ from tests.test_reliability import features, tiny_cfg  # noqa: F401 - the featur
 def poisoned_export(name: str, tiny_llama_dir, tmp_path):
     """An export of family `name` (a random draft of the tiny target) with one NaN in one weight;
     returns (the folder, the name of the poisoned tensor)."""
-    family, options = get_family(name), family_options(name, tmp_path)
+    family, options = FAMILIES.provider(name), family_options(name, tmp_path)
     layers = family.default_layers(8, options)
     torch.manual_seed(0)
     draft, dcfg = family.build(options, stub_featureset(tmp_path, tiny_llama_dir, layers), tiny_llama_dir, layers, None)
@@ -41,7 +41,7 @@ def test_a_nan_in_an_exported_weight_is_refused_by_every_reader(name, tiny_llama
         with pytest.raises(DraftLoadError) as e:
             read()
         assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
-    family, options = get_family(name), family_options(name, tmp_path)
+    family, options = FAMILIES.provider(name), family_options(name, tmp_path)
     layers = family.default_layers(8, options)
     with pytest.raises(DraftLoadError, match="not finite"):  # --init-from
         family.build(options, stub_featureset(tmp_path, tiny_llama_dir, layers), tiny_llama_dir, layers, str(out))
@@ -75,7 +75,7 @@ def test_sf_export_onto_a_full_disk_is_one_line_leaves_nothing_and_reruns_identi
     from tests.test_faults import Tmpfs
 
     source = tmp_path / "clean"
-    family, options = get_family("eagle3"), family_options("eagle3", tmp_path)
+    family, options = FAMILIES.provider("eagle3"), family_options("eagle3", tmp_path)
     layers = family.default_layers(8, options)
     torch.manual_seed(0)
     draft, dcfg = family.build(options, stub_featureset(tmp_path, tiny_llama_dir, layers), tiny_llama_dir, layers, None)
@@ -107,7 +107,7 @@ def test_an_edited_vocab_size_names_the_field_and_both_values(tiny_llama_dir, tm
     """issue 37 item 10: it said 'outside the target vocabulary of 1000', 1000 being the edited field."""
     import json
 
-    family, options = get_family("dflash"), family_options("dflash", tmp_path)
+    family, options = FAMILIES.provider("dflash"), family_options("dflash", tmp_path)
     layers = family.default_layers(8, options)
     torch.manual_seed(0)
     draft, dcfg = family.build(options, stub_featureset(tmp_path, tiny_llama_dir, layers), tiny_llama_dir, layers, None)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
-from specfoundry.families import FAMILIES, DraftLoadError, Extended, get_family
+from specfoundry.families import FAMILIES, DraftLoadError, Extended
 from specfoundry.families.dflash.anchors import batch_anchors, block_inputs
 from specfoundry.families.dflash.options import DFlashOptions
 from specfoundry.families.dspark.config import DSparkConfig
@@ -236,7 +236,7 @@ def test_nothing_to_learn_gives_zero_loss_and_zero_gradients_and_no_final_state_
 
 
 def test_dflash_only_teachers_and_objectives_are_refused():
-    family = get_family("dspark")
+    family = FAMILIES.provider("dspark")
     for parent, words in ((DFlashOptions(teacher="soft"), "--teacher soft"),
                           (DFlashOptions(objective="dpace"), "--objective dpace")):
         with pytest.raises(ValueError, match=words):

@@ -13,7 +13,7 @@ import torch
 
 from specfoundry.capture.stage import CaptureConfig, CaptureError, stored_layers
 from specfoundry.common.settings import Settings, setting
-from specfoundry.families import FAMILIES, get_family
+from specfoundry.families import FAMILIES
 from specfoundry.families.dflash.options import DFlashOptions, dflash_default_layers
 from specfoundry.families.eagle3.chain import DraftRunner
 from specfoundry.families.eagle3.config import Eagle3Config
@@ -55,7 +55,7 @@ def test_one_capture_stores_the_union_of_the_families_layers_ascending():
 def test_each_family_takes_its_layers_from_a_union_set_and_names_a_missing_one():
     held = sorted(set(default_aux_layers(36)) | set(dflash_default_layers(36)))
     manifest = {"aux_layer_ids": held}
-    eagle3, dflash = get_family("eagle3"), get_family("dflash")
+    eagle3, dflash = FAMILIES.provider("eagle3"), FAMILIES.provider("dflash")
     assert select_layers(manifest, eagle3, Eagle3Options(), None, 36, "set") == default_aux_layers(36)
     assert select_layers(manifest, dflash, DFlashOptions(), None, 36, "set") == [1, 9, 17, 25, 33]
     assert select_layers(manifest, eagle3, Eagle3Options(), (9, 17, 25), 36, "set") == [9, 17, 25]
@@ -186,7 +186,7 @@ def test_the_loader_hands_out_the_chosen_layers_of_a_union_set(tmp_path):
     manifest = fs.manifest
     for family, options, want in [("eagle3", Eagle3Options(), [1, 14, 26]),
                                   ("dflash", DFlashOptions(num_draft_layers=5), [1, 8, 14, 20, 27])]:
-        fam = get_family(family)
+        fam = FAMILIES.provider(family)
         layers = select_layers(manifest, fam, options, None, 30, "set")
         assert layers == want
         positions = [manifest["aux_layer_ids"].index(i) for i in layers]
@@ -244,7 +244,7 @@ def family_options(name, tmp_path):
     from specfoundry.gate import GateConfig
     from specfoundry.train.trainer import TrainConfig
 
-    groups = get_family(name).gate_options(GateConfig(output=str(tmp_path / "gate"), k=3, draft_vocab_size=49152))
+    groups = FAMILIES.provider(name).gate_options(GateConfig(output=str(tmp_path / "gate"), k=3, draft_vocab_size=49152))
     cfg = TrainConfig(featureset="fs", output=str(tmp_path / "run"), family=name, **groups)
     return FAMILIES.options_for(cfg, name)
 
@@ -266,7 +266,7 @@ def test_every_registered_family_keeps_the_contract(name, tiny_llama_dir, tmp_pa
     from specfoundry.common.weights import target_lm_head
     from specfoundry.families.folders import family_of_export, load_draft, locate_draft
 
-    family, options = get_family(name), family_options(name, tmp_path)
+    family, options = FAMILIES.provider(name), family_options(name, tmp_path)
     layers = family.default_layers(8, options)
     torch.manual_seed(0)
     draft, dcfg = family.build(options, stub_featureset(tmp_path, tiny_llama_dir, layers), tiny_llama_dir, layers, None)
@@ -308,7 +308,7 @@ def test_every_registered_family_decodes_the_targets_greedy_tokens_through_the_c
     from specfoundry.decoding.target import TargetRunner
 
     target = Target.load(str(tiny_llama_dir), device="cpu", dtype=torch.float32)
-    family, options = get_family(name), family_options(name, tmp_path)
+    family, options = FAMILIES.provider(name), family_options(name, tmp_path)
     layers = family.default_layers(8, options)
     torch.manual_seed(0)
     draft, dcfg = family.build(options, stub_featureset(tmp_path, tiny_llama_dir, layers), tiny_llama_dir, layers, None)
@@ -357,7 +357,7 @@ def test_every_registered_familys_preparation_leaves_no_capture_to_a_timed_decod
     from specfoundry.eval import evaluate
 
     target = Target.load(str(tiny_llama_dir), device=device, dtype=torch.float32)
-    family, options = get_family(name), family_options(name, tmp_path)
+    family, options = FAMILIES.provider(name), family_options(name, tmp_path)
     layers = family.default_layers(8, options)
     torch.manual_seed(0)
     draft, dcfg = family.build(options, stub_featureset(tmp_path, tiny_llama_dir, layers), tiny_llama_dir, layers, None)
@@ -442,7 +442,7 @@ def test_an_unknown_architecture_is_one_line_at_every_entry_point(tiny_llama_dir
         for fn in (lambda f=folder: family_of_export(f), lambda f=folder: locate_draft(f)):
             one_line(fn, words)
     for name in FAMILIES.names():  # --init-from, which each family reads itself
-        family = get_family(name)
+        family = FAMILIES.provider(name)
         options = family_options(name, tmp_path)
         layers = family.default_layers(8, options)
         fs = stub_featureset(tmp_path, tiny_llama_dir, layers)
@@ -463,7 +463,7 @@ def test_an_unknown_family_is_one_line_at_every_entry_point(tmp_path):
     from specfoundry.train.trainer import TrainConfig
 
     words = "unknown draft family 'bogus'"
-    one_line(lambda: get_family("bogus"), words)
+    one_line(lambda: FAMILIES.provider("bogus"), words)
     one_line(lambda: FAMILIES.default_layers("bogus", 8), words)
     one_line(lambda: TrainConfig(featureset="fs", output="o", family="bogus"), words)
     one_line(lambda: GateConfig(output="o", family="bogus"), words)

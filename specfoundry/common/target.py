@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,10 +163,14 @@ plus the texts so far (there is no generation prompt), so the assistant texts an
 loss region, and generation stops at EOS."""
 
 
+TEMPLATE_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""tokenizer -> where with_chat_template took its template from (kept beside the tokenizer, not on it)."""
+
+
 def chat_template_source(tokenizer) -> str:
     """How the tokenizer renders conversations: 'target' (its own template), 'completion', or the
     file given with --chat-template."""
-    return getattr(tokenizer, "specfoundry_chat_template", "target")
+    return TEMPLATE_SOURCES.get(tokenizer, "target")
 
 
 def with_chat_template(tokenizer, chat_template: str | None):
@@ -182,7 +187,7 @@ def with_chat_template(tokenizer, chat_template: str | None):
             raise TargetError(f"--chat-template {chat_template}: no such file (a Jinja chat template, or "
                               f"'{COMPLETION}')")
         tokenizer.chat_template, source = path.read_text(), str(path)
-    tokenizer.specfoundry_chat_template = source
+    TEMPLATE_SOURCES[tokenizer] = source
     return tokenizer
 
 

@@ -207,9 +207,8 @@ def target_dtype(cfg: EvalConfig) -> torch.dtype:
 
 
 def exact_default_dtype(cfg: EvalConfig) -> tuple[torch.dtype, str]:
-    """(the target's dtype when --dtype is not given, why, as printed). The issue of decoding at GPU
-    speed asks for the exact side by default: greedy speculative output is the target's own token
-    for token in float32, while in bfloat16 a verify of k+1 tokens and a one-token step can round a
+    """(the target's dtype when --dtype is not given, why, as printed): the exact side by default,
+    since greedy speculative output is the target's own token for token in float32, while in bfloat16 a verify of k+1 tokens and a one-token step can round a
     near-tie apart (docs/stages.md). float32 doubles the weights' memory, so a target whose float32
     weights would crowd its GPU, or one spread over several devices, runs in bfloat16."""
     device = pick_device(cfg.device)

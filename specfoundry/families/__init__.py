@@ -103,9 +103,9 @@ class Registry:
         for f in families:
             if f.name in self.families:
                 raise TypeError(f"family {f.name!r} is registered twice")
-            for other in (f.extends, *f.builds_on):
+            for how, other in [("extends", f.extends)] + [("builds on", b) for b in f.builds_on]:
                 if other is not None and other not in self.families:
-                    raise TypeError(f"family {f.name!r} extends or builds on {other!r}, which is not an earlier entry")
+                    raise TypeError(f"family {f.name!r} {how} {other!r}, which is not an earlier entry")
             for arch in f.architectures:
                 if arch in self.by_architecture:
                     raise TypeError(f"architecture {arch!r} names two families: {self.by_architecture[arch]} and {f.name}")
@@ -353,8 +353,3 @@ FAMILIES = Registry((
 
 def family_names() -> tuple[str, ...]:
     return FAMILIES.names()
-
-
-def get_family(name: str):
-    """The provider of family `name` (UnknownFamilyError, one line, for a name no entry has)."""
-    return FAMILIES.provider(name)

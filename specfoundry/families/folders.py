@@ -23,7 +23,7 @@ from specfoundry.families import FAMILIES, DraftLoadError, UnknownFamilyError
 from specfoundry.families.interface import DraftFamily
 from specfoundry.featureset.manifest import tokenizer_hashes
 
-__all__ = ["DraftLoadError", "DraftRef", "check_trained_for", "complete_checkpoints", "draft_module", "family_of",
+__all__ = ["DraftLoadError", "DraftRef", "check_trained_for", "complete_checkpoints", "draft_module",
            "family_of_export", "find_draft_files", "load_draft", "locate_draft", "target_num_layers", "trained_for",
            "untrained_like"]
 
@@ -44,11 +44,6 @@ def target_num_layers(target_dir: Path) -> int:
 def family_of_export(path: Path) -> str:
     """The family of an exported draft folder, from its config.json (ours or another tool's)."""
     return FAMILIES.family_of_config(read_config_json(path), str(Path(path) / "config.json"))
-
-
-def family_of(cfg) -> DraftFamily:
-    """The provider of a draft config's family."""
-    return FAMILIES.provider(cfg.family)
 
 
 def is_export(path: Path) -> bool:
@@ -172,7 +167,7 @@ def training_record(ref: DraftRef) -> dict | None:
 
 def draft_module(cfg) -> torch.nn.Module:
     """A fresh draft of config `cfg`, built by its family."""
-    return family_of(cfg).draft_module(cfg)
+    return FAMILIES.provider(cfg.family).draft_module(cfg)
 
 
 def check_trained_for(ref: DraftRef, target_dir: Path, allow_other: bool) -> str | None:

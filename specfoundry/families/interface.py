@@ -54,7 +54,7 @@ class Decoder:
 
 
 class DraftFamily:
-    """The interface; each family subclasses it (families/eagle3/family.py, families/dflash/family.py).
+    """The interface; each family's provider (families/<name>/family.py) subclasses it.
     `options` below is what the catalogue's options_for gives: the family's own options group,
     or an Extended(parent's, own) for a family that extends another."""
 

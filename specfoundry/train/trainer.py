@@ -50,7 +50,7 @@ from specfoundry.common.target import (
     target_identity,
 )
 from specfoundry.common.weights import weight_fingerprint
-from specfoundry.families import FAMILIES, family_names, get_family
+from specfoundry.families import FAMILIES, family_names
 from specfoundry.families.folders import TRAINING_FILE, check_finite, serving_verifier
 from specfoundry.featureset.batch import Batch
 from specfoundry.featureset.manifest import FeatureSetError, check_matches_target, tokenizer_hashes
@@ -256,16 +256,16 @@ class Trainer:
         identity = check_featureset(self.fs, cfg, self.target_dir)
         if cfg.verify_shards:
             self.check_shards()
-        self.family = get_family(cfg.family)
+        self.provider = FAMILIES.provider(cfg.family)
         options = FAMILIES.options_for(cfg, cfg.family)
-        layers = select_layers(self.fs.manifest, self.family, options, cfg.layers, identity.num_layers,
+        layers = select_layers(self.fs.manifest, self.provider, options, cfg.layers, identity.num_layers,
                                f"feature set {cfg.featureset}")
-        draft, self.dcfg = self.family.build(options, self.fs, self.target_dir, layers, cfg.init_from)
+        draft, self.dcfg = self.provider.build(options, self.fs, self.target_dir, layers, cfg.init_from)
         self.check_vocab_coverage(draft)
         self.dtype = torch.bfloat16 if self.accel.device.type == "cuda" else torch.float32
-        model = self.family.module(draft, self.target_dir, self.dtype, options, cfg.seed, cfg.objective)
+        model = self.provider.module(draft, self.target_dir, self.dtype, options, cfg.seed, cfg.objective)
         held = list(self.fs.manifest["aux_layer_ids"])
-        self.features = {"layers": [held.index(i) for i in layers], "final": self.family.needs_final_state(options)}
+        self.features = {"layers": [held.index(i) for i in layers], "final": self.provider.needs_final_state(options)}
         self.build_loader()
         optimizer = torch.optim.AdamW(draft.trainable_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                       betas=(0.9, 0.95))
@@ -305,7 +305,7 @@ class Trainer:
     def check_vocab_coverage(self, draft) -> None:
         """Say what share of the set's supervised tokens the draft's vocabulary holds; refuse a
         vocabulary that holds none of them (every loss would be 0: nothing to learn)."""
-        coverage = self.family.vocab_coverage(draft, self.fs.token_counts())
+        coverage = self.provider.vocab_coverage(draft, self.fs.token_counts())
         if coverage is None:
             return
         if self.accel.is_main_process and not self.silent:
@@ -407,7 +407,7 @@ class Trainer:
         """One optimizer step over grad_accum micro-batches (a single Batch when grad_accum is 1).
         Returns its metrics (step, loss_s, acc_s, sim_accept_len, lr), also appended to history."""
         batches = [batches] if isinstance(batches, Batch) else list(batches)
-        self.family.set_progress(self.unwrapped, self.step, self.total_steps)  # a loss scheduled over the run
+        self.provider.set_progress(self.unwrapped, self.step, self.total_steps)  # a loss scheduled over the run
         if len(batches) != self.cfg.grad_accum:
             raise ValueError(f"train_step takes grad_accum = {self.cfg.grad_accum} micro-batches, got {len(batches)}")
         self.model.train()
@@ -500,7 +500,7 @@ class Trainer:
             tmp = export.with_name(f".{export.name}{TMP_SUFFIX}")
             shutil.rmtree(tmp, ignore_errors=True)
             target = {**self.fs.manifest["target"], "tokenizer_sha256": self.fs.manifest["tokenizer_sha256"]}
-            self.family.export(draft_state, self.dcfg, tmp, target,
+            self.provider.export(draft_state, self.dcfg, tmp, target,
                                verifier=serving_verifier(self.cfg.target, self.target_dir))
             atomic_write_json(tmp / TRAINING_FILE, training)
             replace_dir(tmp, export)
