@@ -521,9 +521,9 @@ def entry(name, options, extends=None, architectures=None):
     from specfoundry.families import Family
 
     return Family(name=name, summary=name, options=f"tests.test_families:{options}",
-                  default_layers="tests.test_families:no_layers", layers_help=name,
+                  default_layers="tests.test_families:no_layers", proposes="chain",
                   architectures=architectures or (f"{name.title()}Model",), provider="tests.test_families:nothing",
-                  extends=extends, draft_tokens="k", eval_k="4", gate_k="k", layouts_help="sglang")
+                  extends=extends)
 
 
 def no_layers(num_target_layers, options):

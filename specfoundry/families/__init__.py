@@ -49,10 +49,9 @@ class Family:
     """"module:Class" of its options, a frozen keyword-only Settings dataclass (families/<name>/options.py)."""
     default_layers: str
     """"module:function" (num_target_layers, options) -> the target layers it reads by default."""
-    layers_help: str
-    """Its default layers in words, for sf-capture --families' help."""
     architectures: tuple[str, ...]
-    """config.json `architectures` values its exports carry, ours and other tools'; each names one family."""
+    """config.json `architectures` values its exports carry, ours and other tools'; each names one family.
+    The first is the one its own sglang layout writes."""
     provider: str
     """"module:object" of its provider, on families/interface.py's DraftFamily interface."""
     extends: str | None = None
@@ -66,20 +65,29 @@ class Family:
     projector_types: tuple[str, ...] = ()
     """dflash_config.projector_type values that name this family where config.json names its
     parent's architecture (SGLang serves Domino as DFlashDraftModel with projector_type "domino")."""
-    draft_tokens: str
-    """What -k means for its drafts in sf-eval, for -k's help."""
-    eval_k: str
-    """sf-eval's k where -k is not given, for -k's help."""
-    gate_k: str
-    """What the gate trains for -k, for -k's help."""
+    proposes: str
+    """What a round proposes, which says what -k means for it (PROPOSALS): "chain" (a chain of k
+    tokens), "block" (a block's slots after the bonus token, B - 1), "block+bonus" (every slot of a
+    block, B), "depths" (its first k trained depths, one forward)."""
     layouts: tuple[str, ...] = ("sglang",)
     """The directory layouts its export writes (sf-export --format); the first is sf-train's."""
-    layouts_help: str
-    """What each of its layouts is, for sf-export --format's help."""
     speculators_k: str | None = None
-    """sf-export's -k for its speculators layout where -k is not given (None: it has none)."""
+    """sf-export's -k for its speculators layout where -k is not given, in words (None: it has none)."""
     token_losses: tuple[str, ...] = ("ce",)
     """The token losses it trains with (sf-train --token-loss; kernels/lk_loss.py), the first its default."""
+
+
+PROPOSALS = {  # a family's `proposes`: (what -k means, sf-eval's k where -k is not given)
+    "chain": ("a chain of k tokens (the gate trains k TTT steps)", "4"),
+    "block": ("its block's B - 1 slots after the bonus token (sf-eval ignores -k; the gate trains blocks of k + 1)",
+              "B - 1"),
+    "block+bonus": ("every slot of its block, B (sf-eval ignores -k; the gate trains blocks of k)", "B"),
+    "depths": ("its first k trained depths, at most K (the gate trains K = k)", "its trained K"),
+}
+LAYOUTS = {  # sf-export --format values, in words ({arch}: the family's own architecture)
+    "sglang": "sglang (the folder SGLang serves, {arch})",
+    "speculators": "speculators (vLLM's speculators format, served by `vllm serve OUTPUT`)",
+}
 
 
 @dataclass(frozen=True)
@@ -204,33 +212,39 @@ class Registry:
             what += f", speculators_model_type {kind!r}"
         raise DraftLoadError(f"{source} names {what}, which no draft family exports ({known})")
 
-    # ---- the help texts of the commands above the families, generated from the entries --------
+    # ---- the help texts of the commands above the families, rendered from the entries' facts ------
 
     def family_help(self) -> str:
         return "Draft family: " + "; ".join(f"{f.name}: {f.summary}" for f in self.families.values()) + "."
 
-    def by_text(self, *fields: str) -> dict[str, list[str]]:
-        """{the entries' `fields` joined: the names of the families that have them}, in catalogue order:
-        families that say the same share one line of help."""
+    def grouped(self, text) -> str:
+        """'names: text; ...' of text(entry), families that read the same sharing one part."""
         out: dict[str, list[str]] = {}
         for f in self.families.values():
-            out.setdefault(", and the gate trains ".join(getattr(f, k) for k in fields), []).append(f.name)
-        return out
+            out.setdefault(text(f), []).append(f.name)
+        return "; ".join(f"{', '.join(names)}: {words}" for words, names in out.items())
 
     def draft_tokens_help(self) -> str:
-        return ("Tokens the draft proposes per round, by family: "
-                + "; ".join(f"{', '.join(names)}: {text}" for text, names in self.by_text("draft_tokens", "gate_k").items())
-                + ".")
+        return f"Tokens the draft proposes a round (the gate trains for it), by family: {self.grouped(lambda f: PROPOSALS[f.proposes][0])}."
 
     def eval_k_shown(self) -> str:
-        return "; ".join(f"{', '.join(names)}: {text}" for text, names in self.by_text("eval_k").items())
+        return self.grouped(lambda f: PROPOSALS[f.proposes][1])
 
     def export_k_shown(self) -> str:
         return "; ".join(f"{f.name}: {f.speculators_k}" for f in self.families.values() if f.speculators_k)
 
+    def layers_shown(self, num_target_layers: int = 32) -> str:
+        """Each family's default layers, at a target of `num_target_layers` layers (from its own function)."""
+        return self.grouped(lambda f: str(self.default_layers(f.name, num_target_layers)))
+
     def layouts_help(self) -> str:
-        return ("; ".join(f"{f.name}: {f.layouts_help}" for f in self.families.values())
-                + ". A family's other layouts are refused.")
+        def layouts(f: Family) -> str:
+            arch = f.architectures[0]
+            if f.projector_types:  # served on its parent's architecture, named by its projector type
+                arch = f"{self.get(f.extends).architectures[0]} with projector_type {f.projector_types[0]}"
+            return " or ".join(LAYOUTS[layout].format(arch=arch) for layout in f.layouts)
+
+        return f"{self.grouped(layouts)}. A family's other layouts are refused."
 
     def layouts(self) -> tuple[str, ...]:
         """Every layout some family exports, sglang first."""
@@ -264,84 +278,63 @@ class Registry:
 FAMILIES = Registry((
     Family(
         name="eagle3",
+        proposes="chain",
         summary="EAGLE-3 and its 3.1 options: one decoder layer over three target layers, Training-Time Test",
         options="specfoundry.families.eagle3.options:Eagle3Options",
         default_layers="specfoundry.families.eagle3.options:default_layers",
-        layers_help="eagle3 [1, L//2-1, L-4]",
         # SGLang's (ours), vLLM's own, and speculators' classes (ours writes Eagle3DraftModel)
         architectures=("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3DraftModel", "Eagle3Speculator"),
         speculators_types=("eagle3",),
-        draft_tokens="its chain of k tokens",
-        eval_k="4",
-        gate_k="k TTT steps",
         layouts=("sglang", "speculators"),
-        layouts_help="sglang, the folder SGLang serves (LlamaForCausalLMEagle3, which vLLM reads as well), or "
-                     "speculators, vLLM's speculators format, served by `vllm serve OUTPUT` alone",
         speculators_k="3",
         token_losses=("ce", "lk-alpha", "lk-lambda", "tv"),
         provider="specfoundry.families.eagle3.family:EAGLE3",
     ),
     Family(
         name="dflash",
+        proposes="block",
         summary="DFlash: a block of proposals in one forward on the target's embedding and lm_head",
         options="specfoundry.families.dflash.options:DFlashOptions",
         default_layers="specfoundry.families.dflash.options:default_layers",
-        layers_help="dflash round(1 + i(L-4)/4) for i = 0..4",
         architectures=("DFlashDraftModel",),
-        draft_tokens="its trained block less one (sf-eval warns that -k is ignored)",
-        eval_k="its block - 1",
-        gate_k="blocks of k+1",
-        layouts_help="sglang, the folder SGLang serves (DFlashDraftModel)",
         provider="specfoundry.families.dflash.family:DFLASH",
         token_losses=("ce", "lk-alpha", "lk-lambda", "tv"),
     ),
     Family(
         name="domino",
+        proposes="block",
         summary="Domino: DFlash plus a prefix GRU and a residual logit correction, base-anchored curriculum",
         options="specfoundry.families.domino.options:DominoOptions",
         default_layers="specfoundry.families.domino.options:default_layers",
-        layers_help="domino as dflash",
         # SGLang serves it as DFlashDraftModel with dflash_config.projector_type "domino";
         # upstream's (SpecForge) configs name DominoDraftModel
         architectures=("DominoDraftModel",),
         projector_types=("domino",),
-        draft_tokens="its trained block less one (sf-eval warns that -k is ignored)",
-        eval_k="its block - 1",
-        gate_k="blocks of k+1",
-        layouts_help="sglang, DFlash's folder with Domino's fields (projector_type domino)",
         provider="specfoundry.families.domino.family:DOMINO",
         extends="dflash",
     ),
     Family(
         name="dspark",
+        proposes="block+bonus",
         summary="DSpark: DFlash plus a Markov previous-token logit bias and a confidence head, CE + L1 + BCE",
         options="specfoundry.families.dspark.options:DSparkOptions",
         default_layers="specfoundry.families.dspark.options:default_layers",
-        layers_help="dspark as dflash",
         # ours and SGLang's entry class (vLLM's name too); SGLang's and vLLM's other name for it
         architectures=("Qwen3DSparkModel", "DSparkDraftModel"),
-        draft_tokens="its trained block less one (sf-eval warns that -k is ignored)",
-        eval_k="its block - 1",
-        gate_k="blocks of k+1",
-        layouts_help="sglang, DFlash's folder with DSpark's fields (Qwen3DSparkModel)",
         provider="specfoundry.families.dspark.family:DSPARK",
         extends="dflash",
     ),
     Family(
         name="peagle",
+        proposes="depths",
         summary="P-EAGLE: EAGLE-3's features, K depths drafted in one forward (mask slots), COD-sampled training",
         options="specfoundry.families.peagle.options:PEagleOptions",
         default_layers="specfoundry.families.peagle.options:default_layers",
-        layers_help="peagle as eagle3",
         # ours and speculators' class, vLLM's registry names (both map to its Eagle3LlamaForCausalLM), and
         # speculators' config default; speculators_model_type "peagle" (vLLM: eagle3 + parallel drafting)
         architectures=("PEagleDraftModel", "PeagleLlamaForCausalLM", "PeagleQwen3ForCausalLM", "PEagleSpeculator"),
         speculators_types=("peagle",),
-        draft_tokens="its first k depths (at most its trained K)",
-        eval_k="its trained K",
-        gate_k="K = k depths",
         layouts=("speculators",),
-        layouts_help="speculators only, vLLM's speculators format (parallel drafting), served by `vllm serve OUTPUT`",
         speculators_k="its trained depths K",
         token_losses=("ce", "lk-alpha", "lk-lambda", "tv"),
         provider="specfoundry.families.peagle.family:PEAGLE",

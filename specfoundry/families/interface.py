@@ -65,7 +65,8 @@ class DraftFamily:
     # ---- layers ------------------------------------------------------------------------------
 
     def default_layers(self, num_target_layers: int, options) -> list[int]:
-        raise NotImplementedError
+        """The target layers it reads by default: its catalogue entry's function."""
+        return FAMILIES.default_layers(self.name, num_target_layers, options)
 
     def layer_count(self, options) -> int | None:
         """How many layers the family reads by default; None: any number."""

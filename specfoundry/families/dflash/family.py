@@ -11,7 +11,6 @@ import torch
 
 from specfoundry.common.target import load_tokenizer
 from specfoundry.common.weights import target_embeddings, target_lm_head
-from specfoundry.families.dflash import options as dflash_options
 from specfoundry.families.dflash.config import DFlashConfig, dflash_config_from_target
 from specfoundry.families.dflash.export import export_draft, load_export, read_config
 from specfoundry.families.dflash.loss import DFlashModule, lk_refusal
@@ -68,9 +67,6 @@ class DFlashFamily(DraftFamily):
     compiles_draft = True
     config_class = DFlashConfig
     any_layer_count = True
-
-    def default_layers(self, num_target_layers: int, options: DFlashOptions) -> list[int]:
-        return dflash_options.default_layers(num_target_layers, options)
 
     def layer_count(self, options: DFlashOptions) -> int:
         return options.num_draft_layers

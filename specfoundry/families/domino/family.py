@@ -23,9 +23,6 @@ class DominoFamily(DFlashFamily):
     name = "domino"
     config_class = DominoConfig
 
-    def default_layers(self, num_target_layers: int, options) -> list[int]:
-        return super().default_layers(num_target_layers, options.parent)
-
     def layer_count(self, options) -> int:
         return options.parent.num_draft_layers
 

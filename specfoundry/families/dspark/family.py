@@ -23,9 +23,6 @@ class DSparkFamily(DFlashFamily):
     name = "dspark"
     config_class = DSparkConfig
 
-    def default_layers(self, num_target_layers: int, options) -> list[int]:
-        return super().default_layers(num_target_layers, options.parent)
-
     def layer_count(self, options) -> int:
         return options.parent.num_draft_layers
 

@@ -11,7 +11,6 @@ import torch
 
 from specfoundry.common.target import text_config
 from specfoundry.common.weights import target_embeddings, target_lm_head
-from specfoundry.families.eagle3 import options as eagle3_options
 from specfoundry.families.eagle3.config import Eagle3Config, draft_config_from_target
 from specfoundry.families.eagle3.export import export_draft, load_export
 from specfoundry.families.eagle3.formats import read_eagle3, read_eagle3_config
@@ -28,9 +27,6 @@ class Eagle3Family(DraftFamily):
     name = "eagle3"
     compiles_draft = True
     config_class = Eagle3Config
-
-    def default_layers(self, num_target_layers: int, options: Eagle3Options) -> list[int]:
-        return eagle3_options.default_layers(num_target_layers, options)
 
     def layer_count(self, options: Eagle3Options) -> int:
         return 3

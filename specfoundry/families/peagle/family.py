@@ -14,7 +14,6 @@ from specfoundry.common.target import load_tokenizer, text_config
 from specfoundry.common.weights import target_embeddings, target_lm_head
 from specfoundry.families.dflash.family import choose_mask_token
 from specfoundry.families.interface import DraftFamily
-from specfoundry.families.peagle import options as peagle_options
 from specfoundry.families.peagle.config import PEagleConfig, peagle_config_from_target
 from specfoundry.families.peagle.export import export_draft, load_export, read_config, read_export
 from specfoundry.families.peagle.loss import PEagleModule
@@ -28,9 +27,6 @@ from specfoundry.kernels.lk_loss import TokenLoss
 class PEagleFamily(DraftFamily):
     name = "peagle"
     config_class = PEagleConfig
-
-    def default_layers(self, num_target_layers: int, options: PEagleOptions) -> list[int]:
-        return peagle_options.default_layers(num_target_layers, options)
 
     def layer_count(self, options: PEagleOptions) -> int:
         return 3
