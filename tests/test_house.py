@@ -51,7 +51,26 @@ def test_no_comment_or_docstring_quotes_a_reading():
     assert not hits, hits
 
 
+HELP_READING = re.compile(r"(?<![=,])" + READING.pattern.replace("|", r"|(?<![=,])"))
+"""READING in an option's help, where a value after '=' is an example of the option's syntax (0=70GiB)."""
+
+
+def help_readings(texts) -> list[str]:
+    return [f"{where}: {m.group(0)!r}" for where, text in texts if (m := HELP_READING.search(text))]
+
+
+def test_no_options_help_quotes_a_reading():
+    """A measured figure ages in --help as in a docstring: figures live in benchmarks/RESULTS.md."""
+    from tests.test_cli_help import leaf_commands, options
+
+    texts = [(f"{path} {p.opts[-1]}", p.help or "") for path, cmd in leaf_commands().items() for p in options(cmd)]
+    texts += [(path, cmd.help or "") for path, cmd in leaf_commands().items()]
+    assert len(texts) > 100 and not help_readings(texts), help_readings(texts)
+
+
 def test_the_check_finds_what_it_looks_for():
+    assert help_readings([("sf-x --a", "a step 3.6 -> 1.9 ms on an H100"), ("sf-x --b", "e.g. 0=70GiB,cpu=200GiB"),
+                          ("sf-x --c", "about a minute")]) == ["sf-x --a: '1.9 ms'"]
     src = '"""Runs in 36.4 ms on an H200."""\n# 1.71 GiB peak\ndef f():\n    return 1\n'
     assert [m.group(0) for _, t in comments_and_docstrings(src) if (m := READING.search(t))] == ["1.71 GiB", "36.4 ms"]
 

@@ -111,13 +111,8 @@ class EvalConfig(Settings):
     compare_untrained: bool = setting(False, help="Also evaluate a freshly initialised draft with the same config "
                                       "and vocabulary (the floor).")
     compile_target: bool = setting(
-        False, help="Run the target's captured decode steps through torch.compile (one CUDA device, no --tp / "
-                    "device map): fewer, fused kernels per step, whose graph launches cost less host time (a "
-                    "one-token SmolLM2 step 3.6 -> 1.9 ms on an H100, benchmarks/RESULTS.md). Each step shape "
-                    "compiles once, at its first use (about a minute; inductor caches it on disk): the target "
-                    "alone's, a chain verify's and every width of a tree verify (one per accepted depth) in the "
-                    "untimed warm-up. Steps of different widths may round "
-                    "differently, so greedy equality can break on near-ties, as in bf16.")
+        False, help="Run the target's captured decode steps through torch.compile, one compile per step shape in "
+                    "the untimed warm-up (one CUDA device; docs/stages.md, \"sf-eval run\").")
     compile_draft: bool = setting(
         False, help="Run the draft's captured proposal through torch.compile (one CUDA device): EAGLE-3's chain, "
                     "the DFlash, DSpark and Domino block proposal; a small draft's proposal is hundreds of tiny kernels, which "
