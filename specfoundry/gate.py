@@ -23,7 +23,6 @@ import click
 
 from specfoundry.capture.stage import CaptureConfig, run_capture, stored_layers
 from specfoundry.common.cli import resolve_config, stage_command
-from specfoundry.common.conversations import load_conversations
 from specfoundry.common.placement import FUSED_EXPERTS, Placement, launch_env
 from specfoundry.common.settings import (
     MAX_DRAFT,
@@ -37,6 +36,7 @@ from specfoundry.common.settings import (
 )
 from specfoundry.common.shards import record_config
 from specfoundry.common.target import EMBEDDED_DEFAULT, Target
+from specfoundry.conversations.sources import load_conversations
 from specfoundry.eval.cli import FAILURES, main
 from specfoundry.eval.evaluate import mode_label, one_copy
 from specfoundry.families import FAMILIES, family_names

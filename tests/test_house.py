@@ -90,11 +90,11 @@ def test_every_recipe_section_resolves_to_its_stage_config():
 
 
 # ---- the one dependency rule (../shared/DESIGN.md) ----------------------------------------------
-# common <- featureset, kernels <- decoding <- families <- {train, eval, capture, generate} <- gate.
-# `common` is what everything may use; featureset and kernels are peers above it; a stage imports
-# no other stage, and capture reads the catalogue alone (specfoundry.families itself), never a
-# family's modules. Imports inside functions count.
-RANK = {"common": 0, "featureset": 1, "kernels": 1, "decoding": 2, "families": 3,
+# common <- conversations, featureset, kernels <- decoding <- families <- {train, eval, capture, generate}
+# <- gate. `common` is what everything may use; conversations, featureset and kernels are peers above
+# it; a stage imports no other stage, and capture reads the catalogue alone (specfoundry.families
+# itself), never a family's modules. Imports inside functions count.
+RANK = {"common": 0, "conversations": 1, "featureset": 1, "kernels": 1, "decoding": 2, "families": 3,
         "train": 4, "eval": 4, "capture": 4, "generate": 4, "gate": 5, "testing": 5, "summary": 5}
 STAGES = ("train", "eval", "capture", "generate")
 
@@ -199,6 +199,9 @@ def test_the_rule_checks_find_what_they_look_for():
             ("specfoundry/capture/stage.py", 7, "specfoundry.capture.stage", "specfoundry.families.dflash.options"),
             ("specfoundry/capture/stage.py", 8, "specfoundry.capture.stage", "specfoundry.families"),
             ("specfoundry/featureset/store.py", 30, "specfoundry.featureset.store", "specfoundry.common.files"),
+            ("specfoundry/conversations/sources.py", 3, "specfoundry.conversations.sources",
+             "specfoundry.featureset.store"),
+            ("specfoundry/capture/stage.py", 9, "specfoundry.capture.stage", "specfoundry.conversations.sources"),
             ("specfoundry/families/peagle/decode.py", 4, "specfoundry.families.peagle.decode",
              "specfoundry.decoding.graphs"),
             ("specfoundry/decoding/steps.py", 5, "specfoundry.decoding.steps", "specfoundry.decoding.graphs")]
@@ -206,6 +209,7 @@ def test_the_rule_checks_find_what_they_look_for():
     assert [b.split()[0] for b in found] == ["specfoundry/families/eagle3/gate.py:9", "specfoundry/decoding/rounds.py:3",
                                              "specfoundry/eval/cli.py:15", "specfoundry/eval/x.py:2",
                                              "specfoundry/capture/stage.py:7",
+                                             "specfoundry/conversations/sources.py:3",
                                              "specfoundry/families/peagle/decode.py:4"], found
     assert import_circles([("a", 1, "specfoundry.common.cli", "specfoundry.common.shards"),
                            ("b", 2, "specfoundry.common.shards", "specfoundry.common.cli.config_dict")]) == [

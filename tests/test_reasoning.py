@@ -225,7 +225,7 @@ def test_a_source_without_modes_renders_with_the_option(tmp_path, tokenizer):
 
 
 def test_masked_texts_of_a_thinking_turn_decode_back(tokenizer):
-    from specfoundry.common.conversations import ChatMessages
+    from specfoundry.conversations.records import ChatMessages
 
     messages = ChatMessages([{"role": "user", "content": "q"}, {"role": "assistant", "content": THOUGHT}],
                             template_kwargs={"enable_thinking": True})
@@ -358,7 +358,7 @@ def test_a_channel_template_is_regenerated_and_captured_with_every_channel_super
 
 
 def rows_messages(row):
-    from specfoundry.common.conversations import normalise
+    from specfoundry.conversations.records import normalise
 
     return normalise(row, "row", "r").to_messages() if isinstance(row, dict) else row
 
@@ -377,7 +377,7 @@ def test_the_channel_span_holds_when_the_answer_is_repeated_in_the_reasoning(har
     """The answer found inside the analysis first, or a short thinking inside a channel header of a
     turn rendered without it, must not move the span: where the template renders a turn's thinking
     is found by rendering it (capture/template.rendered_thinking)."""
-    from specfoundry.common.conversations import ChatMessages
+    from specfoundry.conversations.records import ChatMessages
 
     last = ChatMessages([{"role": "user", "content": "2+2?"},
                          {"role": "assistant", "content": "4", "thinking": "2+2 is 4, so say it."}])

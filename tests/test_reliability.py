@@ -15,8 +15,10 @@ from click.testing import CliRunner
 
 from specfoundry.capture.stage import CaptureConfig, run_capture
 from specfoundry.common.cli import build_config
-from specfoundry.common.conversations import ConversationFormatError, load_conversations
 from specfoundry.common.shards import OutputFolderError, ShardedOutput
+from specfoundry.conversations.records import ConversationFormatError
+from specfoundry.conversations.regen_format import FORMAT, FORMAT_VERSION
+from specfoundry.conversations.sources import load_conversations
 from specfoundry.families.folders import DraftLoadError, check_trained_for, locate_draft
 from specfoundry.families.interface import TARGET_FILE
 from specfoundry.featureset.manifest import MANIFEST, FeatureSetError
@@ -134,8 +136,8 @@ def test_incomplete_regen_is_refused_unless_partial(tmp_path, chat_file):
     regen = tmp_path / "regen"
     (regen / "data").mkdir(parents=True)
     shutil.copy(chat_file, regen / "data" / "a.jsonl")
-    (regen / "manifest.json").write_text(json.dumps({"format": "specfoundry.regen", "num_shards": 2, "complete": False,
-                                                     "shards": [{"path": "data/a.jsonl"}]}))
+    (regen / "manifest.json").write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "num_shards": 2,
+                                                     "complete": False, "shards": [{"path": "data/a.jsonl"}]}))
     with pytest.raises(ConversationFormatError, match="regen run is incomplete \\(1 of 2 shards\\).*--partial"):
         load_conversations(regen)
     assert len(load_conversations(regen, partial=True).conversations) == len(CHAT)

@@ -10,8 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from specfoundry.capture.template import masked_texts, render_with_mask
-from specfoundry.common.conversations import ToolCall, load_conversations
 from specfoundry.common.target import Target, load_tokenizer
+from specfoundry.conversations.records import ToolCall
+from specfoundry.conversations.sources import load_conversations
 from specfoundry.generate.backend import Generation, SamplingConfig
 from specfoundry.generate.hf_backend import HFBackend
 from specfoundry.generate.regen import RegenConfig, RegenError, run_regen

@@ -6,10 +6,10 @@ from __future__ import annotations
 import click
 
 from specfoundry.common.cli import CONTEXT, resolve_config, stage_command
-from specfoundry.common.conversations import ConversationFormatError
 from specfoundry.common.placement import PlacementError, launch_env
 from specfoundry.common.shards import OutputFolderError
 from specfoundry.common.target import TargetError
+from specfoundry.conversations.records import ConversationFormatError
 from specfoundry.eval.evaluate import EvalConfig, EvalError, format_table, run_eval
 from specfoundry.families.folders import DraftLoadError
 from specfoundry.featureset.manifest import FeatureSetError

@@ -20,7 +20,6 @@ from typing import ClassVar
 
 import torch
 
-from specfoundry.common.conversations import load_conversations, prompt_ids, tools_template_problem
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.placement import FUSED_EXPERTS, Placement, PlacementError, launch_env
 from specfoundry.common.progress import Progress
@@ -37,6 +36,8 @@ from specfoundry.common.settings import (
 )
 from specfoundry.common.shards import check_output_folder
 from specfoundry.common.target import EMBEDDED_DEFAULT, Target, parameter_count, pick_device, resolve_target
+from specfoundry.conversations.sources import load_conversations
+from specfoundry.conversations.templates import prompt_ids, tools_template_problem
 from specfoundry.decoding.rounds import DecodeResult, target_generate
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.steps import warm_steps

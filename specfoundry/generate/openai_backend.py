@@ -13,7 +13,7 @@ import asyncio
 
 import httpx
 
-from specfoundry.common.conversations import ToolCall, arguments_value, with_json_arguments
+from specfoundry.conversations.records import ToolCall, arguments_value, with_json_arguments
 from specfoundry.generate.backend import Generation, OnDone, Request, SamplingConfig, generate_by_serving
 from specfoundry.generate.fleet import Fleet, FleetConfig, RequestFailed
 
