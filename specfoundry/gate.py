@@ -43,8 +43,8 @@ from specfoundry.families import FAMILIES, family_names
 from specfoundry.families.folders import DraftLoadError, locate_draft
 from specfoundry.families.gatekit import Check
 from specfoundry.featureset.store import FeatureSet
-from specfoundry.generate.backend import SamplingConfig
-from specfoundry.generate.hf_backend import HFBackend
+from specfoundry.generate.backends.hf import HFBackend
+from specfoundry.generate.backends.interface import SamplingConfig
 from specfoundry.generate.regen import RegenConfig, run_regen
 from specfoundry.train.trainer import TrainConfig, run_train
 

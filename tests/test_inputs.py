@@ -20,7 +20,7 @@ from specfoundry.conversations.records import ConversationFormatError
 from specfoundry.conversations.regen_format import FORMAT_VERSION, READS_VERSIONS
 from specfoundry.conversations.sources import load_conversations
 from specfoundry.eval.evaluate import EvalError, load_prompts
-from specfoundry.generate.backend import SamplingConfig
+from specfoundry.generate.backends.interface import SamplingConfig
 from specfoundry.generate.regen import RegenConfig, RegenError, run_regen
 from tests.conftest import CHAT, write_jsonl
 from tests.test_regen import EchoBackend

@@ -18,8 +18,8 @@ from transformers import AutoTokenizer
 from specfoundry.capture.stage import CaptureConfig, CaptureError, prepare_samples
 from specfoundry.capture.template import masked_texts, render_with_mask
 from specfoundry.common.target import resolve_target
-from specfoundry.generate.backend import Generation, SamplingConfig
-from specfoundry.generate.openai_backend import OpenAIBackend
+from specfoundry.generate.backends.interface import Generation, SamplingConfig
+from specfoundry.generate.backends.openai import OpenAIBackend
 from specfoundry.generate.reasoning import opens_reasoning, split_answer
 from specfoundry.generate.regen import RegenConfig, run_regen
 from specfoundry.testing import (
@@ -142,7 +142,7 @@ def test_an_r1_style_prompt_opens_the_block_and_the_kept_answer_closes_it(tmp_pa
 
 def test_the_openai_backend_sends_the_arguments_and_merges_the_parsers_reasoning():
     backend = OpenAIBackend("http://127.0.0.1:1/v1", model=None, target=None)
-    from specfoundry.generate.backend import Request
+    from specfoundry.generate.backends.interface import Request
 
     path, body = backend.body(Request(tag=0, seed=1, messages=({"role": "user", "content": "q"},),
                                       template_kwargs={"enable_thinking": True}), SamplingConfig())

@@ -15,9 +15,9 @@ import torch
 from click.testing import CliRunner
 
 from specfoundry.conversations.regen_format import FORMAT_VERSION
-from specfoundry.generate.backend import Generation, Request, SamplingConfig
+from specfoundry.generate.backends.hf import HFBackend
+from specfoundry.generate.backends.interface import Generation, Request, SamplingConfig
 from specfoundry.generate.cli import main as regen_cli
-from specfoundry.generate.hf_backend import HFBackend
 from specfoundry.generate.regen import RegenConfig, run_regen
 from specfoundry.generate.repetition import loop_cut
 from tests.conftest import CHAT, write_jsonl

@@ -51,9 +51,16 @@ from specfoundry.conversations.regen_format import (
 )
 from specfoundry.conversations.sources import load_conversations
 from specfoundry.conversations.templates import tools_template_problem
-from specfoundry.generate.backend import Backend, Generation, Request, SamplingConfig, derive_seed, serve
-from specfoundry.generate.backends import BACKENDS, make_backend
-from specfoundry.generate.hf_backend import ENGINES
+from specfoundry.generate.backends.hf import ENGINES
+from specfoundry.generate.backends.interface import (
+    Backend,
+    Generation,
+    Request,
+    SamplingConfig,
+    derive_seed,
+    serve,
+)
+from specfoundry.generate.backends.registry import BACKENDS, make_backend
 from specfoundry.generate.synth import DEFAULT_STARTERS, read_starters, starter_for, user_turn_prefix
 from specfoundry.generate.turns import ConversationState, ShardCounts, record_turn, shard_rows
 
