@@ -429,9 +429,9 @@ def cli_one_line(command, argv, words):
 
 
 def test_an_unknown_architecture_is_one_line_at_every_entry_point(tiny_llama_dir, tmp_path):
+    from specfoundry.cli import sf_eval as eval_main
     from specfoundry.families.folders import family_of_export, locate_draft
     from specfoundry.gate import GateConfig, run_checks
-    from specfoundry.gate import main as eval_main
     from specfoundry.train.cli import export_main
 
     bogus = bogus_export(tmp_path / "bogus", ["BogusForCausalLM"])
@@ -455,8 +455,8 @@ def test_an_unknown_architecture_is_one_line_at_every_entry_point(tiny_llama_dir
 
 def test_an_unknown_family_is_one_line_at_every_entry_point(tmp_path):
     from specfoundry.capture.cli import main as capture_main
+    from specfoundry.cli import sf_eval as eval_main
     from specfoundry.gate import GateConfig
-    from specfoundry.gate import main as eval_main
     from specfoundry.train.cli import export_main
     from specfoundry.train.cli import main as train_main
     from specfoundry.train.trainer import TrainConfig

@@ -193,8 +193,8 @@ def test_an_output_path_that_is_a_file_is_one_line_before_any_work(tmp_path, cha
 
 
 def test_a_bad_target_is_one_line_for_eval_and_gate(tmp_path, features):
+    from specfoundry.cli import sf_eval as main
     from specfoundry.families.eagle3.export import export_draft
-    from specfoundry.gate import main
     from tests.test_export_formats import small_draft
 
     draft = small_draft()  # a real export: sf-eval names a folder that holds no draft first
