@@ -66,10 +66,10 @@ from benchmarks.common import print_profile_summary, print_table, profile_summar
 from specfoundry.common.cli import resolve_config
 from specfoundry.common.target import Target
 from specfoundry.eval.prompts import prompt_source
-from specfoundry.generate.backend import SamplingConfig
-from specfoundry.generate.hf_backend import HFBackend
+from specfoundry.generate.backends.hf import HFBackend
+from specfoundry.generate.backends.interface import SamplingConfig
+from specfoundry.generate.backends.slots import COLUMN_ROUND, SlotEngine, Waiting, round_up
 from specfoundry.generate.regen import RegenConfig, Regenerator, run_regen
-from specfoundry.generate.slots import COLUMN_ROUND, SlotEngine, Waiting, round_up
 
 FILLER = ("The report covers the quarter's results across every region. Sales rose in the north and fell "
           "slightly in the south, while costs stayed flat. The team plans to hire two engineers and to move "
@@ -305,7 +305,8 @@ def measure(label: str, model, tokenizer, conversations: int, batch: int, max_ne
         if path not in paths:
             continue
         # `after`: the slot engine's decode step eager, as measured before graphs; `graph_step`: replayed
-        eager = patch("specfoundry.generate.slots.graphs_possible", return_value=False) if path == "after" else nullcontext()
+        eager = (patch("specfoundry.generate.backends.slots.graphs_possible", return_value=False) if path == "after"
+                 else nullcontext())
         with eager:
             rows[path] = stage(backend, source, work, f"{label}-{path}", max_new, batch, shard_size, grouped=grouped)
         # each figure in the log as it is measured: a later failure keeps it

@@ -22,7 +22,6 @@ import click
 
 from specfoundry.capture.stage import CaptureConfig, run_capture, stored_layers
 from specfoundry.common.cli import resolve_config, stage_command
-from specfoundry.common.conversations import load_conversations
 from specfoundry.common.placement import FUSED_EXPERTS, Placement, launch_env
 from specfoundry.common.settings import (
     MAX_DRAFT,
@@ -36,19 +35,20 @@ from specfoundry.common.settings import (
 )
 from specfoundry.common.shards import record_config
 from specfoundry.common.target import EMBEDDED_DEFAULT, Target
-from specfoundry.eval.cli import FAILURES, main
+from specfoundry.conversations.sources import load_conversations
+from specfoundry.eval.cli import FAILURES
 from specfoundry.eval.evaluate import one_copy
 from specfoundry.eval.prompts import mode_label
 from specfoundry.families import FAMILIES, family_names
 from specfoundry.families.folders import DraftLoadError, locate_draft
 from specfoundry.families.gatekit import Check
 from specfoundry.featureset.store import FeatureSet
-from specfoundry.generate.backend import SamplingConfig
-from specfoundry.generate.hf_backend import HFBackend
+from specfoundry.generate.backends.hf import HFBackend
+from specfoundry.generate.backends.interface import SamplingConfig
 from specfoundry.generate.regen import RegenConfig, run_regen
 from specfoundry.train.trainer import TrainConfig, run_train
 
-__all__ = ["Check", "GateConfig", "main", "build", "run_checks", "run_gate", "verdict"]
+__all__ = ["Check", "GateConfig", "build", "gate", "run_checks", "run_gate", "verdict"]
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 
@@ -220,8 +220,8 @@ def run_gate(cfg: GateConfig, silent: bool = True) -> tuple[list[Check], bool, s
     return (checks, *verdict(checks))
 
 
-# sf-eval's group with the gate beside the decoding it ends with: the `sf-eval` console script is this `main`.
-@stage_command(main, "gate", GateConfig, *FAILURES)
+# sf-eval gate: specfoundry/cli.py puts it in the sf-eval group, beside the decoding it ends with
+@stage_command(None, "gate", GateConfig, *FAILURES)
 def gate(recipe, silent, **options):
     """Overfit one conversation through regen, capture and train, reload the export and decode
     its prompt: the draft must be accepted almost always. Run it before a long training run;
@@ -235,7 +235,3 @@ def gate(recipe, silent, **options):
         click.echo(f"{'ok  ' if c.ok else 'FAIL'} {c.name:<10} {c.detail}")
     click.echo(message)
     raise SystemExit(0 if ok else 1)
-
-
-if __name__ == "__main__":
-    main()

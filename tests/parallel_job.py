@@ -21,7 +21,7 @@ from specfoundry.capture.stage import CaptureConfig, run_capture
 from specfoundry.common.placement import Placement
 from specfoundry.eval.evaluate import EvalConfig, run_eval
 from specfoundry.gate import GateConfig, run_gate
-from specfoundry.generate.backend import SamplingConfig
+from specfoundry.generate.backends.interface import SamplingConfig
 from specfoundry.generate.regen import RegenConfig, run_regen
 
 STAGES = ("capture", "regen", "gate", "eval")

@@ -144,7 +144,7 @@ def test_gemma3_270m_end_to_end(tmp_path):
     from specfoundry.capture.stage import CaptureConfig, run_capture
     from specfoundry.eval.evaluate import EvalConfig, run_eval
     from specfoundry.families.eagle3.options import Eagle3Options
-    from specfoundry.generate.backend import SamplingConfig
+    from specfoundry.generate.backends.interface import SamplingConfig
     from specfoundry.generate.regen import RegenConfig, run_regen
     from specfoundry.train.trainer import TrainConfig, run_train
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from specfoundry.common.conversations import ConversationFormatError, load_conversations
+from specfoundry.conversations.records import ConversationFormatError
+from specfoundry.conversations.sources import load_conversations
 
 GOOD_OPENAI = {"id": "g1", "messages": [
     {"role": "system", "content": "sys"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}

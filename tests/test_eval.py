@@ -368,8 +368,8 @@ def test_a_missing_draft_or_source_is_named_before_the_target_loads(tmp_path, mo
     from click.testing import CliRunner
 
     from specfoundry.capture.cli import main as capture_main
+    from specfoundry.cli import sf_eval as eval_main
     from specfoundry.common.target import Target
-    from specfoundry.gate import main as eval_main
 
     def load(*a, **k):
         raise AssertionError("the target was loaded before the input was checked")
@@ -394,7 +394,7 @@ def test_bad_prompt_set_and_draft_fail_clearly(tmp_path, smollm2_dir):
         load_prompts(str(bad), tok)
     from click.testing import CliRunner
 
-    from specfoundry.gate import main
+    from specfoundry.cli import sf_eval as main
 
     result = CliRunner().invoke(main, ["run", str(tmp_path), "--prompts", "chat"])
     assert result.exit_code != 0 and "is not an exported draft" in str(result.output) + str(result.exception)

@@ -430,9 +430,9 @@ def cli_one_line(command, argv, words):
 
 
 def test_an_unknown_architecture_is_one_line_at_every_entry_point(tiny_llama_dir, tmp_path):
+    from specfoundry.cli import sf_eval as eval_main
     from specfoundry.families.folders import family_of_export, locate_draft
     from specfoundry.gate import GateConfig, run_checks
-    from specfoundry.gate import main as eval_main
     from specfoundry.train.cli import export_main
 
     bogus = bogus_export(tmp_path / "bogus", ["BogusForCausalLM"])
@@ -456,8 +456,8 @@ def test_an_unknown_architecture_is_one_line_at_every_entry_point(tiny_llama_dir
 
 def test_an_unknown_family_is_one_line_at_every_entry_point(tmp_path):
     from specfoundry.capture.cli import main as capture_main
+    from specfoundry.cli import sf_eval as eval_main
     from specfoundry.gate import GateConfig
-    from specfoundry.gate import main as eval_main
     from specfoundry.train.cli import export_main
     from specfoundry.train.cli import main as train_main
     from specfoundry.train.trainer import TrainConfig
@@ -586,7 +586,7 @@ def test_each_registered_architecture_names_its_family_and_the_catalogue_loads_n
 
 def test_no_import_circle_through_the_family_interface_or_the_backend_interface():
     """Imports inside functions count: the catalogue names providers by string, so neither
-    interface module (families/interface.py, generate/backend.py) is on a circle."""
+    interface module (families/interface.py, generate/backends/interface.py) is on a circle."""
     import ast
     from pathlib import Path
 
@@ -606,7 +606,8 @@ def test_no_import_circle_through_the_family_interface_or_the_backend_interface(
         return any(n == goal or (n not in seen and not seen.add(n) and reaches(n, goal, seen))
                    for n in graph.get(start, ()))
 
-    for interface in ("specfoundry.families.interface", "specfoundry.generate.backend", "specfoundry.families"):
+    for interface in ("specfoundry.families.interface", "specfoundry.generate.backends.interface",
+                      "specfoundry.families"):
         assert not reaches(interface, interface, set()), interface
 
 

@@ -15,10 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from specfoundry.generate.backend import SamplingConfig
+from specfoundry.generate.backends.fleet import FleetConfig, FleetError, server_urls
+from specfoundry.generate.backends.interface import SamplingConfig
+from specfoundry.generate.backends.openai import OpenAIBackend
 from specfoundry.generate.cli import main as regen_cli
-from specfoundry.generate.fleet import FleetConfig, FleetError, server_urls
-from specfoundry.generate.openai_backend import OpenAIBackend
 from specfoundry.generate.regen import RegenConfig, run_regen
 from tests.conftest import CHAT, write_jsonl
 

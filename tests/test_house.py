@@ -109,12 +109,13 @@ def test_every_recipe_section_resolves_to_its_stage_config():
 
 
 # ---- the one dependency rule (../shared/DESIGN.md) ----------------------------------------------
-# common <- featureset, kernels <- decoding <- families <- {train, eval, capture, generate} <- gate.
-# `common` is what everything may use; featureset and kernels are peers above it; a stage imports
-# no other stage, and capture reads the catalogue alone (specfoundry.families itself), never a
-# family's modules. Imports inside functions count.
-RANK = {"common": 0, "featureset": 1, "kernels": 1, "decoding": 2, "families": 3,
-        "train": 4, "eval": 4, "capture": 4, "generate": 4, "gate": 5, "testing": 5, "summary": 5}
+# common <- conversations, featureset, kernels <- decoding <- families <- {train, eval, capture, generate}
+# <- gate <- cli. `common` is what everything may use; conversations, featureset and kernels are peers
+# above it; a stage imports no other stage, and capture reads the catalogue alone (specfoundry.families
+# itself), never a family's modules; cli.py, which assembles every command group, sits on top.
+# Imports inside functions count.
+RANK = {"common": 0, "conversations": 1, "featureset": 1, "kernels": 1, "decoding": 2, "families": 3,
+        "train": 4, "eval": 4, "capture": 4, "generate": 4, "gate": 5, "testing": 5, "summary": 5, "cli": 6}
 STAGES = ("train", "eval", "capture", "generate")
 
 
@@ -239,17 +240,24 @@ def test_the_rule_checks_find_what_they_look_for():
     fake = [("specfoundry/families/eagle3/gate.py", 9, "specfoundry.families.eagle3.gate", "specfoundry.eval.evaluate"),
             ("specfoundry/decoding/rounds.py", 3, "specfoundry.decoding.rounds", "specfoundry.families.eagle3.chain"),
             ("specfoundry/eval/cli.py", 15, "specfoundry.eval.cli", "specfoundry.gate"),
+            ("specfoundry/gate.py", 40, "specfoundry.gate", "specfoundry.cli"),
+            ("specfoundry/cli.py", 16, "specfoundry.cli", "specfoundry.gate"),
             ("specfoundry/eval/x.py", 2, "specfoundry.eval.x", "specfoundry.train.trainer"),
             ("specfoundry/capture/stage.py", 7, "specfoundry.capture.stage", "specfoundry.families.dflash.options"),
             ("specfoundry/capture/stage.py", 8, "specfoundry.capture.stage", "specfoundry.families"),
             ("specfoundry/featureset/store.py", 30, "specfoundry.featureset.store", "specfoundry.common.files"),
+            ("specfoundry/conversations/sources.py", 3, "specfoundry.conversations.sources",
+             "specfoundry.featureset.store"),
+            ("specfoundry/capture/stage.py", 9, "specfoundry.capture.stage", "specfoundry.conversations.sources"),
             ("specfoundry/families/peagle/decode.py", 4, "specfoundry.families.peagle.decode",
              "specfoundry.decoding.graphs"),
             ("specfoundry/decoding/steps.py", 5, "specfoundry.decoding.steps", "specfoundry.decoding.graphs")]
     found = rule_breaks(fake)
     assert [b.split()[0] for b in found] == ["specfoundry/families/eagle3/gate.py:9", "specfoundry/decoding/rounds.py:3",
-                                             "specfoundry/eval/cli.py:15", "specfoundry/eval/x.py:2",
+                                             "specfoundry/eval/cli.py:15", "specfoundry/gate.py:40",
+                                             "specfoundry/eval/x.py:2",
                                              "specfoundry/capture/stage.py:7",
+                                             "specfoundry/conversations/sources.py:3",
                                              "specfoundry/families/peagle/decode.py:4"], found
     assert undeclared_family_uses([
         ("specfoundry/families/dspark/decode.py", 3, "specfoundry.families.dspark.decode", "specfoundry.families.eagle3.chain"),

@@ -6,18 +6,22 @@ on SmolLM2's tokenizer and scripted backends: no model is loaded."""
 from __future__ import annotations
 
 import json
+import re
 
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
+from specfoundry import __version__
 from specfoundry.capture.stage import CaptureConfig, CaptureError, prepare_samples
 from specfoundry.capture.template import masked_texts, render_with_mask
-from specfoundry.common.conversations import ConversationFormatError, load_conversations
 from specfoundry.common.target import load_tokenizer
+from specfoundry.conversations.records import ConversationFormatError
+from specfoundry.conversations.regen_format import FORMAT_VERSION, READS_VERSIONS
+from specfoundry.conversations.sources import load_conversations
 from specfoundry.eval.prompts import EvalError, load_prompts
-from specfoundry.generate.backend import SamplingConfig
-from specfoundry.generate.regen import RegenConfig, run_regen
+from specfoundry.generate.backends.interface import SamplingConfig
+from specfoundry.generate.regen import RegenConfig, RegenError, run_regen
 from tests.conftest import CHAT, write_jsonl
 from tests.test_regen import EchoBackend
 from tests.test_tools import TOOL_CHATS, TOOL_TEMPLATE
@@ -169,6 +173,34 @@ def test_a_folder_holding_a_run_is_read_through_its_contract_only(tmp_path, toke
         load_conversations(data)
     with pytest.raises(ConversationFormatError, match=rf"^{fs} holds an sf-capture run, not conversations"):
         load_conversations(fs)
+
+
+def test_a_regen_folder_of_a_version_not_read_is_refused_by_every_reader(tmp_path, tokenizer):
+    """Before: the reader never read format_version, so rows of another schema were read as if they
+    were this one's. Now each reader (loading, sf-capture, sf-regen's source, sf-eval's prompts)
+    refuses the folder in one line naming the manifest, the version found and the versions read."""
+    regen = tmp_path / "regen"
+    run_regen(RegenConfig(output=str(regen), source=str(write_jsonl(tmp_path / "a.jsonl", CHAT[:2])),
+                          sampling=SamplingConfig(temperature=0.0)), EchoBackend(tokenizer), silent=True)
+    manifest = json.loads((regen / "manifest.json").read_text())
+    assert manifest["format_version"] == FORMAT_VERSION and FORMAT_VERSION in READS_VERSIONS
+    (regen / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
+    line = (f"{regen / 'manifest.json'}: regen format version 99 (written by specfoundry {__version__}) is not one "
+            f"this specfoundry reads (versions {', '.join(map(str, READS_VERSIONS))})")
+    with pytest.raises(ConversationFormatError) as e:
+        load_conversations(regen)
+    assert str(e.value) == line
+    with pytest.raises(ConversationFormatError, match=re.escape(line)):
+        load_conversations(tmp_path)  # a folder holding it
+    with pytest.raises(ConversationFormatError, match=re.escape(line)):
+        load_prompts(str(regen), tokenizer)
+    with pytest.raises(RegenError, match=re.escape(line)):
+        run_regen(RegenConfig(output=str(tmp_path / "again"), source=str(regen)), EchoBackend(tokenizer), silent=True)
+    from specfoundry.capture.cli import main as capture_main
+
+    result = CliRunner().invoke(capture_main, ["run", str(regen), "-o", str(tmp_path / "fs"), "--silent"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert [x for x in result.output.splitlines() if x.strip()] == [f"Error: {line}"]
 
 
 # ---- item 3: a rerun notices a source that changed ---------------------------------------------------

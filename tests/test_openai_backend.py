@@ -20,9 +20,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from specfoundry.common.embedded import embedded_gguf_path
-from specfoundry.generate.backend import SamplingConfig
-from specfoundry.generate.fleet import FleetConfig
-from specfoundry.generate.openai_backend import OpenAIBackend
+from specfoundry.generate.backends.fleet import FleetConfig
+from specfoundry.generate.backends.interface import SamplingConfig
+from specfoundry.generate.backends.openai import OpenAIBackend
 from specfoundry.generate.regen import RegenConfig, run_regen
 from tests.conftest import CHAT, write_jsonl
 

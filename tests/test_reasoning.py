@@ -18,8 +18,8 @@ from transformers import AutoTokenizer
 from specfoundry.capture.stage import CaptureConfig, CaptureError, prepare_samples
 from specfoundry.capture.template import masked_texts, render_with_mask
 from specfoundry.common.target import resolve_target
-from specfoundry.generate.backend import Generation, SamplingConfig
-from specfoundry.generate.openai_backend import OpenAIBackend
+from specfoundry.generate.backends.interface import Generation, SamplingConfig
+from specfoundry.generate.backends.openai import OpenAIBackend
 from specfoundry.generate.reasoning import opens_reasoning, split_answer
 from specfoundry.generate.regen import RegenConfig, run_regen
 from specfoundry.testing import (
@@ -142,7 +142,7 @@ def test_an_r1_style_prompt_opens_the_block_and_the_kept_answer_closes_it(tmp_pa
 
 def test_the_openai_backend_sends_the_arguments_and_merges_the_parsers_reasoning():
     backend = OpenAIBackend("http://127.0.0.1:1/v1", model=None, target=None)
-    from specfoundry.generate.backend import Request
+    from specfoundry.generate.backends.interface import Request
 
     path, body = backend.body(Request(tag=0, seed=1, messages=({"role": "user", "content": "q"},),
                                       template_kwargs={"enable_thinking": True}), SamplingConfig())
@@ -225,7 +225,7 @@ def test_a_source_without_modes_renders_with_the_option(tmp_path, tokenizer):
 
 
 def test_masked_texts_of_a_thinking_turn_decode_back(tokenizer):
-    from specfoundry.common.conversations import ChatMessages
+    from specfoundry.conversations.records import ChatMessages
 
     messages = ChatMessages([{"role": "user", "content": "q"}, {"role": "assistant", "content": THOUGHT}],
                             template_kwargs={"enable_thinking": True})
@@ -358,7 +358,7 @@ def test_a_channel_template_is_regenerated_and_captured_with_every_channel_super
 
 
 def rows_messages(row):
-    from specfoundry.common.conversations import normalise
+    from specfoundry.conversations.records import normalise
 
     return normalise(row, "row", "r").to_messages() if isinstance(row, dict) else row
 
@@ -377,7 +377,7 @@ def test_the_channel_span_holds_when_the_answer_is_repeated_in_the_reasoning(har
     """The answer found inside the analysis first, or a short thinking inside a channel header of a
     turn rendered without it, must not move the span: where the template renders a turn's thinking
     is found by rendering it (capture/template.rendered_thinking)."""
-    from specfoundry.common.conversations import ChatMessages
+    from specfoundry.conversations.records import ChatMessages
 
     last = ChatMessages([{"role": "user", "content": "2+2?"},
                          {"role": "assistant", "content": "4", "thinking": "2+2 is 4, so say it."}])

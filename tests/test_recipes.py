@@ -43,7 +43,7 @@ def test_every_command_given_a_shipped_recipe_runs_the_recipes_target(recipe):
 
 
 def test_the_gate_given_the_70b_recipe_runs_the_70b_or_says_why(tmp_path):
-    from specfoundry.gate import main
+    from specfoundry.cli import sf_eval as main
 
     result = CliRunner().invoke(main, ["gate", "--recipe", str(RECIPES / "llama-3.3-70b-instruct.yaml"),
                                        "-o", str(tmp_path / "gate")])

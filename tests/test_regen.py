@@ -14,10 +14,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from specfoundry.generate.backend import Generation, Request, SamplingConfig
+from specfoundry.conversations.regen_format import FORMAT_VERSION
+from specfoundry.generate.backends.hf import HFBackend
+from specfoundry.generate.backends.interface import Generation, Request, SamplingConfig
 from specfoundry.generate.cli import main as regen_cli
-from specfoundry.generate.dataset import FORMAT_VERSION
-from specfoundry.generate.hf_backend import HFBackend
 from specfoundry.generate.regen import RegenConfig, run_regen
 from specfoundry.generate.repetition import loop_cut
 from tests.conftest import CHAT, write_jsonl
@@ -171,6 +171,27 @@ def test_resume_of_a_folder_written_in_another_format_is_refused(tmp_path, chat_
     with pytest.raises(ValueError, match=f"manifest.json: its shards are regen format {FORMAT_VERSION - 1}, "
                                          f"this sf-regen writes format {FORMAT_VERSION}"):
         run_regen(cfg, backend, silent=True)
+
+
+def test_the_resume_refusal_is_one_line_before_the_target_loads(tmp_path, chat_file, backend, monkeypatch):
+    """sf-regen rerun into a folder another format version began: one line naming both versions,
+    given before the backend (the target) is loaded."""
+    out = tmp_path / "o"
+    run_regen(RegenConfig(output=str(out), source=str(chat_file), limit=2,
+                          sampling=SamplingConfig(temperature=0.0, max_new_tokens=4)), EchoBackend(backend.tokenizer),
+              silent=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
+    import specfoundry.generate.regen as regen_module
+
+    monkeypatch.setattr(regen_module, "make_backend", lambda cfg: pytest.fail("the target was loaded"))
+    result = CliRunner().invoke(regen_cli, ["run", str(chat_file), "-o", str(out), "--limit", "2", "--greedy",
+                                            "--max-new-tokens", "4", "--silent"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert [x for x in result.output.splitlines() if x.strip()] == [
+        f"Error: {out / 'manifest.json'}: its shards are regen format 99, this sf-regen writes format {FORMAT_VERSION} "
+        f"(rows with another schema); regenerate into a new folder, or remove {out / 'data'} and its done marks to "
+        "start this one again"]
 
 
 def test_cli_reports_bad_input_and_keeps_good(tmp_path):

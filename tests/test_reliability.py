@@ -15,8 +15,10 @@ from click.testing import CliRunner
 
 from specfoundry.capture.stage import CaptureConfig, run_capture
 from specfoundry.common.cli import build_config
-from specfoundry.common.conversations import ConversationFormatError, load_conversations
 from specfoundry.common.shards import OutputFolderError, ShardedOutput
+from specfoundry.conversations.records import ConversationFormatError
+from specfoundry.conversations.regen_format import FORMAT, FORMAT_VERSION
+from specfoundry.conversations.sources import load_conversations
 from specfoundry.families.folders import TARGET_FILE, DraftLoadError, check_trained_for, locate_draft
 from specfoundry.featureset.manifest import MANIFEST, FeatureSetError
 from specfoundry.featureset.store import ShardReader, write_shard
@@ -133,8 +135,8 @@ def test_incomplete_regen_is_refused_unless_partial(tmp_path, chat_file):
     regen = tmp_path / "regen"
     (regen / "data").mkdir(parents=True)
     shutil.copy(chat_file, regen / "data" / "a.jsonl")
-    (regen / "manifest.json").write_text(json.dumps({"format": "specfoundry.regen", "num_shards": 2, "complete": False,
-                                                     "shards": [{"path": "data/a.jsonl"}]}))
+    (regen / "manifest.json").write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "num_shards": 2,
+                                                     "complete": False, "shards": [{"path": "data/a.jsonl"}]}))
     with pytest.raises(ConversationFormatError, match="regen run is incomplete \\(1 of 2 shards\\).*--partial"):
         load_conversations(regen)
     assert len(load_conversations(regen, partial=True).conversations) == len(CHAT)
@@ -190,8 +192,8 @@ def test_an_output_path_that_is_a_file_is_one_line_before_any_work(tmp_path, cha
 
 
 def test_a_bad_target_is_one_line_for_eval_and_gate(tmp_path, features):
+    from specfoundry.cli import sf_eval as main
     from specfoundry.families.eagle3.export import export_draft
-    from specfoundry.gate import main
     from tests.test_export_formats import small_draft
 
     draft = small_draft()  # a real export: sf-eval names a folder that holds no draft first

@@ -20,10 +20,10 @@ from transformers.integrations import sdpa_attention
 
 from specfoundry.common.target import Target, mask_layout
 from specfoundry.decoding.attention import one_query_folded_attention
-from specfoundry.generate.backend import Request, SamplingConfig
-from specfoundry.generate.hf_backend import HFBackend
-from specfoundry.generate.sampling import next_tokens, uniform
-from specfoundry.generate.slots import SLOT_ATTENTION, SlotEngine, supported
+from specfoundry.generate.backends.hf import HFBackend
+from specfoundry.generate.backends.interface import Request, SamplingConfig
+from specfoundry.generate.backends.sampling import next_tokens, uniform
+from specfoundry.generate.backends.slots import SLOT_ATTENTION, SlotEngine, supported
 
 # every graph-replay test runs twice: on a GPU (captured graphs, `-m gpu`) and on a CPU, where
 # decoding/graphs.CapturedCall does eagerly what a replay does and fails on any host read
@@ -136,7 +136,7 @@ def test_the_backend_falls_back_to_generate_where_the_engine_cannot_run(smollm2_
 def test_the_memory_check_counts_what_the_caching_allocator_holds_unused(model, monkeypatch):
     """A KV cache that fits only in blocks torch's allocator has cached (left by an earlier
     model.generate batch, say) is allowed; one larger than free plus cached memory is refused."""
-    from specfoundry.generate.slots import EngineMemoryError, kv_bytes_per_token
+    from specfoundry.generate.backends.slots import EngineMemoryError, kv_bytes_per_token
 
     engine = SlotEngine(Target.wrap(model), slots=8, stop_ids=[STOP],
                         sampling=SamplingConfig(temperature=0.0, max_new_tokens=4))

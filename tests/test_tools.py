@@ -10,10 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from specfoundry.capture.template import masked_texts, render_with_mask
-from specfoundry.common.conversations import ToolCall, load_conversations
 from specfoundry.common.target import Target, load_tokenizer
-from specfoundry.generate.backend import Generation, SamplingConfig
-from specfoundry.generate.hf_backend import HFBackend
+from specfoundry.conversations.records import ToolCall
+from specfoundry.conversations.sources import load_conversations
+from specfoundry.generate.backends.hf import HFBackend
+from specfoundry.generate.backends.interface import Generation, SamplingConfig
 from specfoundry.generate.regen import RegenConfig, RegenError, run_regen
 from specfoundry.generate.tools import parse_tool_calls, template_renders_tools
 from tests.conftest import write_jsonl

@@ -18,11 +18,11 @@ from specfoundry.common.cli import (
     silent_option,
     stage_command,
 )
-from specfoundry.common.conversations import ConversationFormatError
 from specfoundry.common.placement import PlacementError, launch_env
 from specfoundry.common.settings import Range
 from specfoundry.common.shards import OutputFolderError
 from specfoundry.common.target import TargetError
+from specfoundry.conversations.records import ConversationFormatError
 from specfoundry.featureset.manifest import FeatureSetError
 
 FAILURES = (CaptureError, FeatureSetError, OutputFolderError, ConversationFormatError, TargetError,

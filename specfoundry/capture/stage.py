@@ -28,15 +28,6 @@ from specfoundry.capture.runner import HFCaptureRunner, NonFiniteFeatures
 from specfoundry.capture.template import TemplateMaskError, render_with_mask
 from specfoundry.capture.writer import BackgroundWriter
 from specfoundry.common.compiled_layers import COMPILE_LAYERS, compile_layers
-from specfoundry.common.conversations import (
-    BadInput,
-    ChatMessages,
-    Conversation,
-    ConversationFormatError,
-    data_files,
-    load_conversations,
-    tools_template_problem,
-)
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.placement import FUSED_EXPERTS, Placement
 from specfoundry.common.progress import Progress
@@ -60,6 +51,9 @@ from specfoundry.common.shards import (
 from specfoundry.common.taps import parse_layer_ids
 from specfoundry.common.target import EMBEDDED_DEFAULT, Target, chat_template_source
 from specfoundry.common.weights import weight_fingerprint
+from specfoundry.conversations.records import BadInput, ChatMessages, Conversation, ConversationFormatError
+from specfoundry.conversations.sources import data_files, load_conversations
+from specfoundry.conversations.templates import tools_template_problem
 from specfoundry.families import FAMILIES
 from specfoundry.featureset.manifest import (
     MANIFEST,

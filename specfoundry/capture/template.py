@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specfoundry.common.conversations import template_arguments
+from specfoundry.conversations.records import template_arguments
 
 
 class TemplateMaskError(ValueError):
@@ -63,7 +63,7 @@ def locate(text: str, content: str, cursor: int) -> tuple[int, str]:
 
 def render_with_mask(tokenizer, messages: list[dict], max_length: int | None = None) -> Rendered:
     """`messages` may carry the conversation's tools and template arguments (its mode's:
-    common.conversations.ChatMessages), which every rendering here is given."""
+    conversations.records.ChatMessages), which every rendering here is given."""
     extra = template_arguments(messages)
 
     def render(upto: list[dict], generation_prompt: bool = False) -> str:

@@ -1,1 +1,1 @@
-"""Helpers every stage may use: target loading, conversations, progress, config and file I/O."""
+"""Helpers every stage may use: target loading, progress, config and file I/O."""

@@ -442,10 +442,12 @@ def expected_failures(*errors: type[BaseException]):
     return decorate
 
 
-def stage_command(group: click.Group, name: str, config_cls, *errors: type[BaseException], help: str | None = None):
-    """Decorator: `fn(recipe, silent, **options)` as command `name` of `group`, with one option
-    per field of `config_cls`, --recipe, --silent, and `errors` as one-line failures. `help`: the
-    command's help where it is generated (else fn's docstring)."""
+def stage_command(group: click.Group | None, name: str, config_cls, *errors: type[BaseException],
+                  help: str | None = None):
+    """Decorator: `fn(recipe, silent, **options)` as command `name` of `group` (None: a command of
+    no group yet, which specfoundry/cli.py puts in one), with one option per field of `config_cls`,
+    --recipe, --silent, and `errors` as one-line failures. `help`: the command's help where it is
+    generated (else fn's docstring)."""
 
     def decorate(fn):
         @functools.wraps(fn)
@@ -455,6 +457,7 @@ def stage_command(group: click.Group, name: str, config_cls, *errors: type[BaseE
             return fn(**options)
 
         cmd = silent_option(expected_failures(*errors)(quiet_when_silent))
-        return group.command(name, context_settings=CONTEXT, help=help)(config_options(config_cls)(recipe_option(cmd)))
+        command = click.command if group is None else group.command
+        return command(name, context_settings=CONTEXT, help=help)(config_options(config_cls)(recipe_option(cmd)))
 
     return decorate

@@ -1,15 +1,15 @@
-"""sf-eval run: acceptance length by real speculative decoding. The `sf-eval` group's gate command is
-registered from above, by specfoundry/gate.py (the console script's module), which drives every stage."""
+"""sf-eval run: acceptance length by real speculative decoding. specfoundry/cli.py puts it in the
+sf-eval group beside gate.py's gate, which drives every stage."""
 
 from __future__ import annotations
 
 import click
 
-from specfoundry.common.cli import CONTEXT, resolve_config, stage_command
-from specfoundry.common.conversations import ConversationFormatError
+from specfoundry.common.cli import resolve_config, stage_command
 from specfoundry.common.placement import PlacementError, launch_env
 from specfoundry.common.shards import OutputFolderError
 from specfoundry.common.target import TargetError
+from specfoundry.conversations.records import ConversationFormatError
 from specfoundry.eval.evaluate import EvalConfig, run_eval
 from specfoundry.eval.prompts import EvalError
 from specfoundry.eval.report import format_table
@@ -20,12 +20,7 @@ FAILURES = (EvalError, DraftLoadError, TargetError, PlacementError, OutputFolder
             FeatureSetError, FileNotFoundError)
 
 
-@click.group(context_settings=CONTEXT)
-def main():
-    """Evaluate drafts against their target by real speculative decoding."""
-
-
-@stage_command(main, "run", EvalConfig, *FAILURES)
+@stage_command(None, "run", EvalConfig, *FAILURES)
 def run(recipe, silent, **options):
     """Decode each prompt with DRAFT (an exported folder, an sf-train run folder, or one of its
     checkpoints/step-N) proposing and the target verifying, and report acceptance length. With
@@ -37,7 +32,3 @@ def run(recipe, silent, **options):
     click.echo(format_table(report))
     if cfg.output:
         click.echo(f"wrote {cfg.output}/eval.json, eval.txt, acceptance.png")
-
-
-if __name__ == "__main__":
-    main()

@@ -7,7 +7,8 @@ import json
 from importlib.resources import files
 from pathlib import Path
 
-from specfoundry.common.conversations import load_conversations, prompt_ids, tools_template_problem
+from specfoundry.conversations.sources import load_conversations
+from specfoundry.conversations.templates import prompt_ids, tools_template_problem
 from specfoundry.families.folders import DraftRef, training_record
 
 BUILTIN_SETS = ("chat", "code", "math", "multiturn")

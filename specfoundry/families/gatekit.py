@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 
-from specfoundry.common.conversations import ChatMessages, load_conversations, prompt_ids
+from specfoundry.conversations.records import ChatMessages
+from specfoundry.conversations.sources import load_conversations
+from specfoundry.conversations.templates import prompt_ids
 from specfoundry.decoding.rounds import DecodeResult
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner

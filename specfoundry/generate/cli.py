@@ -5,9 +5,9 @@ from __future__ import annotations
 import click
 
 from specfoundry.common.cli import CONTEXT, CommandError, resolve_config, stage_command
-from specfoundry.common.conversations import ConversationFormatError
 from specfoundry.common.placement import launch_env
 from specfoundry.common.shards import OutputFolderError
+from specfoundry.conversations.records import ConversationFormatError
 from specfoundry.generate.regen import RegenConfig, RegenError, run_regen
 
 

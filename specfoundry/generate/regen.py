@@ -3,7 +3,7 @@
 Layout of the output folder:
   manifest.json            settings, target identity, counts, the list of finished shards
   README.md                a dataset card, so `datasets.load_dataset(folder)` finds the shards
-  data/shard-00000.parquet one row per kept conversation (see ROW_SCHEMA)
+  data/shard-00000.parquet one row per kept conversation (ROW_SCHEMA, conversations/regen_format.py)
 
 Work is split into fixed shards of the (deterministically ordered) input, written and resumed
 through common/shards.py (regen_config.json, data/<shard>.done.json marks). Every conversation
@@ -20,16 +20,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
-from specfoundry.common.conversations import (
-    REASONING,
-    BadInput,
-    Conversation,
-    ConversationFormatError,
-    Message,
-    load_conversations,
-    records_sha256,
-    tools_template_problem,
-)
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.placement import Placement, Ranks
 from specfoundry.common.progress import Progress
@@ -44,16 +34,33 @@ from specfoundry.common.settings import (
 )
 from specfoundry.common.shards import ShardedOutput, check_output_folder, output_inside_source, record_config
 from specfoundry.common.target import EMBEDDED_DEFAULT
-from specfoundry.generate.backend import Backend, Generation, Request, SamplingConfig, derive_seed, serve
-from specfoundry.generate.backends import BACKENDS, make_backend
-from specfoundry.generate.dataset import (
+from specfoundry.conversations.records import (
+    REASONING,
+    BadInput,
+    Conversation,
+    ConversationFormatError,
+    Message,
+    records_sha256,
+)
+from specfoundry.conversations.regen_format import (
     DATASET_CARD,
     check_resumable_format,
     regen_manifest,
     shard_path,
     write_shard,
 )
-from specfoundry.generate.hf_backend import ENGINES
+from specfoundry.conversations.sources import load_conversations
+from specfoundry.conversations.templates import tools_template_problem
+from specfoundry.generate.backends.hf import ENGINES
+from specfoundry.generate.backends.interface import (
+    Backend,
+    Generation,
+    Request,
+    SamplingConfig,
+    derive_seed,
+    serve,
+)
+from specfoundry.generate.backends.registry import BACKENDS, make_backend
 from specfoundry.generate.synth import DEFAULT_STARTERS, read_starters, starter_for, user_turn_prefix
 from specfoundry.generate.turns import ConversationState, ShardCounts, record_turn, shard_rows
 
@@ -321,7 +328,6 @@ class Regenerator:
         ranks: Ranks = getattr(self.backend, "ranks", None) or Ranks()
         conversations, bad, num_shards = self.plan()
         if ranks.rank == 0:
-            check_resumable_format(self.out)
             placed = getattr(self.backend, "target", None)  # the hf backend's placement as it runs
             record_config(self.out, "regen", self.cfg if placed is None else
                           replace(self.cfg, placement=placed.placement))
@@ -379,6 +385,7 @@ def run_regen(cfg: RegenConfig, backend: Backend | None = None, silent: bool = F
         raise RegenError("give either a source or --synthesize N, not both" if cfg.source else
                          "no source given: pass a conversation file/folder or --synthesize N")
     check_output_folder(Path(cfg.output), "regen", cfg)  # before loading the target
+    check_resumable_format(Path(cfg.output))
     if backend is None:
         try:
             backend = make_backend(cfg)

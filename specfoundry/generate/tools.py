@@ -1,5 +1,5 @@
 """Conversations with tools: the target's calls read from its text, compared with the recorded
-ones (common/conversations.py holds the check that a chat template renders tools at all).
+ones (conversations/templates.py holds the check that a chat template renders tools at all).
 
 Regeneration is semi-on-policy where tools are involved. The results of a tool exist only for the
 calls the record made, so a regenerated assistant turn that calls tools is kept only when its
@@ -15,7 +15,8 @@ import json
 import re
 from collections import Counter
 
-from specfoundry.common.conversations import ToolCall, arguments_value, template_renders_tools
+from specfoundry.conversations.records import ToolCall, arguments_value
+from specfoundry.conversations.templates import template_renders_tools
 
 __all__ = ["calls_in", "parse_tool_calls", "same_calls", "template_renders_tools", "with_recorded_ids"]
 

@@ -8,8 +8,8 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 
-from specfoundry.common.conversations import Conversation, Message, with_json_arguments
-from specfoundry.generate.backend import Generation, Request, derive_seed
+from specfoundry.conversations.records import Conversation, Message, with_json_arguments
+from specfoundry.generate.backends.interface import Generation, Request, derive_seed
 from specfoundry.generate.reasoning import channel_template, opens_reasoning, split_answer
 from specfoundry.generate.repetition import loop_cut
 from specfoundry.generate.tools import same_calls, with_recorded_ids

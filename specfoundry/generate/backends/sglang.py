@@ -7,7 +7,7 @@ backend without it installed fails at once with how to install it.
 from __future__ import annotations
 
 from specfoundry.common.target import load_tokenizer, resolve_target, target_identity
-from specfoundry.generate.backend import Generation, Request, SamplingConfig
+from specfoundry.generate.backends.interface import Generation, Request, SamplingConfig
 from specfoundry.generate.tools import parse_tool_calls
 
 INSTALL_HINT = "the sglang backend needs SGLang: pip install 'specfoundry[sglang]' on a CUDA machine"

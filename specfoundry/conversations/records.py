@@ -1,4 +1,4 @@
-"""Conversation datasets: loading from local files, normalising shapes, reporting bad input.
+"""Conversation records: the shapes accepted, one record normalised, what is wrong with a bad one.
 
 Accepted shapes (one conversation per record):
   OpenAI:   {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": "..."}]}
@@ -12,13 +12,12 @@ names its file and line (jsonl) or row (json/parquet), and the caller decides (r
 skip, or fail under --strict).
 """
 
+
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 ROLE_ALIASES = {
     "system": "system",
@@ -32,8 +31,6 @@ ROLE_ALIASES = {
     "tool": "tool",
     "function": "tool",  # OpenAI's earlier name of the tool role
 }
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
-MANIFEST_NAME = "manifest.json"
 
 
 class ConversationFormatError(ValueError):
@@ -180,130 +177,6 @@ class LoadResult:
     conversations: list[Conversation] = field(default_factory=list)
     bad: list[BadInput] = field(default_factory=list)
 
-
-RUN_RECORDS = ("regen", "capture", "train", "eval", "export", "gate")
-"""The stages whose output folder holds `<stage>_config.json`, the record of its run."""
-
-
-def stage_run(folder: Path) -> str | None:
-    """The stage whose output `folder` holds ('regen', 'capture', ...), or None. Such a folder is
-    read through its stage's contract (a regen output through its manifest), never as loose files:
-    its config, done marks and manifest are no conversations, and a partial shard is no data."""
-    for stage in RUN_RECORDS:
-        if (folder / f"{stage}_config.json").is_file():
-            return stage
-    manifest = folder / MANIFEST_NAME
-    if manifest.is_file():
-        try:
-            record = json.loads(manifest.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return None
-        if isinstance(record, dict) and record.get("shards") is not None:
-            return "regen" if "regen" in str(record.get("format", "regen")) else "capture"
-    return None
-
-
-def regen_files(path: Path, partial: bool) -> list[Path]:
-    """The shards of an sf-regen output its manifest lists (refused while its run is incomplete,
-    unless `partial`: then its finished shards)."""
-    manifest = path / MANIFEST_NAME
-    if not manifest.is_file():
-        raise ConversationFormatError(f"{path} holds an sf-regen run without its {MANIFEST_NAME}: rerun the same "
-                                      "sf-regen command to finish it")
-    regen = json.loads(manifest.read_text())
-    if not regen.get("complete") and not partial:
-        raise ConversationFormatError(
-            f"{manifest}: the regen run is incomplete ({len(regen['shards'])} of {regen.get('num_shards')} "
-            "shards); rerun the same sf-regen command to finish it, or pass --partial to use what exists")
-    return [path / s["path"] for s in regen["shards"]]
-
-
-def loose_files(folder: Path, partial: bool) -> list[Path]:
-    """The data files under a folder that holds no stage's run; a sub-folder holding an sf-regen
-    run adds its listed shards, one holding another stage's run adds nothing. Hidden files (partial
-    shards, temporaries) and done marks are never data."""
-    found = []
-    for p in sorted(folder.iterdir()):
-        if p.name.startswith("."):
-            continue
-        if p.is_dir() and not p.is_symlink():
-            run = stage_run(p)
-            found += regen_files(p, partial) if run == "regen" else [] if run else loose_files(p, partial)
-        elif p.suffix in DATA_SUFFIXES and p.name != MANIFEST_NAME and not p.name.endswith(".done.json"):
-            found.append(p)
-    return found
-
-
-def data_files(source: str | Path, partial: bool = False) -> list[Path]:
-    """The data files of a source: a file, a folder of them, or a specfoundry regen output
-    (refused while its run is incomplete, unless `partial`: then its finished shards)."""
-    path = Path(source)
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
-        raise FileNotFoundError(f"no such file or folder: {path}")
-    run = stage_run(path)
-    if run == "regen":
-        return regen_files(path, partial)
-    if run:
-        raise ConversationFormatError(f"{path} holds an sf-{run} run, not conversations")
-    files = sorted(loose_files(path, partial))
-    if not files:
-        raise FileNotFoundError(f"{path} holds no .jsonl, .json or .parquet files")
-    return files
-
-
-def iter_records(path: Path) -> Iterator[tuple[str, dict | None, str | None]]:
-    """Yield (location, record, error) for each record of one file.
-
-    jsonl is read line by line so one malformed line is reported with its number instead of
-    failing the whole file; parquet is streamed by row group with pyarrow (no cache copy of the
-    data, unlike `datasets`); json arrays go through `datasets`.
-    """
-    if path.suffix == ".jsonl":
-        with path.open("rb") as f:  # bytes: one line of invalid UTF-8 is that record's problem only
-            for lineno, raw in enumerate(f, start=1):
-                where = f"{path}:{lineno}"
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    yield where, None, f"invalid UTF-8 (byte {e.start})"
-                    continue
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line.rstrip("\r\n"))  # with its newline, an unclosed line errs at line 2 column 1
-                except json.JSONDecodeError as e:
-                    yield where, None, f"malformed JSON ({e.msg} at column {e.colno})"
-                    continue
-                if not isinstance(record, dict):
-                    yield where, None, f"expected a JSON object, got {type(record).__name__}"
-                    continue
-                yield where, record, None
-        return
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
-            row = 0
-            for batch in batches:
-                for record in batch.to_pylist():
-                    yield f"{path}:row {row}", record, None
-                    row += 1
-        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for damaged files
-            yield f"{path}", None, f"unreadable parquet file ({type(e).__name__}: {str(e).splitlines()[0]})"
-        return
-    import datasets
-
-    fmt = "json"
-    try:
-        ds = datasets.load_dataset(fmt, data_files=[str(path)], split="train")
-    except Exception as e:  # noqa: BLE001 - datasets raises many types for unreadable files
-        yield f"{path}", None, f"unreadable {fmt} file ({type(e).__name__}: {str(e).splitlines()[0]})"
-        return
-    for i, record in enumerate(ds):
-        yield f"{path}:row {i}", record, None
 
 
 def normalise(record: dict, location: str, default_id: str, prompt_only: bool = False,
@@ -463,89 +336,3 @@ def parse_tools(tools) -> tuple[dict, ...] | None:
     if not isinstance(tools, list) or not all(isinstance(x, dict) for x in tools):
         raise BadRecord("bad_tools", "'tools' is not a list of objects")
     return tuple(tools) or None
-
-
-def load_conversations(source: str | Path, strict: bool = False, limit: int | None = None,
-                       prompt_only: bool = False, partial: bool = False, answer_open: bool = False) -> LoadResult:
-    """Load and normalise every conversation of a source, in a deterministic order.
-
-    With ``strict`` the first bad record raises ConversationFormatError naming its location;
-    with ``prompt_only`` records are prompts, with ``answer_open`` a conversation may end on an
-    unanswered user turn (see normalise); ``partial``: see data_files.
-    """
-    result = LoadResult()
-    first_of: dict[str, str] = {}  # a record's own id -> where it was first used
-    for path in data_files(source, partial):
-        for index, (where, record, error) in enumerate(iter_records(path)):
-            if limit is not None and len(result.conversations) >= limit:
-                return result
-            item = (
-                BadInput(where, "invalid_utf8" if error.startswith("invalid UTF-8") else "malformed_json", error)
-                if record is None
-                else normalise(record, where, default_id=f"{path.stem}-{index}", prompt_only=prompt_only,
-                               answer_open=answer_open)
-            )
-            if isinstance(item, Conversation) and record.get("id") is not None:
-                if item.id in first_of:  # two outputs under one id: which one a later stage means is unclear
-                    item = BadInput(where, "duplicate_id", f"id {item.id!r} is used already, by {first_of[item.id]}")
-                else:
-                    first_of[item.id] = where
-            if isinstance(item, BadInput):
-                if strict:
-                    raise ConversationFormatError(str(item))
-                result.bad.append(item)
-            else:
-                result.conversations.append(item)
-    return result
-
-
-# ---- what a chat template must render --------------------------------------------------------------
-
-PROBE = "specfoundry_probe"
-
-
-def template_renders_tools(tokenizer) -> bool:
-    """Whether the tokenizer's chat template shows a tools list, an assistant's tool call and its
-    arguments, and a tool result (a template that ignores them would train the draft on text the
-    target never saw)."""
-    tools = [{"type": "function", "function": {"name": f"{PROBE}_tool", "description": "probe",
-                                               "parameters": {"type": "object", "properties": {}}}}]
-    messages = [{"role": "user", "content": "?"},
-                {"role": "assistant", "content": "", "tool_calls": [ToolCall(
-                    f"{PROBE}_call", {f"{PROBE}_argument": f"{PROBE}_value"}, "call_0").to_dict()]},
-                {"role": "tool", "tool_call_id": "call_0", "content": f"{PROBE}_result"},
-                {"role": "assistant", "content": "!"}]
-    try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
-    except Exception:  # noqa: BLE001 - a template may raise on a role or field it does not know
-        return False
-    return all(f"{PROBE}_{part}" in text for part in ("tool", "call", "argument", "value", "result"))
-
-
-def uses_tools(conv: Conversation) -> bool:
-    return bool(conv.tools) or conv.num_tool_exchanges > 0
-
-
-def tools_template_problem(conversations: list[Conversation], tokenizer) -> str | None:
-    """The check every stage that renders conversations (regen, capture, eval) applies: tool
-    conversations need a chat template that renders tools, calls and results. A template that
-    drops them (SmolLM2's) would turn each call into an empty assistant turn and lose the tools
-    list. The one-line refusal naming the first such conversation, or None."""
-    from specfoundry.common.target import chat_template_source
-
-    first = next((c for c in conversations if uses_tools(c)), None)
-    if first is None or tokenizer is None or template_renders_tools(tokenizer):
-        return None
-    source = chat_template_source(tokenizer)
-    template = "the target's own" if source == "target" else source
-    return (f"{first.location}: a conversation with tools, but the chat template ({template}) does not render "
-            "tools, tool calls and tool results: give --chat-template FILE with one that does (docs/stages.md, "
-            "Conversations with tools)")
-
-
-def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """The chat template up to the assistant's generation prompt (with the conversation's tools
-    and template arguments, where it has some), as token ids."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        **template_arguments(messages))
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # some versions return a BatchEncoding

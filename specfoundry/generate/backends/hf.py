@@ -1,7 +1,7 @@
 """Generation with transformers in this process.
 
 Two engines, chosen by --hf-engine:
-- `slots` (generate/slots.py): continuous batching over a per-slot KV cache; requests of
+- `slots` (generate/backends/slots.py): continuous batching over a per-slot KV cache; requests of
   different conversations stream through it, each follow-up turn joining as soon as it is made;
 - `generate`: `model.generate` over length-sorted, left-padded batches, in rounds (every pending
   request of a turn at once). It drives any model transformers can generate with.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from specfoundry.common.target import Target
-from specfoundry.generate.backend import (
+from specfoundry.generate.backends.interface import (
     Generation,
     OnDone,
     Request,
@@ -26,7 +26,7 @@ from specfoundry.generate.backend import (
     generate_by_serving,
     serve_in_rounds,
 )
-from specfoundry.generate.slots import SlotEngine, supported
+from specfoundry.generate.backends.slots import SlotEngine, supported
 from specfoundry.generate.tools import parse_tool_calls
 
 ENGINES = ("auto", "slots", "generate")

@@ -1,5 +1,5 @@
 """Generation against OpenAI-compatible HTTP servers (SGLang, vLLM, llama.cpp servers): one, or a
-fleet that survives servers dying or stalling (generate/fleet.py).
+fleet that survives servers dying or stalling (generate/backends/fleet.py).
 
 Requests stream: as a turn's answer arrives, the conversation's next request is sent (`serve`),
 so turns of different conversations interleave over the servers. A request the server refuses
@@ -13,9 +13,15 @@ import asyncio
 
 import httpx
 
-from specfoundry.common.conversations import ToolCall, arguments_value, with_json_arguments
-from specfoundry.generate.backend import Generation, OnDone, Request, SamplingConfig, generate_by_serving
-from specfoundry.generate.fleet import Fleet, FleetConfig, RequestFailed
+from specfoundry.conversations.records import ToolCall, arguments_value, with_json_arguments
+from specfoundry.generate.backends.fleet import Fleet, FleetConfig, RequestFailed
+from specfoundry.generate.backends.interface import (
+    Generation,
+    OnDone,
+    Request,
+    SamplingConfig,
+    generate_by_serving,
+)
 
 
 class OpenAIBackend:

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from specfoundry.common.conversations import ToolCall
 from specfoundry.common.settings import MAX_TOKENS, Range, Settings, setting, shared
+from specfoundry.conversations.records import ToolCall
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,12 +1,10 @@
 """The generation backends by name: what sf-regen's --backend picks, loaded with its target.
-
-Apart from backend.py, the interface every backend implements and imports, so that the interface
-imports no backend (each backend module is imported here, on first use).
-"""
+Each backend module is imported here on first use, so interface.py, which every backend imports,
+imports none of them."""
 
 from __future__ import annotations
 
-from specfoundry.generate.backend import Backend
+from specfoundry.generate.backends.interface import Backend
 
 BACKENDS = ("hf", "openai", "sglang")
 
@@ -17,7 +15,7 @@ def make_backend(cfg) -> Backend:
         from specfoundry.common.placement import FUSED_EXPERTS
         from specfoundry.common.settings import resume_settings
         from specfoundry.common.target import Target
-        from specfoundry.generate.hf_backend import HFBackend
+        from specfoundry.generate.backends.hf import HFBackend
         from specfoundry.kernels.fused_moe import register_fused_experts
 
         register_fused_experts(FUSED_EXPERTS)  # so that --experts-implementation can name it
@@ -33,8 +31,8 @@ def make_backend(cfg) -> Backend:
         if cfg.placement.device_map:
             raise ValueError("--device-map places the hf backend's target; the sglang backend takes --tp / --ep")
     if cfg.backend == "openai":
-        from specfoundry.generate.fleet import FleetConfig, server_urls
-        from specfoundry.generate.openai_backend import OpenAIBackend
+        from specfoundry.generate.backends.fleet import FleetConfig, server_urls
+        from specfoundry.generate.backends.openai import OpenAIBackend
 
         if cfg.chat_template is not None:
             raise ValueError("--chat-template renders conversations here (hf and sglang backends); an OpenAI-compatible "
@@ -45,7 +43,7 @@ def make_backend(cfg) -> Backend:
         fleet = FleetConfig(concurrency=cfg.concurrency, retries=cfg.retries, request_timeout_s=cfg.request_timeout)
         return OpenAIBackend(urls, model=cfg.openai_model, target=cfg.target, fleet=fleet)
     if cfg.backend == "sglang":
-        from specfoundry.generate.sglang_backend import SGLangBackend
+        from specfoundry.generate.backends.sglang import SGLangBackend
 
         return SGLangBackend(cfg.target, batch_size=cfg.batch_size, chat_template=cfg.chat_template,
                              tp=cfg.placement.tp, ep=cfg.placement.ep)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from specfoundry.generate.backend import SamplingConfig
+from specfoundry.generate.backends.interface import SamplingConfig
 
 MASK32 = 0xFFFFFFFF
 

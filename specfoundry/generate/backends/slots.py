@@ -44,8 +44,8 @@ from specfoundry.common.target import Target, mask_layout
 from specfoundry.decoding.attention import ONE_QUERY_FOLDED_ATTENTION, folded_attention
 from specfoundry.decoding.steps import CapturedSteps, Step
 from specfoundry.decoding.target import graphs_possible
-from specfoundry.generate.backend import SamplingConfig
-from specfoundry.generate.sampling import next_tokens
+from specfoundry.generate.backends.interface import SamplingConfig
+from specfoundry.generate.backends.sampling import next_tokens
 
 COLUMN_ROUND = 64  # attended columns are rounded up to a multiple of this: few distinct shapes
 PREFILL_TOKENS = 32768  # padded prompt tokens in one prefill forward, at most
