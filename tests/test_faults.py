@@ -227,7 +227,7 @@ def train_features(inputs) -> Path:
 def train_args(fs: Path):
     return lambda out: [fs, "-o", out, "--draft-vocab-size", 512, "--ttt-length", 3, "--lr", 3e-3,
                         "--warmup-steps", 2, "--max-steps", 4, "--max-batch-tokens", 160, "--save-every", 2,
-                        "--eval-fraction", 0, "--num-workers", 0, "--loss", "reference", "--silent"]
+                        "--eval-fraction", 0, "--num-workers", 0, "--loss-kernel", "reference", "--silent"]
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +300,7 @@ def every_family_features(inputs) -> Path:
 def family_train_args(fs: Path, family: str):
     return lambda out: [fs, "-o", out, "--family", family, *FAMILY_ARGS[family], "--lr", 3e-3, "--warmup-steps", 2,
                         "--max-steps", 4, "--max-batch-tokens", 160, "--save-every", 2, "--eval-fraction", 0,
-                        "--num-workers", 0, "--loss", "reference", "--silent"]
+                        "--num-workers", 0, "--loss-kernel", "reference", "--silent"]
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES.names() if f != FAMILIES.default])  # (the default: above)

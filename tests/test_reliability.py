@@ -301,7 +301,7 @@ def test_another_chat_template_is_refused(features, tmp_path):
 def train_args(fs: Path, out: Path, *extra: str) -> list[str]:
     """sf-train run's arguments for tiny_cfg's run of `fs` into `out`."""
     return ["run", str(fs), "-o", str(out), "--draft-vocab-size", "256", "--ttt-length", "2", "--max-steps", "2",
-            "--max-batch-tokens", "256", "--eval-fraction", "0", "--loss", "reference", "--silent", *extra]
+            "--max-batch-tokens", "256", "--eval-fraction", "0", "--loss-kernel", "reference", "--silent", *extra]
 
 
 @pytest.mark.parametrize("verify", [True, False])
