@@ -121,8 +121,8 @@ class CaptureConfig(Settings):
              "HF's hidden_states[i + 1]); stored in ascending order.")
     families: tuple[str, ...] = setting(
         (FAMILIES.default,), parse=parse_families,
-        help="Without --aux-layers, store the union of these draft families' default layers, so one capture serves "
-             "all of them; at a 32-layer target " + FAMILIES.layers_shown(32) + ".")
+        help="Without --aux-layers, store the union of these families' default layers (at a 32-layer target: "
+             + FAMILIES.layers_shown(32) + ").")
     max_length: int = shared("max_length", 2048)
     shard_size: int | None = setting(
         None, shown="as many samples as fit 4 GiB of features at --max-length, at most 256", valid=Range(1),
