@@ -110,7 +110,7 @@ class EvalConfig(Settings):
     compare_untrained: bool = setting(False, help="Also evaluate a freshly initialised draft with the same config "
                                       "and vocabulary (the floor).")
     compile_target: bool = setting(
-        False, help="Run the target's captured decode steps through torch.compile, one compile per step shape in "
+        False, help="Run the target's captured decode steps through torch.compile, one compile per shape in "
                     "the untimed warm-up (one CUDA device; docs/stages.md, \"sf-eval run\").")
     compile_draft: bool = setting(
         False, help="Run the draft's captured proposal through torch.compile, one compile per shape in the untimed "

@@ -128,8 +128,8 @@ class RegenConfig(Settings):
                             "answer, or keep it flagged.")
     on_tool_mismatch: str = setting(
         "recorded", choices=ON_TOOL_MISMATCH,
-        help="A turn whose regenerated tool calls differ from the recorded ones: keep the recorded exchange, or "
-             "drop the conversation (docs/stages.md, \"Conversations with tools\").")
+        help="A turn whose tool calls differ from the recorded ones: keep the recorded exchange or drop the "
+             "conversation (docs/stages.md, \"Conversations with tools\").")
     on_truncated: str = setting(
         "flag", choices=ON_TRUNCATED,
         help="An answer cut at --max-new-tokens: drop its conversation, keep it flagged, or trim the repetition "

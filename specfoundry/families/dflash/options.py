@@ -34,9 +34,9 @@ class DFlashOptions(Settings):
                              "--gamma) or dpace (D-PACE's weights from the draft's own confidence); docs/families.md, "
                              "\"DFlash\".")
     final_norm_init: float = setting(1.0, valid=Range(0, 1, min_open=True),
-                                     help="DFlash, Domino, DSpark: the weight a fresh draft's final RMSNorm starts "
-                                          "at (0.1: a first loss near uniform's; --init-from keeps its own; "
-                                          "docs/families.md, \"DFlash\").")
+                                     help="DFlash, Domino, DSpark: a fresh draft's final RMSNorm weight (0.1: a first "
+                                          "loss near uniform's; --init-from keeps its own; docs/families.md, "
+                                          "\"DFlash\").")
     dpace_alpha: float = setting(0.5, valid=Range(0, 1, zero="the raw label probabilities"),
                                  help="DFlash only, objective dpace: each slot's label probability q is smoothed to "
                                  "(1-alpha) q + alpha (1: fixed linear weights).")
