@@ -4,6 +4,7 @@ one-line errors."""
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 
 import click
@@ -60,6 +61,46 @@ def test_every_option_has_help(name):
         assert cmd.help, f"{path} has no help text"
         for param in options(cmd):
             assert param.help, f"{path} {param.opts[0]} has no help text"
+
+
+SENTENCE_BREAK = re.compile(r"[.!?]\s+[A-Z]")
+"""One sentence's end and the next one's start ('off. Greedy'); not 'e.g. 4,2,2,1', '0.5' or '0: off.'."""
+HELP_MAX = 200
+# -k's help is the catalogue's list of what k means for each family, in sf-eval and in the gate
+# (families/__init__.py PROPOSALS), rendered one part a family: four meanings that do not fit in
+# HELP_MAX characters. It is exempt from the length only: it is one sentence too.
+LONG_HELP = {"--draft-tokens"}
+
+
+def help_problems(texts) -> list[str]:
+    """Why each (command, option, help) is not one short sentence: a second sentence, or more than
+    HELP_MAX characters (LONG_HELP's options excepted from the length)."""
+    out = []
+    for path, option, text in texts:
+        if m := SENTENCE_BREAK.search(text):
+            out.append(f"{path} {option}: a second sentence at {m.group(0)!r}")
+        if len(text) > HELP_MAX and option not in LONG_HELP:
+            out.append(f"{path} {option}: {len(text)} characters")
+    return out
+
+
+def test_every_options_help_is_one_short_sentence():
+    """--help says what an option does in one sentence; the detail is in docs/, which the help names
+    where the reader needs it (issue 60). What a Range appends ('0: off.') is part of the text."""
+    texts = [(path, next(o for o in p.opts if o.startswith("--")), p.help or "")
+             for path, cmd in leaf_commands().items() for p in options(cmd)]
+    assert len(texts) > 100 and not help_problems(texts), help_problems(texts)
+
+
+def test_the_one_sentence_check_finds_what_it_looks_for():
+    assert help_problems([
+        ("sf-x", "--a", "Does one thing. Then another."),
+        ("sf-x", "--b", "One sentence, " + "long " * 40 + "."),
+        ("sf-x", "--c", "A tree such as 4,2,2,1, weighted 0.5 (e.g. smollm2; docs/stages.md, \"sf-eval run\"). 0: off."),
+        ("sf-x", "--draft-tokens", "By family: " + "eagle3: a chain of k; " * 20),
+        ("sf-x", "--draft-tokens", "By family! Eagle3 drafts a chain."),
+    ]) == ["sf-x --a: a second sentence at '. T'", "sf-x --b: 215 characters",
+           "sf-x --draft-tokens: a second sentence at '! E'"]
 
 
 def test_one_concept_has_one_name_flag_and_help_across_commands():

@@ -121,28 +121,24 @@ class CaptureConfig(Settings):
              "HF's hidden_states[i + 1]); stored in ascending order.")
     families: tuple[str, ...] = setting(
         (FAMILIES.default,), parse=parse_families,
-        help="Without --aux-layers, store the union of these draft families' default layers, so one capture serves "
-             "all of them; at a 32-layer target " + FAMILIES.layers_shown(32) + ".")
+        help="Without --aux-layers, store the union of these families' default layers (at a 32-layer target: "
+             + FAMILIES.layers_shown(32) + ").")
     max_length: int = shared("max_length", 2048)
     shard_size: int | None = setting(
         None, shown="as many samples as fit 4 GiB of features at --max-length, at most 256", valid=Range(1),
-        help="Samples per shard: the unit of resumption and of work per rank. A shard's features stay in host "
-             "memory until written.")
+        help="Samples per shard, the unit of resumption and of work per rank (a shard's features stay in host "
+             "memory until written).")
     max_batch_tokens: int = shared("max_batch_tokens", 16384)
-    codec: str = setting("zarr", choices=CODECS, help="The shards' container. zarr: Zarr v3, chunked and compressed "
-                         "(more CPU per byte; a fast GPU needs more --writers). safetensors: memory-mapped, "
-                         "uncompressed. Either holds any --storage-dtype.")
+    codec: str = setting("zarr", choices=CODECS, help="The shards' container: zarr (Zarr v3, chunked and compressed) "
+                         "or safetensors (memory-mapped, uncompressed), either holding any --storage-dtype.")
     storage_dtype: str = setting(
         "bfloat16", choices=STORAGE_DTYPES,
-        help="dtype of the stored hidden states (the aux layers', and the final state's unless "
-             "--final-storage-dtype). float8_e4m3fn: lossy, one byte per value plus a float32 scale per token "
-             "and layer (absmax/448), half of bfloat16's bytes; at most 2^-4 relative error per value, plus 2^-10 "
-             "of the scale near zero (docs/featureset.md); quantised on the capture device before the copy to "
-             "the host, dequantised on the training device.")
+        help="dtype of the stored hidden states (the final state's too, unless --final-storage-dtype); "
+             "float8_e4m3fn: half of bfloat16's bytes, lossy (docs/featureset.md).")
     final_storage_dtype: str | None = setting(
         None, choices=STORAGE_DTYPES, shown="--storage-dtype",
-        help="dtype of the stored final state (the teacher's input), e.g. bfloat16 beside --storage-dtype "
-             "float8_e4m3fn to keep the teacher's input at bfloat16 precision while the aux states are float8.")
+        help="dtype of the stored final state (the teacher's input), such as bfloat16 beside a float8 "
+             "--storage-dtype.")
     strict: bool = shared("strict", False)
     partial: bool = setting(False, help="Take the finished shards of an incomplete sf-regen run instead of "
                             "refusing it.")
@@ -151,11 +147,8 @@ class CaptureConfig(Settings):
     placement: Placement = Placement()
     compile_layers: str = setting(
         "off", resume=False, choices=COMPILE_LAYERS,
-        help="Run the target's decoder layers through torch.compile (common/compiled_layers.py), fusing the "
-             "elementwise work between the matmuls: `attention` compiles each layer's attention block and its two "
-             "norms (measured in benchmarks/RESULTS.md, \"Regen and capture\"), `layer` each whole layer (not yet "
-             "measured on a GPU). Compiles once, "
-             "at the first batch (minutes on a large target); the features differ by rounding only.")
+        help="Compile each decoder layer's attention block and norms (attention) or the whole layer (layer) with "
+             "torch.compile; docs/stages.md, \"Targets and chat templates\".")
     writers: int = setting(factory=lambda: min(4, os.cpu_count() or 1), resume=False,
                            shown="min(4, CPU cores)", valid=Range(1, 256),
                            help="Threads writing finished shards in the background; up to writers + 2 shards "

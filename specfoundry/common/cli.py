@@ -135,9 +135,8 @@ def config_options(cls, *, skip: tuple[str, ...] = ()):
 
 def recipe_option(fn):
     return click.option("--recipe", type=click.Path(exists=True, dir_okay=False), default=None,
-                        help="YAML recipe with regen:, capture:, train:, export:, eval: and gate: sections (keys: "
-                             "the options' names with underscores); the command reads its own section, and "
-                             "command-line options override it.")(fn)
+                        help="YAML recipe whose section for this command sets its options, which the command "
+                             "line overrides (docs/stages.md).")(fn)
 
 
 def shared_option(concept: str, default=None):

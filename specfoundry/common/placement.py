@@ -85,26 +85,21 @@ MAX_RANKS = 1024  # ranks per copy of the target, at most
 class Placement(Settings):
     """How the target's weights are spread (docs/scaling.md)."""
 
-    tp: int = setting(1, resume=False, valid=Range(1, MAX_RANKS), help="Tensor parallelism: ranks that share one copy of the target, each "
-                      "holding 1/N of every sharded layer (transformers' tensor-parallel plan). Launch with "
-                      "`torchrun --nproc-per-node W`, W a multiple of N: W/N copies split the work.")
-    ep: int = setting(1, resume=False, valid=Range(1, MAX_RANKS), help="Expert parallelism for MoE targets: the experts spread over N ranks "
-                      "(transformers' expert-parallel plan), the dense layers tensor-parallel over the same N. "
-                      "With --tp, the two are equal.")
+    tp: int = setting(1, resume=False, valid=Range(1, MAX_RANKS), help="Tensor parallelism: N ranks under torchrun share one copy of "
+                      "the target, each holding 1/N of every sharded layer (docs/scaling.md, \"--tp N / --ep N\").")
+    ep: int = setting(1, resume=False, valid=Range(1, MAX_RANKS), help="Expert parallelism for MoE targets: the experts spread over N "
+                      "ranks, the dense layers tensor-parallel over the same N (with --tp, give both equal).")
     device_map: str | None = setting(None, resume=False, choices=DEVICE_MAPS, shown="off: the whole target on "
-                                     "--device", help="Spread the layers over the visible GPUs in one process "
-                                     "(accelerate's big-model dispatch), the rest to CPU memory; for a target larger "
-                                     "than one GPU, or an architecture without a tensor-parallel plan.")
+                                     "--device", help="Spread the layers over the visible GPUs in one process, the "
+                                     "rest in CPU memory (accelerate's big-model dispatch; docs/scaling.md).")
     max_memory: dict | None = setting(None, resume=False, parse=parse_max_memory, shown="what each device has",
                                       help="With --device-map: memory per device, DEVICE=SIZE,... (e.g. "
                                            "0=70GiB,cpu=200GiB); what does not fit the GPUs goes to CPU memory, "
                                            "then disk.")
     experts_implementation: str = setting(
         "auto", resume=False, choices=EXPERTS_IMPLEMENTATIONS, shown="auto: sf_fused on one GPU where it runs, else grouped_mm; eager on CPU",
-        help="MoE targets: how the routed experts run (common/experts.py). eager: transformers' loop over the "
-             "experts, the reference; grouped_mm: torch's grouped GEMM over tokens sorted by expert; batched_mm: a "
-             f"weight copy per token, small batches only; {FUSED_EXPERTS}: specfoundry's fused Triton kernel (CUDA; "
-             "SiLU-gated experts without biases, so not gpt-oss). Dense targets ignore it.")
+        help="How an MoE target's routed experts run (a dense target ignores it); docs/scaling.md, \"MoE targets: "
+             "how the experts run\".")
 
     def __post_init__(self):
         super().__post_init__()

@@ -68,8 +68,8 @@ MAX_SEED = 2**32 - 1
 # None, the valid values of a numeric one). A help of None: the command gives it (shared's `help`),
 # generated where the command sits above what it describes.
 SHARED = {
-    "output": (("-o", "--output"), "Output folder. Rerunning the same command into it continues the work (sf-eval "
-               "repeats it); a rerun with other settings is refused, naming them.", None, None),
+    "output": (("-o", "--output"), "Output folder: rerunning the same command into it continues the work (sf-eval "
+               "repeats it), and a rerun with other settings is refused, naming them.", None, None),
     "target": (("--target",), f"Target model: a local model directory, or an embedded one: '{EMBEDDED_DEFAULT}' "
                "(SmolLM2-135M-Instruct) or 'gemma3-270m' (Gemma-3-270M, a base model).", None, None),
     "device": (("--device",), "Torch device of the target.", "cuda if available, else cpu", None),
@@ -86,20 +86,14 @@ SHARED = {
                    Range(1, MAX_TOKENS)),
     "limit": (("--limit",), "Use only the first N inputs.", "all", Range(1)),
     "family": (("--family",), None, None, None),  # its help: the catalogue's (families/)
-    "chat_template": (("--chat-template",), "How conversations become text: a Jinja chat template file (for a base "
-                      "model without one, or to replace the target's), or 'completion' (plain text: the messages back "
-                      "to back after BOS, each assistant text, then EOS, the loss region). Give the same one to every "
-                      "stage that renders (regen, capture, eval, gate).",
+    "chat_template": (("--chat-template",), "How conversations become text, the same in every stage: a Jinja chat "
+                      "template file or 'completion' (plain text); docs/stages.md, \"Targets and chat templates\".",
                       "the target's own; completion for a target without one", None),
     "strict": (("--strict",), "Fail on the first bad input instead of reporting and skipping it.", None, None),
 }
 
-TEMPLATE_KWARGS_HELP = ("Arguments to the chat template, a JSON object, e.g. '{\"enable_thinking\": false}' (Qwen3's "
-                        "non-thinking mode) or '{\"reasoning_effort\": \"low\"}' (gpt-oss); a recipe may give a "
-                        "mapping. sf-regen generates in them (the openai backend sends them as chat_template_kwargs) "
-                        "and records them with every row; sf-capture renders each row in its recorded mode (this "
-                        "option: for rows that record none; a row recording others is refused); sf-eval renders its "
-                        "prompts in them. docs/stages.md, \"Reasoning targets\".")
+TEMPLATE_KWARGS_HELP = ("Arguments to the chat template, a JSON object such as '{\"enable_thinking\": false}' (a "
+                        "recipe may give a mapping); docs/stages.md, \"Reasoning targets\".")
 
 
 def parse_template_kwargs(value) -> dict | None:

@@ -85,9 +85,8 @@ class EvalConfig(Settings):
         "its export), else none", help=TEMPLATE_KWARGS_HELP)
     modes: tuple[dict, ...] = setting(
         (), parse=parse_modes, shown="none: one mode (--chat-template-kwargs)",
-        help="Evaluate in several modes: a JSON list of chat-template argument objects, e.g. "
-             "'[{\"enable_thinking\": true}, {\"enable_thinking\": false}]'; each set is decoded in each, "
-             "reported side by side as SET [MODE].")
+        help="Evaluate in several modes, a JSON list of chat-template argument objects, decoding each prompt set "
+             "in each (docs/stages.md, \"Reasoning targets\").")
     prompt_sets: tuple[str, ...] = setting(
         BUILTIN_SETS, flags=("--prompts",),
         help=f"Comma-separated prompt sets: built-in held-out sets ({', '.join(BUILTIN_SETS)}) or dataset files "
@@ -95,8 +94,8 @@ class EvalConfig(Settings):
     k: int = shared("draft_tokens", 4, shown=FAMILIES.eval_k_shown(), help=FAMILIES.draft_tokens_help())
     tree: tuple[int, ...] | None = setting(
         None, parse=parse_tree, shown="none: a chain",
-        help="Draft a token tree instead of a chain: top-k branching per depth, e.g. 4,2,2,1 (depth 4, 44 nodes, "
-             "all verified in one target forward). Greedy only; its depth replaces -k.")
+        help="Draft a token tree instead of a chain, top-k branching per depth such as 4,2,2,1 (greedy only; its "
+             "depth replaces -k).")
     temperature: float = setting(0.0, valid=Range(0, zero="greedy verification"),
                                  help="Above 0: sampling with the rejection rule (the output is distributed as the "
                                       "target's).")
@@ -111,13 +110,11 @@ class EvalConfig(Settings):
     compare_untrained: bool = setting(False, help="Also evaluate a freshly initialised draft with the same config "
                                       "and vocabulary (the floor).")
     compile_target: bool = setting(
-        False, help="Run the target's captured decode steps through torch.compile, one compile per step shape in "
+        False, help="Run the target's captured decode steps through torch.compile, one compile per shape in "
                     "the untimed warm-up (one CUDA device; docs/stages.md, \"sf-eval run\").")
     compile_draft: bool = setting(
-        False, help="Run the draft's captured proposal through torch.compile (one CUDA device): EAGLE-3's chain, "
-                    "the DFlash, DSpark and Domino block proposal; a small draft's proposal is hundreds of tiny kernels, which "
-                    "inductor fuses. One compile per shape, in the untimed warm-up. The draft's rounding changes which "
-                    "tokens it proposes, never the output: the target verifies them.")
+        False, help="Run the draft's captured proposal through torch.compile, one compile per shape in the untimed "
+                    "warm-up (CUDA only; docs/stages.md, \"sf-eval run\").")
     device: str | None = shared("device", None, resume=False)
     placement: Placement = Placement()
     # fp32 makes greedy decoding exactly reproducible across the batch shapes of verification and plain decoding

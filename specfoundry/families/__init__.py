@@ -44,7 +44,7 @@ class Family:
     name: str
     """The --family value, the name recorded in checkpoints and exports, and its options group's field."""
     summary: str
-    """One line for --family's help."""
+    """A few words for --family's help (docs/families.md says the rest)."""
     options: str
     """"module:Class" of its options, a frozen keyword-only Settings dataclass (families/<name>/options.py)."""
     default_layers: str
@@ -83,10 +83,6 @@ PROPOSALS = {  # a family's `proposes`: (what -k means, sf-eval's k where -k is 
               "B - 1"),
     "block+bonus": ("every slot of its block, B (sf-eval ignores -k; the gate trains blocks of k)", "B"),
     "depths": ("its first k trained depths, at most K (the gate trains K = k)", "its trained K"),
-}
-LAYOUTS = {  # sf-export --format values, in words ({arch}: the family's own architecture)
-    "sglang": "sglang (the folder SGLang serves, {arch})",
-    "speculators": "speculators (vLLM's speculators format, served by `vllm serve OUTPUT`)",
 }
 
 
@@ -215,7 +211,8 @@ class Registry:
     # ---- the help texts of the commands above the families, rendered from the entries' facts ------
 
     def family_help(self) -> str:
-        return "Draft family: " + "; ".join(f"{f.name}: {f.summary}" for f in self.families.values()) + "."
+        return ("Draft family: " + ", ".join(f"{f.name} ({f.summary})" for f in self.families.values())
+                + "; docs/families.md.")
 
     def grouped(self, text) -> str:
         """'names: text; ...' of text(entry), families that read the same sharing one part."""
@@ -238,13 +235,8 @@ class Registry:
         return self.grouped(lambda f: str(self.default_layers(f.name, num_target_layers)))
 
     def layouts_help(self) -> str:
-        def layouts(f: Family) -> str:
-            arch = f.architectures[0]
-            if f.projector_types:  # served on its parent's architecture, named by its projector type
-                arch = f"{self.get(f.extends).architectures[0]} with projector_type {f.projector_types[0]}"
-            return " or ".join(LAYOUTS[layout].format(arch=arch) for layout in f.layouts)
-
-        return f"{self.grouped(layouts)}. A family's other layouts are refused."
+        return (f"The layout written, by family: {self.grouped(lambda f: ' or '.join(f.layouts))} (docs/stages.md, "
+                "\"sf-export run\").")
 
     def layouts(self) -> tuple[str, ...]:
         """Every layout some family exports, sglang first."""
@@ -279,7 +271,7 @@ FAMILIES = Registry((
     Family(
         name="eagle3",
         proposes="chain",
-        summary="EAGLE-3 and its 3.1 options: one decoder layer over three target layers, Training-Time Test",
+        summary="a chain",
         options="specfoundry.families.eagle3.options:Eagle3Options",
         default_layers="specfoundry.families.eagle3.options:default_layers",
         # SGLang's (ours), vLLM's own, and speculators' classes (ours writes Eagle3DraftModel)
@@ -293,7 +285,7 @@ FAMILIES = Registry((
     Family(
         name="dflash",
         proposes="block",
-        summary="DFlash: a block of proposals in one forward on the target's embedding and lm_head",
+        summary="a block",
         options="specfoundry.families.dflash.options:DFlashOptions",
         default_layers="specfoundry.families.dflash.options:default_layers",
         architectures=("DFlashDraftModel",),
@@ -303,7 +295,7 @@ FAMILIES = Registry((
     Family(
         name="domino",
         proposes="block",
-        summary="Domino: DFlash plus a prefix GRU and a residual logit correction, base-anchored curriculum",
+        summary="a block with a prefix GRU",
         options="specfoundry.families.domino.options:DominoOptions",
         default_layers="specfoundry.families.domino.options:default_layers",
         # SGLang serves it as DFlashDraftModel with dflash_config.projector_type "domino";
@@ -316,7 +308,7 @@ FAMILIES = Registry((
     Family(
         name="dspark",
         proposes="block+bonus",
-        summary="DSpark: DFlash plus a Markov previous-token logit bias and a confidence head, CE + L1 + BCE",
+        summary="a block with a Markov head",
         options="specfoundry.families.dspark.options:DSparkOptions",
         default_layers="specfoundry.families.dspark.options:default_layers",
         # ours and SGLang's entry class (vLLM's name too); SGLang's and vLLM's other name for it
@@ -327,7 +319,7 @@ FAMILIES = Registry((
     Family(
         name="peagle",
         proposes="depths",
-        summary="P-EAGLE: EAGLE-3's features, K depths drafted in one forward (mask slots), COD-sampled training",
+        summary="K depths in one forward",
         options="specfoundry.families.peagle.options:PEagleOptions",
         default_layers="specfoundry.families.peagle.options:default_layers",
         # ours and speculators' class, vLLM's registry names (both map to its Eagle3LlamaForCausalLM), and

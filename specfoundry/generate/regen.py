@@ -98,10 +98,8 @@ class RegenConfig(Settings):
         None, parse=parse_template_kwargs, shown="each conversation's recorded mode, else the template's defaults",
         help=TEMPLATE_KWARGS_HELP)
     reasoning: str = setting("keep", choices=REASONING, before="keep",
-                             help="A reasoning target's <think> block (or a server parser's reasoning_content): keep "
-                                  "it in the answer, as the template renders it back, or drop it and keep the final "
-                                  "answer only. A reasoning never closed (cut at --max-new-tokens) has no answer: the "
-                                  "conversation is dropped and counted.")
+                             help="A reasoning target's <think> block (or a server's reasoning_content): keep it in "
+                                  "the answer or drop it (docs/stages.md, \"Reasoning targets\").")
     backend: str = setting("hf", choices=BACKENDS, help="hf: transformers in this process; openai: "
                            "OpenAI-compatible servers; sglang: offline sglang.Engine.")
     synthesize: int = setting(0, valid=Range(0, MAX_TOKENS, zero="read SOURCE"),
@@ -112,19 +110,16 @@ class RegenConfig(Settings):
         help="Temperature of synthesised prompts (greedy prompts would all be the same text).")
     prompt_starters: tuple[str, ...] = setting(
         DEFAULT_STARTERS, parse=parse_starters, shown="default",
-        help=f"Seed synthesised prompt i with opening i mod n, which the target continues, so the prompts cover "
-             f"many kinds of request: 'default' ({len(DEFAULT_STARTERS)} built-in openings such as 'Why', "
-             "'Explain', 'Write a'), 'none' (plain Magpie), or a text file with one opening per line.")
+        help=f"Openings that seed the synthesised prompts in turn: 'default' ({len(DEFAULT_STARTERS)} built-in), "
+             "'none' (plain Magpie), or a text file of one opening per line.")
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     batch_size: int = setting(32, valid=Range(1, 1 << 16),
                               help="Sequences generated together (hf, sglang); the hf backend's KV cache holds this "
                                    "many.")
     hf_engine: str = setting(
         "auto", choices=ENGINES,
-        help="hf backend: 'slots' (continuous batching: a finished sequence frees its slot for the next prompt, "
-             "and turns of different conversations interleave), 'generate' (model.generate on length-sorted "
-             "batches, turn by turn), 'auto' (slots on a GPU where it can drive the model, else generate). "
-             "Greedy output is the same; samples differ, so the choice is part of the settings.")
+        help="The hf backend's engine: slots (continuous batching), generate (model.generate, turn by turn) or "
+             "auto; docs/stages.md, \"sf-regen run\".")
     shard_size: int = setting(128, valid=Range(1), help="Conversations per output shard (the unit of resumption).")
     max_prompt_tokens: int = setting(2048, valid=Range(1, MAX_TOKENS),
                                      help="A conversation whose prompt before an assistant turn is longer is reported "
@@ -133,13 +128,12 @@ class RegenConfig(Settings):
                             "answer, or keep it flagged.")
     on_tool_mismatch: str = setting(
         "recorded", choices=ON_TOOL_MISMATCH,
-        help="A regenerated turn whose tool calls differ from the recorded ones (name or arguments): keep the "
-             "recorded exchange in its place ('recorded', counted as replaced), or drop the conversation.")
+        help="A turn whose tool calls differ from the recorded ones: keep the recorded exchange or drop the "
+             "conversation (docs/stages.md, \"Conversations with tools\").")
     on_truncated: str = setting(
         "flag", choices=ON_TRUNCATED,
-        help="Drop a conversation with an answer cut at --max-new-tokens, keep it flagged, or 'trim': cut an "
-             "answer that ends in a verbatim repetition loop (a block of <= 64 tokens repeating >= 32 tokens) "
-             "after the loop's first repeat and keep the other cut answers flagged (hf and sglang backends).")
+        help="An answer cut at --max-new-tokens: drop its conversation, keep it flagged, or trim the repetition "
+             "loop it ends in (docs/stages.md, \"sf-regen run\").")
     strict: bool = shared("strict", False)
     limit: int | None = shared("limit", None)
     device: str | None = shared("device", None, resume=False)
@@ -156,8 +150,8 @@ class RegenConfig(Settings):
     concurrency: int = setting(16, resume=False, valid=Range(1, 4096),
                                help="Requests in flight at once per server (openai backend).")
     retries: int = setting(4, resume=False, valid=Range(0, 100, zero="a failed request stops the run"),
-                           help="Retries per request, on another server where one is up, with exponential backoff; "
-                                "the run stops when a request has used them all (openai backend).")
+                           help="Retries per request, on another server where one is up, after a backoff (openai "
+                                "backend).")
     request_timeout: float = setting(600.0, resume=False, valid=Range(0, 1e6, min_open=True),
                                      help="Seconds a server may take for one request before it counts as stalled and "
                                           "the request is retried elsewhere (openai backend).")

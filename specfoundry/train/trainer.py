@@ -124,24 +124,19 @@ class TrainConfig(Settings):
     loss_kernel: str = setting("auto", choices=LOSS_KERNELS, help="The token loss's kernel. auto: the in-place "
                                "Triton kernel on CUDA; reference: plain torch.")
     token_loss: str = setting("ce", choices=TOKEN_LOSSES, before="ce",
-                              help="What each predicted token is trained on (docs/families.md, \"Objectives\"). ce: "
-                                   "cross-entropy against the teacher; tv: 1 - alpha, alpha = sum min(p, q) the "
-                                   "acceptance rate; lk-alpha: -log alpha; lk-lambda: lam * KL + (1 - lam) * TV, "
-                                   "lam = --lk-kl-scale * exp(-(--lk-kl-decay) * alpha). Each family's: "
-                                   + "; ".join(f"{name} {', '.join(FAMILIES.get(name).token_losses)}"
-                                               for name in family_names()) + ".")
+                              help="What each predicted token is trained on, by family: "
+                                   + FAMILIES.grouped(lambda f: ", ".join(f.token_losses))
+                                   + " (docs/families.md, \"Objectives\").")
     lk_kl_scale: float = setting(1.0, valid=Range(0, 100, zero="TV alone"), before=1.0,
                                  help="LK-lambda: the KL weight where alpha is 0.")
     lk_kl_decay: float = setting(3.0, valid=Range(0, 100, zero="a constant KL weight"), before=3.0,
                                  help="LK-lambda: how fast the KL weight falls as alpha rises (the LK paper's eta).")
     keep_best: bool = setting(False, before=False, help="Export the draft of the evaluation with the highest held-out "
-                              "simulated acceptance length, not the last step's (recorded in the export's "
-                              "specfoundry_training.json); needs held-out samples.")
+                              "simulated acceptance length instead of the last step's (needs held-out samples).")
     num_workers: int = setting(2, resume=False, valid=Range(0, 256, zero="read in the training process"),
                                help="Background loader workers per rank.")
-    verify_shards: bool = setting(True, resume=False, help="Check every shard's checksum before training (one "
-                                  "extra read of the set a run, shared out among the ranks and read by several "
-                                  "threads), so a damaged shard is named at the start instead of trained on.")
+    verify_shards: bool = setting(True, resume=False, help="Check every shard's checksum before training, so a "
+                                  "damaged shard is named at the start instead of trained on.")
     init_from: str | None = setting(None, shown="none: a fresh draft", path=True,
                                     help="An exported draft to fine-tune (keeps its vocabulary map).")
     tensorboard: bool = setting(False, resume=False, help="Log to <output>/tensorboard.")

@@ -24,26 +24,22 @@ class DFlashOptions(Settings):
                                     "positions.")
     gamma: float = setting(7.0, valid=Range(),
                            help="DFlash, Domino, DSpark: a block slot's loss is weighted exp(-d/gamma), d its distance "
-                                "from the block's first predicted slot (<= 0: uniform); --objective dpace weighs by "
-                                "its own rule instead.")
+                                "from the block's first predicted slot (<= 0: uniform).")
     mask_token_id: int | None = setting(None, valid=Range(0, MAX_TOKENS), shown="the first embedding row past the tokenizer's vocabulary, else "
                                         "the highest id never seen in the feature set",
                                         help="DFlash, Domino, DSpark: the token id of the block's mask positions.")
     teacher: str = setting("hard", choices=TEACHERS, help="DFlash only: hard: the conversation's tokens; soft: the "
                            "target's distribution from the stored final state.")
-    objective: str = setting("dflash", choices=OBJECTIVES, help="DFlash only: dflash: the slot losses weighted "
-                             "exp(-(k-1)/gamma); dpace: D-PACE (arXiv 2605.18810), each slot weighted through the "
-                             "draft's smoothed prefix products of its label probabilities (a surrogate of the expected "
-                             "accepted length), recomputed each step, without gradient (docs/families.md).")
+    objective: str = setting("dflash", choices=OBJECTIVES, help="DFlash only: dflash (slot losses weighted by "
+                             "--gamma) or dpace (D-PACE's weights from the draft's own confidence); docs/families.md, "
+                             "\"DFlash\".")
     final_norm_init: float = setting(1.0, valid=Range(0, 1, min_open=True),
-                                     help="DFlash, Domino, DSpark: the weight a fresh draft's final RMSNorm starts "
-                                     "at (--init-from keeps its own). At 1 (the usual RMSNorm init) the first "
-                                     "loss is about 3 ln V on SmolLM2: the normed states meet the target's lm_head "
-                                     "at full scale, a confident random guess; 0.1 starts near uniform (about ln V). "
-                                     "docs/families.md.")
+                                     help="DFlash, Domino, DSpark: a fresh draft's final RMSNorm weight (0.1: a first "
+                                          "loss near uniform's; --init-from keeps its own; docs/families.md, "
+                                          "\"DFlash\").")
     dpace_alpha: float = setting(0.5, valid=Range(0, 1, zero="the raw label probabilities"),
-                                 help="DFlash only, objective dpace: each slot's label probability q enters the prefix "
-                                 "products smoothed as (1-alpha) q + alpha (1: a fixed linear schedule).")
+                                 help="DFlash only, objective dpace: each slot's label probability q is smoothed to "
+                                 "(1-alpha) q + alpha (1: fixed linear weights).")
 
 
 def dflash_default_layers(num_layers: int, num_draft_layers: int = 5) -> list[int]:
