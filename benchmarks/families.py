@@ -1,4 +1,4 @@
-"""Draft families side by side: gathers the sf-eval reports of scripts/families_gpu.sh into
+"""Draft families side by side: gathers the sf-eval reports of `scripts/measure_gpu.sh families` into
 benchmarks/results/families.json and prints one table.
 
     python -m benchmarks.families RUN [--out families]

@@ -1,5 +1,5 @@
 """Bytes per token on disk of a feature set for each container and storage dtype, and float8's
-error on real features (issue 20).
+error on real features.
 
     python -m benchmarks.featureset_codecs runs/smollm2/regen [--tokens 4096]
     python -m benchmarks.featureset_codecs --acceptance RUN [--commit C]
@@ -26,11 +26,11 @@ a small set).
 
 --acceptance RUN adds float8's acceptance to the existing results file, leaving its byte rows as
 they are: RUN holds sf-eval outputs eval_{bf16,fp8}_seed{0,1} of EAGLE-3 drafts trained with one
-recipe from a bf16 and a float8 capture of one regenerated set (scripts/gpu_evidence.sh makes
-them). It writes summary.acceptance_k7 ({run: {prompt set: accept length}}) and an `acceptance`
-block: the runs' details and provenance, the means, the seed spread and the bar's verdict (issue
-28: float8's mean at most 2% below bf16's, or at most the seed-to-seed spread below it, whichever
-is larger).
+recipe from a bf16 and a float8 capture of one regenerated set (`scripts/measure_gpu.sh
+fp8_acceptance` makes them). It writes summary.acceptance_k7 ({run: {prompt set: accept length}})
+and an `acceptance` block: the runs' details and provenance, the means, the seed spread and the
+bar's verdict (float8's mean at most 2% below bf16's, or at most the seed-to-seed spread below it,
+whichever is larger).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ VARIANTS = {  # name: (codec, storage dtype, final storage dtype)
     "fp8_zarr": ("zarr", FP8, FP8),
     "fp8_aux_bf16_final_zarr": ("zarr", FP8, "bfloat16"),
 }
-BAR_H4096 = 16500  # issue 20: float8 for every state, at most this many bytes per token at H 4096
+BAR_H4096 = 16500  # float8 for every state: at most this many bytes per token at H 4096
 
 
 def size_on_disk(root: Path) -> int:
@@ -146,7 +146,7 @@ def h4096_rows(tokens: int, tmp: Path, seq: int = 1024) -> tuple[list[dict], dic
 
 
 ACCEPTANCE_RUNS = ("bf16_seed0", "bf16_seed1", "fp8_seed0", "fp8_seed1")
-RELATIVE_BAR = 0.02  # issue 28: float8's mean acceptance within 2% of bf16's (or the seed spread)
+RELATIVE_BAR = 0.02  # float8's mean acceptance within 2% of bf16's (or the seed spread)
 
 
 def acceptance_verdict(acceptance: dict[str, dict[str, float]]) -> dict:
