@@ -76,7 +76,7 @@ def summary(accept_rows: list[dict], timing_rows: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run", type=Path, help="the folder scripts/families_gpu.sh wrote (its RUN)")
+    parser.add_argument("run", type=Path, help="the folder `scripts/measure_gpu.sh families` wrote ($EV/run/families)")
     parser.add_argument("--out", default="families", help="result file name under benchmarks/results")
     args = parser.parse_args()
     rows = gather(args.run)

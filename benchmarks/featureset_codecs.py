@@ -190,7 +190,7 @@ def record_acceptance(run: Path, commit: str | None) -> Path:
     data["summary"]["acceptance_k7"] = acceptance
     data["acceptance"] = {
         "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "how": "scripts/gpu_evidence.sh: sf-regen --recipe recipes/smollm2-h200.yaml --synthesize N; sf-capture "
+        "how": "scripts/measure_gpu.sh fp8_acceptance: sf-regen --recipe recipes/smollm2-h200.yaml --synthesize N; sf-capture "
                "--recipe ... --storage-dtype bfloat16 | float8_e4m3fn; sf-train --recipe ... --epochs E "
                "--warmup-steps 30 --num-workers 3 --seed 0|1 (4 side by side); sf-eval --recipe ... --prompts "
                "chat,code --no-baseline (k=7 chain, greedy, fp32 target, 96 new tokens, every prompt)",
@@ -207,7 +207,7 @@ def main() -> None:
     ap.add_argument("source", nargs="?", help="Conversations or an sf-regen folder to capture with SmolLM2.")
     ap.add_argument("--target", default="smollm2", help="The target of the real capture.")
     ap.add_argument("--tokens", type=int, default=4096, help="Tokens of the random H=4096 capture.")
-    ap.add_argument("--acceptance", default=None, help="A run folder of scripts/gpu_evidence.sh: add its four "
+    ap.add_argument("--acceptance", default=None, help="A run folder of `scripts/measure_gpu.sh fp8_acceptance`: add its four "
                     "acceptance runs to the existing results file instead of measuring bytes.")
     ap.add_argument("--commit", default=None, help="--acceptance: the commit the runs were made at.")
     args = ap.parse_args()
@@ -240,8 +240,8 @@ def main() -> None:
     print(f"wrote {write_result('featureset_codecs', rows, extra)}")
 
 
-NOT_MEASURED = ("acceptance_k7 (issue 20 item 3: drafts trained from a bf16 and a float8 capture of the same "
-                "regenerated set, two seeds each, on the H200) and the capture and train-step speeds (item 4: "
+NOT_MEASURED = ("acceptance_k7 (drafts trained from a bf16 and a float8 capture of the same regenerated set, "
+                "two seeds each: --acceptance RUN) and the capture and train-step speeds ("
                 "python -m benchmarks.capture and python -m benchmarks.train_step, which compare bf16 and float8 "
                 "side by side) need a GPU; they are not in this file.")
 

@@ -95,7 +95,7 @@ def known_fingerprint(run: Path) -> dict:
     found = fingerprint(run)
     if found is None:
         raise SystemExit(f"{run / 'features'}: neither manifest.json nor fingerprint.json (not a run of "
-                         "scripts/objectives_gpu.sh?)")
+                         "`scripts/measure_gpu.sh objectives`?)")
     return found
 
 
