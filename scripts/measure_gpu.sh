@@ -110,6 +110,7 @@ step() {
   now=$(elapsed)
   printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$start" "$now" $(( now - start )) >> "$EV/status.tsv"
   echo "[$now s] end $name rc=$rc ($(( now - start )) s)"
+  [ "$rc" -eq 0 ] || STEP_FAILED=1
   return $rc
 }
 
@@ -136,7 +137,7 @@ together() {
   while [ "$running" -gt 0 ]; do reap; done
   echo "[$(elapsed) s] end $name: ${#failed[@]} of $k failed"
   for log in "${failed[@]}"; do echo "== $log"; tail -n 15 "$log"; done
-  [ ${#failed[@]} -eq 0 ]
+  [ ${#failed[@]} -eq 0 ] || { STEP_FAILED=1; return 1; }
 }
 
 # train_jobs: SmolLM2 draft trainings sharing the GPU (JOBS when set): one of the smollm2-h200
@@ -261,7 +262,8 @@ plan_eval() {
 plan_regen() {
   weights || return 1
   if dry; then
-    step regen 900 python -m benchmarks.regen --synthesize 6 --batch-size 6 --max-new-tokens 4 --paths after,graph_step \
+    # the CPU recipe's stage (40 slots; the GPU recipe's 2,048 slots do not fit a CPU's memory)
+    step regen 900 python -m benchmarks.regen --synthesize 6 --recipe recipes/smollm2-cpu.yaml --paths after,graph_step \
       --llama8b-conversations 0 --profile --out regen
   else
     step regen 330 python -m benchmarks.regen --synthesize 10240 --paths after,graph_step --profile \
@@ -422,7 +424,8 @@ plan_fp8_acceptance() {
 
 PLANS="tests kernels train_step decode eval regen capture families objectives modes fp8_acceptance"
 
-plans() {  # plans PLAN...: each in order, in the copy of the tree
+plans() {  # plans PLAN...: each in order, in the copy of the tree; 1 when any plan failed
+  local p rc failed=0
   cd "$EV/repo" || return 1
   export PYTHONPATH=$EV/repo${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
   date +%s > "$EV/t0"
@@ -430,10 +433,15 @@ plans() {  # plans PLAN...: each in order, in the copy of the tree
   dry || nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
   for p in "$@"; do
     echo "[$(elapsed) s] plan $p"
-    "plan_$p" || echo "[$(elapsed) s] plan $p ended with rc $?"
+    STEP_FAILED=0
+    "plan_$p"; rc=$?
+    if { [ "$rc" -ne 0 ] && [ "$rc" -ne 99 ]; } || [ "$STEP_FAILED" = 1 ]; then  # 99: its last step skipped
+      failed=1; echo "[$(elapsed) s] plan $p: a step failed (status.tsv names it)"
+    fi
   done
   echo "[$(elapsed) s] plans done"
   echo done > "$EV/done"
+  return $failed
 }
 
 copy_tree() {  # a fresh $EV with a copy of the tree (and the carried inputs); PLANS checked first
@@ -472,7 +480,8 @@ case "${1:-}" in
   run)
     shift; copy_tree "$@"
     bash "$EV/repo/scripts/measure_gpu.sh" plans "$@" 2>&1 | tee "$EV/plans.log"
-    pack; show ;;
+    rc=${PIPESTATUS[0]}
+    pack; show; exit "$rc" ;;
   plans) shift; plans "$@" ;;
   wait)
     limit=${2:-540}; t=$(date +%s)
