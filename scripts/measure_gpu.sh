@@ -23,15 +23,16 @@
 #                SmolLM2 and the 8B shape (decode_step); the target's verify step by width
 #                (verify_width)                                                                   ~500 s
 #   eval         sf-eval end to end: an EAGLE-3 draft from a short pipeline (EVAL_SYNTH conversations,
-#                1 epoch) decodes all 60 built-in prompts, chain k=7 with the target alone beside it,
+#                2,048; 1 epoch) decodes all 60 built-in prompts, chain k=7 with the target alone beside it,
 #                in each of EVAL_DTYPES (bfloat16) and EVAL_COMPILE (off on: --compile-target)     ~450 s
 #   regen        sf-regen's stage on 10,240 synthesised prompts, the slot engine's step eager and
 #                replayed as a CUDA graph (regen)                                                 ~330 s
 #   capture      capture speed with bf16 and float8 storage (capture), through the Target and half
 #                offloaded (capture_placement), MoE targets against dense (capture_moe), and
 #                sf-capture verify on the host (featureset_verify)                                ~800 s
-#   families     every draft family from one capture (SYNTH conversations, EPOCHS epochs): acceptance
-#                on the held-out sets, then each draft's tokens/s decoding alone (families)      ~1,400 s
+#   families     every draft family from one capture (SYNTH conversations, 10,240; EPOCHS epochs, 2):
+#                acceptance on the held-out sets, then each draft's tokens/s decoding alone (families)
+#                                                                                                ~1,400 s
 #   objectives   token losses at equal steps: EAGLE-3 with ce, LK-alpha and LK-lambda, two seeds
 #                each, and DFlash with ce and LK-lambda (objectives)                             ~1,300 s
 #   modes        acceptance per serving mode (thinking off and on) of a draft trained in each (modes) ~500 s
