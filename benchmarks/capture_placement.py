@@ -8,11 +8,11 @@ place it) at T=4096, in one process:
 1. **One device.** The capture runner as it was before the `Target` (commit 8dd38ca: the base
    model called directly, the tap's layers concatenated where they are; `BeforeRunner` below is
    that code) against today's (`HFCaptureRunner` over `Target.prefill`), the same batches,
-   alternating rounds so that clock drift falls on both. Bar (issue 26): today's >= 97% of before.
+   alternating rounds so that clock drift falls on both. Bar: today's >= 97% of before.
 2. **Device map with offload.** `--device-map auto` with a `--max-memory` for GPU 0 that holds
    about (1 - --offload) of the decoder layers; the rest stay in CPU memory and accelerate copies
    each to the GPU as it runs. Tokens/s at the largest batch (of 64k, 32k, 16k, 8k tokens) that
-   runs, against the same batch all on the GPU. Goal (issue 26): at least 50%.
+   runs, against the same batch all on the GPU. Goal: at least 50%.
 
 Nothing is written to disk in the timed spans (the runner's features are dropped as they come,
 as benchmarks/capture.py's "runner only" row). `--tiny` checks the script on a CPU with a tiny

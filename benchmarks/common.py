@@ -132,14 +132,12 @@ def command() -> str:
 
 
 def write_result(name: str, rows: list[dict], extra: dict | None = None) -> Path:
-    """results/<name>.json: the rows with the commit, machine and versions, command and date. `name`
-    may end in .json and may be a path (absolute, or relative to results/)."""
+    """results/<name>.json: the rows with the commit, machine and versions, command and date; a
+    new run replaces the file (git keeps the old one). `name` may end in .json and may be a path
+    (absolute, or relative to results/)."""
     name = name.removesuffix(".json")
     path = RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() and "sources" in json.loads(path.read_text()):
-        print(f"note: {path} held figures combined from other runs (its `sources`, benchmarks/combine.py); "
-              "this run's file replaces them", file=sys.stderr)
     payload = {"benchmark": Path(name).name, "command": command(), "commit": commit(), "machine": machine(),
                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows, **(extra or {})}
     path.write_text(json.dumps(payload, indent=2) + "\n")

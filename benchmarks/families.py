@@ -1,4 +1,4 @@
-"""Draft families side by side: gathers the sf-eval reports of scripts/families_gpu.sh into
+"""Draft families side by side: gathers the sf-eval reports of `scripts/measure_gpu.sh families` into
 benchmarks/results/families.json and prints one table.
 
     python -m benchmarks.families RUN [--out families]
@@ -76,7 +76,7 @@ def summary(accept_rows: list[dict], timing_rows: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run", type=Path, help="the folder scripts/families_gpu.sh wrote (its RUN)")
+    parser.add_argument("run", type=Path, help="the folder `scripts/measure_gpu.sh families` wrote ($EV/run/families)")
     parser.add_argument("--out", default="families", help="result file name under benchmarks/results")
     args = parser.parse_args()
     rows = gather(args.run)

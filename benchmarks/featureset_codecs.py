@@ -1,5 +1,5 @@
 """Bytes per token on disk of a feature set for each container and storage dtype, and float8's
-error on real features (issue 20).
+error on real features.
 
     python -m benchmarks.featureset_codecs runs/smollm2/regen [--tokens 4096]
     python -m benchmarks.featureset_codecs --acceptance RUN [--commit C]
@@ -26,11 +26,11 @@ a small set).
 
 --acceptance RUN adds float8's acceptance to the existing results file, leaving its byte rows as
 they are: RUN holds sf-eval outputs eval_{bf16,fp8}_seed{0,1} of EAGLE-3 drafts trained with one
-recipe from a bf16 and a float8 capture of one regenerated set (scripts/gpu_evidence.sh makes
-them). It writes summary.acceptance_k7 ({run: {prompt set: accept length}}) and an `acceptance`
-block: the runs' details and provenance, the means, the seed spread and the bar's verdict (issue
-28: float8's mean at most 2% below bf16's, or at most the seed-to-seed spread below it, whichever
-is larger).
+recipe from a bf16 and a float8 capture of one regenerated set (`scripts/measure_gpu.sh
+fp8_acceptance` makes them). It writes summary.acceptance_k7 ({run: {prompt set: accept length}})
+and an `acceptance` block: the runs' details and provenance, the means, the seed spread and the
+bar's verdict (float8's mean at most 2% below bf16's, or at most the seed-to-seed spread below it,
+whichever is larger).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ VARIANTS = {  # name: (codec, storage dtype, final storage dtype)
     "fp8_zarr": ("zarr", FP8, FP8),
     "fp8_aux_bf16_final_zarr": ("zarr", FP8, "bfloat16"),
 }
-BAR_H4096 = 16500  # issue 20: float8 for every state, at most this many bytes per token at H 4096
+BAR_H4096 = 16500  # float8 for every state: at most this many bytes per token at H 4096
 
 
 def size_on_disk(root: Path) -> int:
@@ -146,7 +146,7 @@ def h4096_rows(tokens: int, tmp: Path, seq: int = 1024) -> tuple[list[dict], dic
 
 
 ACCEPTANCE_RUNS = ("bf16_seed0", "bf16_seed1", "fp8_seed0", "fp8_seed1")
-RELATIVE_BAR = 0.02  # issue 28: float8's mean acceptance within 2% of bf16's (or the seed spread)
+RELATIVE_BAR = 0.02  # float8's mean acceptance within 2% of bf16's (or the seed spread)
 
 
 def acceptance_verdict(acceptance: dict[str, dict[str, float]]) -> dict:
@@ -190,7 +190,7 @@ def record_acceptance(run: Path, commit: str | None) -> Path:
     data["summary"]["acceptance_k7"] = acceptance
     data["acceptance"] = {
         "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "how": "scripts/gpu_evidence.sh: sf-regen --recipe recipes/smollm2-h200.yaml --synthesize N; sf-capture "
+        "how": "scripts/measure_gpu.sh fp8_acceptance: sf-regen --recipe recipes/smollm2-h200.yaml --synthesize N; sf-capture "
                "--recipe ... --storage-dtype bfloat16 | float8_e4m3fn; sf-train --recipe ... --epochs E "
                "--warmup-steps 30 --num-workers 3 --seed 0|1 (4 side by side); sf-eval --recipe ... --prompts "
                "chat,code --no-baseline (k=7 chain, greedy, fp32 target, 96 new tokens, every prompt)",
@@ -207,7 +207,7 @@ def main() -> None:
     ap.add_argument("source", nargs="?", help="Conversations or an sf-regen folder to capture with SmolLM2.")
     ap.add_argument("--target", default="smollm2", help="The target of the real capture.")
     ap.add_argument("--tokens", type=int, default=4096, help="Tokens of the random H=4096 capture.")
-    ap.add_argument("--acceptance", default=None, help="A run folder of scripts/gpu_evidence.sh: add its four "
+    ap.add_argument("--acceptance", default=None, help="A run folder of `scripts/measure_gpu.sh fp8_acceptance`: add its four "
                     "acceptance runs to the existing results file instead of measuring bytes.")
     ap.add_argument("--commit", default=None, help="--acceptance: the commit the runs were made at.")
     args = ap.parse_args()
@@ -240,8 +240,8 @@ def main() -> None:
     print(f"wrote {write_result('featureset_codecs', rows, extra)}")
 
 
-NOT_MEASURED = ("acceptance_k7 (issue 20 item 3: drafts trained from a bf16 and a float8 capture of the same "
-                "regenerated set, two seeds each, on the H200) and the capture and train-step speeds (item 4: "
+NOT_MEASURED = ("acceptance_k7 (drafts trained from a bf16 and a float8 capture of the same regenerated set, "
+                "two seeds each: --acceptance RUN) and the capture and train-step speeds ("
                 "python -m benchmarks.capture and python -m benchmarks.train_step, which compare bf16 and float8 "
                 "side by side) need a GPU; they are not in this file.")
 

@@ -1,4 +1,4 @@
-"""Bytes per token on disk of a SmolLM2 feature set, for each codec (issue 4).
+"""Bytes per token on disk of a SmolLM2 feature set, for each codec.
 
 Captures the same conversations once per codec (bf16 storage) and divides each set's size on
 disk by its token count: all files, and the shards alone (the compression ratio uses these). The baseline is raw bf16: per token

@@ -15,7 +15,7 @@ then measures, each in a fresh process with the checkpoint evicted from the page
 
 Per operation: bytes read from storage (/proc/self/io read_bytes: page faults of memory-mapped
 reads included), wall time, and the process's peak resident memory above an idle interpreter
-with the same imports. Bar (issue 26): under 100 MB read and under 5 s each. The JSON goes to
+with the same imports. Bar: under 100 MB read and under 5 s each. The JSON goes to
 results/identity.json.
 """
 

@@ -1,4 +1,4 @@
-"""Acceptance per serving mode (issue 39): gathers the sf-eval reports of scripts/modes_gpu.sh
+"""Acceptance per serving mode: gathers the sf-eval reports of `scripts/measure_gpu.sh modes`
 into benchmarks/results/modes.json and prints the table.
 
     python -m benchmarks.modes RUN [--out modes]

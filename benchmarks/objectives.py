@@ -1,4 +1,4 @@
-"""Token losses side by side (issue 40): gathers the sf-eval reports of scripts/objectives_gpu.sh
+"""Token losses side by side: gathers the sf-eval reports of `scripts/measure_gpu.sh objectives`
 into benchmarks/results/objectives.json and prints the tables.
 
     python -m benchmarks.objectives RUN [--out objectives] [--with-run EARLIER]
@@ -16,8 +16,8 @@ summary:
                          the step --keep-best kept and its value against the last evaluation's
     data                 what the drafts trained on: samples, tokens, and a hash of the samples'
                          token ids and loss masks (each shard's source_sha256, in order)
---with-run EARLIER adds the drafts of an earlier run of the same comparison (a session's device
-time holds only part of it): a folder of its eval_<draft>/eval.json files, its curve_eagle3/ and
+--with-run EARLIER adds the drafts of an earlier run of the same comparison (one machine's time
+may hold only part of it): a folder of its eval_<draft>/eval.json files, its curve_eagle3/ and
 its features/ manifest.json or fingerprint.json (what `--keep-run DEST` copies out of a run). Its data must be this run's
 (the same samples, token for token), else the two are not one comparison and nothing is written.
 Only the data are compared: that the drafts trained for the same epochs with the same recipe is
@@ -37,7 +37,7 @@ from benchmarks.common import print_table, write_result
 from benchmarks.families import gather
 
 SEED = re.compile(r"_seed\d+$")
-BAR_PCT = 3.0  # issue 40: the best LK variant at least 3% above ce, beyond the seed spread
+BAR_PCT = 3.0  # the best LK variant at least 3% above ce, beyond the seed spread, to replace it as the default
 
 
 def variant(draft: str) -> str:
@@ -95,7 +95,7 @@ def known_fingerprint(run: Path) -> dict:
     found = fingerprint(run)
     if found is None:
         raise SystemExit(f"{run / 'features'}: neither manifest.json nor fingerprint.json (not a run of "
-                         "scripts/objectives_gpu.sh?)")
+                         "`scripts/measure_gpu.sh objectives`?)")
     return found
 
 

@@ -40,8 +40,8 @@ on a CPU; the JSON goes to results/regen.json only from a GPU run (or to --out).
 
 --synthesize N swaps SmolLM2's workload for the stage as `sf-regen --recipe RECIPE --synthesize N`
 runs it (--recipe, default recipes/smollm2-h200.yaml: its batch, answer cap, sampling and the
-prompts the target writes itself), the workload of the stage figure issue 36 compares against
-(26,100 tokens/s on 10,240 prompts, benchmarks/RESULTS.md). --paths picks the rows (default every
+prompts the target writes itself), the workload of the stage's figure in benchmarks/RESULTS.md
+(10,240 prompts). --paths picks the rows (default every
 one; `before` alone takes minutes): e.g. `--synthesize 10240 --paths after,graph_step
 --llama8b-conversations 0` is the stage eager and graph-replayed, side by side. Its tokens are the
 answers' (the manifest's generated_tokens), its seconds the whole stage's, the target's writing of
