@@ -7,7 +7,7 @@ is compiled, per decoder layer:
 
     attention   the attention block (projections, q/k norms, rotary, attention) and the layer's two
                 RMSNorms, each its own compiled module. The experts and the residual adds stay
-                eager. benchmarks/capture_moe.py measured this one (RESULTS.md, "Regen and capture").
+                eager. benchmarks/capture_moe.py measured this one (benchmarks/RESULTS.md, "Regen and capture").
     layer       the decoder layer's whole forward but its routed experts, which dynamo leaves to their
                 implementation (torch.compiler.disable: a graph break on each side; dynamo would
                 otherwise trace into the fused kernel's launcher or transformers' loop). So the

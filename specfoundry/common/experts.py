@@ -34,7 +34,7 @@ def resolve_experts(name: str, device_type: str, experts=None, devices: int = 1)
     """`auto` -> on a GPU, FUSED_EXPERTS where it can run `experts` (a routed-experts module of the
     model) in one process on one device (`devices`: how many the model is spread over), else
     grouped_mm; eager elsewhere. Any other name as it is (or a PlacementError). FUSED_EXPERTS is the
-    fastest measured (benchmarks/RESULTS.md, "Regen and capture": capture of the Qwen3-30B-A3B and
+    fastest measured (docs/LOG.md: capture of the Qwen3-30B-A3B and
     DeepSeek-V3 shapes at 8k and 32k tokens a batch, one GPU); several processes (--tp, --ep) or
     devices (--device-map) keep grouped_mm, which was not measured against it there."""
     if name not in EXPERTS_IMPLEMENTATIONS:

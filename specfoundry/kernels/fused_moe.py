@@ -341,7 +341,7 @@ def expert_parallel(module: torch.nn.Module) -> bool:
     """Whether top_k_index may hold another rank's sentinels: the module's `_is_expert_parallel`
     where transformers sets it (5.25 does), else (5.17 sets none) whenever several processes run,
     since expert parallelism needs them. A wrong True costs a zero fill of [S, H], a full write of
-    the slot outputs (its share of the block: benchmarks/RESULTS.md); a wrong False would sum
+    the slot outputs (its share of the block: docs/LOG.md); a wrong False would sum
     unwritten rows."""
     flag = getattr(module, "_is_expert_parallel", None)
     if flag is not None:

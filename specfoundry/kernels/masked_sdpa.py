@@ -6,7 +6,7 @@ the memory-efficient kernel takes masks but not GQA, and flash takes no mask. cu
 execution graph for every new shape, a cost paid on the host. A training batch's width changes
 from batch to batch and EAGLE-3's keys grow with every TTT step, so nearly every call builds
 one: profiled on a GPU, an EAGLE-3 training step on SmolLM2 was almost all host time, in cuDNN's
-forward and backward (benchmarks/RESULTS.md, "Training").
+forward and backward (docs/LOG.md).
 
 What. On CUDA the keys and values are repeated to the query heads (the efficient kernel's MHA)
 and the call may use flash, the efficient kernel or math, never cuDNN; the efficient kernel runs

@@ -188,7 +188,7 @@ class LaunchConfig:
 
 # Rows of WHOLE_ROW_DTYPES no wider than WHOLE_ROW_MAX are one register tile (the draft vocab of
 # 32000 is); others (bf16, or 49152, 151936 wide) go in chunks of CHUNK. The defaults below are
-# the sweep's picks (benchmarks/soft_ce_tuning.py; the figures are in benchmarks/RESULTS.md);
+# the sweep's picks (benchmarks/soft_ce_tuning.py; the figures are in docs/LOG.md);
 # soft_target_cross_entropy's `launch` and `whole_row` override them per call:
 WHOLE_ROW_MAX = 32768
 WHOLE_ROW_DTYPES = (torch.float32,)

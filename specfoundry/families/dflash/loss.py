@@ -148,7 +148,7 @@ def hard_ce_grad(z: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, coef:
 
 # on a GPU each runs through torch.compile: the eager chain was about ten memory passes over every
 # [c, V] fp32 chunk (the cast, logsumexp, argmax, gather, subtract, exp, one-hot, scale, cast back),
-# more than half of a SmolLM2 DFlash step's kernel time (benchmarks/RESULTS.md, "Training")
+# more than half of a SmolLM2 DFlash step's kernel time (docs/LOG.md)
 HARD_CE_ROWS = compiled_on_cuda(hard_ce_rows)
 HARD_CE_GRAD = compiled_on_cuda(hard_ce_grad)
 
@@ -164,7 +164,7 @@ def teacher_probs(t: torch.Tensor, dtype: torch.dtype):
 
 # the soft teacher's eager chain made an fp32 copy of every [c, V] chunk of target logits, its
 # softmax, an argmax and a cast back, each a pass over the chunk: a larger share of a soft-teacher
-# DFlash step's kernel time than its loss kernel (benchmarks/RESULTS.md, "Training")
+# DFlash step's kernel time than its loss kernel (docs/LOG.md)
 TEACHER_PROBS = compiled_on_cuda(teacher_probs)
 
 

@@ -7,7 +7,7 @@ Two engines, chosen by --hf-engine:
   request of a turn at once). It drives any model transformers can generate with.
 `auto` takes `slots` on a GPU wherever the engine can drive the model (slots.supported), else
 `generate`: on a CPU the same weight matmuls bound both (measured equal at batch 1, the gate's
-one-conversation regen and a SmolLM2 decode step: benchmarks/RESULTS.md), so the engine that
+one-conversation regen and a SmolLM2 decode step: docs/LOG.md), so the engine that
 drives any model is taken.
 Greedy output is the same token for token; samples differ (slots draws per request,
 generate per batch).

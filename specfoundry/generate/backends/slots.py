@@ -24,7 +24,7 @@ expanded to the query heads. Given an explicit mask, transformers' sdpa attentio
 device image has it; 5.24 folds a single query itself, as below) does not use SDPA's `enable_gqa`
 (on CUDA a masked GQA call falls back to the math kernel) but `repeat_kv`: a copy of every layer's
 attended cache, keys and values, at G = heads / kv_heads times its size, at every step, the
-largest kernel of the profiled decode step (benchmarks/RESULTS.md). The engine's
+largest kernel of the profiled decode step (docs/LOG.md). The engine's
 forward runs the layers with `folded_sdpa_attention` instead (registered with transformers as
 SLOT_ATTENTION and selected for the engine's forward only: `slot_attention`): with one query per
 row, the G query heads that share a KV head become G query rows against that head's keys, which
@@ -347,8 +347,7 @@ class SlotEngine:
         """Frees the KV cache and the captured steps now. A captured step's closure refers back to
         the engine, a reference cycle that only Python's cycle collector breaks, whenever it happens
         to run: sf-regen makes an engine per group of shards, and the stale caches of earlier groups
-        filled a GPU at the SmolLM2 recipe's 2,048 slots (benchmarks/RESULTS.md, "Regen and
-        capture")."""
+        filled a GPU at the SmolLM2 recipe's 2,048 slots (docs/LOG.md)."""
         self.decode_steps = None
         self.cache = None
 
