@@ -54,6 +54,22 @@ def cuda_time_ms_interleaved(fns: dict, warmup: int = 3, iters: int = 15, host_m
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def call_ms(fn) -> float:
+    """One call of fn, in ms: CUDA-event device time between synchronisations on a GPU, the host's
+    time elsewhere."""
+    if not torch.cuda.is_available():
+        t = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
 def cuda_time_ms_back_to_back(fn, calls: int = 10, repeats: int = 5) -> float:
     """fn's CUDA-event time per call with `calls` calls enqueued back to back (no synchronisation
     between them; after one warm-up call), the median of `repeats`: the device's time per call when

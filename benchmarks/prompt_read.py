@@ -27,30 +27,14 @@ from functools import partial
 
 import torch
 
-from benchmarks.common import print_table, write_result
+from benchmarks.common import call_ms, print_table, write_result
 from benchmarks.decode_step import AUX, DFLASH_LAYERS, SHAPES
 
 LENGTHS = (37, 61, 100, 151, 230, 313, 419)
 
 
-def first_call_ms(fn) -> float:
-    """The device time of one call of fn (CUDA events), synchronised before and after; off a GPU, the
-    host's (a CPU run checks the script)."""
-    if not torch.cuda.is_available():
-        t = time.perf_counter()
-        fn()
-        return 1e3 * (time.perf_counter() - t)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)
-
-
 def median_ms(fn, iters: int) -> float:
-    return statistics.median(first_call_ms(fn) for _ in range(iters))
+    return statistics.median(call_ms(fn) for _ in range(iters))
 
 
 def drafts(shape: str, device: torch.device, graphs: bool) -> dict:
@@ -113,7 +97,7 @@ def rows_of(shape: str, lengths: tuple[int, ...], iters: int, device: torch.devi
         row = {"shape": shape, "tokens": n, "prefill": (prefill(), median_ms(prefill, iters))[1]}
         for name in eager:
             e, c = (partial(f, tokens, aux) for f in (eager[name], captured[name]))
-            row[f"{name}_eager_first"] = first_call_ms(e)
+            row[f"{name}_eager_first"] = call_ms(e)
             row[f"{name}_eager"] = median_ms(e, iters)
             c()  # the bucket's capture
             row[f"{name}_captured"] = median_ms(c, iters)
