@@ -227,7 +227,7 @@ def train_features(inputs) -> Path:
 def train_args(fs: Path):
     return lambda out: [fs, "-o", out, "--draft-vocab-size", 512, "--ttt-length", 3, "--lr", 3e-3,
                         "--warmup-steps", 2, "--max-steps", 4, "--max-batch-tokens", 160, "--save-every", 2,
-                        "--eval-fraction", 0, "--num-workers", 0, "--loss", "reference", "--silent"]
+                        "--eval-fraction", 0, "--num-workers", 0, "--loss-kernel", "reference", "--silent"]
 
 
 @pytest.fixture(scope="module")
@@ -285,6 +285,9 @@ FAMILY_ARGS = {  # small drafts of each family, trained on the set of every fami
                "--gru-hidden-dim", 16, "--correction-dim", 16],
     "dspark": ["--num-draft-layers", 1, "--layers", "1,8,14,20,27", "--block-size", 4, "--num-anchors", 8,
                "--markov-rank", 8],
+    # a selector ramping in over the run: its schedule is part of what a resume must repeat
+    "dflash2": ["--num-draft-layers", 1, "--layers", "1,8,14,20,27", "--block-size", 4, "--num-anchors", 8,
+                "--selector-rank", 8, "--selector-top-k", 4, "--selector-ramp-ratio", 0.5],
     "peagle": ["--peagle-vocab-size", 512, "--num-depths", 3, "--peagle-layers", 1],
 }
 
@@ -300,7 +303,7 @@ def every_family_features(inputs) -> Path:
 def family_train_args(fs: Path, family: str):
     return lambda out: [fs, "-o", out, "--family", family, *FAMILY_ARGS[family], "--lr", 3e-3, "--warmup-steps", 2,
                         "--max-steps", 4, "--max-batch-tokens", 160, "--save-every", 2, "--eval-fraction", 0,
-                        "--num-workers", 0, "--loss", "reference", "--silent"]
+                        "--num-workers", 0, "--loss-kernel", "reference", "--silent"]
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES.names() if f != FAMILIES.default])  # (the default: above)
