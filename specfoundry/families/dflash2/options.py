@@ -31,7 +31,7 @@ class DFlash2Options(Settings):
     selector_loss_alpha: float = setting(1.0, valid=Range(0, 1000, zero="the selector is frozen"),
                                          help="DFlash2: weight of the selector's cross entropy beside the slots' "
                                               "own.")
-    selector_warmup_ratio: float = setting(0.0, valid=Range(0, 1), help="DFlash2: the selector's weight is 0 for "
+    selector_warmup_ratio: float = setting(0.0, valid=Range(0, 1, zero="no warm-up"), help="DFlash2: the selector's weight is 0 for "
                                            "this fraction of the run's optimizer steps.")
     selector_ramp_ratio: float = setting(0.0, valid=Range(0, 1, zero="no ramp"), help="DFlash2: after the "
                                          "warm-up, the selector's weight rises linearly to its full value over this "
