@@ -1,5 +1,5 @@
-"""sf-train settings of the DFlash family (recorded in train_config.json under `dflash`). Domino and
-DSpark extend DFlash and read this group too, except the objective and the teacher (DFlash only):
+"""sf-train settings of the DFlash family (recorded in train_config.json under `dflash`). Domino,
+DSpark and DFlash2 extend DFlash and read this group too, except the objective and the teacher (DFlash only):
 each option's help says which families read it."""
 
 from __future__ import annotations
@@ -15,20 +15,20 @@ OBJECTIVES = ("dflash", "dpace")
 @dataclass(frozen=True, kw_only=True)
 class DFlashOptions(Settings):
     num_draft_layers: int = setting(5, valid=Range(1, 256),
-                                    help="DFlash, Domino, DSpark: decoder layers of the draft (it reads as many target "
+                                    help="DFlash, Domino, DSpark, DFlash2: decoder layers of the draft (it reads as many target "
                                          "layers by default; --layers may give any number).")
     block_size: int = setting(16, valid=Range(2, MAX_DRAFT + 1),
-                              help="DFlash, Domino, DSpark: positions per block, the anchor and block_size-1 proposals.")
+                              help="DFlash, Domino, DSpark, DFlash2: positions per block, the anchor and block_size-1 proposals.")
     num_anchors: int = setting(512, valid=Range(1, MAX_TOKENS),
-                               help="DFlash, Domino, DSpark: anchors sampled per sample and step, among supervised "
+                               help="DFlash, Domino, DSpark, DFlash2: anchors sampled per sample and step, among supervised "
                                     "positions.")
     gamma: float = setting(7.0, valid=Range(),
-                           help="DFlash, Domino, DSpark: a block slot's loss is weighted exp(-d/gamma), d its distance "
+                           help="DFlash, Domino, DSpark, DFlash2: a block slot's loss is weighted exp(-d/gamma), d its distance "
                                 "from the block's first predicted slot (<= 0: uniform); --objective dpace weighs by "
                                 "its own rule instead.")
     mask_token_id: int | None = setting(None, valid=Range(0, MAX_TOKENS), shown="the first embedding row past the tokenizer's vocabulary, else "
                                         "the highest id never seen in the feature set",
-                                        help="DFlash, Domino, DSpark: the token id of the block's mask positions.")
+                                        help="DFlash, Domino, DSpark, DFlash2: the token id of the block's mask positions.")
     teacher: str = setting("hard", choices=TEACHERS, help="DFlash only: hard: the conversation's tokens; soft: the "
                            "target's distribution from the stored final state.")
     objective: str = setting("dflash", choices=OBJECTIVES, help="DFlash only: dflash: the slot losses weighted "
@@ -36,7 +36,7 @@ class DFlashOptions(Settings):
                              "draft's smoothed prefix products of its label probabilities (a surrogate of the expected "
                              "accepted length), recomputed each step, without gradient (docs/families.md).")
     final_norm_init: float = setting(1.0, valid=Range(0, 1, min_open=True),
-                                     help="DFlash, Domino, DSpark: the weight a fresh draft's final RMSNorm starts "
+                                     help="DFlash, Domino, DSpark, DFlash2: the weight a fresh draft's final RMSNorm starts "
                                      "at (--init-from keeps its own). At 1 (the usual RMSNorm init) the first "
                                      "loss is about 3 ln V on SmolLM2: the normed states meet the target's lm_head "
                                      "at full scale, a confident random guess; 0.1 starts near uniform (about ln V). "
