@@ -218,7 +218,7 @@ def test_the_sampled_walk_draws_each_slot_by_inverse_cdf_of_its_realised_row():
         torch.testing.assert_close(rows[t], row, rtol=0, atol=0)
         want_q = torch.softmax(row / 0.7, -1)
         torch.testing.assert_close(q[t], want_q)
-        index = int((torch.cumsum(want_q, 0) < uniforms[t]).sum())
+        index = int((torch.cumsum(want_q, 0) <= uniforms[t]).sum())
         assert int(choices[t]) == index
 
 
@@ -620,3 +620,28 @@ def test_the_positions_check_names_a_selector_fed_the_wrong_predecessor_and_fit_
     draft.candidate_selector.lattice = masked
     positions, _ = check_positions_and_fit(runner, sample)
     assert not positions.ok and "differs" in positions.detail, positions
+
+
+@pytest.mark.slow
+def test_dflash2_gate_passes_on_the_tiny_target_and_names_broken_pieces(tiny_llama_dir, tmp_path):
+    """The whole gate (regen, capture, train 60 steps, export, checks) on the tiny Llama target, hence
+    slow; its checks' fail cases are also covered fast above (positions, fit) and by the export tests."""
+    from specfoundry.gate import GateConfig, run_checks, run_gate, verdict
+    from tests.test_gate import broken_copy
+
+    cfg = GateConfig(output=str(tmp_path / "gate"), target=str(tiny_llama_dir), max_steps=60, max_new_tokens=32,
+                     device="cpu", family="dflash2")
+    checks, ok, message = run_gate(cfg)
+    assert ok, message
+    assert [c.name for c in checks] == ["export names", "mask token", "layers", "layers", "positions", "fit", "decode"]
+    export = tmp_path / "gate" / "train" / "export"
+
+    def rename(t):  # the engines load the codebooks under their raw names, no `.weight`
+        t["candidate_selector.successor_codebook.weight"] = t.pop("candidate_selector.successor_codebook")
+
+    def other_mask(c):
+        c["dflash_config"]["mask_token_id"] -= 1
+
+    for kw, where in (({"tensors": rename}, "export names"), ({"config": other_mask}, "mask token")):
+        ok, message = verdict(run_checks(cfg, broken_copy(export, tmp_path / where.replace(" ", "-"), **kw)))
+        assert not ok and message.startswith(f"gate failed at {where}"), message

@@ -76,7 +76,8 @@ def walk(lattice: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tenso
         row = lattice[slot].index_select(0, index)[0]  # [K]
         q = torch.softmax(row / t, dim=-1)
         cdf = torch.cumsum(q, dim=0)
-        drawn = (cdf < uniforms[slot] * cdf[-1]).sum().clamp(max=k - 1)
+        # the first index whose cdf passes u: a candidate of zero probability is never drawn
+        drawn = (cdf <= uniforms[slot] * cdf[-1]).sum().clamp(max=k - 1)
         best = row.argmax()
         choice = torch.where(sampled, drawn, best)
         onehot = torch.nn.functional.one_hot(best, k).to(q.dtype)
