@@ -20,8 +20,9 @@ gradient reaches the unary logits of C and the states (coupled, SpecForge's defa
 --selector-stop-gradient, where it trains the selector alone. alpha_eff follows SpecForge's
 schedule over optimizer steps (selector_weight_at): 0 for the warm-up, then a linear ramp to
 --selector-loss-alpha; while it is 0 the selector's term stays in the graph (zero gradients).
-The selector's term goes through autograd chunk by chunk, each chunk recomputed in its backward
-(activation checkpointing), so no chunk's [rows, V] logits outlive it.
+The candidates are taken from the unary loss's own chunks of logits (no second [rows, V] product);
+the selector's term goes through autograd chunk by chunk, each chunk recomputed in its backward
+(activation checkpointing) from the rows and the candidates' K rows of W alone.
 
 Metrics per slot (train/metrics.py): `loss` the unary ce; `hits` the selector's teacher-forced
 hits (the target's token in the strict top K and ranked first: what decoding proposes after a
@@ -79,35 +80,33 @@ def selector_targets(ids: torch.Tensor, labels: torch.Tensor, objective: str):
     return ids, index, covered, trained
 
 
-def selector_chunk(draft: DFlash2Draft, rows: torch.Tensor, head: torch.Tensor, labels: torch.Tensor,
+def selector_chunk(draft: DFlash2Draft, rows: torch.Tensor, head: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor,
                    predecessors: torch.Tensor, objective: str, stop_gradient: bool):
-    """One chunk of scored rows [c, H]: (sel [c] fp32, 0 where not trained; covered [c]; hits [c]:
-    covered and the selector ranks the label first). The unary logits of the candidates are
-    h . W[c] (their gradient reaches the rows without a [c, V] product)."""
+    """One chunk of scored rows [c, H] with their candidates ids [c, K] (the top K of their unary
+    logits): (sel [c] fp32, 0 where not trained; trained, covered [c]; hits [c]: covered and the
+    selector ranks the label first). The unary logits of the candidates are h . W[c], so their
+    gradient reaches the rows without a [c, V] product."""
     h = rows.detach() if stop_gradient else rows
-    with torch.no_grad():
-        ids = draft.candidate_selector.candidates(draft.base_logits(h, head))[1]  # [c, K]
     ids, index, covered, trained = selector_targets(ids, labels, objective)
     unary = torch.einsum("ch,ckh->ck", h, head[ids].to(h.dtype))  # [c, K]
     scores = draft.candidate_selector.score(unary, ids, h, predecessors)  # [c, K] fp32
     sel = F.cross_entropy(scores, index, reduction="none") * trained
-    return sel, covered, covered & (scores.detach().argmax(-1) == index)
+    return sel, trained, covered, covered & (scores.detach().argmax(-1) == index)
 
 
-def selector_terms(draft: DFlash2Draft, rows, head, counts: list[int], weights: list[float], labels, predecessors,
-                   objective: str, stop_gradient: bool, chunk: int):
+def selector_terms(draft: DFlash2Draft, rows, head, candidates, counts: list[int], weights: list[float], labels,
+                   predecessors, objective: str, stop_gradient: bool, chunk: int):
     """(sum_k w_k sum of the rows' sel (autograd), per-slot sums [B-1] of sel, trained, covered and
-    hits), chunk by chunk within each slot, each chunk checkpointed."""
+    hits), chunk by chunk within each slot, each chunk checkpointed; candidates [M, K] the rows'."""
     device = rows.device
     total = torch.zeros((), dtype=torch.float32, device=device)
     stats = {name: torch.zeros(len(counts), dtype=torch.float32, device=device)
              for name in ("sel", "trained", "covered", "hits")}
     for k, s, e in slot_chunks(counts, chunk):
-        sel, covered, hits = checkpoint(selector_chunk, draft, rows[s:e], head, labels[s:e], predecessors[s:e],
-                                        objective, stop_gradient, use_reentrant=False)
+        sel, *counted = checkpoint(selector_chunk, draft, rows[s:e], head, candidates[s:e], labels[s:e],
+                                   predecessors[s:e], objective, stop_gradient, use_reentrant=False)
         total = total + weights[k] * sel.sum()
-        trained = covered if objective == "topk" else torch.ones_like(covered)
-        for name, v in (("sel", sel.detach()), ("trained", trained), ("covered", covered), ("hits", hits)):
+        for name, v in zip(("sel", "trained", "covered", "hits"), (sel.detach(), *counted), strict=True):
             stats[name][k] += v.float().sum()
     return total, stats
 
@@ -143,13 +142,20 @@ def dflash2_loss(draft: DFlash2Draft, batch: Batch, lm_head: torch.Tensor, *, nu
     if want_grad:
         check_announced(loss_scale, "dflash2_loss")
     weights, chunk = slot_weights(b, gamma), label_chunk or logit_rows(head.shape[0])
+    candidates = []  # each chunk's top K [c, K], taken from the logits the unary loss computes anyway
+
+    def logits(h: torch.Tensor) -> torch.Tensor:  # chunked_loss calls it once per chunk, in slot_chunks' order
+        z = draft.block_logits(h, head)
+        candidates.append(draft.candidate_selector.candidates(z)[1])
+        return z
+
     value, grad, ce_sums, unary_hits = chunked_loss(
         rows.detach(), head, counts, weights, labels, "hard", chunk=chunk, announced=loss_scale,
-        loss_kernel=loss_kernel, want_grad=want_grad, logits=lambda h: draft.block_logits(h, head),
-        compiled=compiles_elementwise(draft))
+        loss_kernel=loss_kernel, want_grad=want_grad, logits=logits, compiled=compiles_elementwise(draft))
     unary = AttachGradient.apply(rows, value, grad, loss_scale) if want_grad else value
-    selector, stats = selector_terms(draft, rows, head, counts, weights, labels, predecessors, selector_loss,
-                                     stop_gradient, chunk)
+    candidates = torch.cat(candidates) if candidates else labels.new_zeros(0, draft.cfg.selector_top_k)  # [M, K]
+    selector, stats = selector_terms(draft, rows, head, candidates, counts, weights, labels, predecessors,
+                                     selector_loss, stop_gradient, chunk)
     norm = max(sum(w * c for w, c in zip(weights, counts, strict=True)), 1e-6)  # chunked_loss's normaliser
     # 0 that reaches every selector parameter: a micro-batch with nothing scored still gives (zero) gradients
     unused = sum(p.sum() for p in selector_parameters(draft) if p.requires_grad) * 0.0
