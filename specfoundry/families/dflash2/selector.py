@@ -71,6 +71,7 @@ def walk(lattice: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tenso
     sampled = temperature > 0
     t = temperature.clamp(min=1e-5)
     index = torch.zeros(1, dtype=torch.long, device=lattice.device)  # slot 0's rows all read the anchor
+    slots = torch.arange(k, device=lattice.device)
     choices, dists, rows = [], [], []
     for slot in range(lattice.shape[0]):
         row = lattice[slot].index_select(0, index)[0]  # [K]
@@ -80,7 +81,7 @@ def walk(lattice: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tenso
         drawn = (cdf <= uniforms[slot] * cdf[-1]).sum().clamp(max=k - 1)
         best = row.argmax()
         choice = torch.where(sampled, drawn, best)
-        onehot = torch.nn.functional.one_hot(best, k).to(q.dtype)
+        onehot = (slots == best).to(q.dtype)  # (a comparison: one_hot checks its input on the host)
         choices.append(choice)
         dists.append(torch.where(sampled, q, onehot))
         rows.append(row)
