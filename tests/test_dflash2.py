@@ -72,7 +72,7 @@ def forward_states(draft, batch, anchors, keep):
 
 
 def reference_convolve(hidden, dynamic, base, group_size):
-    """z-lab's _grouped_dynamic_convolve, verbatim (.dev's spec, section 1.2): one block's [b, L, H]."""
+    """z-lab's _grouped_dynamic_convolve, verbatim (dflash/model.py at 07ebd93, the commit speculators and vLLM pin): one block's [b, L, H]."""
     batch, length, hidden_size = hidden.shape
     groups = hidden_size // group_size
     blocks = hidden.view(batch, length, groups, group_size)

@@ -1,8 +1,7 @@
 """Export a DFlash2 draft as the directory SGLang and vLLM serve (`DFlash2DraftModel`, the native
 layout z-lab's checkpoints, SpecForge's and ModelOpt's exports share).
 
-Written from the engines' public loaders (.dev's spec of DFlash2, sections 2.1 and 2.2): SGLang's
-dflash_utils.py parse_dflash_draft_config (dflash_config's block_size, conv_kernel_size,
+Written from the engines' public loaders: SGLang's dflash_utils.py parse_dflash_draft_config (dflash_config's block_size, conv_kernel_size,
 conv_group_size, selector_rank, selector_top_k, target_layer_ids, mask_token_id; the conv pair and
 the selector pair set together; DFlash2DraftModel requires selector_rank; the serving algorithm
 stays DFLASH, the architecture picks the path), vLLM's qwen3_dflash2.py (dflash_config's
