@@ -321,6 +321,25 @@ def test_the_selector_weight_follows_specforges_schedule():
     assert m.selector_weight == 0.5
 
 
+
+def test_dflash_only_teachers_and_objectives_are_refused_and_alpha_0_freezes_the_selector(tiny_llama_dir):
+    from specfoundry.families import Extended
+    from specfoundry.families.dflash.options import DFlashOptions
+    from specfoundry.families.dflash2.options import DFlash2Options
+
+    family = FAMILIES.provider("dflash2")
+    for parent, words in ((DFlashOptions(teacher="soft"), "--teacher soft"),
+                          (DFlashOptions(objective="dpace"), "--objective dpace")):
+        with pytest.raises(ValueError, match=words):
+            family.module(tiny_draft(), "unused", torch.float32, Extended(parent, DFlash2Options()), 0)
+    draft = tiny_draft(vocab_size=49152, mask_token_id=49151, hidden_size=64, target_hidden_size=64)
+    family.module(draft, tiny_llama_dir, torch.float32, Extended(DFlashOptions(), DFlash2Options()), 0)
+    assert all(p.requires_grad for p in draft.candidate_selector.parameters())
+    family.module(draft, tiny_llama_dir, torch.float32,
+                  Extended(DFlashOptions(), DFlash2Options(selector_loss_alpha=0.0)), 0)
+    selector = {id(p) for p in draft.candidate_selector.parameters()}
+    assert selector and not selector & {id(p) for p in draft.trainable_parameters()}  # out of the optimizer
+
 # ---- the metrics sf-train reports ------------------------------------------------------------------------
 
 
