@@ -11,7 +11,8 @@ step and the crop that undoes it (so every iteration starts from the same length
     verify_kK     a chain verify of K+1 tokens (K = 3, 7, 15)
     tree          a tree verify: the pending token and the 8,4,2,1,1,1,1 tree (360 nodes)
     draft_F       family F's draft step, a random draft of the target's shape after the prompt's context:
-                  EAGLE-3's greedy chain of 7, a DFlash / Domino / DSpark block of 16, P-EAGLE's round
+                  EAGLE-3's greedy chain of 7, a DFlash / Domino / DSpark / DFlash2 block of 16 (DFlash2's
+                  with its selector's walk over the top 16 of each slot), P-EAGLE's round
                   of 7 depths after one committed row; draft_eagle3_tree: EAGLE-3's expansion of the
                   8,4,2,1,1,1,1 tree (360 nodes: 6 draft forwards read the 296 above the deepest);
                   draft_eagle3_commit / draft_dflash_commit: a round's commit of COMMIT_TOKENS accepted
@@ -308,6 +309,10 @@ def draft_steps(shape: str, model, prompt_len: int, graphs: bool) -> dict:
     from specfoundry.families.dflash.block import BlockDraftRunner
     from specfoundry.families.dflash.config import dflash_config_from_target
     from specfoundry.families.dflash.model import DFlashDraft
+    from specfoundry.families.dflash2.config import dflash2_config_from_target
+    from specfoundry.families.dflash2.decode import DFlash2Runner
+    from specfoundry.families.dflash2.model import DFlash2Draft
+    from specfoundry.families.dflash2.options import DFlash2Options
     from specfoundry.families.domino.config import domino_config_from_target
     from specfoundry.families.domino.decode import DominoRunner
     from specfoundry.families.domino.model import DominoDraft
@@ -364,6 +369,8 @@ def draft_steps(shape: str, model, prompt_len: int, graphs: bool) -> dict:
                                                                         DominoOptions().correction_dim))),
         "dspark": (DSparkRunner, DSparkDraft(dspark_config_from_target(cfg, layers, 5, BLOCK, mask_id,
                                                                         DSparkOptions().markov_rank))),
+        "dflash2": (DFlash2Runner, DFlash2Draft(dflash2_config_from_target(cfg, layers, 5, BLOCK, mask_id,
+                                                                          DFlash2Options()))),
     }
     for name, (runner_class, draft) in blocks.items():
         runner = runner_class(placed(draft), head, graphs=graphs)

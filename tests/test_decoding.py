@@ -267,19 +267,21 @@ def test_a_compiled_greedy_chain_equals_the_eager_one(device):
         assert a_tokens == b_tokens
         assert_close_scaled(b_rows, a_rows, 1e-5, rows=True)
     assert [name for name in FAMILIES.names() if FAMILIES.provider(name).compiles_draft] == \
-        ["eagle3", "dflash", "domino", "dspark"]
+        ["eagle3", "dflash", "domino", "dspark", "dflash2"]
     with pytest.raises(ValueError, match="--compile-draft: peagle drafts decode uncompiled"):
         FAMILIES.provider("peagle").decoder(None, None, k=7, tree=None, compiled=True)
 
 
 @pytest.mark.parametrize("device", GRAPH_DEVICES)
-@pytest.mark.parametrize("family", ["dflash", "dspark", "domino"])
+@pytest.mark.parametrize("family", ["dflash", "dspark", "domino", "dflash2"])
 def test_a_compiled_block_proposal_equals_the_eager_one(family, device):
     """BlockDraftRunner(compiled=True) (DFlash, DSpark's sequential Markov head, Domino's GRU
-    correction, one GRU step a proposal): the captured block forward through torch.compile proposes
-    the eager runner's tokens round after round, its logits within fp32 reordering (the tolerance
-    of the chain's test above, for the same reason)."""
+    correction, one GRU step a proposal, DFlash2's convolutions and its selector's walk): the
+    captured block forward through torch.compile proposes the eager runner's tokens round after
+    round, its logits (DFlash2: the walk's realised scores) within fp32 reordering (the tolerance of
+    the chain's test above, for the same reason)."""
     from specfoundry.families.dflash.block import BlockDraftRunner
+    from specfoundry.families.dflash2.decode import DFlash2Runner
     from specfoundry.families.domino.decode import DominoRunner
     from specfoundry.families.dspark.decode import DSparkRunner
 
@@ -291,6 +293,10 @@ def test_a_compiled_block_proposal_equals_the_eager_one(family, device):
         from tests.test_dspark import tiny_draft
 
         draft, runner_class = tiny_draft(), DSparkRunner
+    elif family == "dflash2":
+        from tests.test_dflash2 import tiny_draft
+
+        draft, runner_class = tiny_draft(), DFlash2Runner
     else:
         from tests.test_domino import tiny_draft
 
@@ -308,6 +314,7 @@ def test_a_compiled_block_proposal_equals_the_eager_one(family, device):
         rounds = []
         for r in range(3):
             drafts, logits = runner.propose(7 + r)
+            logits = logits[2] if isinstance(logits, tuple) else logits  # DFlash2: (candidates, q, scores)
             rounds.append((drafts.tolist(), logits.clone()))
             runner.extend(aux[11 + 2 * r: 13 + 2 * r])
         got[compiled] = rounds

@@ -285,6 +285,9 @@ FAMILY_ARGS = {  # small drafts of each family, trained on the set of every fami
                "--gru-hidden-dim", 16, "--correction-dim", 16],
     "dspark": ["--num-draft-layers", 1, "--layers", "1,8,14,20,27", "--block-size", 4, "--num-anchors", 8,
                "--markov-rank", 8],
+    # a selector ramping in over the run: its schedule is part of what a resume must repeat
+    "dflash2": ["--num-draft-layers", 1, "--layers", "1,8,14,20,27", "--block-size", 4, "--num-anchors", 8,
+                "--selector-rank", 8, "--selector-top-k", 4, "--selector-ramp-ratio", 0.5],
     "peagle": ["--peagle-vocab-size", 512, "--num-depths", 3, "--peagle-layers", 1],
 }
 

@@ -190,6 +190,6 @@ def test_dflash_lk_needs_the_soft_teacher_and_the_others_take_ce_only():
     with pytest.raises(ValueError, match="^--token-loss tv measures acceptance .*give --teacher soft"):
         dflash_loss(model, make_batch([9], seed=1), head, teacher="hard", num_anchors=2, attention="sdpa",
                     token_loss=TokenLoss("tv"))
-    for family in ("domino", "dspark"):
+    for family in ("domino", "dspark", "dflash2"):
         with pytest.raises(ValueError, match=f"the {family} family trains with ce$"):
             TrainConfig(featureset="f", output="o", family=family, token_loss="lk-alpha")

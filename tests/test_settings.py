@@ -62,6 +62,8 @@ ACCEPTED = {
     ("sf-train run", "--num-workers", "0"), ("sf-train run", "--lk-kl-scale", "0"),
     ("sf-train run", "--lk-kl-decay", "0"), ("sf-eval run", "--temperature", "0"),
     ("sf-train run", "--dpace-alpha", "0"),  # D-PACE on the raw label probabilities, unsmoothed
+    ("sf-train run", "--selector-loss-alpha", "0"), ("sf-train run", "--selector-warmup-ratio", "0"),  # DFlash2's
+    ("sf-train run", "--selector-ramp-ratio", "0"),  # selector frozen, no warm-up, no ramp
     ("sf-capture verify", "--recompute", "0"), ("sf-train run", "--profile-steps", "0"),
     # 0 is an ordinary value
     ("sf-regen run", "--seed", "0"), ("sf-train run", "--seed", "0"), ("sf-eval run", "--seed", "0"),

@@ -30,10 +30,29 @@ def accept(drafts: list[int], draft_logits: list[torch.Tensor], target_logits: t
     Returns (accepted count a, the target's own token after them)."""
     if sampler.greedy:
         return greedy_prefix(drafts, target_logits.argmax(-1).tolist())
+    return reject(drafts, lambda j: (draft_to_target, sampler.probs(draft_logits[j])), target_logits, sampler)
+
+
+def accept_candidates(drafts: list[int], candidates: torch.Tensor, draft_probs: torch.Tensor,
+                      target_logits: torch.Tensor, sampler: Sampler) -> tuple[int, int]:
+    """Verify k drafts each drawn from a distribution supported on K candidates (a selector's:
+    q_j = draft_probs [k, K] over the target ids candidates [k, K], the one d_j was drawn from)
+    against target_logits [k+1, V]: d_j is kept with probability min(1, p_j(d_j) / q_j(d_j)), a
+    rejection samples from norm(max(0, p_j - q_j)), q_j scattered onto its candidates. Returns
+    (accepted count a, the target's own token after them)."""
+    if sampler.greedy:
+        return greedy_prefix(drafts, target_logits.argmax(-1).tolist())
+    return reject(drafts, lambda j: (candidates[j], draft_probs[j]), target_logits, sampler)
+
+
+def reject(drafts: list[int], proposal, target_logits: torch.Tensor, sampler: Sampler) -> tuple[int, int]:
+    """The rejection rule over drafts whose j-th was drawn from the distribution proposal(j) = (target
+    ids [n], their probabilities [n]) (zero elsewhere), against target_logits [k+1, V]."""
     for j, d in enumerate(drafts):
         p = sampler.probs(target_logits[j])  # [V]
+        ids, probs = proposal(j)
         q = torch.zeros_like(p)
-        q[draft_to_target] = sampler.probs(draft_logits[j])  # the draft's distribution over target ids
+        q[ids] = probs.to(p.dtype)  # the draft's distribution over target ids
         u = torch.rand((), generator=sampler.generator, device=p.device)
         if u * q[d] < p[d]:  # accept with probability min(1, p/q)
             continue

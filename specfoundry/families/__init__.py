@@ -317,6 +317,17 @@ FAMILIES = Registry((
         extends="dflash",
     ),
     Family(
+        name="dflash2",
+        proposes="block",
+        summary="DFlash2: DFlash plus dynamic convolutions around its sublayers and a selector that rescores each "
+                "slot's top-K candidates after the token chosen before it",
+        options="specfoundry.families.dflash2.options:DFlash2Options",
+        default_layers="specfoundry.families.dflash2.options:default_layers",
+        architectures=("DFlash2DraftModel",),  # SGLang's and vLLM's entry class, z-lab's, SpecForge's, ModelOpt's
+        provider="specfoundry.families.dflash2.family:DFLASH2",
+        extends="dflash",
+    ),
+    Family(
         name="peagle",
         proposes="depths",
         summary="K depths in one forward",

@@ -21,7 +21,7 @@ from specfoundry.families.interface import Decoder
 
 @dataclass
 class BlockDecoder(Decoder):
-    """sf-eval's decoder of a draft on DFlash's backbone (DFlash, Domino, DSpark): one block of
+    """sf-eval's decoder of a draft on DFlash's backbone (DFlash, Domino, DSpark, DFlash2): one block of
     proposals a round, the runner's `propose` (block_size - 1 of them for DFlash and Domino,
     block_size for DSpark)."""
 

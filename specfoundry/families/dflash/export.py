@@ -102,7 +102,7 @@ def export_draft(state_dict: dict[str, torch.Tensor], cfg: DFlashConfig, out_dir
 
 def write_block_export(state_dict: dict[str, torch.Tensor], cfg, out_dir: str | Path, dtype: torch.dtype,
                        target: dict | None, validate, sglang_config) -> Path:
-    """The SGLang directory of a draft on DFlash's backbone (DFlash, Domino, DSpark): its tensors but
+    """The SGLang directory of a draft on DFlash's backbone (DFlash, Domino, DSpark, DFlash2): its tensors but
     the target's embedding, checked by the family's `validate`, the family's `sglang_config`
     (cfg, num_target_layers) as config.json, our config, and the target's identity when given."""
     tensors = exported_tensors(state_dict, dtype, skip=("embed_tokens.", "rotary."))  # the target's embedding; RoPE has no weights

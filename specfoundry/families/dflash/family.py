@@ -36,7 +36,7 @@ def choose_mask_token(vocab_size: int, tokenizer_size: int, counts: torch.Tensor
 
 def build_block_draft(dflash: DFlashOptions, fs, target_dir: Path, layers: list[int], init_from: str | None,
                       load_export, draft_class, make_config):
-    """(draft, config) of a family on DFlash's backbone (DFlash, Domino, DSpark): read back with
+    """(draft, config) of a family on DFlash's backbone (DFlash, Domino, DSpark, DFlash2): read back with
     the family's `load_export` from --init-from, whose layers must be the run's, or a fresh
     `make_config(mask token)`, the mask token chosen for the target unless given (and then checked),
     its final norm at --final-norm-init; the target's embeddings copied in either way."""

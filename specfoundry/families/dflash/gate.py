@@ -130,7 +130,7 @@ def gate_checks(gate, ref: DraftRef, fs: FeatureSet, sample, target) -> list[Che
 
 def block_gate_checks(gate, ref: DraftRef, fs: FeatureSet, sample, target, *, validate, runner_class, decoder_class,
                       positions_and_fit) -> list[Check]:
-    """The gate's checks of a draft on DFlash's backbone (DFlash, Domino, DSpark), in order: its
+    """The gate's checks of a draft on DFlash's backbone (DFlash, Domino, DSpark, DFlash2), in order: its
     export's names (`validate`: the family's spec), the mask token and layers against the trained
     checkpoint, the target's features, `positions_and_fit(runner, sample)` (the family's first
     round against its training forward, and the overfit), and the decoded prompt."""

@@ -208,11 +208,16 @@ class DFlashDecoderLayer(CompiledElementwise):
     def forward(self, h: torch.Tensor, attend) -> torch.Tensor:
         """h [b, S, H] block states -> [b, S, H]; attend(self_attn, x) is training's or decoding's attention."""
         h = h + attend(self.self_attn, self.input_layernorm(h))
-        y = self.post_attention_layernorm(h)
-        return h + self.mlp["down_proj"](self.elementwise(swiglu, self.mlp["gate_proj"](y), self.mlp["up_proj"](y)))
+        return h + self.mlp_forward(self.post_attention_layernorm(h))
+
+    def mlp_forward(self, y: torch.Tensor) -> torch.Tensor:
+        """The MLP sublayer over normed states y [b, S, H] (a family that wraps the sublayers calls it)."""
+        return self.mlp["down_proj"](self.elementwise(swiglu, self.mlp["gate_proj"](y), self.mlp["up_proj"](y)))
 
 
 class DFlashDraft(nn.Module):
+    layer_class = DFlashDecoderLayer
+    """The decoder layer of the stack (a family that wraps the sublayers, DFlash2, gives its own)."""
     plain_head = True
     """block_logits is states @ W^T, W the target's frozen lm_head, with no parameter of the draft:
     the loss may then take its gradient by hand, chunk by chunk (families/dflash/loss.py). A draft
@@ -225,7 +230,7 @@ class DFlashDraft(nn.Module):
         self.embed_tokens = FrozenEmbedding(cfg.vocab_size, h)  # copied from the target, never exported
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.target_hidden_size, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.rope = DraftRotary(cfg)
 

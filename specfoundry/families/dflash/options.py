@@ -1,5 +1,5 @@
-"""sf-train settings of the DFlash family (recorded in train_config.json under `dflash`). Domino and
-DSpark extend DFlash and read this group too, except the objective and the teacher (DFlash only):
+"""sf-train settings of the DFlash family (recorded in train_config.json under `dflash`). Domino,
+DSpark and DFlash2 extend DFlash and read this group too, except the objective and the teacher (DFlash only):
 each option's help says which families read it."""
 
 from __future__ import annotations
@@ -15,26 +15,26 @@ OBJECTIVES = ("dflash", "dpace")
 @dataclass(frozen=True, kw_only=True)
 class DFlashOptions(Settings):
     num_draft_layers: int = setting(5, valid=Range(1, 256),
-                                    help="DFlash, Domino, DSpark: decoder layers of the draft (it reads as many target "
+                                    help="DFlash, Domino, DSpark, DFlash2: decoder layers of the draft (it reads as many target "
                                          "layers by default; --layers may give any number).")
     block_size: int = setting(16, valid=Range(2, MAX_DRAFT + 1),
-                              help="DFlash, Domino, DSpark: positions per block, the anchor and block_size-1 proposals.")
+                              help="DFlash, Domino, DSpark, DFlash2: positions per block, the anchor and block_size-1 proposals.")
     num_anchors: int = setting(512, valid=Range(1, MAX_TOKENS),
-                               help="DFlash, Domino, DSpark: anchors sampled per sample and step, among supervised "
+                               help="DFlash, Domino, DSpark, DFlash2: anchors sampled per sample and step, among supervised "
                                     "positions.")
     gamma: float = setting(7.0, valid=Range(),
-                           help="DFlash, Domino, DSpark: a block slot's loss is weighted exp(-d/gamma), d its distance "
+                           help="DFlash, Domino, DSpark, DFlash2: a block slot's loss is weighted exp(-d/gamma), d its distance "
                                 "from the block's first predicted slot (<= 0: uniform).")
     mask_token_id: int | None = setting(None, valid=Range(0, MAX_TOKENS), shown="the first embedding row past the tokenizer's vocabulary, else "
                                         "the highest id never seen in the feature set",
-                                        help="DFlash, Domino, DSpark: the token id of the block's mask positions.")
+                                        help="DFlash, Domino, DSpark, DFlash2: the token id of the block's mask positions.")
     teacher: str = setting("hard", choices=TEACHERS, help="DFlash only: hard: the conversation's tokens; soft: the "
                            "target's distribution from the stored final state.")
     objective: str = setting("dflash", choices=OBJECTIVES, help="DFlash only: dflash (slot losses weighted by "
                              "--gamma) or dpace (D-PACE's weights from the draft's own confidence); docs/families.md, "
                              "\"DFlash\".")
     final_norm_init: float = setting(1.0, valid=Range(0, 1, min_open=True),
-                                     help="DFlash, Domino, DSpark: a fresh draft's final RMSNorm weight (0.1: a first "
+                                     help="DFlash, Domino, DSpark, DFlash2: a fresh draft's final RMSNorm weight (0.1: a first "
                                           "loss near uniform's; --init-from keeps its own; docs/families.md, "
                                           "\"DFlash\").")
     dpace_alpha: float = setting(0.5, valid=Range(0, 1, zero="the raw label probabilities"),
