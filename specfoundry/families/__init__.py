@@ -295,7 +295,7 @@ FAMILIES = Registry((
     Family(
         name="domino",
         proposes="block",
-        summary="a block with a prefix GRU",
+        summary="a block, a prefix GRU",
         options="specfoundry.families.domino.options:DominoOptions",
         default_layers="specfoundry.families.domino.options:default_layers",
         # SGLang serves it as DFlashDraftModel with dflash_config.projector_type "domino";
@@ -308,7 +308,7 @@ FAMILIES = Registry((
     Family(
         name="dspark",
         proposes="block+bonus",
-        summary="a block with a Markov head",
+        summary="a block, a Markov head",
         options="specfoundry.families.dspark.options:DSparkOptions",
         default_layers="specfoundry.families.dspark.options:default_layers",
         # ours and SGLang's entry class (vLLM's name too); SGLang's and vLLM's other name for it
@@ -319,8 +319,7 @@ FAMILIES = Registry((
     Family(
         name="dflash2",
         proposes="block",
-        summary="DFlash2: DFlash plus dynamic convolutions around its sublayers and a selector that rescores each "
-                "slot's top-K candidates after the token chosen before it",
+        summary="a block, one selected path",
         options="specfoundry.families.dflash2.options:DFlash2Options",
         default_layers="specfoundry.families.dflash2.options:default_layers",
         architectures=("DFlash2DraftModel",),  # SGLang's and vLLM's entry class, z-lab's, SpecForge's, ModelOpt's
@@ -330,7 +329,7 @@ FAMILIES = Registry((
     Family(
         name="peagle",
         proposes="depths",
-        summary="K depths in one forward",
+        summary="K depths at once",
         options="specfoundry.families.peagle.options:PEagleOptions",
         default_layers="specfoundry.families.peagle.options:default_layers",
         # ours and speculators' class, vLLM's registry names (both map to its Eagle3LlamaForCausalLM), and
