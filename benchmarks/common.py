@@ -54,10 +54,10 @@ def cuda_time_ms_interleaved(fns: dict, warmup: int = 3, iters: int = 15, host_m
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def call_ms(fn) -> float:
-    """One call of fn, in ms: CUDA-event device time between synchronisations on a GPU, the host's
-    time elsewhere."""
-    if not torch.cuda.is_available():
+def call_ms(fn, cuda: bool | None = None) -> float:
+    """One call of fn, in ms: CUDA-event device time between synchronisations on a GPU (`cuda`:
+    whether fn runs on one; default: whether one is there), the host's time elsewhere."""
+    if not (torch.cuda.is_available() if cuda is None else cuda):
         t = time.perf_counter()
         fn()
         return 1e3 * (time.perf_counter() - t)

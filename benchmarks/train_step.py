@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import MATMUL_TFLOPS, print_table, write_result
+from benchmarks.common import MATMUL_TFLOPS, call_ms, print_table, write_result
 from specfoundry.families.eagle3.config import Eagle3Config
 from specfoundry.families.eagle3.shapes import LLAMA8B_DRAFT, llama8b_ttt_module, random_ttt_module
 from specfoundry.featureset.store import FeatureSet
@@ -138,16 +138,7 @@ class Clock:
         self.cuda = device == "cuda"
 
     def time(self, fn) -> float:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end)
-        t = time.perf_counter()
-        fn()
-        return 1e3 * (time.perf_counter() - t)
+        return call_ms(fn, self.cuda)
 
 
 def run_interleaved(fss: list[FeatureSet], t: int, steps: int, ttt: int, block: int, cfg=LLAMA8B_DRAFT,
