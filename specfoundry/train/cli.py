@@ -55,7 +55,8 @@ def run(recipe, silent, **options):
     held = last.get("eval_sim_accept_len")  # the held-out split's, where there is one
     click.echo(f"trained {steps} step{'s' if steps != 1 else ''}; exported to {result['export']}; "
                f"sim_accept_len {last.get('sim_accept_len', float('nan')):.2f} on the last batch"
-               + (f", {held:.3f} held out" if held is not None else ""))
+               + (f", {held:.3f} held out" if held is not None else "")
+               + (f"; warning: {result['warning']}" if result.get("warning") else ""))
 
 
 def refuse_other_families_options(family: str) -> None:

@@ -165,6 +165,24 @@ class NonFiniteError(ValueError):
     """Training met a non-finite loss: nothing after it is checkpointed or exported."""
 
 
+class NothingLearnedError(ValueError):
+    """No micro-batch of the run held a position the draft could be trained on: nothing is exported."""
+
+
+def skipped_report(skipped: int, micro_batches: int) -> str | None:
+    """What the run's end says of its micro-batches with nothing to learn (over every rank): an error
+    (NothingLearnedError) where none of them had a trainable position, a warning where most had none,
+    else None."""
+    why = ("no supervised token within --max-length, or none the draft's vocabulary holds: raise --max-length "
+           "or --draft-vocab-size, or check the feature set's loss mask")
+    if micro_batches and skipped >= micro_batches:
+        raise NothingLearnedError(f"every one of the run's {micro_batches} micro-batches had no position to train "
+                                  f"({why}); nothing exported")
+    if skipped * 2 > micro_batches:
+        return f"{skipped} of {micro_batches} micro-batches had no position to train ({why})"
+    return None
+
+
 def check_featureset(fs: FeatureSet, cfg: TrainConfig, target_dir: Path):
     """Refuse a feature set that is incomplete, was captured from another target, or is shorter
     than the run's max_length; each message names what differs. Returns the target's identity."""
@@ -468,6 +486,8 @@ class Trainer:
         # ZeRO-2 evidence: each rank's optimizer state (Adam moments) should be ~1/world of the whole
         state_bytes = torch.tensor([optimizer_state_bytes(self.optimizer)], device=accel.device)
         per_rank = accel.gather(state_bytes).tolist()
+        counts = accel.gather(torch.tensor([[self.skipped, self.step * self.cfg.grad_accum]], device=accel.device))
+        skipped_warning = skipped_report(*counts.view(-1, 2).sum(0).tolist())  # (raises where nothing was learnt)
         draft_state = self.draft_state()
         try:  # weights a finite loss did not read can still have gone non-finite: never exported
             check_finite(draft_state, f"sf-train: the draft after step {self.step}")
@@ -502,7 +522,7 @@ class Trainer:
             atomic_write_json(self.out / "history.json", self.history)
             remove_temporaries(self.out)  # what a run killed mid-write left (.history.json.*.tmp, ...)
         accel.wait_for_everyone()
-        return {"steps": self.step, "history": self.history, "export": str(export)}
+        return {"steps": self.step, "history": self.history, "export": str(export), "warning": skipped_warning}
 
     # ---- the loop -------------------------------------------------------------------------------
 
