@@ -89,12 +89,26 @@ class PhaseClock:
             setattr(result, f"{phase}_s", self.seconds(phase))
 
 
+class NonFiniteLogitsError(ValueError):
+    """The target's logits hold a NaN or an inf: every pick from them is meaningless (the argmax of
+    NaN logits is token 0 on both sides, which a draft 'matches' every time)."""
+
+
+def check_logits(logits: torch.Tensor, where: str) -> None:
+    """NonFiniteLogitsError naming `where` when logits [T, V] hold a non-finite value (one host read)."""
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteLogitsError(f"the target's logits are not finite at {where}: the target or its weights are "
+                                   "broken (a NaN or an inf); nothing it decodes can be measured")
+
+
 def read_prompt(clock: PhaseClock, target: TargetRunner, prompt: list[int], pick, start) -> tuple[list[int], DecodeResult]:
     """A decode's opening, timed as two phases: the target's prefill of the prompt and `pick` of the
     first token from its last row (`prefill`), then `start(first, aux)`, the draft's read of the
-    prompt's features (`start`). Returns the first token [t] and the decode's result."""
+    prompt's features (`start`). Returns the first token [t] and the decode's result. Refuses
+    non-finite logits (check_logits)."""
     p0 = clock.mark()
     logits, aux, _ = target.forward(prompt)
+    check_logits(logits[-1], "the prompt's prefill")
     first = [pick(logits[-1])]
     p1 = clock.mark()
     start(first, aux)
@@ -103,14 +117,19 @@ def read_prompt(clock: PhaseClock, target: TargetRunner, prompt: list[int], pick
     return first, DecodeResult(first)
 
 
-def greedy_on_device(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int, list[int]]:
+def greedy_on_device(drafts: torch.Tensor, target_logits: torch.Tensor, where: str = "a verify"
+                     ) -> tuple[int, int, list[int]]:
     """accept.greedy_prefix for drafts [k] held on the device (target ids) against target_logits
     [k+1, V]: (a, the target's own token after them, the drafts as a list), from one copy to the host
-    (the round's one synchronisation)."""
+    (the round's one synchronisation, which also says whether the logits are finite: check_logits)."""
     choice = target_logits.argmax(-1)  # [k+1]
     a = torch.cumprod((drafts == choice[:-1]).long(), 0).sum()  # [] the longest agreeing prefix
-    packed = torch.cat([a.view(1), choice[a].view(1), drafts]).tolist()
-    return packed[0], packed[1], packed[2:]
+    finite = torch.isfinite(target_logits).all().long()
+    packed = torch.cat([finite.view(1), a.view(1), choice[a].view(1), drafts]).tolist()
+    if not packed[0]:
+        raise NonFiniteLogitsError(f"the target's logits are not finite at {where}: the target or its weights are "
+                                   "broken (a NaN or an inf); nothing it decodes can be measured")
+    return packed[1], packed[2], packed[3:]
 
 
 def decode_rounds(target: TargetRunner, prompt: list[int], *, max_new_tokens: int, eos: set[int], sampler: Sampler,
@@ -144,8 +163,9 @@ def decode_rounds(target: TargetRunner, prompt: list[int], *, max_new_tokens: in
                           else target.forward([tokens[-1]] + drafts))  # [n+1, V]
         n = len(drafts)
         if on_device and sampler.greedy:
-            a, bonus, drafts = greedy_on_device(drafts, logits)
+            a, bonus, drafts = greedy_on_device(drafts, logits, f"round {len(result.accepted) + 1}")
         else:
+            check_logits(logits, f"round {len(result.accepted) + 1}")
             drafts = drafts.tolist() if on_device else drafts
             a, bonus = verify(drafts, extra, logits)
         target.crop(len(target) - n + a)  # keep the last committed token and the a accepted drafts
@@ -179,6 +199,7 @@ def target_generate(target: TargetRunner, prompt: list[int], *, max_new_tokens: 
     t0 = time.perf_counter()
     target.reset(len(prompt) + max_new_tokens)
     logits, _, _ = target.forward(prompt)
+    check_logits(logits[-1], "the prompt's prefill")
     if sampler.greedy:
         tokens = greedy_readback(target, logits[-1].argmax().reshape(1), max_new_tokens, eos)
     else:

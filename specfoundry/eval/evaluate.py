@@ -33,7 +33,7 @@ from specfoundry.common.settings import (
 )
 from specfoundry.common.shards import check_output_folder
 from specfoundry.common.target import EMBEDDED_DEFAULT, Target, parameter_count, pick_device, resolve_target
-from specfoundry.decoding.rounds import DecodeResult, target_generate
+from specfoundry.decoding.rounds import DecodeResult, NonFiniteLogitsError, target_generate
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.steps import warm_steps
 from specfoundry.decoding.target import TargetRunner, graphs_possible
@@ -134,11 +134,14 @@ def decode_set(target: TargetRunner, decoder, prompts, cfg: EvalConfig, eos: set
     sampler = Sampler(cfg.temperature, torch.Generator(device=target.device).manual_seed(cfg.seed))
     results = []
     with Progress(len(prompts), "prompt", desc, silent) as progress:
-        for _, ids in prompts:
-            if decoder is None:
-                r = target_generate(target, ids, max_new_tokens=cfg.max_new_tokens, eos=eos, sampler=sampler)
-            else:
-                r = decoder.generate(target, ids, max_new_tokens=cfg.max_new_tokens, eos=eos, sampler=sampler)
+        for prompt_id, ids in prompts:
+            try:
+                if decoder is None:
+                    r = target_generate(target, ids, max_new_tokens=cfg.max_new_tokens, eos=eos, sampler=sampler)
+                else:
+                    r = decoder.generate(target, ids, max_new_tokens=cfg.max_new_tokens, eos=eos, sampler=sampler)
+            except NonFiniteLogitsError as e:
+                raise EvalError(f"{desc}, prompt {prompt_id}: {e}") from None
             results.append(r)
             progress.update(1, len(r.tokens))
     return results

@@ -29,7 +29,13 @@ import time
 
 import torch
 
-from specfoundry.decoding.rounds import DecodeResult, PhaseClock, cut_at_end, read_prompt
+from specfoundry.decoding.rounds import (
+    DecodeResult,
+    NonFiniteLogitsError,
+    PhaseClock,
+    cut_at_end,
+    read_prompt,
+)
 from specfoundry.decoding.target import TargetRunner
 from specfoundry.decoding.tree import DraftTree, accept_tree, verify_mask
 from specfoundry.families.eagle3.chain import DraftRunner
@@ -90,9 +96,13 @@ def tree_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *
         positions, mask = verify_layout(shape, structure, cached, p)
         logits, aux, _ = target.forward(pending, positions=positions, mask=mask, tail=drafted)
         # the round's one synchronisation: the tree's tokens and the target's choices, read together
-        read = torch.cat([drafted, logits.argmax(-1)]).tolist()
+        # (and whether the logits are finite, in the same read: check_logits' question)
+        read = torch.cat([drafted, logits.argmax(-1), torch.isfinite(logits).all().long().view(1)]).tolist()
+        if not read[-1]:
+            raise NonFiniteLogitsError(f"the target's logits are not finite at round {len(result.accepted) + 1}: "
+                                       "the target or its weights are broken (a NaN or an inf)")
         tree = shape.tree(read[:nodes])
-        path, bonus = accept_tree(tree, read[nodes:], root_row=p - 1)
+        path, bonus = accept_tree(tree, read[nodes:-1], root_row=p - 1)
         target.crop(cached + p)  # keep the pending tokens; the tree's entries go
         committing = clock.mark()
         new = [tree.tokens[n] for n in path] + [bonus]
