@@ -662,3 +662,33 @@ def test_non_finite_target_logits_stop_the_decode_naming_where(how):
         with pytest.raises(EvalError, match=r"^chat: target alone, prompt p7: the target's logits are not finite"):
             decode_set(target, None, [("p7", prompt)], EvalConfig(draft="d", max_new_tokens=8), set(),
                        "chat: target alone", silent=True)
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "zeroed", "replaced"])
+def test_a_damaged_token_count_file_is_named_by_verify_and_refused_by_sf_train(features, tmp_path, damage):
+    """issue 61 item 8: token_counts.safetensors had no checksum: `sf-capture verify` passed a missing,
+    truncated, zeroed or replaced file, and sf-train then tracebacked, misreported the vocabulary or
+    picked a draft vocabulary from wrong counts. The manifest now records its checksum: verify names
+    the file, sf-train refuses it in one line."""
+    from safetensors.torch import save_file
+
+    from specfoundry.capture.verify import verify_featureset
+
+    fs, _ = copy_set(features, tmp_path)
+    assert verify_featureset(fs) == []
+    counts = fs / "token_counts.safetensors"
+    if damage == "missing":
+        counts.unlink()
+    elif damage == "truncated":
+        counts.write_bytes(counts.read_bytes()[:-100])
+    elif damage == "zeroed":
+        counts.write_bytes(bytes(len(counts.read_bytes())))
+    else:  # a sound file of other counts: the same vocabulary, every token seen once
+        vocab = json.loads((fs / MANIFEST).read_text())["target"]["vocab_size"]
+        save_file({"counts": torch.ones(vocab, dtype=torch.int64)}, str(counts))
+    problems = verify_featureset(fs)
+    assert len(problems) == 1 and str(counts) in problems[0], problems
+    assert ("missing" if damage == "missing" else "checksum mismatch") in problems[0]
+    with pytest.raises(FeatureSetError, match=r"token_counts\.safetensors: (missing|checksum mismatch)"):
+        run_train(tiny_cfg(fs, tmp_path / "run", max_steps=1), silent=True)
+    assert not (tmp_path / "run" / "export").exists()

@@ -28,7 +28,7 @@ from specfoundry.capture.runner import HFCaptureRunner, NonFiniteFeatures
 from specfoundry.capture.template import TemplateMaskError, render_with_mask
 from specfoundry.capture.writer import BackgroundWriter
 from specfoundry.common.compiled_layers import COMPILE_LAYERS, compile_layers
-from specfoundry.common.files import atomic_write_bytes, atomic_write_json
+from specfoundry.common.files import atomic_write_bytes, atomic_write_json, checksum
 from specfoundry.common.placement import FUSED_EXPERTS, Placement
 from specfoundry.common.progress import Progress
 from specfoundry.common.settings import (
@@ -376,6 +376,7 @@ def build_manifest(plan: CapturePlan, out: ShardedOutput) -> dict:
         out.remove_partials("shards")
         # through the shared writer: a full disk is an OSError naming the file, not a SafetensorError
         atomic_write_bytes(out.root / TOKEN_COUNTS, save({"counts": tc}))
+        manifest["token_counts_sha256"] = checksum(out.root / TOKEN_COUNTS)  # verify and sf-train check it
     atomic_write_json(out.root / MANIFEST, manifest)
     return manifest
 

@@ -19,6 +19,7 @@ from specfoundry.featureset.store import (
     ShardReader,
     decode_state,
     is_finite,
+    token_counts_problem,
 )
 
 CHUNK = 8192  # tokens decoded at once by the NaN/Inf check
@@ -126,6 +127,8 @@ def verify_featureset(root: str | Path, recompute: int = 0, device: str | None =
     problems = record_disagreements(root, manifest)
     if not manifest.get("complete"):
         problems.append(f"{root}: the capture is not complete (rerun the same sf-capture command to finish)")
+    elif problem := token_counts_problem(root, manifest):
+        problems.append(problem)
     totals = {"samples": 0, "tokens": 0, "loss_tokens": 0}
     entries = manifest["shards"]
     pool = ThreadPoolExecutor(max_workers=max(1, min(THREADS, len(entries))))

@@ -30,7 +30,7 @@ import torch
 
 from specfoundry.common.files import checksum
 from specfoundry.featureset import fp8
-from specfoundry.featureset.manifest import FeatureSetError, read_manifest, record_disagreements
+from specfoundry.featureset.manifest import TOKEN_COUNTS, FeatureSetError, read_manifest, record_disagreements
 
 CODECS = ("zarr", "safetensors")
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -361,11 +361,45 @@ class FeatureSet:
         return self.reader(shard).sample(j, final, decode)
 
     def token_counts(self) -> torch.Tensor:
+        """The loss-masked token counts [V] (TOKEN_COUNTS), checked against the checksum and the
+        vocabulary size the manifest records: FeatureSetError (one line, naming the file) for a file
+        that is missing, damaged, replaced or of another vocabulary."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        return load_file(str(self.root / "token_counts.safetensors"))["counts"]
+        path = self.root / TOKEN_COUNTS
+        problem = token_counts_problem(self.root, self.manifest)
+        if problem:
+            raise FeatureSetError(problem)
+        try:
+            return load_file(str(path))["counts"]
+        except (SafetensorError, KeyError) as e:  # (a set captured before its checksum was recorded)
+            raise FeatureSetError(f"{path}: not a token-count file ({e}): recapture the set") from None
 
     def __getstate__(self):  # loader workers reopen shards themselves
         state = dict(self.__dict__)
         state["_readers"] = {}
         return state
+
+
+def token_counts_problem(root: Path, manifest: dict) -> str | None:
+    """What is wrong with a complete set's TOKEN_COUNTS file, in one line naming it, or None: missing,
+    its checksum not the one the manifest records (where it records one), or its vocabulary not the
+    target's."""
+    from safetensors import safe_open
+
+    path = Path(root) / TOKEN_COUNTS
+    if not path.is_file():
+        return f"{path}: missing (the set's loss-masked token counts): recapture the set"
+    recorded = manifest.get("token_counts_sha256")
+    if recorded is not None and checksum(path) != recorded:
+        return f"{path}: checksum mismatch (the file was changed or damaged): recapture the set"
+    try:
+        with safe_open(str(path), "pt") as f:
+            shape = f.get_slice("counts").get_shape()
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the one line below
+        return f"{path}: not a readable token-count file ({str(e).splitlines()[0]}): recapture the set"
+    vocab = manifest.get("target", {}).get("vocab_size")
+    if vocab is not None and list(shape) != [vocab]:
+        return f"{path}: counts of shape {list(shape)}, the target's vocabulary is {vocab}: recapture the set"
+    return None
