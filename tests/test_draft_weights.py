@@ -148,3 +148,36 @@ def test_a_micro_batch_with_nothing_to_learn_is_skipped_and_counted(features, tm
     result = run_train(tiny_cfg(features, tmp_path / "run", family="peagle", peagle_vocab_size=1, max_steps=6,
                                 max_batch_tokens=64), silent=True)
     assert result["steps"] == 6 and result["history"][-1]["skipped_micro_batches"] >= 1
+
+
+def test_two_exports_into_one_folder_and_an_export_onto_a_link(tiny_llama_dir, tmp_path):
+    """issue 61 item 9: two sf-export runs into one folder at once lost the export in 4 of 10 trials
+    (one exited 0 saying 'wrote' with only a hidden .old there), and -o onto a symbolic link to a
+    folder replaced the link with a folder. The second run is now refused in one line while the first
+    holds the folder, and a link's folder is written through it."""
+    from filelock import FileLock
+
+    from specfoundry.train.cli import export_main
+
+    source = tmp_path / "clean"
+    family, options = FAMILIES.provider("eagle3"), family_options("eagle3", tmp_path)
+    layers = family.default_layers(8, options)
+    torch.manual_seed(0)
+    draft, dcfg = family.build(options, stub_featureset(tmp_path, tiny_llama_dir, layers), tiny_llama_dir, layers, None)
+    family.export(draft.state_dict(), dcfg, source, {"num_layers": 8})
+    argv = ["run", str(source), "--target", str(tiny_llama_dir)]
+    out = tmp_path / "out"
+    with FileLock(str(tmp_path / ".out.lock"), timeout=0):  # a first run, mid-write
+        result = CliRunner().invoke(export_main, [*argv, "-o", str(out)])
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert result.exit_code == 2 and len(errors) == 1 and "another sf-export run is writing it" in errors[0], \
+        result.output
+    assert not out.exists()
+    (tmp_path / ".out.lock").unlink()  # (the stand-in first run's lock file)
+    real, link = tmp_path / "real", tmp_path / "link"
+    real.mkdir()
+    link.symlink_to(real, target_is_directory=True)
+    assert CliRunner().invoke(export_main, [*argv, "-o", str(link)]).exit_code == 0
+    assert link.is_symlink() and (real / "config.json").is_file() and (real / "model.safetensors").is_file()
+    litter = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert litter == [], litter

@@ -185,6 +185,29 @@ def output_lock(root: Path, stage: str):
                 break
 
 
+@contextmanager
+def sibling_lock(dest: Path, stage: str):
+    """Hold `dest` for a command that writes it whole and renames it into place (sf-export), where a
+    lock inside it would be replaced with it: the operating system's lock on <parent>/.<name>.lock,
+    a second run refused in one line, the file removed when the run ends."""
+    from filelock import FileLock, Timeout
+
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    path = dest.with_name(f".{dest.name}{LOCK}")
+    lock = FileLock(str(path), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise OutputFolderError(f"{dest}: another sf-{stage} run is writing it (it holds {path}); wait for it to end, "
+                                "or choose another folder") from None
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        lock.release()
+
+
 def record_config(root: Path, stage: str, cfg) -> None:
     """Check the folder as check_output_folder does, then record `cfg` as the run's config."""
     path = check_output_folder(root, stage, cfg)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from specfoundry.common.files import atomic_write_json, write_dir_whole
 from specfoundry.common.settings import Settings, config_dict, setting, shared
-from specfoundry.common.shards import check_output_folder
+from specfoundry.common.shards import check_output_folder, sibling_lock
 from specfoundry.common.target import EMBEDDED_DEFAULT, announce_target, resolve_target, target_identity
 from specfoundry.families import FAMILIES
 from specfoundry.families.folders import (
@@ -76,7 +76,8 @@ def run_export(cfg: ExportConfig) -> Path:
     dcfg, tensors = find_draft_files(ref.for_target(identity.num_layers))
     check_fits_target(dcfg, identity, cfg.format)
     out = Path(cfg.output)
-    check_output_folder(out, "export", cfg)
+    if out.is_symlink():  # the folder the link names is written; the link stays a link
+        out = out.resolve()
     dcfg = family.for_serving(dcfg, json.loads((target_dir / "config.json").read_text()))
     training = training_record(ref)  # how it was trained (token loss, step kept, modes): sf-eval's default mode
 
@@ -87,5 +88,7 @@ def run_export(cfg: ExportConfig) -> Path:
             atomic_write_json(tmp / TRAINING_FILE, training)
         atomic_write_json(tmp / "export_config.json", config_dict(cfg))
 
-    write_dir_whole(out, fill)
+    with sibling_lock(out, "export"):  # two runs into one folder: the second is refused, none loses the export
+        check_output_folder(out, "export", cfg)
+        write_dir_whole(out, fill)
     return out
