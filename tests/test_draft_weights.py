@@ -181,3 +181,9 @@ def test_two_exports_into_one_folder_and_an_export_onto_a_link(tiny_llama_dir, t
     assert link.is_symlink() and (real / "config.json").is_file() and (real / "model.safetensors").is_file()
     litter = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
     assert litter == [], litter
+    here = tmp_path / "here"  # issue 61 item 11: '-o .' said "PosixPath('.') has an empty name"
+    here.mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(here)
+        result = CliRunner().invoke(export_main, [*argv, "-o", "."])
+    assert result.exit_code == 0 and (here / "model.safetensors").is_file(), result.output

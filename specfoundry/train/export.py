@@ -9,6 +9,7 @@ alone). Why a command of its own and not an sf-train option: docs/serving.md.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,7 +76,7 @@ def run_export(cfg: ExportConfig) -> Path:
     identity = target_identity(target, target_dir)
     dcfg, tensors = find_draft_files(ref.for_target(identity.num_layers))
     check_fits_target(dcfg, identity, cfg.format)
-    out = Path(cfg.output)
+    out = Path(os.path.abspath(cfg.output))  # ('-o .' names the folder it is)
     if out.is_symlink():  # the folder the link names is written; the link stays a link
         out = out.resolve()
     dcfg = family.for_serving(dcfg, json.loads((target_dir / "config.json").read_text()))
