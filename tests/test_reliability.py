@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 from contextlib import contextmanager
@@ -692,3 +693,19 @@ def test_a_damaged_token_count_file_is_named_by_verify_and_refused_by_sf_train(f
     with pytest.raises(FeatureSetError, match=r"token_counts\.safetensors: (missing|checksum mismatch)"):
         run_train(tiny_cfg(fs, tmp_path / "run", max_steps=1), silent=True)
     assert not (tmp_path / "run" / "export").exists()
+
+
+def test_a_users_step_backup_folder_is_no_checkpoint_and_a_damaged_trainer_state_is_named(features, tmp_path):
+    """issue 61 item 11: a folder named `step-backup` under checkpoints/ made every rerun fail with
+    "invalid literal for int()", and a trainer_state.json that is not JSON was reported without its
+    path."""
+    out = tmp_path / "run"
+    run_train(tiny_cfg(features, out, max_steps=2, save_every=1, keep_last=5), silent=True)
+    backup = out / "checkpoints" / "step-backup"
+    shutil.copytree(out / "checkpoints" / "step-0000001", backup)
+    result = run_train(tiny_cfg(features, out, max_steps=2, save_every=1, keep_last=5), silent=True)
+    assert result["steps"] == 2 and backup.is_dir()  # left as it was: not a checkpoint of the run
+    state = out / "checkpoints" / "step-0000002" / "trainer_state.json"
+    state.write_text("{not json")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(state))}: not JSON .*remove .*step-0000002 to resume"):
+        run_train(tiny_cfg(features, out, max_steps=2, save_every=1, keep_last=5), silent=True)

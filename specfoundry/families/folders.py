@@ -10,6 +10,7 @@ folder that names no known family is refused in one line, never read as another 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -234,8 +235,9 @@ TRAINER_STATE = "trainer_state.json"
 
 
 def checkpoint_dirs(out: Path) -> list[Path]:
-    """Every `step-N` directory under out/checkpoints (complete or not), oldest first."""
-    found = [p for p in (out / "checkpoints").glob("step-*") if p.is_dir() and not p.name.endswith(TMP_SUFFIX)]
+    """Every `step-N` directory (N digits) under out/checkpoints, complete or not, oldest first; any
+    other folder there (a user's `step-backup`) is not a checkpoint, never read nor removed."""
+    found = [p for p in (out / "checkpoints").glob("step-*") if p.is_dir() and re.fullmatch(r"step-\d+", p.name)]
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 

@@ -48,8 +48,14 @@ def newest_complete_checkpoint(accel, out: Path) -> Path | None:
 
 
 def read_trainer_state(checkpoint: Path) -> dict:
-    """{step, loader: one state per rank, history} of a complete checkpoint."""
-    return json.loads((checkpoint / TRAINER_STATE).read_text())
+    """{step, loader: one state per rank, history} of a complete checkpoint; a file that is not JSON
+    is one line naming it."""
+    path = checkpoint / TRAINER_STATE
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not JSON ({e}): the checkpoint is damaged; remove {checkpoint} to resume from "
+                         "the one before it") from None
 
 
 def write_checkpoint(accel, out: Path, step: int, loader_state: dict, record: dict, keep_last: int) -> Path:
