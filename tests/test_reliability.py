@@ -709,3 +709,26 @@ def test_a_users_step_backup_folder_is_no_checkpoint_and_a_damaged_trainer_state
     state.write_text("{not json")
     with pytest.raises(ValueError, match=rf"^{re.escape(str(state))}: not JSON .*remove .*step-0000002 to resume"):
         run_train(tiny_cfg(features, out, max_steps=2, save_every=1, keep_last=5), silent=True)
+
+
+def test_a_recipe_giving_both_of_two_settings_that_decide_one_thing_is_refused(tmp_path):
+    """issue 61 item 12: `epochs` and `max_steps` together in a recipe (epochs silently replaced
+    max_steps), as `--max-steps` with `--epochs` on the command line already is; the same for the
+    other pairs a command decides together (a source and --synthesize, a chain and a tree, layers and
+    families). The command line's one still overrides the recipe's pair."""
+    from click.testing import CliRunner
+
+    from specfoundry.train.cli import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("target: smollm2\ntrain:\n  max_steps: 5\n  epochs: 2\n")
+    result = CliRunner().invoke(main, ["run", str(tmp_path / "fs"), "-o", str(tmp_path / "out"), "--recipe",
+                                       str(recipe)])
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert f"{recipe}: train: max_steps and epochs both decide one thing" in errors[0], errors
+    from specfoundry.common.cli import resolve_config
+    from specfoundry.train.trainer import TrainConfig
+
+    cfg = resolve_config(TrainConfig, "train", str(recipe), {"featureset": "fs", "output": "o", "max_steps": 3})
+    assert cfg.max_steps == 3 and cfg.epochs is None  # (outside a command every option counts as given)

@@ -306,6 +306,10 @@ def resolve_config(cls, section: str, recipe: str | None, options: dict, **fixed
     given = {k: v for k, v in options.items()
              if ctx is None or ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, None)}
     for group in getattr(cls, "DECIDED_TOGETHER", ()):  # the command line decides, not the recipe's partner
+        in_recipe = [k for k in group if k in values]
+        if len(in_recipe) > 1 and not any(k in given for k in group):  # one would be dropped unsaid
+            raise CommandError(f"{recipe}: {section}: {' and '.join(in_recipe)} both decide one thing (one replaces the "
+                               "other): keep one")
         if any(k in given for k in group):
             for k in group:
                 if k not in given:
