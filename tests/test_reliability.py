@@ -732,3 +732,14 @@ def test_a_recipe_giving_both_of_two_settings_that_decide_one_thing_is_refused(t
 
     cfg = resolve_config(TrainConfig, "train", str(recipe), {"featureset": "fs", "output": "o", "max_steps": 3})
     assert cfg.max_steps == 3 and cfg.epochs is None  # (outside a command every option counts as given)
+
+
+def test_a_prompt_set_or_a_mode_named_twice_is_refused():
+    """issue 61 item 12: duplicate prompt sets or modes were decoded twice and reported once."""
+    from specfoundry.eval.evaluate import EvalConfig
+
+    with pytest.raises(ValueError, match="^--prompts names chat twice$"):
+        EvalConfig(draft="d", prompt_sets=("chat", "code", "chat"))
+    with pytest.raises(ValueError, match="^--modes names the mode enable_thinking=false twice$"):
+        EvalConfig(draft="d", modes=({"enable_thinking": False}, {}, {"enable_thinking": False}))
+    EvalConfig(draft="d", prompt_sets=("chat", "code"), modes=({}, {"enable_thinking": True}))

@@ -126,6 +126,12 @@ class EvalConfig(Settings):
         super().__post_init__()
         if not self.prompt_sets:
             raise ValueError("--prompts names no prompt set")
+        twice = sorted({p for p in self.prompt_sets if self.prompt_sets.count(p) > 1})
+        if twice:  # decoded twice and reported once, under one name
+            raise ValueError(f"--prompts names {', '.join(twice)} twice")
+        modes = [mode_label(m) for m in self.modes]
+        if len(set(modes)) < len(modes):
+            raise ValueError(f"--modes names the mode {next(m for m in modes if modes.count(m) > 1)} twice")
 
 
 def decode_set(target: TargetRunner, decoder, prompts, cfg: EvalConfig, eos: set[int],
