@@ -379,3 +379,22 @@ def test_a_prompt_list_is_answered_and_its_rows_end_on_the_targets_answer(tmp_pa
         assert row["gen_token_ids"][-1] == ref, p["id"]
     samples, bad, _, _ = prepare_samples(CaptureConfig(source=str(source), output="o"), backend.tokenizer)
     assert not samples and {b.kind for b in bad} == {"no_assistant_turn", "ends_on_user"}
+
+
+def test_a_rerun_after_the_source_shrank_leaves_only_the_shards_its_manifest_lists(tmp_path, backend):
+    """issue 61 item 7: the rerun's manifest listed the right shards, but data/ kept the old source's
+    later shards, which datasets.load_dataset(folder) (docs/stages.md) read as conversations too."""
+    source = tmp_path / "chat.jsonl"
+    write_jsonl(source, CHAT * 3)
+    out = tmp_path / "o"
+    cfg = RegenConfig(output=str(out), source=str(source), shard_size=2,
+                      sampling=SamplingConfig(temperature=0.0, max_new_tokens=4))
+    echo = EchoBackend(backend.tokenizer)
+    run_regen(cfg, echo, silent=True)
+    assert len(list((out / "data").glob("*.parquet"))) == 3
+    write_jsonl(source, CHAT[:2])  # the source shrank to its first shard
+    manifest = run_regen(cfg, echo, silent=True)
+    listed = sorted(s["path"] for s in manifest["shards"])
+    assert listed == ["data/shard-00000.parquet"]
+    assert sorted(f"data/{p.name}" for p in (out / "data").glob("*.parquet")) == listed
+    assert sorted(p.name for p in (out / "data").iterdir()) == ["shard-00000.parquet", "shard-00000.parquet.done.json"]

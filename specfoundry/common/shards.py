@@ -297,6 +297,15 @@ class ShardedOutput:
                 out.append(json.loads(path.read_text()))
         return out
 
+    def remove_unlisted(self, folder: str, listed: list[str]) -> None:
+        """Remove the shards in `folder` (files named shard-*, with their done marks) that `listed`
+        (relative paths, the finished run's) does not hold: an earlier run's, of a longer source. A
+        reader of the folder as a dataset (every file of it) would read them as data."""
+        keep = set(listed) | {rel + ".done.json" for rel in listed}
+        for p in (self.root / folder).glob("shard-*"):
+            if f"{folder}/{p.name}" not in keep:
+                remove(p)
+
     def remove_partials(self, folder: str) -> None:
         """Remove leftovers of killed runs (call once every shard is done): partial shards, and
         the temporary files of done marks, manifests or configs being written (atomic_write_bytes'

@@ -366,6 +366,8 @@ class Regenerator:
         if ranks.rank == 0:
             self.shards.remove_partials("data")
             atomic_write_json(self.out / "manifest.json", manifest)
+            if manifest["complete"]:  # an earlier run of a longer source left shards past the new ones
+                self.shards.remove_unlisted("data", [entry["path"] for entry in manifest["shards"]])
         return manifest
 
 
