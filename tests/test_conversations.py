@@ -8,6 +8,7 @@ import pytest
 
 from specfoundry.conversations.records import ConversationFormatError
 from specfoundry.conversations.sources import load_conversations
+from tests.conftest import CHAT, write_jsonl
 
 GOOD_OPENAI = {"id": "g1", "messages": [
     {"role": "system", "content": "sys"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
@@ -89,3 +90,21 @@ def test_folder_of_json_and_parquet(tmp_path):
     result = load_conversations(tmp_path)
     assert [c.location.split("/")[-1] for c in result.conversations] == ["a.json:row 0", "a.json:row 1", "b.parquet:row 0"]
     assert not result.bad
+
+
+def test_a_linked_folder_in_a_source_is_read_and_a_link_loop_is_refused(tmp_path):
+    """issue 61 item 7: a folder reached through a symbolic link was skipped without a word (a
+    linked file was read)."""
+    from specfoundry.conversations.sources import data_files
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    write_jsonl(elsewhere / "more.jsonl", CHAT)
+    source = tmp_path / "source"
+    source.mkdir()
+    write_jsonl(source / "chat.jsonl", CHAT)
+    (source / "linked").symlink_to(elsewhere, target_is_directory=True)
+    assert [p.name for p in data_files(source)] == ["chat.jsonl", "more.jsonl"]
+    (elsewhere / "back").symlink_to(source, target_is_directory=True)
+    with pytest.raises(ConversationFormatError, match=r"back links back to .*source, a folder being read"):
+        data_files(source)

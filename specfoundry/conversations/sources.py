@@ -42,17 +42,22 @@ def stage_run(folder: Path) -> str | None:
     return None
 
 
-def loose_files(folder: Path, partial: bool) -> list[Path]:
+def loose_files(folder: Path, partial: bool, seen: frozenset = frozenset()) -> list[Path]:
     """The data files under a folder that holds no stage's run; a sub-folder holding an sf-regen
     run adds its listed shards, one holding another stage's run adds nothing. Hidden files (partial
-    shards, temporaries) and done marks are never data."""
+    shards, temporaries) and done marks are never data. A linked folder is read as a file behind a
+    link is; one that leads back into a folder being read is refused (it would be read forever)."""
+    seen = seen | {folder.resolve()}
     found = []
     for p in sorted(folder.iterdir()):
         if p.name.startswith("."):
             continue
-        if p.is_dir() and not p.is_symlink():
+        if p.is_dir():
+            if p.resolve() in seen:
+                raise ConversationFormatError(f"{p} links back to {p.resolve()}, a folder being read: remove the link "
+                                              "or name the folders to read")
             run = stage_run(p)
-            found += regen_files(p, partial) if run == "regen" else [] if run else loose_files(p, partial)
+            found += regen_files(p, partial) if run == "regen" else [] if run else loose_files(p, partial, seen)
         elif p.suffix in DATA_SUFFIXES and p.name != MANIFEST_NAME and not p.name.endswith(".done.json"):
             found.append(p)
     return found
