@@ -743,3 +743,15 @@ def test_a_prompt_set_or_a_mode_named_twice_is_refused():
     with pytest.raises(ValueError, match="^--modes names the mode enable_thinking=false twice$"):
         EvalConfig(draft="d", modes=({"enable_thinking": False}, {}, {"enable_thinking": False}))
     EvalConfig(draft="d", prompt_sets=("chat", "code"), modes=({}, {"enable_thinking": True}))
+
+
+def test_greedy_with_a_temperature_is_refused(tmp_path):
+    """issue 61 item 12: sf-regen --greedy --temperature 0.7 ran greedily, the temperature dropped unsaid."""
+    from click.testing import CliRunner
+
+    from specfoundry.generate.cli import main
+
+    result = CliRunner().invoke(main, ["run", "--synthesize", "2", "-o", str(tmp_path / "o"), "--greedy",
+                                       "--temperature", "0.7"])
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert result.exit_code == 2 and errors == ["Error: --greedy is --temperature 0: give one of them"], result.output

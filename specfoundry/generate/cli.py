@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from specfoundry.common.cli import CONTEXT, CommandError, resolve_config, stage_command
+from specfoundry.common.cli import CONTEXT, CommandError, given_on_command_line, resolve_config, stage_command
 from specfoundry.common.placement import launch_env
 from specfoundry.common.shards import OutputFolderError
 from specfoundry.conversations.records import ConversationFormatError
@@ -29,6 +29,8 @@ def run(greedy, recipe, silent, **options):
     target's calls differ from the recorded ones, the recorded exchange. Rerunning the same
     command resumes. With --tp N (hf backend), launch it under `torchrun --nproc-per-node W`:
     W/N copies of the target split the shards."""
+    if greedy and given_on_command_line("temperature"):  # one would be dropped unsaid
+        raise CommandError("--greedy is --temperature 0: give one of them")
     cfg = resolve_config(RegenConfig, "regen", recipe, options, **({"temperature": 0.0} if greedy else {}))
     manifest = run_regen(cfg, silent=silent)
     if launch_env()[0] != 0:  # under torchrun, rank 0 reports
