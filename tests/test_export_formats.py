@@ -605,7 +605,7 @@ def export_error(src, out, target_dir) -> str:
 
 @pytest.mark.parametrize("change, words", [
     ({"intermediate_size": "sixty-four"}, "config.json: intermediate_size is 'sixty-four', not an integer"),
-    ({"rms_norm_eps": "small"}, "config.json: rms_norm_eps is 'small', not a number"),
+    ({"rms_norm_eps": "small"}, "config.json: rms_norm_eps is 'small', not a positive finite number"),
     ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": "1,2,3"}},
      "config.json: eagle_config.eagle_aux_hidden_state_layer_ids is '1,2,3', not a list of layer ids"),
 ])

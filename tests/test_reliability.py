@@ -755,3 +755,23 @@ def test_greedy_with_a_temperature_is_refused(tmp_path):
                                        "--temperature", "0.7"])
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert result.exit_code == 2 and errors == ["Error: --greedy is --temperature 0: give one of them"], result.output
+
+
+@pytest.mark.parametrize("edit, words", [({"hidden_act": "relu"}, "hidden_act is 'relu'"),
+                                         ({"hidden_act": "nonsense"}, "hidden_act is 'nonsense'"),
+                                         ({"rms_norm_eps": float("nan")}, "rms_norm_eps is nan, not a positive"),
+                                         ({"rope_theta": -1.0}, "rope_theta is -1.0, not a positive")])
+def test_an_edited_export_config_is_refused_where_the_drafts_math_reads_it(features, tmp_path, edit, words):
+    """issue 61 item 6: hidden_act set to "relu" or nonsense was written through by sf-export and
+    ignored by sf-eval (the SwiGLU is fixed), so the draft measured was not the one served; an
+    rms_norm_eps of NaN was exported as NaN (invalid JSON for strict readers)."""
+    from specfoundry.families.folders import locate_draft
+
+    out = tmp_path / "run"
+    run_train(tiny_cfg(features, out, max_steps=1), silent=True)
+    export = out / "export"
+    config = json.loads((export / "config.json").read_text())
+    config.update(edit)
+    (export / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DraftLoadError, match=re.escape(words)):
+        locate_draft(str(export))

@@ -10,6 +10,7 @@ folder that names no known family is refused in one line, never read as another 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -352,7 +353,9 @@ def read_config_json(path: Path, name: str = "config.json") -> dict:
 
 
 def check_numbers(config: dict, file: Path, where: str = "") -> None:
-    """Refuse a numeric setting that is no number, naming the file and the field ('a.b' nested)."""
+    """Refuse a setting the draft's math reads that is not what it runs, naming the file and the field
+    ('a.b' nested): a numeric one that is no number (a float one also NaN, inf or <= 0), an
+    activation other than SiLU."""
     for key, value in config.items():
         if isinstance(value, dict):
             check_numbers(value, file, f"{where}{key}.")
@@ -360,8 +363,12 @@ def check_numbers(config: dict, file: Path, where: str = "") -> None:
         whole = isinstance(value, int) and not isinstance(value, bool)
         if key in INT_FIELDS and value is not None and not whole:
             raise DraftLoadError(f"{file}: {where}{key} is {value!r}, not an integer")
-        if key in FLOAT_FIELDS and value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise DraftLoadError(f"{file}: {where}{key} is {value!r}, not a number")
+        if key in FLOAT_FIELDS and value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                                          or not math.isfinite(value) or value <= 0):
+            raise DraftLoadError(f"{file}: {where}{key} is {value!r}, not a positive finite number")
+        if key == "hidden_act" and value is not None and value != "silu":  # the drafts' MLP is SwiGLU, SiLU-gated
+            raise DraftLoadError(f"{file}: {where}hidden_act is {value!r}: specfoundry's drafts run SiLU (SwiGLU), so "
+                                 "the draft measured would not be the one served; restore \"silu\"")
         if key in ID_LISTS and value is not None and not (
                 isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)):
             raise DraftLoadError(f"{file}: {where}{key} is {value!r}, not a list of layer ids")
