@@ -153,8 +153,6 @@ def output_lock(root: Path, stage: str):
     killed run ends with its process and the file it leaves never blocks a rerun. The file is
     removed when the run ends, and so are the folders the run made if it wrote nothing in them.
     Under torchrun, rank 0 holds it for every rank of the launch."""
-    from filelock import FileLock, Timeout
-
     if int(os.environ.get("RANK", "0")) != 0:
         yield
         return
@@ -166,18 +164,10 @@ def output_lock(root: Path, stage: str):
             break
         made.append(p)
     root.mkdir(parents=True, exist_ok=True)
-    path = root / LOCK
-    lock = FileLock(str(path), timeout=0)
     try:
-        lock.acquire()
-    except Timeout:
-        raise OutputFolderError(f"{root}: another sf-{stage} run is writing into this folder (it holds {path}); wait "
-                                "for it to end, or choose another folder") from None
-    try:
-        yield
+        with held(root / LOCK, f"{root}: another sf-{stage} run is writing into this folder"):
+            yield
     finally:
-        path.unlink(missing_ok=True)  # while held: a run opening it now finds the file gone and tries again
-        lock.release()
         for p in made:  # a run refused before it wrote anything leaves nothing behind
             try:
                 p.rmdir()
@@ -190,21 +180,28 @@ def sibling_lock(dest: Path, stage: str):
     """Hold `dest` for a command that writes it whole and renames it into place (sf-export), where a
     lock inside it would be replaced with it: the operating system's lock on <parent>/.<name>.lock,
     a second run refused in one line, the file removed when the run ends."""
-    from filelock import FileLock, Timeout
-
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    path = dest.with_name(f".{dest.name}{LOCK}")
+    with held(dest.with_name(f".{dest.name}{LOCK}"), f"{dest}: another sf-{stage} run is writing it"):
+        yield
+
+
+@contextmanager
+def held(path: Path, busy: str):
+    """The operating system's lock (flock, through filelock) on `path` while the block runs: a second
+    holder is refused in one line (`busy`, then the lock's path); the lock of a killed run ends with
+    its process, and the file is removed when the block ends."""
+    from filelock import FileLock, Timeout
+
     lock = FileLock(str(path), timeout=0)
     try:
         lock.acquire()
     except Timeout:
-        raise OutputFolderError(f"{dest}: another sf-{stage} run is writing it (it holds {path}); wait for it to end, "
-                                "or choose another folder") from None
+        raise OutputFolderError(f"{busy} (it holds {path}); wait for it to end, or choose another folder") from None
     try:
         yield
     finally:
-        path.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)  # while held: a run opening it now finds the file gone and tries again
         lock.release()
 
 
