@@ -67,6 +67,22 @@ def prompt_buckets(lengths: Iterable[int]) -> list[int]:
     return sorted({prompt_bucket(n) for n in lengths if n <= PROMPT_GRAPH_MAX})
 
 
+def read_rows(committed: int, count: int, most: int, bucketed: bool) -> int | None:
+    """The rows of the captured step that reads `count` rows after `committed` ones: `count` for a
+    round's commit after committed text (at most `most`), the prompt's bucket for a first read where
+    `bucketed` (at most PROMPT_GRAPH_MAX), else None: the read runs eagerly."""
+    if committed > 0 and 0 < count <= most:
+        return count
+    if bucketed and committed == 0 and 0 < count <= PROMPT_GRAPH_MAX:
+        return prompt_bucket(count)
+    return None
+
+
+def prompt_keys(steps: CapturedSteps, lengths: Iterable[int], key=lambda bucket: bucket) -> list:
+    """[(steps, key(bucket))] of the prompt reads of these lengths, where `steps` is captured."""
+    return [(steps, key(b)) for b in prompt_buckets(lengths)] if steps.graphs else []
+
+
 @dataclass
 class Step:
     """One key's body and its inputs: `body(x)` reads x.<name> (static device tensors, refilled at

@@ -29,7 +29,7 @@ import torch
 from specfoundry.decoding.accept import accept_point_mass
 from specfoundry.decoding.rounds import DecodeResult, decode_rounds
 from specfoundry.decoding.sampler import Sampler
-from specfoundry.decoding.steps import PROMPT_GRAPH_MAX, CapturedSteps, Step, prompt_bucket, prompt_buckets
+from specfoundry.decoding.steps import CapturedSteps, Step, prompt_keys, read_rows
 from specfoundry.decoding.target import TargetRunner
 from specfoundry.families.dflash.model import DFlashCache, DFlashDraft
 
@@ -81,12 +81,7 @@ class BlockDraftRunner:
         prompt's append on a GPU, in its bucket."""
         count = aux.shape[0]
         length = len(self.cache)
-        if length > 0 and 0 < count <= APPEND_GRAPH_MAX:
-            key = count
-        elif self.graphs and length == 0 and 0 < count <= PROMPT_GRAPH_MAX:
-            key = prompt_bucket(count)
-        else:
-            key = None
+        key = read_rows(length, count, APPEND_GRAPH_MAX, self.graphs)
         # the bucket's pad columns, and the next block's scratch columns after the committed ones
         if self.cache.reserve(length + max(key or count, count + self.block_size)):
             self.drop()
@@ -126,7 +121,7 @@ class BlockDraftRunner:
         and the prompt's append in the buckets of these prompt lengths."""
         keys = [(self.proposals, None)]
         keys += [(self.appends, n) for n in range(1, min(self.block_size + 1, APPEND_GRAPH_MAX) + 1)]
-        return keys + ([(self.appends, b) for b in prompt_buckets(prompts)] if self.graphs else [])
+        return keys + prompt_keys(self.appends, prompts)
 
     @torch.inference_mode()
     def propose(self, bonus: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,7 +33,7 @@ from specfoundry.decoding.accept import accept
 from specfoundry.decoding.cache import StaticKVCache, visible
 from specfoundry.decoding.rounds import DecodeResult, decode_rounds
 from specfoundry.decoding.sampler import Sampler
-from specfoundry.decoding.steps import PROMPT_GRAPH_MAX, CapturedSteps, Step, prompt_bucket, prompt_buckets
+from specfoundry.decoding.steps import CapturedSteps, Step, prompt_keys, read_rows
 from specfoundry.decoding.target import COLUMN_ROUND, TargetRunner
 from specfoundry.families.eagle3.expansion import TreeShape, expand_body
 from specfoundry.families.eagle3.model import Eagle3Draft
@@ -139,12 +139,7 @@ class DraftRunner:
         eager launches, and a new shape per prompt, cost more than the target's prefill."""
         self.forget_proposals()
         count = len(tokens)
-        if self.length > 0 and 0 < count <= EXTEND_GRAPH_MAX:
-            key = count
-        elif self.graphs and self.length == 0 and 0 < count <= PROMPT_GRAPH_MAX:
-            key = prompt_bucket(count)
-        else:
-            key = None
+        key = read_rows(self.length, count, EXTEND_GRAPH_MAX, self.graphs)
         if key is not None:
             if self.length + key > self.cache.capacity:
                 self.reset_capacity(self.length + key)
@@ -185,7 +180,7 @@ class DraftRunner:
     def step_keys(self, most_accepted: int, prompts: list[int]) -> list[tuple[CapturedSteps, object]]:
         """The commits of 1..most_accepted + 1 tokens and the prompt reads of these prompt lengths."""
         commits = [(self.extends, n) for n in range(1, min(most_accepted + 1, EXTEND_GRAPH_MAX) + 1)]
-        return commits + [(self.extends, b) for b in prompt_buckets(prompts)] if self.graphs else commits
+        return commits + prompt_keys(self.extends, prompts)
 
     @torch.inference_mode()
     def propose(self, k: int, pick, greedy: bool = False):

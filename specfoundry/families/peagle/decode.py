@@ -27,7 +27,7 @@ from specfoundry.decoding.accept import accept
 from specfoundry.decoding.cache import StaticKVCache, visible
 from specfoundry.decoding.rounds import DecodeResult, decode_rounds
 from specfoundry.decoding.sampler import Sampler
-from specfoundry.decoding.steps import PROMPT_GRAPH_MAX, CapturedSteps, Step, prompt_bucket, prompt_buckets
+from specfoundry.decoding.steps import CapturedSteps, Step, prompt_keys, read_rows
 from specfoundry.decoding.target import COLUMN_ROUND, TargetRunner
 from specfoundry.families.interface import Decoder
 from specfoundry.families.peagle.config import PEagleConfig
@@ -73,7 +73,7 @@ class PEagleRunner:
         committed) with k proposals, and the start's read of these prompt lengths (all rows but the
         newest: a prompt of n tokens and the first token give n rows, n - 1 read), in their buckets."""
         keys = [(self.rounds, (n, k)) for n in range(1, min(k + 1, MAX_DRAFT + 1) + 1)]
-        return keys + ([(self.rounds, (b, 1)) for b in prompt_buckets(prompts)] if self.graphs else [])
+        return keys + prompt_keys(self.rounds, prompts, lambda bucket: (bucket, 1))
 
     def read(self, tokens: list[int], aux: torch.Tensor) -> None:
         """Rows (token t_{i+1}, feature a_i) to read at the next forward."""
@@ -102,12 +102,9 @@ class PEagleRunner:
         """forward's logits [k, Vd] and their greedy proposals [k] (target ids), both on the device."""
         n = len(self.tokens)
         assert n >= 1, "a round needs the newest committed token"
-        if self.length > 0 and n <= MAX_DRAFT + 1:
-            key = (n, k)
-        elif self.graphs and self.length == 0 and k == 1 and n <= PROMPT_GRAPH_MAX:
-            key = (prompt_bucket(n), 1)  # the start's read of the prompt: pad rows after the real ones
-        else:
-            key = None
+        # the start's read of the prompt (k = 1) in its bucket: pad rows after the real ones
+        rows = read_rows(self.length, n, MAX_DRAFT + 1, self.graphs and k == 1)
+        key = None if rows is None else (rows, k)
         self.reserve(self.length + (key[0] if key else n) + k - 1)
         ids = self.tokens + [self.draft.cfg.mask_token_id] * (k - 1)
         if key is not None:
