@@ -203,3 +203,32 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
     from specfoundry.testing import write_tiny_target
 
     return write_tiny_target("llama", tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
+
+
+def edited_export_refusal(out: Path, edit) -> str:
+    """The one-line DraftLoadError of reading back the export at `out` once edit(config) has changed
+    its config.json (a field an engine would refuse or misread)."""
+    from specfoundry.families.folders import DraftLoadError, find_draft_files, locate_draft
+
+    config = json.loads((out / "config.json").read_text())
+    edit(config)
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DraftLoadError) as e:
+        find_draft_files(locate_draft(out))
+    assert "\n" not in str(e.value), str(e.value)
+    return str(e.value)
+
+
+def sharp_tiny_target(vocab: int = 6, seed: int = 0):
+    """A random 4-layer Llama over a `vocab`-token vocabulary (seeded first), its head scaled so that
+    its choices are sharp and a random draft often disagrees with it (rejections happen)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60)
+    return model
+

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from specfoundry.decoding.accept import accept_candidates
 from specfoundry.decoding.sampler import Sampler
-from specfoundry.families import FAMILIES, DraftLoadError
+from specfoundry.families import FAMILIES
 from specfoundry.families.dflash.anchors import batch_anchors, block_inputs, valid_slots
 from specfoundry.families.dflash.model import DFlashDraft
 from specfoundry.families.dflash2.config import DFlash2Config
@@ -27,6 +27,7 @@ from specfoundry.families.dflash2.loss import dflash2_loss, selector_targets, se
 from specfoundry.families.dflash2.model import DFlash2Draft
 from specfoundry.families.dflash2.selector import walk
 from specfoundry.featureset.batch import Batch
+from tests.conftest import edited_export_refusal, sharp_tiny_target
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, vocab_size=97, target_hidden_size=32, target_layer_ids=(1, 2), block_size=5,
@@ -427,16 +428,9 @@ def test_the_export_holds_the_fields_the_loaders_read_and_reads_back(tmp_path):
     (lambda c: c["dflash_config"].update(conv_group_size=7), "conv_group_size 7 does not divide hidden_size 32"),
 ])
 def test_a_config_the_draft_cannot_be_is_one_line(tmp_path, edit, words):
-    from specfoundry.families.folders import find_draft_files, locate_draft
-
     draft = tiny_draft()
-    out = export_draft(draft.state_dict(), draft.cfg, tmp_path / "export")
-    config = json.loads((out / "config.json").read_text())
-    edit(config)
-    (out / "config.json").write_text(json.dumps(config))
-    with pytest.raises(DraftLoadError) as e:
-        find_draft_files(locate_draft(out))
-    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+    message = edited_export_refusal(export_draft(draft.state_dict(), draft.cfg, tmp_path / "export"), edit)
+    assert words in message, message
 
 
 def test_the_identity_transforms_and_is_causal_false_are_read(tmp_path):
@@ -495,16 +489,9 @@ def test_the_candidate_rule_samples_as_the_target():
 def tiny_target_and_draft(vocab=6, seed=0):
     """A random 4-layer target over a 6-token vocabulary (sharp: rejections happen) and a random
     DFlash2 draft of its shape proposing blocks of 3 from the top 3 of 6 (so q has zeros)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from specfoundry.common.target import Target
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(60)
+    model = sharp_tiny_target(vocab, seed)
     draft = tiny_draft(seed, vocab_size=vocab, target_layer_ids=(0, 1, 2), block_size=3, mask_token_id=vocab - 1,
                        selector_top_k=3).eval()
     with torch.no_grad():

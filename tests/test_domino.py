@@ -22,6 +22,7 @@ from specfoundry.families.domino.loss import DominoModule, base_weight_at, domin
 from specfoundry.families.domino.model import DominoDraft
 from specfoundry.featureset.batch import Batch
 from specfoundry.testing import assert_close_scaled
+from tests.conftest import edited_export_refusal
 from tests.test_train import run_stopped_and_resumed, small_cfg, smol_features  # noqa: F401 (a fixture)
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -342,16 +343,9 @@ def test_export_holds_sglangs_domino_names_shapes_and_fields_and_reads_back(tmp_
     (lambda c: c["dflash_config"].update(projector_type="dspark"), "projector_type 'dspark' names no draft family"),
 ])
 def test_a_config_sglang_would_refuse_is_one_line(tmp_path, edit, words):
-    from specfoundry.families.folders import find_draft_files, locate_draft
-
     draft = tiny_draft()
-    out = export_draft(draft.state_dict(), draft.cfg, tmp_path / "export")
-    config = json.loads((out / "config.json").read_text())
-    edit(config)
-    (out / "config.json").write_text(json.dumps(config))
-    with pytest.raises(DraftLoadError) as e:
-        find_draft_files(locate_draft(out))
-    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+    message = edited_export_refusal(export_draft(draft.state_dict(), draft.cfg, tmp_path / "export"), edit)
+    assert words in message, message
 
 
 def test_a_domino_export_without_its_projector_type_names_the_family_it_was_read_as(tmp_path, tiny_llama_dir):

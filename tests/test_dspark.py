@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
-from specfoundry.families import FAMILIES, DraftLoadError, Extended
+from specfoundry.families import FAMILIES, Extended
 from specfoundry.families.dflash.anchors import batch_anchors, block_inputs
 from specfoundry.families.dflash.options import DFlashOptions
 from specfoundry.families.dspark.config import DSparkConfig
@@ -25,6 +25,7 @@ from specfoundry.families.dspark.model import DSparkDraft
 from specfoundry.families.dspark.options import DSparkOptions
 from specfoundry.featureset.batch import Batch
 from specfoundry.testing import assert_close_scaled
+from tests.conftest import edited_export_refusal
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, vocab_size=97, target_hidden_size=32, target_layer_ids=(1, 2), block_size=5,
@@ -369,16 +370,9 @@ def test_export_holds_sglangs_dspark_names_shapes_and_fields_and_reads_back(tmp_
     (lambda c: c.update(target_layer_ids=[0, 2]), "target_layer_ids differs"),
 ])
 def test_a_config_sglang_would_refuse_is_one_line(tmp_path, edit, words):
-    from specfoundry.families.folders import find_draft_files, locate_draft
-
     draft = tiny_draft()
-    out = export_draft(draft.state_dict(), draft.cfg, tmp_path / "export")
-    config = json.loads((out / "config.json").read_text())
-    edit(config)
-    (out / "config.json").write_text(json.dumps(config))
-    with pytest.raises(DraftLoadError) as e:
-        find_draft_files(locate_draft(out))
-    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+    message = edited_export_refusal(export_draft(draft.state_dict(), draft.cfg, tmp_path / "export"), edit)
+    assert words in message, message
 
 
 def test_a_missing_or_misshaped_head_tensor_is_refused_on_export(tmp_path):

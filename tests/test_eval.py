@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from specfoundry.common.target import Target
 from specfoundry.decoding.rounds import DecodeResult
@@ -25,6 +25,7 @@ from specfoundry.families.eagle3.tree import propose_tree, tree_generate
 from specfoundry.families.folders import load_draft, locate_draft, untrained_like
 from specfoundry.families.vocab import vocab_maps
 from specfoundry.featureset.store import FeatureSet
+from tests.conftest import sharp_tiny_target
 
 
 class Decoding:
@@ -243,13 +244,8 @@ def chi2_critical(df: int, z: float = 3.09) -> float:
 def tiny_pair(vocab=6, seed=0):
     """A random 4-layer target over a 6-token vocabulary and a random draft, both sharp enough
     that the draft often disagrees with the target (so rejections happen)."""
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
-    target = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        target.lm_head.weight.mul_(60)
-    dcfg = draft_config_from_target(cfg.to_dict(), vocab - 1, [0, 1, 2])
+    target = sharp_tiny_target(vocab, seed)
+    dcfg = draft_config_from_target(target.config.to_dict(), vocab - 1, [0, 1, 2])
     draft = Eagle3Draft(dcfg)
     d2t, t2d = vocab_maps(torch.arange(1, vocab), vocab)  # token 0 is outside the draft's vocabulary
     draft.d2t.copy_(d2t)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specfoundry.decoding.cache import StaticKVCache
-from specfoundry.families import FAMILIES, DraftLoadError
+from specfoundry.families import FAMILIES
 from specfoundry.families.peagle.config import PEagleConfig
 from specfoundry.families.peagle.decode import PEagleRunner, decode_matches_training, decode_settings
 from specfoundry.families.peagle.export import expected_tensors, export_draft, load_export
@@ -27,6 +27,7 @@ from specfoundry.families.peagle.loss import (
 from specfoundry.families.peagle.mask import dense_peagle_mask
 from specfoundry.families.peagle.model import PEagleDraft
 from specfoundry.featureset.batch import Batch
+from tests.conftest import edited_export_refusal
 from tests.test_train import run_stopped_and_resumed, small_cfg, smol_features  # noqa: F401 (a fixture)
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -391,16 +392,9 @@ def test_export_is_what_vllms_peagle_loader_reads_and_reads_back(tmp_path):
     (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2]), "reads 3 target layers"),
 ])
 def test_a_config_vllm_would_refuse_or_misread_is_one_line(tmp_path, edit, words):
-    from specfoundry.families.folders import find_draft_files, locate_draft
-
     draft = tiny_draft()
-    out = export_draft(draft.state_dict(), draft.cfg, tmp_path / "export")
-    config = json.loads((out / "config.json").read_text())
-    edit(config)
-    (out / "config.json").write_text(json.dumps(config))
-    with pytest.raises(DraftLoadError) as e:
-        find_draft_files(locate_draft(out))
-    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+    message = edited_export_refusal(export_draft(draft.state_dict(), draft.cfg, tmp_path / "export"), edit)
+    assert words in message, message
 
 
 def test_sf_export_keeps_the_trained_depths_and_names_the_verifier_as_sf_train_does(tmp_path, tiny_llama_dir):
