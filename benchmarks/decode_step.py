@@ -16,7 +16,9 @@ step and the crop that undoes it (so every iteration starts from the same length
                   of 7 depths after one committed row; draft_eagle3_tree: EAGLE-3's expansion of the
                   8,4,2,1,1,1,1 tree (360 nodes: 6 draft forwards read the 296 above the deepest);
                   draft_eagle3_commit / draft_dflash_commit: a round's commit of COMMIT_TOKENS accepted
-                  tokens (EAGLE-3's extend, DFlash's context append), cropped back after each
+                  tokens (EAGLE-3's extend, DFlash's context append), the host's length set back after
+                  each (the body sets the device's own counter from its inputs, so no device op
+                  is timed that a round does not run)
 Columns:
     plain         transformers as a user writes it: model(input_ids, past_key_values=DynamicCache),
                   then cache.crop (no tree: a plain loop has no tree mask)
@@ -356,9 +358,10 @@ def draft_steps(shape: str, model, prompt_len: int, graphs: bool) -> dict:
     extend_inputs = SimpleNamespace(ids=torch.tensor(new_tokens, device=device), start=torch.tensor(committed, device=device),
                                     rows=torch.tensor(COMMIT_TOKENS, device=device), aux=new_rows.clone())
 
-    def eagle_commit():  # the commit, then back to the same committed length
+    def eagle_commit():  # the commit, then the host's counters back to the same committed length
         eagle.extend(new_tokens, new_rows)
-        eagle.crop(committed)
+        # not eagle.crop: its device fill is no part of a round, and the body sets `base` from its inputs
+        eagle.length = eagle.written = committed
 
     steps["eagle3_commit"] = (eagle_commit, lambda: bare_extend.body(extend_inputs))
     layers, mask_id = DFLASH_LAYERS[shape], vocab - 1
@@ -386,7 +389,7 @@ def draft_steps(shape: str, model, prompt_len: int, graphs: bool) -> dict:
 
             def dflash_commit(r=runner, rows=context_rows):
                 r.extend(rows)
-                r.cache.crop(prompt_len)
+                r.cache.length = prompt_len  # (not crop's device fill: the body sets `start` from its inputs)
 
             steps["dflash_commit"] = (dflash_commit, lambda b=bare_append, x=append_inputs: b.body(x))
     peagle = PEagleRunner(placed(PEagleDraft(peagle_config_from_target(cfg, min(32000, vocab), AUX[shape],
