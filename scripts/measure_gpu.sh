@@ -20,8 +20,9 @@
 #                families' step (family_step); FlexAttention over variable widths (flex_shapes);
 #                ZeRO-2 on two GPUs against one (train_scaling, where two GPUs are present)        ~700 s
 #   decode       the target's and every draft's decode steps against their CUDA-graph references,
-#                SmolLM2 and the 8B shape (decode_step); the target's verify step by width
-#                (verify_width)                                                                   ~500 s
+#                SmolLM2 and the 8B shape (decode_step); a draft's read of a prompt, eager and captured,
+#                beside the target's prefill (prompt_read); the target's verify step by width
+#                (verify_width)                                                                   ~600 s
 #   eval         sf-eval end to end: an EAGLE-3 draft from a short pipeline (EVAL_SYNTH conversations,
 #                2,048; 1 epoch) decodes all 60 built-in prompts, chain k=7 with the target alone beside it,
 #                in each of EVAL_DTYPES (bfloat16) and EVAL_COMPILE (off on: --compile-target)     ~450 s
@@ -227,8 +228,10 @@ plan_decode() {
     step decode_step 120 python -m benchmarks.decode_step --device cpu --shapes tiny --iters 3
     step verify_width 120 python -m benchmarks.verify_width --device cpu --widths 1,8 --prompt 16 --iters 2 \
       --profile-widths ""
+    step prompt_read 60 python -m benchmarks.prompt_read --help
   else
     step decode_step 400 python -m benchmarks.decode_step --iters 20 --compiled-rows token,verify_k7,tree
+    step prompt_read 90 python -m benchmarks.prompt_read
     step verify_width 90 python -m benchmarks.verify_width --profile-widths ""
   fi
 }
@@ -297,10 +300,11 @@ plan_families() {
   weights || return 1
   local r=$RUN/families d e name draft recipe opts base draft_opts trains=() evals=() trained=()
   local epochs=${EPOCHS:-$(dry && echo 1 || echo 2)}
-  features "$r" eagle3,dflash,domino,dspark,peagle || return 1
+  features "$r" eagle3,dflash,domino,dspark,dflash2,peagle || return 1
   # name|recipe|options; the slowest first, so that the last slots hold the short ones
   local drafts=("dspark|$DFLASH|--block-size 16 --family dspark"
                 "domino_b16|$DFLASH|--block-size 16 --family domino"
+                "dflash2_b16|$DFLASH|--block-size 16 --family dflash2"
                 "dflash_b16|$DFLASH|--block-size 16"
                 "dflash_b16_dpace|$DFLASH|--block-size 16 --objective dpace"
                 "eagle3|$EAGLE3|"
@@ -313,7 +317,7 @@ plan_families() {
   together families_train "${FAMILIES_EST:-800}" "$(train_jobs)" "${trains[@]}"
   # name|draft|recipe|options: the EAGLE-3 draft decodes as a chain and as a tree
   local runs=("eagle3_chain_k7|eagle3|$EAGLE3|" "eagle3_tree|eagle3|$EAGLE3|--tree 8,4,2,1,1,1,1")
-  for name in dflash_b16 dflash_b16_dpace domino_b16 dspark; do runs+=("$name|$name|$DFLASH|"); done
+  for name in dflash_b16 dflash_b16_dpace domino_b16 dspark dflash2_b16; do runs+=("$name|$name|$DFLASH|"); done
   runs+=("peagle_k7|peagle_k7|$PEAGLE|")
   for e in "${runs[@]}"; do
     IFS='|' read -r name draft recipe opts <<< "$e"
