@@ -21,8 +21,9 @@ gradient reaches the unary logits of C and the states (coupled, SpecForge's defa
 schedule over optimizer steps (selector_weight_at): 0 for the warm-up, then a linear ramp to
 --selector-loss-alpha; while it is 0 the selector's term stays in the graph (zero gradients).
 The candidates are taken from the unary loss's own chunks of logits (no second [rows, V] product);
-the selector's term goes through autograd chunk by chunk, each chunk recomputed in its backward
-(activation checkpointing) from the rows and the candidates' K rows of W alone.
+the selector's term goes through autograd in chunks of rows across slots (selector_rows), each
+recomputed in its backward (activation checkpointing) from the rows and the candidates' K rows of W
+alone.
 
 Metrics per slot (train/metrics.py): `loss` the unary ce; `hits` the selector's teacher-forced
 hits (the target's token in the strict top K and ranked first: what decoding proposes after a
@@ -43,7 +44,6 @@ from specfoundry.families.dflash.loss import (
     check_announced,
     chunked_loss,
     scored_rows,
-    slot_chunks,
     slot_weights,
 )
 from specfoundry.families.dflash2.model import DFlash2Draft, selector_parameters
@@ -94,21 +94,36 @@ def selector_chunk(draft: DFlash2Draft, rows: torch.Tensor, head: torch.Tensor, 
     return sel, trained, covered, covered & (scores.detach().argmax(-1) == index)
 
 
+SELECTOR_CHUNK_BYTES = 1 << 28
+"""What one selector chunk's gathered candidate rows of W ([c, K, H] in the rows' dtype) may take:
+c = 14,563 rows for K = 16 at SmolLM2's H = 576 in bf16, 2,048 at H = 4096. The chunks run across
+slots: their count, not their size, is what a step's host time pays (each is ~100 launches, its
+recompute and backward included)."""
+
+
+def selector_rows(top_k: int, hidden_size: int, itemsize: int) -> int:
+    """Rows per selector chunk (SELECTOR_CHUNK_BYTES)."""
+    return max(1, SELECTOR_CHUNK_BYTES // (top_k * hidden_size * itemsize))
+
+
 def selector_terms(draft: DFlash2Draft, rows, head, candidates, counts: list[int], weights: list[float], labels,
                    predecessors, objective: str, stop_gradient: bool, chunk: int):
-    """(sum_k w_k sum of the rows' sel (autograd), per-slot sums [B-1] of sel, trained, covered and
-    hits), chunk by chunk within each slot, each chunk checkpointed; candidates [M, K] the rows'."""
+    """(sum over rows of w_k(row) sel (autograd), per-slot sums [B-1] of sel, trained, covered and
+    hits) over chunks of `chunk` rows that run across slots (rows are slot by slot, counts[k] each),
+    each chunk checkpointed; candidates [M, K] the rows'."""
     device = rows.device
+    slots = torch.repeat_interleave(torch.arange(len(counts), device=device),
+                                    torch.tensor(counts, device=device))  # [M] each row's slot
+    row_weights = torch.tensor(weights, dtype=torch.float32, device=device)[slots]  # [M] w_k of each row
     total = torch.zeros((), dtype=torch.float32, device=device)
-    stats = {name: torch.zeros(len(counts), dtype=torch.float32, device=device)
-             for name in ("sel", "trained", "covered", "hits")}
-    for k, s, e in slot_chunks(counts, chunk):
+    sums = torch.zeros(4, len(counts), dtype=torch.float32, device=device)  # sel, trained, covered, hits
+    for s in range(0, rows.shape[0], chunk):
+        e = min(s + chunk, rows.shape[0])
         sel, *counted = checkpoint(selector_chunk, draft, rows[s:e], head, candidates[s:e], labels[s:e],
                                    predecessors[s:e], objective, stop_gradient, use_reentrant=False)
-        total = total + weights[k] * sel.sum()
-        for name, v in zip(("sel", "trained", "covered", "hits"), (sel.detach(), *counted), strict=True):
-            stats[name][k] += v.float().sum()
-    return total, stats
+        total = total + (row_weights[s:e] * sel).sum()
+        sums.index_add_(1, slots[s:e], torch.stack([sel.detach(), *(v.float() for v in counted)]))
+    return total, dict(zip(("sel", "trained", "covered", "hits"), sums, strict=True))
 
 
 def slot_metrics(ce_sums, unary_hits, counts: list[int], stats: dict) -> list[dict]:
@@ -155,7 +170,8 @@ def dflash2_loss(draft: DFlash2Draft, batch: Batch, lm_head: torch.Tensor, *, nu
     unary = AttachGradient.apply(rows, value, grad, loss_scale) if want_grad else value
     candidates = torch.cat(candidates) if candidates else labels.new_zeros(0, draft.cfg.selector_top_k)  # [M, K]
     selector, stats = selector_terms(draft, rows, head, candidates, counts, weights, labels, predecessors,
-                                     selector_loss, stop_gradient, chunk)
+                                     selector_loss, stop_gradient,
+                                     selector_rows(draft.cfg.selector_top_k, rows.shape[-1], head.element_size()))
     norm = max(sum(w * c for w, c in zip(weights, counts, strict=True)), 1e-6)  # chunked_loss's normaliser
     # 0 that reaches every selector parameter: a micro-batch with nothing scored still gives (zero) gradients
     unused = sum(p.sum() for p in selector_parameters(draft) if p.requires_grad) * 0.0
