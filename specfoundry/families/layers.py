@@ -56,7 +56,13 @@ class CompiledElementwise(nn.Module):
     compiled_elementwise = False
 
     def elementwise(self, fn, *args):
-        return COMPILED_ELEMENTWISE[fn](*args) if self.compiled_elementwise else fn(*args)
+        """fn(*args), compiled where the switch is on: fn is one of COMPILED_ELEMENTWISE's, or a
+        family's own chain (DFlash2's convolution), given its compiled form at its first use."""
+        if not self.compiled_elementwise:
+            return fn(*args)
+        if fn not in COMPILED_ELEMENTWISE:
+            COMPILED_ELEMENTWISE[fn] = compiled_on_cuda(fn)
+        return COMPILED_ELEMENTWISE[fn](*args)
 
 
 class RMSNorm(CompiledElementwise):

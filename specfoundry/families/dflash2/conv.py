@@ -12,6 +12,10 @@ Causal (taps reach back), depthwise, and bounded by the block: position t of a b
 the block before it (training lays N blocks side by side; decoding runs one). At initialisation
 base_kernel[:, 0] = 1, its other taps 0 and kernel_projection 0: both sides are the identity,
 exactly, so a fresh DFlash2 draft computes what its DFlash backbone computes.
+In training on a GPU (the draft's compiled elementwise switch, families/layers.py) each side runs
+through torch.compile: eager, every tap's shifted copy of z is kept for the backward (one [b, S, H]
+tensor a tap past the first, 10 of them for SmolLM2's 5 layers at T = 2); compiled, the backward
+recomputes the shifts from z.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from specfoundry.families.layers import CompiledElementwise
 
 
 def grouped_dynamic_convolve(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, group_size: int,
@@ -39,7 +45,7 @@ def grouped_dynamic_convolve(x: torch.Tensor, delta: torch.Tensor, base: torch.T
     return out.view(b, s, h)
 
 
-class GroupedDynamicCausalConv(nn.Module):
+class GroupedDynamicCausalConv(CompiledElementwise):
     """attention_conv / mlp_conv of a DFlash2 layer: base_kernel [2, T, H] and kernel_projection
     [2 T G, H] (no bias), the engines' names; identity at initialisation."""
 
@@ -57,9 +63,10 @@ class GroupedDynamicCausalConv(nn.Module):
         """The normed sublayer input x [b, S, H] -> (conv_0(x) [b, S, H], the output side's
         coefficients [b, S, T, G], which finish reads)."""
         delta = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)  # [b, S, 2, T, G]
-        out = grouped_dynamic_convolve(x, delta[..., 0, :, :], self.base_kernel[0], self.group_size, self.block_size)
+        out = self.elementwise(grouped_dynamic_convolve, x, delta[..., 0, :, :], self.base_kernel[0], self.group_size,
+                               self.block_size)
         return out, delta[..., 1, :, :]
 
     def finish(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """The sublayer's output y [b, S, H] -> conv_1(y) [b, S, H] with prepare's coefficients."""
-        return grouped_dynamic_convolve(y, delta, self.base_kernel[1], self.group_size, self.block_size)
+        return self.elementwise(grouped_dynamic_convolve, y, delta, self.base_kernel[1], self.group_size, self.block_size)
