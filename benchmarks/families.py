@@ -1,21 +1,23 @@
 """Draft families side by side: gathers the sf-eval reports of `scripts/measure_gpu.sh families` into
 benchmarks/results/families.json and prints one table.
 
-    python -m benchmarks.families RUN [--out families]
+    python -m benchmarks.families RUN [--each-alone] [--out families]
 
 RUN holds one sf-eval output folder per draft, `eval_<draft>` (eval_eagle3_chain_k7,
 eval_eagle3_tree, eval_dflash_b16, ...), each with its eval.json: the acceptance run over every
-prompt, the drafts decoding side by side. Where RUN also holds `timing_<draft>` folders (each
-draft decoding alone on the first prompts of every set), they give the speeds; without them the
-speeds are the acceptance runs' own, which are not comparable between drafts that decoded side
-by side (the summary's `tokens_per_s_from` says which). Every figure comes from those reports:
+prompt. `--each-alone` says those runs decoded one at a time, each alone on the GPU (the families
+plan's way): their speeds are comparable and are the table's. Otherwise (runs side by side) a
+`timing_<draft>` folder per draft (each draft decoding alone on the first prompts of every set)
+gives the speeds, or, without them, the acceptance runs' own, which are not comparable between
+drafts (the summary's `tokens_per_s_from` says which). Every figure comes from those reports:
 acceptance length per held-out set (tokens per target verify forward, the target's own token
 counted), draft and target ms per round, tokens/s with the draft and, where the report decoded
 the target alone too, without it; the rows also carry the time outside the rounds where the
 report has it (prefill and the draft's start, ms a prompt; the rest, ms a round). The summary's
 `accept_length` maps each draft to {set: accept length}, its `tokens_per_s` each draft to {set:
 tokens/s with the draft} plus `target_alone` {set: tokens/s} (the first report that decoded the
-target alone on that set).
+target alone on that set), its `accept_rate_by_position` each draft to {set: [the share of the
+rounds reaching draft position j whose token was accepted, j = 1..k]}.
 """
 
 from __future__ import annotations
@@ -53,34 +55,42 @@ def gather(run: Path, prefix: str = ACCEPTANCE) -> list[dict]:
                          "other_ms_per_round": s.get("other_ms_per_round"),
                          "tokens_per_s": s["tokens_per_s"], "alone_tokens_per_s": entry.get("target_alone_tokens_per_s"),
                          "speedup": s.get("speedup"), "greedy_equal": s.get("identical_to_target"),
+                         "accept_rate_by_position": s.get("accept_rate_by_position"),
                          "device": report.get("environment", {}).get("gpu") or report.get("device")})
     if not rows and prefix == ACCEPTANCE:
         raise SystemExit(f"{run}: no {prefix}<draft> folder with an eval.json")
     return rows
 
 
-def summary(accept_rows: list[dict], timing_rows: list[dict]) -> dict:
-    """accept_length from the acceptance runs; tokens_per_s (and target_alone) from the timing
-    runs where there are any, else from the acceptance runs."""
+def summary(accept_rows: list[dict], timing_rows: list[dict], each_alone: bool = False) -> dict:
+    """accept_length and accept_rate_by_position from the acceptance runs; tokens_per_s (and
+    target_alone) from the timing runs where there are any, else from the acceptance runs."""
     speed_rows = timing_rows or accept_rows
-    accept, speed = {}, {}
+    accept, by_position, speed = {}, {}, {}
     for r in accept_rows:
         accept.setdefault(r["draft"], {})[r["set"]] = r["accept_length"]
+        by_position.setdefault(r["draft"], {})[r["set"]] = r["accept_rate_by_position"]
     for r in speed_rows:
         speed.setdefault(r["draft"], {})[r["set"]] = r["tokens_per_s"]
         if r["alone_tokens_per_s"] is not None:
             speed.setdefault("target_alone", {}).setdefault(r["set"], r["alone_tokens_per_s"])
-    return {"accept_length": accept, "tokens_per_s": speed,
-            "tokens_per_s_from": "timing (each draft alone)" if timing_rows else "acceptance runs (side by side)"}
+    source = ("timing (each draft alone)" if timing_rows else
+              "acceptance runs (each draft alone)" if each_alone else "acceptance runs (side by side)")
+    return {"accept_length": accept, "accept_rate_by_position": by_position, "tokens_per_s": speed,
+            "tokens_per_s_from": source}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", type=Path, help="the folder `scripts/measure_gpu.sh families` wrote ($EV/run/families)")
+    parser.add_argument("--each-alone", action="store_true",
+                        help="the eval_<draft> runs decoded one at a time, each alone on the GPU: their speeds are the table's")
     parser.add_argument("--out", default="families", help="result file name under benchmarks/results")
     args = parser.parse_args()
     rows = gather(args.run)
     timing = gather(args.run, TIMING)
+    if args.each_alone and timing:
+        raise SystemExit(f"{args.run}: --each-alone, but timing_<draft> folders are there too: which speeds are the table's?")
     columns = ["draft", "shape", "set", "prompts", "accept_length", "draft_ms_per_round", "target_ms_per_round",
                "tokens_per_s", "alone_tokens_per_s", "speedup", "greedy_equal"]
     print("acceptance (the eval runs' prompts):")
@@ -88,7 +98,7 @@ def main() -> None:
     if timing:
         print("timing (each draft alone):")
         print_table(timing, columns)
-    path = write_result(args.out, rows, {"timing_rows": timing, "summary": summary(rows, timing)})
+    path = write_result(args.out, rows, {"timing_rows": timing, "summary": summary(rows, timing, args.each_alone)})
     print(f"wrote {path}")
 
 

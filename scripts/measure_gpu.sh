@@ -31,9 +31,9 @@
 #   capture      capture speed with bf16 and float8 storage (capture), through the Target and half
 #                offloaded (capture_placement), MoE targets against dense (capture_moe), and
 #                sf-capture verify on the host (featureset_verify)                                ~800 s
-#   families     every draft family from one capture (SYNTH conversations, 10,240; EPOCHS epochs, 2):
-#                acceptance on the held-out sets, then each draft's tokens/s decoding alone (families)
-#                                                                                                ~1,400 s
+#   families     every draft family from one capture (SYNTH conversations, 12,800; STEPS steps, else
+#                EPOCHS epochs, 3): each draft decoding alone every built-in prompt, its acceptance and
+#                tokens/s, bf16, the target compiled (families)                                   ~1,400 s
 #   objectives   token losses at equal steps: EAGLE-3 with ce, LK-alpha and LK-lambda, two seeds
 #                each, and DFlash with ce and LK-lambda (objectives)                             ~1,300 s
 #   modes        acceptance per serving mode (thinking off and on) of a draft trained in each (modes) ~500 s
@@ -48,18 +48,19 @@
 #   call 1  . .devkit/on-device.sh setup && bash scripts/measure_gpu.sh start decode eval && bash scripts/measure_gpu.sh wait 400
 #   call 2  . .devkit/on-device.sh && . .devkit/on-device.sh gguf && touch ~/ev/weights.ok && bash scripts/measure_gpu.sh wait
 #   call 3+ . .devkit/on-device.sh && bash scripts/measure_gpu.sh wait        (until `done: yes`)
-# Inputs from an earlier machine go in .devkit/carry/ (copied to $EV/carry): regen10240.tar.gz, a
-# finished regen/ folder of 10,240 synthesised conversations that families and objectives reuse.
+# Inputs from an earlier machine go in .devkit/carry/ (copied to $EV/carry): regen<SYNTH>.tar.gz, a
+# finished regen/ folder of SYNTH synthesised conversations (12,800 by default) that families and
+# objectives reuse.
 #
 # DRY=1: tiny sizes on the CPU, the GPU-only benchmarks as --help, to check the script.
-# Environment: EV ($HOME/ev), DEADLINE, SYNTH, EPOCHS, EVAL_LIMIT (prompts a set in acceptance
-# evals: 8), TIMING_LIMIT (prompts a set in the families' timing pass: 2; 0 skips it), JOBS
+# Environment: EV ($HOME/ev), DEADLINE, SYNTH, EPOCHS, STEPS, EVAL_LIMIT (prompts a set in the
+# eval, objectives, modes and fp8 evals: 8), FAMILIES_LIMIT (prompts a set in families: all), JOBS
 # (trainings at once; default one per 35 GiB of GPU memory), EVAL_JOBS (8), FAMILIES_ONLY and
 # OBJECTIVES_ONLY (the drafts to train, by name; default all), CURVE_EPOCHS (objectives: one more
 # EAGLE-3 run of that many epochs with --keep-best; 0), WITH_RUN (objectives: an earlier run's
 # reports joined to this run's, benchmarks/objectives.py --with-run), TIMING_OPTS
-# (--compile-target --dtype bfloat16) and DRAFT_TIMING_OPTS (--compile-draft): the families'
-# timing pass.
+# (--compile-target --dtype bfloat16) and DRAFT_TIMING_OPTS (none; --compile-draft fuses the
+# drafts' steps further, one compile per eval): the families' evals.
 set -uo pipefail
 EV=${EV:-$HOME/ev}
 RUN=$EV/run
@@ -74,14 +75,16 @@ if [ "$DRY" = 1 ]; then
   REGEN_OPTS="--batch-size 6 --max-new-tokens 16"
   TRAIN_OPTS="--num-workers 0 --max-batch-tokens 1024 --warmup-steps 1 --eval-fraction 0.3"
   EVAL_OPTS="--device cpu --limit 1 --max-new-tokens 6 --prompts chat"
-  TIMING_OPTS="" DRAFT_TIMING_OPTS="" TIMING_LIMIT=${TIMING_LIMIT:-1}
+  FAMILIES_EVAL_OPTS="--device cpu --max-new-tokens 6 --prompts chat"
+  TIMING_OPTS="" DRAFT_TIMING_OPTS="" FAMILIES_LIMIT=${FAMILIES_LIMIT:-1}
 else
   DEV=cuda
   REGEN_OPTS=""
   TRAIN_OPTS="--num-workers 2"
   EVAL_OPTS="--device cuda --limit ${EVAL_LIMIT:-8}"
+  FAMILIES_EVAL_OPTS="--device cuda"
   TIMING_OPTS=${TIMING_OPTS---compile-target --dtype bfloat16}
-  DRAFT_TIMING_OPTS=${DRAFT_TIMING_OPTS---compile-draft} TIMING_LIMIT=${TIMING_LIMIT:-2}
+  DRAFT_TIMING_OPTS=${DRAFT_TIMING_OPTS:-}
 fi
 dry() { [ "$DRY" = 1 ]; }
 # the allocator returns freed blocks' tails to the other processes sharing the GPU; up to 8
@@ -170,18 +173,19 @@ weights() {  # the SmolLM2 weights: here already, or joined by a later command t
   echo "no SmolLM2 weights ($EV/weights.ok) after 600 s"; return 1
 }
 
-# features DIR FAMILIES [sf-capture options]: SYNTH synthesised conversations regenerated into DIR/regen
-# (or unpacked from $EV/carry/regen10240.tar.gz at the default size), captured into DIR/features
-# with the layers of FAMILIES, and verified
+# features DIR FAMILIES [sf-capture options]: SYNTH synthesised conversations (12,800) regenerated into
+# DIR/regen (or unpacked from $EV/carry/regen<SYNTH>.tar.gz), captured into DIR/features with the
+# layers of FAMILIES, and verified
 features() {
-  local dir=$1 families=$2 name; shift 2
+  local dir=$1 families=$2 name synth; shift 2
   name=$(basename "$dir")
+  synth=${SYNTH:-$(dry && echo 6 || echo 12800)}
   mkdir -p "$dir"
-  if ! dry && [ -z "${SYNTH:-}" ] && [ -f "$EV/carry/regen10240.tar.gz" ] && [ ! -e "$dir/regen" ]; then
-    tar xzf "$EV/carry/regen10240.tar.gz" -C "$dir"
+  if ! dry && [ -f "$EV/carry/regen$synth.tar.gz" ] && [ ! -e "$dir/regen" ]; then
+    tar xzf "$EV/carry/regen$synth.tar.gz" -C "$dir"
   fi
-  step "${name}_regen" 240 sf-regen run -o "$dir/regen" --recipe "$EAGLE3" --device "$DEV" \
-    --synthesize "${SYNTH:-$(dry && echo 6 || echo 10240)}" $REGEN_OPTS || return 1
+  step "${name}_regen" 120 sf-regen run -o "$dir/regen" --recipe "$EAGLE3" --device "$DEV" \
+    --synthesize "$synth" $REGEN_OPTS || return 1
   step "${name}_capture" 150 sf-capture run "$dir/regen" -o "$dir/features" --recipe "$EAGLE3" \
     --families "$families" --device "$DEV" "$@" || return 1
   step "${name}_verify" 120 sf-capture verify "$dir/features"
@@ -291,53 +295,54 @@ plan_capture() {
   fi
 }
 
-# families: every family's draft from one capture (EPOCHS epochs, the recipes' own otherwise), trained
-# side by side, then evaluated side by side for acceptance (EVAL_LIMIT prompts a set); side by side
-# their tokens/s are not comparable, so a timing pass follows: each draft decoding alone,
-# TIMING_LIMIT prompts a set, the EAGLE-3 chain with the target alone too (its reports, timing_<draft>,
-# give families.json's tokens/s). families.json is written before the timing pass and after it.
+# families: every family's draft from one capture (SYNTH conversations), trained JOBS at a time for
+# STEPS optimizer steps each (else EPOCHS epochs); a training that failed (out of memory beside
+# another) runs again alone, resuming. Then each draft decodes alone, one after another, every
+# built-in prompt (FAMILIES_LIMIT prompts a set where set), bf16 with the target compiled
+# (TIMING_OPTS, and DRAFT_TIMING_OPTS for the drafts that take them): each report gives both the
+# acceptance and the speed, the first one (the chain's) the target alone too.
 plan_families() {
   weights || return 1
-  local r=$RUN/families d e name draft recipe opts base draft_opts trains=() evals=() trained=()
-  local epochs=${EPOCHS:-$(dry && echo 1 || echo 2)}
+  local r=$RUN/families d e name draft recipe opts base draft_opts length trains=() retries=() trained=()
+  local epochs=${EPOCHS:-$(dry && echo 1 || echo 3)}
+  length=$([ -n "${STEPS:-}" ] && echo "--max-steps $STEPS" || echo "--epochs $epochs")
   features "$r" eagle3,dflash,domino,dspark,dflash2,peagle || return 1
-  # name|recipe|options; the slowest first, so that the last slots hold the short ones
-  local drafts=("dspark|$DFLASH|--block-size 16 --family dspark"
+  # name|recipe|options; the longest first, so that the last slots hold the short ones
+  local drafts=("dflash2_b16|$DFLASH|--block-size 16 --family dflash2"
                 "domino_b16|$DFLASH|--block-size 16 --family domino"
-                "dflash2_b16|$DFLASH|--block-size 16 --family dflash2"
+                "dspark|$DFLASH|--block-size 16 --family dspark"
                 "dflash_b16|$DFLASH|--block-size 16"
-                "dflash_b16_dpace|$DFLASH|--block-size 16 --objective dpace"
                 "eagle3|$EAGLE3|"
-                "peagle_k7|$PEAGLE|--num-depths 7")
+                "peagle_k7|$PEAGLE|--num-depths 7"
+                "dflash_b16_dpace|$DFLASH|--block-size 16 --objective dpace")
   keep_only drafts "${FAMILIES_ONLY:-}"
   for d in "${drafts[@]}"; do
     IFS='|' read -r name recipe opts <<< "$d"
-    trains+=("sf-train run $r/features -o $r/$name --recipe $recipe $opts --epochs $epochs $TRAIN_OPTS")
+    trains+=("sf-train run $r/features -o $r/$name --recipe $recipe $opts $length $TRAIN_OPTS")
   done
-  together families_train "${FAMILIES_EST:-800}" "$(train_jobs)" "${trains[@]}"
+  together families_train "${FAMILIES_EST:-900}" "$(train_jobs)" "${trains[@]}"
+  for d in "${drafts[@]}"; do
+    IFS='|' read -r name recipe opts <<< "$d"
+    [ -f "$r/$name/export/config.json" ] || retries+=("sf-train run $r/features -o $r/$name --recipe $recipe $opts $length $TRAIN_OPTS")
+  done
+  together families_train_alone "${FAMILIES_RETRY_EST:-300}" 1 "${retries[@]}"
   # name|draft|recipe|options: the EAGLE-3 draft decodes as a chain and as a tree
-  local runs=("eagle3_chain_k7|eagle3|$EAGLE3|" "eagle3_tree|eagle3|$EAGLE3|--tree 8,4,2,1,1,1,1")
-  for name in dflash_b16 dflash_b16_dpace domino_b16 dspark dflash2_b16; do runs+=("$name|$name|$DFLASH|"); done
-  runs+=("peagle_k7|peagle_k7|$PEAGLE|")
+  local runs=("eagle3_chain_k7|eagle3|$EAGLE3|")
+  for name in dflash2_b16 dflash_b16 domino_b16 dspark; do runs+=("$name|$name|$DFLASH|"); done
+  runs+=("peagle_k7|peagle_k7|$PEAGLE|" "dflash_b16_dpace|dflash_b16_dpace|$DFLASH|"
+         "eagle3_tree|eagle3|$EAGLE3|--tree 8,4,2,1,1,1,1")
   for e in "${runs[@]}"; do
     IFS='|' read -r name draft recipe opts <<< "$e"
     [ -f "$r/$draft/export/config.json" ] && trained+=("$e") || echo "no export in $r/$draft: $name not evaluated"
   done
   for e in "${trained[@]}"; do
     IFS='|' read -r name draft recipe opts <<< "$e"
-    evals+=("sf-eval run $r/$draft -o $r/eval_$name --recipe $recipe $opts --no-baseline $EVAL_OPTS")
-  done
-  together families_eval 200 "${EVAL_JOBS:-8}" "${evals[@]}"
-  step families_result 30 python -m benchmarks.families "$r" --out families
-  [ "$TIMING_LIMIT" -gt 0 ] || return 0
-  for e in "${trained[@]}"; do
-    IFS='|' read -r name draft recipe opts <<< "$e"
     [ "$name" = eagle3_chain_k7 ] && base=--baseline || base=--no-baseline
     case $name in eagle3_tree|peagle*) draft_opts= ;; *) draft_opts=$DRAFT_TIMING_OPTS ;; esac
-    step "families_timing_$name" "$(dry && echo 120 || echo 90)" bash -c "sf-eval run $r/$draft -o $r/timing_$name \
---recipe $recipe $opts $base $EVAL_OPTS $TIMING_OPTS $draft_opts --limit $TIMING_LIMIT"
+    step "families_eval_$name" "$(dry && echo 120 || echo 75)" sf-eval run "$r/$draft" -o "$r/eval_$name" \
+      --recipe "$recipe" $opts $base $FAMILIES_EVAL_OPTS $TIMING_OPTS $draft_opts ${FAMILIES_LIMIT:+--limit $FAMILIES_LIMIT}
   done
-  step families_result_timed 30 python -m benchmarks.families "$r" --out families
+  step families_result 30 python -m benchmarks.families "$r" --each-alone --out families
 }
 
 # objectives: from one capture, at equal steps, EAGLE-3 with each token loss and seeds 0 and 1, and
