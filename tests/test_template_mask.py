@@ -100,3 +100,40 @@ def test_a_chat_template_file_replaces_the_targets(smollm2_dir, tmp_path):
     with pytest.raises(TargetError, match="no such file"):
         load_tokenizer(smollm2_dir, str(tmp_path / "missing.jinja"))
     assert chat_template_source(load_tokenizer(smollm2_dir)) == "target"
+
+
+@pytest.mark.parametrize("template", ["qwen3_style", "r1_style"])
+def test_the_mask_is_placed_by_position_never_on_a_users_copy_of_the_answer(base_tokenizer, template):
+    """A user message that holds the answer ("Please repeat exactly: X") comes before the assistant
+    turn; with a reasoning template the history rendered with a generation prompt is not a prefix of
+    the conversation (the last turn's reasoning is rendered, an earlier one's dropped), so a search
+    for the answer's text from the start found the user's copy: the user's words were supervised and
+    the assistant's turn was not. Each turn is now placed where the template renders it."""
+    from specfoundry.testing import R1_STYLE_TEMPLATE
+
+    tok = load_tokenizer(base_tokenizer.name_or_path)
+    tok.chat_template = QWEN3_STYLE_TEMPLATE if template == "qwen3_style" else R1_STYLE_TEMPLATE
+    conversation = [{"role": "user", "content": "Please repeat exactly: the sky is green"},
+                    {"role": "assistant", "content": "<think>\nThe user wants it back.\n</think>\n\nthe sky is green"},
+                    {"role": "user", "content": "Say: blue"},
+                    {"role": "assistant", "content": "<think>\nOne word.\n</think>\n\nblue"}]
+    rendered = render_with_mask(tok, conversation)
+    user_end = rendered.text.index("Please repeat exactly: the sky is green") + len("Please repeat exactly: the sky is green")
+    second_user = rendered.text.index("Say: blue")
+    assert rendered.spans[0][0] > user_end, (rendered.spans, rendered.text)
+    assert rendered.spans[1][0] > second_user + len("Say: blue"), (rendered.spans, rendered.text)
+    texts = masked_texts(tok, rendered)
+    assert len(texts) == 2 and texts[0].startswith(("the sky is green", "<think>")) and texts[1].rstrip().endswith(
+        ("blue<|im_end|>", "blue<｜end▁of▁sentence｜>", "blue")), texts
+    # no masked token lies inside a user message
+    for (a, b), m in zip(base_tokenizer(rendered.text, add_special_tokens=False, return_offsets_mapping=True)
+                         ["offset_mapping"], rendered.loss_mask, strict=True):
+        assert not (m and (a < user_end or second_user <= a < second_user + len("Say: blue"))), (a, b)
+
+
+@pytest.mark.parametrize("a, b, want", [("", "", 0), ("abc", "", 0), ("abc", "abc", 3), ("abc", "abd", 2),
+                                        ("abc", "abcdef", 3), ("xbc", "abc", 0), ("aaaa", "aaab", 3)])
+def test_common_prefix_length_by_bisection(a, b, want):
+    from specfoundry.capture.template import common_prefix_length
+
+    assert common_prefix_length(a, b) == want == common_prefix_length(b, a)

@@ -1,9 +1,11 @@
 """Chat-template rendering with an assistant-only loss mask, derived from the template itself.
 
 The conversation is rendered once with the tokenizer's own template. Each assistant message's
-content is located in that text after the template's own rendering of the turns before it and
-its generation prompt (so text in earlier turns is never mistaken for the answer); a turn whose
-reasoning the template drops is located by its answer (`locate`). The end-of-turn marker is
+content is located in that text after every message before it, each placed by position
+(`message_end`: where a rendering with a probe in its place parts from the text), and after the
+template's own rendering of the turns before it with its generation prompt where that is a prefix
+of the text: text in earlier turns (a user's "repeat exactly: ...") is never mistaken for the
+answer. A turn whose reasoning the template drops is located by its answer (`locate`). The end-of-turn marker is
 whatever token the template puts right after the content (ChatML's <|im_end|>, Llama-3's
 <|eot_id|>, ...): no hand-list of strings.
 Tokens whose characters start inside [content start, end of that token) are trainable. The
@@ -76,6 +78,7 @@ def render_with_mask(tokenizer, messages: list[dict], max_length: int | None = N
     spans, cursor = [], 0
     for k, m in enumerate(messages):
         if m["role"] != "assistant":
+            cursor = max(cursor, message_end(render, messages, k, text))
             continue
         # The template's own rendering of everything before this turn plus its generation
         # prompt ends at (or just before) where the content starts: search from there, so text
@@ -110,6 +113,42 @@ def render_with_mask(tokenizer, messages: list[dict], max_length: int | None = N
     if max_length is not None:
         ids, mask = ids[:max_length], mask[:max_length]
     return Rendered(ids, mask, spans, text)
+
+
+CONTENT_PROBE = "\ue001specfoundry: this message's content\ue001"
+"""Text no conversation holds, put in place of a message's content to see where the template renders it."""
+
+
+def message_end(render, messages: list[dict], k: int, text: str) -> int:
+    """Where message k (a user, system or tool message) ends in the conversation's `text`, placed by
+    position: its content starts where `text` and the rendering with CONTENT_PROBE in its place part
+    (everything the template renders before it is the same in both). The template's copy of the
+    content ends it (trimmed, where the template trims); elsewhere that start is all that is known.
+    An assistant turn after it is looked for from there on, so a user's words that hold the answer
+    ("Please repeat exactly: ...") are never taken for it: the history rendered with a generation
+    prompt, the other bound, is no prefix of the text under a reasoning template."""
+    content = messages[k].get("content")
+    if not isinstance(content, str) or not content:
+        return 0
+    probed = render([*messages[:k], {**messages[k], "content": CONTENT_PROBE}, *messages[k + 1:]])
+    start = common_prefix_length(text, probed)
+    for copy in (content, content.strip()):
+        if copy and text.startswith(copy, start):
+            return start + len(copy)
+    return start
+
+
+def common_prefix_length(a: str, b: str) -> int:
+    """The length of the longest common prefix of a and b, by bisection over slices compared in C
+    (a character loop in Python would cost a capture ~1 ms a message)."""
+    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; the answer is at most high
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 THINKING_PROBE = "\ue000specfoundry: this turn's thinking\ue000"
