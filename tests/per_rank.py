@@ -4,7 +4,8 @@
 
 An argument "r0=A|r1=B" becomes A on rank 0 and B on rank 1. OTHER_WEIGHTS_ON_RANK=r makes rank r
 fingerprint the target's weights differently, as a second host holding another copy at the same path
-would."""
+would; OTHER_DATA_ON_RANK=r makes rank r read other data at the same paths, as a second host's stale
+copy would: sf-capture's planned samples in another order, and another feature set's manifest."""
 
 from __future__ import annotations
 
@@ -26,6 +27,19 @@ def main() -> None:
 
         real = weights.weight_fingerprint
         weights.weight_fingerprint = lambda *a, **k: real(*a, **k) + "-another-copy"
+    if os.environ.get("OTHER_DATA_ON_RANK") == str(rank):
+        import specfoundry.capture.stage as stage
+        import specfoundry.featureset.manifest as manifest
+
+        real_plan, real_sha = stage.plan_capture, manifest.manifest_sha256
+
+        def other_plan(*args, **kwargs):
+            plan = real_plan(*args, **kwargs)
+            plan.samples = plan.samples[::-1]
+            return plan
+
+        stage.plan_capture = other_plan
+        manifest.manifest_sha256 = lambda root: f"{real_sha(root)}-another-copy"
     module, *args = sys.argv[1:]
     sys.argv = [module, *(chosen(a, rank) for a in args)]
     runpy.run_module(module, run_name="__main__")

@@ -268,6 +268,8 @@ LAUNCH_CASES = {  # name: (per-rank options, the environment's addition, words t
     "another --tp": (["--tp", "r0=2|r1=1"], {}, "rank 1 runs with placement.tp 1, rank 0 with 2"),
     "another recorded setting": (["--max-length", "r0=64|r1=48"], {}, "rank 1 runs with settings.max_length 48"),
     "other weights at the same path": ([], {"OTHER_WEIGHTS_ON_RANK": "1"}, "rank 1 runs with target.weight_fingerprint"),
+    # issue 61 item 3: before, a complete feature set whose shard 1 held the other copy's data
+    "other data at the same path": ([], {"OTHER_DATA_ON_RANK": "1"}, "rank 1 runs with source.samples_sha256"),
 }
 
 

@@ -20,6 +20,7 @@ from specfoundry.families.eagle3.model import Eagle3Draft, TTTCache, apply_rotar
 from specfoundry.families.eagle3.ttt import ttt_loss
 from specfoundry.families.vocab import choose_draft_vocab, vocab_maps
 from specfoundry.featureset.batch import Batch
+from specfoundry.featureset.manifest import FeatureSetError
 from specfoundry.featureset.store import Sample
 from specfoundry.kernels.tree_attention import tree_attention
 from specfoundry.testing import assert_close_scaled
@@ -566,6 +567,25 @@ def test_a_dflash_run_resumed_after_a_stop_equals_an_uninterrupted_one(tmp_path,
     assert whole["history"][0]["loss_0"] > whole["history"][-1]["loss_0"]
 
 
+def test_training_ranks_reading_other_feature_sets_are_one_line_on_every_rank(tmp_path, smol_features):
+    """issue 61 item 3: ranks that see other feature sets at one path (another node's stale copy)
+    trained on a mix, exit 0, and with --epochs planned other step counts and hung. Each rank now
+    sends its feature set's manifest hash with the launch's record: one line on every rank."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "OTHER_DATA_ON_RANK": "1"}
+    args = sf_train_args(smol_features, tmp_path / "two")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(Path(__file__).parent / "per_rank.py"), "specfoundry.train.cli", *args],
+                          env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+    assert done.returncode != 0 and len(errors) == 2, done.stderr[-3000:]
+    assert all("rank 1 runs with featureset.manifest_sha256" in e and "the same feature set" in e for e in errors), errors
+    assert not (tmp_path / "two" / "checkpoints").exists()
+
+
 def test_training_ranks_with_other_settings_are_one_line_on_every_rank(tmp_path, smol_features):
     """issue 37 item 2, for sf-train under a launch of several processes: another --lr on one rank
     (each rank would step its own optimizer on averaged gradients) is refused on every rank, naming it."""
@@ -582,3 +602,24 @@ def test_training_ranks_with_other_settings_are_one_line_on_every_rank(tmp_path,
     assert done.returncode != 0 and len(errors) == 2, done.stderr[-3000:]
     assert all("rank 1 runs with settings.lr 0.001, rank 0 with 0.003" in e for e in errors), errors
     assert not (tmp_path / "two" / "checkpoints").exists()
+
+
+def test_a_resume_onto_a_recaptured_feature_set_is_one_line(tmp_path):
+    """issue 61 item 3: a training resumed after its feature set was recaptured at the same path
+    trained on both (steps 1-2 on one, 3-6 on the other), exit 0. Each checkpoint records the
+    feature set's manifest hash, and the resume compares it."""
+    import shutil
+
+    src = write_jsonl(tmp_path / "chat.jsonl", copies(CHAT, 4))
+    fs = tmp_path / "fs"
+    run_capture(CaptureConfig(source=str(src), output=str(fs), shard_size=8, max_length=96), silent=True)
+    cfg = small_cfg(fs, tmp_path / "run", max_steps=6, save_every=2, max_batch_tokens=160)
+    with pytest.MonkeyPatch.context() as mp:
+        stop_after_checkpoint(mp, 2)
+        with pytest.raises(KeyboardInterrupt):
+            run_train(cfg, silent=True)
+    shutil.rmtree(fs)  # recaptured from other conversations, into the same path
+    other = write_jsonl(tmp_path / "other.jsonl", copies(CHAT[1:] + CHAT[:1], 3))
+    run_capture(CaptureConfig(source=str(other), output=str(fs), shard_size=8, max_length=96), silent=True)
+    with pytest.raises(FeatureSetError, match=r"is not the one .*step-0000002 was trained on .*recaptured since"):
+        run_train(cfg, silent=True)

@@ -127,6 +127,7 @@ class Ranks:
     group_size: int = 1
     store: object | None = field(default=None, repr=False)  # the launch's store, when groups have their own
     barriers: int = 0
+    compared: int = 0  # check_same calls so far (each exchanges under its own keys)
 
     @property
     def group(self) -> int:
@@ -163,6 +164,18 @@ class Ranks:
                 raise RuntimeError(f"rank {self.rank}: the other ranks did not reach barrier {self.barriers} within "
                                    f"{BARRIER_TIMEOUT_S} s")
             time.sleep(0.02)
+
+    def check_same(self, record: dict, must: str) -> None:
+        """Every rank's `record` (what it read: its input's content hash) equal to rank 0's, else one
+        PlacementError naming the first difference, the same on every rank (check_one_launch)."""
+        if self.world == 1:
+            return
+        if self.store is None:
+            records = gathered(record)
+        else:
+            self.compared += 1
+            records = exchange(self.store, self.rank, self.world, record, f"compare-{self.compared}")
+        check_one_launch(records, must)
 
     def from_writer(self, obj):
         """The group's first rank's `obj`, on every rank of the group (the others pass anything):
@@ -262,10 +275,11 @@ LAUNCH_CHECK_S = 600
 """How long a rank waits for the others' records before it says which did not come."""
 
 
-def exchange(store, rank: int, world: int, record: dict) -> list[dict]:
-    """Every rank's record, in rank order, through the store (each rank writes its own, then reads all)."""
-    store.set(f"specfoundry/launch/{rank}", json.dumps(record, sort_keys=True, default=str))
-    keys = [f"specfoundry/launch/{r}" for r in range(world)]
+def exchange(store, rank: int, world: int, record: dict, name: str = "launch") -> list[dict]:
+    """Every rank's record, in rank order, through the store (each rank writes its own under
+    specfoundry/<name>/<rank>, then reads all)."""
+    store.set(f"specfoundry/{name}/{rank}", json.dumps(record, sort_keys=True, default=str))
+    keys = [f"specfoundry/{name}/{r}" for r in range(world)]
     try:
         store.wait(keys, timedelta(seconds=LAUNCH_CHECK_S))
     except RuntimeError:
@@ -284,17 +298,20 @@ def gathered(record: dict) -> list[dict]:
     return records
 
 
-def check_one_launch(records: list[dict]) -> None:
-    """The ranks of one launch run one command on one target: the first field where a rank's record
-    differs from rank 0's is a PlacementError naming the rank and the field, the same on every rank
-    (so every rank stops, none waits on another in a collective)."""
+SAME_LAUNCH = "every rank of a launch must run the same command, settings and target weights"
+
+
+def check_one_launch(records: list[dict], must: str = SAME_LAUNCH) -> None:
+    """The ranks of one launch run one command on one target over one input: the first field where
+    a rank's record differs from rank 0's is a PlacementError naming the rank and the field, and
+    `must`, the same on every rank (so every rank stops, none waits on another in a collective)."""
     first = flat(records[0])
     for rank, record in enumerate(records[1:], start=1):
         mine = flat(record)
         for key in sorted(set(first) | set(mine)):
             if first.get(key) != mine.get(key):
                 raise PlacementError(f"rank {rank} runs with {key} {mine.get(key)!r}, rank 0 with {first.get(key)!r}: "
-                                     "every rank of a launch must run the same command, settings and target weights")
+                                     f"{must}")
 
 
 def flat(record: dict, prefix: str = "") -> dict:

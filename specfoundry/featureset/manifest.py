@@ -43,6 +43,16 @@ def new_manifest(*, target: dict, aux_layer_ids, hidden_size: int, storage_dtype
             "final_storage_dtype": final_storage_dtype or storage_dtype, "codec": codec, **fields}
 
 
+def manifest_sha256(root: str | Path) -> str | None:
+    """A feature set's identity: the hash of its manifest, which lists every shard's checksum (None
+    where there is none). sf-train's ranks compare it, and a resume compares it with its checkpoint's:
+    a set recaptured at the same path is other data."""
+    from specfoundry.common.files import checksum
+
+    path = Path(root) / MANIFEST
+    return checksum(path) if path.is_file() else None
+
+
 class FeatureSetError(ValueError):
     """A feature set is missing, damaged, or does not match what it is used with."""
 

@@ -61,7 +61,8 @@ def read_trainer_state(checkpoint: Path) -> dict:
 def write_checkpoint(accel, out: Path, step: int, loader_state: dict, record: dict, keep_last: int) -> Path:
     """Write out/checkpoints/step-N: accelerate's state (every rank), then from the main process the
     run's config (record["train_config"]: the checkpoint stays resumable if train_config.json is
-    lost) and trainer_state.json (the step, every rank's loader state, record["history"]) into
+    lost) and trainer_state.json (the step, every rank's loader state, record["history"], and
+    record["featureset_sha256"], the identity of the data it was trained on, which a resume compares) into
     step-N.tmp, then one rename; then drop all but the newest keep_last complete checkpoints."""
     final = out / "checkpoints" / f"step-{step:07d}"
     tmp = final.with_name(final.name + TMP_SUFFIX)
@@ -78,7 +79,8 @@ def write_checkpoint(accel, out: Path, step: int, loader_state: dict, record: di
         states = [loader_state]
     if accel.is_main_process:
         atomic_write_json(tmp / "train_config.json", record["train_config"])
-        atomic_write_json(tmp / TRAINER_STATE, {"step": step, "loader": states, "history": record["history"]})
+        atomic_write_json(tmp / TRAINER_STATE, {"step": step, "loader": states, "history": record["history"],
+                                                "featureset_sha256": record.get("featureset_sha256")})
         replace_dir(tmp, final)
         if keep_last > 0:
             for old in complete_checkpoints(out)[:-keep_last]:

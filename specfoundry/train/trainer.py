@@ -53,7 +53,12 @@ from specfoundry.common.weights import weight_fingerprint
 from specfoundry.families import FAMILIES, family_names
 from specfoundry.families.folders import TRAINING_FILE, check_finite, serving_verifier
 from specfoundry.featureset.batch import Batch
-from specfoundry.featureset.manifest import FeatureSetError, check_matches_target, tokenizer_hashes
+from specfoundry.featureset.manifest import (
+    FeatureSetError,
+    check_matches_target,
+    manifest_sha256,
+    tokenizer_hashes,
+)
 from specfoundry.featureset.store import FeatureSet
 from specfoundry.kernels.lk_loss import TOKEN_LOSSES, TokenLoss
 from specfoundry.train.checkpoints import (
@@ -263,7 +268,10 @@ class Trainer:
         if self.accel.num_processes > 1:  # one command, settings and target on every rank, or one line on each
             check_one_launch(gathered({"command": "sf-train run", "settings": resume_settings(cfg), "target": {
                 "config_sha256": target_identity(cfg.target, self.target_dir).config_sha256,
-                "weight_fingerprint": weight_fingerprint(self.target_dir)}}))
+                "weight_fingerprint": weight_fingerprint(self.target_dir)},
+                "featureset": {"manifest_sha256": manifest_sha256(cfg.featureset)}}),
+                f"every rank of a launch must run the same command, settings and target weights over the same "
+                f"feature set ({cfg.featureset})")
         check_output_folder(self.out, "train", cfg)  # before any long work
         self.fs = FeatureSet(cfg.featureset)
         identity = check_featureset(self.fs, cfg, self.target_dir)
@@ -377,6 +385,11 @@ class Trainer:
             return
         accel.load_state(str(newest))
         state = read_trainer_state(newest)
+        recorded, now = state.get("featureset_sha256"), manifest_sha256(self.cfg.featureset)
+        if recorded is not None and recorded != now:  # (a checkpoint written before it was recorded: not known)
+            raise FeatureSetError(f"feature set {self.cfg.featureset} is not the one {newest} was trained on (its "
+                                  f"manifest hash {recorded[:12]}, now {str(now)[:12]}: recaptured since?); resuming "
+                                  "would train on both: restore it, or train into a new folder")
         self.step = state["step"]
         self.loader.load_state_dict(state["loader"][accel.process_index])
         self.history = state.get("history", [])  # so history.json covers the whole run, not the last leg
@@ -455,7 +468,8 @@ class Trainer:
     def checkpoint(self) -> Path:
         """Write checkpoints/step-N whole (checkpoints.py write_checkpoint); keep the newest keep_last."""
         return write_checkpoint(self.accel, self.out, self.step, self.loader.state_dict(),
-                                {"train_config": config_dict(self.cfg), "history": self.history}, self.cfg.keep_last)
+                                {"train_config": config_dict(self.cfg), "history": self.history,
+                                 "featureset_sha256": manifest_sha256(self.cfg.featureset)}, self.cfg.keep_last)
 
     def draft_state(self) -> dict[str, torch.Tensor]:
         """The draft's weights by their export names. A collective under FSDP (the full state dict
