@@ -221,3 +221,18 @@ def test_a_recipe_that_yaml_would_misread_is_named_with_its_line(tmp_path, text,
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and f"Error: {recipe}: {words}" in errors[0], result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_recipes_merge_keys_merge_and_its_own_keys_override_them(tmp_path):
+    """issue 61 item 11: a YAML merge key (`<<: *base`) was refused as invalid YAML (the loader that
+    refuses a repeated key built the merge key as a key). It merges as YAML says, a key the mapping
+    gives itself overriding the merged one's, the anchors held under a top-level x-... key; a key given
+    twice by the mapping itself is still refused."""
+    from specfoundry.common.cli import CommandError, recipe_data
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("x-base: &base\n  lr: 0.001\n  epochs: 2\ntrain:\n  <<: *base\n  lr: 0.002\n")
+    assert recipe_data(str(recipe)) == {"train": {"lr": 0.002, "epochs": 2}}  # (the anchors' key is no section)
+    recipe.write_text("x-base: &base\n  lr: 0.001\ntrain:\n  <<: *base\n  epochs: 1\n  epochs: 2\n")
+    with pytest.raises(CommandError, match="'epochs' is given twice in one mapping"):
+        recipe_data(str(recipe))

@@ -181,12 +181,24 @@ def read_recipe(path: str | None, section: str) -> dict:
 
 class RecipeLoader(yaml.SafeLoader):
     """yaml.safe_load's loader, refusing a key given twice in one mapping (YAML keeps the last one,
-    silently: a recipe's earlier value would be dropped unsaid)."""
+    silently: a recipe's earlier value would be dropped unsaid). Merge keys (`<<: *base`) work as
+    YAML says: a key the mapping gives itself overrides the merged one's."""
+
+
+MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def is_anchor_key(key) -> bool:
+    """A top-level recipe key beginning with `x-` (Compose files' convention) holds YAML anchors that
+    sections merge (`<<: *base`); it is no section, and nothing reads it."""
+    return isinstance(key, str) and key.startswith("x-")
 
 
 def mapping_without_repeats(loader: RecipeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
     seen = {}
     for key_node, _ in node.value:
+        if key_node.tag == MERGE_TAG:  # (SafeLoader's construct_mapping merges it)
+            continue
         key = loader.construct_object(key_node, deep=deep)
         if key in seen:
             raise yaml.constructor.ConstructorError(None, None, f"{key!r} is given twice in one mapping (first at line "
@@ -215,11 +227,12 @@ def recipe_data(path: str | None) -> dict:
                            "sections)")
     if not isinstance(data, dict) or not all(isinstance(data.get(s, {}), dict | None) for s in RECIPE_SECTIONS):
         raise CommandError(f"{path}: a recipe is a mapping of sections ({', '.join(s + ':' for s in RECIPE_SECTIONS)})")
-    unknown = [str(k) for k in data if k not in (*RECIPE_SECTIONS, RECIPE_TARGET)]
+    unknown = [str(k) for k in data if k not in (*RECIPE_SECTIONS, RECIPE_TARGET) and not is_anchor_key(k)]
     if unknown:
         raise CommandError(f"{path}: unknown section{'s' if len(unknown) > 1 else ''} "
                            f"{', '.join(k + ':' for k in unknown)} (a recipe has {RECIPE_TARGET}: and "
-                           f"{', '.join(s + ':' for s in RECIPE_SECTIONS)} sections)")
+                           f"{', '.join(s + ':' for s in RECIPE_SECTIONS)} sections, and x-... keys for YAML anchors)")
+    data = {k: v for k, v in data.items() if not is_anchor_key(k)}
     if not isinstance(data.get(RECIPE_TARGET, ""), str):
         raise CommandError(f"{path}: {RECIPE_TARGET}: is a model directory or an embedded target's name, not "
                            f"{data[RECIPE_TARGET]!r}")
