@@ -296,3 +296,22 @@ def test_silent_hides_transformers_own_bars_too(tmp_path, chat_file):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Loading weights" not in done.stderr and "%|" not in done.stderr, done.stderr
     assert (out / "manifest.json").is_file()
+
+
+def test_a_source_of_bad_records_alone_is_refused_with_the_reasons(tmp_path, tiny_llama_dir):
+    """issue 61 item 11: when every record was bad, capture said 'no sample with a trainable token'
+    and no more (regen prints its reasons). The line now counts the bad inputs by kind and names
+    the first, and counts the records left with nothing trainable within --max-length."""
+    from specfoundry.capture.stage import CaptureError
+
+    src = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "hi"}]},
+                                                {"messages": [{"role": "user", "content": "hello"}]}])
+    with pytest.raises(CaptureError, match=r"no sample with a trainable .*: 2 bad inputs \(no_assistant_turn 2; the first: "
+                                           r".*bad.jsonl:1: no_assistant_turn"):
+        run_capture(CaptureConfig(source=str(src), output=str(tmp_path / "fs"), target=str(tiny_llama_dir)),
+                    silent=True)
+    long = write_jsonl(tmp_path / "long.jsonl", [{"messages": [{"role": "user", "content": "word " * 200},
+                                                               {"role": "assistant", "content": "ok"}]}])
+    with pytest.raises(CaptureError, match=r"1 with no assistant token within --max-length 32"):
+        run_capture(CaptureConfig(source=str(long), output=str(tmp_path / "fs2"), target=str(tiny_llama_dir),
+                                  max_length=32), silent=True)

@@ -284,6 +284,19 @@ def length_batches(lengths: list[int], max_batch_tokens: int) -> list[list[int]]
     return batches
 
 
+def why_none(bad: list[BadInput], skipped: int, cfg: CaptureConfig) -> str:
+    """Why no record gave a sample, in one line: the bad inputs by kind with the first of them, and the
+    records left with nothing trainable within max_length."""
+    reasons = []
+    if bad:
+        kinds = Counter(b.kind for b in bad)
+        reasons.append(f"{len(bad)} bad input{'s' if len(bad) > 1 else ''} "
+                       f"({', '.join(f'{kind} {n}' for kind, n in kinds.most_common())}; the first: {bad[0]})")
+    if skipped:
+        reasons.append(f"{skipped} with no assistant token within --max-length {cfg.max_length}")
+    return "; ".join(reasons) or "the source holds no record"
+
+
 def plan_capture(cfg: CaptureConfig, tokenizer, identity) -> CapturePlan:
     """Render the samples and resolve what the run writes; refuses a folder of other settings."""
     aux_layers = stored_layers(cfg, identity.num_layers)
@@ -294,7 +307,7 @@ def plan_capture(cfg: CaptureConfig, tokenizer, identity) -> CapturePlan:
     check_output_folder(Path(cfg.output), "capture", cfg)
     samples, bad, skipped, modes = prepare_samples(cfg, tokenizer)
     if not samples:
-        raise CaptureError(f"{cfg.source}: no sample with a trainable (assistant) token")
+        raise CaptureError(f"{cfg.source}: no sample with a trainable (assistant) token: {why_none(bad, skipped, cfg)}")
     tok_hash, template_hash = tokenizer_hashes(tokenizer)
     base = new_manifest(
         target={**identity.to_dict(), "weight_fingerprint": weight_fingerprint(Path(identity.path))},
