@@ -388,3 +388,27 @@ def test_the_channel_span_holds_when_the_answer_is_repeated_in_the_reasoning(har
                             {"role": "user", "content": "b"}, {"role": "assistant", "content": "Y"}])
     assert masked_texts(harmony, render_with_mask(harmony, earlier)) == ["X<|end|>", "Y<|return|>"]
 
+
+
+def test_template_arguments_the_template_never_reads_are_named(tmp_path, tokenizer):
+    """issue 61 item 12: a misspelt --chat-template-kwargs key (`enable_thinkng`) rendered as if no
+    argument were given, silently, in sf-regen, sf-capture and sf-eval. The keys the template does
+    not read (jinja2.meta's undeclared variables) are now one line naming them and the template's own."""
+    from specfoundry.conversations.templates import template_variables, unread_template_kwargs
+    from specfoundry.generate.regen import RegenError
+
+    assert "enable_thinking" in template_variables(tokenizer)
+    assert unread_template_kwargs(tokenizer, {"enable_thinking": False}) is None
+    problem = unread_template_kwargs(tokenizer, {"enable_thinkng": False, "enable_thinking": False})
+    assert "reads no 'enable_thinkng'" in problem and "enable_thinking" in problem.split("own arguments:")[1]
+    with pytest.raises(RegenError, match="--chat-template-kwargs: the chat template reads no 'enable_thinkng'"):
+        regen(tmp_path, ScriptedTarget(tokenizer, lambda r: ("x", "stop")), chat_template_kwargs={"enable_thinkng": False})
+    source = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "q"},
+                                                              {"role": "assistant", "content": "a"}]}])
+    from specfoundry.capture.stage import plan_capture
+    from specfoundry.common.target import target_identity
+
+    with pytest.raises(CaptureError, match="the chat template reads no 'enable_thinkng'"):
+        plan_capture(CaptureConfig(source=str(source), output=str(tmp_path / "fs"),
+                                   chat_template_kwargs={"enable_thinkng": True}), tokenizer,
+                     target_identity("smollm2", resolve_target("smollm2")))

@@ -53,7 +53,7 @@ from specfoundry.common.target import EMBEDDED_DEFAULT, Target, chat_template_so
 from specfoundry.common.weights import weight_fingerprint
 from specfoundry.conversations.records import BadInput, ChatMessages, Conversation, ConversationFormatError
 from specfoundry.conversations.sources import data_files, load_conversations
-from specfoundry.conversations.templates import tools_template_problem
+from specfoundry.conversations.templates import tools_template_problem, unread_template_kwargs
 from specfoundry.families import FAMILIES
 from specfoundry.featureset.manifest import (
     MANIFEST,
@@ -305,6 +305,9 @@ def plan_capture(cfg: CaptureConfig, tokenizer, identity) -> CapturePlan:
         cfg = replace(cfg, shard_size=auto_shard_size(identity.hidden_size, cfg.max_length, cfg.storage_dtype,
                                                       cfg.final_storage_dtype, num_layers=len(aux_layers)))
     check_output_folder(Path(cfg.output), "capture", cfg)
+    problem = unread_template_kwargs(tokenizer, cfg.chat_template_kwargs)
+    if problem:
+        raise CaptureError(problem)
     samples, bad, skipped, modes = prepare_samples(cfg, tokenizer)
     if not samples:
         raise CaptureError(f"{cfg.source}: no sample with a trainable (assistant) token: {why_none(bad, skipped, cfg)}")

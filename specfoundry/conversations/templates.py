@@ -53,3 +53,38 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                         **template_arguments(messages))
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # some versions return a BatchEncoding
+
+
+def template_variables(tokenizer) -> set[str] | None:
+    """The names the tokenizer's chat template reads from its context (jinja2.meta's undeclared
+    variables: `messages`, `add_generation_prompt`, `enable_thinking`, ...), every named template's
+    where it has several; None where it has no template or its source does not parse (rendering
+    reports that)."""
+    import jinja2
+    from jinja2 import meta
+
+    template = getattr(tokenizer, "chat_template", None)
+    sources = list(template.values()) if isinstance(template, dict) else [template] if template else []
+    if not sources:
+        return None
+    env = jinja2.Environment()
+    try:
+        return set().union(*(meta.find_undeclared_variables(env.parse(source)) for source in sources))
+    except jinja2.TemplateSyntaxError:
+        return None
+
+
+def unread_template_kwargs(tokenizer, kwargs: dict | None, option: str = "--chat-template-kwargs") -> str | None:
+    """The problem, in one line, of template arguments the chat template never reads (a misspelt
+    `enable_thinkng`: rendered as if it were not given, silently), or None."""
+    names = template_variables(tokenizer) if kwargs else None
+    if names is None:
+        return None
+    unread = sorted(set(kwargs) - names)
+    if not unread:
+        return None
+    own = sorted(names - {"messages", "add_generation_prompt", "tools", "documents", "bos_token", "eos_token",
+                          "raise_exception", "strftime_now", "date_string"})
+    return (f"{option}: the chat template reads no {', '.join(repr(k) for k in unread)} (it would render as if "
+            f"{'they were' if len(unread) > 1 else 'it were'} not given); its own arguments: "
+            f"{', '.join(own) or 'none'}")

@@ -50,7 +50,7 @@ from specfoundry.conversations.regen_format import (
     write_shard,
 )
 from specfoundry.conversations.sources import load_conversations
-from specfoundry.conversations.templates import tools_template_problem
+from specfoundry.conversations.templates import tools_template_problem, unread_template_kwargs
 from specfoundry.generate.backends.hf import ENGINES
 from specfoundry.generate.backends.interface import (
     Backend,
@@ -216,7 +216,8 @@ class Regenerator:
             raise RegenError(str(e)) from e
         conversations, bad = [], list(loaded.bad)
         tokenizer = self.backend.tokenizer
-        problem = tools_template_problem(loaded.conversations, tokenizer)
+        problem = (tokenizer and unread_template_kwargs(tokenizer, cfg.chat_template_kwargs)
+                   or tools_template_problem(loaded.conversations, tokenizer))
         if problem:
             raise RegenError(problem)
         for conv in loaded.conversations:
