@@ -133,6 +133,62 @@ def test_a_draft_trained_for_another_target_is_refused_by_eval(features, tmp_pat
     assert "weight fingerprint" in check_trained_for(locate_draft(out / "export"), smollm2_dir, allow_other=True)
 
 
+def test_a_checkpoint_before_any_export_names_its_target(features, tmp_path, smollm2_dir):
+    """issue 61 item 4: a run killed before its export had checkpoints that sf-eval evaluated against
+    any target (its train_config.json names the target and was not read), and `sf-export --target
+    OTHER` of one wrote an export without a target record, which sf-eval then accepted against
+    anything. The run folder now records its target as it starts, and every reader looks there."""
+    from specfoundry.families.folders import complete_checkpoints
+    from specfoundry.train.export import ExportConfig, run_export
+
+    out = tmp_path / "run"
+    checkpoint = Trainer.checkpoint
+
+    def checkpoint_then_kill(self):
+        checkpoint(self)
+        raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Trainer, "checkpoint", checkpoint_then_kill)
+        with pytest.raises(KeyboardInterrupt):
+            run_train(tiny_cfg(features, out), silent=True)
+    assert not (out / "export").exists()
+    step = complete_checkpoints(out)[-1]
+    other = tmp_path / "other"  # SmolLM2's files, its config edited: another target of the same shapes
+    other.mkdir()
+    for f in smollm2_dir.iterdir():
+        if f.name != "config.json":
+            (other / f.name).symlink_to(f)
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "rope_theta": 2 * config.get("rope_theta", 10000.0)}))
+    assert check_trained_for(locate_draft(step), smollm2_dir, allow_other=False) is None
+    with pytest.raises(DraftLoadError, match="config sha256 differ.*--allow-other-target"):
+        check_trained_for(locate_draft(step), other, allow_other=False)
+    exported = run_export(ExportConfig(draft=str(step), output=str(tmp_path / "export"), target=str(other)))
+    assert json.loads((exported / TARGET_FILE).read_text()) == json.loads((out / TARGET_FILE).read_text())
+    with pytest.raises(DraftLoadError, match="config sha256 differ"):
+        check_trained_for(locate_draft(exported), other, allow_other=False)
+
+
+def test_an_export_records_its_chat_template_and_eval_warns_under_another(features, tmp_path, smollm2_dir):
+    """issue 61 item 12: a draft trained on conversations rendered with one template (a --chat-template
+    file, or the target's own) was measured by sf-eval with another, unsaid. The export's training
+    record now holds the feature set's template hash and source, and sf-eval warns where they differ."""
+    from specfoundry.common.target import load_tokenizer, with_chat_template
+    from specfoundry.eval.evaluate import other_template
+    from specfoundry.families.folders import training_record
+
+    out = tmp_path / "run"
+    run_train(tiny_cfg(features, out), silent=True)
+    record = training_record(locate_draft(out))
+    assert record["chat_template_source"] == "target" and len(record["chat_template_sha256"]) == 64
+    assert other_template(locate_draft(out), load_tokenizer(smollm2_dir)) is None
+    template = tmp_path / "other.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}")
+    warning = other_template(locate_draft(out / "export"), with_chat_template(load_tokenizer(smollm2_dir), str(template)))
+    assert "rendered with the target's own template" in warning and str(template) in warning
+
+
 def test_incomplete_regen_is_refused_unless_partial(tmp_path, chat_file):
     regen = tmp_path / "regen"
     (regen / "data").mkdir(parents=True)

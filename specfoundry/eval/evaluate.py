@@ -32,7 +32,15 @@ from specfoundry.common.settings import (
     shared,
 )
 from specfoundry.common.shards import check_output_folder
-from specfoundry.common.target import EMBEDDED_DEFAULT, Target, parameter_count, pick_device, resolve_target
+from specfoundry.common.target import (
+    EMBEDDED_DEFAULT,
+    Target,
+    chat_template_source,
+    parameter_count,
+    pick_device,
+    resolve_target,
+)
+from specfoundry.conversations.templates import unread_template_kwargs
 from specfoundry.decoding.rounds import DecodeResult, NonFiniteLogitsError, target_generate
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.steps import warm_steps
@@ -53,8 +61,10 @@ from specfoundry.families.folders import (
     check_trained_for,
     load_draft,
     locate_draft,
+    training_record,
     untrained_like,
 )
+from specfoundry.featureset.manifest import tokenizer_hashes
 
 
 def parse_tree(spec) -> tuple[int, ...] | None:
@@ -305,6 +315,20 @@ def one_copy(target: Target, command: str) -> None:
                              f"({target.ranks.group_size}), not {target.ranks.world}")
 
 
+def other_template(ref, tokenizer) -> str | None:
+    """The warning, where the draft was trained on conversations rendered with another chat template
+    than the one the prompts are rendered with now (its training record's hash; None where it
+    records none): its acceptance is then measured on text it was not trained to follow."""
+    record = training_record(ref) or {}
+    trained = record.get("chat_template_sha256")
+    if trained is None or trained == tokenizer_hashes(tokenizer)[1]:
+        return None
+    source = record.get("chat_template_source", "target")
+    how = {"target": "the target's own template", "completion": "plain-text completion"}.get(source, source)
+    return (f"draft {ref.path} was trained on conversations rendered with {how}, and the prompts are rendered with "
+            f"another ({chat_template_source(tokenizer)}): pass the same --chat-template to measure it as trained")
+
+
 def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None) -> dict:
     """Decode every prompt set with the draft (and the target alone); the report, also written
     to cfg.output (by the writing rank) when given. Everything is loaded and checked before the
@@ -327,6 +351,14 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
     draft = load_draft(ref, target_dir, device, dtype)
     if draft.cfg.vocab_size != identity.vocab_size:
         raise EvalError(f"draft {cfg.draft} has vocab {draft.cfg.vocab_size}, target {cfg.target} {identity.vocab_size}")
+    for option, kwargs in (("--chat-template-kwargs", cfg.chat_template_kwargs),
+                           *(("--modes", m) for m in (cfg.modes or []) if isinstance(m, dict))):
+        problem = unread_template_kwargs(tokenizer, kwargs, option)
+        if problem:
+            raise EvalError(problem)
+    warning = other_template(ref, tokenizer)
+    if warning and target.is_writer:
+        print(f"warning: {warning}", file=sys.stderr)
     modes, mode_from = eval_modes(cfg.modes, cfg.chat_template_kwargs, ref)
     sets = {(name if len(modes) == 1 else f"{name} [{mode_label(m)}]"): load_prompts(name, tokenizer, cfg.limit, m)
             for name in cfg.prompt_sets for m in modes}

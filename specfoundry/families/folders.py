@@ -27,7 +27,7 @@ from specfoundry.featureset.manifest import tokenizer_hashes
 
 __all__ = ["DraftLoadError", "DraftRef", "check_trained_for", "complete_checkpoints", "draft_module",
            "family_of_export", "find_draft_files", "load_draft", "locate_draft", "target_num_layers", "trained_for",
-           "untrained_like"]
+           "training_record", "untrained_like"]
 
 TRAINING_FILE = "specfoundry_training.json"
 """Beside an export sf-train writes: how it was trained (token loss, the step kept and why)."""
@@ -137,14 +137,17 @@ def find_draft_files(ref: DraftRef) -> tuple[object, dict[str, torch.Tensor]]:
 
 
 def trained_for(ref: DraftRef) -> dict | None:
-    """The target identity an export (or a run's export) records, or None where it records none."""
-    for folder in (ref.path, ref.path / "export", ref.path.parent.parent / "export"):
+    """The target identity an export records, or a run (its export's, else the run folder's own, which
+    sf-train writes as it starts: a checkpoint of a run killed before its export names its target too),
+    or None where nothing records one."""
+    run = ref.path.parent.parent if ref.prefix else ref.path  # a checkpoint's run, or the folder given
+    for folder in (run / "export", ref.path, run):  # (an export given: ref.path, run / "export" not there)
         if (folder / TARGET_FILE).is_file():
             return read_config_json(folder, TARGET_FILE)
     return None
 
 
-RUN_WIDE = ("token_loss", "lk_kl_scale", "lk_kl_decay", "modes")
+RUN_WIDE = ("token_loss", "lk_kl_scale", "lk_kl_decay", "modes", "chat_template_source", "chat_template_sha256")
 """The fields of a training record that hold for every step of its run (not the step kept and its
 evaluation)."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from specfoundry.families import FAMILIES
 from specfoundry.families.folders import (
     TRAINING_FILE,
     DraftLoadError,
+    check_trained_for,
     find_draft_files,
     locate_draft,
     serving_verifier,
@@ -73,6 +75,9 @@ def run_export(cfg: ExportConfig) -> Path:
     target = cfg.target or (recorded or {}).get("name") or EMBEDDED_DEFAULT
     target_dir = resolve_target(target)
     announce_target("sf-export", target, target_dir)
+    other = check_trained_for(ref, target_dir, allow_other=True)
+    if other:  # the export still records the target it was trained for, which sf-eval checks
+        print(f"sf-export: warning: {other}; the export records the target it was trained for", file=sys.stderr)
     identity = target_identity(target, target_dir)
     dcfg, tensors = find_draft_files(ref.for_target(identity.num_layers))
     check_fits_target(dcfg, identity, cfg.format)

@@ -51,7 +51,7 @@ from specfoundry.common.target import (
 )
 from specfoundry.common.weights import weight_fingerprint
 from specfoundry.families import FAMILIES, family_names
-from specfoundry.families.folders import TRAINING_FILE, check_finite, serving_verifier
+from specfoundry.families.folders import TARGET_FILE, TRAINING_FILE, check_finite, serving_verifier
 from specfoundry.featureset.batch import Batch
 from specfoundry.featureset.manifest import (
     FeatureSetError,
@@ -300,7 +300,14 @@ class Trainer:
         if self.accel.is_main_process:
             record_config(self.out, "train", cfg)
             atomic_write_json(self.out / "draft_config.json", self.dcfg.to_dict())
+            # the run's target, for its checkpoints before any export (sf-eval, sf-export: folders.trained_for)
+            atomic_write_json(self.out / TARGET_FILE, self.target_record())
         return self
+
+    def target_record(self) -> dict:
+        """The identity of the target the draft is trained for (the feature set's: it was captured
+        from it), as the export and the run folder record it (folders.TARGET_FILE)."""
+        return {**self.fs.manifest["target"], "tokenizer_sha256": self.fs.manifest["tokenizer_sha256"]}
 
     def check_shards(self) -> None:
         """--verify-shards: every shard's checksum, once a run, before the first step. Rank r checks
@@ -514,7 +521,11 @@ class Trainer:
         training = {"token_loss": cfg.token_loss, "lk_kl_scale": cfg.lk_kl_scale, "lk_kl_decay": cfg.lk_kl_decay,
                     "kept": "last", "step": self.step, "eval_sim_accept_len": last_eval,
                     # what the feature set's samples were rendered in: sf-eval renders its prompts alike
-                    "modes": self.fs.manifest.get("modes") or {}}
+                    "modes": self.fs.manifest.get("modes") or {},
+                    # and with which template (the target's, completion, or a --chat-template file):
+                    # sf-eval warns when it renders with another
+                    "chat_template_source": self.fs.manifest.get("chat_template_source", "target"),
+                    "chat_template_sha256": self.fs.manifest.get("chat_template_sha256")}
         if cfg.keep_best and self.best is not None:
             draft_state = read_best_state(self.out)
             training.update(kept="best", step=self.best["step"], eval_sim_accept_len=self.best["eval_sim_accept_len"],
@@ -528,8 +539,7 @@ class Trainer:
             })
             tmp = export.with_name(f".{export.name}{TMP_SUFFIX}")
             shutil.rmtree(tmp, ignore_errors=True)
-            target = {**self.fs.manifest["target"], "tokenizer_sha256": self.fs.manifest["tokenizer_sha256"]}
-            self.provider.export(draft_state, self.dcfg, tmp, target,
+            self.provider.export(draft_state, self.dcfg, tmp, self.target_record(),
                                verifier=serving_verifier(self.cfg.target, self.target_dir))
             atomic_write_json(tmp / TRAINING_FILE, training)
             replace_dir(tmp, export)
