@@ -108,3 +108,15 @@ def test_a_linked_folder_in_a_source_is_read_and_a_link_loop_is_refused(tmp_path
     (elsewhere / "back").symlink_to(source, target_is_directory=True)
     with pytest.raises(ConversationFormatError, match=r"back links back to .*source, a folder being read"):
         data_files(source)
+
+
+def test_a_lone_surrogate_escape_is_that_records_bad_input(tmp_path):
+    """issue 61 item 10: JSON's "\\ud800" decodes to a string no tokenizer encodes; sf-capture, sf-regen
+    and sf-eval died with a tokenizer traceback. The record is now bad input, the others kept."""
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "hi \\ud800 there"}, {"role": "assistant", '
+                    '"content": "ok"}]}\n' + json.dumps({"messages": CHAT[0]["messages"]}) + "\n")
+    result = load_conversations(path)
+    assert len(result.conversations) == 1
+    assert [(b.location, b.kind) for b in result.bad] == [(f"{path}:1", "invalid_utf8")]
+    assert "turn 0: content holds a lone surrogate escape (\\ud800 at character 3)" in result.bad[0].detail

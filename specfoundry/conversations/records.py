@@ -165,7 +165,7 @@ class Conversation:
 @dataclass(frozen=True)
 class BadInput:
     location: str
-    kind: str  # malformed_json | bad_mode | missing_role | missing_content | unknown_role | empty_conversation | ends_on_user | ends_on_tool | no_assistant_turn | starts_on_assistant | over_long_prompt | no_user_turn | bad_tool_call | bad_tools | orphan_tool_result | duplicate_id | empty_answer | template
+    kind: str  # malformed_json | invalid_utf8 | bad_mode | missing_role | missing_content | unknown_role | empty_conversation | ends_on_user | ends_on_tool | no_assistant_turn | starts_on_assistant | over_long_prompt | no_user_turn | bad_tool_call | bad_tools | orphan_tool_result | duplicate_id | empty_answer | template
     detail: str
 
     def __str__(self) -> str:
@@ -250,6 +250,16 @@ def text_of_parts(parts: list, t: int) -> str:
     return "\n".join(texts)
 
 
+def check_unicode(text: str, where: str) -> None:
+    """A string JSON decoded with a lone surrogate escape ("\\ud800") is no Unicode text: no tokenizer
+    encodes it (each raised a traceback deep in the tokenizer), so its record is bad input."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRecord("invalid_utf8", f"{where} holds a lone surrogate escape (\\u{ord(text[e.start]):04x} at "
+                                        f"character {e.start}): not Unicode text") from None
+
+
 def parse_message(turn, t: int, before: list[Message]) -> Message:
     """Turn `t` as a Message; `before`: the turns so far (a tool result must answer the last call)."""
     if not isinstance(turn, dict):
@@ -275,6 +285,8 @@ def parse_message(turn, t: int, before: list[Message]) -> Message:
     if thinking is not None and (role != "assistant" or not isinstance(thinking, str)):
         raise BadRecord("missing_content", f"turn {t}: 'thinking' (a channel template's reasoning) must be the text "
                                            f"of an assistant message, not a {type(thinking).__name__} in a {role} one")
+    for name, text in (("content", content), ("thinking", thinking or "")):
+        check_unicode(text, f"turn {t}: {name}")
     if role != "tool":
         return Message(role, content, calls, thinking=thinking)
     call_id, name = turn.get("tool_call_id"), turn.get("name")
