@@ -412,3 +412,46 @@ def test_template_arguments_the_template_never_reads_are_named(tmp_path, tokeniz
         plan_capture(CaptureConfig(source=str(source), output=str(tmp_path / "fs"),
                                    chat_template_kwargs={"enable_thinkng": True}), tokenizer,
                      target_identity("smollm2", resolve_target("smollm2")))
+
+
+ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+               "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+               "{% endif %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+"""Mistral's and Gemma's rule: the roles alternate, user first, or the template raises."""
+
+
+def test_a_template_that_raises_for_one_record_makes_that_record_bad_input(tmp_path, tokenizer):
+    """issue 61 item 10: a template raising for one record ("roles must alternate") killed the whole
+    capture, regen or eval with Jinja's traceback. sf-capture and sf-regen report the record as bad
+    input and go on; sf-eval, which refuses any bad prompt, names it in one line."""
+    from specfoundry.eval.evaluate import EvalError
+    from specfoundry.eval.prompts import load_prompts
+
+    tokenizer.chat_template = ALTERNATING
+    twice = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                          {"role": "assistant", "content": "ok"}]}
+    fine = {"messages": [{"role": "user", "content": "fine"}, {"role": "assistant", "content": "yes"}]}
+    source = write_jsonl(tmp_path / "alt.jsonl", [twice, fine])
+    samples, bad, _, _ = prepare_samples(CaptureConfig(source=str(source), output="o"), tokenizer)
+    assert len(samples) == 1 and [(b.location, b.kind) for b in bad] == [(f"{source}:1", "template")]
+    assert "the chat template raised: Conversation roles must alternate" in bad[0].detail
+    cfg = RegenConfig(output=str(tmp_path / "regen"), source=str(source),
+                      sampling=SamplingConfig(temperature=0.0, max_new_tokens=8))
+    manifest = run_regen(cfg, ScriptedTarget(tokenizer, lambda r: ("x", "stop")), silent=True)
+    assert [b["kind"] for b in manifest["bad_inputs"]] == ["template"]
+    assert manifest["totals"]["conversations_written"] == 1
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"messages": twice["messages"][:2]}])
+    with pytest.raises(EvalError, match=r"bad prompt: .*prompts.jsonl:1: template: the chat template raised"):
+        load_prompts(str(prompts), tokenizer)
+
+
+def test_a_chat_template_file_jinja_cannot_parse_is_one_line(tmp_path, tokenizer):
+    """issue 61 item 10: a --chat-template with a Jinja syntax error raised Jinja's traceback at the
+    first rendering; it is one line naming the file and the line."""
+    from specfoundry.common.target import TargetError, with_chat_template
+
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}\n{{ m.content }\n")
+    with pytest.raises(TargetError, match=rf"--chat-template {bad}: not a valid Jinja template at line 2: "):
+        with_chat_template(tokenizer, str(bad))

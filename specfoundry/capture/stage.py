@@ -22,6 +22,7 @@ from typing import ClassVar
 
 import numpy as np
 import torch
+from jinja2 import TemplateError
 
 from specfoundry import __version__
 from specfoundry.capture.runner import HFCaptureRunner, NonFiniteFeatures
@@ -53,7 +54,11 @@ from specfoundry.common.target import EMBEDDED_DEFAULT, Target, chat_template_so
 from specfoundry.common.weights import weight_fingerprint
 from specfoundry.conversations.records import BadInput, ChatMessages, Conversation, ConversationFormatError
 from specfoundry.conversations.sources import data_files, load_conversations
-from specfoundry.conversations.templates import tools_template_problem, unread_template_kwargs
+from specfoundry.conversations.templates import (
+    template_bad_input,
+    tools_template_problem,
+    unread_template_kwargs,
+)
 from specfoundry.families import FAMILIES
 from specfoundry.featureset.manifest import (
     MANIFEST,
@@ -249,8 +254,8 @@ def prepare_samples(cfg: CaptureConfig, tokenizer) -> tuple[list[dict], list[Bad
         messages, mode = rendered_mode(conv, cfg.chat_template_kwargs)
         try:
             r = render_with_mask(tokenizer, messages, cfg.max_length)
-        except TemplateMaskError as e:
-            bad.append(BadInput(conv.location, "template", str(e)))
+        except (TemplateMaskError, TemplateError) as e:  # (TemplateError: the template's raise_exception)
+            bad.append(template_bad_input(conv, e))
             continue
         if not any(r.loss_mask):
             skipped += 1  # nothing trainable left after truncation

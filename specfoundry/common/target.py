@@ -173,6 +173,17 @@ def chat_template_source(tokenizer) -> str:
     return TEMPLATE_SOURCES.get(tokenizer, "target")
 
 
+def check_jinja(text: str, what: str) -> None:
+    """A chat template's source that Jinja cannot parse is one TargetError naming its line (it raised
+    Jinja's traceback at the first rendering)."""
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise TargetError(f"{what}: not a valid Jinja template at line {e.lineno}: {e.message}") from None
+
+
 def with_chat_template(tokenizer, chat_template: str | None):
     """The tokenizer rendering with `chat_template`: None keeps the target's own template (a target
     without one renders as plain-text completion), 'completion' forces completion, anything else
@@ -186,7 +197,9 @@ def with_chat_template(tokenizer, chat_template: str | None):
         if not path.is_file():
             raise TargetError(f"--chat-template {chat_template}: no such file (a Jinja chat template, or "
                               f"'{COMPLETION}')")
-        tokenizer.chat_template, source = path.read_text(), str(path)
+        text = path.read_text()
+        check_jinja(text, f"--chat-template {chat_template}")
+        tokenizer.chat_template, source = text, str(path)
     TEMPLATE_SOURCES[tokenizer] = source
     return tokenizer
 

@@ -3,9 +3,18 @@
 
 from __future__ import annotations
 
-from specfoundry.conversations.records import Conversation, ToolCall, template_arguments
+from specfoundry.conversations.records import BadInput, Conversation, ToolCall, template_arguments
 
 PROBE = "specfoundry_probe"
+
+
+def template_bad_input(conv: Conversation, error: Exception) -> BadInput:
+    """A record the chat template refused to render (its raise_exception: Mistral's and Gemma's "roles
+    must alternate"), or rendered without its assistant text, as that record's bad input."""
+    import jinja2
+
+    detail = f"the chat template raised: {error}" if isinstance(error, jinja2.TemplateError) else str(error)
+    return BadInput(conv.location, "template", detail)
 
 
 def template_renders_tools(tokenizer) -> bool:

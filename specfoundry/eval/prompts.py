@@ -7,8 +7,10 @@ import json
 from importlib.resources import files
 from pathlib import Path
 
+from jinja2 import TemplateError
+
 from specfoundry.conversations.sources import load_conversations
-from specfoundry.conversations.templates import prompt_ids, tools_template_problem
+from specfoundry.conversations.templates import prompt_ids, template_bad_input, tools_template_problem
 from specfoundry.families.folders import DraftRef, training_record
 
 BUILTIN_SETS = ("chat", "code", "math", "multiturn")
@@ -78,5 +80,8 @@ def load_prompts(name: str, tokenizer, limit: int | None = None, template_kwargs
     for conv in loaded.conversations:
         messages = conv.to_messages()
         messages.template_kwargs = dict(template_kwargs or {})
-        rendered.append((conv.id, prompt_ids(tokenizer, messages)))
+        try:
+            rendered.append((conv.id, prompt_ids(tokenizer, messages)))
+        except TemplateError as e:  # the template's raise_exception for this prompt ("roles must alternate")
+            raise EvalError(f"bad prompt: {template_bad_input(conv, e)}") from None
     return rendered

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
+from jinja2 import TemplateError
+
 from specfoundry.common.files import atomic_write_bytes, atomic_write_json
 from specfoundry.common.placement import Placement, Ranks
 from specfoundry.common.progress import Progress
@@ -50,7 +52,11 @@ from specfoundry.conversations.regen_format import (
     write_shard,
 )
 from specfoundry.conversations.sources import load_conversations
-from specfoundry.conversations.templates import tools_template_problem, unread_template_kwargs
+from specfoundry.conversations.templates import (
+    template_bad_input,
+    tools_template_problem,
+    unread_template_kwargs,
+)
 from specfoundry.generate.backends.hf import ENGINES
 from specfoundry.generate.backends.interface import (
     Backend,
@@ -221,7 +227,11 @@ class Regenerator:
         if problem:
             raise RegenError(problem)
         for conv in loaded.conversations:
-            problem = tokenizer and over_long_prompt(conv, tokenizer, cfg.max_prompt_tokens, cfg.chat_template_kwargs)
+            try:
+                problem = tokenizer and over_long_prompt(conv, tokenizer, cfg.max_prompt_tokens,
+                                                         cfg.chat_template_kwargs)
+            except TemplateError as e:  # the template's raise_exception for this record ("roles must alternate")
+                problem = template_bad_input(conv, e)
             if problem:
                 if cfg.strict:
                     raise RegenError(str(problem))
