@@ -831,3 +831,15 @@ def test_an_edited_export_config_is_refused_where_the_drafts_math_reads_it(featu
     (export / "config.json").write_text(json.dumps(config))
     with pytest.raises(DraftLoadError, match=re.escape(words)):
         locate_draft(str(export))
+
+
+def test_a_target_folder_without_its_tokenizer_is_one_line(tmp_path, tiny_llama_dir):
+    """issue 61 item 10: a target folder without tokenizer files raised transformers' traceback
+    ("Couldn't instantiate the backend tokenizer ..."), after loading the weights."""
+    from specfoundry.common.target import TOKENIZER_FILES, TargetError, load_tokenizer
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_llama_dir, bare, ignore=shutil.ignore_patterns(*TOKENIZER_FILES, "special_tokens_map.json",
+                                                                       "merges.txt"))
+    with pytest.raises(TargetError, match=rf"{bare}: no tokenizer \(tokenizer.json, .*copy them from its repository"):
+        load_tokenizer(bare)

@@ -208,7 +208,19 @@ def load_tokenizer(path: Path, chat_template: str | None = None):
     """The target's tokenizer, rendering conversations as `chat_template` says (with_chat_template)."""
     from transformers import AutoTokenizer
 
-    return with_chat_template(AutoTokenizer.from_pretrained(path), chat_template)
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise TargetError(f"{path}: no tokenizer ({', '.join(TOKENIZER_FILES)}): a target folder holds the model's "
+                          "tokenizer files; copy them from its repository")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (ValueError, OSError) as e:  # files there that transformers cannot build a tokenizer from
+        raise TargetError(f"{path}: its tokenizer does not load: {str(e).strip().splitlines()[0]}") from None
+    return with_chat_template(tokenizer, chat_template)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+"""A tokenizer's files, one of which a target folder holds (a fast tokenizer's, SentencePiece's, BPE's
+vocabulary, or the config naming one)."""
 
 
 def end_of_turn_ids(model, tokenizer) -> list[int]:
