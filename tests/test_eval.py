@@ -448,3 +448,17 @@ def test_the_default_dtype_is_the_exact_one_where_the_target_fits_its_gpu(tiny_l
     monkeypatch.setattr(evaluate, "parameter_count", lambda path: 10**6)
     dtype, why = evaluate.exact_default_dtype(EvalConfig(**on_gpu, placement=Placement(tp=2)))
     assert dtype == torch.bfloat16 and "several devices" in why and "--dtype float32" in why
+
+
+@pytest.mark.parametrize("tree, nodes", [("64,64,64", "266,304"), ("4096,4096", "16,781,312")])
+def test_a_tree_past_the_node_bound_is_one_line_before_any_work(tmp_path, tree, nodes):
+    """issue 61 item 10: --tree had no bound: 64,64,64 asked for 71 GB and 4096,4096 was killed for
+    memory. A tree of more than MAX_TREE_NODES is refused where the option is read, naming its count."""
+    from click.testing import CliRunner
+
+    from specfoundry.cli import TOOLS
+
+    result = CliRunner().invoke(TOOLS["sf-eval"], ["run", str(tmp_path), "--tree", tree, "-o", str(tmp_path / "e")])
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert f"tree {tree} has {nodes} nodes, more than the 4,096" in errors[0]

@@ -56,10 +56,20 @@ def parse_branching(text: str) -> tuple[int, ...]:
     return branching
 
 
+MAX_TREE_NODES = 4096
+"""The most nodes a tree may have: one target forward verifies them all, with an [N, cache] mask and
+[N, vocabulary] fp32 logits (4,096 nodes at a 128k vocabulary: 2 GiB of logits alone). The engines
+verify far fewer (SGLang's --speculative-num-draft-tokens, a few dozen); 8,4,2,1,1,1,1 has 360."""
+
+
 def check_branching(branching: tuple[int, ...]) -> None:
     if not branching or min(branching) < 1 or len(branching) > MAX_DRAFT:
         raise ValueError(f"tree branching needs 1 to {MAX_DRAFT} depths, each >= 1, got "
                          f"{','.join(map(str, branching))!r}")
+    if tree_nodes(branching) > MAX_TREE_NODES:
+        raise ValueError(f"tree {','.join(map(str, branching))} has {tree_nodes(branching):,} nodes, more than the "
+                         f"{MAX_TREE_NODES:,} one target forward may verify (each depth's count multiplies the ones "
+                         "before it: 8,4,2,1,1,1,1 has 360)")
 
 
 def tree_nodes(branching: tuple[int, ...]) -> int:
