@@ -843,3 +843,21 @@ def test_a_target_folder_without_its_tokenizer_is_one_line(tmp_path, tiny_llama_
                                                                        "merges.txt"))
     with pytest.raises(TargetError, match=rf"{bare}: no tokenizer \(tokenizer.json, .*copy them from its repository"):
         load_tokenizer(bare)
+
+
+@pytest.mark.parametrize("modes", [["not", "a", "mapping"], {"not JSON": 3}, {'{"chat_template_kwargs": 1}': 2}, "text"])
+def test_a_training_records_malformed_modes_are_one_line(tmp_path, modes):
+    """issue 61 item 10: a specfoundry_training.json whose 'modes' was hand-edited into another shape
+    raised a traceback in sf-eval; it is one line naming the draft and what to pass instead."""
+    from specfoundry.eval.prompts import EvalError, eval_modes
+    from specfoundry.families.folders import TRAINING_FILE
+
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / TRAINING_FILE).write_text(json.dumps({"modes": modes}))
+
+    class Ref:  # what eval_modes reads of a located draft: its folder (training_record's way in)
+        path, prefix = export, ""
+
+    with pytest.raises(EvalError, match=rf"{export}: the training record's 'modes' is not \{{mode JSON: samples\}}"):
+        eval_modes((), None, Ref())

@@ -49,9 +49,22 @@ def eval_modes(modes: tuple[dict, ...], template_kwargs: dict | None, ref: Draft
         return [dict(template_kwargs)], "--chat-template-kwargs"
     recorded = (training_record(ref) or {}).get("modes") or {}
     if recorded:
-        top = max(recorded, key=lambda m: recorded[m])
-        return [dict(json.loads(top).get("chat_template_kwargs") or {})], "the draft's feature set"
+        return [recorded_mode(recorded, ref)], "the draft's feature set"
     return [{}], "the template's defaults"
+
+
+def recorded_mode(recorded, ref: DraftRef) -> dict:
+    """The chat-template arguments of the most common mode a training record's `modes` counts
+    ({mode JSON: samples}); EvalError naming the record where it is not that (a hand-edited file)."""
+    try:
+        top = max(recorded, key=lambda m: recorded[m])
+        kwargs = json.loads(top).get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise TypeError("chat_template_kwargs is not an object")
+        return dict(kwargs)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise EvalError(f"{ref.path}: the training record's 'modes' is not {{mode JSON: samples}} ({e}): pass "
+                        "--modes or --chat-template-kwargs, or restore the file") from None
 
 
 def prompt_source(name: str) -> Path:
