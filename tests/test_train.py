@@ -623,3 +623,18 @@ def test_a_resume_onto_a_recaptured_feature_set_is_one_line(tmp_path):
     run_capture(CaptureConfig(source=str(other), output=str(fs), shard_size=8, max_length=96), silent=True)
     with pytest.raises(FeatureSetError, match=r"is not the one .*step-0000002 was trained on .*recaptured since"):
         run_train(cfg, silent=True)
+
+
+@pytest.mark.parametrize("damaged", ["model.safetensors", "optimizer.bin"])  # (accelerate skips a damaged RNG file)
+def test_a_damaged_checkpoint_on_resume_is_one_line(tmp_path, smol_features, damaged):
+    """issue 61 item 10: a truncated checkpoint file raised safetensors' or torch's traceback on resume;
+    it is one line naming the checkpoint and what to do."""
+    cfg = small_cfg(smol_features, tmp_path / "run", max_steps=4, save_every=2, max_batch_tokens=160)
+    with pytest.MonkeyPatch.context() as mp:
+        stop_after_checkpoint(mp, 2)
+        with pytest.raises(KeyboardInterrupt):
+            run_train(cfg, silent=True)
+    path = tmp_path / "run" / "checkpoints" / "step-0000002" / damaged
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"step-0000002: the checkpoint is damaged \(.*\); remove it to resume"):
+        run_train(cfg, silent=True)

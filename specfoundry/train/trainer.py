@@ -18,6 +18,7 @@ resume trusts only such complete checkpoints. metrics.py merges and logs what a 
 from __future__ import annotations
 
 import math
+import pickle
 import shutil
 import sys
 import time
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
+from safetensors import SafetensorError
 
 from specfoundry.common.files import TMP_SUFFIX, atomic_write_json, remove_temporaries, replace_dir
 from specfoundry.common.placement import check_one_launch, gathered
@@ -390,7 +392,12 @@ class Trainer:
         newest = newest_complete_checkpoint(accel, self.out)
         if newest is None:
             return
-        accel.load_state(str(newest))
+        try:
+            accel.load_state(str(newest))
+        except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError, SafetensorError) as e:  # damaged
+            raise ValueError(f"{newest}: the checkpoint is damaged ({type(e).__name__}: "
+                             f"{str(e).strip().splitlines()[0] if str(e).strip() else 'no detail'}); remove it to "
+                             "resume from the one before it") from None
         state = read_trainer_state(newest)
         recorded, now = state.get("featureset_sha256"), manifest_sha256(self.cfg.featureset)
         if recorded is not None and recorded != now:  # (a checkpoint written before it was recorded: not known)
