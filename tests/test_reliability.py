@@ -861,3 +861,15 @@ def test_a_training_records_malformed_modes_are_one_line(tmp_path, modes):
 
     with pytest.raises(EvalError, match=rf"{export}: the training record's 'modes' is not \{{mode JSON: samples\}}"):
         eval_modes((), None, Ref())
+
+
+def test_the_gate_names_an_export_of_another_draft_vocabulary(features, tmp_path):
+    """issue 61 item 10: `sf-eval gate --export` of a draft whose vocabulary differs from the gate's
+    run raised a shape traceback in the checks; it is the export check's failure, naming both sizes."""
+    from specfoundry.gate import GateConfig, run_checks
+
+    out = tmp_path / "run"
+    run_train(tiny_cfg(features, out), silent=True)  # a draft vocabulary of 256
+    (check,) = run_checks(GateConfig(output=str(tmp_path / "gate")), out / "export")
+    assert not check.ok and check.name == "export"
+    assert "has a draft vocabulary of 256 tokens, the gate's run 1024: pass --draft-vocab-size 256" in check.detail
