@@ -394,6 +394,27 @@ def test_capture_with_the_disk_full_for_the_token_counts_fails_in_one_line_then_
 
 
 @pytest.mark.slow
+def test_train_on_a_full_disk_during_its_final_export_fails_in_one_line_then_resumes_identically(
+        tmp_path, train_features, train_reference):
+    """issue 61 item 10: the final export ran out of space with safetensors' traceback and left its
+    temporary folder; it is now written whole aside (files.write_dir_whole): one line, nothing left."""
+    reference = train_reference.folder()
+    export = folder_bytes(reference / "export")
+    out = tmp_path / "out"
+    disk = Tmpfs(out, folder_bytes(reference) - export // 2)  # everything before the export fits
+    try:
+        args = train_args(train_features)(out)
+        assert_no_space_error(finish(start(TRAIN, args)), out)
+        assert (out / "checkpoints" / "step-0000004" / "trainer_state.json").is_file()
+        assert not (out / "export").exists() and not list(out.glob(".export*"))
+        disk.grow(4 * folder_bytes(reference))
+        rerun(TRAIN, args)
+        assert_same_training(reference, out)
+    finally:
+        disk.unmount()
+
+
+@pytest.mark.slow
 def test_train_on_a_full_disk_during_a_checkpoint_fails_in_one_line_then_resumes_identically(
         tmp_path, train_features, train_reference):
     reference = train_reference.folder()

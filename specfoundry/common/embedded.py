@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
+from specfoundry.common.files import disk_full
+
 EMBEDDED_DEFAULT = "smollm2"
 
 
@@ -122,6 +124,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path, package: str = EMBEDDED["smollm
         try:
             write_converted(gguf_path, tmp, out_dir.name, package)
             os.replace(tmp, out_dir)
+        except Exception as e:  # safetensors and torch name a full disk in their own types (files.disk_full)
+            full = disk_full(e, out_dir)
+            if full is None:
+                raise
+            raise TargetError(f"{out_dir}: no space left on the disk to convert the embedded target into (free some, "
+                              "or point SPECFOUNDRY_CACHE at another disk)") from e
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import pickle
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from typing import ClassVar
 import torch
 from safetensors import SafetensorError
 
-from specfoundry.common.files import TMP_SUFFIX, atomic_write_json, remove_temporaries, replace_dir
+from specfoundry.common.files import atomic_write_json, remove_temporaries, write_dir_whole
 from specfoundry.common.placement import check_one_launch, gathered
 from specfoundry.common.progress import Progress
 from specfoundry.common.settings import (
@@ -544,12 +543,12 @@ class Trainer:
                 "distributed_type": str(accel.distributed_type), "optimizer_state_bytes_per_rank": per_rank,
                 "trainable_parameter_bytes": self.param_bytes,
             })
-            tmp = export.with_name(f".{export.name}{TMP_SUFFIX}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            self.provider.export(draft_state, self.dcfg, tmp, self.target_record(),
-                               verifier=serving_verifier(self.cfg.target, self.target_dir))
-            atomic_write_json(tmp / TRAINING_FILE, training)
-            replace_dir(tmp, export)
+            def fill(tmp: Path) -> None:  # written whole aside, or not at all: a full disk is one line
+                self.provider.export(draft_state, self.dcfg, tmp, self.target_record(),
+                                     verifier=serving_verifier(self.cfg.target, self.target_dir))
+                atomic_write_json(tmp / TRAINING_FILE, training)
+
+            write_dir_whole(export, fill)
             atomic_write_json(self.out / "history.json", self.history)
             remove_temporaries(self.out)  # what a run killed mid-write left (.history.json.*.tmp, ...)
         accel.wait_for_everyone()
