@@ -873,3 +873,24 @@ def test_the_gate_names_an_export_of_another_draft_vocabulary(features, tmp_path
     (check,) = run_checks(GateConfig(output=str(tmp_path / "gate")), out / "export")
     assert not check.ok and check.name == "export"
     assert "has a draft vocabulary of 256 tokens, the gate's run 1024: pass --draft-vocab-size 256" in check.detail
+
+
+def test_a_full_disk_in_the_embedded_targets_conversion_is_one_line(tmp_path, monkeypatch):
+    """issue 61 item 10: the one-time conversion of the embedded GGUF ran out of space with
+    safetensors' traceback; it is one line naming the cache folder and SPECFOUNDRY_CACHE, and the
+    partial folder is removed. (The disk is full where safetensors writes: its own error type.)"""
+    from safetensors import SafetensorError
+
+    from specfoundry.common import embedded
+
+    def full_disk(gguf_path, tmp, name, package):
+        (tmp / "model.safetensors").write_bytes(b"half")
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
+                              "\"No space left on device\" })")
+
+    monkeypatch.setattr(embedded, "write_converted", full_disk)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"gguf")
+    with pytest.raises(embedded.TargetError, match=r"cache/M: no space left on the disk .*SPECFOUNDRY_CACHE"):
+        embedded.convert_gguf(gguf, tmp_path / "cache" / "M")
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["M.lock"]
