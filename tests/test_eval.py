@@ -404,21 +404,26 @@ def test_bad_prompt_set_and_draft_fail_clearly(tmp_path, smollm2_dir):
     assert result.exit_code != 0 and "comma-separated integers" in str(result.output) + str(result.exception)
 
 
-def test_modes_render_the_prompts_and_are_reported_side_by_side(gate_run, smollm2_target):
+def test_modes_render_the_prompts_and_are_reported_side_by_side(gate_run, smollm2_target, monkeypatch):
     """By default the prompts render in the mode of the draft's feature set (its export records
-    it); --modes decodes every set in each. SmolLM2's template ignores enable_thinking, so both
-    modes decode the same tokens here: what is checked is the routing and the report's shape."""
+    it); --modes decodes every set in each. SmolLM2's own template reads no enable_thinking, so a
+    mode of it is refused in one line; under a template that reads it (Qwen3's rules) both modes
+    decode, reported side by side: what is checked is the routing and the report's shape."""
+    from specfoundry.testing import QWEN3_THINKING_TEMPLATE
+
     _, export = gate_run
     base = dict(draft=str(export), prompt_sets=("chat",), limit=1, k=3, max_new_tokens=8, device="cpu",
                 baseline=False)
     report = run_eval(EvalConfig(**base), target=smollm2_target)
     assert report["modes_from"] == "the draft's feature set" and report["modes"] == {"default": {}}
     assert set(report["sets"]) == {"chat"}
-    both = run_eval(EvalConfig(**base, modes=({}, {"enable_thinking": False})), target=smollm2_target)
+    modes = ({}, {"enable_thinking": False})
+    with pytest.raises(EvalError, match="--modes: the chat template reads no 'enable_thinking'"):
+        run_eval(EvalConfig(**base, modes=modes), target=smollm2_target)
+    monkeypatch.setattr(smollm2_target.tokenizer, "chat_template", QWEN3_THINKING_TEMPLATE)
+    both = run_eval(EvalConfig(**base, modes=modes), target=smollm2_target)
     assert set(both["sets"]) == {"chat [default]", "chat [enable_thinking=false]"}
     assert both["modes_from"] == "--modes"
-    a, b = (both["sets"][s]["trained"] for s in ("chat [default]", "chat [enable_thinking=false]"))
-    assert a["tokens"] == b["tokens"] and a["accept_length"] == b["accept_length"]
 
 
 def test_the_default_dtype_is_the_exact_one_where_the_target_fits_its_gpu(tiny_llama_dir, monkeypatch):

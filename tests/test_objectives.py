@@ -108,8 +108,10 @@ def test_without_keep_best_the_last_step_is_exported_and_said_so(tmp_path, smol_
     run_train(small_cfg(smol_features, tmp_path / "run", max_steps=2, save_every=1), silent=True)
     record = json.loads((tmp_path / "run" / "export" / TRAINING_FILE).read_text())
     modes = record.pop("modes")
+    template = {"chat_template_source": "target", "chat_template_sha256": record["chat_template_sha256"]}
+    assert len(template["chat_template_sha256"]) == 64  # the feature set's template (sf-eval warns under another)
     assert record == {"token_loss": "ce", "lk_kl_scale": 1.0, "lk_kl_decay": 3.0, "kept": "last", "step": 2,
-                      "eval_sim_accept_len": None}
+                      "eval_sim_accept_len": None, **template}
     # the feature set's samples (conftest's CHAT, read as it is: no recorded mode) all in the template's defaults
     assert list(modes) == [json.dumps({"chat_template_kwargs": {}, "reasoning": None}, sort_keys=True)]
     # sf-export's other layout keeps the record (sf-eval's default mode reads it)
@@ -120,7 +122,8 @@ def test_without_keep_best_the_last_step_is_exported_and_said_so(tmp_path, smol_
     # a checkpoint's export says it is one, at its own step, with what holds for the whole run
     run_export(ExportConfig(draft=str(tmp_path / "run" / "checkpoints" / "step-0000002"), output=str(tmp_path / "ckpt")))
     assert json.loads((tmp_path / "ckpt" / TRAINING_FILE).read_text()) == {
-        "token_loss": "ce", "lk_kl_scale": 1.0, "lk_kl_decay": 3.0, "modes": modes, "kept": "checkpoint", "step": 2}
+        "token_loss": "ce", "lk_kl_scale": 1.0, "lk_kl_decay": 3.0, "modes": modes, "kept": "checkpoint", "step": 2,
+        **template}
 
 
 # ---- the DFlash family: the LK losses per block slot, the target's whole distribution the teacher ------

@@ -315,6 +315,19 @@ def one_copy(target: Target, command: str) -> None:
                              f"({target.ranks.group_size}), not {target.ranks.world}")
 
 
+def check_rendering(cfg: EvalConfig, ref, tokenizer, say: bool) -> None:
+    """Template arguments the template never reads are an EvalError; a template other than the one the
+    draft was trained under is a warning (where `say`: the rank that prints)."""
+    for option, kwargs in (("--chat-template-kwargs", cfg.chat_template_kwargs),
+                           *(("--modes", m) for m in (cfg.modes or []) if isinstance(m, dict))):
+        problem = unread_template_kwargs(tokenizer, kwargs, option)
+        if problem:
+            raise EvalError(problem)
+    warning = other_template(ref, tokenizer)
+    if warning and say:
+        print(f"warning: {warning}", file=sys.stderr)
+
+
 def other_template(ref, tokenizer) -> str | None:
     """The warning, where the draft was trained on conversations rendered with another chat template
     than the one the prompts are rendered with now (its training record's hash; None where it
@@ -351,14 +364,7 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
     draft = load_draft(ref, target_dir, device, dtype)
     if draft.cfg.vocab_size != identity.vocab_size:
         raise EvalError(f"draft {cfg.draft} has vocab {draft.cfg.vocab_size}, target {cfg.target} {identity.vocab_size}")
-    for option, kwargs in (("--chat-template-kwargs", cfg.chat_template_kwargs),
-                           *(("--modes", m) for m in (cfg.modes or []) if isinstance(m, dict))):
-        problem = unread_template_kwargs(tokenizer, kwargs, option)
-        if problem:
-            raise EvalError(problem)
-    warning = other_template(ref, tokenizer)
-    if warning and target.is_writer:
-        print(f"warning: {warning}", file=sys.stderr)
+    check_rendering(cfg, ref, tokenizer, say=target.is_writer)
     modes, mode_from = eval_modes(cfg.modes, cfg.chat_template_kwargs, ref)
     sets = {(name if len(modes) == 1 else f"{name} [{mode_label(m)}]"): load_prompts(name, tokenizer, cfg.limit, m)
             for name in cfg.prompt_sets for m in modes}
