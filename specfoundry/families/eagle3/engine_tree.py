@@ -1,0 +1,114 @@
+"""The engines' draft tree (SGLang's EAGLE worker, EAGLE-2's dynamic tree): which nodes a server that
+runs an EAGLE-3 draft with `--speculative-num-steps S --speculative-eagle-topk K
+--speculative-num-draft-tokens N` drafts and verifies, as tensor functions on the device.
+
+SGLang's algorithm (python/sglang/srt/speculative: eagle_worker.py draft_forward, spec_utils.py
+select_top_k_tokens, eagle_utils.py organize_draft_results and build_tree_kernel_efficient):
+    scores        a node's score is the product of the draft's probabilities (a softmax of its logits
+                  over the draft vocabulary, no temperature) along its path from the root
+    step 0        the root's K most probable tokens: the pool's first K nodes and the frontier
+    step i < S    one draft forward over the K frontier nodes (depth i); each one's K most probable
+                  children enter the pool (K^2 nodes, frontier-major: node K + K^2 (i-1) + f K + c),
+                  and the K best of them by score become the next frontier
+    selection     the N - 1 best scores of the pool's K + (S - 1) K^2 nodes, taken in pool order
+                  (ascending index: breadth first by step, not by score); the verify reads the root
+                  then them, N tokens. A node's parent is the root for step 0, else the frontier node
+                  it was expanded from, always selected before it (a child's score is at most its
+                  parent's, and ties go to the lower index)
+    ties          the lowest pool index first (CUDA's torch.topk picks so; CPU torch does not, so
+                  the functions here sort stably instead of calling topk)
+The tree is at most S deep; K = 1 is a chain of S tokens (SGLang then forces N = S + 1). Greedy
+acceptance walks each node's children in ascending order (decoding/tree.py accept_tree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class EngineTree:
+    """SGLang's three serving knobs, under its flags' names without the prefix."""
+
+    num_steps: int  # S: draft forwards a round (the root's included), the tree's depth
+    topk: int  # K: children kept per expanded node, and the frontier's width
+    num_draft_tokens: int  # N: tokens the target verifies a round, the root included
+
+    def __post_init__(self):
+        if min(self.num_steps, self.topk, self.num_draft_tokens) < 1:
+            raise ValueError(f"--num-steps, --topk and --num-draft-tokens are at least 1, got {self}")
+        if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
+            raise ValueError(f"--topk 1 drafts a chain of --num-steps tokens: --num-draft-tokens is "
+                             f"{self.num_steps + 1} (SGLang sets it so), not {self.num_draft_tokens}")
+        if self.num_draft_tokens - 1 > self.pool_size:
+            raise ValueError(f"--num-draft-tokens {self.num_draft_tokens} verifies more drafted tokens than the "
+                             f"{self.pool_size} that {self.num_steps} steps of top {self.topk} draft")
+
+    @property
+    def pool_size(self) -> int:
+        """The nodes the draft scores a round: K at step 0, K^2 at each later step."""
+        return self.topk + (self.num_steps - 1) * self.topk ** 2
+
+
+def best(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the k largest along the last dimension, highest first, ties to the lowest
+    index (a stable sort: torch.topk's choice among ties differs between CPU and CUDA)."""
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
+def probabilities(logits: torch.Tensor) -> torch.Tensor:
+    """The draft's next-token probabilities from its logits [..., Vd], as SGLang takes them: fp32 softmax."""
+    return torch.softmax(logits.float(), dim=-1)
+
+
+def first_step(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The root's children: (scores [K] fp32, draft ids [K]) from the draft's probabilities [Vd] there."""
+    return best(probs, k)
+
+
+def later_step(frontier_scores: torch.Tensor, probs: torch.Tensor, k: int):
+    """One expansion (select_top_k_tokens): the frontier's scores [K] and each frontier node's draft
+    probabilities [K, Vd] -> (the pool's new block: scores [K*K], draft ids [K*K], the frontier slot
+    each was expanded from [K*K]; the next frontier: its indices into the block [K])."""
+    child_scores, child_ids = best(probs, k)  # [K, K] each
+    block = (frontier_scores[:, None] * child_scores).reshape(-1)  # [K*K] frontier-major
+    slots = torch.arange(frontier_scores.shape[0], device=probs.device).repeat_interleave(k)  # [K*K]
+    return block, child_ids.reshape(-1), slots, best(block, k)[1]
+
+
+def select(pool_scores: torch.Tensor, pool_parents: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verified tree (organize_draft_results): pool scores [P] and each node's parent in the pool
+    [P] (-1: the root) -> (the selected pool nodes [n-1], ascending; each one's parent as a tree node
+    [n-1]: 0 the root, j the j-th selected)."""
+    chosen = torch.sort(best(pool_scores, n - 1)[1]).values  # [n-1]
+    node_of = torch.zeros_like(pool_parents)  # [P] pool index -> tree node (0 where not selected)
+    node_of[chosen] = torch.arange(1, n, device=pool_scores.device)
+    parents = pool_parents[chosen]  # [n-1]
+    return chosen, torch.where(parents < 0, torch.zeros_like(parents), node_of[parents.clamp(min=0)])
+
+
+def tree_from_distributions(dist, shape: EngineTree) -> tuple[list[int], list[int]]:
+    """The tree SGLang drafts where the draft's probabilities after each path are `dist(path)` ([Vd]
+    fp32, path a tuple of draft ids from the root): (draft ids of the N-1 selected nodes, their parents as tree
+    nodes). The same functions as the decoder's device step, run node by node (tests and docs)."""
+    k = shape.topk
+    scores, ids = first_step(dist(()), k)
+    paths = [(int(t),) for t in ids]
+    pool_scores, pool_ids, pool_parents = [scores], [ids], [torch.full((k,), -1)]
+    frontier, frontier_at = list(range(k)), torch.arange(k)  # frontier paths (into `paths`), pool indices
+    for _ in range(1, shape.num_steps):
+        probs = torch.stack([dist(paths[f]) for f in frontier])  # [K, Vd]
+        block, block_ids, slots, nxt = later_step(torch.cat(pool_scores)[frontier_at], probs, k)
+        base = len(paths)
+        paths += [paths[frontier[int(s)]] + (int(t),) for s, t in zip(slots, block_ids, strict=True)]
+        pool_scores.append(block)
+        pool_ids.append(block_ids)
+        pool_parents.append(frontier_at[slots])
+        frontier = [base + int(j) for j in nxt]
+        frontier_at = base + nxt
+    chosen, parents = select(torch.cat(pool_scores), torch.cat(pool_parents), shape.num_draft_tokens)
+    ids = torch.cat(pool_ids)
+    return [int(ids[c]) for c in chosen], [int(p) for p in parents]
