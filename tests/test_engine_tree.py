@@ -112,3 +112,39 @@ def test_the_tree_is_the_enumerations_on_random_tables(s, k, n, seed):
 def test_settings_sglang_would_refuse_are_one_line(s, k, n, words):
     with pytest.raises(ValueError, match=words):
         EngineTree(s, k, n)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("s, k, n", [(3, 2, 6), (4, 3, 10), (3, 1, 4), (1, 4, 5)])
+def test_the_drafts_device_step_drafts_the_tree_of_its_own_distributions(s, k, n, graphs):
+    """The draft's expansion (engine_tree.py expand_body: K rows a forward, each seeing its ancestors)
+    against tree_from_distributions fed the draft's own next-token probabilities after each path,
+    each read by the eager chain step from the committed state (DraftRunner.run, as `propose` reads
+    a sampled chain). graphs=True runs the step as a capture's CPU stand-in (host reads forbidden)."""
+    from specfoundry.common.target import Target
+    from specfoundry.decoding.target import TargetRunner
+    from specfoundry.families.eagle3.chain import DraftRunner
+    from tests.test_eval import tiny_pair
+
+    model, draft = tiny_pair(vocab=64)
+    target = TargetRunner(Target.wrap(model), [0, 1, 2])
+    runner = DraftRunner(draft, graphs=graphs)
+    runner.reset(128)
+    target.reset(128)
+    logits, aux, _ = target.forward(list(range(1, 17)))
+    runner.extend(list(range(2, 17)) + [int(logits[-1].argmax())], aux)
+
+    def dist(path):
+        logits, pre = runner.logits, runner.pre
+        for j, d in enumerate(path):
+            pre, out = runner.run([runner.target_ids[d]], pre, [runner.length + j])
+            logits = out[-1]
+        runner.forget_proposals()
+        return torch.softmax(logits.float(), dim=-1)
+
+    shape = EngineTree(s, k, n)
+    want_ids, want_parents = tree_from_distributions(dist, shape)
+    for _ in range(2):  # (graphs: the stand-in's first call, then its replay)
+        tokens, parents = runner.engine_trees(shape)
+        assert tokens.tolist() == [runner.target_ids[d] for d in want_ids] and parents.tolist() == want_parents
+    assert len(runner) == 16  # the committed entries are as they were

@@ -35,6 +35,8 @@ from specfoundry.decoding.rounds import DecodeResult, decode_rounds
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.steps import CapturedSteps, Step, prompt_keys, read_rows
 from specfoundry.decoding.target import COLUMN_ROUND, TargetRunner
+from specfoundry.families.eagle3.engine_tree import EngineTree
+from specfoundry.families.eagle3.engine_tree import expand_body as engine_expand_body
 from specfoundry.families.eagle3.expansion import TreeShape, expand_body
 from specfoundry.families.eagle3.model import Eagle3Draft
 from specfoundry.families.vocab import draft_ids_from_d2t
@@ -73,6 +75,7 @@ class DraftRunner:
         self.chains = CapturedSteps(self.device, self.chain_step, graphs=self.graphs, compiled=compiled)  # by k
         self.extends = CapturedSteps(self.device, self.extend_step, graphs=self.graphs)  # by token count
         self.trees = CapturedSteps(self.device, self.tree_step, graphs=self.graphs)  # by branching (tree.py)
+        self.engine_trees = CapturedSteps(self.device, self.engine_tree_step, graphs=self.graphs)  # by EngineTree
         h = draft.cfg.hidden_size
         self.pre = torch.zeros(1, 1, h, dtype=draft.fc.weight.dtype, device=self.device)  # next-step state
         self.logits = torch.zeros(draft.cfg.draft_vocab_size, device=self.device)  # [Vd] at the newest position
@@ -86,7 +89,7 @@ class DraftRunner:
         if self.cache is None or capacity > self.cache.capacity:
             self.cache = StaticKVCache(capacity) if self.cache is None else self.cache.grown(capacity)
             self.kv_index = torch.arange(capacity, device=self.device)  # [C]
-            for steps in (self.chains, self.extends, self.trees):
+            for steps in (self.chains, self.extends, self.trees, self.engine_trees):
                 steps.drop()  # they read the old cache
 
     def __len__(self) -> int:
@@ -209,6 +212,11 @@ class DraftRunner:
     def chain_step(self, k: int) -> Step:
         """The greedy chain of k proposals (greedy_chain), from the runner's committed state alone."""
         return Step(lambda x: self.greedy_chain(k))
+
+    def engine_tree_step(self, shape: EngineTree) -> Step:
+        """The engines' tree of `shape` (engine_tree.py expand_body)."""
+        body = engine_expand_body(self, shape)
+        return Step(lambda x: body())
 
     def tree_step(self, branching: tuple[int, ...]) -> Step:
         """The expansion of the tree of `branching` (expansion.py expand_body)."""

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specfoundry.decoding.cache import visible
+
 
 @dataclass(frozen=True)
 class EngineTree:
@@ -112,3 +114,40 @@ def tree_from_distributions(dist, shape: EngineTree) -> tuple[list[int], list[in
     chosen, parents = select(torch.cat(pool_scores), torch.cat(pool_parents), shape.num_draft_tokens)
     ids = torch.cat(pool_ids)
     return [int(ids[c]) for c in chosen], [int(p) for p in parents]
+
+
+def expand_body(draft, shape: EngineTree):
+    """The engines' tree drafted from the draft's committed state on the device alone (`draft`:
+    chain.py's DraftRunner; captured per EngineTree, chain.py DraftRunner.engine_trees): returns
+    (target ids [N-1], parents [N-1] as tree nodes, 0 the root). Step i's frontier (depth i) is one
+    draft forward of K rows: row j's entry at column base + (i-1) K + j, position base + i - 1
+    (training's step i), its parent's next-step state as hidden input, seeing the committed entries,
+    its ancestors' entries and its own."""
+    dev, k = draft.device, shape.topk
+    slots = torch.arange(k, device=dev)  # [K]
+    columns = max((shape.num_steps - 1) * k, 1)  # this round's entries: depths 1..S-1, K each
+
+    def body():
+        scores, ids = first_step(probabilities(draft.logits), k)  # [K] the frontier's (depth 1)
+        pool_scores, pool_ids, pool_parents = [scores], [ids], [torch.full((k,), -1, device=dev)]
+        at, pre = slots, draft.pre.expand(1, k, -1)  # frontier pool indices [K]; hidden inputs [1, K, H]
+        sees = torch.zeros(k, columns, dtype=torch.bool, device=dev)  # [K, W] ancestors' columns
+        for i in range(1, shape.num_steps):
+            own = (i - 1) * k + slots  # [K] the frontier's columns from base
+            sees[slots, own] = True
+            draft.cache.columns = draft.base + own
+            positions = (draft.base + (i - 1)).expand(1, k)  # [1, K]
+            allowed = visible(draft.kv_index, draft.base, sees)  # [K, C]
+            out, normed = draft.draft.decode_forward(draft.draft_to_target[ids][None], pre, positions, draft.cache,
+                                                     allowed[None, None])
+            block, block_ids, parent_slot, nxt = later_step(scores, probabilities(draft.draft.lm_head(normed)[0]), k)
+            pool_scores.append(block)
+            pool_ids.append(block_ids)
+            pool_parents.append(at[parent_slot])
+            chosen_slot = parent_slot[nxt]  # [K] the frontier slot each next frontier node grows from
+            scores, ids, at = block[nxt], block_ids[nxt], k + (i - 1) * k * k + nxt
+            pre, sees = out[:, chosen_slot], sees[chosen_slot]
+        chosen, parents = select(torch.cat(pool_scores), torch.cat(pool_parents), shape.num_draft_tokens)
+        return draft.draft_to_target[torch.cat(pool_ids)[chosen]], parents
+
+    return body
