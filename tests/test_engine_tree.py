@@ -148,3 +148,26 @@ def test_the_drafts_device_step_drafts_the_tree_of_its_own_distributions(s, k, n
         tokens, parents = runner.engine_trees(shape)
         assert tokens.tolist() == [runner.target_ids[d] for d in want_ids] and parents.tolist() == want_parents
     assert len(runner) == 16  # the committed entries are as they were
+
+
+@pytest.mark.parametrize("s, k, n", [(3, 2, 6), (5, 4, 8), (4, 1, 5), (2, 3, 12)])
+def test_decoding_with_the_engines_tree_is_the_targets_greedy_decoding(s, k, n):
+    """tree_generate with an EngineTree: the target verifies the N tokens SGLang would (the root and
+    the N-1 selected), under the mask of their parents read that round; the output is the target's
+    own greedy text, and no round accepts more than the tree's S depths."""
+    from specfoundry.common.target import Target
+    from specfoundry.decoding.rounds import target_generate
+    from specfoundry.decoding.sampler import Sampler
+    from specfoundry.decoding.target import TargetRunner
+    from specfoundry.families.eagle3.chain import DraftRunner
+    from specfoundry.families.eagle3.tree import tree_generate
+    from tests.test_eval import tiny_pair
+
+    model, draft = tiny_pair(vocab=64)
+    target = TargetRunner(Target.wrap(model), [0, 1, 2])
+    prompt = list(range(1, 12))
+    own = target_generate(target, prompt, max_new_tokens=30, eos=set(), sampler=Sampler()).tokens
+    out = tree_generate(target, DraftRunner(draft), prompt, branching=EngineTree(s, k, n), max_new_tokens=30,
+                        eos=set())
+    assert out.tokens == own
+    assert max(out.accepted) <= s and len(out.accepted) >= 30 // (s + 1)

@@ -39,6 +39,7 @@ from specfoundry.decoding.rounds import (
 from specfoundry.decoding.target import TargetRunner
 from specfoundry.decoding.tree import DraftTree, accept_tree, verify_mask
 from specfoundry.families.eagle3.chain import DraftRunner
+from specfoundry.families.eagle3.engine_tree import EngineTree
 from specfoundry.families.eagle3.expansion import TreeShape
 
 
@@ -65,24 +66,57 @@ def verify_widths(shape: TreeShape) -> list[int]:
     return [p + len(shape) for p in range(1, len(shape.branching) + 2)]
 
 
-def verify_layout(shape: TreeShape, structure: DraftTree, cached: int, p: int) -> tuple[list[int], torch.Tensor]:
+def verify_layout(structure: DraftTree, cached: int, p: int) -> tuple[list[int], torch.Tensor]:
     """The positions [p + N] and mask of a tree verify after `cached` committed tokens: p pending
     tokens at the next positions, then each node at the root's (the last pending token's) position
     plus its depth, seeing the committed text, the pending tokens and its ancestors (verify_mask)."""
-    positions = list(range(cached, cached + p)) + [cached + p - 1 + d for d in shape.depths]
+    positions = list(range(cached, cached + p)) + [cached + p - 1 + d for d in structure.depths]
     return positions, verify_mask(structure, cached, p)
 
 
-def tree_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *, branching: tuple[int, ...],
-                  max_new_tokens: int, eos: set[int]) -> DecodeResult:
-    """Greedy speculative decoding with a draft tree: the output equals the target's own greedy
-    decoding; accepted[i] counts the tree nodes accepted in round i."""
+class FixedTree:
+    """The tree of a fixed branching (expansion.py TreeShape): its structure is known before the
+    round, so the host reads its tokens only with the target's choices."""
+
+    def __init__(self, draft: DraftRunner, branching: tuple[int, ...]):
+        self.shape = TreeShape.of(branching, draft.logits.shape[-1])
+        self.nodes, self.depth = len(self.shape), len(self.shape.branching)
+        self.structure = self.shape.tree([0] * self.nodes)  # the verify mask reads the structure alone
+
+    def draft(self, draft: DraftRunner) -> tuple[torch.Tensor, DraftTree]:
+        return expand_tree(draft, self.shape), self.structure
+
+
+class ServedTree:
+    """The engines' tree (engine_tree.py): its structure changes every round, so the host reads the
+    parents [N-1] before the target's verify, whose mask it builds (one read more a round)."""
+
+    def __init__(self, draft: DraftRunner, shape: EngineTree):
+        self.shape = shape
+        self.nodes, self.depth = shape.num_draft_tokens - 1, shape.num_steps
+
+    def draft(self, draft: DraftRunner) -> tuple[torch.Tensor, DraftTree]:
+        if draft.length + self.shape.num_steps * self.shape.topk > draft.cache.capacity:
+            draft.reset_capacity(draft.length + self.shape.num_steps * self.shape.topk)
+        tokens, parents = draft.engine_trees(self.shape)
+        parents = [p - 1 for p in parents.tolist()]  # DraftTree's: -1 for the root's children
+        depths = []
+        for p in parents:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        return tokens, DraftTree([0] * self.nodes, parents, depths)
+
+
+def tree_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *,
+                  branching: tuple[int, ...] | EngineTree, max_new_tokens: int, eos: set[int]) -> DecodeResult:
+    """Greedy speculative decoding with a draft tree, of a fixed branching or the engines' (an
+    EngineTree): the output equals the target's own greedy decoding; accepted[i] counts the tree
+    nodes accepted in round i."""
     device = target.device
-    shape = TreeShape.of(branching, draft.logits.shape[-1])
-    nodes, structure = len(shape), shape.tree([0] * len(shape))  # the verify mask reads the structure alone
+    trees = ServedTree(draft, branching) if isinstance(branching, EngineTree) else FixedTree(draft, branching)
+    nodes = trees.nodes
     draft.reset(len(prompt) + max_new_tokens + nodes)  # (outside the decode's time, as the chain's caller's)
     t0 = time.perf_counter()
-    target.reset(len(prompt) + max_new_tokens + len(branching) + 1 + nodes)  # a verify: pending + the tree
+    target.reset(len(prompt) + max_new_tokens + trees.depth + 1 + nodes)  # a verify: pending + the tree
     clock = PhaseClock(device)
     tokens, result = read_prompt(clock, target, prompt, lambda row: int(row.argmax()),
                                  lambda first, aux: draft.extend(prompt[1:] + first, aux))
@@ -90,10 +124,10 @@ def tree_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *
     tokens, done = cut_at_end(tokens, eos, max_new_tokens)
     while not done:
         proposing = clock.mark()
-        drafted = expand_tree(draft, shape)  # [N] on the device
+        drafted, structure = trees.draft(draft)  # [N] on the device
         verifying = clock.mark()
         cached, p = len(target), len(pending)
-        positions, mask = verify_layout(shape, structure, cached, p)
+        positions, mask = verify_layout(structure, cached, p)
         logits, aux, _ = target.forward(pending, positions=positions, mask=mask, tail=drafted)
         # the round's one synchronisation: the tree's tokens and the target's choices, read together
         # (and whether the logits are finite, in the same read: check_logits' question)
@@ -101,7 +135,7 @@ def tree_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int], *
         if not read[-1]:
             raise NonFiniteLogitsError(f"the target's logits are not finite at round {len(result.accepted) + 1}: "
                                        "the target or its weights are broken (a NaN or an inf)")
-        tree = shape.tree(read[:nodes])
+        tree = DraftTree(read[:nodes], structure.parents, structure.depths)
         path, bonus = accept_tree(tree, read[nodes:-1], root_row=p - 1)
         target.crop(cached + p)  # keep the pending tokens; the tree's entries go
         committing = clock.mark()
