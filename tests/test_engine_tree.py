@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from specfoundry.families.eagle3.engine_tree import EngineTree, tree_from_distributions
+from specfoundry.decoding.tree import EngineTree
+from specfoundry.families.eagle3.engine_tree import tree_from_distributions
 
 A, B, C, D, E, F, G, H, I_, J, K, L = range(1, 13)  # (I_: ruff reads a lone I as an l)
 VOCAB = 16

@@ -467,3 +467,27 @@ def test_a_tree_past_the_node_bound_is_one_line_before_any_work(tmp_path, tree, 
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert result.exit_code == 2 and len(errors) == 1, result.output
     assert f"tree {tree} has {nodes} nodes, more than the 4,096" in errors[0]
+
+
+def test_sf_eval_decodes_sglangs_served_tree_as_the_target_does(gate_run, dflash_gate_run, smollm2_target):
+    """--num-steps/--topk/--num-draft-tokens (issue 58): sf-eval drafts the tree an SGLang server would
+    (families/eagle3/engine_tree.py), the target verifies its N tokens, the output is the target's own
+    greedy text, and the report names the shape. Half the knobs, with --tree, sampling, or a family
+    that drafts no such tree, is one line."""
+    _, export = gate_run
+    base = dict(draft=str(export), prompt_sets=("chat",), limit=1, max_new_tokens=12, device="cpu")
+    report = run_eval(EvalConfig(**base, num_steps=3, topk=2, num_draft_tokens=6), target=smollm2_target)
+    (entry,) = report["sets"].values()
+    assert entry["trained"]["identical_to_target"] == "1/1"
+    assert report["config"]["num_steps"] == 3 and report["config"]["k"] == 3  # k: the most a round accepts
+    with pytest.raises(ValueError, match="give all three"):
+        EvalConfig(draft="d", num_steps=3, topk=2)
+    with pytest.raises(ValueError, match="two trees"):
+        EvalConfig(draft="d", num_steps=3, topk=2, num_draft_tokens=6, tree=(2, 2))
+    with pytest.raises(ValueError, match="--topk 1 drafts a chain"):
+        EvalConfig(draft="d", num_steps=3, topk=1, num_draft_tokens=6)
+    with pytest.raises(EvalError, match="verifies greedily"):
+        run_eval(EvalConfig(**base, num_steps=3, topk=2, num_draft_tokens=6, temperature=0.7), target=smollm2_target)
+    with pytest.raises(EvalError, match="pick SGLang's EAGLE tree; .* is a dflash draft"):
+        run_eval(EvalConfig(**{**base, "draft": str(dflash_gate_run[1])}, num_steps=3, topk=2, num_draft_tokens=6),
+                 target=smollm2_target)

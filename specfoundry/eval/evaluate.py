@@ -45,7 +45,14 @@ from specfoundry.decoding.rounds import DecodeResult, NonFiniteLogitsError, targ
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.steps import warm_steps
 from specfoundry.decoding.target import TargetRunner, graphs_possible
-from specfoundry.decoding.tree import check_branching, parse_branching, shape_name, tree_nodes
+from specfoundry.decoding.tree import (
+    MAX_TREE_NODES,
+    EngineTree,
+    check_branching,
+    parse_branching,
+    shape_name,
+    tree_nodes,
+)
 from specfoundry.eval.prompts import (
     BUILTIN_SETS,
     EvalError,
@@ -106,6 +113,17 @@ class EvalConfig(Settings):
         None, parse=parse_tree, shown="none: a chain",
         help="Draft a token tree instead of a chain, top-k branching per depth such as 4,2,2,1 (greedy only; its "
              "depth replaces -k).")
+    num_steps: int | None = setting(
+        None, valid=Range(1, MAX_DRAFT), shown="none: -k's chain or --tree",
+        help="EAGLE-3: draft the tree an SGLang server drafts, with this many draft steps a round (its "
+             "--speculative-num-steps; with --topk and --num-draft-tokens; docs/serving.md).")
+    topk: int | None = setting(
+        None, valid=Range(1, MAX_DRAFT), shown="none",
+        help="EAGLE-3: the children kept per expanded node in SGLang's tree (its --speculative-eagle-topk).")
+    num_draft_tokens: int | None = setting(
+        None, valid=Range(1, MAX_TREE_NODES), shown="none",
+        help="EAGLE-3: the tokens the target verifies a round in SGLang's tree, the root included (its "
+             "--speculative-num-draft-tokens).")
     temperature: float = setting(0.0, valid=Range(0, zero="greedy verification"),
                                  help="Above 0: sampling with the rejection rule (the output is distributed as the "
                                       "target's).")
@@ -142,6 +160,32 @@ class EvalConfig(Settings):
         modes = [mode_label(m) for m in self.modes]
         if len(set(modes)) < len(modes):
             raise ValueError(f"--modes names the mode {next(m for m in modes if modes.count(m) > 1)} twice")
+        served = (self.num_steps, self.topk, self.num_draft_tokens)
+        if any(v is not None for v in served) and None in served:
+            raise ValueError("--num-steps, --topk and --num-draft-tokens pick SGLang's tree together: give all three")
+        if self.served_tree is not None and self.tree:
+            raise ValueError("--tree and --num-steps/--topk/--num-draft-tokens are two trees: give one")
+        self.served_tree  # noqa: B018 - EngineTree checks the three (a chain's N, a pool too small), one line
+
+    @property
+    def served_tree(self) -> EngineTree | None:
+        """The engines' tree of --num-steps, --topk and --num-draft-tokens, or None."""
+        if self.num_steps is None:
+            return None
+        return EngineTree(self.num_steps, self.topk, self.num_draft_tokens)
+
+    @property
+    def drafted_tree(self) -> tuple[int, ...] | EngineTree | None:
+        """What the EAGLE-3 decoder drafts as `tree`: the served tree, the --tree branching, or None."""
+        return self.served_tree or self.tree
+
+
+def draft_shape(cfg: EvalConfig) -> str:
+    """How a report names the drafted shape: 'k=4', 'tree 4,2,2,1', or SGLang's 'served tree S,K,N'."""
+    served = cfg.served_tree
+    if served is not None:
+        return f"served tree {served.num_steps},{served.topk},{served.num_draft_tokens}"
+    return shape_name(cfg.k, cfg.tree)
 
 
 def decode_set(target: TargetRunner, decoder, prompts, cfg: EvalConfig, eos: set[int],
@@ -167,6 +211,9 @@ def check_config(cfg: EvalConfig) -> tuple[EvalConfig, DraftRef]:
     """cfg with k and the tree as the draft's family decodes them (a DFlash draft: its block less
     one), k resolved from a tree; refuses what cannot be decoded: the settings themselves first,
     then a folder that holds no draft (all before the target loads: minutes on a large one)."""
+    if cfg.served_tree is not None and cfg.temperature > 0:
+        raise EvalError("SGLang's tree (--num-steps/--topk/--num-draft-tokens) verifies greedily here; use the chain "
+                        "(-k) with --temperature > 0")
     if cfg.tree:
         if cfg.temperature > 0:
             raise EvalError("--tree verifies greedily; use the chain (-k) with --temperature > 0")
@@ -184,8 +231,11 @@ def check_config(cfg: EvalConfig) -> tuple[EvalConfig, DraftRef]:
     if cfg.compile_draft and not ref.provider.compiles_draft:
         offering = [name for name in FAMILIES.names() if FAMILIES.provider(name).compiles_draft]
         raise EvalError(f"--compile-draft: {ref.provider.name} drafts decode uncompiled ({', '.join(offering)} offer it)")
-    if cfg.compile_draft and cfg.tree:
-        raise EvalError("--compile-draft compiles EAGLE-3's chain; --tree expands its trees uncompiled, so leave it off")
+    if cfg.compile_draft and cfg.drafted_tree:
+        raise EvalError("--compile-draft compiles EAGLE-3's chain; its trees expand uncompiled, so leave it off")
+    if cfg.served_tree is not None and not ref.provider.serves_engine_tree:
+        raise EvalError(f"--num-steps/--topk/--num-draft-tokens pick SGLang's EAGLE tree; {cfg.draft} is a "
+                        f"{ref.provider.name} draft (its knobs: docs/serving.md)")
     try:
         k, tree, warning = ref.provider.decode_settings(dcfg, k=cfg.k, tree=cfg.tree, temperature=cfg.temperature,
                                                            k_given=cfg.k != EvalConfig.k, source=cfg.draft)
@@ -193,7 +243,7 @@ def check_config(cfg: EvalConfig) -> tuple[EvalConfig, DraftRef]:
         raise EvalError(str(e)) from e
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
-    cfg = replace(cfg, k=len(tree) if tree else k, tree=tree)
+    cfg = replace(cfg, k=cfg.num_steps if cfg.served_tree else len(tree) if tree else k, tree=tree)
     if cfg.k < 1:
         raise EvalError(f"k must be at least 1, got {cfg.k}")
     if cfg.output:  # before decoding: the results are not lost to an unwritable or another run's folder
@@ -273,7 +323,10 @@ def decode_sets(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict,
     # cache and each draft's: no decode grows one (which would drop its captured steps and
     # prefills: a recapture, or a recompile, inside a timed decode)
     longest = max((len(ids) for prompts in sets.values() for _, ids in prompts), default=0)
-    tree_width = tree_nodes(cfg.tree) + len(cfg.tree) if cfg.tree else 0  # a tree verify: its nodes and the pending path
+    # a tree verify: its nodes and the pending path
+    served = cfg.served_tree
+    tree_width = (served.num_draft_tokens - 1 + served.num_steps if served else
+                  tree_nodes(cfg.tree) + len(cfg.tree) if cfg.tree else 0)
     target.reserve(longest + cfg.max_new_tokens + 1 + max(MAX_DRAFT, tree_width))
     for runner in drafts.values():
         runner.reserve(longest + cfg.max_new_tokens)
@@ -292,7 +345,7 @@ def decode_sets(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict,
             entry["target_alone_dropped_steps"] = sum(r.dropped_steps for r in base)
         for label, runner in drafts.items():
             results = decode_set(target, runner, prompts, cfg, eos,
-                                 f"{name}: {label} draft {shape_name(cfg.k, cfg.tree)}", silent)
+                                 f"{name}: {label} draft {draft_shape(cfg)}", silent)
             entry[label] = summarise_set(results, cfg.k)
             if base is not None:
                 entry[label]["speedup"] = entry[label]["tokens_per_s"] / entry["target_alone_tokens_per_s"]
@@ -374,9 +427,9 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
         raise EvalError("--compile-target needs the target's decode steps captured: one CUDA device, without "
                         "--tp / --ep or a device map; leave it off for this placement")
     runner_target = TargetRunner(target, aux, compiled=cfg.compile_target)
-    drafts = {"trained": family.decoder(draft, target, k=cfg.k, tree=cfg.tree, compiled=cfg.compile_draft)}
+    drafts = {"trained": family.decoder(draft, target, k=cfg.k, tree=cfg.drafted_tree, compiled=cfg.compile_draft)}
     if cfg.compare_untrained:
-        drafts["untrained"] = family.decoder(untrained_like(draft, cfg.seed), target, k=cfg.k, tree=cfg.tree,
+        drafts["untrained"] = family.decoder(untrained_like(draft, cfg.seed), target, k=cfg.k, tree=cfg.drafted_tree,
                                              compiled=cfg.compile_draft)
     report = {"config": config_dict(cfg), "convention": "accept_length = mean tokens per target verify forward, "
               "counting the target's own token (k+1 at most); the prompt's first token is not counted",

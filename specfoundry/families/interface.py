@@ -146,6 +146,10 @@ class DraftFamily:
         (k_given: -k was set); ValueError (one line) for settings it cannot decode with."""
         raise NotImplementedError
 
+    serves_engine_tree = False
+    """Whether the family drafts the engines' tree (sf-eval --num-steps/--topk/--num-draft-tokens, passed
+    to decoder as `tree`: families/eagle3/engine_tree.py EngineTree): EAGLE-3's."""
+
     compiles_draft = False
     """Whether decoder(compiled=True) is offered (sf-eval --compile-draft): EAGLE-3's chain, the DFlash,
     DSpark and Domino block proposals (P-EAGLE's round is not compiled: one shape per pending-row count)."""

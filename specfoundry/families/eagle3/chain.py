@@ -35,7 +35,7 @@ from specfoundry.decoding.rounds import DecodeResult, decode_rounds
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.steps import CapturedSteps, Step, prompt_keys, read_rows
 from specfoundry.decoding.target import COLUMN_ROUND, TargetRunner
-from specfoundry.families.eagle3.engine_tree import EngineTree
+from specfoundry.decoding.tree import EngineTree
 from specfoundry.families.eagle3.engine_tree import expand_body as engine_expand_body
 from specfoundry.families.eagle3.expansion import TreeShape, expand_body
 from specfoundry.families.eagle3.model import Eagle3Draft

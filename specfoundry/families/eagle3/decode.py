@@ -11,7 +11,7 @@ import torch
 from specfoundry.decoding.rounds import DecodeResult
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
-from specfoundry.decoding.tree import tree_nodes
+from specfoundry.decoding.tree import EngineTree, tree_nodes
 from specfoundry.families.eagle3.chain import DraftRunner, speculative_generate
 from specfoundry.families.eagle3.model import Eagle3Draft, TTTCache
 from specfoundry.families.eagle3.tree import TreeShape, tree_generate, verify_widths
@@ -20,11 +20,12 @@ from specfoundry.families.interface import Decoder
 
 @dataclass
 class Eagle3Decoder(Decoder):
-    """A chain of k proposals per round, or the token tree of `tree`'s branching (greedy)."""
+    """A chain of k proposals per round, or the token tree of `tree`'s branching, or the engines' tree
+    of an EngineTree (greedy)."""
 
     runner: DraftRunner
     k: int
-    tree: tuple[int, ...] | None = None
+    tree: tuple[int, ...] | EngineTree | None = None
 
     def generate(self, target: TargetRunner, prompt: list[int], *, max_new_tokens: int, eos: set[int],
                  sampler: Sampler) -> DecodeResult:
@@ -37,7 +38,13 @@ class Eagle3Decoder(Decoder):
     def reserve(self, tokens: int) -> None:
         # what a decode's proposals take past its text: k entries, or the tree's nodes (as
         # speculative_generate and tree_generate reset it)
-        self.runner.reset(tokens + (tree_nodes(self.tree) if self.tree else self.k))
+        self.runner.reset(tokens + self.proposals())
+
+    def proposals(self) -> int:
+        """The draft's entries past the committed text a round writes (tree.py ServedTree's reserve)."""
+        if isinstance(self.tree, EngineTree):
+            return max(self.tree.num_draft_tokens - 1, self.tree.num_steps * self.tree.topk)
+        return tree_nodes(self.tree) if self.tree else self.k
 
     def step_keys(self, target: TargetRunner, prompts: list[int]) -> list:
         """The prompt's read, the commit of every count a round may take (a + 1 for a = 0..k, or
@@ -46,6 +53,10 @@ class Eagle3Decoder(Decoder):
         if not self.tree:
             return (self.runner.step_keys(self.k, prompts) + [(self.runner.chains, self.k)]
                     + [(target.steps, self.k + 1)])
+        if isinstance(self.tree, EngineTree):  # p pending tokens (1..S + 1) and the N - 1 drafted ones
+            nodes, depth = self.tree.num_draft_tokens - 1, self.tree.num_steps
+            return (self.runner.step_keys(depth, prompts) + [(self.runner.engine_trees, self.tree)]
+                    + [(target.steps, p + nodes) for p in range(1, depth + 2)])
         shape = TreeShape.of(self.tree, self.runner.logits.shape[-1])
         return (self.runner.step_keys(len(self.tree), prompts) + [(self.runner.trees, shape.branching)]
                 + [(target.steps, width) for width in verify_widths(shape)])

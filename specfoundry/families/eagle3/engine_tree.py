@@ -23,35 +23,10 @@ acceptance walks each node's children in ascending order (decoding/tree.py accep
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from specfoundry.decoding.cache import visible
-
-
-@dataclass(frozen=True)
-class EngineTree:
-    """SGLang's three serving knobs, under its flags' names without the prefix."""
-
-    num_steps: int  # S: draft forwards a round (the root's included), the tree's depth
-    topk: int  # K: children kept per expanded node, and the frontier's width
-    num_draft_tokens: int  # N: tokens the target verifies a round, the root included
-
-    def __post_init__(self):
-        if min(self.num_steps, self.topk, self.num_draft_tokens) < 1:
-            raise ValueError(f"--num-steps, --topk and --num-draft-tokens are at least 1, got {self}")
-        if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
-            raise ValueError(f"--topk 1 drafts a chain of --num-steps tokens: --num-draft-tokens is "
-                             f"{self.num_steps + 1} (SGLang sets it so), not {self.num_draft_tokens}")
-        if self.num_draft_tokens - 1 > self.pool_size:
-            raise ValueError(f"--num-draft-tokens {self.num_draft_tokens} verifies more drafted tokens than the "
-                             f"{self.pool_size} that {self.num_steps} steps of top {self.topk} draft")
-
-    @property
-    def pool_size(self) -> int:
-        """The nodes the draft scores a round: K at step 0, K^2 at each later step."""
-        return self.topk + (self.num_steps - 1) * self.topk ** 2
+from specfoundry.decoding.tree import EngineTree
 
 
 def best(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,7 @@ from specfoundry.kernels.lk_loss import TokenLoss
 class Eagle3Family(DraftFamily):
     name = "eagle3"
     compiles_draft = True
+    serves_engine_tree = True
     config_class = Eagle3Config
 
     def layer_count(self, options: Eagle3Options) -> int:

@@ -37,9 +37,8 @@ from specfoundry.decoding.rounds import (
     read_prompt,
 )
 from specfoundry.decoding.target import TargetRunner
-from specfoundry.decoding.tree import DraftTree, accept_tree, verify_mask
+from specfoundry.decoding.tree import DraftTree, EngineTree, accept_tree, verify_mask
 from specfoundry.families.eagle3.chain import DraftRunner
-from specfoundry.families.eagle3.engine_tree import EngineTree
 from specfoundry.families.eagle3.expansion import TreeShape
 
 
