@@ -115,19 +115,25 @@ def test_settings_sglang_would_refuse_are_one_line(s, k, n, words):
         EngineTree(s, k, n)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("s, k, n", [(3, 2, 6), (4, 3, 10), (3, 1, 4), (1, 4, 5)])
-def test_the_drafts_device_step_drafts_the_tree_of_its_own_distributions(s, k, n, graphs):
+def test_the_drafts_device_step_drafts_the_tree_of_its_own_distributions(s, k, n, graphs, device):
     """The draft's expansion (engine_tree.py expand_body: K rows a forward, each seeing its ancestors)
     against tree_from_distributions fed the draft's own next-token probabilities after each path,
     each read by the eager chain step from the committed state (DraftRunner.run, as `propose` reads
-    a sampled chain). graphs=True runs the step as a capture's CPU stand-in (host reads forbidden)."""
+    a sampled chain). graphs=True runs the step as a capture's CPU stand-in (host reads forbidden), and
+    as a CUDA graph on a GPU."""
     from specfoundry.common.target import Target
     from specfoundry.decoding.target import TargetRunner
     from specfoundry.families.eagle3.chain import DraftRunner
     from tests.test_eval import tiny_pair
 
     model, draft = tiny_pair(vocab=64)
+    model, draft = model.to(device), draft.to(device)
     target = TargetRunner(Target.wrap(model), [0, 1, 2])
     runner = DraftRunner(draft, graphs=graphs)
     runner.reset(128)
@@ -151,8 +157,9 @@ def test_the_drafts_device_step_drafts_the_tree_of_its_own_distributions(s, k, n
     assert len(runner) == 16  # the committed entries are as they were
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("s, k, n", [(3, 2, 6), (5, 4, 8), (4, 1, 5), (2, 3, 12)])
-def test_decoding_with_the_engines_tree_is_the_targets_greedy_decoding(s, k, n):
+def test_decoding_with_the_engines_tree_is_the_targets_greedy_decoding(s, k, n, device):
     """tree_generate with an EngineTree: the target verifies the N tokens SGLang would (the root and
     the N-1 selected), under the mask of their parents read that round; the output is the target's
     own greedy text, and no round accepts more than the tree's S depths."""
@@ -165,6 +172,7 @@ def test_decoding_with_the_engines_tree_is_the_targets_greedy_decoding(s, k, n):
     from tests.test_eval import tiny_pair
 
     model, draft = tiny_pair(vocab=64)
+    model, draft = model.to(device), draft.to(device)
     target = TargetRunner(Target.wrap(model), [0, 1, 2])
     prompt = list(range(1, 12))
     own = target_generate(target, prompt, max_new_tokens=30, eos=set(), sampler=Sampler()).tokens
