@@ -295,9 +295,9 @@ plan_capture() {
   fi
 }
 
-# families: every family's draft from one capture (SYNTH conversations), trained JOBS at a time for
-# STEPS optimizer steps each (else EPOCHS epochs); a training that failed (out of memory beside
-# another) runs again alone, resuming. Then each draft decodes alone, one after another, every
+# families: every family's draft from one capture (SYNTH conversations), trained for STEPS optimizer
+# steps each (else EPOCHS epochs): DFlash2 alone, then the others JOBS at a time; a training that
+# failed (out of memory beside another) runs again alone, resuming. Then each draft decodes alone, one after another, every
 # built-in prompt (FAMILIES_LIMIT prompts a set where set), bf16 with the target compiled
 # (TIMING_OPTS, and DRAFT_TIMING_OPTS for the drafts that take them): each report gives both the
 # acceptance and the speed, the first one (the chain's) the target alone too.
@@ -316,11 +316,14 @@ plan_families() {
                 "peagle_k7|$PEAGLE|--num-depths 7"
                 "dflash_b16_dpace|$DFLASH|--block-size 16 --objective dpace")
   keep_only drafts "${FAMILIES_ONLY:-}"
+  local alone=()  # DFlash2 trains alone: ~60 GB of an H100 before its convolution was compiled, none beside it
   for d in "${drafts[@]}"; do
     IFS='|' read -r name recipe opts <<< "$d"
-    trains+=("sf-train run $r/features -o $r/$name --recipe $recipe $opts $length $TRAIN_OPTS")
+    if [ "$name" = dflash2_b16 ]; then alone+=("sf-train run $r/features -o $r/$name --recipe $recipe $opts $length $TRAIN_OPTS")
+    else trains+=("sf-train run $r/features -o $r/$name --recipe $recipe $opts $length $TRAIN_OPTS"); fi
   done
-  together families_train "${FAMILIES_EST:-900}" "$(train_jobs)" "${trains[@]}"
+  together families_train_dflash2 "${FAMILIES_DFLASH2_EST:-360}" 1 "${alone[@]}"
+  together families_train "${FAMILIES_EST:-600}" "$(train_jobs)" "${trains[@]}"
   for d in "${drafts[@]}"; do
     IFS='|' read -r name recipe opts <<< "$d"
     [ -f "$r/$name/export/config.json" ] || retries+=("sf-train run $r/features -o $r/$name --recipe $recipe $opts $length $TRAIN_OPTS")
