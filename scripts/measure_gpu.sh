@@ -316,7 +316,7 @@ plan_families() {
                 "peagle_k7|$PEAGLE|--num-depths 7"
                 "dflash_b16_dpace|$DFLASH|--block-size 16 --objective dpace")
   keep_only drafts "${FAMILIES_ONLY:-}"
-  local alone=()  # DFlash2 trains alone: ~60 GB of an H100 before its convolution was compiled, none beside it
+  local alone=()  # DFlash2 trains alone: it held 42 GiB of an H100 (its convolution eager) and ran out beside DFlash
   for d in "${drafts[@]}"; do
     IFS='|' read -r name recipe opts <<< "$d"
     if [ "$name" = dflash2_b16 ]; then alone+=("sf-train run $r/features -o $r/$name --recipe $recipe $opts $length $TRAIN_OPTS")

@@ -130,7 +130,10 @@ def message_end(render, messages: list[dict], k: int, text: str) -> int:
     content = messages[k].get("content")
     if not isinstance(content, str) or not content:
         return 0
-    probed = render([*messages[:k], {**messages[k], "content": CONTENT_PROBE}, *messages[k + 1:]])
+    try:
+        probed = render([*messages[:k], {**messages[k], "content": CONTENT_PROBE}, *messages[k + 1:]])
+    except Exception:  # noqa: BLE001 - a template that refuses the probe's text: no bound by position here
+        return 0
     start = common_prefix_length(text, probed)
     for copy in (content, content.strip()):
         if copy and text.startswith(copy, start):
