@@ -33,7 +33,7 @@ def options(cmd: click.Command) -> list[click.Option]:
 def test_every_tool_is_a_group_of_commands():
     assert all(isinstance(c, click.Group) for c in COMMANDS.values())
     assert sorted(leaf_commands()) == ["sf-capture run", "sf-capture verify", "sf-eval gate", "sf-eval run",
-                                       "sf-export run", "sf-regen run", "sf-train run"]
+                                       "sf-eval sweep", "sf-export run", "sf-regen run", "sf-train run"]
 
 
 def test_every_console_script_is_a_group_of_the_one_cli_module():

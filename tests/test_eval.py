@@ -491,3 +491,35 @@ def test_sf_eval_decodes_sglangs_served_tree_as_the_target_does(gate_run, dflash
     with pytest.raises(EvalError, match="pick SGLang's EAGLE tree; .* is a dflash draft"):
         run_eval(EvalConfig(**{**base, "draft": str(dflash_gate_run[1])}, num_steps=3, topk=2, num_draft_tokens=6),
                  target=smollm2_target)
+
+
+def test_sf_eval_sweep_decodes_each_setting_names_the_best_and_its_flags(gate_run, dflash_gate_run, smollm2_target,
+                                                                          tmp_path, monkeypatch):
+    """sf-eval sweep (issue 58): one sf-eval run per serving setting into OUTPUT/<setting>, the target
+    alone once; sweep.json's rows per setting and set, the best, and the SGLang flags that serve it
+    (vLLM's for a chain); a rerun skips the settings done; a setting of another family's form, or
+    past the draft's own, is one line."""
+    from dataclasses import replace
+
+    import specfoundry.eval.sweep as sweep_module
+    from specfoundry.eval.sweep import SweepConfig, format_sweep, run_sweep
+
+    _, export = gate_run
+    base = dict(prompt_sets=("chat",), limit=1, max_new_tokens=8, device="cpu")
+    cfg = SweepConfig(draft=str(export), output=str(tmp_path / "s"), settings=("3,1,4", "3,2,6"), **base)
+    summary = run_sweep(cfg, silent=True, target=smollm2_target)
+    assert [r["setting"] for r in summary["rows"]] == ["S3_K1_N4", "S3_K2_N6"]
+    assert [r["verify_width"] for r in summary["rows"]] == [4, 6]
+    assert set(summary["target_alone_tokens_per_s"]) == {"chat"}  # the first setting's run alone
+    assert summary["best"] in ("S3_K1_N4", "S3_K2_N6")
+    assert "--speculative-algorithm EAGLE3" in summary["serve"]["sglang"]
+    assert json.loads((tmp_path / "s" / "sweep.json").read_text())["best"] == summary["best"]
+    assert "SGLang: --speculative-algorithm EAGLE3" in format_sweep(summary)
+    monkeypatch.setattr(sweep_module, "run_eval", lambda *a, **k: pytest.fail("a finished setting ran again"))
+    assert run_sweep(cfg, silent=True, target=smollm2_target)["rows"] == summary["rows"]
+    with pytest.raises(EvalError, match="an EAGLE-3 setting is S,K,N"):
+        run_sweep(replace(cfg, settings=("7",)), silent=True, target=smollm2_target)
+    _, dflash = dflash_gate_run
+    with pytest.raises(EvalError, match="a dflash setting is k, the proposals a round, from 1 to 4"):
+        run_sweep(SweepConfig(draft=str(dflash), output=str(tmp_path / "d"), settings=("3,1,4",), **base),
+                  silent=True, target=smollm2_target)

@@ -16,13 +16,14 @@ from specfoundry.capture.stage import CaptureConfig
 from specfoundry.common.cli import build_config, resolve_config
 from specfoundry.common.settings import Range, config_fields, default_of, long_flag
 from specfoundry.eval.evaluate import EvalConfig
+from specfoundry.eval.sweep import SweepConfig
 from specfoundry.gate import GateConfig
 from specfoundry.generate.regen import RegenConfig
 from specfoundry.train.export import ExportConfig
 from specfoundry.train.trainer import TrainConfig
 from tests.test_cli_help import COMMANDS, leaf_commands, options
 
-CONFIGS = [RegenConfig, CaptureConfig, TrainConfig, EvalConfig, GateConfig, ExportConfig]
+CONFIGS = [RegenConfig, CaptureConfig, TrainConfig, EvalConfig, SweepConfig, GateConfig, ExportConfig]
 
 # what each command runs once its config is built (replaced here: the test never runs a stage)
 RUNNERS = {"sf-regen run": ("specfoundry.generate.cli", "run_regen"),
@@ -31,10 +32,11 @@ RUNNERS = {"sf-regen run": ("specfoundry.generate.cli", "run_regen"),
            "sf-train run": ("specfoundry.train.cli", "run_train"),
            "sf-export run": ("specfoundry.train.cli", "run_export"),
            "sf-eval run": ("specfoundry.eval.cli", "run_eval"),
+           "sf-eval sweep": ("specfoundry.eval.cli", "run_sweep"),
            "sf-eval gate": ("specfoundry.gate", "run_gate")}
 ARGS = {"sf-regen run": ["IN", "-o", "OUT"], "sf-capture run": ["IN", "-o", "OUT"], "sf-capture verify": ["IN"],
         "sf-train run": ["IN", "-o", "OUT"], "sf-export run": ["IN", "-o", "OUT"], "sf-eval run": ["IN", "-o", "OUT"],
-        "sf-eval gate": ["-o", "OUT"]}
+        "sf-eval sweep": ["IN", "-o", "OUT"], "sf-eval gate": ["-o", "OUT"]}
 ABSURD = {int: "1000000000000", float: "1e12"}
 
 
@@ -67,6 +69,7 @@ ACCEPTED = {
     ("sf-capture verify", "--recompute", "0"), ("sf-train run", "--profile-steps", "0"),
     # 0 is an ordinary value
     ("sf-regen run", "--seed", "0"), ("sf-train run", "--seed", "0"), ("sf-eval run", "--seed", "0"),
+    ("sf-eval sweep", "--seed", "0"),
     ("sf-train run", "--mask-token-id", "0"), ("sf-train run", "--pard-token-id", "0"),
     ("sf-train run", "--down-sample-ratio-min", "0"),  # P-EAGLE's COD sampling without a floor
     ("sf-train run", "--base-weight-start", "0"), ("sf-train run", "--base-weight-end", "0"),  # Domino's lambda
@@ -76,6 +79,7 @@ ACCEPTED = {
     ("sf-regen run", "--shard-size", "1000000000000"), ("sf-regen run", "--limit", "1000000000000"),
     ("sf-capture run", "--shard-size", "1000000000000"), ("sf-capture run", "--limit", "1000000000000"),
     ("sf-capture verify", "--recompute", "1000000000000"), ("sf-eval run", "--limit", "1000000000000"),
+    ("sf-eval sweep", "--limit", "1000000000000"),
     ("sf-train run", "--warmup-steps", "1000000000000"), ("sf-train run", "--max-steps", "1000000000000"),
     ("sf-train run", "--epochs", "1e12"), ("sf-train run", "--eval-every", "1000000000000"),
     ("sf-train run", "--save-every", "1000000000000"), ("sf-train run", "--keep-last", "1000000000000"),

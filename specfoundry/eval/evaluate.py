@@ -85,6 +85,13 @@ def parse_tree(spec) -> tuple[int, ...] | None:
     return parse_branching(spec)
 
 
+PROMPTS_HELP = (f"Comma-separated prompt sets: built-in held-out sets ({', '.join(BUILTIN_SETS)}) or dataset files "
+                "(jsonl/json/parquet; a trailing assistant turn is dropped).")
+COMPILE_TARGET_HELP = ("Run the target's captured decode steps through torch.compile, one compile per shape in the "
+                       "untimed warm-up (one CUDA device; docs/stages.md, \"sf-eval run\").")
+"""sf-eval run's and sf-eval sweep's help of the options they share (one concept, one help)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class EvalConfig(Settings):
     """Settings of one sf-eval run (recorded in eval_config.json and in eval.json)."""
@@ -104,10 +111,7 @@ class EvalConfig(Settings):
         (), parse=parse_modes, shown="none: one mode (--chat-template-kwargs)",
         help="Evaluate in several modes, a JSON list of chat-template argument objects, decoding each prompt set "
              "in each (docs/stages.md, \"Reasoning targets\").")
-    prompt_sets: tuple[str, ...] = setting(
-        BUILTIN_SETS, flags=("--prompts",),
-        help=f"Comma-separated prompt sets: built-in held-out sets ({', '.join(BUILTIN_SETS)}) or dataset files "
-             "(jsonl/json/parquet; a trailing assistant turn is dropped).")
+    prompt_sets: tuple[str, ...] = setting(BUILTIN_SETS, flags=("--prompts",), help=PROMPTS_HELP)
     k: int = shared("draft_tokens", 4, shown=FAMILIES.eval_k_shown(), help=FAMILIES.draft_tokens_help())
     tree: tuple[int, ...] | None = setting(
         None, parse=parse_tree, shown="none: a chain",
@@ -137,9 +141,7 @@ class EvalConfig(Settings):
                                        "(config hash or weight fingerprint), with a warning, instead of refusing.")
     compare_untrained: bool = setting(False, help="Also evaluate a freshly initialised draft with the same config "
                                       "and vocabulary (the floor).")
-    compile_target: bool = setting(
-        False, help="Run the target's captured decode steps through torch.compile, one compile per shape in "
-                    "the untimed warm-up (one CUDA device; docs/stages.md, \"sf-eval run\").")
+    compile_target: bool = setting(False, help=COMPILE_TARGET_HELP)
     compile_draft: bool = setting(
         False, help="Run the draft's captured proposal through torch.compile, one compile per shape in the untimed "
                     "warm-up (CUDA only; docs/stages.md, \"sf-eval run\").")
