@@ -514,12 +514,46 @@ def test_sf_eval_sweep_decodes_each_setting_names_the_best_and_its_flags(gate_ru
     assert summary["best"] in ("S3_K1_N4", "S3_K2_N6")
     assert "--speculative-algorithm EAGLE3" in summary["serve"]["sglang"]
     assert json.loads((tmp_path / "s" / "sweep.json").read_text())["best"] == summary["best"]
+    assert (tmp_path / "s" / "sweep.png").stat().st_size > 0
     assert "SGLang: --speculative-algorithm EAGLE3" in format_sweep(summary)
     monkeypatch.setattr(sweep_module, "run_eval", lambda *a, **k: pytest.fail("a finished setting ran again"))
     assert run_sweep(cfg, silent=True, target=smollm2_target)["rows"] == summary["rows"]
     with pytest.raises(EvalError, match="an EAGLE-3 setting is S,K,N"):
         run_sweep(replace(cfg, settings=("7",)), silent=True, target=smollm2_target)
     _, dflash = dflash_gate_run
-    with pytest.raises(EvalError, match="a dflash setting is k, the proposals a round, from 1 to 4"):
-        run_sweep(SweepConfig(draft=str(dflash), output=str(tmp_path / "d"), settings=("3,1,4",), **base),
+    with pytest.raises(EvalError, match="sf-eval decodes a dflash draft at its trained block only, k = 4"):
+        run_sweep(SweepConfig(draft=str(dflash), output=str(tmp_path / "d"), settings=("3",), **base),
                   silent=True, target=smollm2_target)
+
+
+@pytest.mark.parametrize("family, fields, sglang, vllm", [
+    ("eagle3", dict(num_steps=5, topk=4, num_draft_tokens=8),
+     "--speculative-algorithm EAGLE3 --speculative-draft-model-path D --speculative-num-steps 5 "
+     "--speculative-eagle-topk 4 --speculative-num-draft-tokens 8", None),
+    ("eagle3", dict(num_steps=3, topk=1, num_draft_tokens=4), None,
+     {"method": "eagle3", "model": "D", "num_speculative_tokens": 3}),
+    ("dflash2", dict(k=15), "--speculative-algorithm DFLASH --speculative-draft-model-path D "
+     "--speculative-num-draft-tokens 16", {"method": "dflash", "model": "D", "num_speculative_tokens": 15}),
+    ("domino", dict(k=15), "--speculative-algorithm DFLASH --speculative-draft-model-path D "
+     "--speculative-num-draft-tokens 16", None),
+    ("dspark", dict(k=7), "--speculative-algorithm DSPARK --speculative-draft-model-path D "
+     "--speculative-dspark-block-size 7", {"method": "dspark", "model": "D", "num_speculative_tokens": 7}),
+    ("peagle", dict(k=7), None,
+     {"method": "eagle3", "model": "D", "num_speculative_tokens": 7, "parallel_drafting": True}),
+])
+def test_the_serving_flags_are_the_engines_per_family(family, fields, sglang, vllm):
+    """serving_flags as docs/serving.md writes them from SGLang's and vLLM's code: SGLang serves the
+    DFlash backbone's families as DFLASH with the block, vLLM a DFlash2 draft as dflash and no Domino
+    draft, P-EAGLE only in vLLM (eagle3 with parallel drafting), an EAGLE-3 tree in vLLM only as a chain."""
+    from specfoundry.eval.sweep import serving_flags
+
+    got = serving_flags(family, "D", fields)
+    if sglang is not None:
+        assert got["sglang"] == sglang
+    if family == "peagle":
+        assert got["sglang"] is None
+    if vllm is None:
+        assert fields.get("topk", 1) != 1 or family == "domino"
+        assert got["vllm"] is None
+    else:
+        assert json.loads(got["vllm"].removeprefix("--speculative-config ")) == vllm

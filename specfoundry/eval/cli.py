@@ -44,4 +44,4 @@ def sweep(recipe, silent, **options):
     cfg = resolve_config(SweepConfig, "eval", recipe, options)
     summary = run_sweep(cfg, silent=silent)
     click.echo(format_sweep(summary))
-    click.echo(f"wrote {cfg.output}/sweep.json")
+    click.echo(f"wrote {cfg.output}/sweep.json, sweep.png")

@@ -4,20 +4,22 @@ over the same prompts with the target loaded once, reported side by side with th
 The settings (`--settings`, else the family's defaults):
     EAGLE-3   SGLang's tree, S,K,N each (--speculative-num-steps, --speculative-eagle-topk,
               --speculative-num-draft-tokens; K = 1 is the chain of S tokens, N = S + 1)
-    others    k, the proposals a round: a block drafter's block less one (at most its trained
-              block's), P-EAGLE's depths (at most its trained ones)
+    P-EAGLE   k, the proposals a round, at most its trained depths
+    blocks    k, the block drafter's trained block less one (DSpark: its block): sf-eval's block
+              decoders run the block they were trained with, so that is the one setting here
 Each setting's run writes OUTPUT/<setting>/ (eval.json, eval.txt) as `sf-eval run` does, so a
 rerun skips the settings already done; the first one decodes the target alone too (its tokens/s
 are every setting's yardstick). OUTPUT/sweep.json holds per setting and prompt set the acceptance
 length, acceptance by position, draft and target ms a round and tokens/s; the best setting per set
-and over all sets (the highest mean tokens/s); and for EAGLE-3 the SGLang and vLLM flags that
-serve the best one. sf-eval decodes one sequence at a time: what a server under load gains from
+and over all sets (the highest mean tokens/s); and the SGLang and vLLM flags that serve the best
+one (serving_flags). sf-eval decodes one sequence at a time: what a server under load gains from
 a setting is not what one sequence gains (docs/serving.md).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,8 +52,8 @@ class SweepConfig(Settings):
                          "checkpoints/step-N.")
     output: str = shared("output", resume=False)
     settings: tuple[str, ...] = setting(
-        (), parse=parse_settings, resume=False, shown="the family's: EAGLE-3 3,1,4 5,1,6 7,1,8 5,4,8 6,8,32; a block "
-        "drafter 3, 5, 7 and its block less one; P-EAGLE 3, 5, 7 and its depths, at most its own",
+        (), parse=parse_settings, resume=False, shown="the family's: EAGLE-3 3,1,4 5,1,6 7,1,8 5,4,8 6,8,32; P-EAGLE "
+        "3, 5, 7 and its depths, at most its own; a block drafter its trained block alone",
         help="The serving settings to decode at, space-separated: S,K,N for EAGLE-3, k for the others "
              "(docs/serving.md).")
     target: str = shared("target", EMBEDDED_DEFAULT)
@@ -79,20 +81,19 @@ def setting_options(family, settings: tuple[str, ...], draft_cfg) -> list[tuple[
                                 f"--settings {s!r}: an EAGLE-3 setting is S,K,N (SGLang's tree), not k") from None
             out.append((f"S{steps}_K{topk}_N{tokens}", dict(num_steps=steps, topk=topk, num_draft_tokens=tokens)))
         return out
-    most = most_proposals(draft_cfg)
+    # the family's own k: a block drafter's block less one (DSpark's block), P-EAGLE's depths
+    most = family.decode_settings(draft_cfg, k=1, tree=None, temperature=0.0, k_given=False, source="draft")[0]
+    if not hasattr(draft_cfg, "num_depths"):  # a block drafter: sf-eval decodes its trained block alone
+        other = [s for s in settings if s != str(most)]
+        if other:
+            raise EvalError(f"--settings {other[0]!r}: sf-eval decodes a {family.name} draft at its trained block "
+                            f"only, k = {most}")
+        return [(f"k{most}", dict(k=most))]
     ks = [int(s) for s in settings if s.isdigit()] if settings else sorted({k for k in (3, 5, 7, most) if k <= most})
     bad = [s for s in settings if not s.isdigit() or not 1 <= int(s) <= most]
     if bad:
         raise EvalError(f"--settings {bad[0]!r}: a {family.name} setting is k, the proposals a round, from 1 to {most}")
     return [(f"k{k}", dict(k=k)) for k in ks]
-
-
-def most_proposals(draft_cfg) -> int:
-    """The most proposals a round the draft makes: a block drafter's block less one (DSpark's block),
-    P-EAGLE's depths."""
-    if hasattr(draft_cfg, "num_depths"):
-        return int(draft_cfg.num_depths)
-    return int(draft_cfg.block_size) - 1
 
 
 def run_sweep(cfg: SweepConfig, silent: bool = False, target: Target | None = None) -> dict:
@@ -118,7 +119,34 @@ def run_sweep(cfg: SweepConfig, silent: bool = False, target: Target | None = No
     summary = summarise(reports, options, ref)
     atomic_write_json(out / "sweep.json", {"config": {k: getattr(cfg, k) for k in ("draft", "target", "settings")},
                                           **summary})
+    plot_sweep(summary, ref.provider.name, out / "sweep.png")
     return summary
+
+
+def plot_sweep(summary: dict, family: str, path: Path) -> bool:
+    """tokens/s against the verify width, a line per prompt set, the target alone dashed. Needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'specfoundry[plot]')", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for set_name in dict.fromkeys(r["set"] for r in summary["rows"]):
+        rows = sorted((r for r in summary["rows"] if r["set"] == set_name), key=lambda r: r["verify_width"])
+        line = ax.plot([r["verify_width"] for r in rows], [r["tokens_per_s"] for r in rows], "-o", label=set_name)
+        if set_name in summary["target_alone_tokens_per_s"]:
+            ax.axhline(summary["target_alone_tokens_per_s"][set_name], linestyle="--", color=line[0].get_color())
+    ax.set_xlabel("tokens verified a round")
+    ax.set_ylabel("tokens/s (dashed: the target alone)")
+    ax.set_title(f"{family}: tokens/s by serving setting, one sequence")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def summarise(reports: dict, options: list[tuple[str, dict]], ref) -> dict:
@@ -145,7 +173,7 @@ def summarise(reports: dict, options: list[tuple[str, dict]], ref) -> dict:
     return {"rows": rows, "target_alone_tokens_per_s": alone,
             "best_per_set": {k: v["setting"] for k, v in best_per_set.items()},
             "best": best, "best_mean_tokens_per_s": means[best],
-            "serve": serving_flags(ref, fields) if ref.provider.serves_engine_tree else None}
+            "serve": serving_flags(ref.provider.name, str(ref.path), fields)}
 
 
 def verify_width(fields: dict) -> int:
@@ -153,18 +181,33 @@ def verify_width(fields: dict) -> int:
     return fields["num_draft_tokens"] if "num_draft_tokens" in fields else fields["k"] + 1
 
 
-def serving_flags(ref, fields: dict) -> dict:
-    """The SGLang and vLLM flags that serve an EAGLE-3 export at the setting (SGLang's server flags;
-    vLLM's --speculative-config drafts a chain, so it is given where K = 1)."""
-    draft = str(ref.path)
-    sglang = (f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {draft} "
-              f"--speculative-num-steps {fields['num_steps']} --speculative-eagle-topk {fields['topk']} "
-              f"--speculative-num-draft-tokens {fields['num_draft_tokens']}")
-    vllm = None
-    if fields["topk"] == 1:
-        vllm = "--speculative-config " + json.dumps({"method": "eagle3", "model": draft,
-                                                     "num_speculative_tokens": fields["num_steps"]})
-    return {"sglang": sglang, "vllm": vllm}
+def serving_flags(family: str, draft: str, fields: dict) -> dict:
+    """The SGLang server flags and vLLM's --speculative-config that serve the export `draft` of
+    `family` at the setting; None where the engine serves no such draft or setting. Written from the
+    engines' code (docs/serving.md): EAGLE-3 in SGLang as EAGLE3 with its tree's three flags, in vLLM
+    as a chain (K = 1); DFlash, DFlash2 and Domino in SGLang as DFLASH, the block given as
+    --speculative-num-draft-tokens, in vLLM as dflash (not Domino) with k; DSpark as DSPARK and
+    dspark with k; P-EAGLE in vLLM alone, as eagle3 with parallel drafting."""
+    def vllm(method: str, k: int, **extra) -> str:
+        return "--speculative-config " + json.dumps({"method": method, "model": draft, "num_speculative_tokens": k,
+                                                     **extra})
+
+    if family == "eagle3":
+        return {"sglang": f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {draft} "
+                          f"--speculative-num-steps {fields['num_steps']} --speculative-eagle-topk {fields['topk']} "
+                          f"--speculative-num-draft-tokens {fields['num_draft_tokens']}",
+                "vllm": vllm("eagle3", fields["num_steps"]) if fields["topk"] == 1 else None}
+    k = fields["k"]
+    if family in ("dflash", "dflash2", "domino"):
+        return {"sglang": f"--speculative-algorithm DFLASH --speculative-draft-model-path {draft} "
+                          f"--speculative-num-draft-tokens {k + 1}",
+                "vllm": None if family == "domino" else vllm("dflash", k)}
+    if family == "dspark":
+        return {"sglang": f"--speculative-algorithm DSPARK --speculative-draft-model-path {draft} "
+                          f"--speculative-dspark-block-size {k}", "vllm": vllm("dspark", k)}
+    if family == "peagle":
+        return {"sglang": None, "vllm": vllm("eagle3", k, parallel_drafting=True)}
+    raise ValueError(f"no serving flags are known for family {family!r}")
 
 
 def format_sweep(summary: dict) -> str:
@@ -177,9 +220,9 @@ def format_sweep(summary: dict) -> str:
     lines.append(f"target alone, tokens/s: {alone or '-'}")
     lines.append(f"best over all sets: {summary['best']} ({summary['best_mean_tokens_per_s']:.1f} tokens/s on "
                  f"average); per set: " + ", ".join(f"{k} {v}" for k, v in summary["best_per_set"].items()))
-    if summary["serve"]:
-        lines.append(f"SGLang: {summary['serve']['sglang']}")
-        lines.append(f"vLLM: {summary['serve']['vllm'] or 'a chain only (--settings S,1,S+1): its token tree differs'}")
+    serve = summary["serve"]
+    lines.append(f"SGLang: {serve['sglang'] or 'serves no such draft'}")
+    lines.append(f"vLLM: {serve['vllm'] or 'serves no such draft or setting (of an EAGLE-3 tree: a chain only, K = 1)'}")
     lines.append("one sequence at a time: a server under load gains otherwise (docs/serving.md)")
     return "\n".join(lines)
 
