@@ -137,3 +137,30 @@ def test_common_prefix_length_by_bisection(a, b, want):
     from specfoundry.capture.template import common_prefix_length
 
     assert common_prefix_length(a, b) == want == common_prefix_length(b, a)
+
+
+MISTRAL_LIKE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- set msgs = messages[1:] %}{%- else %}{%- set system = '' %}{%- set msgs = messages %}{%- endif %}"
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in msgs %}{%- if m['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in msgs %}{%- if m['role'] == 'user' %}"
+    "{%- if loop.index0 == ns.last_user and system %}{{- '[INST] ' + system + '\\n\\n' + m['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST] ' + m['content'] + '[/INST]' }}{%- endif %}"
+    "{%- else %}{{- '\n' + m['content'] + '<|im_end|>' }}{%- endif %}{%- endfor %}"
+)
+"""Mistral's rule: the system prompt is rendered inside the last user message, after earlier turns."""
+
+
+def test_a_message_the_template_renders_later_does_not_hide_the_turns_before_it(base_tokenizer):
+    """Placing by position must not overshoot: a system prompt that Mistral's template renders in the
+    last user message stands after the first assistant turn, so the first turn is still looked for
+    from where the text before it ends (the bound by position is used where the turn is found after it)."""
+    tok = load_tokenizer(base_tokenizer.name_or_path)
+    tok.chat_template = MISTRAL_LIKE
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"},
+                    {"role": "assistant", "content": "hi"}, {"role": "user", "content": "Repeat exactly: bye"},
+                    {"role": "assistant", "content": "bye"}]
+    rendered = render_with_mask(tok, conversation)
+    assert masked_texts(tok, rendered) == ["hi<|im_end|>", "bye<|im_end|>"]
+    assert rendered.spans[1][0] > rendered.text.index("Repeat exactly: bye") + len("Repeat exactly: bye")

@@ -75,10 +75,10 @@ def render_with_mask(tokenizer, messages: list[dict], max_length: int | None = N
     text = render(messages)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    spans, cursor = [], 0
+    spans, cursor, ends = [], 0, []  # ends: where the messages before the turn end, placed by position
     for k, m in enumerate(messages):
         if m["role"] != "assistant":
-            cursor = max(cursor, message_end(render, messages, k, text))
+            ends.append(message_end(render, messages, k, text))
             continue
         # The template's own rendering of everything before this turn plus its generation
         # prompt ends at (or just before) where the content starts: search from there, so text
@@ -91,7 +91,16 @@ def render_with_mask(tokenizer, messages: list[dict], max_length: int | None = N
             cursor = spans[-1][1]
             continue
         thought = rendered_thinking(render, messages, k, text, cursor)
-        start, content = locate(text, m["content"], cursor if thought < 0 else thought + len(m["thinking"]))
+        if thought >= 0:
+            start, content = locate(text, m["content"], thought + len(m["thinking"]))
+        else:
+            # after the messages before it, placed by position: from the latest end on; a template that
+            # renders one of them after the turn (Mistral's system prompt, in the last user message)
+            # leaves the turn before that end, so the next latest is tried, down to the cursor
+            for after in [*sorted({e for e in ends if e > cursor}, reverse=True), cursor]:
+                start, content = locate(text, m["content"], after)
+                if start >= 0:
+                    break
         if start < 0:
             raise TemplateMaskError("the chat template does not render an assistant message verbatim")
         end = start + len(content)
