@@ -13,6 +13,7 @@ import torch
 
 from specfoundry.capture.stage import CaptureConfig, CaptureError, stored_layers
 from specfoundry.common.settings import Settings, setting
+from specfoundry.decoding.tree import EngineTree
 from specfoundry.families import FAMILIES
 from specfoundry.families.dflash.options import DFlashOptions, dflash_default_layers
 from specfoundry.families.eagle3.chain import DraftRunner
@@ -380,17 +381,24 @@ def test_every_registered_familys_preparation_leaves_no_capture_to_a_timed_decod
     monkeypatch.setattr(graphs.CapturedCall, "__init__", counting_init)
     monkeypatch.setattr(evaluate, "warm_up", warm_up_then_arm)
     monkeypatch.setattr(evaluate, "warms_up", lambda _: True)  # (a GPU's preparation, on the CPU too)
-    for tree in (None, (2, 2, 1)):  # its chain or block, and a tree where the family drafts one
-        try:
-            k, tree, _ = family.decode_settings(dcfg, k=3, tree=tree, temperature=0.0, k_given=False, source="draft")
-        except ValueError:
-            continue
+    served = EngineTree(3, 2, 6)  # SGLang's tree, where the family drafts it (sf-eval --num-steps ...)
+    for tree in (None, (2, 2, 1), *((served,) if family.serves_engine_tree else ())):
+        # its chain or block, and a tree where the family drafts one
+        if tree is served:
+            k, knobs = served.num_steps, dict(num_steps=3, topk=2, num_draft_tokens=6)
+        else:
+            try:
+                k, tree, _ = family.decode_settings(dcfg, k=3, tree=tree, temperature=0.0, k_given=False,
+                                                    source="draft")
+            except ValueError:
+                continue
+            knobs = dict(tree=tree)
         armed[0] = False
         decoder = family.decoder(draft, target, k=k, tree=tree)
         graphs_on(decoder.runner)
         runner = TargetRunner(target, list(dcfg.target_layers), graphs=True)
         # with the target alone beside it (baseline), whose greedy tokens the draft's must equal
-        cfg = evaluate.EvalConfig(draft="draft", k=k, tree=tree, max_new_tokens=12, baseline=True, device=device)
+        cfg = evaluate.EvalConfig(draft="draft", k=k, max_new_tokens=12, baseline=True, device=device, **knobs)
         sets = {"first": [("short", short)], "second": [("long", long)]}
         out, _ = evaluate.decode_sets(cfg, runner, {"trained": decoder}, sets, set(), silent=True)
         assert armed[0] and built_after_warm_up == [], (name, tree, len(built_after_warm_up))
@@ -398,7 +406,8 @@ def test_every_registered_familys_preparation_leaves_no_capture_to_a_timed_decod
         r = decoder.runner
         committed = (set(r.extends.captured) if hasattr(r, "extends") else set(r.appends.captured)
                      if hasattr(r, "appends") else {n for n, _ in r.rounds.captured})
-        assert set(range(1, (len(tree) if tree else k) + 2)) <= committed, (name, tree, sorted(committed))
+        depth = served.num_steps if tree is served else len(tree) if tree else k
+        assert set(range(1, depth + 2)) <= committed, (name, tree, sorted(committed))
 
 
 # ---- no fallback: an unknown architecture or family is one line at every entry point -----------------
