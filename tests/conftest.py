@@ -232,3 +232,19 @@ def sharp_tiny_target(vocab: int = 6, seed: int = 0):
         model.lm_head.weight.mul_(60)
     return model
 
+
+def holed_batch(lengths, seed: int, aux_width: int, final_width: int | None = None):
+    """A batch of right-padded rows of `lengths` tokens (vocabulary 96) with holes in the loss mask (a
+    prompt of 2, a gap at row 0's position 7): random ids, aux features [.., aux_width] and, where
+    final_width is given, the target's final states; drawn in that order from one seeded generator."""
+    from specfoundry.featureset.batch import Batch
+
+    g = torch.Generator().manual_seed(seed)
+    n, width = len(lengths), max(lengths)
+    ids = torch.randint(0, 96, (n, width), generator=g)
+    mask = torch.arange(width)[None] < torch.tensor(lengths)[:, None]
+    mask[:, :2] = False
+    mask[0, 7] = False
+    aux = torch.randn(n, width, aux_width, generator=g)
+    final = torch.randn(n, width, final_width, generator=g) if final_width else None
+    return Batch(ids, mask, aux, final, list(lengths), list(range(n)))

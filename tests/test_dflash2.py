@@ -27,7 +27,7 @@ from specfoundry.families.dflash2.loss import dflash2_loss, selector_targets, se
 from specfoundry.families.dflash2.model import DFlash2Draft
 from specfoundry.families.dflash2.selector import walk
 from specfoundry.featureset.batch import Batch
-from tests.conftest import edited_export_refusal, sharp_tiny_target
+from tests.conftest import edited_export_refusal, holed_batch, sharp_tiny_target
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, vocab_size=97, target_hidden_size=32, target_layer_ids=(1, 2), block_size=5,
@@ -53,14 +53,7 @@ def tiny_draft(seed=0, trained=True, **overrides) -> DFlash2Draft:
 
 def tiny_batch(lengths=(14, 9), seed=1) -> Batch:
     """Two rows, right-padded, with holes in the loss mask (a prompt, a gap mid-answer)."""
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.randint(0, 96, (len(lengths), width), generator=g)
-    mask = torch.arange(width)[None] < torch.tensor(lengths)[:, None]
-    mask[:, :2] = False
-    mask[0, 7] = False
-    aux = torch.randn(len(lengths), width, 2 * 32, generator=g)
-    return Batch(ids, mask, aux, None, list(lengths), list(range(len(lengths))))
+    return holed_batch(lengths, seed, aux_width=2 * 32)
 
 
 def forward_states(draft, batch, anchors, keep):

@@ -22,7 +22,7 @@ from specfoundry.families.domino.loss import DominoModule, base_weight_at, domin
 from specfoundry.families.domino.model import DominoDraft
 from specfoundry.featureset.batch import Batch
 from specfoundry.testing import assert_close_scaled
-from tests.conftest import edited_export_refusal
+from tests.conftest import edited_export_refusal, holed_batch
 from tests.test_train import run_stopped_and_resumed, small_cfg, smol_features  # noqa: F401 (a fixture)
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -37,14 +37,7 @@ def tiny_draft(seed=0, **overrides) -> DominoDraft:
 
 def tiny_batch(lengths=(14, 9), seed=1) -> Batch:
     """Two rows, right-padded, with holes in the loss mask (a prompt, a gap mid-answer)."""
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.randint(0, 96, (len(lengths), width), generator=g)
-    mask = torch.arange(width)[None] < torch.tensor(lengths)[:, None]
-    mask[:, :2] = False
-    mask[0, 7] = False
-    aux = torch.randn(len(lengths), width, 2 * 32, generator=g)
-    return Batch(ids, mask, aux, None, list(lengths), list(range(len(lengths))))
+    return holed_batch(lengths, seed, aux_width=2 * 32)
 
 
 # ---- labels and masks -------------------------------------------------------------------------------

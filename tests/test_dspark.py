@@ -25,7 +25,7 @@ from specfoundry.families.dspark.model import DSparkDraft
 from specfoundry.families.dspark.options import DSparkOptions
 from specfoundry.featureset.batch import Batch
 from specfoundry.testing import assert_close_scaled
-from tests.conftest import edited_export_refusal
+from tests.conftest import edited_export_refusal, holed_batch
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, vocab_size=97, target_hidden_size=32, target_layer_ids=(1, 2), block_size=5,
@@ -44,15 +44,7 @@ def tiny_draft(seed=0, markov_scale=1.0, **overrides) -> DSparkDraft:
 def tiny_batch(lengths=(14, 9), seed=1) -> Batch:
     """Two rows, right-padded, with holes in the loss mask (a prompt, a gap mid-answer), and the
     target's final states."""
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.randint(0, 96, (len(lengths), width), generator=g)
-    mask = torch.arange(width)[None] < torch.tensor(lengths)[:, None]
-    mask[:, :2] = False
-    mask[0, 7] = False
-    aux = torch.randn(len(lengths), width, 2 * 32, generator=g)
-    final = torch.randn(len(lengths), width, 32, generator=g)
-    return Batch(ids, mask, aux, final, list(lengths), list(range(len(lengths))))
+    return holed_batch(lengths, seed, aux_width=2 * 32, final_width=32)
 
 
 # ---- labels and the Markov bias --------------------------------------------------------------------

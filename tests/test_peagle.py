@@ -27,7 +27,7 @@ from specfoundry.families.peagle.loss import (
 from specfoundry.families.peagle.mask import dense_peagle_mask
 from specfoundry.families.peagle.model import PEagleDraft
 from specfoundry.featureset.batch import Batch
-from tests.conftest import edited_export_refusal
+from tests.conftest import edited_export_refusal, holed_batch
 from tests.test_train import run_stopped_and_resumed, small_cfg, smol_features  # noqa: F401 (a fixture)
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -47,14 +47,7 @@ def tiny_draft(seed=0, **overrides) -> PEagleDraft:
 
 def tiny_batch(lengths=(14, 10), seed=1) -> Batch:
     """Two rows, right-padded, with holes in the loss mask (a prompt, a gap mid-answer)."""
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    mask = torch.arange(width)[None] < torch.tensor(lengths)[:, None]
-    mask[:, :2] = False
-    mask[0, 7] = False
-    return Batch(torch.randint(0, 96, (len(lengths), width), generator=g), mask,
-                 torch.randn(len(lengths), width, 3 * 32, generator=g), torch.randn(len(lengths), width, 32, generator=g),
-                 list(lengths), list(range(len(lengths))))
+    return holed_batch(lengths, seed, aux_width=3 * 32, final_width=32)
 
 
 # ---- the mask ----------------------------------------------------------------------------------------
