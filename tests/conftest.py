@@ -248,3 +248,18 @@ def holed_batch(lengths, seed: int, aux_width: int, final_width: int | None = No
     aux = torch.randn(n, width, aux_width, generator=g)
     final = torch.randn(n, width, final_width, generator=g) if final_width else None
     return Batch(ids, mask, aux, final, list(lengths), list(range(n)))
+
+
+def assert_export_refuses_tensors(export_draft, draft, out, missing: str, misshaped: str, shape: tuple) -> None:
+    """`export_draft(state, cfg, folder)` refuses the draft's state without tensor `missing`, and with
+    `misshaped` of `shape`, each a ValueError naming the tensor, and writes no weights for either."""
+    import re
+
+    state = draft.state_dict()
+    state.pop(missing)
+    with pytest.raises(ValueError, match=rf"missing \['{re.escape(missing)}'\]"):
+        export_draft(state, draft.cfg, out / "a")
+    state = {**draft.state_dict(), misshaped: torch.zeros(*shape)}
+    with pytest.raises(ValueError, match=rf"{re.escape(misshaped)} has shape \({', '.join(map(str, shape))}\)"):
+        export_draft(state, draft.cfg, out / "b")
+    assert not (out / "a" / "model.safetensors").exists() and not (out / "b" / "model.safetensors").exists()

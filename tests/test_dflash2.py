@@ -27,7 +27,12 @@ from specfoundry.families.dflash2.loss import dflash2_loss, selector_targets, se
 from specfoundry.families.dflash2.model import DFlash2Draft
 from specfoundry.families.dflash2.selector import walk
 from specfoundry.featureset.batch import Batch
-from tests.conftest import edited_export_refusal, holed_batch, sharp_tiny_target
+from tests.conftest import (
+    assert_export_refuses_tensors,
+    edited_export_refusal,
+    holed_batch,
+    sharp_tiny_target,
+)
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, vocab_size=97, target_hidden_size=32, target_layer_ids=(1, 2), block_size=5,
@@ -437,14 +442,8 @@ def test_the_identity_transforms_and_is_causal_false_are_read(tmp_path):
 
 
 def test_a_missing_or_misshaped_selector_tensor_is_refused_on_export(tmp_path):
-    draft = tiny_draft()
-    state = draft.state_dict()
-    state.pop("candidate_selector.successor_codebook")
-    with pytest.raises(ValueError, match=r"missing \['candidate_selector.successor_codebook'\]"):
-        export_draft(state, draft.cfg, tmp_path / "a")
-    state = {**draft.state_dict(), "layers.0.mlp_conv.base_kernel": torch.zeros(2, 3, 32)}
-    with pytest.raises(ValueError, match=r"layers.0.mlp_conv.base_kernel has shape \(2, 3, 32\)"):
-        export_draft(state, draft.cfg, tmp_path / "b")
+    assert_export_refuses_tensors(export_draft, tiny_draft(), tmp_path, "candidate_selector.successor_codebook",
+                                  "layers.0.mlp_conv.base_kernel", (2, 3, 32))
 
 
 # ---- decoding -----------------------------------------------------------------------------------------------

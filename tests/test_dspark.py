@@ -25,7 +25,7 @@ from specfoundry.families.dspark.model import DSparkDraft
 from specfoundry.families.dspark.options import DSparkOptions
 from specfoundry.featureset.batch import Batch
 from specfoundry.testing import assert_close_scaled
-from tests.conftest import edited_export_refusal, holed_batch
+from tests.conftest import assert_export_refuses_tensors, edited_export_refusal, holed_batch
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, vocab_size=97, target_hidden_size=32, target_layer_ids=(1, 2), block_size=5,
@@ -368,15 +368,8 @@ def test_a_config_sglang_would_refuse_is_one_line(tmp_path, edit, words):
 
 
 def test_a_missing_or_misshaped_head_tensor_is_refused_on_export(tmp_path):
-    draft = tiny_draft()
-    state = draft.state_dict()
-    state.pop("confidence_head.proj.bias")
-    with pytest.raises(ValueError, match=r"missing \['confidence_head.proj.bias'\]"):
-        export_draft(state, draft.cfg, tmp_path / "a")
-    state = {**draft.state_dict(), "markov_head.markov_w1.weight": torch.zeros(97, 5)}
-    with pytest.raises(ValueError, match=r"markov_head.markov_w1.weight has shape \(97, 5\)"):
-        export_draft(state, draft.cfg, tmp_path / "b")
-    assert not (tmp_path / "b" / "model.safetensors").exists()
+    assert_export_refuses_tensors(export_draft, tiny_draft(), tmp_path, "confidence_head.proj.bias",
+                                  "markov_head.markov_w1.weight", (97, 5))
 
 
 # ---- the gate ----------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from specfoundry.families.peagle.loss import (
 from specfoundry.families.peagle.mask import dense_peagle_mask
 from specfoundry.families.peagle.model import PEagleDraft
 from specfoundry.featureset.batch import Batch
-from tests.conftest import edited_export_refusal, holed_batch
+from tests.conftest import assert_export_refuses_tensors, edited_export_refusal, holed_batch
 from tests.test_train import run_stopped_and_resumed, small_cfg, smol_features  # noqa: F401 (a fixture)
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -416,13 +416,8 @@ def test_sf_export_keeps_the_trained_depths_and_names_the_verifier_as_sf_train_d
 
 def test_a_missing_mask_hidden_or_misshaped_layer_is_refused_on_export(tmp_path):
     draft = tiny_draft()
-    state = draft.state_dict()
-    state.pop("mask_hidden")
-    with pytest.raises(ValueError, match=r"missing \['mask_hidden'\]"):
-        export_draft(state, draft.cfg, tmp_path / "a")
-    state = {**draft.state_dict(), "layers.1.self_attn.q_proj.weight": torch.zeros(32, 64)}
-    with pytest.raises(ValueError, match=r"layers.1.self_attn.q_proj.weight has shape \(32, 64\)"):
-        export_draft(state, draft.cfg, tmp_path / "b")
+    assert_export_refuses_tensors(export_draft, draft, tmp_path, "mask_hidden", "layers.1.self_attn.q_proj.weight",
+                                  (32, 64))
     assert not (tmp_path / "b").exists()
     with pytest.raises(ValueError, match="trained for 4 depths"):
         export_draft(draft.state_dict(), draft.cfg, tmp_path / "c", speculative_tokens=5)
