@@ -67,6 +67,17 @@ def test_sf_train_refuses_to_export_non_finite_weights(features, tmp_path):  # n
     assert not (tmp_path / "run" / "export").exists() and not (tmp_path / "run" / ".export.tmp").exists()
 
 
+def random_eagle3_export(tmp_path, tiny_llama_dir):
+    """tmp_path/clean: a random EAGLE-3 draft of the tiny target exported (seed 0), as sf-export's source."""
+    source = tmp_path / "clean"
+    family, options = FAMILIES.provider("eagle3"), family_options("eagle3", tmp_path)
+    layers = family.default_layers(8, options)
+    torch.manual_seed(0)
+    draft, dcfg = family.build(options, stub_featureset(tmp_path, tiny_llama_dir, layers), tiny_llama_dir, layers, None)
+    family.export(draft.state_dict(), dcfg, source, {"num_layers": 8})
+    return source
+
+
 def test_sf_export_onto_a_full_disk_is_one_line_leaves_nothing_and_reruns_identically(tiny_llama_dir, tmp_path):
     """issue 37 item 9: a SafetensorError traceback and a temporary folder left behind, before."""
     import filecmp
@@ -74,12 +85,7 @@ def test_sf_export_onto_a_full_disk_is_one_line_leaves_nothing_and_reruns_identi
     from specfoundry.train.cli import export_main
     from tests.test_faults import Tmpfs
 
-    source = tmp_path / "clean"
-    family, options = FAMILIES.provider("eagle3"), family_options("eagle3", tmp_path)
-    layers = family.default_layers(8, options)
-    torch.manual_seed(0)
-    draft, dcfg = family.build(options, stub_featureset(tmp_path, tiny_llama_dir, layers), tiny_llama_dir, layers, None)
-    family.export(draft.state_dict(), dcfg, source, {"num_layers": 8})
+    source = random_eagle3_export(tmp_path, tiny_llama_dir)
     argv = ["run", str(source), "--target", str(tiny_llama_dir), "--format", "speculators", "--verifier", "v"]
     reference = tmp_path / "reference"
     assert CliRunner().invoke(export_main, [*argv, "-o", str(reference)]).exit_code == 0
@@ -159,12 +165,7 @@ def test_two_exports_into_one_folder_and_an_export_onto_a_link(tiny_llama_dir, t
 
     from specfoundry.train.cli import export_main
 
-    source = tmp_path / "clean"
-    family, options = FAMILIES.provider("eagle3"), family_options("eagle3", tmp_path)
-    layers = family.default_layers(8, options)
-    torch.manual_seed(0)
-    draft, dcfg = family.build(options, stub_featureset(tmp_path, tiny_llama_dir, layers), tiny_llama_dir, layers, None)
-    family.export(draft.state_dict(), dcfg, source, {"num_layers": 8})
+    source = random_eagle3_export(tmp_path, tiny_llama_dir)
     argv = ["run", str(source), "--target", str(tiny_llama_dir)]
     out = tmp_path / "out"
     with FileLock(str(tmp_path / ".out.lock"), timeout=0):  # a first run, mid-write
