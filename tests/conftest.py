@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -263,3 +264,8 @@ def assert_export_refuses_tensors(export_draft, draft, out, missing: str, missha
     with pytest.raises(ValueError, match=rf"{re.escape(misshaped)} has shape \({', '.join(map(str, shape))}\)"):
         export_draft(state, draft.cfg, out / "b")
     assert not (out / "a" / "model.safetensors").exists() and not (out / "b" / "model.safetensors").exists()
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """The 0.999 quantile of chi-square(df), Wilson-Hilferty approximation (no scipy)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3

@@ -29,6 +29,7 @@ from specfoundry.families.dflash2.selector import walk
 from specfoundry.featureset.batch import Batch
 from tests.conftest import (
     assert_export_refuses_tensors,
+    chi2_critical,
     edited_export_refusal,
     holed_batch,
     sharp_tiny_target,
@@ -447,11 +448,6 @@ def test_a_missing_or_misshaped_selector_tensor_is_refused_on_export(tmp_path):
 
 
 # ---- decoding -----------------------------------------------------------------------------------------------
-
-
-def chi2_critical(df: int, z: float = 3.09) -> float:
-    """The 0.999 quantile of chi-square(df), Wilson-Hilferty approximation (no scipy)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
 def test_the_candidate_rule_samples_as_the_target():

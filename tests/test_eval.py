@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ from specfoundry.families.eagle3.tree import propose_tree, tree_generate
 from specfoundry.families.folders import load_draft, locate_draft, untrained_like
 from specfoundry.families.vocab import vocab_maps
 from specfoundry.featureset.store import FeatureSet
-from tests.conftest import sharp_tiny_target
+from tests.conftest import chi2_critical, sharp_tiny_target
 
 
 class Decoding:
@@ -234,11 +233,6 @@ def test_draft_tree_nodes_are_the_chain_along_their_branch():
         draft.forget_proposals()
         want = out[-1].topk(branching[len(branch)]).indices.tolist()
         assert [target_to_draft[tree.tokens[c]] for c in children[node]] == want, node
-
-
-def chi2_critical(df: int, z: float = 3.09) -> float:
-    """The 0.999 quantile of chi-square(df), Wilson-Hilferty approximation (no scipy)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
 def tiny_pair(vocab=6, seed=0):
