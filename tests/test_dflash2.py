@@ -620,8 +620,8 @@ def test_the_positions_check_names_a_selector_fed_the_wrong_predecessor_and_fit_
 def test_dflash2_gate_passes_on_the_tiny_target_and_names_broken_pieces(tiny_llama_dir, tmp_path):
     """The whole gate (regen, capture, train 60 steps, export, checks) on the tiny Llama target, hence
     slow; its checks' fail cases are also covered fast above (positions, fit) and by the export tests."""
-    from specfoundry.gate import GateConfig, run_checks, run_gate, verdict
-    from tests.test_gate import broken_copy
+    from specfoundry.gate import GateConfig, run_gate
+    from tests.test_gate import assert_gate_fails_at
 
     cfg = GateConfig(output=str(tmp_path / "gate"), target=str(tiny_llama_dir), max_steps=60, max_new_tokens=32,
                      device="cpu", family="dflash2")
@@ -636,6 +636,5 @@ def test_dflash2_gate_passes_on_the_tiny_target_and_names_broken_pieces(tiny_lla
     def other_mask(c):
         c["dflash_config"]["mask_token_id"] -= 1
 
-    for kw, where in (({"tensors": rename}, "export names"), ({"config": other_mask}, "mask token")):
-        ok, message = verdict(run_checks(cfg, broken_copy(export, tmp_path / where.replace(" ", "-"), **kw)))
-        assert not ok and message.startswith(f"gate failed at {where}"), message
+    assert_gate_fails_at(cfg, export, tmp_path, "export names", tensors=rename)
+    assert_gate_fails_at(cfg, export, tmp_path, "mask token", config=other_mask)

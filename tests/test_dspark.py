@@ -413,8 +413,8 @@ def test_dspark_gate_passes_on_the_tiny_target_and_names_broken_pieces(tiny_llam
     """The whole gate (regen, capture, train 60 steps, export, checks) on the tiny Llama target: 204 s
     on 2 shared cores, hence slow; its checks' fail cases are also covered fast above (positions, fit)
     and by the export tests (names, fields)."""
-    from specfoundry.gate import GateConfig, run_checks, run_gate, verdict
-    from tests.test_gate import broken_copy
+    from specfoundry.gate import GateConfig, run_gate
+    from tests.test_gate import assert_gate_fails_at
 
     cfg = GateConfig(output=str(tmp_path / "gate"), target=str(tiny_llama_dir), max_steps=60, max_new_tokens=32,
                      device="cpu", family="dspark")
@@ -430,6 +430,5 @@ def test_dspark_gate_passes_on_the_tiny_target_and_names_broken_pieces(tiny_llam
         c["dflash_config"]["mask_token_id"] -= 1
         c["mask_token_id"] -= 1
 
-    for kw, where in (({"tensors": rename}, "export names"), ({"config": other_mask}, "mask token")):
-        ok, message = verdict(run_checks(cfg, broken_copy(export, tmp_path / where.replace(" ", "-"), **kw)))
-        assert not ok and message.startswith(f"gate failed at {where}"), message
+    assert_gate_fails_at(cfg, export, tmp_path, "export names", tensors=rename)
+    assert_gate_fails_at(cfg, export, tmp_path, "mask token", config=other_mask)

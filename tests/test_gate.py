@@ -25,6 +25,14 @@ def broken_copy(export, tmp_path, tensors=None, config=None):
     return out
 
 
+def assert_gate_fails_at(cfg, export, tmp_path, where: str, tensors=None, config=None) -> None:
+    """The gate's verdict on a copy of `export` broken as broken_copy's `tensors` / `config` say (in its
+    own folder under tmp_path) is a failure, first at check `where`."""
+    broken = broken_copy(export, tmp_path / where.replace(" ", "-"), tensors=tensors, config=config)
+    ok, message = verdict(run_checks(cfg, broken))
+    assert not ok and message.startswith(f"gate failed at {where}"), message
+
+
 def test_gate_passes_on_smollm2(gate_run, smollm2_target):
     cfg, export = gate_run
     checks = run_checks(cfg, export, smollm2_target)

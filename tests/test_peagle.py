@@ -462,8 +462,8 @@ def test_the_positions_check_names_a_wrong_mask_token_and_fit_an_untrained_draft
 def test_peagle_gate_passes_on_the_tiny_target_and_names_broken_pieces(tiny_llama_dir, tmp_path):
     """The whole gate (regen, capture, train, export, checks) on the tiny Llama target; then an export
     whose layer ids or mask token were changed is named at that check."""
-    from specfoundry.gate import GateConfig, run_checks, run_gate, verdict
-    from tests.test_gate import broken_copy
+    from specfoundry.gate import GateConfig, run_gate
+    from tests.test_gate import assert_gate_fails_at
 
     cfg = GateConfig(output=str(tmp_path / "gate"), target=str(tiny_llama_dir), max_steps=80, max_new_tokens=32,
                      device="cpu", family="peagle")
@@ -479,9 +479,8 @@ def test_peagle_gate_passes_on_the_tiny_target_and_names_broken_pieces(tiny_llam
     def other_mask(c):
         c["mask_token_id"] -= 1
 
-    for change, where in ((other_layers, "layers"), (other_mask, "mask token")):
-        ok, message = verdict(run_checks(cfg, broken_copy(export, tmp_path / where.replace(" ", "-"), config=change)))
-        assert not ok and message.startswith(f"gate failed at {where}"), message
+    assert_gate_fails_at(cfg, export, tmp_path, "layers", config=other_layers)
+    assert_gate_fails_at(cfg, export, tmp_path, "mask token", config=other_mask)
 
 
 def test_init_from_reads_an_export_back_and_refuses_other_layers(tiny_llama_dir, tmp_path):
