@@ -67,28 +67,42 @@ def select(pool_scores: torch.Tensor, pool_parents: torch.Tensor, n: int) -> tup
     return chosen, torch.where(parents < 0, torch.zeros_like(parents), node_of[parents.clamp(min=0)])
 
 
-def tree_from_distributions(dist, shape: EngineTree) -> tuple[list[int], list[int]]:
-    """The tree SGLang drafts where the draft's probabilities after each path are `dist(path)` ([Vd]
-    fp32, path a tuple of draft ids from the root): (draft ids of the N-1 selected nodes, their parents as tree
-    nodes). The same functions as the decoder's device step, run node by node (tests and docs)."""
+def grow(root_probs: torch.Tensor, expand, shape: EngineTree) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's policy over a draft given by its probabilities at the root [Vd] and `expand(i, ids,
+    came_from)`, the probabilities [K, Vd] after each frontier node of depth i (draft ids [K]; came_from
+    [K], the previous frontier's slot each grows from, None at depth 1: the root): (draft ids [N-1] of
+    the selected pool nodes, their parents [N-1] as tree nodes). On the device alone where `expand` is."""
     k = shape.topk
-    scores, ids = first_step(dist(()), k)
-    paths = [(int(t),) for t in ids]
-    pool_scores, pool_ids, pool_parents = [scores], [ids], [torch.full((k,), -1)]
-    frontier, frontier_at = list(range(k)), torch.arange(k)  # frontier paths (into `paths`), pool indices
-    for _ in range(1, shape.num_steps):
-        probs = torch.stack([dist(paths[f]) for f in frontier])  # [K, Vd]
-        block, block_ids, slots, nxt = later_step(torch.cat(pool_scores)[frontier_at], probs, k)
-        base = len(paths)
-        paths += [paths[frontier[int(s)]] + (int(t),) for s, t in zip(slots, block_ids, strict=True)]
+    scores, ids = first_step(root_probs, k)  # [K] the frontier's (depth 1)
+    pool_scores, pool_ids, pool_parents = [scores], [ids], [torch.full((k,), -1, device=ids.device)]
+    at, came_from = torch.arange(k, device=ids.device), None  # the frontier's pool indices [K]
+    for i in range(1, shape.num_steps):
+        block, block_ids, parent_slot, nxt = later_step(scores, expand(i, ids, came_from), k)
         pool_scores.append(block)
         pool_ids.append(block_ids)
-        pool_parents.append(frontier_at[slots])
-        frontier = [base + int(j) for j in nxt]
-        frontier_at = base + nxt
+        pool_parents.append(at[parent_slot])
+        came_from = parent_slot[nxt]  # [K] the frontier slot each next frontier node grows from
+        scores, ids, at = block[nxt], block_ids[nxt], k + (i - 1) * k * k + nxt
     chosen, parents = select(torch.cat(pool_scores), torch.cat(pool_parents), shape.num_draft_tokens)
-    ids = torch.cat(pool_ids)
-    return [int(ids[c]) for c in chosen], [int(p) for p in parents]
+    return torch.cat(pool_ids)[chosen], parents
+
+
+def tree_from_distributions(dist, shape: EngineTree) -> tuple[list[int], list[int]]:
+    """The tree SGLang drafts where the draft's probabilities after each path are `dist(path)` ([Vd]
+    fp32, path a tuple of draft ids from the root): (draft ids of the N-1 selected nodes, their parents as
+    tree nodes). grow, as the decoder's device step runs it, with the paths read node by node (tests)."""
+    paths: list[tuple[int, ...]] = []  # the frontier's
+
+    def expand(i, ids, came_from):
+        nonlocal paths
+        if came_from is None:
+            paths = [(int(t),) for t in ids]
+        else:
+            paths = [paths[int(c)] + (int(t),) for c, t in zip(came_from, ids, strict=True)]
+        return torch.stack([dist(p) for p in paths])  # [K, Vd]
+
+    ids, parents = grow(dist(()), expand, shape)
+    return ids.tolist(), parents.tolist()
 
 
 def expand_body(draft, shape: EngineTree):
@@ -103,26 +117,23 @@ def expand_body(draft, shape: EngineTree):
     columns = max((shape.num_steps - 1) * k, 1)  # this round's entries: depths 1..S-1, K each
 
     def body():
-        scores, ids = first_step(probabilities(draft.logits), k)  # [K] the frontier's (depth 1)
-        pool_scores, pool_ids, pool_parents = [scores], [ids], [torch.full((k,), -1, device=dev)]
-        at, pre = slots, draft.pre.expand(1, k, -1)  # frontier pool indices [K]; hidden inputs [1, K, H]
+        pre = draft.pre.expand(1, k, -1)  # [1, K, H] the hidden inputs: the root's state, then each forward's
         sees = torch.zeros(k, columns, dtype=torch.bool, device=dev)  # [K, W] ancestors' columns
-        for i in range(1, shape.num_steps):
+
+        def expand(i, ids, came_from):
+            nonlocal pre, sees
+            if came_from is not None:  # each node's parent's output state and ancestors
+                pre, sees = pre[:, came_from], sees[came_from]
             own = (i - 1) * k + slots  # [K] the frontier's columns from base
             sees[slots, own] = True
             draft.cache.columns = draft.base + own
             positions = (draft.base + (i - 1)).expand(1, k)  # [1, K]
             allowed = visible(draft.kv_index, draft.base, sees)  # [K, C]
-            out, normed = draft.draft.decode_forward(draft.draft_to_target[ids][None], pre, positions, draft.cache,
+            pre, normed = draft.draft.decode_forward(draft.draft_to_target[ids][None], pre, positions, draft.cache,
                                                      allowed[None, None])
-            block, block_ids, parent_slot, nxt = later_step(scores, probabilities(draft.draft.lm_head(normed)[0]), k)
-            pool_scores.append(block)
-            pool_ids.append(block_ids)
-            pool_parents.append(at[parent_slot])
-            chosen_slot = parent_slot[nxt]  # [K] the frontier slot each next frontier node grows from
-            scores, ids, at = block[nxt], block_ids[nxt], k + (i - 1) * k * k + nxt
-            pre, sees = out[:, chosen_slot], sees[chosen_slot]
-        chosen, parents = select(torch.cat(pool_scores), torch.cat(pool_parents), shape.num_draft_tokens)
-        return draft.draft_to_target[torch.cat(pool_ids)[chosen]], parents
+            return probabilities(draft.draft.lm_head(normed)[0])  # [K, Vd]
+
+        ids, parents = grow(probabilities(draft.logits), expand, shape)
+        return draft.draft_to_target[ids], parents
 
     return body
