@@ -102,8 +102,10 @@ def tree_nodes(branching: tuple[int, ...]) -> int:
     return sum(math.prod(branching[: d + 1]) for d in range(len(branching)))
 
 
-def shape_name(k: int, tree: tuple[int, ...] | None) -> str:
-    """How a report names the draft's shape: 'tree 4,2,2,1' or 'k=4'."""
+def shape_name(k: int, tree: tuple[int, ...] | EngineTree | None) -> str:
+    """How a report names the draft's shape: 'tree 4,2,2,1', SGLang's 'served tree S,K,N', or 'k=4'."""
+    if isinstance(tree, EngineTree):
+        return f"served tree {tree.num_steps},{tree.topk},{tree.num_draft_tokens}"
     return f"tree {','.join(map(str, tree))}" if tree else f"k={k}"
 
 

@@ -182,14 +182,6 @@ class EvalConfig(Settings):
         return self.served_tree or self.tree
 
 
-def draft_shape(cfg: EvalConfig) -> str:
-    """How a report names the drafted shape: 'k=4', 'tree 4,2,2,1', or SGLang's 'served tree S,K,N'."""
-    served = cfg.served_tree
-    if served is not None:
-        return f"served tree {served.num_steps},{served.topk},{served.num_draft_tokens}"
-    return shape_name(cfg.k, cfg.tree)
-
-
 def decode_set(target: TargetRunner, decoder, prompts, cfg: EvalConfig, eos: set[int],
                desc: str, silent: bool = False) -> list[DecodeResult]:
     """Each prompt decoded by the family's `decoder` (its generate), or by the target alone (None)."""
@@ -347,7 +339,7 @@ def decode_sets(cfg: EvalConfig, target: TargetRunner, drafts: dict, sets: dict,
             entry["target_alone_dropped_steps"] = sum(r.dropped_steps for r in base)
         for label, runner in drafts.items():
             results = decode_set(target, runner, prompts, cfg, eos,
-                                 f"{name}: {label} draft {draft_shape(cfg)}", silent)
+                                 f"{name}: {label} draft {shape_name(cfg.k, cfg.drafted_tree)}", silent)
             entry[label] = summarise_set(results, cfg.k)
             if base is not None:
                 entry[label]["speedup"] = entry[label]["tokens_per_s"] / entry["target_alone_tokens_per_s"]
