@@ -307,8 +307,13 @@ plan_families() {
   local epochs=${EPOCHS:-$(dry && echo 1 || echo 3)}
   length=$([ -n "${STEPS:-}" ] && echo "--max-steps $STEPS" || echo "--epochs $epochs")
   features "$r" eagle3,dflash,domino,dspark,dflash2,peagle || return 1
+  # the capture's content (its arrays, not the manifest's times), so that drafts trained from a capture
+  # of the same conversations on another machine can be shown to have read the same features
+  (cd "$r/features" && find . -type f ! -name '*.json' | LC_ALL=C sort | xargs sha256sum) > "$LOGS/families_features.sha256"
+  echo "features digest: $(sha256sum < "$LOGS/families_features.sha256" | cut -c1-16)"
   # name|recipe|options; the longest first, so that the last slots hold the short ones
   local drafts=("dflash2_b16|$DFLASH|--block-size 16 --family dflash2"
+                "dflash2_b16_topk|$DFLASH|--block-size 16 --family dflash2 --selector-loss topk"
                 "domino_b16|$DFLASH|--block-size 16 --family domino"
                 "dspark|$DFLASH|--block-size 16 --family dspark"
                 "dflash_b16|$DFLASH|--block-size 16"
@@ -316,13 +321,13 @@ plan_families() {
                 "peagle_k7|$PEAGLE|--num-depths 7"
                 "dflash_b16_dpace|$DFLASH|--block-size 16 --objective dpace")
   keep_only drafts "${FAMILIES_ONLY:-}"
-  local alone=()  # DFlash2 trains alone: it held 42 GiB of an H100 (its convolution eager) and ran out beside DFlash
+  local alone=()  # DFlash2 trains alone (each objective): it held 42 GiB of an H100 (its convolution eager) and ran out beside DFlash
   for d in "${drafts[@]}"; do
     IFS='|' read -r name recipe opts <<< "$d"
-    if [ "$name" = dflash2_b16 ]; then alone+=("sf-train run $r/features -o $r/$name --recipe $recipe $opts $length $TRAIN_OPTS")
+    if [[ $name == dflash2_* ]]; then alone+=("sf-train run $r/features -o $r/$name --recipe $recipe $opts $length $TRAIN_OPTS")
     else trains+=("sf-train run $r/features -o $r/$name --recipe $recipe $opts $length $TRAIN_OPTS"); fi
   done
-  together families_train_dflash2 "${FAMILIES_DFLASH2_EST:-360}" 1 "${alone[@]}"
+  together families_train_dflash2 "${FAMILIES_DFLASH2_EST:-600}" 1 "${alone[@]}"
   together families_train "${FAMILIES_EST:-600}" "$(train_jobs)" "${trains[@]}"
   for d in "${drafts[@]}"; do
     IFS='|' read -r name recipe opts <<< "$d"
@@ -331,19 +336,20 @@ plan_families() {
   together families_train_alone "${FAMILIES_RETRY_EST:-300}" 1 "${retries[@]}"
   # name|draft|recipe|options: the EAGLE-3 draft decodes as a chain and as a tree
   local runs=("eagle3_chain_k7|eagle3|$EAGLE3|")
-  for name in dflash2_b16 dflash_b16 domino_b16 dspark; do runs+=("$name|$name|$DFLASH|"); done
+  for name in dflash2_b16 dflash2_b16_topk dflash_b16 domino_b16 dspark; do runs+=("$name|$name|$DFLASH|"); done
   runs+=("peagle_k7|peagle_k7|$PEAGLE|" "dflash_b16_dpace|dflash_b16_dpace|$DFLASH|"
          "eagle3_tree|eagle3|$EAGLE3|--tree 8,4,2,1,1,1,1")
   for e in "${runs[@]}"; do
     IFS='|' read -r name draft recipe opts <<< "$e"
     [ -f "$r/$draft/export/config.json" ] && trained+=("$e") || echo "no export in $r/$draft: $name not evaluated"
   done
+  base=--baseline  # the target alone decodes beside the first draft evaluated
   for e in "${trained[@]}"; do
     IFS='|' read -r name draft recipe opts <<< "$e"
-    [ "$name" = eagle3_chain_k7 ] && base=--baseline || base=--no-baseline
     case $name in eagle3_tree|peagle*) draft_opts= ;; *) draft_opts=$DRAFT_TIMING_OPTS ;; esac
     step "families_eval_$name" "$(dry && echo 120 || echo 75)" sf-eval run "$r/$draft" -o "$r/eval_$name" \
       --recipe "$recipe" $opts $base $FAMILIES_EVAL_OPTS $TIMING_OPTS $draft_opts ${FAMILIES_LIMIT:+--limit $FAMILIES_LIMIT}
+    base=--no-baseline
   done
   step families_result 30 python -m benchmarks.families "$r" --each-alone --out families
 }
