@@ -334,9 +334,12 @@ plan_families() {
     [ -f "$r/$name/export/config.json" ] || retries+=("sf-train run $r/features -o $r/$name --recipe $recipe $opts $length $TRAIN_OPTS")
   done
   together families_train_alone "${FAMILIES_RETRY_EST:-300}" 1 "${retries[@]}"
-  # name|draft|recipe|options: the EAGLE-3 draft decodes as a chain and as a tree
-  local runs=("eagle3_chain_k7|eagle3|$EAGLE3|")
-  for name in dflash2_b16 dflash2_b16_topk dflash_b16 domino_b16 dspark; do runs+=("$name|$name|$DFLASH|"); done
+  # name|draft|recipe|options: the EAGLE-3 draft decodes as a chain and as a tree; DFlash2 and DFlash
+  # first, so that a deadline leaves their comparison whole
+  local runs=()
+  for name in dflash2_b16 dflash2_b16_topk dflash_b16; do runs+=("$name|$name|$DFLASH|"); done
+  runs+=("eagle3_chain_k7|eagle3|$EAGLE3|")
+  for name in domino_b16 dspark; do runs+=("$name|$name|$DFLASH|"); done
   runs+=("peagle_k7|peagle_k7|$PEAGLE|" "dflash_b16_dpace|dflash_b16_dpace|$DFLASH|"
          "eagle3_tree|eagle3|$EAGLE3|--tree 8,4,2,1,1,1,1")
   for e in "${runs[@]}"; do
