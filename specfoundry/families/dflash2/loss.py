@@ -10,11 +10,11 @@ slot's candidates C = topk(z W^T, K):
     sel_k  = -log softmax_{c in C}(score(p -> c))[y]       (model.py candidate_scores)
     loss   = (sum w_k ce_k + alpha_eff sum_{trained} w_k sel_k) / N
 Which slots train the selector, the objective (--selector-loss):
-    gold  (default; speculators' selector_training_candidates, ModelOpt's _selector_loss): every
-          scored slot; where C misses y, its last candidate (rank K) is replaced by y, with y's own
-          unary logit, for the loss only (decoding never injects it)
-    topk  (SpecForge's _selector_chunk_terms): the strict top K; a slot whose C misses y has no
-          selector loss
+    topk  (default, the longer acceptance on SmolLM2: docs/families.md; SpecForge's
+          _selector_chunk_terms): the strict top K; a slot whose C misses y has no selector loss
+    gold  (speculators' selector_training_candidates, ModelOpt's _selector_loss): every scored
+          slot; where C misses y, its last candidate (rank K) is replaced by y, with y's own unary
+          logit, for the loss only (decoding never injects it)
 The same weights and normaliser serve both (SpecForge's; ModelOpt weighs uniformly). The selector's
 gradient reaches the unary logits of C and the states (coupled, SpecForge's default) unless
 --selector-stop-gradient, where it trains the selector alone. alpha_eff follows SpecForge's
@@ -138,7 +138,7 @@ def slot_metrics(ce_sums, unary_hits, counts: list[int], stats: dict) -> list[di
 
 def dflash2_loss(draft: DFlash2Draft, batch: Batch, lm_head: torch.Tensor, *, num_anchors: int = 512,
                  gamma: float = 7.0, seed: int = 0, attention: str = "auto", loss_kernel: str = "auto",
-                 loss_scale: float = 1.0, label_chunk: int | None = None, selector_loss: str = "gold",
+                 loss_scale: float = 1.0, label_chunk: int | None = None, selector_loss: str = "topk",
                  selector_weight: float = 1.0, stop_gradient: bool = False):
     """(total loss, per-slot metrics for k = 1..B-1; slot_metrics). selector_weight: alpha_eff of this
     step; the other arguments as dflash_loss's (hard teacher, the dflash objective)."""
@@ -185,7 +185,7 @@ class DFlash2Module(torch.nn.Module):
 
     def __init__(self, draft: DFlash2Draft, lm_head: torch.Tensor, *, num_anchors: int = 512, gamma: float = 7.0,
                  seed: int = 0, label_chunk: int | None = None, compile_elementwise: bool = True,
-                 selector_loss: str = "gold", selector_loss_alpha: float = 1.0, selector_warmup_ratio: float = 0.0,
+                 selector_loss: str = "topk", selector_loss_alpha: float = 1.0, selector_warmup_ratio: float = 0.0,
                  selector_ramp_ratio: float = 0.0, selector_stop_gradient: bool = False):
         super().__init__()
         self.draft = draft.compile_elementwise(compile_elementwise)
