@@ -1,7 +1,7 @@
 """Draft families side by side: gathers the sf-eval reports of `scripts/measure_gpu.sh families` into
 benchmarks/results/families.json and prints one table.
 
-    python -m benchmarks.families RUN [--each-alone] [--out families]
+    python -m benchmarks.families RUN [RUN ...] [--each-alone] [--out families]
 
 RUN holds one sf-eval output folder per draft, `eval_<draft>` (eval_eagle3_chain_k7,
 eval_eagle3_tree, eval_dflash_b16, ...), each with its eval.json: the acceptance run over every
@@ -18,6 +18,11 @@ report has it (prefill and the draft's start, ms a prompt; the rest, ms a round)
 tokens/s with the draft} plus `target_alone` {set: tokens/s} (the first report that decoded the
 target alone on that set), its `accept_rate_by_position` each draft to {set: [the share of the
 rounds reaching draft position j whose token was accepted, j = 1..k]}.
+
+Several RUN folders join into one table when they read the same features: each holds the digest
+`scripts/measure_gpu.sh` wrote of its capture's arrays (features.sha256, a sha256sum listing), and
+the runs' listings must be equal (drafts trained on two machines from captures of the same
+conversations); a draft evaluated in two of them is refused. The result records the digest.
 """
 
 from __future__ import annotations
@@ -62,6 +67,45 @@ def gather(run: Path, prefix: str = ACCEPTANCE) -> list[dict]:
     return rows
 
 
+DIGEST = "features.sha256"
+
+
+def features_digest(runs: list[Path]) -> str | None:
+    """The digest of the runs' one capture (sha256 of its listing), None for a single run without one;
+    exits naming the run whose capture differs or has no digest."""
+    import hashlib
+
+    listings = {run: (run / DIGEST).read_text() if (run / DIGEST).is_file() else None for run in runs}
+    if len(runs) == 1 and listings[runs[0]] is None:
+        return None
+    for run, listing in listings.items():
+        if listing is None:
+            raise SystemExit(f"{run}: no {DIGEST}: runs join only when each names its capture's digest")
+        if listing != listings[runs[0]]:
+            raise SystemExit(f"{run}/{DIGEST} differs from {runs[0]}/{DIGEST}: the runs read different features")
+    return hashlib.sha256(listings[runs[0]].encode()).hexdigest()
+
+
+def gather_runs(runs: list[Path], prefix: str = ACCEPTANCE) -> list[dict]:
+    """gather() over several runs; a draft found in two of them exits, naming both."""
+    rows, where = [], {}
+    for run in runs:
+        found = gather(run, prefix) if len(runs) == 1 else _gather_any(run, prefix)
+        for draft in sorted({r["draft"] for r in found}):
+            if draft in where:
+                raise SystemExit(f"{prefix}{draft} is in both {where[draft]} and {run}: keep one")
+            where[draft] = run
+        rows += found
+    if not rows and prefix == ACCEPTANCE:
+        raise SystemExit(f"{', '.join(map(str, runs))}: no {prefix}<draft> folder with an eval.json")
+    return rows
+
+
+def _gather_any(run: Path, prefix: str) -> list[dict]:
+    """gather() that lets one of several runs hold no eval folder (the others may)."""
+    return gather(run, prefix) if any(p.is_dir() for p in run.glob(f"{prefix}*")) else []
+
+
 def summary(accept_rows: list[dict], timing_rows: list[dict], each_alone: bool = False) -> dict:
     """accept_length and accept_rate_by_position from the acceptance runs; tokens_per_s (and
     target_alone) from the timing runs where there are any, else from the acceptance runs."""
@@ -82,15 +126,19 @@ def summary(accept_rows: list[dict], timing_rows: list[dict], each_alone: bool =
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run", type=Path, help="the folder `scripts/measure_gpu.sh families` wrote ($EV/run/families)")
+    parser.add_argument("runs", type=Path, nargs="+", metavar="RUN",
+                        help="the folder `scripts/measure_gpu.sh families` wrote ($EV/run/families); several "
+                             "join when their features.sha256 agree")
     parser.add_argument("--each-alone", action="store_true",
                         help="the eval_<draft> runs decoded one at a time, each alone on the GPU: their speeds are the table's")
     parser.add_argument("--out", default="families", help="result file name under benchmarks/results")
     args = parser.parse_args()
-    rows = gather(args.run)
-    timing = gather(args.run, TIMING)
+    digest = features_digest(args.runs)
+    rows = gather_runs(args.runs)
+    timing = gather_runs(args.runs, TIMING)
     if args.each_alone and timing:
-        raise SystemExit(f"{args.run}: --each-alone, but timing_<draft> folders are there too: which speeds are the table's?")
+        raise SystemExit(f"{', '.join(map(str, args.runs))}: --each-alone, but timing_<draft> folders are there "
+                         "too: which speeds are the table's?")
     columns = ["draft", "shape", "set", "prompts", "accept_length", "draft_ms_per_round", "target_ms_per_round",
                "tokens_per_s", "alone_tokens_per_s", "speedup", "greedy_equal"]
     print("acceptance (the eval runs' prompts):")
@@ -98,7 +146,8 @@ def main() -> None:
     if timing:
         print("timing (each draft alone):")
         print_table(timing, columns)
-    path = write_result(args.out, rows, {"timing_rows": timing, "summary": summary(rows, timing, args.each_alone)})
+    path = write_result(args.out, rows, {"timing_rows": timing, "features_sha256": digest,
+                                         "summary": summary(rows, timing, args.each_alone)})
     print(f"wrote {path}")
 
 

@@ -50,7 +50,9 @@
 #   call 3+ . .devkit/on-device.sh && bash scripts/measure_gpu.sh wait        (until `done: yes`)
 # Inputs from an earlier machine go in .devkit/carry/ (copied to $EV/carry): regen<SYNTH>.tar.gz, a
 # finished regen/ folder of SYNTH synthesised conversations (12,800 by default) that families and
-# objectives reuse.
+# objectives reuse; families_<part>.tar.gz with families_<part>.features.sha256, an earlier families
+# run's eval_<draft> and draft folders (weights left out) and its capture's digest: their drafts join
+# this run's table where the two captures' arrays are equal (benchmarks/families.py).
 #
 # DRY=1: tiny sizes on the CPU, the GPU-only benchmarks as --help, to check the script.
 # Environment: EV ($HOME/ev), DEADLINE, SYNTH, EPOCHS, STEPS, EVAL_LIMIT (prompts a set in the
@@ -309,8 +311,17 @@ plan_families() {
   features "$r" eagle3,dflash,domino,dspark,dflash2,peagle || return 1
   # the capture's content (its arrays, not the manifest's times), so that drafts trained from a capture
   # of the same conversations on another machine can be shown to have read the same features
-  (cd "$r/features" && find . -type f ! -name '*.json' | LC_ALL=C sort | xargs sha256sum) > "$LOGS/families_features.sha256"
-  echo "features digest: $(sha256sum < "$LOGS/families_features.sha256" | cut -c1-16)"
+  (cd "$r/features" && find . -type f ! -name '*.json' | LC_ALL=C sort | xargs sha256sum) > "$r/features.sha256"
+  cp "$r/features.sha256" "$LOGS/families_features.sha256"
+  echo "features digest: $(sha256sum < "$r/features.sha256" | cut -c1-16)"
+  # drafts of an earlier machine's run of this plan (families_<part>.tar.gz, its eval_ and draft folders,
+  # beside families_<part>.features.sha256) join the table when their capture's digest is this one's
+  local part parts=()
+  for part in "$EV"/carry/families_*.tar.gz; do
+    [ -f "$part" ] || continue
+    name=$(basename "$part" .tar.gz); mkdir -p "$RUN/$name"
+    tar xzf "$part" -C "$RUN/$name" && cp "$EV/carry/$name.features.sha256" "$RUN/$name/features.sha256" && parts+=("$RUN/$name")
+  done
   # name|recipe|options; the longest first, so that the last slots hold the short ones
   local drafts=("dflash2_b16|$DFLASH|--block-size 16 --family dflash2"
                 "dflash2_b16_topk|$DFLASH|--block-size 16 --family dflash2 --selector-loss topk"
@@ -354,7 +365,8 @@ plan_families() {
       --recipe "$recipe" $opts $base $FAMILIES_EVAL_OPTS $TIMING_OPTS $draft_opts ${FAMILIES_LIMIT:+--limit $FAMILIES_LIMIT}
     base=--no-baseline
   done
-  step families_result 30 python -m benchmarks.families "$r" --each-alone --out families
+  step families_result 30 python -m benchmarks.families "$r" "${parts[@]}" --each-alone --out families \
+    || { [ ${#parts[@]} -gt 0 ] && step families_result_this_run 30 python -m benchmarks.families "$r" --each-alone --out families; }
 }
 
 # objectives: from one capture, at equal steps, EAGLE-3 with each token loss and seeds 0 and 1, and
