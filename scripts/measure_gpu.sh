@@ -324,7 +324,8 @@ plan_families() {
   done
   # name|recipe|options; the longest first, so that the last slots hold the short ones
   local drafts=("dflash2_b16|$DFLASH|--block-size 16 --family dflash2"
-                "dflash2_b16_topk|$DFLASH|--block-size 16 --family dflash2 --selector-loss topk"
+                "dflash2_b16_gold|$DFLASH|--block-size 16 --family dflash2 --selector-loss gold"
+                "dflash2_b16_selector_only|$DFLASH|--block-size 16 --family dflash2 --freeze-convolutions"
                 "domino_b16|$DFLASH|--block-size 16 --family domino"
                 "dspark|$DFLASH|--block-size 16 --family dspark"
                 "dflash_b16|$DFLASH|--block-size 16"
@@ -348,7 +349,7 @@ plan_families() {
   # name|draft|recipe|options: the EAGLE-3 draft decodes as a chain and as a tree; DFlash2 and DFlash
   # first, so that a deadline leaves their comparison whole
   local runs=()
-  for name in dflash2_b16 dflash2_b16_topk dflash_b16; do runs+=("$name|$name|$DFLASH|"); done
+  for name in dflash2_b16 dflash2_b16_gold dflash2_b16_selector_only dflash_b16; do runs+=("$name|$name|$DFLASH|"); done
   runs+=("eagle3_chain_k7|eagle3|$EAGLE3|")
   for name in domino_b16 dspark; do runs+=("$name|$name|$DFLASH|"); done
   runs+=("peagle_k7|peagle_k7|$PEAGLE|" "dflash_b16_dpace|dflash_b16_dpace|$DFLASH|"

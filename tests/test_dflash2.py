@@ -340,6 +340,36 @@ def test_dflash_only_teachers_and_objectives_are_refused_and_alpha_0_freezes_the
     selector = {id(p) for p in draft.candidate_selector.parameters()}
     assert selector and not selector & {id(p) for p in draft.trainable_parameters()}  # out of the optimizer
 
+
+
+def test_frozen_convolutions_stay_the_identity_through_a_step_the_rest_trains(tiny_llama_dir):
+    """--freeze-convolutions: the convolutions leave the optimizer and keep their identity kernels
+    through a step whose gradient reaches every other parameter."""
+    from specfoundry.families import Extended
+    from specfoundry.families.dflash.options import DFlashOptions
+    from specfoundry.families.dflash2.options import DFlash2Options
+
+    family = FAMILIES.provider("dflash2")
+    draft = tiny_draft()
+    convs = [c for layer in draft.layers for c in (layer.attention_conv, layer.mlp_conv)]
+    before = [{k: v.clone() for k, v in c.state_dict().items()} for c in convs]
+    family.module(draft, tiny_llama_dir, torch.float32,
+                  Extended(DFlashOptions(), DFlash2Options(freeze_convolutions=True)), 0)
+    frozen = {id(p) for c in convs for p in c.parameters()}
+    trainable = list(draft.trainable_parameters())
+    assert frozen and not frozen & {id(p) for p in trainable}
+    optimizer = torch.optim.SGD(trainable, lr=0.5)
+    head = torch.randn(97, 32, generator=torch.Generator().manual_seed(5))
+    loss, _ = dflash2_loss(draft, tiny_batch(), head, num_anchors=6, attention="sdpa")
+    loss.backward()
+    optimizer.step()
+    for conv, kept in zip(convs, before):
+        for name, value in conv.state_dict().items():
+            assert torch.equal(value, kept[name]), name
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in trainable)
+    family.module(draft, tiny_llama_dir, torch.float32, Extended(DFlashOptions(), DFlash2Options()), 0)
+    assert frozen <= {id(p) for p in draft.trainable_parameters()}  # unfrozen by default
+
 # ---- the metrics sf-train reports ------------------------------------------------------------------------
 
 

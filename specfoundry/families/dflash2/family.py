@@ -49,6 +49,9 @@ class DFlash2Family(DFlashFamily):
         if dflash.objective != "dflash":
             raise ValueError(f"DFlash2 weighs its slots by --gamma: --objective {dflash.objective} is DFlash's only")
         draft.candidate_selector.requires_grad_(own.selector_loss_alpha > 0)  # alpha 0: the selector frozen
+        for layer in draft.layers:  # frozen: the identity they start as (DFlash's backbone, exactly)
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.requires_grad_(not own.freeze_convolutions)
         return DFlash2Module(draft, target_lm_head(target_dir).to(dtype), num_anchors=dflash.num_anchors,
                              gamma=dflash.gamma, seed=seed, selector_loss=own.selector_loss,
                              selector_loss_alpha=own.selector_loss_alpha,
