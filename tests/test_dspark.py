@@ -259,10 +259,12 @@ def test_sequential_decoding_equals_the_teacher_forced_forward_and_the_bias_matt
     assert (forced[1:] - decoded[1:]).abs().amax(-1).min() > 1e-2
 
 
-def test_decode_settings_propose_the_whole_block():
-    cfg = tiny_draft().cfg
-    assert decode_settings(cfg, k=5, tree=None, k_given=True, source="d") == (5, None, None)
-    assert "ignored" in decode_settings(cfg, k=3, tree=None, k_given=True, source="d")[2]
+def test_decode_settings_serve_the_trained_block_or_a_smaller_one():
+    cfg = tiny_draft().cfg  # blocks of 5
+    assert decode_settings(cfg, k=4, tree=None, k_given=False, source="d") == (5, None, None)
+    assert decode_settings(cfg, k=3, tree=None, k_given=True, source="d") == (3, None, None)
+    with pytest.raises(ValueError, match="-k 6: DSpark draft d proposes a block of 1 to its trained 5"):
+        decode_settings(cfg, k=6, tree=None, k_given=True, source="d")
     with pytest.raises(ValueError, match="trees"):
         decode_settings(cfg, k=5, tree=(2, 2), k_given=False, source="d")
 

@@ -512,11 +512,16 @@ def test_sf_eval_sweep_decodes_each_setting_names_the_best_and_its_flags(gate_ru
     assert "SGLang: --speculative-algorithm EAGLE3" in format_sweep(summary)
     monkeypatch.setattr(sweep_module, "run_eval", lambda *a, **k: pytest.fail("a finished setting ran again"))
     assert run_sweep(cfg, silent=True, target=smollm2_target)["rows"] == summary["rows"]
+    monkeypatch.undo()
     with pytest.raises(EvalError, match="an EAGLE-3 setting is S,K,N"):
         run_sweep(replace(cfg, settings=("7",)), silent=True, target=smollm2_target)
-    _, dflash = dflash_gate_run
-    with pytest.raises(EvalError, match="sf-eval decodes a dflash draft at its trained block only, k = 4"):
-        run_sweep(SweepConfig(draft=str(dflash), output=str(tmp_path / "d"), settings=("3",), **base),
+    _, dflash = dflash_gate_run  # a draft of blocks of 5: 4 proposals a round
+    blocks = run_sweep(SweepConfig(draft=str(dflash), output=str(tmp_path / "d"), settings=("2", "4"), **base),
+                       silent=True, target=smollm2_target)
+    assert [r["verify_width"] for r in blocks["rows"]] == [3, 5]  # served at a block of 3, and its own
+    assert "--speculative-num-draft-tokens" in blocks["serve"]["sglang"]
+    with pytest.raises(EvalError, match="a dflash setting is k, the proposals a round, from 1 to 4"):
+        run_sweep(SweepConfig(draft=str(dflash), output=str(tmp_path / "e"), settings=("5",), **base),
                   silent=True, target=smollm2_target)
 
 

@@ -298,6 +298,58 @@ def test_every_registered_family_keeps_the_contract(name, tiny_llama_dir, tmp_pa
     torch.testing.assert_close(decoded, trained, rtol=1e-4, atol=1e-4)
 
 
+BLOCK_FAMILIES = ("dflash", "dflash2", "domino", "dspark")
+
+
+@pytest.mark.parametrize("name", BLOCK_FAMILIES)
+def test_a_block_drafter_served_at_a_smaller_block_is_that_blocks_draft_and_decodes_the_targets_tokens(
+        name, tiny_llama_dir, tmp_path):
+    """-k serves a block drafter at a block below its trained one, as the engines allow: its proposals
+    are those of the same weights configured for the served block (DFlash2's convolution bounded by
+    it), its greedy tokens the target's own; -k past the trained block is one line."""
+    import dataclasses
+
+    from specfoundry.common.target import Target
+    from specfoundry.decoding.rounds import target_generate
+    from specfoundry.decoding.sampler import Sampler
+    from specfoundry.decoding.target import TargetRunner
+
+    target = Target.load(str(tiny_llama_dir), device="cpu", dtype=torch.float32)
+    family, options = FAMILIES.provider(name), family_options(name, tmp_path)
+    layers = family.default_layers(8, options)
+    torch.manual_seed(0)
+    draft, dcfg = family.build(options, stub_featureset(tmp_path, tiny_llama_dir, layers), tiny_llama_dir, layers, None)
+    with torch.no_grad():  # every piece acting (DFlash2's convolutions are the identity at init)
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    draft = draft.eval().requires_grad_(False)
+    k, _, _ = family.decode_settings(dcfg, k=2, tree=None, temperature=0.0, k_given=True, source="draft")
+    assert k == 2
+    served = family.decoder(draft, target, k=k, tree=None).runner
+    assert served.proposal_count == 2
+    block = served.block_size
+    assert block < dcfg.block_size
+    same = family.draft_module(dataclasses.replace(dcfg, block_size=block))
+    same.load_state_dict(draft.state_dict())
+    same.embed_tokens = draft.embed_tokens  # the target's, outside the state dict (never exported)
+    own = family.decoder(same.eval().requires_grad_(False), target, k=k, tree=None).runner
+    assert own.block_size == block
+    aux = torch.randn(9, draft.fc.in_features)
+    for runner in (served, own):
+        runner.reset(64)
+        runner.extend(aux)
+    got, want = served.propose(105), own.propose(105)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)  # the same ops in the same order: exact
+    runner = TargetRunner(target, list(dcfg.target_layers))
+    prompt = list(range(100, 113))
+    expected = target_generate(runner, prompt, max_new_tokens=20, eos=set(), sampler=Sampler()).tokens
+    decoder = family.decoder(draft, target, k=k, tree=None)
+    assert decoder.generate(runner, prompt, max_new_tokens=20, eos=set(), sampler=Sampler()).tokens == expected
+    too_many = dcfg.block_size + 1
+    with pytest.raises(ValueError, match=f"-k {too_many}: .*trained"):
+        family.decode_settings(dcfg, k=too_many, tree=None, temperature=0.0, k_given=True, source="draft")
+
+
 @pytest.mark.parametrize("name", FAMILIES.names())
 def test_every_registered_family_decodes_the_targets_greedy_tokens_through_the_core(name, tiny_llama_dir, tmp_path):
     """Through its provider alone: an untrained draft of the family, decoded greedily by its sf-eval

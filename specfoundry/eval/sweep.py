@@ -4,9 +4,9 @@ over the same prompts with the target loaded once, reported side by side with th
 The settings (`--settings`, else the family's defaults):
     EAGLE-3   SGLang's tree, S,K,N each (--speculative-num-steps, --speculative-eagle-topk,
               --speculative-num-draft-tokens; K = 1 is the chain of S tokens, N = S + 1)
-    P-EAGLE   k, the proposals a round, at most its trained depths
-    blocks    k, the block drafter's trained block less one (DSpark: its block): sf-eval's block
-              decoders run the block they were trained with, so that is the one setting here
+    P-EAGLE   k, the proposals a round, at most its trained depths (3, 5, 7 and its own)
+    blocks    k, the proposals a round: a block of k + 1 (DSpark: of k), at most the trained one, as
+              the engines serve it (3, 7 and the trained block's)
 Each setting's run writes OUTPUT/<setting>/ (eval.json, eval.txt) as `sf-eval run` does, so a
 rerun skips the settings already done; the first one decodes the target alone too (its tokens/s
 are every setting's yardstick). OUTPUT/sweep.json holds per setting and prompt set the acceptance
@@ -53,7 +53,7 @@ class SweepConfig(Settings):
     output: str = shared("output", resume=False)
     settings: tuple[str, ...] = setting(
         (), parse=parse_settings, resume=False, shown="the family's: EAGLE-3 3,1,4 5,1,6 7,1,8 5,4,8 6,8,32; P-EAGLE "
-        "3, 5, 7 and its depths, at most its own; a block drafter its trained block alone",
+        "3, 5, 7 and its depths; a block drafter 3, 7 and its trained block's; each at most the trained one",
         help="The serving settings to decode at, space-separated: S,K,N for EAGLE-3, k for the others "
              "(docs/serving.md).")
     target: str = shared("target", EMBEDDED_DEFAULT)
@@ -81,15 +81,11 @@ def setting_options(family, settings: tuple[str, ...], draft_cfg) -> list[tuple[
                                 f"--settings {s!r}: an EAGLE-3 setting is S,K,N (SGLang's tree), not k") from None
             out.append((f"S{steps}_K{topk}_N{tokens}", dict(num_steps=steps, topk=topk, num_draft_tokens=tokens)))
         return out
-    # the family's own k: a block drafter's block less one (DSpark's block), P-EAGLE's depths
+    # the family's own k, at most its trained one: a block drafter's block less one (DSpark's block),
+    # P-EAGLE's depths
     most = family.decode_settings(draft_cfg, k=1, tree=None, temperature=0.0, k_given=False, source="draft")[0]
-    if not hasattr(draft_cfg, "num_depths"):  # a block drafter: sf-eval decodes its trained block alone
-        other = [s for s in settings if s != str(most)]
-        if other:
-            raise EvalError(f"--settings {other[0]!r}: sf-eval decodes a {family.name} draft at its trained block "
-                            f"only, k = {most}")
-        return [(f"k{most}", dict(k=most))]
-    ks = [int(s) for s in settings if s.isdigit()] if settings else sorted({k for k in (3, 5, 7, most) if k <= most})
+    defaults = (3, 5, 7, most) if hasattr(draft_cfg, "num_depths") else (3, 7, most)
+    ks = [int(s) for s in settings if s.isdigit()] if settings else sorted({k for k in defaults if k <= most})
     bad = [s for s in settings if not s.isdigit() or not 1 <= int(s) <= most]
     if bad:
         raise EvalError(f"--settings {bad[0]!r}: a {family.name} setting is k, the proposals a round, from 1 to {most}")

@@ -79,9 +79,10 @@ class Family:
 
 PROPOSALS = {  # a family's `proposes`: (what -k means, sf-eval's k where -k is not given)
     "chain": ("a chain of k tokens (the gate trains k TTT steps)", "4"),
-    "block": ("its block's B - 1 slots after the bonus token (sf-eval ignores -k; the gate trains blocks of k + 1)",
-              "B - 1"),
-    "block+bonus": ("every slot of its block, B (sf-eval ignores -k; the gate trains blocks of k)", "B"),
+    "block": ("the B - 1 slots after the bonus token of a block of B (sf-eval serves a block of k + 1, at most "
+              "the trained one; the gate trains blocks of k + 1)", "B - 1"),
+    "block+bonus": ("every slot of a block of B (sf-eval serves a block of k, at most the trained one; the gate "
+                    "trains blocks of k)", "B"),
     "depths": ("its first k trained depths, at most K (the gate trains K = k)", "its trained K"),
 }
 

@@ -45,14 +45,20 @@ class BlockDraftRunner:
     A proposal (propose_body: the block forward and its proposals, on the device alone; a family on
     DFlash's backbone overrides it with its sequential head) is one captured step (decoding/steps.py),
     `compiled` through torch.compile; it reads the bonus token (its input) and the committed length
-    (the cache's device `start`)."""
+    (the cache's device `start`). `block_size` is the block served, at most the trained one: its
+    first slots are the trained block's first slots (the mask tokens after them left out)."""
 
-    def __init__(self, draft: DFlashDraft, lm_head: torch.Tensor, *, graphs: bool | None = None,
-                 compiled: bool = False):
+    def __init__(self, draft: DFlashDraft, lm_head: torch.Tensor, *, block_size: int | None = None,
+                 graphs: bool | None = None, compiled: bool = False):
         self.draft = draft
         self.lm_head = lm_head  # [V, H] the target's
         self.device = lm_head.device
-        self.block_size = draft.cfg.block_size
+        # the served block, the trained one unless given: the engines run a draft at any block up to
+        # the one it was trained at (SGLang --speculative-num-draft-tokens, vLLM num_speculative_tokens)
+        self.block_size = draft.cfg.block_size if block_size is None else block_size
+        if not 1 <= self.block_size <= draft.cfg.block_size:
+            raise ValueError(f"a block of {self.block_size}: the draft serves blocks of 1 to its trained "
+                             f"{draft.cfg.block_size}")
         self.mask_token_id = draft.cfg.mask_token_id
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.slots = torch.arange(self.block_size, device=self.device)

@@ -45,19 +45,20 @@ DFlashDecoder = BlockDecoder
 
 
 def decode_settings(cfg: DFlashConfig, *, k: int, tree, k_given: bool, source: str):
-    """(block_size - 1, no tree, a warning where -k asked for another number): a block is what it
-    proposes; a tree or a block longer than sf-eval decodes is refused."""
+    """(k, no tree, no warning): a block of B proposes B - 1 tokens; -k serves a block of k + 1 <= B
+    (SGLang's --speculative-num-draft-tokens, vLLM's num_speculative_tokens), else the trained block.
+    A tree, or a block larger than trained or than sf-eval decodes, is refused."""
     if tree:
         raise ValueError(f"--tree drafts EAGLE-3 token trees; {source} is a DFlash draft, which proposes blocks of "
                          f"{cfg.block_size}")
-    if cfg.block_size - 1 > MAX_DRAFT:
+    if k_given and not 1 <= k <= cfg.block_size - 1:
+        raise ValueError(f"-k {k}: DFlash-family draft {source} of blocks of {cfg.block_size} proposes 1 to "
+                         f"{cfg.block_size - 1} tokens a round (a block of k + 1, at most the trained one)")
+    served = k if k_given else cfg.block_size - 1
+    if served > MAX_DRAFT:
         raise ValueError(f"{source} is a DFlash draft of blocks of {cfg.block_size}; sf-eval decodes blocks of at most "
-                         f"{MAX_DRAFT + 1}")
-    warning = None
-    if k_given and k != cfg.block_size - 1:
-        warning = (f"-k {k} ignored: DFlash draft {source} proposes block_size - 1 = {cfg.block_size - 1} tokens per "
-                   "round")
-    return cfg.block_size - 1, None, warning
+                         f"{MAX_DRAFT + 1} (-k serves a smaller block)")
+    return served, None, None
 
 
 @torch.inference_mode()

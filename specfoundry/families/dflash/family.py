@@ -112,7 +112,7 @@ class DFlashFamily(DraftFamily):
         from specfoundry.families.dflash.decode import DFlashDecoder
 
         # the logits read the target's lm_head
-        return DFlashDecoder(BlockDraftRunner(draft, target.lm_head(), compiled=compiled))
+        return DFlashDecoder(BlockDraftRunner(draft, target.lm_head(), block_size=k + 1, compiled=compiled))
 
     def decode_matches_training(self, draft: DFlashDraft, lm_head, ids, aux):
         from specfoundry.families.dflash.decode import decode_matches_training

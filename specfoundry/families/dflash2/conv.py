@@ -64,9 +64,17 @@ class GroupedDynamicCausalConv(CompiledElementwise):
         coefficients [b, S, T, G], which finish reads)."""
         delta = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)  # [b, S, 2, T, G]
         out = self.elementwise(grouped_dynamic_convolve, x, delta[..., 0, :, :], self.base_kernel[0], self.group_size,
-                               self.block_size)
+                               self.served_block(x))
         return out, delta[..., 1, :, :]
+
+    def served_block(self, x: torch.Tensor) -> int:
+        """The block the positions of x [b, S, H] form: training lays whole blocks of the trained size
+        side by side (S >= block_size); decoding runs one block, which the engines may serve smaller
+        than trained, its boundary then the served block's (SGLang's set_block_size, vLLM's
+        1 + num_speculative_tokens)."""
+        return min(self.block_size, x.shape[1])
 
     def finish(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """The sublayer's output y [b, S, H] -> conv_1(y) [b, S, H] with prepare's coefficients."""
-        return self.elementwise(grouped_dynamic_convolve, y, delta, self.base_kernel[1], self.group_size, self.block_size)
+        return self.elementwise(grouped_dynamic_convolve, y, delta, self.base_kernel[1], self.group_size,
+                                self.served_block(y))

@@ -34,9 +34,9 @@ from specfoundry.families.dflash2.selector import walk
 class DFlash2Runner(BlockDraftRunner):
     """BlockDraftRunner whose B - 1 proposals are the selector's path through the block's lattice."""
 
-    def __init__(self, draft: DFlash2Draft, lm_head: torch.Tensor, *, graphs: bool | None = None,
-                 compiled: bool = False):
-        super().__init__(draft, lm_head, graphs=graphs, compiled=compiled)
+    def __init__(self, draft: DFlash2Draft, lm_head: torch.Tensor, *, block_size: int | None = None,
+                 graphs: bool | None = None, compiled: bool = False):
+        super().__init__(draft, lm_head, block_size=block_size, graphs=graphs, compiled=compiled)
         self.no_draws = torch.zeros(self.block_size - 1)  # greedy's uniforms (unread), equal every round
         self.greedy_inputs = (torch.zeros((), device=self.device), self.no_draws.to(self.device))
 

@@ -76,7 +76,7 @@ class DFlash2Family(DFlashFamily):
     def decoder(self, draft: DFlash2Draft, target, *, k, tree, compiled=False):
         from specfoundry.families.dflash2.decode import DFlash2Decoder, DFlash2Runner
 
-        return DFlash2Decoder(DFlash2Runner(draft, target.lm_head(), compiled=compiled))
+        return DFlash2Decoder(DFlash2Runner(draft, target.lm_head(), block_size=k + 1, compiled=compiled))
 
     def decode_matches_training(self, draft: DFlash2Draft, lm_head, ids, aux):
         from specfoundry.families.dflash2.decode import decode_matches_training

@@ -28,9 +28,8 @@ class DFlash2Options(Settings):
     selector_top_k: int = setting(16, valid=Range(1, 1024), help="DFlash2: candidates K each slot's selector "
                                   "rescores, the top K of the target's lm_head over the slot's state.")
     selector_loss: str = setting("topk", choices=SELECTOR_LOSSES, help="DFlash2: the selector's K-way cross entropy; topk: "
-                                 "the strict top K, no loss where they miss the gold token (the longer acceptance "
-                                 "on SmolLM2); gold: the gold token put at rank K there (docs/families.md, "
-                                 "\"DFlash2\").")
+                                 "none where the top K miss the gold token (measured the better); gold: the gold "
+                                 "token put at rank K there (docs/families.md).")
     selector_loss_alpha: float = setting(1.0, valid=Range(0, 1000, zero="the selector is frozen"),
                                          help="DFlash2: weight of the selector's cross entropy beside the slots' "
                                               "own.")

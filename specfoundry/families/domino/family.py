@@ -69,7 +69,7 @@ class DominoFamily(DFlashFamily):
         from specfoundry.families.dflash.decode import BlockDecoder
         from specfoundry.families.domino.decode import DominoRunner
 
-        return BlockDecoder(DominoRunner(draft, target.lm_head(), compiled=compiled))
+        return BlockDecoder(DominoRunner(draft, target.lm_head(), block_size=k + 1, compiled=compiled))
 
     def decode_matches_training(self, draft: DominoDraft, lm_head, ids, aux):
         from specfoundry.families.domino.decode import decode_matches_training

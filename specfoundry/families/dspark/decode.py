@@ -27,9 +27,9 @@ from specfoundry.families.dspark.model import DSparkDraft
 class DSparkRunner(BlockDraftRunner):
     """BlockDraftRunner whose B proposals go through the sequential Markov bias."""
 
-    def __init__(self, draft: DSparkDraft, lm_head: torch.Tensor, *, graphs: bool | None = None,
-                 compiled: bool = False):
-        super().__init__(draft, lm_head, graphs=graphs, compiled=compiled)
+    def __init__(self, draft: DSparkDraft, lm_head: torch.Tensor, *, block_size: int | None = None,
+                 graphs: bool | None = None, compiled: bool = False):
+        super().__init__(draft, lm_head, block_size=block_size, graphs=graphs, compiled=compiled)
         self.confidences: list[torch.Tensor] = []  # per round, the B predicted acceptance probabilities [B]
 
     @property
@@ -67,17 +67,19 @@ class DSparkRunner(BlockDraftRunner):
 
 
 def decode_settings(cfg: DSparkConfig, *, k: int, tree, k_given: bool, source: str):
-    """(block_size, no tree, a warning where -k asked for another number): a block proposes B tokens."""
+    """(k, no tree, no warning): a block of B proposes B tokens; -k serves a block of k <= B (SGLang's
+    --speculative-dspark-block-size), else the trained block."""
     if tree:
         raise ValueError(f"--tree drafts EAGLE-3 token trees; {source} is a DSpark draft, which proposes blocks of "
                          f"{cfg.block_size}")
-    if cfg.block_size > MAX_DRAFT:
-        raise ValueError(f"{source} is a DSpark draft of blocks of {cfg.block_size} proposals; sf-eval decodes at "
-                         f"most {MAX_DRAFT}")
-    warning = None
-    if k_given and k != cfg.block_size:
-        warning = f"-k {k} ignored: DSpark draft {source} proposes block_size = {cfg.block_size} tokens per round"
-    return cfg.block_size, None, warning
+    if k_given and not 1 <= k <= cfg.block_size:
+        raise ValueError(f"-k {k}: DSpark draft {source} proposes a block of 1 to its trained {cfg.block_size} "
+                         "tokens a round")
+    served = k if k_given else cfg.block_size
+    if served > MAX_DRAFT:
+        raise ValueError(f"{source} is a DSpark draft of blocks of {served} proposals; sf-eval decodes at most "
+                         f"{MAX_DRAFT} (-k serves a smaller block)")
+    return served, None, None
 
 
 @torch.inference_mode()

@@ -72,7 +72,7 @@ class DSparkFamily(DFlashFamily):
         from specfoundry.families.dflash.decode import BlockDecoder
         from specfoundry.families.dspark.decode import DSparkRunner
 
-        return BlockDecoder(DSparkRunner(draft, target.lm_head(), compiled=compiled))
+        return BlockDecoder(DSparkRunner(draft, target.lm_head(), block_size=k, compiled=compiled))
 
     def decode_matches_training(self, draft: DSparkDraft, lm_head, ids, aux):
         from specfoundry.families.dspark.decode import decode_matches_training
