@@ -363,7 +363,7 @@ def test_frozen_convolutions_stay_the_identity_through_a_step_the_rest_trains(ti
     loss, _ = dflash2_loss(draft, tiny_batch(), head, num_anchors=6, attention="sdpa")
     loss.backward()
     optimizer.step()
-    for conv, kept in zip(convs, before):
+    for conv, kept in zip(convs, before, strict=True):
         for name, value in conv.state_dict().items():
             assert torch.equal(value, kept[name]), name
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in trainable)

@@ -202,7 +202,7 @@ def test_a_manifest_that_misnames_the_storage_dtype_is_refused_in_one_line(tmp_p
     path = tmp_path / "fs" / MANIFEST
     manifest = json.loads(path.read_text())
     for dtype, words in (("float8", r"storage_dtype 'float8' is not one this specfoundry reads"),
-                         (FP8, r"shard-000000.safetensors: no aux_scale or final_scale array, which float8 states need")):
+                         (FP8, r"shard-000000.safetensors: no aux_scale or final_scale array, which scaled states need")):
         path.write_text(json.dumps({**manifest, "storage_dtype": dtype}))
         with pytest.raises(FeatureSetError, match=words):
             FeatureSet(tmp_path / "fs")[0]
@@ -330,10 +330,10 @@ def test_a_nonfinite_row_is_refused_naming_sample_token_and_layer(tmp_path, targ
     assert not list((tmp_path / "fs").glob("shards/*.done.json"))  # nothing of it is stored
 
 
-def stored_rows(shard):
-    """A float8 shard's samples as stored (codes and scales, not decoded), one dict each, the
+def stored_rows(shard, dtype: str = FP8):
+    """A scaled shard's samples as stored (codes and scales, not decoded), one dict each, the
     scales copied so that a test can damage them and write the shard again."""
-    reader = ShardReader(shard, "safetensors", FP8)
+    reader = ShardReader(shard, "safetensors", dtype)
     rows = [reader.sample(i, decode=False) for i in range(len(reader))]
     return [{"input_ids": s.input_ids, "loss_mask": s.loss_mask, "aux_hidden": s.aux_hidden, "final_hidden": s.final_hidden,
              "aux_scale": s.aux_scale.clone(), "final_scale": s.final_scale} for s in rows]

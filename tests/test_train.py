@@ -147,6 +147,8 @@ def test_batch_widths_are_rounded_to_the_pad_multiple_within_the_token_budget():
         assert len(b) * -(-max(lengths[i] for i in b) // 128) * 128 <= 2048
 
     class Fake:  # a feature set of the planned lengths
+        dtype = final_dtype = "bfloat16"
+
         def read(self, i, final=True, decode=True):
             n = lengths[i]
             return Sample(torch.arange(n), torch.ones(n, dtype=torch.bool), torch.ones(n, 6), torch.ones(n, 2))

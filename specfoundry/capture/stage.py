@@ -67,7 +67,7 @@ from specfoundry.featureset.manifest import (
     new_manifest,
     tokenizer_hashes,
 )
-from specfoundry.featureset.store import CODECS, TORCH_DTYPES, shard_name, write_shard_file
+from specfoundry.featureset.store import CODECS, bytes_per_value, shard_name, write_shard_file
 
 
 class CaptureError(ValueError):
@@ -139,7 +139,7 @@ class CaptureConfig(Settings):
     storage_dtype: str = setting(
         "bfloat16", choices=STORAGE_DTYPES,
         help="dtype of the stored hidden states (the final state's too, unless --final-storage-dtype); "
-             "float8_e4m3fn: half of bfloat16's bytes, lossy (docs/featureset.md).")
+             "float8_e4m3fn, fp6_e2m3, fp4_e2m1: 1/2, 0.41, 0.28 of bfloat16's bytes, lossy (docs/featureset.md).")
     final_storage_dtype: str | None = setting(
         None, choices=STORAGE_DTYPES, shown="--storage-dtype",
         help="dtype of the stored final state (the teacher's input), such as bfloat16 beside a float8 "
@@ -211,9 +211,9 @@ def auto_shard_size(hidden_size: int, max_length: int, storage_dtype: str, final
     for an 8B target at 4096 tokens with 3 layers. With 3 layers, SmolLM2 (hidden 576) at 2048
     tokens gets 256; an 8B target (hidden 4096) at 4096 tokens gets 32 in bfloat16, 64 in float8;
     a capture for every family stores more layers and gets fewer samples a shard."""
-    aux, final = TORCH_DTYPES[storage_dtype].itemsize, TORCH_DTYPES[final_storage_dtype or storage_dtype].itemsize
+    aux, final = bytes_per_value(storage_dtype), bytes_per_value(final_storage_dtype or storage_dtype)
     per_sample = max_length * hidden_size * (num_layers * aux + final)
-    return max(1, min(MAX_AUTO_SHARD_SIZE, SHARD_BYTES // per_sample))
+    return max(1, min(MAX_AUTO_SHARD_SIZE, int(SHARD_BYTES // per_sample)))
 
 
 def rendered_mode(conv: Conversation, given: dict | None) -> tuple[ChatMessages, dict]:

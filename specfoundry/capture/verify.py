@@ -9,7 +9,6 @@ import torch
 
 from specfoundry.common.files import checksum
 from specfoundry.common.progress import Progress
-from specfoundry.featureset import fp8
 from specfoundry.featureset.manifest import FeatureSetError, read_manifest, record_disagreements
 from specfoundry.featureset.store import (
     BIT_PATTERNS,
@@ -18,7 +17,10 @@ from specfoundry.featureset.store import (
     FeatureSet,
     ShardReader,
     decode_state,
+    impossible_scales,
     is_finite,
+    relative_error,
+    stored_row,
     token_counts_problem,
 )
 
@@ -30,7 +32,7 @@ def expected_arrays(manifest: dict, n: int) -> dict[str, tuple[tuple[int, ...], 
     h, k = manifest["hidden_size"], len(manifest["aux_layer_ids"])
     out = {"input_ids": ((n,), torch.int32), "loss_mask": ((n,), torch.uint8)}
     for state, layers, dtype in (("aux", k, manifest["storage_dtype"]), ("final", 1, manifest["final_storage_dtype"])):
-        out[f"{state}_hidden"] = ((n, layers * h), BIT_PATTERNS.get(dtype, TORCH_DTYPES[dtype]))
+        out[f"{state}_hidden"] = ((n, layers * stored_row(dtype, h)), BIT_PATTERNS.get(dtype, TORCH_DTYPES[dtype]))
         if dtype in SCALED:
             out[f"{state}_scale"] = ((n, layers), torch.float32)
     return out
@@ -42,14 +44,16 @@ def located(r: ShardReader, token: int, layer: str) -> str:
     return f"sample {j}, token {token - int(r.offsets[j])}, {layer}"
 
 
-def nonfinite_in(values: torch.Tensor, scale: torch.Tensor | None, layers: list[str]) -> tuple[int, str] | None:
+def nonfinite_in(values: torch.Tensor, scale: torch.Tensor | None, layers: list[str],
+                 storage: str) -> tuple[int, str] | None:
     """The first (row, layer name) of a chunk of stored states [rows, L*H] holding a NaN or Inf once
     decoded, or None. is_finite answers for the stored values first (one pass, no float32 copy: a
     bf16 value is finite exactly when its float32 value is; a float8 value times its scale is
-    finite when no value is NaN and scale x 448 is finite); only a chunk it doubts is decoded."""
-    if is_finite(values, scale):
+    finite when no value is NaN and scale x 448 is finite; packed codes likewise by their block
+    scales); only a chunk it doubts is decoded."""
+    if is_finite(values, scale, storage):
         return None
-    x = decode_state(values, scale, torch.float32)  # [rows, L*H]
+    x = decode_state(values, scale, torch.float32, storage)  # [rows, L*H]
     bad = (~torch.isfinite(x.unflatten(-1, (len(layers), -1)))).any(-1).nonzero()  # [?, 2]: (row, layer)
     return (int(bad[0, 0]), layers[int(bad[0, 1])]) if len(bad) else None
 
@@ -57,16 +61,17 @@ def nonfinite_in(values: torch.Tensor, scale: torch.Tensor | None, layers: list[
 def check_state(r: ShardReader, state: str, n: int, layers: list[str]) -> tuple[str | None, str | None]:
     """One read of a stored state, chunk by chunk, for (nonfinite, scale), at most one of them set:
     nonfinite, where its first NaN or Inf lies after decoding ('sample j, token t, layer ...');
-    else scale, a float8 state's first scale no capture writes (fp8.impossible_scales): its value
-    and where. (None, None) for a sound state."""
+    else scale, a scaled state's first scale no capture writes (store.impossible_scales): its row
+    scale and where. (None, None) for a sound state."""
     first_scale = None
+    storage = r.dtypes[state]
     for start in range(0, n, CHUNK):
         values, scale = r.state(state, start, min(n, start + CHUNK))
-        bad = nonfinite_in(values, scale, layers)
+        bad = nonfinite_in(values, scale, layers, storage)
         if bad:
             return located(r, start + bad[0], bad[1]), None
         if scale is not None and first_scale is None:
-            wrong = fp8.impossible_scales(values, scale).nonzero()  # [?, 2]: (row, layer)
+            wrong = impossible_scales(values, scale, storage).nonzero()  # [?, 2]: (row, layer)
             if len(wrong):
                 row, layer = int(wrong[0, 0]), int(wrong[0, 1])
                 first_scale = f"{float(scale[row, layer])} at {located(r, start + row, layers[layer])}"
@@ -107,8 +112,10 @@ def check_shard(root: Path, manifest: dict, entry: dict) -> tuple[list[str], dic
             if where:
                 problems.append(f"{entry['path']}: {state}_hidden holds NaN or Inf at {where}")
             if scale:
-                problems.append(f"{entry['path']}: {state}_scale holds an impossible scale, {scale} (a scale is "
-                                "absmax/448: never negative, and 0 only for a row of zeros)")
+                rule = ("a scale is absmax/448: never negative, and 0 only for a row of zeros" if r.dtypes[state]
+                        == "float8_e4m3fn" else "a row's scale and its blocks' scales are never negative, and the "
+                        "row's is 0 only for a row of zeros")
+                problems.append(f"{entry['path']}: {state}_scale holds an impossible scale, {scale} ({rule})")
     return problems, {"samples": len(r), "tokens": n, "loss_tokens": int(mask.sum())}
 
 
@@ -168,8 +175,9 @@ def recompute_samples(root: Path, manifest: dict, k: int, device: str | None) ->
         for name, dtype in (("aux_hidden", manifest["storage_dtype"]), ("final_hidden", manifest["final_storage_dtype"])):
             got, want = getattr(s, name).float(), fresh[name].float()
             err = (got - want).norm() / want.norm()
-            # bf16 storage rounding is ~3e-3 relative; float8's is at most 2^-4 per value
-            if err > 1e-2 + (fp8.RELATIVE_ERROR if dtype in SCALED else 0):
+            # bf16 storage rounding is ~3e-3 relative; float8's at most 2^-4 per value, packed codes'
+            # a share of their block's absmax (store.relative_error)
+            if err > 1e-2 + relative_error(dtype):
                 problems.append(f"sample {i}: stored {name} differs from a fresh prefill (rel err {err:.2e})")
     return problems
 

@@ -12,9 +12,9 @@ from specfoundry.featureset.store import decode_state
 
 @dataclass
 class Batch:
-    """One micro-batch as the loader yields it: right-padded rows of whole samples. Float8 states
-    stay float8, beside their scales, until `to` puts them on the training device and decodes them
-    there: the host-to-device copy carries one byte per value."""
+    """One micro-batch as the loader yields it: right-padded rows of whole samples. Scaled states
+    (float8, packed codes) stay as stored, beside their scales, until `to` puts them on the training
+    device and decodes them there: the host-to-device copy carries their bytes, not bf16's."""
 
     input_ids: torch.Tensor  # [B, T] int64, right-padded
     loss_mask: torch.Tensor  # [B, T] bool
@@ -23,8 +23,10 @@ class Batch:
     lengths: list[int]
     indices: list[int] = field(default_factory=list)  # the rows' sample indices in the feature set
     epoch: int = 0  # the loader's epoch (a family's per-sample randomness is seeded by it and the index)
-    aux_scale: torch.Tensor | None = None  # [B, T, K] float32 where aux_hidden is float8 (padding: 0)
-    final_scale: torch.Tensor | None = None  # [B, T, 1] float32 where final_hidden is float8
+    aux_scale: torch.Tensor | None = None  # [B, T, K] float32 where aux_hidden is scaled (padding: 0)
+    final_scale: torch.Tensor | None = None  # [B, T, 1] float32 where final_hidden is scaled
+    aux_storage: str | None = None  # the storage dtype of scaled aux states (packed codes decode by it)
+    final_storage: str | None = None
 
     def to(self, device, dtype=None) -> Batch:
         """On `device` with the hidden states in `dtype` (None: as stored, float8 as bfloat16);
@@ -33,13 +35,14 @@ class Batch:
         def move(t):
             return None if t is None else t.to(device, non_blocking=True)
 
-        def state(values, scale):
+        def state(values, scale, storage):
             if values is None or scale is None:  # a float dtype: moved and cast in one step, as always
                 return None if values is None else values.to(device, dtype, non_blocking=True)
-            return decode_state(move(values), move(scale), dtype)
+            return decode_state(move(values), move(scale), dtype, storage)
 
-        return Batch(move(self.input_ids), move(self.loss_mask), state(self.aux_hidden, self.aux_scale),
-                     state(self.final_hidden, self.final_scale), self.lengths, self.indices, self.epoch)
+        return Batch(move(self.input_ids), move(self.loss_mask), state(self.aux_hidden, self.aux_scale, self.aux_storage),
+                     state(self.final_hidden, self.final_scale, self.final_storage), self.lengths, self.indices,
+                     self.epoch)
 
     def pin_memory(self) -> Batch:
         """The DataLoader's pin_memory hook: a copy to the GPU from pinned memory is asynchronous
@@ -48,4 +51,5 @@ class Batch:
             return None if t is None else t.pin_memory()
 
         return Batch(pin(self.input_ids), pin(self.loss_mask), pin(self.aux_hidden), pin(self.final_hidden),
-                     self.lengths, self.indices, self.epoch, pin(self.aux_scale), pin(self.final_scale))
+                     self.lengths, self.indices, self.epoch, pin(self.aux_scale), pin(self.final_scale),
+                     self.aux_storage, self.final_storage)

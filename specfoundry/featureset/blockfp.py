@@ -60,7 +60,7 @@ class Format:
     @property
     def largest_gap(self) -> float:
         """D: the grid's largest gap between neighbours."""
-        return max(b - a for a, b in zip(self.magnitudes, self.magnitudes[1:]))
+        return max(b - a for a, b in zip(self.magnitudes[:-1], self.magnitudes[1:], strict=True))
 
     def row_bytes(self, width: int) -> int:
         """Stored bytes of a row of `width` values: the packed codes, then the block scales."""

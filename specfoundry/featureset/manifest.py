@@ -15,8 +15,10 @@ READS_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 TOKEN_COUNTS = "token_counts.safetensors"
 # what storage dtypes mean on disk (docs/featureset.md); neither zarr nor numpy has bfloat16 or
-# float8, so those are stored as their uint16 / uint8 bit patterns
-STORAGE_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
+# float8, so those are stored as their uint16 / uint8 bit patterns; fp6_e2m3 and fp4_e2m1 are
+# packed codes with block scales, as bytes (featureset/blockfp.py). A reader that predates a dtype
+# refuses the set naming it, so adding one needs no new format version.
+STORAGE_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "fp6_e2m3", "fp4_e2m1")
 
 
 def tokenizer_hashes(tokenizer) -> tuple[str, str]:

@@ -5,9 +5,11 @@ A shard holds many samples concatenated along one token axis:
     input_ids    int32  [N]
     loss_mask    uint8  [N]
     aux_hidden   dtype  [N, K*H]       outputs of the K stored layers (ascending), concatenated
+                                       (fp6_e2m3 / fp4_e2m1: uint8 [N, K*R], R bytes a row, blockfp.py)
     final_hidden dtype  [N, H]         the target's final normed hidden state (lm_head input)
-    aux_scale    float32 [N, K]        only where aux_hidden is float8: one scale per token and layer
-    final_scale  float32 [N, 1]        only where final_hidden is float8 (featureset/fp8.py)
+    aux_scale    float32 [N, K]        only where aux_hidden is scaled (float8, or packed codes): one
+                                       scale per token and layer (featureset/fp8.py, blockfp.py)
+    final_scale  float32 [N, 1]        only where final_hidden is scaled
 The aux and the final states each have their storage dtype (the manifest's storage_dtype and
 final_storage_dtype). encode_state / decode_state turn float states into what is stored and back.
 A shard is written under a hidden partial name and renamed into place when complete, then
@@ -29,23 +31,45 @@ import numpy as np
 import torch
 
 from specfoundry.common.files import checksum
-from specfoundry.featureset import fp8
+from specfoundry.featureset import blockfp, fp8
 from specfoundry.featureset.manifest import TOKEN_COUNTS, FeatureSetError, read_manifest, record_disagreements
 
 CODECS = ("zarr", "safetensors")
+PACKED = {"fp6_e2m3": blockfp.FORMATS["fp6"], "fp4_e2m1": blockfp.FORMATS["fp4"]}
+"""Storage dtypes of packed codes with block scales: a row of H values is blockfp's row_bytes(H) bytes."""
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-                "float8_e4m3fn": fp8.E4M3}
-SCALED = ("float8_e4m3fn",)  # storage dtypes stored with one scale per row beside the values
+                "float8_e4m3fn": fp8.E4M3, **{name: torch.uint8 for name in PACKED}}
+SCALED = ("float8_e4m3fn", *PACKED)  # storage dtypes stored with one scale per row beside the values
+
+
+def stored_row(dtype: str, width: int) -> int:
+    """Stored elements (bytes for packed codes) of a row of `width` values."""
+    return PACKED[dtype].row_bytes(width) if dtype in PACKED else width
+
+
+def bytes_per_value(dtype: str) -> float:
+    """Stored bytes a value, the row scale left out."""
+    return PACKED[dtype].row_bytes(4096) / 4096 if dtype in PACKED else TORCH_DTYPES[dtype].itemsize
+
+
+def relative_error(dtype: str) -> float:
+    """The most a stored value may be off, relative to the row's largest element (0 for float
+    dtypes, whose rounding is below 1e-2 of the row's norm): float8's 2^-4 of the element;
+    packed codes' D / (2G) (1 + 2^-3) of their block's absmax (blockfp.py's bound)."""
+    if dtype in PACKED:
+        fmt = PACKED[dtype]
+        return fmt.largest_gap / (2 * fmt.largest) * (1 + 2.0**-3)
+    return fp8.RELATIVE_ERROR if dtype in SCALED else 0.0
 
 
 @dataclass
 class Sample:
     input_ids: torch.Tensor  # [T] int64
     loss_mask: torch.Tensor  # [T] bool
-    aux_hidden: torch.Tensor  # [T, K*H] decoded (float8: bfloat16), or as stored beside aux_scale
+    aux_hidden: torch.Tensor  # [T, K*H] decoded (scaled dtypes: bfloat16), or as stored beside aux_scale
     final_hidden: torch.Tensor | None  # [T, H] likewise; None where it was not read
-    aux_scale: torch.Tensor | None = None  # [T, K] float32: aux_hidden is float8, not yet decoded
-    final_scale: torch.Tensor | None = None  # [T, 1] float32: final_hidden is float8, not yet decoded
+    aux_scale: torch.Tensor | None = None  # [T, K] float32: aux_hidden is scaled, not yet decoded
+    final_scale: torch.Tensor | None = None  # [T, 1] float32: final_hidden is scaled, not yet decoded
 
 
 def shard_name(index: int, codec: str) -> str:
@@ -71,20 +95,29 @@ def from_storage(a: np.ndarray, dtype: str) -> torch.Tensor:
 
 def encode_state(x: torch.Tensor, dtype: str, layers: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Float hidden states x [..., L*H] -> what a shard stores, on x's device: (values [..., L*H] in
-    `dtype`, scale [..., L] float32 for a float8 dtype (one per layer's row), else None)."""
+    `dtype` (packed codes: uint8 [..., L*R]), scale [..., L] float32 for a scaled dtype (one per
+    layer's row), else None)."""
     if dtype not in SCALED:
         return x.to(TORCH_DTYPES[dtype]), None
-    values, scale = fp8.quantize(x.unflatten(-1, (layers, x.shape[-1] // layers)))  # [..., L, H], [..., L]
-    return values.flatten(-2), scale
+    rows = x.unflatten(-1, (layers, x.shape[-1] // layers))  # [..., L, H]
+    values, scale = blockfp.quantize(rows, PACKED[dtype]) if dtype in PACKED else fp8.quantize(rows)
+    return values.flatten(-2), scale  # [..., L*H] (or [..., L*R]), [..., L]
 
 
-def decode_state(values: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """encode_state's inverse, on the values' device: values [..., L*H] (float8 beside scale [..., L],
-    or a float dtype beside None) -> [..., L*H] in `dtype` (None: bfloat16 for float8, else as stored)."""
+def decode_state(values: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype | None = None,
+                 storage: str | None = None) -> torch.Tensor:
+    """encode_state's inverse, on the values' device: values [..., L*H] (float8, or packed codes of
+    the storage dtype `storage`, beside scale [..., L]; or a float dtype beside None) -> [..., L*H]
+    in `dtype` (None: bfloat16 for a scaled dtype, else as stored)."""
     if scale is None:
         return values if dtype is None else values.to(dtype)
     layers = scale.shape[-1]
-    rows = values.unflatten(-1, (layers, values.shape[-1] // layers))  # [..., L, H]
+    rows = values.unflatten(-1, (layers, values.shape[-1] // layers))  # [..., L, H] (or [..., L, R])
+    if values.dtype == torch.uint8:
+        if storage not in PACKED:
+            raise ValueError(f"packed states decode only with their storage dtype ({', '.join(PACKED)}), "
+                             f"not {storage!r}")
+        return blockfp.dequantize(rows, scale, PACKED[storage], dtype or torch.bfloat16).flatten(-2)
     return fp8.dequantize(rows, scale, dtype or torch.bfloat16).flatten(-2)
 
 
@@ -102,9 +135,21 @@ def all_finite(x: torch.Tensor) -> bool:
     return not bool(((x.view(as_int) & mask) == mask).any())
 
 
-def is_finite(values: torch.Tensor, scale: torch.Tensor | None) -> bool:
-    """Whether stored states decode to finite values only (float8: without decoding them)."""
-    return all_finite(values) if scale is None else fp8.is_finite(values, scale)
+def is_finite(values: torch.Tensor, scale: torch.Tensor | None, storage: str | None = None) -> bool:
+    """Whether stored states decode to finite values only (scaled dtypes: without decoding them);
+    packed codes need their storage dtype."""
+    if scale is None:
+        return all_finite(values)
+    if values.dtype != torch.uint8:
+        return fp8.is_finite(values, scale)
+    return blockfp.is_finite(values.unflatten(-1, (scale.shape[-1], -1)), scale, PACKED[storage])
+
+
+def impossible_scales(values: torch.Tensor, scale: torch.Tensor, storage: str) -> torch.Tensor:
+    """[..., L] bool: rows whose scales no capture writes (fp8.impossible_scales, blockfp.impossible_scales)."""
+    if storage in PACKED:
+        return blockfp.impossible_scales(values, scale, PACKED[storage])
+    return fp8.impossible_scales(values, scale)
 
 
 def write_shard(root: Path, rel: str, samples: list[dict], codec: str, dtype: str,
@@ -238,8 +283,8 @@ class ShardReader:
             self.offsets = self.file.get_tensor("offsets")
         names = set(self.group.array_keys()) if codec == "zarr" else set(self.file.keys())
         missing = [f"{state}_scale" for state, d in self.dtypes.items() if d in SCALED and f"{state}_scale" not in names]
-        if missing:  # a float8 state cannot be read without its scales
-            raise FeatureSetError(f"{path}: no {' or '.join(missing)} array, which float8 states need: the "
+        if missing:  # a scaled state cannot be read without its scales
+            raise FeatureSetError(f"{path}: no {' or '.join(missing)} array, which scaled states need: the "
                                   "manifest's storage dtypes are not the ones this shard was written in")
 
     def __len__(self) -> int:
@@ -264,7 +309,7 @@ class ShardReader:
         return values, scale
 
     def sample(self, i: int, final: bool = True, decode: bool = True) -> Sample:
-        """Sample i; without its final state (None, not read) unless `final`. decode: float8 states
+        """Sample i; without its final state (None, not read) unless `final`. decode: scaled states
         decoded to bfloat16 here; else as stored, with their scales (the loader decodes them on
         the training device)."""
         start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
@@ -272,7 +317,7 @@ class ShardReader:
         for state in ("aux", "final") if final else ("aux",):
             values, scale = self.state(state, start, stop)
             if decode:
-                values, scale = decode_state(values, scale), None
+                values, scale = decode_state(values, scale, storage=self.dtypes[state]), None
             states[f"{state}_hidden"], states[f"{state}_scale"] = values, scale
         return Sample(input_ids=torch.from_numpy(self.rows("input_ids", start, stop).astype(np.int64)),
                       loss_mask=torch.from_numpy(self.rows("loss_mask", start, stop).astype(np.bool_)), **states)

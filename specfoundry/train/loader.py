@@ -130,8 +130,8 @@ class BatchDataset(Dataset):
         for i, s in zip(self.batches[k], samples, strict=True):
             s.aux_hidden, s.aux_scale = self.select(s.aux_hidden, s.aux_scale)
             # a NaN or Inf would spread through the whole draft in one optimizer step
-            if not (is_finite(s.aux_hidden, s.aux_scale)
-                    and (not self.final or is_finite(s.final_hidden, s.final_scale))):
+            if not (is_finite(s.aux_hidden, s.aux_scale, self.fs.dtype)
+                    and (not self.final or is_finite(s.final_hidden, s.final_scale, self.fs.final_dtype))):
                 raise FeatureSetError(f"{self.fs.where(i)} holds non-finite hidden states (NaN or Inf); "
                                       "recapture it (sf-capture verify lists every such sample)")
         return samples
@@ -154,12 +154,13 @@ class BatchDataset(Dataset):
         states = {"final_hidden": None}
         for name in ("aux_hidden", "aux_scale") + (("final_hidden", "final_scale") if self.final else ()):
             states[name] = padded([getattr(s, name) for s in samples], lengths, width)
-        return Batch(ids, mask, lengths=lengths, indices=list(self.batches[k]), epoch=self.epoch, **states)
+        return Batch(ids, mask, lengths=lengths, indices=list(self.batches[k]), epoch=self.epoch,
+                     aux_storage=self.fs.dtype, final_storage=self.fs.final_dtype, **states)
 
 
 def padded(rows: list[torch.Tensor | None], lengths: list[int], width: int) -> torch.Tensor | None:
     """Per sample [T, D] (None: an array the set does not store) -> [len(lengths), width, D], the
-    first lengths[r] rows of each; zeros elsewhere (a float8 zero with scale 0 decodes to 0)."""
+    first lengths[r] rows of each; zeros elsewhere (a scaled zero with scale 0 decodes to 0)."""
     if rows[0] is None:
         return None
     out = torch.zeros(len(lengths), width, rows[0].shape[-1], dtype=rows[0].dtype)
