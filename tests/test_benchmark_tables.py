@@ -27,12 +27,18 @@ def capture_listing(run: Path, text: str) -> None:
     (run / families.DIGEST).write_text(text)
 
 
-def test_runs_of_one_capture_join_and_the_result_names_its_digest(tmp_path):
+def two_runs_of_one_capture(tmp_path) -> tuple[Path, Path]:
+    """Run a (DFlash2, the target alone beside it) and run b (Domino), their captures' listings equal."""
     first, second = tmp_path / "a", tmp_path / "b"
     eval_folder(first, "dflash2_b16", 1.7, alone=640.0)
     eval_folder(second, "domino_b16", 1.6)
     for run in (first, second):
         capture_listing(run, "0620  ./shards/shard-000000.safetensors\n")
+    return first, second
+
+
+def test_runs_of_one_capture_join_and_the_result_names_its_digest(tmp_path):
+    first, second = two_runs_of_one_capture(tmp_path)
     digest = families.features_digest([first, second])
     rows = families.gather_runs([first, second])
     assert {r["draft"] for r in rows} == {"dflash2_b16", "domino_b16"}
@@ -65,11 +71,7 @@ def test_a_draft_evaluated_in_two_runs_is_refused_naming_both(tmp_path):
 
 
 def test_the_command_joins_two_runs_into_one_result(tmp_path):
-    first, second = tmp_path / "a", tmp_path / "b"
-    eval_folder(first, "dflash2_b16", 1.7, alone=640.0)
-    eval_folder(second, "domino_b16", 1.6)
-    for run in (first, second):
-        capture_listing(run, "0620  ./shards/shard-000000.safetensors\n")
+    first, second = two_runs_of_one_capture(tmp_path)
     out = tmp_path / "families.json"
     done = subprocess.run([sys.executable, "-m", "benchmarks.families", str(first), str(second), "--each-alone",
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True)

@@ -223,21 +223,27 @@ def test_the_loader_hands_bf16_batches_close_to_the_bf16_sets(tmp_path, final_dt
                            strict=False):
             assert x.aux_hidden.dtype == torch.float8_e4m3fn
             assert x.aux_scale.shape == (*x.aux_hidden.shape[:2], len(layers or [0, 1, 2]))
-            got, want = x.to("cpu", torch.bfloat16), y.to("cpu", torch.bfloat16)
-            assert got.aux_scale is None and got.final_scale is None and got.lengths == want.lengths
-            for name in ("aux_hidden", "final_hidden"):
-                g, w = getattr(got, name), getattr(want, name)
-                assert g.dtype == torch.bfloat16 and g.shape == w.shape
-                if name == "final_hidden" and final_dtype == "bfloat16":
-                    assert torch.equal(g, w)
-                    continue
-                rows = w.float().unflatten(-1, (-1, h))  # [B, T, L, H]: what was quantised
-                scale = rows.abs().amax(-1) / 448
-                # float8's bound B, then the bf16 rounding of the decoded value d: 2^-8 |d| <= 2^-8 (|x| + B)
-                err = (g.float().unflatten(-1, (-1, h)) - rows).abs()
-                assert (err <= bound(rows, scale) * (1 + 2**-8) + 2**-8 * rows.abs()).all()
-            for r, n in enumerate(got.lengths):  # padding decodes to exact zeros
-                assert not got.aux_hidden[r, n:].any()
+            assert_decoded_close(x, y, final_dtype, h, lambda rows: bound(rows, rows.abs().amax(-1) / 448))
+
+
+def assert_decoded_close(stored, plain, final_dtype, h: int, element_bound) -> None:
+    """Batches of a scaled set and of the bf16 set of the same values, decoded to bf16 by Batch.to:
+    every state within element_bound(rows [B, T, L, H]) of the bf16 values plus one bf16 rounding, a
+    bf16 final state equal, padding exact zeros."""
+    got, want = stored.to("cpu", torch.bfloat16), plain.to("cpu", torch.bfloat16)
+    assert got.aux_scale is None and got.final_scale is None and got.lengths == want.lengths
+    for name in ("aux_hidden", "final_hidden"):
+        g, w = getattr(got, name), getattr(want, name)
+        assert g.dtype == torch.bfloat16 and g.shape == w.shape
+        if name == "final_hidden" and final_dtype == "bfloat16":
+            assert torch.equal(g, w)
+            continue
+        rows = w.float().unflatten(-1, (-1, h))  # [B, T, L, H]: what was quantised
+        err = (g.float().unflatten(-1, (-1, h)) - rows).abs()
+        # the bound B, then the bf16 rounding of the decoded value d: 2^-8 |d| <= 2^-8 (|x| + B)
+        assert (err <= element_bound(rows) * (1 + 2**-8) + 2**-8 * rows.abs()).all()
+    for r, n in enumerate(got.lengths):  # padding decodes to exact zeros
+        assert not got.aux_hidden[r, n:].any()
 
 
 def test_one_packed_copy_gives_every_array_back_and_names_a_nonfinite_row():

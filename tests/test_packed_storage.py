@@ -24,7 +24,7 @@ from specfoundry.testing import write_random_featureset
 from specfoundry.train.loader import FeatureLoader
 from specfoundry.train.trainer import TrainConfig, run_train
 from tests.conftest import CHAT, write_jsonl
-from tests.test_fp8 import stored_rows
+from tests.test_fp8 import assert_decoded_close, stored_rows
 
 DTYPES = sorted(PACKED)
 
@@ -59,20 +59,7 @@ def test_the_loader_hands_bf16_batches_within_the_bound_of_the_bf16_sets(tmp_pat
             chosen = len(layers or [0, 1, 2])
             assert x.aux_hidden.dtype == torch.uint8 and x.aux_hidden.shape[-1] == chosen * fmt.row_bytes(h)
             assert x.aux_scale.shape == (*x.aux_hidden.shape[:2], chosen) and x.aux_storage == dtype
-            got, want = x.to("cpu", torch.bfloat16), y.to("cpu", torch.bfloat16)
-            assert got.aux_scale is None and got.lengths == want.lengths
-            for name in ("aux_hidden", "final_hidden"):
-                g, w = getattr(got, name), getattr(want, name)
-                assert g.dtype == torch.bfloat16 and g.shape == w.shape
-                if name == "final_hidden" and final_dtype == "bfloat16":
-                    assert torch.equal(g, w)
-                    continue
-                rows = w.float().unflatten(-1, (-1, h))  # [B, T, L, H]: what was quantised
-                err = (g.float().unflatten(-1, (-1, h)) - rows).abs()
-                # the bound B, then the bf16 rounding of the decoded value d: 2^-8 |d| <= 2^-8 (|x| + B)
-                assert (err <= bound(rows, fmt) * (1 + 2**-8) + 2**-8 * rows.abs()).all()
-            for r, n in enumerate(got.lengths):
-                assert not got.aux_hidden[r, n:].any()
+            assert_decoded_close(x, y, final_dtype, h, lambda rows: bound(rows, fmt))
 
 
 @pytest.fixture(scope="module")
