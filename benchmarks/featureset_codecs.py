@@ -1,5 +1,5 @@
-"""Bytes per token on disk of a feature set for each container and storage dtype, and float8's
-error on real features.
+"""Bytes per token on disk of a feature set for each container and storage dtype, and the lossy
+dtypes' error on real features (float8, and the packed 6- and 4-bit codes of featureset/blockfp.py).
 
     python -m benchmarks.featureset_codecs runs/smollm2/regen [--tokens 4096]
     python -m benchmarks.featureset_codecs --acceptance RUN [--commit C]
@@ -10,6 +10,14 @@ Variants (container, aux states' dtype, final state's dtype):
     fp8_safetensors                  safetensors, float8_e4m3fn, float8_e4m3fn (scales float32)
     fp8_aux_bf16_final_safetensors   safetensors, float8_e4m3fn, bfloat16
     fp8_zarr, fp8_aux_bf16_final_zarr    the same inside Zarr (zstd over the float8 bytes)
+    fp6_safetensors, fp6_zarr        fp6_e2m3 for every state (codes, an e4m3 scale a block of 16, a
+                                     float32 scale a row)
+    fp4_safetensors, fp4_zarr        fp4_e2m1 likewise
+    fp4_aux_fp8_final_safetensors    fp4_e2m1 layers, the final state (the teacher's input) in float8
+Each lossy dtype's error is measured per row (token x layer) against the float32 capture; the
+packed ones' beside their derived bound (max_err_over_bound at most 1), and, on the same rows, the
+int4 and int6 grids that blockfp.py also holds (the float grids are the ones offered for storage:
+`int_grids_error` says why).
 
 Two feature sets:
     smollm2  SmolLM2-135M's real features (H 576, layers [1, 14, 26] + final) of SOURCE, captured
@@ -46,9 +54,9 @@ import torch
 
 from benchmarks.common import RESULTS, print_table, write_result
 from specfoundry.capture.stage import CaptureConfig, run_capture
-from specfoundry.featureset import fp8
+from specfoundry.featureset import blockfp, fp8
 from specfoundry.featureset.manifest import read_manifest
-from specfoundry.featureset.store import FeatureSet, decode_state, encode_state, write_shard
+from specfoundry.featureset.store import PACKED, FeatureSet, decode_state, encode_state, write_shard
 
 FP8 = "float8_e4m3fn"
 VARIANTS = {  # name: (codec, storage dtype, final storage dtype)
@@ -58,6 +66,11 @@ VARIANTS = {  # name: (codec, storage dtype, final storage dtype)
     "fp8_aux_bf16_final_safetensors": ("safetensors", FP8, "bfloat16"),
     "fp8_zarr": ("zarr", FP8, FP8),
     "fp8_aux_bf16_final_zarr": ("zarr", FP8, "bfloat16"),
+    "fp6_safetensors": ("safetensors", "fp6_e2m3", "fp6_e2m3"),
+    "fp6_zarr": ("zarr", "fp6_e2m3", "fp6_e2m3"),
+    "fp4_safetensors": ("safetensors", "fp4_e2m1", "fp4_e2m1"),
+    "fp4_zarr": ("zarr", "fp4_e2m1", "fp4_e2m1"),
+    "fp4_aux_fp8_final_safetensors": ("safetensors", "fp4_e2m1", FP8),
 }
 BAR_H4096 = 16500  # float8 for every state: at most this many bytes per token at H 4096
 
@@ -89,6 +102,33 @@ def row_errors(x: torch.Tensor, decoded: torch.Tensor, layers: int) -> dict:
     return out
 
 
+def packed_row_errors(x: torch.Tensor, decoded: torch.Tensor, layers: int, fmt: blockfp.Format) -> dict:
+    """A packed dtype's error over rows of x [N, L*H] (float32) against their decoded values, and the
+    largest ratio of an element's error to blockfp's bound before the scales."""
+    rows, back = x.unflatten(-1, (layers, -1)), decoded.unflatten(-1, (layers, -1))  # [N, L, H]
+    h = rows.shape[-1]
+    err = (back - rows).abs()
+    rel = err.norm(dim=-1) / rows.norm(dim=-1).clamp(min=1e-30)  # [N, L]
+    block = rows.abs().unflatten(-1, (h // blockfp.BLOCK, blockfp.BLOCK)).amax(-1)
+    scale = rows.abs().amax(-1, keepdim=True) / (fmt.largest * fp8.E4M3_MAX)
+    d, g = fmt.largest_gap, fmt.largest
+    bound = (block * d / (2 * g) * (1 + 2.0**-3) + scale * d / 2 * 2.0**-9).repeat_interleave(blockfp.BLOCK, -1)
+    bound = bound + 2.0**-22 * rows.abs()
+    return {"rows": rel.numel(), "row_rel_l2_median": rel.median().item(),
+            "row_rel_l2_p99": rel.flatten().quantile(0.99).item(), "row_rel_l2_max": rel.max().item(),
+            "max_err_over_bound": (err / bound.clamp(min=1e-38)).max().item()}
+
+
+def grid_errors(x: torch.Tensor, layers: int) -> dict:
+    """Every grid of blockfp.FORMATS on rows of x [N, L*H] (float32), quantised here: its row errors."""
+    rows = x.unflatten(-1, (layers, -1))
+    out = {}
+    for name, fmt in blockfp.FORMATS.items():
+        back = blockfp.dequantize(*blockfp.quantize(rows, fmt), fmt, torch.float32)
+        out[name] = packed_row_errors(x, back.flatten(-2), layers, fmt)
+    return out
+
+
 def states(fs: FeatureSet, dtype=torch.float32) -> dict[str, torch.Tensor]:
     """Every token's aux [N, K*H] and final [N, H] states of a set, decoded to dtype."""
     out = {"aux": [], "final": []}
@@ -96,7 +136,7 @@ def states(fs: FeatureSet, dtype=torch.float32) -> dict[str, torch.Tensor]:
         r = fs.reader(shard)
         n = int(r.offsets[-1])
         for state in out:
-            out[state].append(decode_state(*r.state(state, 0, n), dtype))
+            out[state].append(decode_state(*r.state(state, 0, n), dtype, r.dtypes[state]))
     return {state: torch.cat(parts) for state, parts in out.items()}
 
 
@@ -121,6 +161,11 @@ def smollm2_rows(source: str, target: str, tmp: Path) -> tuple[list[dict], dict]
     layers = len(sets["fp8_safetensors"].manifest["aux_layer_ids"])
     errors = {"aux": row_errors(reference["aux"], got["aux"], layers),
               "final": row_errors(reference["final"], got["final"], 1)}
+    for name, dtype in (("fp6", "fp6_e2m3"), ("fp4", "fp4_e2m1")):
+        packed = states(sets[f"{name}_safetensors"])
+        errors[name] = {"aux": packed_row_errors(reference["aux"], packed["aux"], layers, PACKED[dtype]),
+                        "final": packed_row_errors(reference["final"], packed["final"], 1, PACKED[dtype])}
+    errors["grids_aux"] = grid_errors(reference["aux"], layers)
     return rows, errors
 
 
@@ -226,17 +271,34 @@ def main() -> None:
     print_table(rows, ["set", "variant", "tokens", "shard_bytes_per_token", "set_bytes_per_token", "capture_s",
                        "write_s"])
     for where, errors in (("smollm2", smol_errors), ("h4096 random", big_errors)):
-        for state, e in errors.items():
-            print(f"float8 error, {where} {state}: " + ", ".join(f"{k} {v:.4g}" for k, v in e.items()))
+        for state in ("aux", "final"):
+            if state in errors:
+                print(f"float8 error, {where} {state}: " + ", ".join(f"{k} {v:.4g}" for k, v in errors[state].items()))
+    for name, e in {**{n: smol_errors[n]["aux"] for n in ("fp6", "fp4")}, **smol_errors["grids_aux"]}.items():
+        print(f"{name} error, smollm2 aux: " + ", ".join(f"{k} {v:.4g}" for k, v in e.items()))
     per_token = {r["variant"]: r["shard_bytes_per_token"] for r in big}
     summary = {"bytes_per_token_h4096": per_token,
                "bytes_per_token_smollm2": {r["variant"]: r["shard_bytes_per_token"] for r in smol
                                            if r["variant"] in VARIANTS},
                "bf16_bytes_per_token_h4096_raw": 4 * 4096 * 2,
                "bar_fp8_all_states_h4096": BAR_H4096,
-               "fp8_all_states_meets_bar": per_token["fp8_safetensors"] <= BAR_H4096}
-    extra = {"summary": summary, "fp8_error": {"smollm2": smol_errors, "h4096_random": big_errors},
+               "fp8_all_states_meets_bar": per_token["fp8_safetensors"] <= BAR_H4096,
+               "row_rel_l2_median_smollm2_aux": {
+                   "fp8": smol_errors["aux"]["row_rel_l2_median"],
+                   **{n: e["row_rel_l2_median"] for n, e in smol_errors["grids_aux"].items()}}}
+    extra = {"summary": summary,
+             "fp8_error": {"smollm2": {k: smol_errors[k] for k in ("aux", "final")}, "h4096_random": big_errors},
+             "packed_error": {"smollm2": {k: smol_errors[k] for k in ("fp6", "fp4")}},
+             "int_grids_error": {"smollm2_aux": smol_errors["grids_aux"],
+                                 "why": "at equal bits the int grids' row error on real features is above the float "
+                                        "grids' (heavy-tailed rows: most values far below the block's absmax), so "
+                                        "fp6_e2m3 and fp4_e2m1 are the storage dtypes"},
              "not_measured": NOT_MEASURED}
+    earlier = RESULTS / "featureset_codecs.json"
+    if earlier.is_file() and "acceptance" in (kept := json.loads(earlier.read_text())):
+        # the GPU's acceptance runs are another measurement, with their own commit and date: kept
+        summary["acceptance_k7"] = kept["summary"]["acceptance_k7"]
+        extra["acceptance"] = kept["acceptance"]
     print(f"wrote {write_result('featureset_codecs', rows, extra)}")
 
 
