@@ -14,6 +14,9 @@ Variants (container, aux states' dtype, final state's dtype):
                                      float32 scale a row)
     fp4_safetensors, fp4_zarr        fp4_e2m1 likewise
     fp4_aux_fp8_final_safetensors    fp4_e2m1 layers, the final state (the teacher's input) in float8
+    fp4_aux_topk32_safetensors       fp4_e2m1 layers and a top-32 teacher in the final state's place
+                                     (--teacher-storage topk:32; at H 4096 random ids and probabilities
+                                     of the stored dtypes: the bytes are the same for any)
 Each lossy dtype's error is measured per row (token x layer) against the float32 capture; the
 packed ones' beside their derived bound (max_err_over_bound at most 1), and, on the same rows, the
 int4 and int6 grids that blockfp.py also holds (the float grids are the ones offered for storage:
@@ -59,7 +62,8 @@ from specfoundry.featureset.manifest import read_manifest
 from specfoundry.featureset.store import PACKED, FeatureSet, decode_state, encode_state, write_shard
 
 FP8 = "float8_e4m3fn"
-VARIANTS = {  # name: (codec, storage dtype, final storage dtype)
+TOPK = "topk:32"
+VARIANTS = {  # name: (codec, storage dtype, final storage dtype[, teacher storage])
     "bf16_safetensors": ("safetensors", "bfloat16", "bfloat16"),
     "bf16_zarr": ("zarr", "bfloat16", "bfloat16"),
     "fp8_safetensors": ("safetensors", FP8, FP8),
@@ -71,6 +75,7 @@ VARIANTS = {  # name: (codec, storage dtype, final storage dtype)
     "fp4_safetensors": ("safetensors", "fp4_e2m1", "fp4_e2m1"),
     "fp4_zarr": ("zarr", "fp4_e2m1", "fp4_e2m1"),
     "fp4_aux_fp8_final_safetensors": ("safetensors", "fp4_e2m1", FP8),
+    "fp4_aux_topk32_safetensors": ("safetensors", "fp4_e2m1", "fp4_e2m1", TOPK),
 }
 BAR_H4096 = 16500  # float8 for every state: at most this many bytes per token at H 4096
 
@@ -142,12 +147,13 @@ def states(fs: FeatureSet, dtype=torch.float32) -> dict[str, torch.Tensor]:
 
 def smollm2_rows(source: str, target: str, tmp: Path) -> tuple[list[dict], dict]:
     rows, sets = [], {}
-    for name, (codec, dtype, final_dtype) in {"fp32_safetensors": ("safetensors", "float32", "float32"),
-                                             **VARIANTS}.items():
+    for name, (codec, dtype, final_dtype, *teacher) in {"fp32_safetensors": ("safetensors", "float32", "float32"),
+                                                        **VARIANTS}.items():
         out = tmp / name
         start = time.perf_counter()
         run_capture(CaptureConfig(source=source, output=str(out), target=target, codec=codec, storage_dtype=dtype,
-                                  final_storage_dtype=final_dtype, shard_size=64), silent=True)
+                                  final_storage_dtype=final_dtype, shard_size=64,
+                                  teacher_storage=teacher[0] if teacher else "final"), silent=True)
         seconds = time.perf_counter() - start
         m = read_manifest(out)
         tokens = m["counts"]["tokens"]
@@ -171,15 +177,23 @@ def smollm2_rows(source: str, target: str, tmp: Path) -> tuple[list[dict], dict]
 
 def h4096_rows(tokens: int, tmp: Path, seq: int = 1024) -> tuple[list[dict], dict]:
     h, k = 4096, 3
+    k_layers = k
     g = torch.Generator().manual_seed(0)
     n = max(1, tokens // seq)
     samples = [{"input_ids": torch.randint(0, 128256, (seq,), generator=g), "loss_mask": torch.ones(seq, dtype=torch.bool),
                 "aux_hidden": torch.randn(seq, k * h, generator=g).bfloat16(),
                 "final_hidden": torch.randn(seq, h, generator=g).bfloat16()} for _ in range(n)]
     rows = []
-    for name, (codec, dtype, final_dtype) in VARIANTS.items():
+    for name, (codec, dtype, final_dtype, *teacher) in VARIANTS.items():
         start = time.perf_counter()
-        write_shard(tmp / name, "shards/shard", samples, codec, dtype, final_dtype)
+        rows = samples
+        if teacher:  # the stored dtypes' bytes, whatever the ids and probabilities: random ones
+            k = int(teacher[0].split(":")[1])
+            rows = [{**{key: v for key, v in s.items() if key != "final_hidden"},
+                     "teacher_ids": torch.randint(0, 128256, (seq, k), generator=g, dtype=torch.int32),
+                     "teacher_probs": torch.rand(seq, k, generator=g).sort(-1, descending=True).values.half()}
+                    for s in samples]
+        write_shard(tmp / name, "shards/shard", rows, codec, dtype, final_dtype, layers=k_layers)
         seconds = time.perf_counter() - start
         rows.append({"set": "h4096", "variant": name, "codec": codec, "storage_dtype": dtype,
                      "final_storage_dtype": final_dtype, "hidden": h, "samples": n, "tokens": n * seq,
@@ -283,6 +297,7 @@ def main() -> None:
                "bf16_bytes_per_token_h4096_raw": 4 * 4096 * 2,
                "bar_fp8_all_states_h4096": BAR_H4096,
                "fp8_all_states_meets_bar": per_token["fp8_safetensors"] <= BAR_H4096,
+               "at_most_8KiB_h4096": sorted(v for v, b in per_token.items() if b <= 8192),
                "row_rel_l2_median_smollm2_aux": {
                    "fp8": smol_errors["aux"]["row_rel_l2_median"],
                    **{n: e["row_rel_l2_median"] for n, e in smol_errors["grids_aux"].items()}}}

@@ -17,23 +17,31 @@ from specfoundry.featureset.store import FeatureSet, shard_name, write_shard
 
 
 def write_random_featureset(root: Path, n: int, t: int, cfg, codec: str = "safetensors",
-                            dtype: str = "bfloat16", final_dtype: str | None = None) -> FeatureSet:
+                            dtype: str = "bfloat16", final_dtype: str | None = None,
+                            teacher_k: int | None = None) -> FeatureSet:
     """A one-shard feature set (safetensors, bf16 unless told) of n samples of t tokens for a
     target of the shape of cfg, a draft config of any family, holding the layers it reads
     (target_layers), random features (seed 0; float8 is quantised from the same bf16 values),
-    every token in the loss; opened with FeatureSet."""
+    every token in the loss; with teacher_k, a random top-k teacher (the final states' softmax
+    through a random head, kept to its top k) in the final state's place; opened with FeatureSet."""
     g = torch.Generator().manual_seed(0)
     layers = cfg.target_layers
     samples = [{"input_ids": torch.randint(0, cfg.vocab_size, (t,), generator=g),
                 "loss_mask": torch.ones(t, dtype=torch.bool),
                 "aux_hidden": torch.randn(t, len(layers) * cfg.hidden_size, generator=g).to(torch.bfloat16),
                 "final_hidden": torch.randn(t, cfg.hidden_size, generator=g).to(torch.bfloat16)} for _ in range(n)]
+    if teacher_k:
+        from specfoundry.featureset.teacher import topk_teacher
+
+        head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) / cfg.hidden_size**0.5 * 4
+        for s in samples:
+            s["teacher_ids"], s["teacher_probs"] = topk_teacher(s.pop("final_hidden").float(), head, teacher_k)
     rel = shard_name(0, codec)
-    digest = write_shard(root, rel, samples, codec, dtype, final_dtype)
+    digest = write_shard(root, rel, samples, codec, dtype, final_dtype, layers=len(layers))
     manifest = new_manifest(target={"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}, aux_layer_ids=layers,
                             hidden_size=cfg.hidden_size, storage_dtype=dtype, final_storage_dtype=final_dtype,
-                            codec=codec, shards=[{"path": rel, "sha256": digest, "num_samples": n,
-                                                  "sample_lengths": [t] * n}])
+                            codec=codec, teacher_k=teacher_k, shards=[{"path": rel, "sha256": digest, "num_samples": n,
+                                                                       "sample_lengths": [t] * n}])
     atomic_write_json(root / MANIFEST, manifest)
     return FeatureSet(root)
 

@@ -348,7 +348,7 @@ def stored_rows(shard, dtype: str = FP8):
 def test_verify_checks_a_float8_set_and_names_a_nonfinite_row(fp8_features, tmp_path):
     assert verify_featureset(fp8_features) == []
     manifest = json.loads((fp8_features / MANIFEST).read_text())
-    assert (manifest["format_version"], manifest["storage_dtype"], manifest["final_storage_dtype"]) == (3, FP8, FP8)
+    assert (manifest["format_version"], manifest["storage_dtype"], manifest["final_storage_dtype"]) == (4, FP8, FP8)
     fs = tmp_path / "fs"
     shutil.copytree(fp8_features, fs)
     entry = manifest["shards"][1]

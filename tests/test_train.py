@@ -148,6 +148,7 @@ def test_batch_widths_are_rounded_to_the_pad_multiple_within_the_token_budget():
 
     class Fake:  # a feature set of the planned lengths
         dtype = final_dtype = "bfloat16"
+        teacher_k = None
 
         def read(self, i, final=True, decode=True):
             n = lengths[i]

@@ -16,6 +16,7 @@ import torch
 from specfoundry.common.target import Target
 from specfoundry.featureset import fp8
 from specfoundry.featureset.store import encode_state
+from specfoundry.featureset.teacher import topk_teacher
 
 
 class NonFiniteFeatures(ValueError):
@@ -101,13 +102,16 @@ class HFCaptureRunner:
     """
 
     def __init__(self, target: Target, aux_layers: list[int], storage: tuple[str, str] | None = None,
-                 keep: bool = True):
+                 keep: bool = True, teacher_k: int | None = None):
         """storage: the (aux, final) storage dtypes (featureset STORAGE_DTYPES); None hands the
         features out in the model's dtype, unencoded. keep=False: run the prefill and hand back
         nothing (a tensor-parallel rank beside its group's writer: its part of the collectives,
-        none of the encoding and copying)."""
+        none of the encoding and copying). teacher_k: hand out the teacher's top K (teacher_ids,
+        teacher_probs: featureset/teacher.py) in the final state's place."""
         self.target = target
         self.keep = keep
+        self.teacher_k = teacher_k
+        self.head = target.lm_head() if teacher_k is not None else None  # [V, H], for the top K
         self.tap = target.tap(aux_layers)
         self.aux_layers = self.tap.aux_layers
         self.storage = storage
@@ -122,11 +126,15 @@ class HFCaptureRunner:
     def encode(self, aux: torch.Tensor, final: torch.Tensor) -> dict[str, torch.Tensor]:
         """aux [B, T, K*H], final [B, T, H] -> the stored arrays of the batch ([B, T, ...] each), on
         the device."""
-        if self.storage is None:
-            return {"aux_hidden": aux, "final_hidden": final}
         arrays = {}
+        if self.teacher_k is not None:  # the teacher's top K in the final state's place, on the device
+            b, t, h = final.shape
+            ids, probs = topk_teacher(final.reshape(b * t, h), self.head, self.teacher_k)
+            arrays = {"teacher_ids": ids.view(b, t, -1), "teacher_probs": probs.view(b, t, -1)}
+        if self.storage is None:
+            return {"aux_hidden": aux, **({"final_hidden": final} if self.teacher_k is None else arrays)}
         for state, x, layers, dtype in (("aux", aux, len(self.aux_layers), self.storage[0]),
-                                        ("final", final, 1, self.storage[1])):
+                                        ("final", final, 1, self.storage[1]))[: 1 if self.teacher_k else 2]:
             arrays[f"{state}_hidden"], scale = encode_state(x, dtype, layers)
             if scale is not None:
                 arrays[f"{state}_scale"] = scale  # [B, T, layers] float32

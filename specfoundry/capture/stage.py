@@ -67,7 +67,9 @@ from specfoundry.featureset.manifest import (
     new_manifest,
     tokenizer_hashes,
 )
+from specfoundry.featureset.manifest import topk_teacher as topk_teacher_k
 from specfoundry.featureset.store import CODECS, bytes_per_value, shard_name, write_shard_file
+from specfoundry.featureset.teacher import parse_teacher
 
 
 class CaptureError(ValueError):
@@ -144,6 +146,9 @@ class CaptureConfig(Settings):
         None, choices=STORAGE_DTYPES, shown="--storage-dtype",
         help="dtype of the stored final state (the teacher's input), such as bfloat16 beside a float8 "
              "--storage-dtype.")
+    teacher_storage: str = setting("final", before="final", parse=lambda v: str(v).strip(),
+                           help="What the teacher is stored as: final (the final state, H values a token) or "
+                                "topk:K (its K most probable next tokens, 6K bytes a token; docs/featureset.md).")
     strict: bool = shared("strict", False)
     partial: bool = setting(False, help="Take the finished shards of an incomplete sf-regen run instead of "
                             "refusing it.")
@@ -203,16 +208,18 @@ MAX_AUTO_SHARD_SIZE = 256
 
 
 def auto_shard_size(hidden_size: int, max_length: int, storage_dtype: str, final_storage_dtype: str | None = None,
-                    *, num_layers: int) -> int:
+                    *, num_layers: int, teacher_k: int | None = None) -> int:
     """Samples per shard when none is given: as many as keep a shard's features (the num_layers
     stored layers' states and the final one, of hidden_size per token, at max_length) within
     SHARD_BYTES, and at most 256. A shard stays in host memory from its capture until written, up to
     writers + 2 of them at once, so a fixed 256 would hold 6 shards of 256 x 4096 tokens x 32 KiB
     for an 8B target at 4096 tokens with 3 layers. With 3 layers, SmolLM2 (hidden 576) at 2048
     tokens gets 256; an 8B target (hidden 4096) at 4096 tokens gets 32 in bfloat16, 64 in float8;
-    a capture for every family stores more layers and gets fewer samples a shard."""
+    a capture for every family stores more layers and gets fewer samples a shard. A top-K teacher
+    (teacher_k) takes the final state's place at 6 bytes a kept token."""
     aux, final = bytes_per_value(storage_dtype), bytes_per_value(final_storage_dtype or storage_dtype)
-    per_sample = max_length * hidden_size * (num_layers * aux + final)
+    per_sample = max_length * (hidden_size * num_layers * aux + (hidden_size * final if teacher_k is None
+                                                                  else 6 * teacher_k))
     return max(1, min(MAX_AUTO_SHARD_SIZE, int(SHARD_BYTES // per_sample)))
 
 
@@ -306,9 +313,14 @@ def plan_capture(cfg: CaptureConfig, tokenizer, identity) -> CapturePlan:
     """Render the samples and resolve what the run writes; refuses a folder of other settings."""
     aux_layers = stored_layers(cfg, identity.num_layers)
     cfg = replace(cfg, aux_layers=tuple(aux_layers))
+    try:
+        teacher_k = parse_teacher(cfg.teacher_storage)
+    except ValueError as e:
+        raise CaptureError(str(e)) from None
     if cfg.shard_size is None:  # resolved here and recorded, so a resume compares the value itself
         cfg = replace(cfg, shard_size=auto_shard_size(identity.hidden_size, cfg.max_length, cfg.storage_dtype,
-                                                      cfg.final_storage_dtype, num_layers=len(aux_layers)))
+                                                      cfg.final_storage_dtype, num_layers=len(aux_layers),
+                                                      teacher_k=teacher_k))
     check_output_folder(Path(cfg.output), "capture", cfg)
     problem = unread_template_kwargs(tokenizer, cfg.chat_template_kwargs)
     if problem:
@@ -320,7 +332,7 @@ def plan_capture(cfg: CaptureConfig, tokenizer, identity) -> CapturePlan:
     base = new_manifest(
         target={**identity.to_dict(), "weight_fingerprint": weight_fingerprint(Path(identity.path))},
         aux_layer_ids=aux_layers, hidden_size=identity.hidden_size, storage_dtype=cfg.storage_dtype,
-        final_storage_dtype=cfg.final_storage_dtype, codec=cfg.codec,
+        final_storage_dtype=cfg.final_storage_dtype, codec=cfg.codec, teacher_k=teacher_k,
         tool_version=__version__,
         tokenizer_sha256=tok_hash,
         chat_template_sha256=template_hash,
@@ -387,6 +399,12 @@ def build_manifest(plan: CapturePlan, out: ShardedOutput) -> dict:
         "tokens": sum(e["num_tokens"] for e in entries),
         "loss_tokens": sum(e["loss_tokens"] for e in entries),
     }
+    if topk_teacher_k(manifest) is not None and manifest["counts"]["tokens"]:
+        # the mass outside the kept K: what the stored teacher lacks (ModelOpt warns below 0.999)
+        tokens = manifest["counts"]["tokens"]
+        manifest["teacher"] = {**manifest["teacher"],
+                               "kept_mass_mean": sum(e.pop("teacher_kept_mass_sum") for e in entries) / tokens,
+                               "kept_below_0999": sum(e.pop("teacher_kept_below_0999") for e in entries) / tokens}
     manifest["complete"] = len(entries) == plan.num_shards
     if manifest["complete"]:
         from safetensors.torch import save
@@ -454,7 +472,7 @@ def capture_with(cfg: CaptureConfig, target: Target, silent: bool) -> dict:
     done = total - sum(len(plan.part(s)) for s in todo)
     runner = HFCaptureRunner(target, list(plan.cfg.aux_layers), storage=(plan.base["storage_dtype"],
                                                                          plan.base["final_storage_dtype"]),
-                             keep=ranks.is_writer)
+                             keep=ranks.is_writer, teacher_k=topk_teacher_k(plan.base))
     try:
         with Progress(total, "sample", f"sf-capture[{ranks.group}]", silent or not ranks.is_writer,
                       initial=done) as progress:
@@ -476,6 +494,10 @@ def write_one(out: ShardedOutput, shard: int, part: list[dict], outputs: list, c
     counts = Counter()
     for x in part:
         counts.update(t for t, m in zip(x["input_ids"], x["loss_mask"], strict=True) if m)
+    kept = {}  # a top-K teacher's kept mass over the shard's tokens, for the manifest
+    if rows and "teacher_probs" in rows[0]:
+        mass = torch.cat([r["teacher_probs"].float().sum(-1) for r in rows])  # [tokens]
+        kept = {"teacher_kept_mass_sum": float(mass.sum()), "teacher_kept_below_0999": int((mass < 0.999).sum())}
     out.commit(shard_name(shard, cfg.codec), lambda path: write_shard_file(path, rows, cfg.codec, cfg.storage_dtype,
                                                                      cfg.final_storage_dtype), {
         "index": shard,
@@ -486,4 +508,5 @@ def write_one(out: ShardedOutput, shard: int, part: list[dict], outputs: list, c
         "source_sha256": samples_sha256(part),  # what plan_capture compares on a rerun
         "sample_lengths": [len(x["input_ids"]) for x in part],
         "token_counts": {str(k): v for k, v in sorted(counts.items())},
+        **kept,
     })

@@ -9,7 +9,7 @@ import torch
 
 from specfoundry.common.files import checksum
 from specfoundry.common.progress import Progress
-from specfoundry.featureset.manifest import FeatureSetError, read_manifest, record_disagreements
+from specfoundry.featureset.manifest import FeatureSetError, read_manifest, record_disagreements, topk_teacher
 from specfoundry.featureset.store import (
     BIT_PATTERNS,
     SCALED,
@@ -31,11 +31,36 @@ def expected_arrays(manifest: dict, n: int) -> dict[str, tuple[tuple[int, ...], 
     """Array name -> (shape, torch dtype as read from disk) of a shard of n tokens."""
     h, k = manifest["hidden_size"], len(manifest["aux_layer_ids"])
     out = {"input_ids": ((n,), torch.int32), "loss_mask": ((n,), torch.uint8)}
-    for state, layers, dtype in (("aux", k, manifest["storage_dtype"]), ("final", 1, manifest["final_storage_dtype"])):
+    teacher_k = topk_teacher(manifest)
+    states = (("aux", k, manifest["storage_dtype"]), ("final", 1, manifest["final_storage_dtype"]))
+    for state, layers, dtype in states[: 1 if teacher_k else 2]:
         out[f"{state}_hidden"] = ((n, layers * stored_row(dtype, h)), BIT_PATTERNS.get(dtype, TORCH_DTYPES[dtype]))
         if dtype in SCALED:
             out[f"{state}_scale"] = ((n, layers), torch.float32)
+    if teacher_k:
+        out["teacher_ids"], out["teacher_probs"] = ((n, teacher_k), torch.int32), ((n, teacher_k), torch.float16)
     return out
+
+
+def teacher_problem(r: ShardReader, n: int, vocab_size: int) -> str | None:
+    """What is wrong with a shard's top-k teacher, at its first wrong token, or None: an id outside
+    the vocabulary, a probability not finite or outside [0, 1], a row not most probable first, or
+    a row whose kept mass passes 1 by more than float16's rounding of its k terms."""
+    for start in range(0, n, CHUNK):
+        stop = min(n, start + CHUNK)
+        ids = torch.from_numpy(r.rows("teacher_ids", start, stop)).long()  # [c, k]
+        probs = torch.from_numpy(r.rows("teacher_probs", start, stop)).float()  # [c, k]
+        k = ids.shape[1]
+        checks = (("an id outside the vocabulary", ((ids < 0) | (ids >= vocab_size)).any(-1)),
+                  ("a probability that is not finite or not in [0, 1]", (~torch.isfinite(probs) | (probs < 0)
+                                                                         | (probs > 1)).any(-1)),
+                  ("probabilities not in descending order", (probs[:, 1:] > probs[:, :-1]).any(-1)),
+                  ("a kept mass above 1", probs.sum(-1) > 1 + k * 2.0**-11))
+        for what, bad in checks:
+            if bad.any():
+                token = start + int(bad.nonzero()[0, 0])
+                return f"{what} at {located(r, token, 'the teacher')}"
+    return None
 
 
 def located(r: ShardReader, token: int, layer: str) -> str:
@@ -86,7 +111,8 @@ def check_shard(root: Path, manifest: dict, entry: dict) -> tuple[list[str], dic
     if checksum(path) != entry["sha256"]:
         return [f"{entry['path']}: checksum mismatch (the shard was changed or damaged)"], {}
     try:
-        r = ShardReader(path, manifest["codec"], manifest["storage_dtype"], manifest["final_storage_dtype"])
+        r = ShardReader(path, manifest["codec"], manifest["storage_dtype"], manifest["final_storage_dtype"],
+                        topk_teacher(manifest))
         n = int(r.offsets[-1])
         expect = expected_arrays(manifest, n)
         found = {name: (r.shape(name), torch.from_numpy(r.rows(name, 0, 0)).dtype) for name in expect}
@@ -106,8 +132,14 @@ def check_shard(root: Path, manifest: dict, entry: dict) -> tuple[list[str], dic
     elif [int(b - a) for a, b in zip(r.offsets[:-1], r.offsets[1:], strict=True)] != list(entry["sample_lengths"]):
         problems.append(f"{entry['path']}: the manifest's sample lengths are not the shard's (an edited manifest: "
                         "restore it, or recapture)")
+    if not problems and topk_teacher(manifest):
+        wrong = teacher_problem(r, n, manifest["target"]["vocab_size"])
+        if wrong:
+            problems.append(f"{entry['path']}: teacher_ids / teacher_probs hold {wrong}")
     if not problems:
         for state, layers in (("aux", [f"layer {i}" for i in manifest["aux_layer_ids"]]), ("final", ["final state"])):
+            if state not in r.dtypes:  # a top-k teacher in the final state's place
+                continue
             where, scale = check_state(r, state, n, layers)
             if where:
                 problems.append(f"{entry['path']}: {state}_hidden holds NaN or Inf at {where}")
@@ -167,12 +199,23 @@ def recompute_samples(root: Path, manifest: dict, k: int, device: str | None) ->
     name = manifest["target"]["name"]  # an embedded target by its name (its converted copy may live elsewhere)
     target = Target.load(name if name in EMBEDDED else manifest["target"]["path"], device=device,
                          command="sf-capture verify")
-    runner = HFCaptureRunner(target, manifest["aux_layer_ids"])
+    teacher_k = topk_teacher(manifest)
+    runner = HFCaptureRunner(target, manifest["aux_layer_ids"], teacher_k=teacher_k)
     problems = []
     for i in range(min(k, len(fs))):
         s = fs[i]
         fresh = runner([s.input_ids.tolist()])[0]
-        for name, dtype in (("aux_hidden", manifest["storage_dtype"]), ("final_hidden", manifest["final_storage_dtype"])):
+        if teacher_k:  # the stored probabilities against the fresh ones of the same ids
+            again = torch.gather(fresh["teacher_probs"].float(), 1, torch.argsort(fresh["teacher_ids"].long(), 1))
+            mine = torch.gather(s.teacher_probs.float(), 1, torch.argsort(s.teacher_ids.long(), 1))
+            same = torch.equal(fresh["teacher_ids"].long().sort(1).values, s.teacher_ids.long().sort(1).values)
+            # float16's rounding is 2^-11 of a probability; a fresh prefill's own rounding a little more
+            if not same and (fresh["teacher_probs"].float() - s.teacher_probs.float()).abs().max() > 1e-2:
+                problems.append(f"sample {i}: stored teacher differs from a fresh prefill's top {teacher_k}")
+            elif same and (again - mine).abs().max() > 1e-2:
+                problems.append(f"sample {i}: stored teacher probabilities differ from a fresh prefill's")
+        for name, dtype in (("aux_hidden", manifest["storage_dtype"]),
+                            ("final_hidden", manifest["final_storage_dtype"]))[: 1 if teacher_k else 2]:
             got, want = getattr(s, name).float(), fresh[name].float()
             err = (got - want).norm() / want.norm()
             # bf16 storage rounding is ~3e-3 relative; float8's at most 2^-4 per value, packed codes'

@@ -77,7 +77,17 @@ class DraftFamily:
     layers whatever the number of draft layers)."""
 
     def needs_final_state(self, options) -> bool:
+        """Whether it reads the teacher: the final state, or a top-k teacher stored in its place."""
         raise NotImplementedError
+
+    def trains_from_topk_teacher(self, options) -> bool:
+        """Whether the teacher's distribution is all it reads of the final state, so that a set of a
+        top-k teacher (featureset/teacher.py) serves it."""
+        return False
+
+    def final_state_use(self, options) -> str:
+        """What it reads the final state for beyond the teacher's distribution (for the refusal)."""
+        return "its loss reads the state itself"
 
     # ---- training ----------------------------------------------------------------------------
 

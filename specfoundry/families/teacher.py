@@ -1,4 +1,5 @@
-"""The teacher: the frozen target lm_head applied to the stored final hidden states.
+"""The teacher: the frozen target lm_head applied to the stored final hidden states, or the top-k
+teacher a feature set stores in their place (featureset/teacher.py).
 
 The target distribution is restricted to the draft vocabulary; positions whose full-vocabulary
 argmax falls outside it are masked (SGLang could never accept such a draft token there).
@@ -52,3 +53,44 @@ def teacher_targets(final_hidden: torch.Tensor, lm_head: torch.Tensor, draft_ids
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [c, 1]
             p[start : start + chunk] = torch.exp(logits[:, draft_ids] - lse).to(out_dtype)
     return p, valid, target_draft
+
+
+@torch.no_grad()
+def sparse_teacher_targets(ids: torch.Tensor, probs: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor,
+                           vocab_size: int, out_dtype: torch.dtype = torch.float32, renormalise: bool = True):
+    """teacher_targets from a stored top-k teacher: ids [N, k] target ids (most probable first), probs
+    [N, k] their full-vocabulary probabilities; draft_ids [Vd] sorted target ids; vocab_size V.
+
+    p [N, Vd] holds the kept probabilities of the draft tokens among the k, zero elsewhere: with
+    `renormalise`, divided by their sum (the dense teacher's softmax over the draft columns, on the
+    kept mass: equal to it where the k hold every draft token with mass); else as they are, so a row
+    sums to the kept mass inside the draft vocabulary and the mass the k left out counts as the LK
+    losses count the mass outside the draft vocabulary. valid and target_draft from ids[:, 0], the
+    teacher's argmax, as teacher_targets takes them from the full logits."""
+    device = ids.device
+    t2d_index = torch.full((vocab_size,), -1, dtype=torch.int64, device=device)
+    t2d_index[draft_ids] = torch.arange(len(draft_ids), device=device)
+    ids = ids.long()
+    column = t2d_index[ids]  # [N, k]: the draft column of each kept id, -1 outside the draft vocabulary
+    inside = column >= 0
+    p = torch.zeros(ids.shape[0], len(draft_ids), dtype=torch.float32, device=device)
+    p.scatter_add_(1, column.clamp(min=0), torch.where(inside, probs.float(), 0.0))  # [N, Vd]
+    if renormalise:
+        p = p / p.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)  # a row without mass stays 0
+    top = ids[:, 0]
+    return p.to(out_dtype), t2d[top], t2d_index[top]
+
+
+def batch_teacher(batch, lm_head: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor, chunk: int | None = None,
+                  renormalise: bool = True):
+    """teacher_targets over every position of a Batch ([B*T] rows): from its final state through the
+    lm_head, or from the top-k teacher its feature set stores instead; in the states' dtype."""
+    if batch.final_hidden is not None:
+        h = batch.final_hidden.shape[-1]
+        return teacher_targets(batch.final_hidden.reshape(-1, h), lm_head, draft_ids, t2d, chunk=chunk,
+                               out_dtype=batch.final_hidden.dtype, renormalise=renormalise)
+    if batch.teacher_ids is None:
+        raise ValueError("the batch holds neither the final state nor a top-k teacher")
+    k = batch.teacher_ids.shape[-1]
+    return sparse_teacher_targets(batch.teacher_ids.reshape(-1, k), batch.teacher_probs.reshape(-1, k), draft_ids, t2d,
+                                  lm_head.shape[0], out_dtype=batch.aux_hidden.dtype, renormalise=renormalise)

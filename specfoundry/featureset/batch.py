@@ -27,6 +27,8 @@ class Batch:
     final_scale: torch.Tensor | None = None  # [B, T, 1] float32 where final_hidden is scaled
     aux_storage: str | None = None  # the storage dtype of scaled aux states (packed codes decode by it)
     final_storage: str | None = None
+    teacher_ids: torch.Tensor | None = None  # [B, T, k] int32: a top-k teacher, where final_hidden is None
+    teacher_probs: torch.Tensor | None = None  # [B, T, k] float16 (padding: 0)
 
     def to(self, device, dtype=None) -> Batch:
         """On `device` with the hidden states in `dtype` (None: as stored, float8 as bfloat16);
@@ -42,7 +44,7 @@ class Batch:
 
         return Batch(move(self.input_ids), move(self.loss_mask), state(self.aux_hidden, self.aux_scale, self.aux_storage),
                      state(self.final_hidden, self.final_scale, self.final_storage), self.lengths, self.indices,
-                     self.epoch)
+                     self.epoch, teacher_ids=move(self.teacher_ids), teacher_probs=move(self.teacher_probs))
 
     def pin_memory(self) -> Batch:
         """The DataLoader's pin_memory hook: a copy to the GPU from pinned memory is asynchronous
@@ -52,4 +54,4 @@ class Batch:
 
         return Batch(pin(self.input_ids), pin(self.loss_mask), pin(self.aux_hidden), pin(self.final_hidden),
                      self.lengths, self.indices, self.epoch, pin(self.aux_scale), pin(self.final_scale),
-                     self.aux_storage, self.final_storage)
+                     self.aux_storage, self.final_storage, pin(self.teacher_ids), pin(self.teacher_probs))

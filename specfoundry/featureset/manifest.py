@@ -6,12 +6,23 @@ import json
 from pathlib import Path
 
 FORMAT = "specfoundry.featureset"
+# 4: `teacher`: {"kind": "final_state"} (the final state stored, as before), or {"kind": "topk", "k": K}
+#    (teacher_ids / teacher_probs arrays, the teacher's K most probable next tokens, and no final
+#    state); sets of versions 1-3 hold the final state.
 # 3: final_storage_dtype (the final state may be stored in another dtype than the aux states),
 #    and float8_e4m3fn storage with one scale per row (aux_scale / final_scale arrays).
 # 2: the format/format_version keys of every specfoundry manifest, shards named shard-NNNNNN.
 # 1: schema/schema_version keys, shards named rank000-NNNNNN. All three are read.
-FORMAT_VERSION = 3
-READS_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+READS_VERSIONS = (1, 2, 3, 4)
+FINAL_STATE = {"kind": "final_state"}
+"""The teacher of a set that stores the final state (every set before version 4)."""
+
+
+def topk_teacher(manifest: dict) -> int | None:
+    """K where the set stores a top-K teacher instead of the final state, else None."""
+    teacher = manifest.get("teacher", FINAL_STATE)
+    return teacher["k"] if teacher["kind"] == "topk" else None
 MANIFEST = "manifest.json"
 TOKEN_COUNTS = "token_counts.safetensors"
 # what storage dtypes mean on disk (docs/featureset.md); neither zarr nor numpy has bfloat16 or
@@ -31,18 +42,20 @@ def tokenizer_hashes(tokenizer) -> tuple[str, str]:
 
 
 def new_manifest(*, target: dict, aux_layer_ids, hidden_size: int, storage_dtype: str, codec: str,
-                 final_storage_dtype: str | None = None, **fields) -> dict:
+                 final_storage_dtype: str | None = None, teacher_k: int | None = None, **fields) -> dict:
     """A manifest's opening: the format and its version, the target (its identity: at least
     hidden_size and vocab_size), the stored layers, the width and the storage (codec, the aux states'
     dtype, the final state's, by default the same), then `fields` (a capture's tokenizer and
     template hashes, max length, counts, its config). The writer adds `shards` (each with its path,
-    sha256, num_samples and sample_lengths). Every manifest is built here: sf-capture's, and the
-    random sets of testing.py."""
+    sha256, num_samples and sample_lengths). teacher_k: the set stores the teacher's top K instead
+    of the final state (whose dtype is then recorded but unused). Every manifest is built here:
+    sf-capture's, and the random sets of testing.py."""
     if storage_dtype not in STORAGE_DTYPES or (final_storage_dtype or storage_dtype) not in STORAGE_DTYPES:
         raise ValueError(f"storage dtypes {storage_dtype}, {final_storage_dtype} must be among {STORAGE_DTYPES}")
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "target": target, "aux_layer_ids": list(aux_layer_ids),
             "hidden_size": hidden_size, "storage_dtype": storage_dtype,
-            "final_storage_dtype": final_storage_dtype or storage_dtype, "codec": codec, **fields}
+            "final_storage_dtype": final_storage_dtype or storage_dtype, "codec": codec,
+            "teacher": FINAL_STATE if teacher_k is None else {"kind": "topk", "k": teacher_k}, **fields}
 
 
 def manifest_sha256(root: str | Path) -> str | None:
@@ -113,6 +126,13 @@ def read_manifest(root: Path) -> dict:
                               f"(this specfoundry reads versions {', '.join(map(str, READS_VERSIONS))})")
     if manifest["format_version"] < 3:  # the final state was stored as the aux states were
         manifest["final_storage_dtype"] = manifest.get("storage_dtype")
+    if manifest["format_version"] < 4:
+        manifest["teacher"] = FINAL_STATE
+    teacher = manifest.get("teacher")
+    if not (teacher == FINAL_STATE or (isinstance(teacher, dict) and teacher.get("kind") == "topk"
+                                       and isinstance(teacher.get("k"), int) and teacher["k"] >= 1)):
+        raise FeatureSetError(f"{path}: teacher {teacher!r} is not one this specfoundry reads "
+                              "({'kind': 'final_state'} or {'kind': 'topk', 'k': K})")
     for key in ("storage_dtype", "final_storage_dtype"):
         if manifest.get(key) not in STORAGE_DTYPES:
             raise FeatureSetError(f"{path}: {key} {manifest.get(key)!r} is not one this specfoundry reads "

@@ -10,6 +10,8 @@ A shard holds many samples concatenated along one token axis:
     aux_scale    float32 [N, K]        only where aux_hidden is scaled (float8, or packed codes): one
                                        scale per token and layer (featureset/fp8.py, blockfp.py)
     final_scale  float32 [N, 1]        only where final_hidden is scaled
+    teacher_ids  int32  [N, k]         a top-k teacher in the final state's place (featureset/teacher.py):
+    teacher_probs float16 [N, k]       no final_hidden then
 The aux and the final states each have their storage dtype (the manifest's storage_dtype and
 final_storage_dtype). encode_state / decode_state turn float states into what is stored and back.
 A shard is written under a hidden partial name and renamed into place when complete, then
@@ -32,7 +34,13 @@ import torch
 
 from specfoundry.common.files import checksum
 from specfoundry.featureset import blockfp, fp8
-from specfoundry.featureset.manifest import TOKEN_COUNTS, FeatureSetError, read_manifest, record_disagreements
+from specfoundry.featureset.manifest import (
+    TOKEN_COUNTS,
+    FeatureSetError,
+    read_manifest,
+    record_disagreements,
+    topk_teacher,
+)
 
 CODECS = ("zarr", "safetensors")
 PACKED = {"fp6_e2m3": blockfp.FORMATS["fp6"], "fp4_e2m1": blockfp.FORMATS["fp4"]}
@@ -70,6 +78,8 @@ class Sample:
     final_hidden: torch.Tensor | None  # [T, H] likewise; None where it was not read
     aux_scale: torch.Tensor | None = None  # [T, K] float32: aux_hidden is scaled, not yet decoded
     final_scale: torch.Tensor | None = None  # [T, 1] float32: final_hidden is scaled, not yet decoded
+    teacher_ids: torch.Tensor | None = None  # [T, k] int32: a top-k teacher (no final state then)
+    teacher_probs: torch.Tensor | None = None  # [T, k] float16
 
 
 def shard_name(index: int, codec: str) -> str:
@@ -153,35 +163,44 @@ def impossible_scales(values: torch.Tensor, scale: torch.Tensor, storage: str) -
 
 
 def write_shard(root: Path, rel: str, samples: list[dict], codec: str, dtype: str,
-                final_dtype: str | None = None) -> str:
+                final_dtype: str | None = None, layers: int | None = None) -> str:
     """Write samples as shard `rel` of the set at `root`, atomically (under a partial name, then
     renamed); returns the shard's checksum."""
     final = root / rel
     tmp = final.parent / f".partial-{final.name}"
     final.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
-    digest = write_shard_file(tmp, samples, codec, dtype, final_dtype)
+    digest = write_shard_file(tmp, samples, codec, dtype, final_dtype, layers)
     os.replace(tmp, final)
     return digest
 
 
-def stored_state(sample: dict, state: str, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+def stored_state(sample: dict, state: str, dtype: str, layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A sample's aux or final state as a shard stores it: (values, scale or None). Either the
-    capture runner encoded it already (float8 values with `<state>_scale` beside them), or it
-    holds float states, encoded here."""
+    capture runner encoded it already (scaled values with `<state>_scale` beside them), or it
+    holds float states, encoded here (`layers`: the aux state's; by default its width over the
+    final state's)."""
     x, scale = sample[f"{state}_hidden"], sample.get(f"{state}_scale")
     if scale is not None:
         assert dtype in SCALED and x.dtype == TORCH_DTYPES[dtype], (state, dtype, x.dtype)
         return x, scale
-    layers = x.shape[-1] // sample["final_hidden"].shape[-1]  # K for the aux state, 1 for the final one
+    if dtype not in SCALED:  # a cast, row by row alike
+        return encode_state(x, dtype, 1)
+    if state == "final":
+        layers = 1
+    elif layers is None:
+        layers = x.shape[-1] // sample["final_hidden"].shape[-1]
     return encode_state(x, dtype, layers)
 
 
-def write_shard_file(path: Path, samples: list[dict], codec: str, dtype: str, final_dtype: str | None = None) -> str:
+def write_shard_file(path: Path, samples: list[dict], codec: str, dtype: str, final_dtype: str | None = None,
+                     layers: int | None = None) -> str:
     """Write samples ({input_ids, loss_mask, aux_hidden, final_hidden} tensors, with
-    aux_scale / final_scale where the runner encoded float8) as one shard at `path` (a Zarr group
-    folder or a safetensors file), the aux states in `dtype` and the final ones in `final_dtype`
-    (None: `dtype`); returns its checksum."""
+    aux_scale / final_scale where the runner encoded them; teacher_ids and teacher_probs in the
+    final state's place for a top-k teacher) as one shard at `path` (a Zarr group folder or a
+    safetensors file), the aux states in `dtype` and the final ones in `final_dtype` (None:
+    `dtype`); `layers`: the aux states' (needed only for float states of a scaled dtype without a
+    final state beside them); returns its checksum."""
     lengths = [len(s["input_ids"]) for s in samples]
     # each array as the per-sample blocks that, stacked along dim 0, make the shard's array
     blocks = {
@@ -190,12 +209,16 @@ def write_shard_file(path: Path, samples: list[dict], codec: str, dtype: str, fi
         "loss_mask": [s["loss_mask"].to(torch.uint8).numpy() for s in samples],
     }
     scales = {}  # after the hidden states, so a set without float8 has the layout it always had
-    for state, state_dtype in (("aux", dtype), ("final", final_dtype or dtype)):
-        encoded = [stored_state(s, state, state_dtype) for s in samples]
+    teacher = bool(samples) and "teacher_ids" in samples[0]
+    for state, state_dtype in (("aux", dtype), ("final", final_dtype or dtype))[: 1 if teacher else 2]:
+        encoded = [stored_state(s, state, state_dtype, layers) for s in samples]
         blocks[f"{state}_hidden"] = [to_storage(values, state_dtype) for values, _ in encoded]
         if state_dtype in SCALED:
             scales[f"{state}_scale"] = [scale.float().contiguous().cpu().numpy() for _, scale in encoded]
     blocks.update(scales)
+    if teacher:
+        blocks["teacher_ids"] = [s["teacher_ids"].to(torch.int32).contiguous().cpu().numpy() for s in samples]
+        blocks["teacher_probs"] = [s["teacher_probs"].to(torch.float16).contiguous().cpu().numpy() for s in samples]
     if codec == "zarr":
         _write_zarr(path, {name: np.concatenate(b) for name, b in blocks.items()})
         return checksum(path)
@@ -267,10 +290,12 @@ def _write_zarr(path: Path, arrays: dict[str, np.ndarray]) -> None:
 class ShardReader:
     """Random access to one shard's samples without reading the rest of the shard."""
 
-    def __init__(self, path: Path, codec: str, dtype: str, final_dtype: str | None = None):
-        """dtype, final_dtype: the storage dtypes of the aux and of the final states (None: dtype)."""
-        self.path, self.codec = path, codec
-        self.dtypes = {"aux": dtype, "final": final_dtype or dtype}
+    def __init__(self, path: Path, codec: str, dtype: str, final_dtype: str | None = None,
+                 teacher_k: int | None = None):
+        """dtype, final_dtype: the storage dtypes of the aux and of the final states (None: dtype);
+        teacher_k: the shard holds a top-k teacher instead of the final state."""
+        self.path, self.codec, self.teacher_k = path, codec, teacher_k
+        self.dtypes = {"aux": dtype} if teacher_k else {"aux": dtype, "final": final_dtype or dtype}
         if codec == "zarr":
             import zarr
 
@@ -286,6 +311,10 @@ class ShardReader:
         if missing:  # a scaled state cannot be read without its scales
             raise FeatureSetError(f"{path}: no {' or '.join(missing)} array, which scaled states need: the "
                                   "manifest's storage dtypes are not the ones this shard was written in")
+        wanted = {"teacher_ids", "teacher_probs"} if teacher_k else {"final_hidden"}
+        if not wanted <= names:
+            raise FeatureSetError(f"{path}: no {' or '.join(sorted(wanted - names))} array: the manifest's teacher "
+                                  "is not the one this shard was written with")
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -314,11 +343,14 @@ class ShardReader:
         the training device)."""
         start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
         states = {"final_hidden": None}
-        for state in ("aux", "final") if final else ("aux",):
+        for state in ("aux", "final") if final and not self.teacher_k else ("aux",):
             values, scale = self.state(state, start, stop)
             if decode:
                 values, scale = decode_state(values, scale, storage=self.dtypes[state]), None
             states[f"{state}_hidden"], states[f"{state}_scale"] = values, scale
+        if final and self.teacher_k:
+            states["teacher_ids"] = torch.from_numpy(np.ascontiguousarray(self.rows("teacher_ids", start, stop)))
+            states["teacher_probs"] = torch.from_numpy(np.ascontiguousarray(self.rows("teacher_probs", start, stop)))
         return Sample(input_ids=torch.from_numpy(self.rows("input_ids", start, stop).astype(np.int64)),
                       loss_mask=torch.from_numpy(self.rows("loss_mask", start, stop).astype(np.bool_)), **states)
 
@@ -337,6 +369,7 @@ class FeatureSet:
         self.codec = self.manifest["codec"]
         self.dtype = self.manifest["storage_dtype"]
         self.final_dtype = self.manifest["final_storage_dtype"]
+        self.teacher_k = topk_teacher(self.manifest)  # a top-k teacher in the final state's place, or None
         self.shards = self.manifest["shards"]
         self._readers: dict[int, ShardReader] = {}
         # global sample index -> (shard, index in shard); lengths for length-grouped batching
@@ -382,7 +415,7 @@ class FeatureSet:
             entry = self.shards[shard]
             path = self.shard_path(shard)
             try:
-                self._readers[shard] = ShardReader(path, self.codec, self.dtype, self.final_dtype)
+                self._readers[shard] = ShardReader(path, self.codec, self.dtype, self.final_dtype, self.teacher_k)
             except FeatureSetError:
                 raise
             except Exception as e:  # noqa: BLE001 - zarr and safetensors raise many types for a damaged file

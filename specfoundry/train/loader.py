@@ -131,7 +131,9 @@ class BatchDataset(Dataset):
             s.aux_hidden, s.aux_scale = self.select(s.aux_hidden, s.aux_scale)
             # a NaN or Inf would spread through the whole draft in one optimizer step
             if not (is_finite(s.aux_hidden, s.aux_scale, self.fs.dtype)
-                    and (not self.final or is_finite(s.final_hidden, s.final_scale, self.fs.final_dtype))):
+                    and (not self.final or s.final_hidden is None or is_finite(s.final_hidden, s.final_scale,
+                                                                               self.fs.final_dtype))
+                    and (s.teacher_probs is None or is_finite(s.teacher_probs, None))):
                 raise FeatureSetError(f"{self.fs.where(i)} holds non-finite hidden states (NaN or Inf); "
                                       "recapture it (sf-capture verify lists every such sample)")
         return samples
@@ -152,7 +154,8 @@ class BatchDataset(Dataset):
         for r, (s, n) in enumerate(zip(samples, lengths[: len(samples)], strict=True)):
             ids[r, :n], mask[r, :n] = s.input_ids[:n], s.loss_mask[:n]
         states = {"final_hidden": None}
-        for name in ("aux_hidden", "aux_scale") + (("final_hidden", "final_scale") if self.final else ()):
+        teacher = ("teacher_ids", "teacher_probs") if self.fs.teacher_k else ("final_hidden", "final_scale")
+        for name in ("aux_hidden", "aux_scale") + (teacher if self.final else ()):
             states[name] = padded([getattr(s, name) for s in samples], lengths, width)
         return Batch(ids, mask, lengths=lengths, indices=list(self.batches[k]), epoch=self.epoch,
                      aux_storage=self.fs.dtype, final_storage=self.fs.final_dtype, **states)

@@ -282,6 +282,11 @@ class Trainer:
         options = FAMILIES.options_for(cfg, cfg.family)
         layers = select_layers(self.fs.manifest, self.provider, options, cfg.layers, identity.num_layers,
                                f"feature set {cfg.featureset}")
+        if (self.fs.teacher_k and self.provider.needs_final_state(options)
+                and not self.provider.trains_from_topk_teacher(options)):
+            raise FeatureSetError(f"feature set {cfg.featureset} stores a top-{self.fs.teacher_k} teacher instead of the "
+                                  f"final state, which {cfg.family} reads itself "
+                                  f"({self.provider.final_state_use(options)}): capture with --teacher-storage final")
         draft, self.dcfg = self.provider.build(options, self.fs, self.target_dir, layers, cfg.init_from)
         self.check_vocab_coverage(draft)
         self.dtype = torch.bfloat16 if self.accel.device.type == "cuda" else torch.float32

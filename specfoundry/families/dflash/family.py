@@ -74,6 +74,9 @@ class DFlashFamily(DraftFamily):
     def needs_final_state(self, options: DFlashOptions) -> bool:
         return options.teacher == "soft"
 
+    def final_state_use(self, options: DFlashOptions) -> str:
+        return "--teacher soft's chunked loss takes the target's logits from it; --teacher hard reads no final state"
+
     def build(self, options: DFlashOptions, fs, target_dir: Path, layers: list[int], init_from: str | None):
         return build_block_draft(options, fs, target_dir, layers, init_from, load_export, DFlashDraft,
                                  lambda mask: dflash_config_from_target(target_dir, layers, options.num_draft_layers,

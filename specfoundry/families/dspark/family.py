@@ -29,6 +29,9 @@ class DSparkFamily(DFlashFamily):
     def needs_final_state(self, options) -> bool:
         return True  # the L1 term's teacher and the confidence head's target
 
+    def final_state_use(self, options) -> str:
+        return "its L1 term and confidence head compare its states with the target's"
+
     def build(self, options, fs, target_dir: Path, layers: list[int], init_from: str | None):
         dflash, own = options.parent, options.own
         return build_block_draft(dflash, fs, target_dir, layers, init_from, load_export, DSparkDraft,

@@ -35,6 +35,9 @@ class Eagle3Family(DraftFamily):
     def needs_final_state(self, options: Eagle3Options) -> bool:
         return True
 
+    def trains_from_topk_teacher(self, options: Eagle3Options) -> bool:
+        return True  # teacher_targets' distribution only (families/teacher.py batch_teacher)
+
     def build(self, options: Eagle3Options, fs, target_dir: Path, layers: list[int], init_from: str | None):
         if init_from:  # an EAGLE-3 directory in either layout, ours or another tool's
             dcfg, tensors = load_export(init_from, fs.manifest.get("target", {}).get("num_layers"))

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from specfoundry.families.eagle3.model import Eagle3Draft, TTTCache
-from specfoundry.families.teacher import teacher_targets
+from specfoundry.families.teacher import batch_teacher
 from specfoundry.families.vocab import draft_ids_from_d2t
 from specfoundry.featureset.batch import Batch
 from specfoundry.kernels.lk_loss import TokenLoss
@@ -45,10 +45,8 @@ def ttt_loss(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, draft_ids:
     flow into the total (1 / accumulation steps under Accelerate), so the in-place loss kernel
     writes each TTT step's final gradient during the forward."""
     bsz, seq = batch.input_ids.shape
-    h = batch.final_hidden.shape[-1]
-    p_all, ok_all, tgt_all = teacher_targets(batch.final_hidden.reshape(-1, h), lm_head, draft_ids, model.t2d,
-                                             chunk=teacher_chunk, out_dtype=batch.final_hidden.dtype,
-                                             renormalise=token_loss.renormalised_teacher)
+    p_all, ok_all, tgt_all = batch_teacher(batch, lm_head, draft_ids, model.t2d, chunk=teacher_chunk,
+                                           renormalise=token_loss.renormalised_teacher)
     vd = p_all.shape[-1]
     p_all = p_all.view(bsz, seq, vd)
     ok_all, tgt_all = ok_all.view(bsz, seq), tgt_all.view(bsz, seq)

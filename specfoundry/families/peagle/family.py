@@ -34,6 +34,9 @@ class PEagleFamily(DraftFamily):
     def needs_final_state(self, options: PEagleOptions) -> bool:
         return True
 
+    def trains_from_topk_teacher(self, options: PEagleOptions) -> bool:
+        return True  # teacher_targets' distribution only (families/teacher.py batch_teacher)
+
     def build(self, options: PEagleOptions, fs, target_dir: Path, layers: list[int], init_from: str | None):
         vocab = fs.manifest["target"]["vocab_size"]
         if init_from:  # a P-EAGLE speculators folder, ours or another tool's

@@ -30,7 +30,7 @@ from specfoundry.families.dflash.anchors import anchor_seed
 from specfoundry.families.peagle.mask import peagle_mask
 from specfoundry.families.peagle.model import PEagleDraft
 from specfoundry.families.peagle.options import LOSS_WEIGHTS as WEIGHTS
-from specfoundry.families.teacher import teacher_targets
+from specfoundry.families.teacher import batch_teacher
 from specfoundry.families.vocab import draft_ids_from_d2t
 from specfoundry.featureset.batch import Batch
 from specfoundry.kernels.lk_loss import TokenLoss
@@ -127,10 +127,8 @@ def peagle_loss(draft: PEagleDraft, batch: Batch, lm_head: torch.Tensor, *, num_
     rows = [pack_row(batch.lengths[r], kept[r]) for r in range(bsz)]
     anchor, depth, real = pack_batch(rows, device)
     states = packed_states(draft, batch.input_ids, batch.aux_hidden, anchor, depth, real, attention)
-    h = batch.final_hidden.shape[-1]
-    p_all, ok_all, tgt_all = teacher_targets(batch.final_hidden.reshape(-1, h), lm_head, draft_ids_from_d2t(draft.d2t),
-                                             draft.t2d, chunk=teacher_chunk, out_dtype=batch.final_hidden.dtype,
-                                             renormalise=token_loss.renormalised_teacher)
+    p_all, ok_all, tgt_all = batch_teacher(batch, lm_head, draft_ids_from_d2t(draft.d2t), draft.t2d,
+                                           chunk=teacher_chunk, renormalise=token_loss.renormalised_teacher)
     label = anchor + 2 + depth  # the position of the token each element predicts
     lengths = torch.tensor(batch.lengths, device=device)[:, None]
     inside = real & (label < lengths)
