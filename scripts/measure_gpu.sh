@@ -37,12 +37,14 @@
 #   objectives   token losses at equal steps: EAGLE-3 with ce, LK-alpha and LK-lambda, two seeds
 #                each, and DFlash with ce and LK-lambda (objectives)                             ~1,300 s
 #   modes        acceptance per serving mode (thinking off and on) of a draft trained in each (modes) ~500 s
-#   fp8_acceptance  acceptance of EAGLE-3 drafts trained from a float8 and a bf16 capture of one set,
-#                two seeds each (featureset_codecs --acceptance)                                  ~900 s
+#   codecs       acceptance of EAGLE-3 drafts trained from captures of one set in each encoding (bf16,
+#                float8, fp6, fp4, fp4 with a top-32 teacher; CODECS), two seeds for bf16 and the
+#                smallest, and of DFlash drafts from bf16 and the smallest (featureset_codecs
+#                --acceptance)                                                                    ~1,200 s
 # A step whose estimate would end it past the deadline is skipped: the epoch second in
 # $EV/deadline_epoch when that file exists (a later command may write it), else DEADLINE seconds
 # (1,380) after the plans began. Plans that run SmolLM2 (eval, regen, families, objectives, modes,
-# fp8_acceptance) first wait for $EV/weights.ok, unless WEIGHTS_READY=1 or DRY=1.
+# codecs) first wait for $EV/weights.ok, unless WEIGHTS_READY=1 or DRY=1.
 #
 # With the device kit (../shared/device/README.md: `bash ../shared/device/prepare.sh` here first):
 #   call 1  . .devkit/on-device.sh setup && bash scripts/measure_gpu.sh start decode eval && bash scripts/measure_gpu.sh wait 400
@@ -57,7 +59,8 @@
 # DRY=1: tiny sizes on the CPU, the GPU-only benchmarks as --help, to check the script.
 # Environment: EV ($HOME/ev), DEADLINE, SYNTH, EPOCHS, STEPS, EVAL_LIMIT (prompts a set in the
 # eval, objectives, modes and fp8 evals: 8), FAMILIES_LIMIT (prompts a set in families: all), JOBS
-# (trainings at once; default one per 35 GiB of GPU memory), EVAL_JOBS (8), FAMILIES_ONLY and
+# (trainings at once; default one per 35 GiB of GPU memory), EVAL_JOBS (8), FAMILIES_DFLASH2_ALONE (1;
+# 0 trains a DFlash2 draft beside the others, where one at most is among them), FAMILIES_ONLY and
 # OBJECTIVES_ONLY (the drafts to train, by name; default all), CURVE_EPOCHS (objectives: one more
 # EAGLE-3 run of that many epochs with --keep-best; 0), WITH_RUN (objectives: an earlier run's
 # reports joined to this run's, benchmarks/objectives.py --with-run), TIMING_OPTS
@@ -333,10 +336,12 @@ plan_families() {
                 "peagle_k7|$PEAGLE|--num-depths 7"
                 "dflash_b16_dpace|$DFLASH|--block-size 16 --objective dpace")
   keep_only drafts "${FAMILIES_ONLY:-}"
-  local alone=()  # DFlash2 trains alone (each objective): it held 42 GiB of an H100 (its convolution eager) and ran out beside DFlash
+  # DFlash2 trains alone (each objective) unless FAMILIES_DFLASH2_ALONE=0: it held 42 GiB of an H100
+  # (its convolution eager) and ran out beside DFlash; 45 GiB of the GPU in use with it compiled
+  local alone=()
   for d in "${drafts[@]}"; do
     IFS='|' read -r name recipe opts <<< "$d"
-    if [[ $name == dflash2_* ]]; then alone+=("sf-train run $r/features -o $r/$name --recipe $recipe $opts $length $TRAIN_OPTS")
+    if [[ $name == dflash2_* ]] && [ "${FAMILIES_DFLASH2_ALONE:-1}" = 1 ]; then alone+=("sf-train run $r/features -o $r/$name --recipe $recipe $opts $length $TRAIN_OPTS")
     else trains+=("sf-train run $r/features -o $r/$name --recipe $recipe $opts $length $TRAIN_OPTS"); fi
   done
   together families_train_dflash2 "${FAMILIES_DFLASH2_EST:-600}" 1 "${alone[@]}"
@@ -428,36 +433,48 @@ plan_modes() {
   step modes_result 30 python -m benchmarks.modes "$r" --out modes
 }
 
-# fp8_acceptance: one regenerated set captured in bf16 and in float8 (every state), an EAGLE-3 draft from
-# each with seeds 0 and 1 (4 trainings side by side), sf-eval chain k=7 on every chat and code prompt
-plan_fp8_acceptance() {
+# codecs: one regenerated set (SYNTH conversations, 12,800; the carried regen when there is one) captured
+# in each encoding of CODECS (name|storage dtype|teacher storage|seeds), an EAGLE-3 draft trained from
+# each (EPOCHS, 2; every draft the same steps: one set of conversations), evaluated on every built-in
+# prompt (chain k=7); and a DFlash draft (block 16) from bf16 and from CODECS_DFLASH (the smallest
+# encoding by default), evaluated alike
+plan_codecs() {
   weights || return 1
-  local r=$RUN/fp8 s seed caps=() trains=() evals=() train_opts eval_opts
-  local storages="bf16:bfloat16 fp8:float8_e4m3fn"
+  local r=$RUN/codecs c name dtype teacher seeds seed caps=() trains=() evals=() train_opts eagle_opts= eval_opts
+  local synth=${SYNTH:-$(dry && echo 6 || echo 12800)}
+  local codecs=${CODECS:-"bf16|bfloat16|final|2 fp8|float8_e4m3fn|final|1 fp6|fp6_e2m3|final|1 fp4|fp4_e2m1|final|1 fp4topk32|fp4_e2m1|topk:32|2"}
+  local dflash_from=${CODECS_DFLASH:-fp4topk32}
   if dry; then
-    train_opts="--epochs 1 --warmup-steps 1 --num-workers 0 --draft-vocab-size 512 --ttt-length 2"
-    eval_opts="--device cpu --max-new-tokens 4 --limit 2"
+    train_opts="--epochs 1 --warmup-steps 1 --num-workers 0" eagle_opts="--draft-vocab-size 512 --ttt-length 2"
+    eval_opts="--device cpu --max-new-tokens 4 --limit 1 --prompts chat"
   else
-    train_opts="--epochs ${EPOCHS:-2} --warmup-steps 30 --num-workers 3" eval_opts="--device cuda"
+    train_opts="--epochs ${EPOCHS:-2} --warmup-steps 30 --num-workers 2" eval_opts="--device cuda"
   fi
   mkdir -p "$r"
-  step fp8_regen 240 sf-regen run -o "$r/regen" --recipe "$EAGLE3" --device "$DEV" \
-    --synthesize "${SYNTH:-$(dry && echo 6 || echo 5504)}" $(dry && echo "--batch-size 4 --max-new-tokens 16") || return 1
-  for s in $storages; do
-    caps+=("sf-capture run $r/regen -o $r/feat_${s%%:*} --recipe $EAGLE3 --storage-dtype ${s#*:} --device $DEV")
-    for seed in 0 1; do
-      trains+=("sf-train run $r/feat_${s%%:*} -o $r/train_${s%%:*}_seed$seed --recipe $EAGLE3 $train_opts --seed $seed")
-      evals+=("sf-eval run $r/train_${s%%:*}_seed$seed -o $r/eval_${s%%:*}_seed$seed --recipe $EAGLE3 --prompts chat,code \
---no-baseline $eval_opts")
+  if ! dry && [ -f "$EV/carry/regen$synth.tar.gz" ] && [ ! -e "$r/regen" ]; then tar xzf "$EV/carry/regen$synth.tar.gz" -C "$r"; fi
+  step codecs_regen 240 sf-regen run -o "$r/regen" --recipe "$EAGLE3" --device "$DEV" --synthesize "$synth" \
+    $(dry && echo "--batch-size 4 --max-new-tokens 16") || return 1
+  for c in $codecs; do
+    IFS='|' read -r name dtype teacher seeds <<< "$c"
+    # the layers of both families read here, so that the DFlash drafts read the same captures
+    caps+=("sf-capture run $r/regen -o $r/feat_$name --recipe $EAGLE3 --families eagle3,dflash --storage-dtype $dtype \
+--teacher-storage $teacher --device $DEV")
+    for seed in $(seq 0 $((seeds - 1))); do
+      trains+=("sf-train run $r/feat_$name -o $r/train_${name}_seed$seed --recipe $EAGLE3 $train_opts $eagle_opts --seed $seed")
+      evals+=("sf-eval run $r/train_${name}_seed$seed -o $r/eval_${name}_seed$seed --recipe $EAGLE3 --no-baseline $eval_opts")
     done
   done
-  together fp8_capture 120 2 "${caps[@]}" || return 1
-  together fp8_train 420 4 "${trains[@]}" || return 1
-  together fp8_eval 240 4 "${evals[@]}" || return 1
-  step fp8_result 30 python -m benchmarks.featureset_codecs --acceptance "$r" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  for name in bf16 "$dflash_from"; do
+    trains+=("sf-train run $r/feat_$name -o $r/dflash_$name --recipe $DFLASH --block-size 16 $train_opts")
+    evals+=("sf-eval run $r/dflash_$name -o $r/dflash_eval_$name --recipe $DFLASH --no-baseline $eval_opts")
+  done
+  together codecs_capture 240 2 "${caps[@]}" || return 1
+  together codecs_train "${CODECS_EST:-600}" "$(train_jobs)" "${trains[@]}"
+  together codecs_eval 300 4 "${evals[@]}"
+  step codecs_result 30 python -m benchmarks.featureset_codecs --acceptance "$r" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
 }
 
-PLANS="tests kernels train_step decode eval regen capture families objectives modes fp8_acceptance"
+PLANS="tests kernels train_step decode eval regen capture families objectives modes codecs"
 
 plans() {  # plans PLAN...: each in order, in the copy of the tree; 1 when any plan failed
   local p rc failed=0
