@@ -45,8 +45,8 @@ def fresh_draft(fs: FeatureSet, target_dir: Path, init: float):
 
 
 def as_float(batch):
-    batch.aux_hidden = batch.aux_hidden.float()
-    return batch
+    """The loader's batch decoded as the trainer gets it (scaled storage dtypes dequantised), in float32."""
+    return batch.to("cpu", torch.float32)
 
 
 def loss_of(model, batch, head, anchors: int, seed: int):

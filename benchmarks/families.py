@@ -22,7 +22,9 @@ rounds reaching draft position j whose token was accepted, j = 1..k]}.
 Several RUN folders join into one table when they read the same features: each holds the digest
 `scripts/measure_gpu.sh` wrote of its capture's arrays (features.sha256, a sha256sum listing), and
 the runs' listings must be equal (drafts trained on two machines from captures of the same
-conversations); a draft evaluated in two of them is refused. The result records the digest.
+conversations), and so must their evaluations' card and settings (EVAL_SETTINGS), so that every
+speed in the table is one card's at one setting; a draft evaluated in two of them is refused. The
+result records the digest.
 """
 
 from __future__ import annotations
@@ -86,15 +88,37 @@ def features_digest(runs: list[Path]) -> str | None:
     return hashlib.sha256(listings[runs[0]].encode()).hexdigest()
 
 
+EVAL_SETTINGS = ("target", "prompt_sets", "limit", "max_new_tokens", "dtype", "temperature", "compile_target")
+"""The sf-eval settings the joined runs must share (besides the card, the rows' `device`)."""
+
+
+def eval_settings(run: Path, prefix: str) -> set[tuple]:
+    """The (card, EVAL_SETTINGS values) of each of a run's reports."""
+    out = set()
+    for report in sorted(run.glob(f"{prefix}*/eval.json")):
+        data = json.loads(report.read_text())
+        device = data.get("environment", {}).get("gpu") or data.get("device")
+        out.add((device, *(json.dumps(data["config"].get(k)) for k in EVAL_SETTINGS)))
+    return out
+
+
 def gather_runs(runs: list[Path], prefix: str = ACCEPTANCE) -> list[dict]:
-    """gather() over several runs; a draft found in two of them exits, naming both."""
-    rows, where = [], {}
+    """gather() over several runs; a draft found in two of them, or runs evaluated on another card
+    or with other settings, exit, naming them."""
+    rows, where, settings = [], {}, {}
     for run in runs:
         found = gather(run, prefix) if len(runs) == 1 else _gather_any(run, prefix)
         for draft in sorted({r["draft"] for r in found}):
             if draft in where:
                 raise SystemExit(f"{prefix}{draft} is in both {where[draft]} and {run}: keep one")
             where[draft] = run
+        for setting in eval_settings(run, prefix):
+            settings.setdefault(setting, run)
+        if len(settings) > 1:
+            (a, first), (b, second) = list(settings.items())[:2]
+            differ = [name for name, x, y in zip(("card", *EVAL_SETTINGS), a, b, strict=True) if x != y]
+            raise SystemExit(f"{first} and {second} were evaluated with another {', '.join(differ)}: their speeds "
+                             "are not one table's")
         rows += found
     if not rows and prefix == ACCEPTANCE:
         raise SystemExit(f"{', '.join(map(str, runs))}: no {prefix}<draft> folder with an eval.json")

@@ -177,7 +177,6 @@ def smollm2_rows(source: str, target: str, tmp: Path) -> tuple[list[dict], dict]
 
 def h4096_rows(tokens: int, tmp: Path, seq: int = 1024) -> tuple[list[dict], dict]:
     h, k = 4096, 3
-    k_layers = k
     g = torch.Generator().manual_seed(0)
     n = max(1, tokens // seq)
     samples = [{"input_ids": torch.randint(0, 128256, (seq,), generator=g), "loss_mask": torch.ones(seq, dtype=torch.bool),
@@ -186,14 +185,14 @@ def h4096_rows(tokens: int, tmp: Path, seq: int = 1024) -> tuple[list[dict], dic
     rows = []
     for name, (codec, dtype, final_dtype, *teacher) in VARIANTS.items():
         start = time.perf_counter()
-        rows = samples
+        written = samples
         if teacher:  # the stored dtypes' bytes, whatever the ids and probabilities: random ones
-            k = int(teacher[0].split(":")[1])
-            rows = [{**{key: v for key, v in s.items() if key != "final_hidden"},
-                     "teacher_ids": torch.randint(0, 128256, (seq, k), generator=g, dtype=torch.int32),
-                     "teacher_probs": torch.rand(seq, k, generator=g).sort(-1, descending=True).values.half()}
-                    for s in samples]
-        write_shard(tmp / name, "shards/shard", rows, codec, dtype, final_dtype, layers=k_layers)
+            topk = int(teacher[0].split(":")[1])
+            written = [{**{key: v for key, v in s.items() if key != "final_hidden"},
+                        "teacher_ids": torch.randint(0, 128256, (seq, topk), generator=g, dtype=torch.int32),
+                        "teacher_probs": torch.rand(seq, topk, generator=g).sort(-1, descending=True).values.half()}
+                       for s in samples]
+        write_shard(tmp / name, "shards/shard", written, codec, dtype, final_dtype, layers=k)
         seconds = time.perf_counter() - start
         rows.append({"set": "h4096", "variant": name, "codec": codec, "storage_dtype": dtype,
                      "final_storage_dtype": final_dtype, "hidden": h, "samples": n, "tokens": n * seq,

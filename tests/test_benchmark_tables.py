@@ -12,14 +12,16 @@ from benchmarks import families
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def eval_folder(run: Path, draft: str, accept: float, *, alone: float | None = None) -> None:
+def eval_folder(run: Path, draft: str, accept: float, *, alone: float | None = None, gpu: str = "NVIDIA H100",
+                limit: int | None = None) -> None:
     """An sf-eval output folder as benchmarks.families reads it: one set, the keys it takes."""
     folder = run / f"eval_{draft}"
     folder.mkdir(parents=True)
     entry = {"trained": {"prompts": 2, "accept_length": accept, "tokens_per_s": 100.0 * accept}}
     if alone is not None:
         entry["target_alone_tokens_per_s"] = alone
-    report = {"family": draft.split("_")[0], "config": {"tree": None, "k": 15}, "sets": {"chat": entry}}
+    report = {"family": draft.split("_")[0], "config": {"tree": None, "k": 15, "limit": limit, "dtype": "bfloat16"},
+              "environment": {"gpu": gpu}, "sets": {"chat": entry}}
     (folder / "eval.json").write_text(json.dumps(report))
 
 
@@ -79,3 +81,13 @@ def test_the_command_joins_two_runs_into_one_result(tmp_path):
     result = json.loads(out.read_text())
     assert result["features_sha256"] == families.features_digest([first, second])
     assert set(result["summary"]["accept_length"]) == {"dflash2_b16", "domino_b16"}
+
+
+@pytest.mark.parametrize("other, words", [(dict(gpu="NVIDIA H200"), "card"), (dict(limit=8), "limit")])
+def test_runs_evaluated_on_another_card_or_with_other_settings_are_refused(tmp_path, other, words):
+    """Their speeds would sit in one table against one target-alone figure: refused, naming what differs."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    eval_folder(first, "dflash2_b16", 1.7, alone=640.0)
+    eval_folder(second, "domino_b16", 1.6, **other)
+    with pytest.raises(SystemExit, match=f"evaluated with another {words}: their speeds are not one table's"):
+        families.gather_runs([first, second])

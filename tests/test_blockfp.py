@@ -93,6 +93,11 @@ def test_zero_rows_and_blocks_read_back_as_zeros_and_width_must_be_whole_blocks(
     assert scale[1] == 0 and torch.equal(back[1], torch.zeros(64)) and torch.equal(back[2, 16:32], torch.zeros(16))
     with pytest.raises(ValueError, match="multiple of 16"):
         blockfp.quantize(torch.randn(2, 24), fmt)
+    # a row so small that its scale underflows to 0 reads back as zeros, and its scales are possible ones
+    tiny = torch.full((1, 32), 1e-44)
+    stored, scale = blockfp.quantize(tiny, fmt)
+    assert scale[0] == 0 and not blockfp.impossible_scales(stored, scale[:, None], fmt).any()
+    assert torch.equal(blockfp.dequantize(stored, scale, fmt, torch.float32), torch.zeros(1, 32))
 
 
 def test_nonfinite_and_impossible_scales_are_found_without_decoding():

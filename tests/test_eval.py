@@ -556,3 +556,25 @@ def test_the_serving_flags_are_the_engines_per_family(family, fields, sglang, vl
         assert got["vllm"] is None
     else:
         assert json.loads(got["vllm"].removeprefix("--speculative-config ")) == vllm
+
+
+def test_an_explicit_k_equal_to_the_chain_default_counts_as_given(monkeypatch):
+    """-k 4 is a setting like any other (a block drafter served at a block of 5), not the default:
+    the family hears k_given whenever -k was passed, and the chain's 4 where it was not."""
+    from types import SimpleNamespace
+
+    import specfoundry.eval.evaluate as evaluate
+    from specfoundry.eval.evaluate import CHAIN_K, EvalConfig, check_config
+
+    heard = []
+
+    def decode_settings(dcfg, *, k, tree, temperature, k_given, source):
+        heard.append((k, k_given))
+        return k, None, None
+
+    provider = SimpleNamespace(decode_settings=decode_settings, compiles_draft=False, serves_engine_tree=False,
+                               name="dflash")
+    monkeypatch.setattr(evaluate, "locate_draft", lambda draft: SimpleNamespace(config=None, provider=provider))
+    assert check_config(EvalConfig(draft="d", k=4))[0].k == 4
+    assert check_config(EvalConfig(draft="d"))[0].k == CHAIN_K
+    assert heard == [(4, True), (CHAIN_K, False)]

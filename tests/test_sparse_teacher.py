@@ -197,3 +197,24 @@ def test_a_version_3_set_reads_as_one_that_stores_the_final_state(tmp_path):
     path.write_text(json.dumps({**manifest, "teacher": {"kind": "topk", "k": 0}}))
     with pytest.raises(FeatureSetError, match="teacher .* is not one this specfoundry reads"):
         FeatureSet(tmp_path / "fs")
+
+
+def test_verify_recompute_compares_the_stored_teacher_with_a_fresh_prefills(topk_features, tmp_path):
+    """--recompute reruns the target: a sound set agrees; probabilities halved at one token (still a
+    descending row of mass below 1, so the shard's own checks pass) are named."""
+    assert verify_featureset(topk_features, recompute=2) == []
+    manifest = json.loads((topk_features / MANIFEST).read_text())
+    fs = tmp_path / "fs"
+    shutil.copytree(topk_features, fs)
+    entry = manifest["shards"][0]
+    reader = ShardReader(fs / entry["path"], "safetensors", "bfloat16", "bfloat16", 8)
+    rows = []
+    for i in range(len(reader)):
+        s = reader.sample(i)
+        rows.append({"input_ids": s.input_ids, "loss_mask": s.loss_mask, "aux_hidden": s.aux_hidden,
+                     "teacher_ids": s.teacher_ids, "teacher_probs": s.teacher_probs.clone()})
+    rows[1]["teacher_probs"][3] /= 2
+    entry["sha256"] = write_shard(fs, entry["path"], rows, "safetensors", "bfloat16")
+    (fs / MANIFEST).write_text(json.dumps(manifest))
+    assert verify_featureset(fs) == []
+    assert verify_featureset(fs, recompute=2) == ["sample 1: the stored top-8 teacher differs from a fresh prefill's"]

@@ -641,3 +641,25 @@ def test_a_damaged_checkpoint_on_resume_is_one_line(tmp_path, smol_features, dam
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(ValueError, match=r"step-0000002: the checkpoint is damaged \(.*\); remove it to resume"):
         run_train(cfg, silent=True)
+
+
+def test_a_resume_compares_only_the_option_groups_of_its_familys_chain(tmp_path):
+    """Another family's options (their defaults may change between versions) are no part of a run:
+    an EAGLE-3 run recorded with other DFlash2 options resumes, a DFlash2 run does not, naming the
+    option; an option added after a run began (its record lacks it) resumes at its `before` value."""
+    from specfoundry.common.settings import config_dict
+    from specfoundry.common.shards import OutputFolderError, check_output_folder
+
+    for family, refused in (("eagle3", False), ("dflash2", True)):
+        out = tmp_path / family
+        cfg = build_config(TrainConfig, dict(featureset=str(tmp_path / "fs"), output=str(out), family=family))
+        record = config_dict(cfg)
+        record["dflash2"]["selector_loss"] = "gold"  # another value than today's default
+        del record["dflash2"]["freeze_convolutions"]  # an option the run's version lacked
+        out.mkdir()
+        (out / "train_config.json").write_text(json.dumps(record))
+        if refused:
+            with pytest.raises(OutputFolderError, match=r"dflash2\.selector_loss: 'gold' -> 'topk'\)"):
+                check_output_folder(out, "train", cfg)
+        else:
+            check_output_folder(out, "train", cfg)

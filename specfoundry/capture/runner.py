@@ -111,7 +111,7 @@ class HFCaptureRunner:
         self.target = target
         self.keep = keep
         self.teacher_k = teacher_k
-        self.head = target.lm_head() if teacher_k is not None else None  # [V, H], for the top K
+        self.head = target.lm_head() if teacher_k is not None and keep else None  # [V, H], for the top K
         self.tap = target.tap(aux_layers)
         self.aux_layers = self.tap.aux_layers
         self.storage = storage

@@ -205,15 +205,15 @@ def recompute_samples(root: Path, manifest: dict, k: int, device: str | None) ->
     for i in range(min(k, len(fs))):
         s = fs[i]
         fresh = runner([s.input_ids.tolist()])[0]
-        if teacher_k:  # the stored probabilities against the fresh ones of the same ids
-            again = torch.gather(fresh["teacher_probs"].float(), 1, torch.argsort(fresh["teacher_ids"].long(), 1))
-            mine = torch.gather(s.teacher_probs.float(), 1, torch.argsort(s.teacher_ids.long(), 1))
-            same = torch.equal(fresh["teacher_ids"].long().sort(1).values, s.teacher_ids.long().sort(1).values)
-            # float16's rounding is 2^-11 of a probability; a fresh prefill's own rounding a little more
-            if not same and (fresh["teacher_probs"].float() - s.teacher_probs.float()).abs().max() > 1e-2:
-                problems.append(f"sample {i}: stored teacher differs from a fresh prefill's top {teacher_k}")
-            elif same and (again - mine).abs().max() > 1e-2:
-                problems.append(f"sample {i}: stored teacher probabilities differ from a fresh prefill's")
+        if teacher_k:  # rank by rank: the probabilities, and the ids where no near-tie could swap them
+            got, want = s.teacher_probs.float(), fresh["teacher_probs"].float()  # [T, K] most probable first
+            gap = (want[:, :-1] - want[:, 1:]).abs()  # [T, K-1] between neighbours
+            apart = torch.ones_like(want, dtype=torch.bool)
+            apart[:, :-1] &= gap > 1e-2
+            apart[:, 1:] &= gap > 1e-2
+            # float16 rounds a probability to 2^-11 of itself; a fresh prefill's own rounding adds a little
+            if (got - want).abs().max() > 1e-2 or (s.teacher_ids.long() != fresh["teacher_ids"].long())[apart].any():
+                problems.append(f"sample {i}: the stored top-{teacher_k} teacher differs from a fresh prefill's")
         for name, dtype in (("aux_hidden", manifest["storage_dtype"]),
                             ("final_hidden", manifest["final_storage_dtype"]))[: 1 if teacher_k else 2]:
             got, want = getattr(s, name).float(), fresh[name].float()

@@ -293,8 +293,11 @@ def recorded_forms(cfg) -> dict:
 
 
 def resume_settings(cfg) -> dict:
-    """What a rerun into the same output must repeat."""
-    return config_dict(cfg, resume_only=True)
+    """What a rerun into the same output must repeat: the resumable settings, less what the config's
+    `unread_groups()` names (settings groups the run never reads: sf-train's other families')."""
+    out = config_dict(cfg, resume_only=True)
+    unread = cfg.unread_groups() if hasattr(cfg, "unread_groups") else ()
+    return {k: v for k, v in out.items() if k not in unread}
 
 
 class SettingsGroup(dict):

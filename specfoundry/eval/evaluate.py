@@ -92,6 +92,10 @@ COMPILE_TARGET_HELP = ("Run the target's captured decode steps through torch.com
 """sf-eval run's and sf-eval sweep's help of the options they share (one concept, one help)."""
 
 
+CHAIN_K = 4
+"""The chain sf-eval decodes where -k is not given and the family's k is a chain's (families PROPOSALS)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class EvalConfig(Settings):
     """Settings of one sf-eval run (recorded in eval_config.json and in eval.json)."""
@@ -112,7 +116,7 @@ class EvalConfig(Settings):
         help="Evaluate in several modes, a JSON list of chat-template argument objects, decoding each prompt set "
              "in each (docs/stages.md, \"Reasoning targets\").")
     prompt_sets: tuple[str, ...] = setting(BUILTIN_SETS, flags=("--prompts",), help=PROMPTS_HELP)
-    k: int = shared("draft_tokens", 4, shown=FAMILIES.eval_k_shown(), help=FAMILIES.draft_tokens_help())
+    k: int | None = shared("draft_tokens", None, shown=FAMILIES.eval_k_shown(), help=FAMILIES.draft_tokens_help())
     tree: tuple[int, ...] | None = setting(
         None, parse=parse_tree, shown="none: a chain",
         help="Draft a token tree instead of a chain, top-k branching per depth such as 4,2,2,1 (greedy only; its "
@@ -231,8 +235,10 @@ def check_config(cfg: EvalConfig) -> tuple[EvalConfig, DraftRef]:
         raise EvalError(f"--num-steps/--topk/--num-draft-tokens pick SGLang's EAGLE tree; {cfg.draft} is a "
                         f"{ref.provider.name} draft (its knobs: docs/serving.md)")
     try:
-        k, tree, warning = ref.provider.decode_settings(dcfg, k=cfg.k, tree=cfg.tree, temperature=cfg.temperature,
-                                                           k_given=cfg.k != EvalConfig.k, source=cfg.draft)
+        # (None: -k not given, the family's own k; a chain's is CHAIN_K)
+        k, tree, warning = ref.provider.decode_settings(dcfg, k=CHAIN_K if cfg.k is None else cfg.k, tree=cfg.tree,
+                                                       temperature=cfg.temperature, k_given=cfg.k is not None,
+                                                       source=cfg.draft)
     except ValueError as e:
         raise EvalError(str(e)) from e
     if warning:

@@ -111,6 +111,9 @@ def quantize(x: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
     # up to the next e4m3 value where rounding went down: a positive e4m3's bit pattern + 1 is the
     # next larger value, and a_b <= 448 leaves room below 448 whenever it was rounded down
     bits = nearest.view(torch.uint8) + (nearest.float() < ideal).to(torch.uint8)
+    # a row whose scale underflows to 0 (absmax below float32's 448 G-th of its least value) reads
+    # back as zeros: its blocks' scales are 0 too, as verify expects of a zero scale
+    bits = torch.where(scale.unsqueeze(-1) > 0, bits, 0)
     block_scale = bits.view(E4M3)  # [..., nb] e_b
     unit = block_scale.float() * safe  # [..., nb] e_b * s
     u = blocks / torch.where(unit > 0, unit, 1).unsqueeze(-1)  # [..., nb, 16]; a zero block stays 0

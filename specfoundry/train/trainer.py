@@ -94,6 +94,11 @@ class TrainConfig(Settings):
 
     DECIDED_TOGETHER: ClassVar = (("max_steps", "epochs"),)  # how long: the command line's, over the recipe's
 
+    def unread_groups(self) -> set[str]:
+        """The option groups of the families this run's family does not extend: a change to their
+        defaults is no change to this run, so a resume does not compare them."""
+        return set(FAMILIES.names()) - {f.name for f in FAMILIES.chain(self.family)}
+
     featureset: str = setting(argument=True, help="Feature-set folder written by sf-capture.")
     output: str = shared("output", resume=False)
     target: str = shared("target", EMBEDDED_DEFAULT)

@@ -88,8 +88,10 @@ class BlockDraftRunner:
         count = aux.shape[0]
         length = len(self.cache)
         key = read_rows(length, count, APPEND_GRAPH_MAX, self.graphs)
-        # the bucket's pad columns, and the next block's scratch columns after the committed ones
-        if self.cache.reserve(length + max(key or count, count + self.block_size)):
+        # the bucket's pad columns, and the next block's scratch columns after the committed ones: the
+        # trained block's, at least the served one, which the eager append (DFlashCache.append_context)
+        # reserves too; a growth there, after this, would leave captured steps on the old buffers
+        if self.cache.reserve(length + max(key or count, count + self.draft.cfg.block_size)):
             self.drop()
         if key is None:
             dtype = self.draft.fc.weight.dtype

@@ -20,7 +20,7 @@ class DFlash2Options(Settings):
                                     "around each sublayer, reaching T - 1 block positions back.")
     conv_group_size: int = setting(16, valid=Range(1, 65536), help="DFlash2: channels that share one dynamic "
                                    "kernel coefficient per tap (the draft's width must be a multiple of it).")
-    freeze_convolutions: bool = setting(False, help="DFlash2: the convolutions stay the identity they start "
+    freeze_convolutions: bool = setting(False, before=False, help="DFlash2: the convolutions stay the identity they start "
                                         "as, so the draft is its DFlash backbone with the selector (what the "
                                         "selector alone adds); it exports as DFlash2, which the engines serve.")
     selector_rank: int = setting(256, valid=Range(1, 65536), help="DFlash2: rank r of the candidate selector's "
