@@ -142,20 +142,31 @@ def test_smollm2_topk_capture_stores_the_teacher_and_not_the_final_state(topk_fe
     assert (s.teacher_ids.long() == want).float().mean() > 0.99  # ties aside, the same ids in the same order
 
 
-def test_verify_names_a_teacher_id_outside_the_vocabulary(topk_features, tmp_path):
-    manifest = json.loads((topk_features / MANIFEST).read_text())
+def damaged_copy(source, tmp_path, shard: int, damage):
+    """A copy of the top-8 set `source` whose shard `shard` is written again, sound as a file, after
+    damage(rows, manifest) edited its samples (teacher arrays copied, so they may be edited); (the
+    copy's folder, the shard's manifest entry)."""
+    manifest = json.loads((source / MANIFEST).read_text())
     fs = tmp_path / "fs"
-    shutil.copytree(topk_features, fs)
-    entry = manifest["shards"][1]
+    shutil.copytree(source, fs)
+    entry = manifest["shards"][shard]
     reader = ShardReader(fs / entry["path"], "safetensors", "bfloat16", "bfloat16", 8)
     rows = []
     for i in range(len(reader)):
         s = reader.sample(i)
         rows.append({"input_ids": s.input_ids, "loss_mask": s.loss_mask, "aux_hidden": s.aux_hidden,
-                     "teacher_ids": s.teacher_ids.clone(), "teacher_probs": s.teacher_probs})
-    rows[2]["teacher_ids"][4, 3] = manifest["target"]["vocab_size"]
+                     "teacher_ids": s.teacher_ids.clone(), "teacher_probs": s.teacher_probs.clone()})
+    damage(rows, manifest)
     entry["sha256"] = write_shard(fs, entry["path"], rows, "safetensors", "bfloat16")
     (fs / MANIFEST).write_text(json.dumps(manifest))
+    return fs, entry
+
+
+def test_verify_names_a_teacher_id_outside_the_vocabulary(topk_features, tmp_path):
+    def outside(rows, manifest):
+        rows[2]["teacher_ids"][4, 3] = manifest["target"]["vocab_size"]
+
+    fs, entry = damaged_copy(topk_features, tmp_path, 1, outside)
     assert verify_featureset(fs) == [f"{entry['path']}: teacher_ids / teacher_probs hold an id outside the vocabulary "
                                      "at sample 2, token 4, the teacher"]
 
@@ -203,18 +214,10 @@ def test_verify_recompute_compares_the_stored_teacher_with_a_fresh_prefills(topk
     """--recompute reruns the target: a sound set agrees; probabilities halved at one token (still a
     descending row of mass below 1, so the shard's own checks pass) are named."""
     assert verify_featureset(topk_features, recompute=2) == []
-    manifest = json.loads((topk_features / MANIFEST).read_text())
-    fs = tmp_path / "fs"
-    shutil.copytree(topk_features, fs)
-    entry = manifest["shards"][0]
-    reader = ShardReader(fs / entry["path"], "safetensors", "bfloat16", "bfloat16", 8)
-    rows = []
-    for i in range(len(reader)):
-        s = reader.sample(i)
-        rows.append({"input_ids": s.input_ids, "loss_mask": s.loss_mask, "aux_hidden": s.aux_hidden,
-                     "teacher_ids": s.teacher_ids, "teacher_probs": s.teacher_probs.clone()})
-    rows[1]["teacher_probs"][3] /= 2
-    entry["sha256"] = write_shard(fs, entry["path"], rows, "safetensors", "bfloat16")
-    (fs / MANIFEST).write_text(json.dumps(manifest))
+
+    def halved(rows, manifest):
+        rows[1]["teacher_probs"][3] /= 2
+
+    fs, _ = damaged_copy(topk_features, tmp_path, 0, halved)
     assert verify_featureset(fs) == []
     assert verify_featureset(fs, recompute=2) == ["sample 1: the stored top-8 teacher differs from a fresh prefill's"]
