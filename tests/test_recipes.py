@@ -75,7 +75,7 @@ PAIRS = [
     ("sf-train run", {"train": {"epochs": 10}}, ["--max-steps", "2"], {"max_steps": 2, "epochs": None}),
     ("sf-train run", {"train": {"max_steps": 60}}, ["--epochs", "1.5"], {"epochs": 1.5}),
     ("sf-eval run", {"eval": {"tree": "2,1"}}, ["-k", "3"], {"k": 3, "tree": None}),
-    ("sf-eval run", {"eval": {"k": 3}}, ["--tree", "2,1"], {"tree": (2, 1), "k": 4}),
+    ("sf-eval run", {"eval": {"k": 3}}, ["--tree", "2,1"], {"tree": (2, 1), "k": None}),
     ("sf-capture run", {"capture": {"families": ["eagle3", "dflash"]}}, ["--aux-layers", "1,2"],
      {"aux_layers": (1, 2), "families": ("eagle3",)}),
     ("sf-regen run", {"regen": {"synthesize": 5}}, ["SOURCE"], {"synthesize": 0}),
