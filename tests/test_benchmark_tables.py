@@ -1,5 +1,8 @@
-"""benchmarks/families.py: the table of draft families joins runs only where they read one capture."""
+"""`python -m benchmarks.families`: the table of draft families joins runs only where they read one
+capture and were evaluated alike. Driven through its command line, as the GPU plan runs it (tests
+import no benchmark)."""
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -7,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import families
-
 ROOT = Path(__file__).resolve().parents[1]
+DIGEST = "features.sha256"  # the capture listing beside each run (scripts/measure_gpu.sh writes it)
+LISTING = "0620  ./shards/shard-000000.safetensors\n"
 
 
 def eval_folder(run: Path, draft: str, accept: float, *, alone: float | None = None, gpu: str = "NVIDIA H100",
@@ -25,8 +28,8 @@ def eval_folder(run: Path, draft: str, accept: float, *, alone: float | None = N
     (folder / "eval.json").write_text(json.dumps(report))
 
 
-def capture_listing(run: Path, text: str) -> None:
-    (run / families.DIGEST).write_text(text)
+def capture_listing(run: Path, text: str = LISTING) -> None:
+    (run / DIGEST).write_text(text)
 
 
 def two_runs_of_one_capture(tmp_path) -> tuple[Path, Path]:
@@ -35,52 +38,55 @@ def two_runs_of_one_capture(tmp_path) -> tuple[Path, Path]:
     eval_folder(first, "dflash2_b16", 1.7, alone=640.0)
     eval_folder(second, "domino_b16", 1.6)
     for run in (first, second):
-        capture_listing(run, "0620  ./shards/shard-000000.safetensors\n")
+        capture_listing(run)
     return first, second
 
 
+def table(tmp_path, *runs: Path) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """The command over `runs` (--each-alone), and the result it wrote (None where it wrote none)."""
+    out = tmp_path / "families.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.families", *map(str, runs), "--each-alone",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
+    return done, json.loads(out.read_text()) if out.is_file() else None
+
+
 def test_runs_of_one_capture_join_and_the_result_names_its_digest(tmp_path):
-    first, second = two_runs_of_one_capture(tmp_path)
-    digest = families.features_digest([first, second])
-    rows = families.gather_runs([first, second])
-    assert {r["draft"] for r in rows} == {"dflash2_b16", "domino_b16"}
-    s = families.summary(rows, [], each_alone=True)
-    assert s["accept_length"] == {"dflash2_b16": {"chat": 1.7}, "domino_b16": {"chat": 1.6}}
-    assert s["tokens_per_s"]["target_alone"] == {"chat": 640.0}
-    assert digest is not None and len(digest) == 64
+    done, result = table(tmp_path, *two_runs_of_one_capture(tmp_path))
+    assert done.returncode == 0, done.stderr
+    summary = result["summary"]
+    assert summary["accept_length"] == {"dflash2_b16": {"chat": 1.7}, "domino_b16": {"chat": 1.6}}
+    assert summary["tokens_per_s"]["target_alone"] == {"chat": 640.0}
+    assert result["features_sha256"] == hashlib.sha256(LISTING.encode()).hexdigest()
+    # one run needs no digest (a table of one machine's drafts)
+    single = tmp_path / "c"
+    eval_folder(single, "dflash_b16", 1.5)
+    done, result = table(tmp_path, single)
+    assert done.returncode == 0, done.stderr
+    assert result["features_sha256"] is None
 
 
-def test_runs_of_different_captures_or_without_a_digest_are_refused(tmp_path):
+@pytest.mark.parametrize("second_listing, words", [(None, "no features.sha256"),
+                                                    ("ffff  ./shards/shard-000000.safetensors\n",
+                                                     "read different features")])
+def test_runs_of_different_captures_or_without_a_digest_are_refused(tmp_path, second_listing, words):
     first, second = tmp_path / "a", tmp_path / "b"
     eval_folder(first, "dflash2_b16", 1.7)
     eval_folder(second, "domino_b16", 1.6)
-    capture_listing(first, "0620  ./shards/shard-000000.safetensors\n")
-    with pytest.raises(SystemExit, match="no features.sha256"):
-        families.features_digest([first, second])
-    capture_listing(second, "ffff  ./shards/shard-000000.safetensors\n")
-    with pytest.raises(SystemExit, match="read different features"):
-        families.features_digest([first, second])
-    # one run needs no digest (a table of one machine's drafts)
-    assert families.features_digest([tmp_path / "c"]) is None
+    capture_listing(first)
+    if second_listing is not None:
+        capture_listing(second, second_listing)
+    done, result = table(tmp_path, first, second)
+    assert done.returncode != 0 and words in done.stderr and result is None
 
 
 def test_a_draft_evaluated_in_two_runs_is_refused_naming_both(tmp_path):
     first, second = tmp_path / "a", tmp_path / "b"
-    eval_folder(first, "dflash_b16", 1.5)
-    eval_folder(second, "dflash_b16", 1.6)
-    with pytest.raises(SystemExit, match="eval_dflash_b16 is in both"):
-        families.gather_runs([first, second])
-
-
-def test_the_command_joins_two_runs_into_one_result(tmp_path):
-    first, second = two_runs_of_one_capture(tmp_path)
-    out = tmp_path / "families.json"
-    done = subprocess.run([sys.executable, "-m", "benchmarks.families", str(first), str(second), "--each-alone",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(out.read_text())
-    assert result["features_sha256"] == families.features_digest([first, second])
-    assert set(result["summary"]["accept_length"]) == {"dflash2_b16", "domino_b16"}
+    for run, accept in ((first, 1.5), (second, 1.6)):
+        eval_folder(run, "dflash_b16", accept)
+        capture_listing(run)
+    done, result = table(tmp_path, first, second)
+    assert done.returncode != 0 and f"eval_dflash_b16 is in both {first} and {second}" in done.stderr
+    assert result is None
 
 
 @pytest.mark.parametrize("other, words", [(dict(gpu="NVIDIA H200"), "card"), (dict(limit=8), "limit")])
@@ -89,5 +95,8 @@ def test_runs_evaluated_on_another_card_or_with_other_settings_are_refused(tmp_p
     first, second = tmp_path / "a", tmp_path / "b"
     eval_folder(first, "dflash2_b16", 1.7, alone=640.0)
     eval_folder(second, "domino_b16", 1.6, **other)
-    with pytest.raises(SystemExit, match=f"evaluated with another {words}: their speeds are not one table's"):
-        families.gather_runs([first, second])
+    for run in (first, second):
+        capture_listing(run)
+    done, result = table(tmp_path, first, second)
+    assert done.returncode != 0 and result is None
+    assert f"evaluated with another {words}: their speeds are not one table's" in done.stderr
