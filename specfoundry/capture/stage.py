@@ -65,9 +65,9 @@ from specfoundry.featureset.manifest import (
     STORAGE_DTYPES,
     TOKEN_COUNTS,
     new_manifest,
+    stored_topk,
     tokenizer_hashes,
 )
-from specfoundry.featureset.manifest import topk_teacher as topk_teacher_k
 from specfoundry.featureset.store import CODECS, bytes_per_value, shard_name, write_shard_file
 from specfoundry.featureset.teacher import parse_teacher
 
@@ -399,7 +399,7 @@ def build_manifest(plan: CapturePlan, out: ShardedOutput) -> dict:
         "tokens": sum(e["num_tokens"] for e in entries),
         "loss_tokens": sum(e["loss_tokens"] for e in entries),
     }
-    if topk_teacher_k(manifest) is not None and manifest["counts"]["tokens"]:
+    if stored_topk(manifest) is not None and manifest["counts"]["tokens"]:
         # the mass outside the kept K: what the stored teacher lacks (ModelOpt warns below 0.999)
         tokens = manifest["counts"]["tokens"]
         manifest["teacher"] = {**manifest["teacher"],
@@ -472,7 +472,7 @@ def capture_with(cfg: CaptureConfig, target: Target, silent: bool) -> dict:
     done = total - sum(len(plan.part(s)) for s in todo)
     runner = HFCaptureRunner(target, list(plan.cfg.aux_layers), storage=(plan.base["storage_dtype"],
                                                                          plan.base["final_storage_dtype"]),
-                             keep=ranks.is_writer, teacher_k=topk_teacher_k(plan.base))
+                             keep=ranks.is_writer, teacher_k=stored_topk(plan.base))
     try:
         with Progress(total, "sample", f"sf-capture[{ranks.group}]", silent or not ranks.is_writer,
                       initial=done) as progress:

@@ -9,7 +9,7 @@ import torch
 
 from specfoundry.common.files import checksum
 from specfoundry.common.progress import Progress
-from specfoundry.featureset.manifest import FeatureSetError, read_manifest, record_disagreements, topk_teacher
+from specfoundry.featureset.manifest import FeatureSetError, read_manifest, record_disagreements, stored_topk
 from specfoundry.featureset.store import (
     BIT_PATTERNS,
     SCALED,
@@ -31,7 +31,7 @@ def expected_arrays(manifest: dict, n: int) -> dict[str, tuple[tuple[int, ...], 
     """Array name -> (shape, torch dtype as read from disk) of a shard of n tokens."""
     h, k = manifest["hidden_size"], len(manifest["aux_layer_ids"])
     out = {"input_ids": ((n,), torch.int32), "loss_mask": ((n,), torch.uint8)}
-    teacher_k = topk_teacher(manifest)
+    teacher_k = stored_topk(manifest)
     states = (("aux", k, manifest["storage_dtype"]), ("final", 1, manifest["final_storage_dtype"]))
     for state, layers, dtype in states[: 1 if teacher_k else 2]:
         out[f"{state}_hidden"] = ((n, layers * stored_row(dtype, h)), BIT_PATTERNS.get(dtype, TORCH_DTYPES[dtype]))
@@ -112,7 +112,7 @@ def check_shard(root: Path, manifest: dict, entry: dict) -> tuple[list[str], dic
         return [f"{entry['path']}: checksum mismatch (the shard was changed or damaged)"], {}
     try:
         r = ShardReader(path, manifest["codec"], manifest["storage_dtype"], manifest["final_storage_dtype"],
-                        topk_teacher(manifest))
+                        stored_topk(manifest))
         n = int(r.offsets[-1])
         expect = expected_arrays(manifest, n)
         found = {name: (r.shape(name), torch.from_numpy(r.rows(name, 0, 0)).dtype) for name in expect}
@@ -132,7 +132,7 @@ def check_shard(root: Path, manifest: dict, entry: dict) -> tuple[list[str], dic
     elif [int(b - a) for a, b in zip(r.offsets[:-1], r.offsets[1:], strict=True)] != list(entry["sample_lengths"]):
         problems.append(f"{entry['path']}: the manifest's sample lengths are not the shard's (an edited manifest: "
                         "restore it, or recapture)")
-    if not problems and topk_teacher(manifest):
+    if not problems and stored_topk(manifest):
         wrong = teacher_problem(r, n, manifest["target"]["vocab_size"])
         if wrong:
             problems.append(f"{entry['path']}: teacher_ids / teacher_probs hold {wrong}")
@@ -199,7 +199,7 @@ def recompute_samples(root: Path, manifest: dict, k: int, device: str | None) ->
     name = manifest["target"]["name"]  # an embedded target by its name (its converted copy may live elsewhere)
     target = Target.load(name if name in EMBEDDED else manifest["target"]["path"], device=device,
                          command="sf-capture verify")
-    teacher_k = topk_teacher(manifest)
+    teacher_k = stored_topk(manifest)
     runner = HFCaptureRunner(target, manifest["aux_layer_ids"], teacher_k=teacher_k)
     problems = []
     for i in range(min(k, len(fs))):

@@ -15,14 +15,6 @@ FORMAT = "specfoundry.featureset"
 # 1: schema/schema_version keys, shards named rank000-NNNNNN. All three are read.
 FORMAT_VERSION = 4
 READS_VERSIONS = (1, 2, 3, 4)
-FINAL_STATE = {"kind": "final_state"}
-"""The teacher of a set that stores the final state (every set before version 4)."""
-
-
-def topk_teacher(manifest: dict) -> int | None:
-    """K where the set stores a top-K teacher instead of the final state, else None."""
-    teacher = manifest.get("teacher", FINAL_STATE)
-    return teacher["k"] if teacher["kind"] == "topk" else None
 MANIFEST = "manifest.json"
 TOKEN_COUNTS = "token_counts.safetensors"
 # what storage dtypes mean on disk (docs/featureset.md); neither zarr nor numpy has bfloat16 or
@@ -30,6 +22,14 @@ TOKEN_COUNTS = "token_counts.safetensors"
 # packed codes with block scales, as bytes (featureset/blockfp.py). A reader that predates a dtype
 # refuses the set naming it, so adding one needs no new format version.
 STORAGE_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "fp6_e2m3", "fp4_e2m1")
+FINAL_STATE = {"kind": "final_state"}
+"""The teacher of a set that stores the final state (every set before version 4)."""
+
+
+def stored_topk(manifest: dict) -> int | None:
+    """K where the set stores a top-K teacher instead of the final state, else None."""
+    teacher = manifest.get("teacher", FINAL_STATE)
+    return teacher["k"] if teacher["kind"] == "topk" else None
 
 
 def tokenizer_hashes(tokenizer) -> tuple[str, str]:

@@ -39,7 +39,7 @@ from specfoundry.featureset.manifest import (
     FeatureSetError,
     read_manifest,
     record_disagreements,
-    topk_teacher,
+    stored_topk,
 )
 
 CODECS = ("zarr", "safetensors")
@@ -369,7 +369,7 @@ class FeatureSet:
         self.codec = self.manifest["codec"]
         self.dtype = self.manifest["storage_dtype"]
         self.final_dtype = self.manifest["final_storage_dtype"]
-        self.teacher_k = topk_teacher(self.manifest)  # a top-k teacher in the final state's place, or None
+        self.teacher_k = stored_topk(self.manifest)  # a top-k teacher in the final state's place, or None
         self.shards = self.manifest["shards"]
         self._readers: dict[int, ShardReader] = {}
         # global sample index -> (shard, index in shard); lengths for length-grouped batching
