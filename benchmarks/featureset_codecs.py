@@ -20,7 +20,8 @@ Variants (container, aux states' dtype, final state's dtype):
 Each lossy dtype's error is measured per row (token x layer) against the float32 capture; the
 packed ones' beside their derived bound (max_err_over_bound at most 1), and, on the same rows, the
 int4 and int6 grids that blockfp.py also holds (the float grids are the ones offered for storage:
-`int_grids_error` says why).
+`int_grids_error` says why), and an uncentred low-rank basis per layer at the same bytes
+(`lowrank_error`: fitted on half the tokens, measured on the other half).
 
 Two feature sets:
     smollm2  SmolLM2-135M's real features (H 576, layers [1, 14, 26] + final) of SOURCE, captured
@@ -134,6 +135,33 @@ def grid_errors(x: torch.Tensor, layers: int) -> dict:
     return out
 
 
+LOWRANK_BYTES = {"fp8": 1.0, "fp6": 0.75, "fp4": 0.5}  # bytes a value the basis' bf16 coefficients may take
+
+
+def lowrank_errors(x: torch.Tensor, layers: int) -> dict:
+    """The uncentred low-rank basis per layer (the one an export could fold into the draft's first
+    linear layer) on rows of x [N, L*H] (float32): fitted on the first half of the tokens (the top
+    right singular vectors of that half), its row error on the second half, at the ranks whose bf16
+    coefficients take as many bytes a row as fp8, fp6 and fp4 values would (r = bytes * H / 2).
+    Projecting onto an orthonormal basis V [H, r] is the least-squares fit in it: x V V^T."""
+    rows = x.unflatten(-1, (layers, -1))  # [N, L, H]
+    n, h = rows.shape[0] // 2, rows.shape[-1]
+    out = {}
+    for name, per_value in LOWRANK_BYTES.items():
+        r = int(per_value * h / 2)
+        rel = []
+        for layer in range(layers):
+            fit, held = rows[:n, layer].double(), rows[n:, layer].double()  # [n, H], [N - n, H]
+            basis = torch.linalg.svd(fit, full_matrices=False).Vh[:r].T  # [H, r]
+            back = held @ basis @ basis.T
+            rel.append((back - held).norm(dim=-1) / held.norm(dim=-1).clamp(min=1e-30))
+        rel = torch.cat(rel)
+        out[f"like_{name}"] = {"rank": r, "bytes_per_value": per_value, "rows": rel.numel(),
+                                         "row_rel_l2_median": rel.median().item(),
+                                         "row_rel_l2_p99": rel.quantile(0.99).item()}
+    return out
+
+
 def states(fs: FeatureSet, dtype=torch.float32) -> dict[str, torch.Tensor]:
     """Every token's aux [N, K*H] and final [N, H] states of a set, decoded to dtype."""
     out = {"aux": [], "final": []}
@@ -172,6 +200,7 @@ def smollm2_rows(source: str, target: str, tmp: Path) -> tuple[list[dict], dict]
         errors[name] = {"aux": packed_row_errors(reference["aux"], packed["aux"], layers, PACKED[dtype]),
                         "final": packed_row_errors(reference["final"], packed["final"], 1, PACKED[dtype])}
     errors["grids_aux"] = grid_errors(reference["aux"], layers)
+    errors["lowrank_aux"] = lowrank_errors(reference["aux"], layers)
     return rows, errors
 
 
@@ -305,7 +334,8 @@ def main() -> None:
         for state in ("aux", "final"):
             if state in errors:
                 print(f"float8 error, {where} {state}: " + ", ".join(f"{k} {v:.4g}" for k, v in errors[state].items()))
-    for name, e in {**{n: smol_errors[n]["aux"] for n in ("fp6", "fp4")}, **smol_errors["grids_aux"]}.items():
+    for name, e in {**{n: smol_errors[n]["aux"] for n in ("fp6", "fp4")}, **smol_errors["grids_aux"],
+                    **smol_errors["lowrank_aux"]}.items():
         print(f"{name} error, smollm2 aux: " + ", ".join(f"{k} {v:.4g}" for k, v in e.items()))
     per_token = {r["variant"]: r["shard_bytes_per_token"] for r in big}
     summary = {"bytes_per_token_h4096": per_token,
@@ -317,7 +347,8 @@ def main() -> None:
                "at_most_8KiB_h4096": sorted(v for v, b in per_token.items() if b <= 8192),
                "row_rel_l2_median_smollm2_aux": {
                    "fp8": smol_errors["aux"]["row_rel_l2_median"],
-                   **{n: e["row_rel_l2_median"] for n, e in smol_errors["grids_aux"].items()}}}
+                   **{n: e["row_rel_l2_median"] for n, e in smol_errors["grids_aux"].items()},
+                   **{f"lowrank_{n}": e["row_rel_l2_median"] for n, e in smol_errors["lowrank_aux"].items()}}}
     extra = {"summary": summary,
              "fp8_error": {"smollm2": {k: smol_errors[k] for k in ("aux", "final")}, "h4096_random": big_errors},
              "packed_error": {"smollm2": {k: smol_errors[k] for k in ("fp6", "fp4")}},
@@ -325,6 +356,11 @@ def main() -> None:
                                  "why": "at equal bits the int grids' row error on real features is above the float "
                                         "grids' (heavy-tailed rows: most values far below the block's absmax), so "
                                         "fp6_e2m3 and fp4_e2m1 are the storage dtypes"},
+             "lowrank_error": {"smollm2_aux": smol_errors["lowrank_aux"],
+                               "why": "an uncentred basis per layer fitted on half the tokens, at the rank whose "
+                                      "bf16 coefficients cost what fp8, fp6 or fp4 values would: its row error on "
+                                      "the other half against the packed grids' at the same bytes decides whether "
+                                      "the basis (and its fold into the draft at export) is offered"},
              "not_measured": NOT_MEASURED}
     earlier = RESULTS / "featureset_codecs.json"
     if earlier.is_file() and "acceptance" in (kept := json.loads(earlier.read_text())):

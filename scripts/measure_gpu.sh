@@ -41,10 +41,13 @@
 #                float8, fp6, fp4, fp4 with a top-32 teacher; CODECS), two seeds for bf16 and the
 #                smallest, and of DFlash drafts from bf16 and the smallest (featureset_codecs
 #                --acceptance)                                                                    ~1,200 s
+#   sweep        sf-eval sweep of an EAGLE-3 and a DFlash draft from one capture (SYNTH conversations;
+#                EPOCHS, 2): 12 EAGLE-3 serving settings and 3 DFlash blocks on every built-in prompt,
+#                and the static tree beside them (sweep)                                            ~900 s
 # A step whose estimate would end it past the deadline is skipped: the epoch second in
 # $EV/deadline_epoch when that file exists (a later command may write it), else DEADLINE seconds
 # (1,380) after the plans began. Plans that run SmolLM2 (eval, regen, families, objectives, modes,
-# codecs) first wait for $EV/weights.ok, unless WEIGHTS_READY=1 or DRY=1.
+# codecs, sweep) first wait for $EV/weights.ok, unless WEIGHTS_READY=1 or DRY=1.
 #
 # With the device kit (../shared/device/README.md: `bash ../shared/device/prepare.sh` here first):
 #   call 1  . .devkit/on-device.sh setup && bash scripts/measure_gpu.sh start decode eval && bash scripts/measure_gpu.sh wait 400
@@ -474,7 +477,31 @@ plan_codecs() {
   step codecs_result 30 python -m benchmarks.featureset_codecs --acceptance "$r" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
 }
 
-PLANS="tests kernels train_step decode eval regen capture families objectives modes codecs"
+# sweep: sf-eval sweep (docs/serving.md) of an EAGLE-3 and a DFlash draft (block 16) trained side by
+# side from one capture of SYNTH conversations (the carried regen when there is one; EPOCHS, 2), every
+# built-in prompt (FAMILIES_LIMIT where set), bf16 with the target compiled (TIMING_OPTS), each sweep
+# alone on the GPU: EAGLE-3 at SWEEP_EAGLE3 (SGLang's S,K,N: 12 settings, chains and trees up to 64
+# draft tokens), DFlash at its defaults (k 3, 7, 15: blocks of 4, 8 and 16); then EAGLE-3's full static
+# tree 8,4,2,1,1,1,1 over the same prompts (sweep)
+SWEEP_EAGLE3_DEFAULT="3,1,4 5,1,6 7,1,8 3,4,8 5,4,8 7,4,8 5,4,16 7,4,16 5,8,32 7,8,32 7,8,64 8,8,64"
+plan_sweep() {
+  weights || return 1
+  local r=$RUN/sweep epochs=${EPOCHS:-$(dry && echo 1 || echo 2)} settings=${SWEEP_EAGLE3:-$SWEEP_EAGLE3_DEFAULT}
+  dry && settings=${SWEEP_EAGLE3:-"3,1,4 7,1,8 3,2,6"}
+  features "$r" eagle3,dflash || return 1
+  together sweep_train "${SWEEP_TRAIN_EST:-420}" 2 \
+    "sf-train run $r/features -o $r/eagle3 --recipe $EAGLE3 --epochs $epochs $TRAIN_OPTS" \
+    "sf-train run $r/features -o $r/dflash_b16 --recipe $DFLASH --block-size 16 --epochs $epochs $TRAIN_OPTS" || return 1
+  step sweep_eagle3 "$(dry && echo 300 || echo 600)" sf-eval sweep "$r/eagle3" -o "$r/sweep_eagle3" --recipe "$EAGLE3" \
+    --settings "$settings" $FAMILIES_EVAL_OPTS $TIMING_OPTS ${FAMILIES_LIMIT:+--limit $FAMILIES_LIMIT}
+  step sweep_dflash_b16 "$(dry && echo 120 || echo 240)" sf-eval sweep "$r/dflash_b16" -o "$r/sweep_dflash_b16" \
+    --recipe "$DFLASH" $FAMILIES_EVAL_OPTS $TIMING_OPTS ${FAMILIES_LIMIT:+--limit $FAMILIES_LIMIT}
+  step sweep_tree "$(dry && echo 120 || echo 90)" sf-eval run "$r/eagle3" -o "$r/eval_eagle3_tree" --recipe "$EAGLE3" \
+    --tree 8,4,2,1,1,1,1 --no-baseline $FAMILIES_EVAL_OPTS $TIMING_OPTS ${FAMILIES_LIMIT:+--limit $FAMILIES_LIMIT}
+  step sweep_result 30 python -m benchmarks.sweep "$r" --status "$EV/status.tsv" --out sweep
+}
+
+PLANS="tests kernels train_step decode eval regen capture families objectives modes codecs sweep"
 
 plans() {  # plans PLAN...: each in order, in the copy of the tree; 1 when any plan failed
   local p rc failed=0

@@ -100,3 +100,48 @@ def test_runs_evaluated_on_another_card_or_with_other_settings_are_refused(tmp_p
     done, result = table(tmp_path, first, second)
     assert done.returncode != 0 and result is None
     assert f"evaluated with another {words}: their speeds are not one table's" in done.stderr
+
+
+def sweep_folder(run: Path, draft: str, rows: list[tuple], best: str) -> None:
+    """An sf-eval sweep output as benchmarks.sweep reads it: rows (setting, set, fields, accept, tok/s)."""
+    folder = run / f"sweep_{draft}"
+    folder.mkdir(parents=True)
+    (folder / "sweep.json").write_text(json.dumps({
+        "rows": [{"setting": name, "set": s, **fields, "verify_width": 0, "accept_length": accept,
+                  "accept_rate_by_position": [], "draft_ms_per_round": 1.0, "target_ms_per_round": 1.0,
+                  "tokens_per_s": speed} for name, s, fields, accept, speed in rows],
+        "target_alone_tokens_per_s": {"chat": 600.0, "code": 610.0}, "best": best,
+        "wall_s": {name: 10.0 for name, *_ in rows}, "serve": {"sglang": f"--{draft}", "vllm": None}}))
+
+
+def test_the_sweep_table_compares_the_best_with_the_chain_and_the_static_tree_with_the_dynamic(tmp_path):
+    """benchmarks.sweep: the best EAGLE-3 setting against the chain k=7 on every set (here it loses on
+    code), the static tree beside the most accepting dynamic tree of N <= 64 (N=65 and chains left
+    out), and the sweep steps' seconds from the plan's status.tsv (a skipped step left out)."""
+    chain, tree8, tree65 = (dict(num_steps=7, topk=1, num_draft_tokens=8), dict(num_steps=5, topk=4, num_draft_tokens=8),
+                            dict(num_steps=8, topk=8, num_draft_tokens=65))
+    sweep_folder(tmp_path, "eagle3", [("S7_K1_N8", "chat", chain, 3.0, 500.0), ("S7_K1_N8", "code", chain, 3.5, 520.0),
+                                      ("S5_K4_N8", "chat", tree8, 2.5, 560.0), ("S5_K4_N8", "code", tree8, 2.6, 510.0),
+                                      ("S8_K8_N65", "chat", tree65, 4.0, 300.0), ("S8_K8_N65", "code", tree65, 4.1, 300.0)],
+                 best="S5_K4_N8")
+    sweep_folder(tmp_path, "dflash_b16", [("k7", "chat", dict(k=7), 1.5, 450.0), ("k7", "code", dict(k=7), 1.7, 470.0)],
+                 best="k7")
+    tree = tmp_path / "eval_eagle3_tree"
+    tree.mkdir()
+    (tree / "eval.json").write_text(json.dumps({"config": {"tree": [8, 4, 2, 1, 1, 1, 1]}, "sets": {
+        s: {"trained": {"accept_length": a, "tokens_per_s": 400.0}} for s, a in (("chat", 3.1), ("code", 3.3))}}))
+    status = tmp_path / "status.tsv"
+    status.write_text("sweep_eagle3\t0\t100\t400\t300\nsweep_dflash_b16\tskipped\t400\t-\t-\n")
+    out = tmp_path / "sweep.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.sweep", str(tmp_path), "--status", str(status),
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["best"]["eagle3"]["tokens_per_s"] == {"chat": 560.0, "code": 510.0}
+    assert summary["best"]["eagle3"]["target_alone_tokens_per_s"] == {"chat": 600.0, "code": 610.0}
+    assert summary["best_vs_chain_k7"]["at_least_chain_on_every_set"] is False  # 510 < 520 on code
+    dynamic = summary["static_tree_vs_dynamic"]
+    assert {s: (d["dynamic_setting"], d["static_accept_length"]) for s, d in dynamic.items()} == {
+        "chat": ("S5_K4_N8", 3.1), "code": ("S5_K4_N8", 3.3)}
+    assert summary["wall_s"]["eagle3"] == {"settings": 3, "settings_runs_s": 30.0, "step_s": 300.0}
+    assert summary["wall_s"]["dflash_b16"]["step_s"] is None

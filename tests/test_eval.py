@@ -506,7 +506,8 @@ def test_sf_eval_sweep_decodes_each_setting_names_the_best_and_its_flags(gate_ru
     assert [r["verify_width"] for r in summary["rows"]] == [4, 6]
     assert set(summary["target_alone_tokens_per_s"]) == {"chat"}  # the first setting's run alone
     assert summary["best"] in ("S3_K1_N4", "S3_K2_N6")
-    assert "--speculative-algorithm EAGLE3" in summary["serve"]["sglang"]
+    assert set(summary["wall_s"]) == {"S3_K1_N4", "S3_K2_N6"} and all(s > 0 for s in summary["wall_s"].values())
+    assert f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {export} " in summary["serve"]["sglang"]
     assert json.loads((tmp_path / "s" / "sweep.json").read_text())["best"] == summary["best"]
     assert (tmp_path / "s" / "sweep.png").stat().st_size > 0
     assert "SGLang: --speculative-algorithm EAGLE3" in format_sweep(summary)
@@ -523,6 +524,25 @@ def test_sf_eval_sweep_decodes_each_setting_names_the_best_and_its_flags(gate_ru
     with pytest.raises(EvalError, match="a dflash setting is k, the proposals a round, from 1 to 4"):
         run_sweep(SweepConfig(draft=str(dflash), output=str(tmp_path / "e"), settings=("5",), **base),
                   silent=True, target=smollm2_target)
+
+
+def test_a_recipes_eval_k_is_the_sweeps_to_vary_and_its_other_keys_still_apply(tmp_path):
+    """sf-eval sweep reads the recipe's eval section, as sf-eval run does: its k (a chain for sf-eval
+    run) is a setting the sweep varies, left out rather than refused; the section's other keys apply,
+    and one the sweep does not take is still one line."""
+    from specfoundry.common.cli import CommandError, resolve_config
+    from specfoundry.eval.sweep import SERVING_SETTINGS, SweepConfig
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("target: smollm2\neval:\n  k: 7\n  max_new_tokens: 96\n")
+    options = {"draft": "D", "output": str(tmp_path / "o")}
+    cfg = resolve_config(SweepConfig, "eval", str(recipe), options, decided_here=SERVING_SETTINGS)
+    assert (cfg.max_new_tokens, cfg.target) == (96, "smollm2")
+    with pytest.raises(CommandError, match="unknown settings k"):  # what the sweep said before
+        resolve_config(SweepConfig, "eval", str(recipe), options)
+    recipe.write_text("target: smollm2\neval:\n  k: 7\n  temperature: 0.5\n")
+    with pytest.raises(CommandError, match="unknown settings temperature"):
+        resolve_config(SweepConfig, "eval", str(recipe), options, decided_here=SERVING_SETTINGS)
 
 
 @pytest.mark.parametrize("family, fields, sglang, vllm", [

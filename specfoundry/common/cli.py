@@ -307,12 +307,15 @@ def _typed(value, typ):
     raise _Invalid(f"{value!r} is not {_a(typ)}")
 
 
-def resolve_config(cls, section: str, recipe: str | None, options: dict, **fixed):
+def resolve_config(cls, section: str, recipe: str | None, options: dict, *, decided_here: tuple[str, ...] = (),
+                   **fixed):
     """cls built from its defaults, then the recipe's `section`, then the options given on the
     command line, then `fixed`. Unknown recipe keys, missing required settings and values a
-    setting cannot take are one-line errors naming the option, or the recipe file and key.
+    setting cannot take are one-line errors naming the option, or the recipe file and key;
+    `decided_here` names keys of the section that the command sets itself (sf-eval sweep's serving
+    settings, which it varies over the section's k or tree): they are left out, not refused.
     Inside a command, the output folder is then held for the command's life (hold_output)."""
-    values = read_recipe(recipe, section)
+    values = {k: v for k, v in read_recipe(recipe, section).items() if k not in decided_here}
     origins = {k: f"{recipe}: {section}: {k}" for k in values}
     unnamed = target_from_recipe(cls, recipe, section, values, origins)
     ctx = click.get_current_context(silent=True)

@@ -10,8 +10,8 @@ The settings (`--settings`, else the family's defaults):
 Each setting's run writes OUTPUT/<setting>/ (eval.json, eval.txt) as `sf-eval run` does, so a
 rerun skips the settings already done; the first one decodes the target alone too (its tokens/s
 are every setting's yardstick). OUTPUT/sweep.json holds per setting and prompt set the acceptance
-length, acceptance by position, draft and target ms a round and tokens/s; the best setting per set
-and over all sets (the highest mean tokens/s); and the SGLang and vLLM flags that serve the best
+length, acceptance by position, draft and target ms a round and tokens/s; each setting's run's wall
+seconds; the best setting per set and over all sets (the highest mean tokens/s); and the SGLang and vLLM flags that serve the best
 one (serving_flags). sf-eval decodes one sequence at a time: what a server under load gains from
 a setting is not what one sequence gains (docs/serving.md).
 """
@@ -31,6 +31,10 @@ from specfoundry.decoding.tree import EngineTree
 from specfoundry.eval.evaluate import COMPILE_TARGET_HELP, PROMPTS_HELP, EvalConfig, run_eval, target_dtype
 from specfoundry.eval.prompts import BUILTIN_SETS, EvalError
 from specfoundry.families.folders import locate_draft
+
+SERVING_SETTINGS = ("k", "tree", "num_steps", "topk", "num_draft_tokens")
+"""sf-eval run's settings that a sweep varies: a recipe's eval section may hold them (its k for sf-eval
+run), and the sweep leaves them out of its own settings."""
 
 EAGLE3_DEFAULTS = ("3,1,4", "5,1,6", "7,1,8", "5,4,8", "6,8,32")
 """SGLang's chains of 3, 5 and 7 and its trees (5,4,8 its Llama default)."""
@@ -166,10 +170,19 @@ def summarise(reports: dict, options: list[tuple[str, dict]], ref) -> dict:
              max(1, sum(r["setting"] == name for r in rows)) for name, _ in options}
     best = max(means, key=means.get)
     fields = dict(options)[best]
-    return {"rows": rows, "target_alone_tokens_per_s": alone,
+    # each setting's sf-eval run, warm-up and every set (the target alone's in the first); a resumed
+    # setting's from its own run
+    wall = {name: reports[name].get("wall_s") for name, _ in options}
+    return {"rows": rows, "target_alone_tokens_per_s": alone, "wall_s": wall,
             "best_per_set": {k: v["setting"] for k, v in best_per_set.items()},
             "best": best, "best_mean_tokens_per_s": means[best],
-            "serve": serving_flags(ref.provider.name, str(ref.path), fields)}
+            "serve": serving_flags(ref.provider.name, served_folder(ref), fields)}
+
+
+def served_folder(ref) -> str:
+    """The folder an engine loads: the export (a run's export/, not the run folder the user may have
+    named); a checkpoint has none until sf-export writes one, which the flags then stand for."""
+    return str(ref.where) if ref.is_export else f"EXPORT_OF_{ref.path}"
 
 
 def verify_width(fields: dict) -> int:
@@ -223,4 +236,4 @@ def format_sweep(summary: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["SweepConfig", "format_sweep", "run_sweep"]
+__all__ = ["SERVING_SETTINGS", "SweepConfig", "format_sweep", "run_sweep"]
