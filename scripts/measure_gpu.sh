@@ -64,7 +64,9 @@
 # eval, objectives, modes and fp8 evals: 8), FAMILIES_LIMIT (prompts a set in families: all), JOBS
 # (trainings at once; default one per 35 GiB of GPU memory), EVAL_JOBS (8), FAMILIES_DFLASH2_ALONE (1;
 # 0 trains a DFlash2 draft beside the others, where one at most is among them), FAMILIES_ONLY and
-# OBJECTIVES_ONLY (the drafts to train, by name; default all), CURVE_EPOCHS (objectives: one more
+# OBJECTIVES_ONLY (the drafts to train, by name; default all), FAMILIES_ANCHORS (dflash_b16: added to
+# FAMILIES_ONLY where a carried families part's capture differs from this run's), SWEEP_EAGLE3 (the
+# sweep's EAGLE-3 settings, S,K,N each: 12 by default), CURVE_EPOCHS (objectives: one more
 # EAGLE-3 run of that many epochs with --keep-best; 0), WITH_RUN (objectives: an earlier run's
 # reports joined to this run's, benchmarks/objectives.py --with-run), TIMING_OPTS
 # (--compile-target --dtype bfloat16) and DRAFT_TIMING_OPTS (none; --compile-draft fuses the
@@ -322,10 +324,18 @@ plan_families() {
   echo "features digest: $(sha256sum < "$r/features.sha256" | cut -c1-16)"
   # drafts of an earlier machine's run of this plan (families_<part>.tar.gz, its eval_ and draft folders,
   # beside families_<part>.features.sha256) join the table when their capture's digest is this one's
-  local part parts=()
+  # (a capture that differs from the part's cannot join it: this run then trains FAMILIES_ANCHORS too,
+  # dflash_b16 by default, so that its own table keeps the block drafters' baseline)
+  local part parts=() only=${FAMILIES_ONLY:-}
   for part in "$EV"/carry/families_*.tar.gz; do
     [ -f "$part" ] || continue
-    name=$(basename "$part" .tar.gz); mkdir -p "$RUN/$name"
+    name=$(basename "$part" .tar.gz)
+    if ! cmp -s "$EV/carry/$name.features.sha256" "$r/features.sha256"; then
+      echo "features differ from $name's: its drafts do not join this run's table; training ${FAMILIES_ANCHORS-dflash_b16} here too"
+      [ -n "$only" ] && only="$only ${FAMILIES_ANCHORS-dflash_b16}"
+      continue
+    fi
+    mkdir -p "$RUN/$name"
     tar xzf "$part" -C "$RUN/$name" && cp "$EV/carry/$name.features.sha256" "$RUN/$name/features.sha256" && parts+=("$RUN/$name")
   done
   # name|recipe|options; the longest first, so that the last slots hold the short ones
@@ -338,7 +348,7 @@ plan_families() {
                 "eagle3|$EAGLE3|"
                 "peagle_k7|$PEAGLE|--num-depths 7"
                 "dflash_b16_dpace|$DFLASH|--block-size 16 --objective dpace")
-  keep_only drafts "${FAMILIES_ONLY:-}"
+  keep_only drafts "$only"
   # DFlash2 trains alone (each objective) unless FAMILIES_DFLASH2_ALONE=0: it held 42 GiB of an H100
   # (its convolution eager) and ran out beside DFlash; 45 GiB of the GPU in use with it compiled
   local alone=()
