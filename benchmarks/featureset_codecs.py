@@ -135,7 +135,9 @@ def grid_errors(x: torch.Tensor, layers: int) -> dict:
     return out
 
 
-LOWRANK_BYTES = {"fp8": 1.0, "fp6": 0.75, "fp4": 0.5}  # bytes a value the basis' bf16 coefficients may take
+# bytes a value each lossy dtype stores (float8's 1; the packed rows' R/H, block scales included): what
+# the basis' bf16 coefficients may take at the same size
+LOWRANK_BYTES = {"fp8": 1.0, "fp6": 13 / 16, "fp4": 9 / 16}
 
 
 def lowrank_errors(x: torch.Tensor, layers: int) -> dict:
