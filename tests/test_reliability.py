@@ -845,6 +845,22 @@ def test_a_target_folder_without_its_tokenizer_is_one_line(tmp_path, tiny_llama_
         load_tokenizer(bare)
 
 
+def test_a_target_without_its_tokenizer_is_refused_before_its_weights_load(tmp_path, tiny_llama_dir, monkeypatch):
+    """Target.load reads the tokenizer first: a missing one is the line above, not minutes of a large
+    target's weights later."""
+    import transformers
+
+    from specfoundry.common.target import TOKENIZER_FILES, Target, TargetError
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_llama_dir, bare, ignore=shutil.ignore_patterns(*TOKENIZER_FILES, "special_tokens_map.json",
+                                                                       "merges.txt"))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the weights loaded before the tokenizer was checked"))
+    with pytest.raises(TargetError, match="no tokenizer"):
+        Target.load(str(bare), device="cpu")
+
+
 @pytest.mark.parametrize("modes", [["not", "a", "mapping"], {"not JSON": 3}, {'{"chat_template_kwargs": 1}': 2}, "text"])
 def test_a_training_records_malformed_modes_are_one_line(tmp_path, modes):
     """issue 61 item 10: a specfoundry_training.json whose 'modes' was hand-edited into another shape

@@ -324,6 +324,9 @@ class Target:
         ranks, device = join_launch(placement, device, command, record)
         if ranks.rank == 0:
             announce_target(command, target, path)
+        # the tokenizer (and its chat template) first: a folder without one, or a template that does
+        # not parse, is one line before the weights' load, which takes minutes at 70B
+        tokenizer = load_tokenizer(path, chat_template)
         dev = pick_device(device)
         kwargs = placement_kwargs(path, placement, dev)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(dev), **kwargs)
@@ -335,7 +338,7 @@ class Target:
             placement = dataclasses.replace(placement, experts_implementation=experts)
             if ranks.rank == 0:
                 print(f"{command}: experts run {experts}", file=sys.stderr)
-        return cls(model, load_tokenizer(path, chat_template), target_identity(target, path), ranks=ranks,
+        return cls(model, tokenizer, target_identity(target, path), ranks=ranks,
                    placement=placement, device=dev)
 
     @classmethod
