@@ -628,10 +628,11 @@ def test_a_resume_onto_a_recaptured_feature_set_is_one_line(tmp_path):
         run_train(cfg, silent=True)
 
 
-@pytest.mark.parametrize("damaged", ["model.safetensors", "optimizer.bin"])  # (accelerate skips a damaged RNG file)
+@pytest.mark.parametrize("damaged", ["model.safetensors", "optimizer.bin", "random_states_0.pkl"])
 def test_a_damaged_checkpoint_on_resume_is_one_line(tmp_path, smol_features, damaged):
     """issue 61 item 10: a truncated checkpoint file raised safetensors' or torch's traceback on resume;
-    it is one line naming the checkpoint and what to do."""
+    it is one line naming the checkpoint and what to do. The RNG file too, which accelerate's
+    load_state skips without a word (the resumed run would draw other random numbers)."""
     cfg = small_cfg(smol_features, tmp_path / "run", max_steps=4, save_every=2, max_batch_tokens=160)
     with pytest.MonkeyPatch.context() as mp:
         stop_after_checkpoint(mp, 2)

@@ -47,6 +47,26 @@ def newest_complete_checkpoint(accel, out: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
+RNG_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")
+
+
+def check_random_states(checkpoint: Path, processes: int) -> None:
+    """Every rank's RNG file of a checkpoint loads and holds the generators' states. accelerate's
+    load_state skips a missing or damaged one without a word, and the resumed run then draws other
+    random numbers than an uninterrupted one would (its dropout, its shuffles). Each rank checks all
+    of them, so that a damaged one stops every rank alike rather than leaving the others waiting."""
+    from accelerate.utils import load
+
+    for rank in range(processes):
+        path = checkpoint / f"random_states_{rank}.pkl"
+        if not path.is_file():
+            raise OSError(f"{path.name} is missing")
+        states = load(path)
+        missing = [k for k in RNG_KEYS if k not in states]
+        if missing:
+            raise ValueError(f"{path.name} lacks {', '.join(missing)}")
+
+
 def read_trainer_state(checkpoint: Path) -> dict:
     """{step, loader: one state per rank, history} of a complete checkpoint; a file that is not JSON
     is one line naming it."""

@@ -63,6 +63,7 @@ from specfoundry.featureset.manifest import (
 from specfoundry.featureset.store import FeatureSet
 from specfoundry.kernels.lk_loss import TOKEN_LOSSES, TokenLoss
 from specfoundry.train.checkpoints import (
+    check_random_states,
     newest_complete_checkpoint,
     read_best,
     read_best_state,
@@ -402,6 +403,7 @@ class Trainer:
         if newest is None:
             return
         try:
+            check_random_states(newest, accel.num_processes)
             accel.load_state(str(newest))
         except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError, SafetensorError) as e:  # damaged
             raise ValueError(f"{newest}: the checkpoint is damaged ({type(e).__name__}: "
