@@ -545,6 +545,63 @@ def test_loss_and_gradients_match_the_block_by_block_reference(teacher, gamma, l
     assert sum(int(m["valid"]) for m in metrics) > 10
 
 
+def topk_teacher_batch(batch, head, k):
+    """The batch with its final states replaced by their top-k teacher (featureset/teacher.py's form,
+    kept in fp32 here so that only the top k and the renormalisation differ from the dense teacher)."""
+    from dataclasses import replace
+
+    probs, ids = torch.softmax(batch.final_hidden @ head.T, -1).topk(k, dim=-1)  # [B, T, k] most probable first
+    return replace(batch, final_hidden=None, teacher_ids=ids.int(), teacher_probs=probs)
+
+
+@pytest.mark.parametrize("objective,loss_kernel,token_loss", [("dflash", "reference", "ce"), ("dflash", "auto", "ce"),
+                                                               ("dpace", "reference", "ce"),
+                                                               ("dflash", "reference", "lk-lambda")])
+def test_the_soft_teacher_from_every_token_kept_is_the_dense_one(objective, loss_kernel, token_loss):
+    """--teacher soft from a set storing a top-k teacher (issue 59): with every token kept (k = V) the
+    loss and gradients are those of the final state's teacher. The stored probabilities are the same
+    fp32 softmax, summing to 1 within V fp32 roundings (61 * 6e-8 relative), far inside rtol 1e-5."""
+    from specfoundry.kernels.lk_loss import TokenLoss
+
+    model = random_draft()
+    head = torch.randn(TINY.vocab_size, TINY.hidden_size)
+    dense = make_batch([14, 9], seed=4)
+    kw = dict(num_anchors=5, gamma=2.0, seed=3, teacher="soft", label_chunk=2, attention="sdpa", objective=objective,
+              loss_kernel=loss_kernel, token_loss=TokenLoss(token_loss))
+    runs = [loss_and_grads(model, lambda b=b: dflash_loss(model, b, head, **kw)[0])
+            for b in (dense, topk_teacher_batch(dense, head, TINY.vocab_size))]
+    torch.testing.assert_close(runs[1][0], runs[0][0], atol=1e-6, rtol=1e-5)
+    for name, g in runs[0][1].items():
+        torch.testing.assert_close(runs[1][1][name], g, atol=1e-6, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("headed", [False, True])
+def test_the_soft_teacher_from_k_kept_tokens_is_their_renormalised_distribution(headed):
+    """With k < V kept, the soft CE is the block-by-block reference's against the teacher's k most
+    probable tokens' probabilities divided by their sum (zero elsewhere), through the plain head's
+    kernel and through a head with parameters (autograd)."""
+    model = HeadedDraft(TINY) if headed else random_draft()
+    if headed:
+        model.load_state_dict(random_draft().state_dict(), strict=False)
+    head = torch.randn(TINY.vocab_size, TINY.hidden_size)
+    batch = make_batch([14, 9], seed=4)
+    kw = dict(num_anchors=5, gamma=2.0, seed=3)
+
+    def kept(logits, p):  # the reference's row loss against the renormalised top 5 of p
+        top = p.topk(5)
+        q = torch.zeros_like(p).scatter_(0, top.indices, top.values / top.values.sum())
+        return -(q * torch.log_softmax(logits, -1)).sum()
+
+    loss, grads = loss_and_grads(model, lambda: dflash_loss(model, topk_teacher_batch(batch, head, 5), head,
+                                                            teacher="soft", label_chunk=2, attention="sdpa",
+                                                            loss_kernel="reference", **kw)[0])
+    ref, ref_grads = loss_and_grads(model, lambda: reference_loss(model, batch, head, teacher="soft", row_loss=kept,
+                                                                  **kw)[0])
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
 class HeadedDraft(DFlashDraft):
     """A draft with a head of its own, teacher-forced as Domino's is: a learned logit bias from the
     token before each slot (the anchor for slot 1)."""

@@ -178,8 +178,11 @@ def train_config(fs, out, family, **options):
                                           loss_kernel="reference", **options))
 
 
-def test_eagle3_trains_from_a_topk_set_and_dspark_is_refused_naming_why(topk_features, tmp_path):
+def test_eagle3_and_dflash_soft_train_from_a_topk_set_and_dspark_is_refused_naming_why(topk_features, tmp_path):
     history = run_train(train_config(topk_features, tmp_path / "e", "eagle3", ttt_length=2), silent=True)["history"]
+    assert len(history) == 2 and all(np.isfinite(x["loss_0"]) for x in history)
+    history = run_train(train_config(topk_features, tmp_path / "f", "dflash", teacher="soft", num_draft_layers=1,
+                                     block_size=4, num_anchors=8, layers="14"), silent=True)["history"]
     assert len(history) == 2 and all(np.isfinite(x["loss_0"]) for x in history)
     with pytest.raises(FeatureSetError, match="stores a top-8 teacher instead of the final state, which dspark reads "
                                               "itself .*L1 term.*: capture with --teacher-storage final"):

@@ -7,6 +7,8 @@ argmax falls outside it are masked (SGLang could never accept such a draft token
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 LOGIT_BUDGET = 1 << 26
@@ -94,3 +96,31 @@ def batch_teacher(batch, lm_head: torch.Tensor, draft_ids: torch.Tensor, t2d: to
     k = batch.teacher_ids.shape[-1]
     return sparse_teacher_targets(batch.teacher_ids.reshape(-1, k), batch.teacher_probs.reshape(-1, k), draft_ids, t2d,
                                   lm_head.shape[0], out_dtype=batch.aux_hidden.dtype, renormalise=renormalise)
+
+
+@dataclass(frozen=True)
+class TopKRows:
+    """Rows of a stored top-k teacher standing where rows of final states would (a full-vocabulary
+    draft's soft teacher: DFlash's): ids [M, k] target ids, most probable first, and probs [M, k]
+    their probabilities over the full vocabulary. Sliced as the states' rows are."""
+
+    ids: torch.Tensor
+    probs: torch.Tensor
+
+    def __getitem__(self, index) -> TopKRows:
+        return TopKRows(self.ids[index], self.probs[index])
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    @torch.no_grad()
+    def dense(self, vocab_size: int, renormalise: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(p [c, V] fp32, the teacher's token [c]): the kept probabilities at their ids, zero elsewhere;
+        with `renormalise` divided by their sum (the dense teacher on the kept mass, equal to it where
+        the k hold every token with mass), else as they are (the mass the k left out counted as the
+        LK losses count mass outside a draft vocabulary). The teacher's token is ids[:, 0], its argmax."""
+        p = torch.zeros(len(self), vocab_size, dtype=torch.float32, device=self.ids.device)
+        p.scatter_(1, self.ids.long(), self.probs.float())
+        if renormalise:
+            p = p / p.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)  # a row without mass stays 0
+        return p, self.ids[:, 0].long()

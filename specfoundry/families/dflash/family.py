@@ -74,6 +74,9 @@ class DFlashFamily(DraftFamily):
     def needs_final_state(self, options: DFlashOptions) -> bool:
         return options.teacher == "soft"
 
+    def trains_from_topk_teacher(self, options: DFlashOptions) -> bool:
+        return options.teacher == "soft"  # the teacher's distribution is all the soft loss reads of it
+
     def final_state_use(self, options: DFlashOptions) -> str:
         return "--teacher soft's chunked loss takes the target's logits from it; --teacher hard reads no final state"
 

@@ -12,7 +12,8 @@ over the block's final states,
     loss = sum_{valid (row, a, k)} w_k * ce(a, k)  /  sum_{valid} w_k
 normalised over the micro-batch's valid slots, not per block: a block cut short by the end of its
 sample weighs less, as its slots do at serving time. teacher "hard": ce against x_{a+k}; "soft":
-against the target's distribution for that token, softmax(lm_head(final_hidden[a+k-1])).
+against the target's distribution for that token, softmax(lm_head(final_hidden[a+k-1])), or the
+top-k teacher a feature set stores in the final state's place (families/teacher.py TopKRows).
 
 The logits are the draft's own (model.block_logits, the target's lm_head over the states unless a
 family adds a head of its own). Their [rows, V] (V = 151936 for Qwen3, rows up to N*(B-1) per
@@ -58,7 +59,7 @@ from specfoundry.families.dflash.anchors import batch_anchors, block_inputs, val
 from specfoundry.families.dflash.model import DFlashDraft
 from specfoundry.families.dflash.options import OBJECTIVES
 from specfoundry.families.layers import compiled_on_cuda, compiles_elementwise
-from specfoundry.families.teacher import logit_rows
+from specfoundry.families.teacher import TopKRows, logit_rows
 from specfoundry.featureset.batch import Batch
 from specfoundry.kernels.lk_loss import TokenLoss, lk_loss
 from specfoundry.kernels.soft_ce import soft_target_cross_entropy
@@ -188,7 +189,9 @@ def hard_chunk(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, coef: 
 def soft_chunk(h: torch.Tensor, head: torch.Tensor, teacher_h: torch.Tensor, weight: float, normaliser: torch.Tensor,
                announced: float, loss_kernel: str, want_grad: bool, logits, rows_ce: bool = False,
                token_loss: TokenLoss = TokenLoss(), compiled: bool = False):
-    """h [c, H] rows of one slot k, teacher_h [c, H] the target's final states one position before;
+    """h [c, H] rows of one slot k, teacher_h [c, H] the target's final states one position before
+    (or their rows of a stored top-k teacher, TopKRows: its kept probabilities, renormalised for the
+    CE, as they are for an LK loss);
     logits(h): the draft's logits of the rows, h W^T (a plain head).
     Returns (sum of the rows' ce (fp32 0-d), hits [c], dL/dh [c, H] or None) through the in-place
     soft-target CE (its row mask carries the weight w_k; normaliser = sum(w)). rows_ce (D-PACE):
@@ -199,12 +202,16 @@ def soft_chunk(h: torch.Tensor, head: torch.Tensor, teacher_h: torch.Tensor, wei
     softmax through torch.compile on a GPU (teacher_probs; not with rows_ce and ce, which also
     hold p in fp32)."""
     with torch.no_grad():
-        t = teacher_h @ head.T  # [c, V] the target's logits
-        if rows_ce and token_loss.kind == "ce":  # ce below reads p in fp32; the kernel reads it in h's dtype
-            p32 = torch.softmax(t.float(), dim=-1)
-            p, target_ids = p32.to(h.dtype), p32.argmax(-1)
+        if isinstance(teacher_h, TopKRows):  # a stored top-k teacher: its kept mass, renormalised for the CE
+            p32, target_ids = teacher_h.dense(head.shape[0], renormalise=token_loss.kind == "ce")
+            p = p32.to(h.dtype)
         else:
-            p, target_ids = (TEACHER_PROBS if compiled else teacher_probs)(t, h.dtype)  # the target's distribution
+            t = teacher_h @ head.T  # [c, V] the target's logits
+            if rows_ce and token_loss.kind == "ce":  # ce below reads p in fp32; the kernel reads it in h's dtype
+                p32 = torch.softmax(t.float(), dim=-1)
+                p, target_ids = p32.to(h.dtype), p32.argmax(-1)
+            else:
+                p, target_ids = (TEACHER_PROBS if compiled else teacher_probs)(t, h.dtype)  # the target's distribution
     with torch.enable_grad():
         leaf = h.detach().requires_grad_(want_grad)
         z = logits(leaf)  # [c, V], consumed by the loss kernel
@@ -305,8 +312,12 @@ def chunk_ce(model: DFlashDraft, rows, head, slots, tokens, targets, teacher: st
     z = model.block_logits(rows, head, slots, tokens).float()  # [c, V]
     if teacher == "hard":
         return F.cross_entropy(z, targets, reduction="none"), z.detach().argmax(-1) == targets
-    p = torch.softmax((targets @ head.T).float(), dim=-1)  # the target's distribution
-    return -(p * torch.log_softmax(z, dim=-1)).sum(-1), z.detach().argmax(-1) == p.argmax(-1)
+    if isinstance(targets, TopKRows):  # a stored top-k teacher's kept mass, renormalised
+        p, top = targets.dense(head.shape[0])
+    else:
+        p = torch.softmax((targets @ head.T).float(), dim=-1)  # the target's distribution
+        top = p.argmax(-1)
+    return -(p * torch.log_softmax(z, dim=-1)).sum(-1), z.detach().argmax(-1) == top
 
 
 def head_loss(model: DFlashDraft, rows, head, counts, weights, targets, teacher: str, *, chunk: int, slots, tokens):
@@ -388,8 +399,9 @@ def dflash_loss(model: DFlashDraft, batch: Batch, lm_head: torch.Tensor, *, num_
         raise ValueError(f"unknown DFlash objective {objective!r}: choose {' or '.join(OBJECTIVES)}")
     if not 0.0 <= dpace_alpha <= 1.0:
         raise ValueError(f"dpace_alpha must be in [0, 1], got {dpace_alpha}")
-    if teacher == "soft" and batch.final_hidden is None:
-        raise ValueError("the soft teacher reads the target's final hidden states; the batch holds none")
+    if teacher == "soft" and batch.final_hidden is None and batch.teacher_ids is None:
+        raise ValueError("the soft teacher reads the target's final hidden states or a stored top-k teacher; the "
+                         "batch holds neither")
     if token_loss.kind != "ce" and (teacher != "soft" or not model.plain_head):
         raise ValueError(lk_refusal(token_loss.kind, teacher, model.plain_head))
     b = model.cfg.block_size
@@ -403,8 +415,10 @@ def dflash_loss(model: DFlashDraft, batch: Batch, lm_head: torch.Tensor, *, num_
     head = lm_head.to(rows.dtype)
     if teacher == "hard":
         targets = batch.input_ids[b_idx, target_pos]
-    else:  # the target's distribution for x_{a+k} is its lm_head over its final state at a+k-1
+    elif batch.final_hidden is not None:  # the target's distribution for x_{a+k}: its lm_head over its final state at a+k-1
         targets = batch.final_hidden[b_idx, target_pos - 1].to(head.dtype)
+    else:  # or the top-k teacher stored in the final state's place, at a+k-1
+        targets = TopKRows(batch.teacher_ids[b_idx, target_pos - 1], batch.teacher_probs[b_idx, target_pos - 1])
     want_grad = torch.is_grad_enabled() and rows.requires_grad
     if want_grad:
         check_announced(loss_scale, "dflash_loss")

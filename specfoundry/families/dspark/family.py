@@ -29,6 +29,9 @@ class DSparkFamily(DFlashFamily):
     def needs_final_state(self, options) -> bool:
         return True  # the L1 term's teacher and the confidence head's target
 
+    def trains_from_topk_teacher(self, options) -> bool:
+        return False  # its L1 term and confidence head read the states themselves
+
     def final_state_use(self, options) -> str:
         return "its L1 term and confidence head compare its states with the target's"
 
