@@ -115,6 +115,9 @@ def expand_body(draft, shape: EngineTree):
     dev, k = draft.device, shape.topk
     slots = torch.arange(k, device=dev)  # [K]
     columns = max((shape.num_steps - 1) * k, 1)  # this round's entries: depths 1..S-1, K each
+    # the value the ancestors' mask is set to, on the device: a Python True would be copied from the
+    # host inside the body, which a CUDA graph's capture refuses
+    true = torch.ones((), dtype=torch.bool, device=dev)
 
     def body():
         pre = draft.pre.expand(1, k, -1)  # [1, K, H] the hidden inputs: the root's state, then each forward's
@@ -125,7 +128,7 @@ def expand_body(draft, shape: EngineTree):
             if came_from is not None:  # each node's parent's output state and ancestors
                 pre, sees = pre[:, came_from], sees[came_from]
             own = (i - 1) * k + slots  # [K] the frontier's columns from base
-            sees[slots, own] = True
+            sees.index_put_((slots, own), true)
             draft.cache.columns = draft.base + own
             positions = (draft.base + (i - 1)).expand(1, k)  # [1, K]
             allowed = visible(draft.kv_index, draft.base, sees)  # [K, C]
