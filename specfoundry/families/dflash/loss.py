@@ -379,6 +379,18 @@ def lk_refusal(kind: str, teacher: str, plain_head: bool) -> str | None:
     return None
 
 
+def slot_targets(batch: Batch, teacher: str, b_idx: torch.Tensor, target_pos: torch.Tensor, dtype: torch.dtype):
+    """What each scored row (its batch row b_idx, its token's position target_pos, [M] each) is trained
+    towards: the token x_{a+k} (hard, [M]); else the target's distribution for it, from the final
+    state at a+k-1 ([M, H], its lm_head applied chunk by chunk) or the top-k teacher stored in its
+    place there (TopKRows)."""
+    if teacher == "hard":
+        return batch.input_ids[b_idx, target_pos]
+    if batch.final_hidden is not None:
+        return batch.final_hidden[b_idx, target_pos - 1].to(dtype)
+    return TopKRows(batch.teacher_ids[b_idx, target_pos - 1], batch.teacher_probs[b_idx, target_pos - 1])
+
+
 def dflash_loss(model: DFlashDraft, batch: Batch, lm_head: torch.Tensor, *, num_anchors: int = 512,
                 gamma: float = 7.0, seed: int = 0, attention: str = "auto", loss_kernel: str = "auto",
                 loss_scale: float = 1.0, teacher: str = "hard", label_chunk: int | None = None,
@@ -413,12 +425,7 @@ def dflash_loss(model: DFlashDraft, batch: Batch, lm_head: torch.Tensor, *, num_
     rows, where, target_pos, counts = scored_rows(states, valid, anchors)
     b_idx = where[1]
     head = lm_head.to(rows.dtype)
-    if teacher == "hard":
-        targets = batch.input_ids[b_idx, target_pos]
-    elif batch.final_hidden is not None:  # the target's distribution for x_{a+k}: its lm_head over its final state at a+k-1
-        targets = batch.final_hidden[b_idx, target_pos - 1].to(head.dtype)
-    else:  # or the top-k teacher stored in the final state's place, at a+k-1
-        targets = TopKRows(batch.teacher_ids[b_idx, target_pos - 1], batch.teacher_probs[b_idx, target_pos - 1])
+    targets = slot_targets(batch, teacher, b_idx, target_pos, head.dtype)
     want_grad = torch.is_grad_enabled() and rows.requires_grad
     if want_grad:
         check_announced(loss_scale, "dflash_loss")
