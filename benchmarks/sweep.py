@@ -4,7 +4,8 @@ sweep` folder and EAGLE-3's static-tree run into benchmarks/results/sweep.json a
     python -m benchmarks.sweep RUN [--status STATUS_TSV] [--out sweep]
 
 RUN holds `sweep_<draft>/sweep.json` per draft (sweep_eagle3, sweep_dflash_b16, ...: `sf-eval sweep`
-over every built-in prompt, one sf-eval run a setting, the target decoding alone in the first) and
+over every built-in prompt, one sf-eval run a setting, the target decoding alone in the first; a
+folder without one is named in `unfinished` and left out) and
 `eval_eagle3_tree/eval.json` (the same EAGLE-3 draft decoding the full static tree 8,4,2,1,1,1,1).
 The rows are the sweeps' own, one per (draft, setting, prompt set). The summary gives:
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from benchmarks.common import print_table, write_result
@@ -40,13 +42,21 @@ def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def sweeps(run: Path) -> dict[str, dict]:
-    """{draft: its sweep.json} from RUN/sweep_<draft>/."""
-    found = {p.name.removeprefix("sweep_"): read_json(p / "sweep.json")
-             for p in sorted(run.glob("sweep_*")) if p.is_dir()}
+def sweeps(run: Path) -> tuple[dict[str, dict], list[str]]:
+    """({draft: its sweep.json} from RUN/sweep_<draft>/, the drafts whose sweep has no sweep.json yet:
+    failed or cut off, left out of the table and named, so that one draft's sweep never costs the
+    others' their table)."""
+    found, unfinished = {}, []
+    for folder in sorted(p for p in run.glob("sweep_*") if p.is_dir()):
+        draft = folder.name.removeprefix("sweep_")
+        if (folder / "sweep.json").is_file():
+            found[draft] = read_json(folder / "sweep.json")
+        else:
+            unfinished.append(draft)
+            print(f"{folder}: no sweep.json (failed or cut off): left out", file=sys.stderr)
     if not found:
-        raise SystemExit(f"{run}: no sweep_<draft>/ folder")
-    return found
+        raise SystemExit(f"{run}: no sweep_<draft>/sweep.json")
+    return found, unfinished
 
 
 def step_seconds(status: Path | None) -> dict[str, float]:
@@ -103,14 +113,14 @@ def main() -> None:
                         help="the plan's status.tsv: the sweep steps' whole seconds (default: none, the runs' own)")
     parser.add_argument("--out", default="sweep", help="result file name under benchmarks/results")
     args = parser.parse_args()
-    found = sweeps(args.run)
+    found, unfinished = sweeps(args.run)
     tree_report = args.run / "eval_eagle3_tree" / "eval.json"
     tree = read_json(tree_report) if tree_report.exists() else None
     rows = [{"draft": draft, **{k: v for k, v in r.items() if k != "accept_rate_by_position"},
              "accept_rate_by_position": r["accept_rate_by_position"]} for draft, s in found.items() for r in s["rows"]]
     print_table(rows, ["draft", "setting", "set", "verify_width", "accept_length", "draft_ms_per_round",
                        "target_ms_per_round", "tokens_per_s"])
-    result = summary(found, tree, step_seconds(args.status))
+    result = {**summary(found, tree, step_seconds(args.status)), "unfinished": unfinished}
     for draft, b in result["best"].items():
         print(f"{draft}: best {b['setting']}; SGLang {b['serve']['sglang']}; vLLM {b['serve']['vllm']}")
     print(json.dumps({k: v for k, v in result.items() if k != "best"}, indent=1))

@@ -331,8 +331,8 @@ plan_families() {
     [ -f "$part" ] || continue
     name=$(basename "$part" .tar.gz)
     if ! cmp -s "$EV/carry/$name.features.sha256" "$r/features.sha256"; then
-      echo "features differ from $name's: its drafts do not join this run's table; training ${FAMILIES_ANCHORS-dflash_b16} here too"
-      [ -n "$only" ] && only="$only ${FAMILIES_ANCHORS-dflash_b16}"
+      echo "features differ from $name's: its drafts do not join this run's table"
+      if [ -n "$only" ]; then echo "training ${FAMILIES_ANCHORS-dflash_b16} here too"; only="$only ${FAMILIES_ANCHORS-dflash_b16}"; fi
       continue
     fi
     mkdir -p "$RUN/$name"

@@ -117,7 +117,8 @@ def sweep_folder(run: Path, draft: str, rows: list[tuple], best: str) -> None:
 def test_the_sweep_table_compares_the_best_with_the_chain_and_the_static_tree_with_the_dynamic(tmp_path):
     """benchmarks.sweep: the best EAGLE-3 setting against the chain k=7 on every set (here it loses on
     code), the static tree beside the most accepting dynamic tree of N <= 64 (N=65 and chains left
-    out), and the sweep steps' seconds from the plan's status.tsv (a skipped step left out)."""
+    out), the sweep steps' seconds from the plan's status.tsv (a skipped step left out), and a sweep
+    cut off before its sweep.json named in `unfinished`, the others' table still written."""
     chain, tree8, tree65 = (dict(num_steps=7, topk=1, num_draft_tokens=8), dict(num_steps=5, topk=4, num_draft_tokens=8),
                             dict(num_steps=8, topk=8, num_draft_tokens=65))
     sweep_folder(tmp_path, "eagle3", [("S7_K1_N8", "chat", chain, 3.0, 500.0), ("S7_K1_N8", "code", chain, 3.5, 520.0),
@@ -130,6 +131,7 @@ def test_the_sweep_table_compares_the_best_with_the_chain_and_the_static_tree_wi
     tree.mkdir()
     (tree / "eval.json").write_text(json.dumps({"config": {"tree": [8, 4, 2, 1, 1, 1, 1]}, "sets": {
         s: {"trained": {"accept_length": a, "tokens_per_s": 400.0}} for s, a in (("chat", 3.1), ("code", 3.3))}}))
+    (tmp_path / "sweep_peagle_k7" / "k3").mkdir(parents=True)  # a sweep cut off before its sweep.json
     status = tmp_path / "status.tsv"
     status.write_text("sweep_eagle3\t0\t100\t400\t300\nsweep_dflash_b16\tskipped\t400\t-\t-\n")
     out = tmp_path / "sweep.json"
@@ -145,3 +147,4 @@ def test_the_sweep_table_compares_the_best_with_the_chain_and_the_static_tree_wi
         "chat": ("S5_K4_N8", 3.1), "code": ("S5_K4_N8", 3.3)}
     assert summary["wall_s"]["eagle3"] == {"settings": 3, "settings_runs_s": 30.0, "step_s": 300.0}
     assert summary["wall_s"]["dflash_b16"]["step_s"] is None
+    assert summary["unfinished"] == ["peagle_k7"] and "peagle_k7" not in summary["best"]

@@ -530,19 +530,45 @@ def test_a_recipes_eval_k_is_the_sweeps_to_vary_and_its_other_keys_still_apply(t
     """sf-eval sweep reads the recipe's eval section, as sf-eval run does: its k (a chain for sf-eval
     run) is a setting the sweep varies, left out rather than refused; the section's other keys apply,
     and one the sweep does not take is still one line."""
-    from specfoundry.common.cli import CommandError, resolve_config
-    from specfoundry.eval.sweep import SERVING_SETTINGS, SweepConfig
+    import yaml
+
+    from specfoundry.common.cli import CommandError, read_recipe, resolve_config
+    from specfoundry.eval.sweep import NOT_SWEPT, SweepConfig, recipe_refusal
 
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("target: smollm2\neval:\n  k: 7\n  max_new_tokens: 96\n")
+    recipe.write_text("target: smollm2\neval:\n  k: 7\n  max_new_tokens: 96\n  compare_untrained: true\n")
     options = {"draft": "D", "output": str(tmp_path / "o")}
-    cfg = resolve_config(SweepConfig, "eval", str(recipe), options, decided_here=SERVING_SETTINGS)
+    cfg = resolve_config(SweepConfig, "eval", str(recipe), options, decided_here=NOT_SWEPT)
     assert (cfg.max_new_tokens, cfg.target) == (96, "smollm2")
-    with pytest.raises(CommandError, match="unknown settings k"):  # what the sweep said before
+    with pytest.raises(CommandError, match="unknown settings compare_untrained, k"):  # what the sweep said before
         resolve_config(SweepConfig, "eval", str(recipe), options)
     recipe.write_text("target: smollm2\neval:\n  k: 7\n  temperature: 0.5\n")
     with pytest.raises(CommandError, match="unknown settings temperature"):
-        resolve_config(SweepConfig, "eval", str(recipe), options, decided_here=SERVING_SETTINGS)
+        resolve_config(SweepConfig, "eval", str(recipe), options, decided_here=NOT_SWEPT)
+    # every shipped recipe drives a sweep, but one spreading its target over several devices, refused by name
+    root = Path(__file__).resolve().parents[1] / "recipes"
+    for shipped in sorted(root.glob("*.yaml")):
+        if "eval" not in yaml.safe_load(shipped.read_text()):  # (accelerate's config beside them, no recipe)
+            continue
+        values = read_recipe(str(shipped), "eval")
+        why = recipe_refusal(values, str(shipped))
+        if values.get("tp", 1) != 1:
+            assert why is not None and f"eval: tp {values['tp']}: sf-eval sweep decodes on one device" in why
+        else:
+            assert why is None
+            resolve_config(SweepConfig, "eval", str(shipped), options, decided_here=NOT_SWEPT)
+
+
+def test_the_sweeps_flags_name_the_folder_an_engine_loads(gate_run):
+    """A sweep given an sf-train run folder (as scripts/measure_gpu.sh gives it) prints flags naming the
+    run's export/, the folder SGLang and vLLM load; a checkpoint, which no engine loads, a placeholder."""
+    from specfoundry.eval.sweep import served_folder
+
+    _, export = gate_run
+    run = export.parent
+    assert export.name == "export" and served_folder(locate_draft(run)) == str(export)
+    checkpoint = sorted((run / "checkpoints").glob("step-*"))[-1]
+    assert served_folder(locate_draft(checkpoint)) == f"EXPORT_OF_{checkpoint}"
 
 
 @pytest.mark.parametrize("family, fields, sglang, vllm", [

@@ -644,6 +644,22 @@ def test_a_damaged_checkpoint_on_resume_is_one_line(tmp_path, smol_features, dam
         run_train(cfg, silent=True)
 
 
+def test_a_resume_under_another_number_of_processes_is_one_line_naming_both(tmp_path, smol_features):
+    """Each rank's data position and RNG are its own: a checkpoint of 2 processes (here its second
+    rank's RNG file copied in) resumed by 1 is refused naming both counts, not called damaged."""
+    import shutil
+
+    cfg = small_cfg(smol_features, tmp_path / "run", max_steps=4, save_every=2, max_batch_tokens=160)
+    with pytest.MonkeyPatch.context() as mp:
+        stop_after_checkpoint(mp, 2)
+        with pytest.raises(KeyboardInterrupt):
+            run_train(cfg, silent=True)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-0000002"
+    shutil.copy(checkpoint / "random_states_0.pkl", checkpoint / "random_states_1.pkl")
+    with pytest.raises(ValueError, match=r"step-0000002 was saved by 2 processes and this launch has 1: resume with 2"):
+        run_train(cfg, silent=True)
+
+
 def test_a_resume_compares_only_the_option_groups_of_its_familys_chain(tmp_path):
     """Another family's options (their defaults may change between versions) are no part of a run:
     an EAGLE-3 run recorded with other DFlash2 options resumes, a DFlash2 run does not, naming the

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from specfoundry.common.cli import resolve_config, stage_command
+from specfoundry.common.cli import CommandError, read_recipe, resolve_config, stage_command
 from specfoundry.common.placement import PlacementError, launch_env
 from specfoundry.common.shards import OutputFolderError
 from specfoundry.common.target import TargetError
@@ -13,7 +13,7 @@ from specfoundry.conversations.records import ConversationFormatError
 from specfoundry.eval.evaluate import EvalConfig, run_eval
 from specfoundry.eval.prompts import EvalError
 from specfoundry.eval.report import format_table
-from specfoundry.eval.sweep import SERVING_SETTINGS, SweepConfig, format_sweep, run_sweep
+from specfoundry.eval.sweep import NOT_SWEPT, SweepConfig, format_sweep, recipe_refusal, run_sweep
 from specfoundry.families.folders import DraftLoadError
 from specfoundry.featureset.manifest import FeatureSetError
 
@@ -41,7 +41,10 @@ def sweep(recipe, silent, **options):
     others: k), the target loaded once and decoding alone once, and report acceptance and tokens/s
     per setting and prompt set, the best setting, and for EAGLE-3 the SGLang and vLLM flags that
     serve it (OUTPUT/sweep.json; each setting's run in OUTPUT/<setting>, which a rerun skips)."""
-    cfg = resolve_config(SweepConfig, "eval", recipe, options, decided_here=SERVING_SETTINGS)
+    why = recipe_refusal(read_recipe(recipe, "eval"), recipe)
+    if why:
+        raise CommandError(why)
+    cfg = resolve_config(SweepConfig, "eval", recipe, options, decided_here=NOT_SWEPT)
     summary = run_sweep(cfg, silent=silent)
     click.echo(format_sweep(summary))
     click.echo(f"wrote {cfg.output}/sweep.json, sweep.png")

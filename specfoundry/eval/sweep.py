@@ -36,6 +36,21 @@ SERVING_SETTINGS = ("k", "tree", "num_steps", "topk", "num_draft_tokens")
 """sf-eval run's settings that a sweep varies: a recipe's eval section may hold them (its k for sf-eval
 run), and the sweep leaves them out of its own settings."""
 
+NOT_SWEPT = (*SERVING_SETTINGS, "compare_untrained", "tp")
+"""sf-eval run's settings of a recipe's eval section that the sweep leaves out: the serving settings it
+varies, the untrained draft's comparison it never runs, and tp at 1 (above 1: recipe_refusal)."""
+
+
+def recipe_refusal(values: dict, where: str) -> str | None:
+    """Why the recipe's eval section (`values`, from the file `where`) cannot drive a sweep, or None:
+    a tp above 1, as the sweep decodes on one device. Any other setting of sf-eval run the sweep
+    lacks (sampling, modes, ...) is refused by resolve_config as an unknown key."""
+    tp = values.get("tp", 1)
+    if tp != 1:
+        return (f"{where}: eval: tp {tp}: sf-eval sweep decodes on one device (sf-eval run --tp spreads the target "
+                "over several); sweep with a recipe whose target fits one")
+    return None
+
 EAGLE3_DEFAULTS = ("3,1,4", "5,1,6", "7,1,8", "5,4,8", "6,8,32")
 """SGLang's chains of 3, 5 and 7 and its trees (5,4,8 its Llama default)."""
 
@@ -236,4 +251,4 @@ def format_sweep(summary: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["SERVING_SETTINGS", "SweepConfig", "format_sweep", "run_sweep"]
+__all__ = ["NOT_SWEPT", "SERVING_SETTINGS", "SweepConfig", "format_sweep", "recipe_refusal", "run_sweep"]

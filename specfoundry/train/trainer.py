@@ -402,6 +402,10 @@ class Trainer:
         newest = newest_complete_checkpoint(accel, self.out)
         if newest is None:
             return
+        saved = len(list(newest.glob("random_states_*.pkl")))  # one a rank (accelerate's save_state)
+        if saved and saved != accel.num_processes:  # each rank's data position and RNG are its own
+            raise ValueError(f"{newest} was saved by {saved} processes and this launch has {accel.num_processes}: "
+                             f"resume with {saved}, or train into a new folder")
         try:
             check_random_states(newest, accel.num_processes)
             accel.load_state(str(newest))
