@@ -11,9 +11,9 @@ Each setting's run writes OUTPUT/<setting>/ (eval.json, eval.txt) as `sf-eval ru
 rerun skips the settings already done; the first one decodes the target alone too (its tokens/s
 are every setting's yardstick). OUTPUT/sweep.json holds per setting and prompt set the acceptance
 length, acceptance by position, draft and target ms a round and tokens/s; each setting's run's wall
-seconds; the best setting per set and over all sets (the highest mean tokens/s); and the SGLang and vLLM flags that serve the best
-one (serving_flags). sf-eval decodes one sequence at a time: what a server under load gains from
-a setting is not what one sequence gains (docs/serving.md).
+seconds; the best setting per set and over all sets (the highest mean tokens/s); and the SGLang and
+vLLM flags that serve the best one (serving_flags). sf-eval decodes one sequence at a time: what a
+server under load gains from a setting is not what one sequence gains (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -32,13 +32,10 @@ from specfoundry.eval.evaluate import COMPILE_TARGET_HELP, PROMPTS_HELP, EvalCon
 from specfoundry.eval.prompts import BUILTIN_SETS, EvalError
 from specfoundry.families.folders import locate_draft
 
-SERVING_SETTINGS = ("k", "tree", "num_steps", "topk", "num_draft_tokens")
-"""sf-eval run's settings that a sweep varies: a recipe's eval section may hold them (its k for sf-eval
-run), and the sweep leaves them out of its own settings."""
-
-NOT_SWEPT = (*SERVING_SETTINGS, "compare_untrained", "tp")
+NOT_SWEPT = ("k", "tree", "num_steps", "topk", "num_draft_tokens", "compare_untrained", "tp")
 """sf-eval run's settings of a recipe's eval section that the sweep leaves out: the serving settings it
-varies, the untrained draft's comparison it never runs, and tp at 1 (above 1: recipe_refusal)."""
+varies (the section's k is sf-eval run's chain), the untrained draft's comparison it never runs, and
+tp at 1 (above 1: recipe_refusal)."""
 
 
 def recipe_refusal(values: dict, where: str) -> str | None:
@@ -251,4 +248,4 @@ def format_sweep(summary: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["NOT_SWEPT", "SERVING_SETTINGS", "SweepConfig", "format_sweep", "recipe_refusal", "run_sweep"]
+__all__ = ["NOT_SWEPT", "SweepConfig", "format_sweep", "recipe_refusal", "run_sweep"]

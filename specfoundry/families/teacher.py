@@ -74,13 +74,20 @@ def sparse_teacher_targets(ids: torch.Tensor, probs: torch.Tensor, draft_ids: to
     t2d_index[draft_ids] = torch.arange(len(draft_ids), device=device)
     ids = ids.long()
     column = t2d_index[ids]  # [N, k]: the draft column of each kept id, -1 outside the draft vocabulary
-    inside = column >= 0
-    p = torch.zeros(ids.shape[0], len(draft_ids), dtype=torch.float32, device=device)
-    p.scatter_add_(1, column.clamp(min=0), torch.where(inside, probs.float(), 0.0))  # [N, Vd]
-    if renormalise:
-        p = p / p.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)  # a row without mass stays 0
+    p = kept_distribution(column, probs, len(draft_ids), renormalise)  # [N, Vd]
     top = ids[:, 0]
     return p.to(out_dtype), t2d[top], t2d_index[top]
+
+
+def kept_distribution(columns: torch.Tensor, probs: torch.Tensor, width: int, renormalise: bool) -> torch.Tensor:
+    """p [N, width] fp32: the kept probabilities probs [N, k] at their columns [N, k] (a column below 0
+    drops its probability), zero elsewhere; with `renormalise` divided by their sum (a row without
+    mass stays 0)."""
+    p = torch.zeros(columns.shape[0], width, dtype=torch.float32, device=columns.device)
+    p.scatter_add_(1, columns.clamp(min=0), torch.where(columns >= 0, probs.float(), 0.0))
+    if renormalise:
+        p = p / p.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    return p
 
 
 def batch_teacher(batch, lm_head: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor, chunk: int | None = None,
@@ -119,8 +126,5 @@ class TopKRows:
         with `renormalise` divided by their sum (the dense teacher on the kept mass, equal to it where
         the k hold every token with mass), else as they are (the mass the k left out counted as the
         LK losses count mass outside a draft vocabulary). The teacher's token is ids[:, 0], its argmax."""
-        p = torch.zeros(len(self), vocab_size, dtype=torch.float32, device=self.ids.device)
-        p.scatter_(1, self.ids.long(), self.probs.float())
-        if renormalise:
-            p = p / p.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)  # a row without mass stays 0
-        return p, self.ids[:, 0].long()
+        ids = self.ids.long()
+        return kept_distribution(ids, self.probs, vocab_size, renormalise), ids[:, 0]
