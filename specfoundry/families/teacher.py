@@ -11,15 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-LOGIT_BUDGET = 1 << 26
-"""Logits one chunk of rows may hold over the full vocabulary: 64 Mi values, 256 MiB in fp32."""
+from specfoundry.featureset.teacher import logit_rows  # the capture's top K chunks by it too
 
-
-def logit_rows(vocab_size: int, most: int = 1024) -> int:
-    """Rows per chunk of full-vocabulary logits: `most`, fewer where the vocabulary is large, so a
-    chunk's [rows, V] fp32 logits stay within LOGIT_BUDGET (1024 rows up to V = 65,536; 441 for
-    Qwen3's 151,936, 256 for Gemma-3's 262,144)."""
-    return max(1, min(most, LOGIT_BUDGET // vocab_size))
+__all__ = ["TopKRows", "batch_teacher", "kept_distribution", "logit_rows", "sparse_teacher_targets", "teacher_targets"]
 
 
 @torch.no_grad()

@@ -19,6 +19,14 @@ import torch
 LOGIT_BUDGET = 1 << 26
 """Logits one chunk of rows may hold over the full vocabulary: 64 Mi values, 256 MiB in fp32."""
 
+
+def logit_rows(vocab_size: int, most: int = 1024) -> int:
+    """Rows per chunk of full-vocabulary logits: `most`, fewer where the vocabulary is large, so a
+    chunk's [rows, V] fp32 logits stay within LOGIT_BUDGET (1024 rows up to V = 65,536; 441 for
+    Qwen3's 151,936, 256 for Gemma-3's 262,144). The capture's top K and training's teachers and
+    losses (families/teacher.py) chunk by it."""
+    return max(1, min(most, LOGIT_BUDGET // vocab_size))
+
 MAX_K = 1024
 
 
@@ -39,8 +47,7 @@ def topk_teacher(final: torch.Tensor, lm_head: torch.Tensor, k: int) -> tuple[to
     """final [N, H] (the final normed states), lm_head [V, H] -> (ids int32 [N, K], probs float16 [N, K]),
     most probable first, on final's device; in chunks of rows whose [rows, V] fp32 logits stay
     within LOGIT_BUDGET."""
-    n, v = final.shape[0], lm_head.shape[0]
-    rows = max(1, min(1024, LOGIT_BUDGET // v))
+    n, rows = final.shape[0], logit_rows(lm_head.shape[0])
     head = lm_head.to(final.device, final.dtype)
     ids = torch.empty(n, k, dtype=torch.int32, device=final.device)
     probs = torch.empty(n, k, dtype=torch.float16, device=final.device)
