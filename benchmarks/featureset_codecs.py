@@ -85,13 +85,18 @@ def size_on_disk(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
+def relative_row_error(rows: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
+    """|back - rows| / |rows| per row (the last dimension's L2 norms), a zero row's error against 1e-30."""
+    return (back - rows).norm(dim=-1) / rows.norm(dim=-1).clamp(min=1e-30)
+
+
 def row_errors(x: torch.Tensor, decoded: torch.Tensor, layers: int) -> dict:
     """float8's error over rows of x [N, L*H] (float32) against their decoded values."""
     rows, back = x.unflatten(-1, (layers, -1)), decoded.unflatten(-1, (layers, -1))  # [N, L, H]
     absmax = rows.abs().amax(-1)  # [N, L]
     scale = absmax / fp8.E4M3_MAX
     err = (back - rows).abs()
-    rel = err.norm(dim=-1) / rows.norm(dim=-1).clamp(min=1e-30)  # [N, L]
+    rel = relative_row_error(rows, back)  # [N, L]
     normal = rows.abs() >= 2**-6 * scale.unsqueeze(-1)  # e4m3 normals: the rest are subnormal or zero
     massive = absmax > 100 * absmax.median(dim=0).values  # rows far above their layer's typical absmax
     bound = fp8.RELATIVE_ERROR * rows.abs() + fp8.SUBNORMAL_ERROR * scale.unsqueeze(-1)
@@ -114,7 +119,7 @@ def packed_row_errors(x: torch.Tensor, decoded: torch.Tensor, layers: int, fmt: 
     rows, back = x.unflatten(-1, (layers, -1)), decoded.unflatten(-1, (layers, -1))  # [N, L, H]
     h = rows.shape[-1]
     err = (back - rows).abs()
-    rel = err.norm(dim=-1) / rows.norm(dim=-1).clamp(min=1e-30)  # [N, L]
+    rel = relative_row_error(rows, back)  # [N, L]
     block = rows.abs().unflatten(-1, (h // blockfp.BLOCK, blockfp.BLOCK)).amax(-1)
     scale = rows.abs().amax(-1, keepdim=True) / (fmt.largest * fp8.E4M3_MAX)
     d, g = fmt.largest_gap, fmt.largest
@@ -156,11 +161,10 @@ def lowrank_errors(x: torch.Tensor, layers: int) -> dict:
             fit, held = rows[:n, layer].double(), rows[n:, layer].double()  # [n, H], [N - n, H]
             basis = torch.linalg.svd(fit, full_matrices=False).Vh[:r].T  # [H, r]
             back = held @ basis @ basis.T
-            rel.append((back - held).norm(dim=-1) / held.norm(dim=-1).clamp(min=1e-30))
+            rel.append(relative_row_error(held, back))
         rel = torch.cat(rel)
         out[f"like_{name}"] = {"rank": r, "bytes_per_value": per_value, "rows": rel.numel(),
-                                         "row_rel_l2_median": rel.median().item(),
-                                         "row_rel_l2_p99": rel.quantile(0.99).item()}
+                               "row_rel_l2_median": rel.median().item(), "row_rel_l2_p99": rel.quantile(0.99).item()}
     return out
 
 
