@@ -183,6 +183,12 @@ weights() {  # the SmolLM2 weights: here already, or joined by a later command t
   echo "no SmolLM2 weights ($EV/weights.ok) after 600 s"; return 1
 }
 
+# carried_regen DIR SYNTH: $EV/carry/regen<SYNTH>.tar.gz, a finished regen of SYNTH conversations from an
+# earlier machine, unpacked as DIR/regen where there is one and DIR has none yet (not under DRY)
+carried_regen() {
+  if ! dry && [ -f "$EV/carry/regen$2.tar.gz" ] && [ ! -e "$1/regen" ]; then tar xzf "$EV/carry/regen$2.tar.gz" -C "$1"; fi
+}
+
 # features DIR FAMILIES [sf-capture options]: SYNTH synthesised conversations (12,800) regenerated into
 # DIR/regen (or unpacked from $EV/carry/regen<SYNTH>.tar.gz), captured into DIR/features with the
 # layers of FAMILIES, and verified
@@ -191,9 +197,7 @@ features() {
   name=$(basename "$dir")
   synth=${SYNTH:-$(dry && echo 6 || echo 12800)}
   mkdir -p "$dir"
-  if ! dry && [ -f "$EV/carry/regen$synth.tar.gz" ] && [ ! -e "$dir/regen" ]; then
-    tar xzf "$EV/carry/regen$synth.tar.gz" -C "$dir"
-  fi
+  carried_regen "$dir" "$synth"
   step "${name}_regen" 120 sf-regen run -o "$dir/regen" --recipe "$EAGLE3" --device "$DEV" \
     --synthesize "$synth" $REGEN_OPTS || return 1
   step "${name}_capture" 150 sf-capture run "$dir/regen" -o "$dir/features" --recipe "$EAGLE3" \
@@ -464,7 +468,7 @@ plan_codecs() {
     train_opts="--epochs ${EPOCHS:-2} --warmup-steps 30 --num-workers 2" eval_opts="--device cuda"
   fi
   mkdir -p "$r"
-  if ! dry && [ -f "$EV/carry/regen$synth.tar.gz" ] && [ ! -e "$r/regen" ]; then tar xzf "$EV/carry/regen$synth.tar.gz" -C "$r"; fi
+  carried_regen "$r" "$synth"
   step codecs_regen 240 sf-regen run -o "$r/regen" --recipe "$EAGLE3" --device "$DEV" --synthesize "$synth" \
     $(dry && echo "--batch-size 4 --max-new-tokens 16") || return 1
   for c in $codecs; do
@@ -497,17 +501,18 @@ SWEEP_EAGLE3_DEFAULT="3,1,4 5,1,6 7,1,8 3,4,8 5,4,8 7,4,8 5,4,16 7,4,16 5,8,32 7
 plan_sweep() {
   weights || return 1
   local r=$RUN/sweep epochs=${EPOCHS:-$(dry && echo 1 || echo 2)} settings=${SWEEP_EAGLE3:-$SWEEP_EAGLE3_DEFAULT}
+  local eval_opts="$FAMILIES_EVAL_OPTS $TIMING_OPTS ${FAMILIES_LIMIT:+--limit $FAMILIES_LIMIT}"
   dry && settings=${SWEEP_EAGLE3:-"3,1,4 7,1,8 3,2,6"}
   features "$r" eagle3,dflash || return 1
   together sweep_train "${SWEEP_TRAIN_EST:-420}" 2 \
     "sf-train run $r/features -o $r/eagle3 --recipe $EAGLE3 --epochs $epochs $TRAIN_OPTS" \
     "sf-train run $r/features -o $r/dflash_b16 --recipe $DFLASH --block-size 16 --epochs $epochs $TRAIN_OPTS" || return 1
   step sweep_eagle3 "$(dry && echo 300 || echo 600)" sf-eval sweep "$r/eagle3" -o "$r/sweep_eagle3" --recipe "$EAGLE3" \
-    --settings "$settings" $FAMILIES_EVAL_OPTS $TIMING_OPTS ${FAMILIES_LIMIT:+--limit $FAMILIES_LIMIT}
+    --settings "$settings" $eval_opts
   step sweep_dflash_b16 "$(dry && echo 120 || echo 240)" sf-eval sweep "$r/dflash_b16" -o "$r/sweep_dflash_b16" \
-    --recipe "$DFLASH" $FAMILIES_EVAL_OPTS $TIMING_OPTS ${FAMILIES_LIMIT:+--limit $FAMILIES_LIMIT}
+    --recipe "$DFLASH" $eval_opts
   step sweep_tree "$(dry && echo 120 || echo 90)" sf-eval run "$r/eagle3" -o "$r/eval_eagle3_tree" --recipe "$EAGLE3" \
-    --tree 8,4,2,1,1,1,1 --no-baseline $FAMILIES_EVAL_OPTS $TIMING_OPTS ${FAMILIES_LIMIT:+--limit $FAMILIES_LIMIT}
+    --tree 8,4,2,1,1,1,1 --no-baseline $eval_opts
   step sweep_result 30 python -m benchmarks.sweep "$r" --status "$EV/status.tsv" --out sweep
 }
 
