@@ -42,11 +42,15 @@ def two_runs_of_one_capture(tmp_path) -> tuple[Path, Path]:
     return first, second
 
 
+def benchmark(module: str, *args) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS...` from the repository's root, as scripts/measure_gpu.sh runs it."""
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+
+
 def table(tmp_path, *runs: Path) -> tuple[subprocess.CompletedProcess, dict | None]:
     """The command over `runs` (--each-alone), and the result it wrote (None where it wrote none)."""
     out = tmp_path / "families.json"
-    done = subprocess.run([sys.executable, "-m", "benchmarks.families", *map(str, runs), "--each-alone",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
+    done = benchmark("benchmarks.families", *runs, "--each-alone", "--out", out)
     return done, json.loads(out.read_text()) if out.is_file() else None
 
 
@@ -135,8 +139,7 @@ def test_the_sweep_table_compares_the_best_with_the_chain_and_the_static_tree_wi
     status = tmp_path / "status.tsv"
     status.write_text("sweep_eagle3\t0\t100\t400\t300\nsweep_dflash_b16\tskipped\t400\t-\t-\n")
     out = tmp_path / "sweep.json"
-    done = subprocess.run([sys.executable, "-m", "benchmarks.sweep", str(tmp_path), "--status", str(status),
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
+    done = benchmark("benchmarks.sweep", tmp_path, "--status", status, "--out", out)
     assert done.returncode == 0, done.stderr
     summary = json.loads(out.read_text())["summary"]
     assert summary["best"]["eagle3"]["tokens_per_s"] == {"chat": 560.0, "code": 510.0}
