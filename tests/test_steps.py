@@ -94,6 +94,45 @@ def test_a_captured_body_may_not_read_a_device_value_on_the_host():
     assert eager(1, n=3) == 4  # eagerly it is ordinary code
 
 
+def host_data_steps(write):
+    """Steps whose body writes into a [4, 4] bool mask by `write(mask, x.index)`, then returns it."""
+    mask = torch.zeros(4, 4, dtype=torch.bool)
+
+    def body(x):
+        write(mask, x.index)
+        return mask * 1
+
+    return CapturedSteps(torch.device("cpu"), lambda key: Step(body, dict(index=torch.zeros(2, dtype=torch.long))),
+                         graphs=True)
+
+
+@pytest.mark.parametrize("write", [
+    lambda mask, i: mask.__setitem__((i, i), True),  # index_put_ of a host 0-d tensor (a GPU's capture fails)
+    lambda mask, i: mask.index_put_((i, i), torch.tensor(True)),
+    lambda mask, i: mask[0].copy_(torch.tensor([True, False, True, False])),
+    lambda mask, i: mask.logical_or_(torch.tensor([True, False, True, False])),  # a host operand with a dimension
+], ids=["setitem-advanced", "index_put_", "copy_", "operand"])
+def test_a_captured_body_may_not_copy_host_data_it_made_to_the_device(write):
+    """The CPU stand-in refuses what a capture on a GPU refuses: a tensor the body made from Python values
+    copied to the device (`sees[slots, own] = True` in a captured body failed 7 GPU tests once, and
+    passed every CPU test)."""
+    with pytest.raises(HostReadError, match="made from Python values"):
+        host_data_steps(write)(1, index=[0, 2])
+    eager = CapturedSteps(torch.device("cpu"), host_data_steps(write).make, graphs=False)
+    eager(1, index=[0, 2])  # eagerly it is ordinary code
+
+
+@pytest.mark.parametrize("write", [
+    lambda mask, i: mask.__setitem__(0, True),  # select + fill_ with a host 0-d value: a scalar to the kernel
+    lambda mask, i: mask.logical_or_(torch.tensor(True)),  # a host 0-d operand of a pointwise op
+    lambda mask, i: mask.index_put_((i, i), torch.ones((), dtype=torch.bool)),  # made on the device: no copy
+], ids=["setitem-basic", "scalar-operand", "device-value"])
+def test_host_scalars_that_a_capture_holds_are_allowed(write):
+    """A host 0-d tensor as a scalar operand is read once, at capture, on a GPU too: not refused."""
+    out = host_data_steps(write)(1, index=[0, 2])
+    assert bool(out.any())
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_body_that_is_not_idempotent_runs_once_a_call(device):
     """The slot engine's step advances its own state: the kit never repeats it (no warm-up runs), its
