@@ -578,6 +578,34 @@ def test_a_compiled_runner_takes_more_step_shapes_than_dynamos_default():
     assert len(runner.steps) == 10
 
 
+def test_a_dynamic_compiled_runner_compiles_twice_for_every_width_with_the_eager_logits():
+    """sf-eval sweep's target (TargetRunner dynamic=True): one compile for a single token and one for
+    every wider step, however many widths its settings verify at (a compile per width took 2 to 4
+    minutes a setting on an H100 host), each giving the eager runner's logits."""
+    from torch._dynamo.utils import counters
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                         attn_implementation="sdpa")).eval()
+    torch._dynamo.reset()  # (the count below is of this runner's compiles alone)
+    before = counters["stats"]["unique_graphs"]
+    runner = TargetRunner(Target.wrap(model), [0], graphs=True, compiled=True, dynamic=True)
+    eager = TargetRunner(Target.wrap(model), [0], graphs=False)
+    logits = {runner: [], eager: []}
+    for r in (runner, eager):
+        r.reset(128)
+        r.forward(list(range(3, 20)))
+        for width in (1, 2, 5, 9, 3, 16):  # each after the same 17 committed tokens
+            logits[r].append(r.forward(list(range(5, 5 + width)))[0].clone())
+            r.crop(17)
+    assert len(runner.steps) == 6 and counters["stats"]["unique_graphs"] - before == 2
+    for got, want in zip(logits[runner], logits[eager], strict=True):
+        # float32 both ways; inductor reorders sums of at most 32 terms: a few ulps of the largest logit
+        assert_close_scaled(got, want, 1e-5, rows=True)
+
+
 @pytest.mark.parametrize("branching", [(1,), (4, 2, 2, 1), (8, 4, 2, 1, 1, 1, 1), (3, 1, 5)])
 def test_tree_nodes_counts_the_trees_the_decoder_builds(branching):
     """sf-eval reserves a tree verify's width from tree_nodes: it must count the nodes the EAGLE-3

@@ -19,7 +19,8 @@ refills them at every call:
 Every call gives every input. On a GPU (graphs=True) the first call of a key warms the body on a
 side stream and captures it as a CUDA graph, and every call replays it (decoding/graphs.py
 CapturedCall); its outputs are the graph's buffers, valid until the key's next call. `compiled`
-runs the body through torch.compile (decoding/graphs.py compiled_step) inside the capture.
+runs the body through torch.compile (decoding/graphs.py compiled_step) inside the capture, with
+symbolic shapes where `dynamic` (one compile for many keys of one body).
 
 What the kit guarantees the decoders:
     - `drop()` forgets every key (buffers and graphs): the caller says so when state the bodies
@@ -214,12 +215,13 @@ class CapturedSteps:
     values and runs the key's body, captured where `graphs`; `compiled`: through torch.compile."""
 
     def __init__(self, device: torch.device, make: Callable[[Hashable], Step], *, graphs: bool,
-                 compiled: bool = False, idempotent: bool = True):
+                 compiled: bool = False, dynamic: bool = False, idempotent: bool = True):
         assert idempotent or not compiled, "a compiled body is warmed up, so it must be idempotent"
         self.device = torch.device(device)
         self.make = make
         self.graphs = graphs
         self.compiled = compiled
+        self.dynamic = dynamic  # compiled with symbolic shapes (graphs.compiled_step)
         self.idempotent = idempotent
         self.keys: dict[Hashable, tuple[Staged, Callable[[], object], CapturedCall | None]] = {}
         self.eager_once: set[Hashable] = set()  # keys of a non-idempotent body that ran eagerly once
@@ -238,7 +240,7 @@ class CapturedSteps:
         if key not in self.keys:
             step = self.make(key)
             staged = Staged(step.inputs, self.device)
-            body = compiled_step(step.body) if self.compiled else step.body
+            body = compiled_step(step.body, self.dynamic) if self.compiled else step.body
 
             def run(body=body, x=staged.x):
                 return body(x)

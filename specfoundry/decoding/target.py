@@ -72,10 +72,11 @@ class TargetRunner:
     """The target (common/target.Target) with a static KV cache for one sequence; its tap gives the
     aux layers' outputs of each step. `graphs`: capture decode steps as CUDA graphs (default: where
     graphs_possible). `fold_queries`: the most queries a row attended with the fold (FOLD_QUERIES).
-    `compiled`: the captured steps after the prompt run the body through torch.compile."""
+    `compiled`: the captured steps after the prompt run the body through torch.compile; `dynamic`:
+    compiled once for one token and once for every wider step, not once per width (compiled_step)."""
 
     def __init__(self, target: Target, aux_layers: list[int], *, graphs: bool | None = None,
-                 fold_queries: int | None = FOLD_QUERIES, compiled: bool = False):
+                 fold_queries: int | None = FOLD_QUERIES, compiled: bool = False, dynamic: bool = False):
         self.target = target
         self.model = target.model
         self.tap = target.tap(aux_layers)
@@ -93,7 +94,7 @@ class TargetRunner:
             raise_config(config, ("recompile_limit", "cache_size_limit"), COMPILED_SHAPES)
             raise_config(config, ("accumulated_recompile_limit", "accumulated_cache_size_limit"), 4 * COMPILED_SHAPES)
         # steps after the prompt, by token count; prompt reads by bucket (prompt_bucket), never compiled
-        self.steps = CapturedSteps(self.device, self.step, graphs=self.graphs, compiled=compiled)
+        self.steps = CapturedSteps(self.device, self.step, graphs=self.graphs, compiled=compiled, dynamic=dynamic)
         self.prefills = CapturedSteps(self.device, self.step, graphs=self.graphs)
 
     def remove_hooks(self) -> None:

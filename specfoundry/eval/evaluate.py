@@ -87,8 +87,9 @@ def parse_tree(spec) -> tuple[int, ...] | None:
 
 PROMPTS_HELP = (f"Comma-separated prompt sets: built-in held-out sets ({', '.join(BUILTIN_SETS)}) or dataset files "
                 "(jsonl/json/parquet; a trailing assistant turn is dropped).")
-COMPILE_TARGET_HELP = ("Run the target's captured decode steps through torch.compile, one compile per shape in the "
-                       "untimed warm-up (one CUDA device; docs/stages.md, \"sf-eval run\").")
+COMPILE_TARGET_HELP = ("Run the target's captured decode steps through torch.compile, compiled in the untimed "
+                       "warm-up: sf-eval run once per step width, sf-eval sweep once for one token and once for "
+                       "every wider step (one CUDA device; docs/stages.md, \"sf-eval run\").")
 """sf-eval run's and sf-eval sweep's help of the options they share (one concept, one help)."""
 
 
@@ -395,10 +396,11 @@ def other_template(ref, tokenizer) -> str | None:
             f"another ({chat_template_source(tokenizer)}): pass the same --chat-template to measure it as trained")
 
 
-def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None) -> dict:
+def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None, dynamic: bool = False) -> dict:
     """Decode every prompt set with the draft (and the target alone); the report, also written
     to cfg.output (by the writing rank) when given. Everything is loaded and checked before the
-    first decode. `target`: the target already loaded (the gate), else cfg's is loaded."""
+    first decode. `target`: the target already loaded (the gate), else cfg's is loaded. `dynamic`:
+    --compile-target compiles with symbolic widths (TargetRunner), for a caller meeting many."""
     started = time.perf_counter()
     cfg, ref = check_config(cfg)
     if target is None:
@@ -426,7 +428,7 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
     if cfg.compile_target and not graphs_possible(target):
         raise EvalError("--compile-target needs the target's decode steps captured: one CUDA device, without "
                         "--tp / --ep or a device map; leave it off for this placement")
-    runner_target = TargetRunner(target, aux, compiled=cfg.compile_target)
+    runner_target = TargetRunner(target, aux, compiled=cfg.compile_target, dynamic=dynamic)
     drafts = {"trained": family.decoder(draft, target, k=cfg.k, tree=cfg.drafted_tree, compiled=cfg.compile_draft)}
     if cfg.compare_untrained:
         drafts["untrained"] = family.decoder(untrained_like(draft, cfg.seed), target, k=cfg.k, tree=cfg.drafted_tree,
