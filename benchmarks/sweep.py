@@ -14,9 +14,10 @@ The rows are the sweeps' own, one per (draft, setting, prompt set). The summary 
   and the SGLang and vLLM flags that serve it;
 - `best_vs_chain_k7`: EAGLE-3's best setting's tokens/s against the chain k=7's (S7_K1_N8) per set,
   and whether the best is at least the chain on every set;
-- `static_tree_vs_dynamic`: per set the static tree's acceptance length and tokens/s beside the
-  dynamic tree (an EAGLE-3 setting with K > 1 and N at most DYNAMIC_MOST) whose acceptance is
-  highest there;
+- `static_tree_vs_dynamic`: per set the static tree's acceptance length beside the dynamic tree's
+  (an EAGLE-3 setting with K > 1 and N at most DYNAMIC_MOST) whose acceptance is highest there:
+  acceptance only, as the plan decodes the static tree with its target uncompiled (its verify
+  widths, one per accepted depth, would each compile for minutes);
 - `wall_s`: per draft the settings swept and the seconds of their sf-eval runs (the runs' own
   `wall_s`, warm-up and every set), and, with --status (the plan's status.tsv), the whole `sf-eval
   sweep` step's seconds (the target's load and compile included).
@@ -98,10 +99,8 @@ def summary(found: dict[str, dict], tree: dict | None, steps: dict[str, float]) 
             top = max(candidates, key=lambda r: r["accept_length"]) if candidates else None
             compare[set_name] = {"static_tree": tree["config"]["tree"],
                                  "static_accept_length": entry["trained"]["accept_length"],
-                                 "static_tokens_per_s": entry["trained"]["tokens_per_s"],
                                  "dynamic_setting": top and top["setting"],
-                                 "dynamic_accept_length": top and top["accept_length"],
-                                 "dynamic_tokens_per_s": top and top["tokens_per_s"]}
+                                 "dynamic_accept_length": top and top["accept_length"]}
         out["static_tree_vs_dynamic"] = compare
     return out
 

@@ -511,8 +511,10 @@ plan_sweep() {
     --settings "$settings" $eval_opts
   step sweep_dflash_b16 "$(dry && echo 120 || echo 240)" sf-eval sweep "$r/dflash_b16" -o "$r/sweep_dflash_b16" \
     --recipe "$DFLASH" $eval_opts
+  # the static tree's acceptance only (benchmarks/sweep.py): its target uncompiled, as a compile per
+  # verify width (one per accepted depth) would cost minutes a width
   step sweep_tree "$(dry && echo 120 || echo 90)" sf-eval run "$r/eagle3" -o "$r/eval_eagle3_tree" --recipe "$EAGLE3" \
-    --tree 8,4,2,1,1,1,1 --no-baseline $eval_opts
+    --tree 8,4,2,1,1,1,1 --no-baseline ${eval_opts//--compile-target/}
   step sweep_result 30 python -m benchmarks.sweep "$r" --status "$EV/status.tsv" --out sweep
 }
 
