@@ -496,7 +496,7 @@ plan_codecs() {
 # built-in prompt (FAMILIES_LIMIT where set), bf16 with the target compiled (TIMING_OPTS), each sweep
 # alone on the GPU: EAGLE-3 at SWEEP_EAGLE3 (SGLang's S,K,N: 12 settings, chains and trees up to 64
 # draft tokens), DFlash at its defaults (k 3, 7, 15: blocks of 4, 8 and 16); then EAGLE-3's full static
-# tree 8,4,2,1,1,1,1 over the same prompts (sweep)
+# tree 8,4,2,1,1,1,1 over the same prompts, its target uncompiled, for its acceptance (sweep)
 SWEEP_EAGLE3_DEFAULT="3,1,4 5,1,6 7,1,8 3,4,8 5,4,8 7,4,8 5,4,16 7,4,16 5,8,32 7,8,32 7,8,64 8,8,64"
 plan_sweep() {
   weights || return 1
