@@ -17,7 +17,8 @@ The rows are the sweeps' own, one per (draft, setting, prompt set). The summary 
 - `static_tree_vs_dynamic`: per set the static tree's acceptance length beside the dynamic tree's
   (an EAGLE-3 setting with K > 1 and N at most DYNAMIC_MOST) whose acceptance is highest there:
   acceptance only, as the plan decodes the static tree with its target uncompiled (its verify
-  widths, one per accepted depth, would each compile for minutes);
+  widths, one per accepted depth, would each compile for minutes; the compiled and uncompiled
+  steps round differently, which moves a bf16 acceptance a little where near-ties fall);
 - `wall_s`: per draft the settings swept and the seconds of their sf-eval runs (the runs' own
   `wall_s`, warm-up and every set), and, with --status (the plan's status.tsv), the whole `sf-eval
   sweep` step's seconds (the target's load and compile included).

@@ -580,7 +580,7 @@ def test_a_compiled_runner_takes_more_step_shapes_than_dynamos_default():
 
 def test_a_dynamic_compiled_runner_compiles_twice_for_every_width_with_the_eager_logits():
     """sf-eval sweep's target (TargetRunner dynamic=True): one compile for a single token and one for
-    every wider step, however many widths its settings verify at (a compile per width took 2 to 4
+    all wider steps together, however many widths its settings verify at (a compile per width took 2 to 4
     minutes a setting on an H100 host), each giving the eager runner's logits."""
     from torch._dynamo.utils import counters
     from transformers import LlamaConfig, LlamaForCausalLM

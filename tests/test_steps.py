@@ -109,14 +109,18 @@ def host_data_steps(write):
 @pytest.mark.parametrize("write", [
     lambda mask, i: mask.__setitem__((i, i), True),  # index_put_ of a host 0-d tensor (a GPU's capture fails)
     lambda mask, i: mask.index_put_((i, i), torch.tensor(True)),
+    lambda mask, i: mask.index_put_((i, i), torch.tensor(True).expand(2)),  # derived from one: host data too
     lambda mask, i: mask[0].copy_(torch.tensor([True, False, True, False])),
     lambda mask, i: mask.logical_or_(torch.tensor([True, False, True, False])),  # a host operand with a dimension
-], ids=["setitem-advanced", "index_put_", "copy_", "operand"])
+    lambda mask, i: mask.copy_(torch.where(mask, mask, torch.tensor(True))),  # where copies a host 0-d operand
+    lambda mask, i: mask.logical_or_(torch.tensor(True, device=mask.device)),  # copied inside torch.tensor
+    lambda mask, i: mask.logical_or_(mask.new_tensor(True)),  # new_tensor makes it on mask's device
+], ids=["setitem-advanced", "index_put_", "derived", "copy_", "operand", "where", "tensor-on-device", "new_tensor"])
 def test_a_captured_body_may_not_copy_host_data_it_made_to_the_device(write):
     """The CPU stand-in refuses what a capture on a GPU refuses: a tensor the body made from Python values
     copied to the device (`sees[slots, own] = True` in a captured body failed 7 GPU tests once, and
     passed every CPU test)."""
-    with pytest.raises(HostReadError, match="made from Python values"):
+    with pytest.raises(HostReadError, match="Python values"):
         host_data_steps(write)(1, index=[0, 2])
     eager = CapturedSteps(torch.device("cpu"), host_data_steps(write).make, graphs=False)
     eager(1, index=[0, 2])  # eagerly it is ordinary code
@@ -124,9 +128,11 @@ def test_a_captured_body_may_not_copy_host_data_it_made_to_the_device(write):
 
 @pytest.mark.parametrize("write", [
     lambda mask, i: mask.__setitem__(0, True),  # select + fill_ with a host 0-d value: a scalar to the kernel
+    lambda mask, i: mask.__setitem__(mask.logical_not(), True),  # one boolean index: masked_fill_ of a number
     lambda mask, i: mask.logical_or_(torch.tensor(True)),  # a host 0-d operand of a pointwise op
-    lambda mask, i: mask.index_put_((i, i), torch.ones((), dtype=torch.bool)),  # made on the device: no copy
-], ids=["setitem-basic", "scalar-operand", "device-value"])
+    lambda mask, i: mask.logical_or_(torch.tensor(1).to(torch.bool)),  # cast on the host, then an operand
+    lambda mask, i: mask.index_put_((i, i), torch.ones((), dtype=torch.bool, device=mask.device)),  # no copy
+], ids=["setitem-basic", "setitem-boolean", "scalar-operand", "cast-operand", "device-value"])
 def test_host_scalars_that_a_capture_holds_are_allowed(write):
     """A host 0-d tensor as a scalar operand is read once, at capture, on a GPU too: not refused."""
     out = host_data_steps(write)(1, index=[0, 2])

@@ -31,9 +31,10 @@ uncompiled is what checks the host reads (TargetRunner's eager-body tests).
 from __future__ import annotations
 
 import weakref
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -48,63 +49,116 @@ HOST_READS = {
 
 
 HOST_DATA_COPIES = {
-    "index_put_", "index_put", "_index_put_impl_", "copy_", "_to_copy", "_copy_from",
+    "index_put_", "index_put", "_index_put_impl_", "copy_", "_copy_from", "where",
     "index_copy_", "index_copy", "scatter_", "scatter", "scatter_add_", "scatter_add", "index_add_", "index_add",
     "masked_scatter_", "masked_scatter", "put_", "put", "cat", "stack",
 }
-"""aten ops that copy a host tensor given to them onto the device (a CUDA-graph capture refuses the
-copy: `t[index] = True` is index_put_ of a host 0-d tensor). A host 0-d tensor given to any other op
-is a scalar operand, read once when the graph is captured (the kernels of pointwise ops and fill_
-take a CPU 0-d tensor as a number): allowed, as it is on a GPU."""
+"""aten ops that copy a host tensor given to them onto the device, which a CUDA-graph capture refuses
+(`t[index] = True` is index_put_ of a host 0-d tensor; where copies a host 0-d operand): with a
+host tensor among device ones, these fail, and so does any op given a host tensor of a dimension or
+more, and `_to_copy` to a device. Allowed, as a GPU's capture allows them: a host 0-d tensor as the
+operand of a pointwise op or fill_ (its kernel takes it as a number, read once at capture), and
+`t[bool mask] = value` (index_put_ of one boolean index, which runs as masked_fill_ of the number)."""
 
 
 class HostReadError(RuntimeError):
     pass
 
 
+def _masked_fill(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether index_put_(self, indices, values, accumulate) runs as masked_fill_ of a number: one
+    boolean index, values 0-d, no accumulation (ATen's canDispatchToMaskedFill)."""
+    if name not in ("index_put_", "index_put", "_index_put_impl_"):
+        return False
+    indices = [i for i in args[1] if i is not None]
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    return (len(indices) == 1 and indices[0].dtype in (torch.bool, torch.uint8) and args[2].dim() == 0
+            and not accumulate)
+
+
 class _ForbidHostReads(TorchDispatchMode):
-    """HOST_READS fail; so does host data reaching the device: the outputs of lift_fresh (a tensor made
-    from Python values: `torch.tensor(...)`, the value of `t[index] = value`) are the body's host
-    tensors, and one given to an op of HOST_DATA_COPIES, or given with a dimension, fails (on a CPU
-    every tensor is a host tensor, so only the ones the body made from Python values can be told)."""
+    """HOST_READS fail; so does host data reaching the device. The body's host tensors are the outputs
+    of lift_fresh (a tensor made from Python values: `torch.tensor(...)`, the value of `t[index] =
+    value`) and of any op whose tensor inputs are all host tensors (`torch.tensor(2.0) * 3`, a view, a
+    cast); one given beside device tensors fails as HOST_DATA_COPIES says (on a CPU every tensor is a
+    host tensor, so only the ones the body made from Python values can be told)."""
 
     def __init__(self):
         super().__init__()
         self.made_on_host: dict[int, weakref.ref] = {}  # id -> the tensor (a WeakSet compares tensors with ==)
 
+    def on_host(self, value) -> bool:
+        return isinstance(value, torch.Tensor) and self.made_on_host.get(id(value), lambda: None)() is value
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name.split("::")[-1]
-        if name in HOST_READS and not (name == "repeat_interleave" and "output_size" in (kwargs or {})):
+        name, kwargs = func._schema.name.split("::")[-1], kwargs or {}
+        if name in HOST_READS and not (name == "repeat_interleave" and "output_size" in kwargs):
             raise HostReadError(f"{name}: a read of a device value by the host, which a CUDA-graph capture cannot "
                                 f"hold (this code runs captured on a GPU)")
-        if self.made_on_host:
-            for value in tree_flatten((args, kwargs))[0]:
-                made = isinstance(value, torch.Tensor) and self.made_on_host.get(id(value), lambda: None)() is value
-                if made and (name in HOST_DATA_COPIES or value.dim() > 0):
-                    raise HostReadError(f"{name}: a tensor made from Python values in the body, copied to the "
-                                        f"device, which a CUDA-graph capture cannot hold (make it once outside "
-                                        f"the body, on the device)")
-        out = func(*args, **(kwargs or {}))
-        if name == "lift_fresh":
-            self.made_on_host[id(out)] = weakref.ref(out)
+        if not self.made_on_host:  # (every op of a body pays for this mode: the common case first)
+            out = func(*args, **kwargs)
+            if name == "lift_fresh":
+                self.made_on_host[id(out)] = weakref.ref(out)
+            return out
+        tensors = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
+        host = [v for v in tensors if self.on_host(v)]
+        to_device = name == "_to_copy" and kwargs.get("device") is not None
+        if host and (to_device or (len(host) < len(tensors) and copies(name, args, kwargs, host))):
+            raise HostReadError(f"{name}: a tensor made from Python values in the body, copied to the device, "
+                                f"which a CUDA-graph capture cannot hold (make it once outside the body, on the device)")
+        out = func(*args, **kwargs)
+        if name == "lift_fresh" or (tensors and len(host) == len(tensors) and not to_device):
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.made_on_host[id(t)] = weakref.ref(t)
         return out
 
 
-def forbid_host_sync() -> TorchDispatchMode:
+def copies(name: str, args: tuple, kwargs: dict, host: list[torch.Tensor]) -> bool:
+    """Whether the op `name`, given the host tensors `host` beside device ones, copies them to the
+    device (HOST_DATA_COPIES)."""
+    return not _masked_fill(name, args, kwargs) and (name in HOST_DATA_COPIES or any(v.dim() > 0 for v in host))
+
+
+MAKERS = frozenset({torch.tensor, torch.as_tensor, torch.Tensor.new_tensor})
+"""torch's functions that make a tensor from Python values, on a device where one is named."""
+
+
+class _ForbidDataToDevice(TorchFunctionMode):
+    """Python values made into a tensor on a device inside the body (`torch.tensor(v, device=...)`,
+    `torch.as_tensor(v, device=...)`, `t.new_tensor(v)`, which makes it on t's device) fail: the copy
+    happens before any dispatched op, where _ForbidHostReads could see it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in MAKERS:  # (every torch call of a body pays for this mode: the common case first)
+            return func(*args, **kwargs)
+        if func is torch.Tensor.new_tensor or (kwargs.get("device") is not None and not isinstance(
+                args[0] if args else kwargs.get("data"), torch.Tensor)):
+            raise HostReadError(f"{getattr(func, '__name__', func)}: Python values copied to the device in the body, "
+                                f"which a CUDA-graph capture cannot hold (make the tensor once outside the body)")
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def forbid_host_sync():
     """A context in which any op that makes the host wait for a device value (HOST_READS) fails, and
-    any copy of host data the body made to the device (HOST_DATA_COPIES) does too."""
-    return _ForbidHostReads()
+    any copy to the device of host data the body made (HOST_DATA_COPIES) does too."""
+    with _ForbidDataToDevice(), _ForbidHostReads():
+        yield
 
 
 def compiled_step(fn, dynamic: bool = False):
     """fn through torch.compile, for a captured step's body: fullgraph (a graph break is an error, not
-    a silently slower step), static shapes (one compile per shape, at its first call) or, `dynamic`,
-    symbolic ones (one compile for a size of 1, which dynamo specialises, and one for every other
-    size: a target compiles in a minute or more a shape on a GPU host, so a run meeting many step
-    widths, sf-eval sweep's, pays that once instead of per width), called outside inference mode (dynamo cannot trace writes into inference tensors, and a step writes
-    its static cache, whose tensors decoding/cache.py keeps ordinary) under no_grad, with dynamo's
-    allow_rnn (it traces an nn.GRU/LSTM only when asked: Domino's prefix GRU, one step a proposal).
-    Build its CapturedCall with check_host_reads=False (the module docstring)."""
+    a silently slower step), called outside inference mode (dynamo cannot trace writes into inference
+    tensors, and a step writes its static cache, whose tensors decoding/cache.py keeps ordinary)
+    under no_grad, with dynamo's allow_rnn (it traces an nn.GRU/LSTM only when asked: Domino's prefix
+    GRU, one step a proposal). Shapes are static (one compile per shape, at its first call) or, where
+    `dynamic`, symbolic: one compile for a size of 1, which dynamo specialises, and one shared by all
+    larger sizes (one more where the first larger size equals another dimension of the step, which
+    dynamo then ties to it). A target compiles for a minute or more a shape on a GPU host, so a run
+    meeting many step widths, sf-eval sweep's, pays that once instead of per width. Build its
+    CapturedCall with check_host_reads=False (the module docstring)."""
     compiled = torch.compile(fn, dynamic=dynamic, fullgraph=True)
 
     def call(*args):

@@ -73,7 +73,8 @@ class TargetRunner:
     aux layers' outputs of each step. `graphs`: capture decode steps as CUDA graphs (default: where
     graphs_possible). `fold_queries`: the most queries a row attended with the fold (FOLD_QUERIES).
     `compiled`: the captured steps after the prompt run the body through torch.compile; `dynamic`:
-    compiled once for one token and once for every wider step, not once per width (compiled_step)."""
+    compiled once for one token and once for all wider steps together, not once per width
+    (compiled_step)."""
 
     def __init__(self, target: Target, aux_layers: list[int], *, graphs: bool | None = None,
                  fold_queries: int | None = FOLD_QUERIES, compiled: bool = False, dynamic: bool = False):

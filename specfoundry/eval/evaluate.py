@@ -88,8 +88,7 @@ def parse_tree(spec) -> tuple[int, ...] | None:
 PROMPTS_HELP = (f"Comma-separated prompt sets: built-in held-out sets ({', '.join(BUILTIN_SETS)}) or dataset files "
                 "(jsonl/json/parquet; a trailing assistant turn is dropped).")
 COMPILE_TARGET_HELP = ("Run the target's captured decode steps through torch.compile, compiled in the untimed "
-                       "warm-up: sf-eval run once per step width, sf-eval sweep once for one token and once for "
-                       "every wider step (one CUDA device; docs/stages.md, \"sf-eval run\").")
+                       "warm-up (one CUDA device; docs/stages.md, \"sf-eval run\").")
 """sf-eval run's and sf-eval sweep's help of the options they share (one concept, one help)."""
 
 
