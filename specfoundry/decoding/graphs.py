@@ -15,14 +15,15 @@ into again either (torch asserts). A step's intermediates are a few of its T row
 this costs is small.
 
 On a CPU there are no graphs, and a CapturedCall does eagerly what a replay does, so that a CPU
-test of a runner built with graphs=True checks what a capture needs: `fn` runs under
-forbid_host_sync (any read of a device value by the host fails a capture: `t[0-d tensor]`,
-`.item()`, `nonzero`, a data-dependent shape; and so does a copy of host data to the device: a
-tensor made from Python values in the body, `torch.tensor(...)` or the value of `t[index] = True`,
-given to an op that copies it, HOST_DATA_COPIES, or not as a 0-d scalar operand), the first call
-runs it warmup + 1 times (the warm-up runs and the replay), and its outputs are copied into the
-first call's tensors (a replay refills the same buffers, so a caller that keeps an output past the
-next call sees it change).
+test of a runner built with graphs=True checks what a capture needs: the first call, the warm-up
+and capture, runs `fn` warmup + 1 times under forbid_host_sync (any read of a device value by the
+host fails a capture: `t[0-d tensor]`, `.item()`, `nonzero`, a data-dependent shape; and so does a
+copy of host data to the device: a tensor made from Python values in the body, `torch.tensor(...)`
+or the value of `t[index] = True`, given to an op that copies it, HOST_DATA_COPIES, or not as a
+0-d scalar operand); later calls, replays, which run no Python on a GPU, run `fn` once without the
+check (it made a CPU step about 3x slower); and the outputs are copied into the first call's
+tensors (a replay refills the same buffers, so a caller that keeps an output past the next call
+sees it change).
 A torch.compile'd `fn` cannot run under a dispatch mode (dynamo refuses to trace there): built with
 check_host_reads=False, the CPU stand-in skips forbid_host_sync and checks the rest; the same body
 uncompiled is what checks the host reads (TargetRunner's eager-body tests).
@@ -199,7 +200,7 @@ class CapturedCall:
     def checked_call(self):
         """The CPU's stand-in for capture and replay (the module docstring)."""
         first = not self.ready
-        with forbid_host_sync() if self.check_host_reads else nullcontext():
+        with forbid_host_sync() if first and self.check_host_reads else nullcontext():
             for _ in range(self.warmup if first else 0):
                 self.fn()
             out = self.fn()
