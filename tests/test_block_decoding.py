@@ -3,13 +3,14 @@ sampling rule distributed as the target, and the report through the public sf-ev
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specfoundry.decoding.accept import accept_point_mass
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
 from specfoundry.eval.evaluate import EvalConfig, run_eval
-from specfoundry.eval.prompts import BUILTIN_SETS, load_prompts
+from specfoundry.eval.prompts import BUILTIN_SETS, EvalError, load_prompts
 from specfoundry.families.dflash.block import BlockDraftRunner, block_generate
 from specfoundry.families.folders import load_draft, locate_draft
 from specfoundry.featureset.store import FeatureSet
@@ -66,3 +67,24 @@ def test_sf_eval_run_decodes_a_dflash_draft_in_blocks(dflash_gate_run, tmp_path,
     chat = report["sets"]["chat"]["trained"]
     assert chat["identical_to_target"] == "2/2" and len(chat["accept_rate_by_position"]) == cfg.k
     assert (tmp_path / "eval" / "eval.json").is_file()
+
+
+def test_sf_eval_sweeps_a_block_drafter_by_its_proposals_and_refuses_the_engines_tree(dflash_gate_run, smollm2_target,
+                                                                                     tmp_path):
+    """sf-eval sweep of a DFlash draft (issue 58): a setting is k, the proposals a round, served at a
+    block of k + 1 up to its trained one, with SGLang's block flag; k past it is one line; and SGLang's
+    EAGLE tree (--num-steps/--topk/--num-draft-tokens) asked of it is one line. (Here, beside the DFlash
+    gate run, which conftest's scheduler builds once: test_eval.py holds the EAGLE-3 side.)"""
+    from specfoundry.eval.sweep import SweepConfig, run_sweep
+
+    _, dflash = dflash_gate_run  # a draft of blocks of 5: 4 proposals a round
+    base = dict(prompt_sets=("chat",), limit=1, max_new_tokens=8, device="cpu")
+    blocks = run_sweep(SweepConfig(draft=str(dflash), output=str(tmp_path / "d"), settings=("2", "4"), **base),
+                       silent=True, target=smollm2_target)
+    assert [r["verify_width"] for r in blocks["rows"]] == [3, 5]  # served at a block of 3, and its own
+    assert "--speculative-num-draft-tokens" in blocks["serve"]["sglang"]
+    with pytest.raises(EvalError, match="a dflash setting is k, the proposals a round, from 1 to 4"):
+        run_sweep(SweepConfig(draft=str(dflash), output=str(tmp_path / "e"), settings=("5",), **base),
+                  silent=True, target=smollm2_target)
+    with pytest.raises(EvalError, match="pick SGLang's EAGLE tree; .* is a dflash draft"):
+        run_eval(EvalConfig(draft=str(dflash), num_steps=3, topk=2, num_draft_tokens=6, **base), target=smollm2_target)

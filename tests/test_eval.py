@@ -463,11 +463,11 @@ def test_a_tree_past_the_node_bound_is_one_line_before_any_work(tmp_path, tree, 
     assert f"tree {tree} has {nodes} nodes, more than the 4,096" in errors[0]
 
 
-def test_sf_eval_decodes_sglangs_served_tree_as_the_target_does(gate_run, dflash_gate_run, smollm2_target):
+def test_sf_eval_decodes_sglangs_served_tree_as_the_target_does(gate_run, smollm2_target):
     """--num-steps/--topk/--num-draft-tokens (issue 58): sf-eval drafts the tree an SGLang server would
     (families/eagle3/engine_tree.py), the target verifies its N tokens, the output is the target's own
-    greedy text, and the report names the shape. Half the knobs, with --tree, sampling, or a family
-    that drafts no such tree, is one line."""
+    greedy text, and the report names the shape. Half the knobs, with --tree, or sampling is one line
+    (a family that drafts no such tree: test_block_decoding.py, beside the DFlash gate run)."""
     _, export = gate_run
     base = dict(draft=str(export), prompt_sets=("chat",), limit=1, max_new_tokens=12, device="cpu")
     report = run_eval(EvalConfig(**base, num_steps=3, topk=2, num_draft_tokens=6), target=smollm2_target)
@@ -482,17 +482,14 @@ def test_sf_eval_decodes_sglangs_served_tree_as_the_target_does(gate_run, dflash
         EvalConfig(draft="d", num_steps=3, topk=1, num_draft_tokens=6)
     with pytest.raises(EvalError, match="verifies greedily"):
         run_eval(EvalConfig(**base, num_steps=3, topk=2, num_draft_tokens=6, temperature=0.7), target=smollm2_target)
-    with pytest.raises(EvalError, match="pick SGLang's EAGLE tree; .* is a dflash draft"):
-        run_eval(EvalConfig(**{**base, "draft": str(dflash_gate_run[1])}, num_steps=3, topk=2, num_draft_tokens=6),
-                 target=smollm2_target)
 
 
-def test_sf_eval_sweep_decodes_each_setting_names_the_best_and_its_flags(gate_run, dflash_gate_run, smollm2_target,
-                                                                          tmp_path, monkeypatch):
+def test_sf_eval_sweep_decodes_each_setting_names_the_best_and_its_flags(gate_run, smollm2_target, tmp_path,
+                                                                          monkeypatch):
     """sf-eval sweep (issue 58): one sf-eval run per serving setting into OUTPUT/<setting>, the target
     alone once; sweep.json's rows per setting and set, the best, and the SGLang flags that serve it
-    (vLLM's for a chain); a rerun skips the settings done; a setting of another family's form, or
-    past the draft's own, is one line."""
+    (vLLM's for a chain); a rerun skips the settings done; a setting of another family's form is one
+    line (a block drafter's sweep: test_block_decoding.py, beside the DFlash gate run)."""
     from dataclasses import replace
 
     import specfoundry.eval.sweep as sweep_module
@@ -516,14 +513,6 @@ def test_sf_eval_sweep_decodes_each_setting_names_the_best_and_its_flags(gate_ru
     monkeypatch.undo()
     with pytest.raises(EvalError, match="an EAGLE-3 setting is S,K,N"):
         run_sweep(replace(cfg, settings=("7",)), silent=True, target=smollm2_target)
-    _, dflash = dflash_gate_run  # a draft of blocks of 5: 4 proposals a round
-    blocks = run_sweep(SweepConfig(draft=str(dflash), output=str(tmp_path / "d"), settings=("2", "4"), **base),
-                       silent=True, target=smollm2_target)
-    assert [r["verify_width"] for r in blocks["rows"]] == [3, 5]  # served at a block of 3, and its own
-    assert "--speculative-num-draft-tokens" in blocks["serve"]["sglang"]
-    with pytest.raises(EvalError, match="a dflash setting is k, the proposals a round, from 1 to 4"):
-        run_sweep(SweepConfig(draft=str(dflash), output=str(tmp_path / "e"), settings=("5",), **base),
-                  silent=True, target=smollm2_target)
 
 
 def test_a_recipes_eval_k_is_the_sweeps_to_vary_and_its_other_keys_still_apply(tmp_path):
