@@ -89,26 +89,26 @@ class _ForbidHostReads(TorchDispatchMode):
         self.made_on_host: dict[int, weakref.ref] = {}  # id -> the tensor (a WeakSet compares tensors with ==)
 
     def on_host(self, value) -> bool:
-        return isinstance(value, torch.Tensor) and self.made_on_host.get(id(value), lambda: None)() is value
+        made = self.made_on_host.get(id(value))
+        return made is not None and made() is value
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name, kwargs = func._schema.name.split("::")[-1], kwargs or {}
         if name in HOST_READS and not (name == "repeat_interleave" and "output_size" in kwargs):
             raise HostReadError(f"{name}: a read of a device value by the host, which a CUDA-graph capture cannot "
                                 f"hold (this code runs captured on a GPU)")
-        if not self.made_on_host:  # (every op of a body pays for this mode: the common case first)
-            out = func(*args, **kwargs)
-            if name == "lift_fresh":
-                self.made_on_host[id(out)] = weakref.ref(out)
-            return out
-        tensors = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
-        host = [v for v in tensors if self.on_host(v)]
-        to_device = name == "_to_copy" and kwargs.get("device") is not None
-        if host and (to_device or (len(host) < len(tensors) and copies(name, args, kwargs, host))):
-            raise HostReadError(f"{name}: a tensor made from Python values in the body, copied to the device, "
-                                f"which a CUDA-graph capture cannot hold (make it once outside the body, on the device)")
+        derived = False  # every tensor input a host tensor: the outputs are host tensors too
+        if self.made_on_host:  # (every op of a body pays for this mode: nothing more until the body made one)
+            tensors = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
+            host = [v for v in tensors if self.on_host(v)]
+            to_device = name == "_to_copy" and kwargs.get("device") is not None
+            if host and (to_device or (len(host) < len(tensors) and copies(name, args, kwargs, host))):
+                raise HostReadError(f"{name}: a tensor made from Python values in the body, copied to the device, "
+                                    f"which a CUDA-graph capture cannot hold (make it once outside the body, on "
+                                    f"the device)")
+            derived = bool(tensors) and len(host) == len(tensors) and not to_device
         out = func(*args, **kwargs)
-        if name == "lift_fresh" or (tensors and len(host) == len(tensors) and not to_device):
+        if name == "lift_fresh" or derived:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self.made_on_host[id(t)] = weakref.ref(t)
