@@ -127,7 +127,7 @@ def run_sweep(cfg: SweepConfig, silent: bool = False, target: Target | None = No
         if target is None:  # loaded once, as the first run would load it
             target = Target.load(cfg.target, device=cfg.device, dtype=target_dtype(run_cfg),
                                  chat_template=cfg.chat_template, command="sf-eval sweep")
-        # --compile-target: one compile for every width the settings verify at, not one per width
+        # --compile-target: one compile shared by all the widths the settings verify at, not one per width
         reports[name] = run_eval(run_cfg, silent=silent, target=target, dynamic=True)
     summary = summarise(reports, options, ref)
     atomic_write_json(out / "sweep.json", {"config": {k: getattr(cfg, k) for k in ("draft", "target", "settings")},
