@@ -48,6 +48,17 @@ def newest_complete_checkpoint(accel, out: Path) -> Path | None:
 
 
 RNG_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")
+RANDOM_STATES = "random_states_{rank}.pkl"
+"""A checkpoint's RNG file of each rank (accelerate's save_state: one a process)."""
+
+
+def check_process_count(checkpoint: Path, processes: int) -> None:
+    """A checkpoint is resumed by as many processes as saved it (each rank's data position and RNG are
+    its own): another count is one line naming both, not a damaged checkpoint."""
+    saved = len(list(checkpoint.glob(RANDOM_STATES.format(rank="*"))))
+    if saved and saved != processes:
+        raise ValueError(f"{checkpoint} was saved by {saved} processes and this launch has {processes}: "
+                         f"resume with {saved}, or train into a new folder")
 
 
 def check_random_states(checkpoint: Path, processes: int) -> None:
@@ -58,7 +69,7 @@ def check_random_states(checkpoint: Path, processes: int) -> None:
     from accelerate.utils import load
 
     for rank in range(processes):
-        path = checkpoint / f"random_states_{rank}.pkl"
+        path = checkpoint / RANDOM_STATES.format(rank=rank)
         if not path.is_file():
             raise OSError(f"{path.name} is missing")
         states = load(path)

@@ -63,6 +63,7 @@ from specfoundry.featureset.manifest import (
 from specfoundry.featureset.store import FeatureSet
 from specfoundry.kernels.lk_loss import TOKEN_LOSSES, TokenLoss
 from specfoundry.train.checkpoints import (
+    check_process_count,
     check_random_states,
     newest_complete_checkpoint,
     read_best,
@@ -402,10 +403,7 @@ class Trainer:
         newest = newest_complete_checkpoint(accel, self.out)
         if newest is None:
             return
-        saved = len(list(newest.glob("random_states_*.pkl")))  # one a rank (accelerate's save_state)
-        if saved and saved != accel.num_processes:  # each rank's data position and RNG are its own
-            raise ValueError(f"{newest} was saved by {saved} processes and this launch has {accel.num_processes}: "
-                             f"resume with {saved}, or train into a new folder")
+        check_process_count(newest, accel.num_processes)
         try:
             check_random_states(newest, accel.num_processes)
             accel.load_state(str(newest))
