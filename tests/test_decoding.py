@@ -233,7 +233,7 @@ def test_a_graph_replayed_greedy_chain_equals_the_eager_one(device):
 def test_a_compiled_greedy_chain_equals_the_eager_one(device):
     """DraftRunner(compiled=True): the captured chain's body through torch.compile proposes the
     eager chain's tokens, round after round, with its logits within fp32 reordering, and the chain
-    decode equals the eager one; and which families offer --compile-draft. Inductor fuses the norms'
+    decode equals the eager one; and which families offer --compile-draft. On a GPU inductor fuses the norms'
     and the MLP's chains: each sum of n <= 128 terms moves by ~n * 2^-24 of its largest terms, over
     one layer and the lm_head far under 1e-5 of each row's largest logit (this draft's heads are
     scaled, its rows reach ~50, so the reordering error of a row is ~50 * that size on every logit
@@ -525,7 +525,7 @@ def test_greedy_readback_equals_reading_every_token(graphs, device):
 def test_compiled_steps_equal_eager_ones(device):
     """TargetRunner(compiled=True): the captured steps (one token, a verify of 5 with a crop, a tree)
     through torch.compile give the eager body's logits and aux features, and the target alone
-    decodes the same tokens. Not bit-equal: inductor fuses the norms, the rotary embedding and the
+    decodes the same tokens. Not bit-equal on a GPU: inductor fuses the norms, the rotary embedding and the
     gated MLP, reordering their fp32 sums. Each such sum of n terms moves by at most ~n * 2^-24
     relative to its largest terms (n <= 128 here: H = 96, I = 128, 6 heads of 16); over 2 layers and
     the lm_head that is below 1e-5 of each row's largest value, the bound (relative to the row: a
@@ -601,7 +601,7 @@ def test_a_dynamic_compiled_runner_compiles_twice_for_every_width_with_the_eager
             r.crop(17)
     assert len(runner.steps) == 6 and counters["stats"]["unique_graphs"] - before == 2
     for got, want in zip(logits[runner], logits[eager], strict=True):
-        # float32 both ways; inductor reorders sums of at most 32 terms: a few ulps of the largest logit
+        # float32 both ways; inductor (on a GPU) reorders sums of at most 32 terms: a few ulps of the largest logit
         assert_close_scaled(got, want, 1e-5, rows=True)
 
 

@@ -149,7 +149,7 @@ def forbid_host_sync():
         yield
 
 
-def compiled_step(fn, dynamic: bool = False):
+def compiled_step(fn, device: torch.device, dynamic: bool = False):
     """fn through torch.compile, for a captured step's body: fullgraph (a graph break is an error, not
     a silently slower step), called outside inference mode (dynamo cannot trace writes into inference
     tensors, and a step writes its static cache, whose tensors decoding/cache.py keeps ordinary)
@@ -159,8 +159,15 @@ def compiled_step(fn, dynamic: bool = False):
     larger sizes (one more where the first larger size equals another dimension of the step, which
     dynamo then ties to it). A target compiles for a minute or more a shape on a GPU host, so a run
     meeting many step widths, sf-eval sweep's, pays that once instead of per width. Build its
-    CapturedCall with check_host_reads=False (the module docstring)."""
-    compiled = torch.compile(fn, dynamic=dynamic, fullgraph=True)
+    CapturedCall with check_host_reads=False (the module docstring).
+
+    The backend is inductor on a GPU. Off a GPU (sf-eval refuses --compile-* there, so only the tests
+    compile a step on a CPU) it is aot_eager: dynamo traces the same graph, with the same guards,
+    shapes and recompiles, and AOT autograd functionalises it, but inductor's C++ code generation is
+    left out. With a cold compile cache, a CI run's, that generation was most of the compiled tests'
+    time, for code no user runs; the GPU tests run inductor."""
+    backend = "inductor" if torch.device(device).type == "cuda" else "aot_eager"
+    compiled = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=True)
 
     def call(*args):
         with torch.inference_mode(False), torch.no_grad(), torch._dynamo.config.patch(allow_rnn=True):

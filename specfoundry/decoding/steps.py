@@ -240,7 +240,7 @@ class CapturedSteps:
         if key not in self.keys:
             step = self.make(key)
             staged = Staged(step.inputs, self.device)
-            body = compiled_step(step.body, self.dynamic) if self.compiled else step.body
+            body = compiled_step(step.body, self.device, self.dynamic) if self.compiled else step.body
 
             def run(body=body, x=staged.x):
                 return body(x)
