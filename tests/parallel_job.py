@@ -38,7 +38,7 @@ def regen_config(target: str, source: str, out: Path, placement: Placement) -> R
 
 
 def gate_config(target: str, out: Path, placement: Placement) -> GateConfig:
-    return GateConfig(output=str(out), target=target, max_steps=100, max_new_tokens=32, device="cpu",
+    return GateConfig(output=str(out), target=target, max_steps=60, max_new_tokens=32, device="cpu",
                       placement=placement)
 
 
