@@ -66,7 +66,8 @@
 # 0 trains a DFlash2 draft beside the others, where one at most is among them), FAMILIES_ONLY and
 # OBJECTIVES_ONLY (the drafts to train, by name; default all), FAMILIES_ANCHORS (dflash_b16: added to
 # FAMILIES_ONLY where a carried families part's capture differs from this run's), SWEEP_EAGLE3 (the
-# sweep's EAGLE-3 settings, S,K,N each: 12 by default), CURVE_EPOCHS (objectives: one more
+# sweep's EAGLE-3 settings, S,K,N each: 12 by default), SWEEP_EST (the EAGLE-3 sweep's estimate, 600 s),
+# SWEEP_DFLASH (1; 0 leaves the DFlash draft and its sweep out), CURVE_EPOCHS (objectives: one more
 # EAGLE-3 run of that many epochs with --keep-best; 0), WITH_RUN (objectives: an earlier run's
 # reports joined to this run's, benchmarks/objectives.py --with-run), TIMING_OPTS
 # (--compile-target --dtype bfloat16) and DRAFT_TIMING_OPTS (none; --compile-draft fuses the
@@ -503,14 +504,15 @@ plan_sweep() {
   local r=$RUN/sweep epochs=${EPOCHS:-$(dry && echo 1 || echo 2)} settings=${SWEEP_EAGLE3:-$SWEEP_EAGLE3_DEFAULT}
   local eval_opts="$FAMILIES_EVAL_OPTS $TIMING_OPTS ${FAMILIES_LIMIT:+--limit $FAMILIES_LIMIT}"
   dry && settings=${SWEEP_EAGLE3:-"3,1,4 7,1,8 3,2,6"}
+  local trains=("sf-train run $r/features -o $r/eagle3 --recipe $EAGLE3 --epochs $epochs $TRAIN_OPTS")
+  [ "${SWEEP_DFLASH:-1}" = 1 ] && trains+=(
+    "sf-train run $r/features -o $r/dflash_b16 --recipe $DFLASH --block-size 16 --epochs $epochs $TRAIN_OPTS")
   features "$r" eagle3,dflash || return 1
-  together sweep_train "${SWEEP_TRAIN_EST:-420}" 2 \
-    "sf-train run $r/features -o $r/eagle3 --recipe $EAGLE3 --epochs $epochs $TRAIN_OPTS" \
-    "sf-train run $r/features -o $r/dflash_b16 --recipe $DFLASH --block-size 16 --epochs $epochs $TRAIN_OPTS" || return 1
-  step sweep_eagle3 "$(dry && echo 300 || echo 600)" sf-eval sweep "$r/eagle3" -o "$r/sweep_eagle3" --recipe "$EAGLE3" \
-    --settings "$settings" $eval_opts
-  step sweep_dflash_b16 "$(dry && echo 120 || echo 240)" sf-eval sweep "$r/dflash_b16" -o "$r/sweep_dflash_b16" \
-    --recipe "$DFLASH" $eval_opts
+  together sweep_train "${SWEEP_TRAIN_EST:-420}" 2 "${trains[@]}" || return 1
+  step sweep_eagle3 "${SWEEP_EST:-$(dry && echo 300 || echo 600)}" sf-eval sweep "$r/eagle3" -o "$r/sweep_eagle3" \
+    --recipe "$EAGLE3" --settings "$settings" $eval_opts
+  [ "${SWEEP_DFLASH:-1}" = 1 ] && step sweep_dflash_b16 "$(dry && echo 120 || echo 240)" sf-eval sweep "$r/dflash_b16" \
+    -o "$r/sweep_dflash_b16" --recipe "$DFLASH" $eval_opts
   # the static tree's acceptance only (benchmarks/sweep.py): its target uncompiled, as a compile per
   # verify width (one per accepted depth) would cost minutes a width
   step sweep_tree "$(dry && echo 120 || echo 90)" sf-eval run "$r/eagle3" -o "$r/eval_eagle3_tree" --recipe "$EAGLE3" \
