@@ -57,13 +57,15 @@
 # finished regen/ folder of SYNTH synthesised conversations (12,800 by default) that families and
 # objectives reuse; families_<part>.tar.gz with families_<part>.features.sha256, an earlier families
 # run's eval_<draft> and draft folders (weights left out) and its capture's digest: their drafts join
-# this run's table where the two captures' arrays are equal (benchmarks/families.py).
+# this run's table where the two captures' arrays are equal (benchmarks/families.py); this run's evaluation
+# of a draft replaces a part's of the same name.
 #
 # DRY=1: tiny sizes on the CPU, the GPU-only benchmarks as --help, to check the script.
 # Environment: EV ($HOME/ev), DEADLINE, SYNTH, EPOCHS, STEPS, EVAL_LIMIT (prompts a set in the
 # eval, objectives, modes and fp8 evals: 8), FAMILIES_LIMIT (prompts a set in families: all), JOBS
 # (trainings at once; default one per 35 GiB of GPU memory), EVAL_JOBS (8), FAMILIES_DFLASH2_ALONE (1;
-# 0 trains a DFlash2 draft beside the others, where one at most is among them), FAMILIES_ONLY and
+# 0 trains a DFlash2 draft beside the others, where one at most is among them; on an H100 it ran out of
+# memory beside Domino's), FAMILIES_ONLY and
 # OBJECTIVES_ONLY (the drafts to train, by name; default all), FAMILIES_ANCHORS (dflash_b16: added to
 # FAMILIES_ONLY where a carried families part's capture differs from this run's), SWEEP_EAGLE3 (the
 # sweep's EAGLE-3 settings, S,K,N each: 12 by default), SWEEP_EST (the EAGLE-3 sweep's estimate, 600 s),
@@ -388,6 +390,11 @@ plan_families() {
     step "families_eval_$name" "$(dry && echo 120 || echo 75)" sf-eval run "$r/$draft" -o "$r/eval_$name" \
       --recipe "$recipe" $opts $base $FAMILIES_EVAL_OPTS $TIMING_OPTS $draft_opts ${FAMILIES_LIMIT:+--limit $FAMILIES_LIMIT}
     base=--no-baseline
+  done
+  # an evaluation made here replaces a carried part's of the same name (a draft trained again)
+  for e in "$r"/eval_*; do
+    [ -d "$e" ] || continue
+    for part in "${parts[@]}"; do [ -d "$part/${e##*/}" ] && echo "${e##*/}: this run's replaces $part's" && rm -rf "${part:?}/${e##*/}"; done
   done
   step families_result 30 python -m benchmarks.families "$r" "${parts[@]}" --each-alone --out families \
     || { [ ${#parts[@]} -gt 0 ] && step families_result_this_run 30 python -m benchmarks.families "$r" --each-alone --out families; }
