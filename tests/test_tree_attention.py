@@ -118,20 +118,23 @@ def test_flex_matches_sdpa_on_gpu(seq_len, step, lengths):
 
 def test_too_many_flex_shapes_is_a_clear_error_not_a_silent_eager_fallback(monkeypatch):
     """Past dynamo's recompile limit flex_attention would run eagerly (the full score matrix):
-    tree_attention fails at once and says how to bound the shapes instead. CPU runs the
-    compiled forward, which is enough to meet the limit."""
+    tree_attention fails at once and says how to bound the shapes instead. The limit is dynamo's,
+    met before any backend runs, so the compiled call here traces with aot_eager: inductor's CPU
+    code generation would cost most of the test and is not what it checks (sf-train refuses flex
+    off a GPU)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
     from specfoundry.kernels import tree_attention as ta
 
     ta._flex()  # sets the limits training runs with; then lower the one that counts here
     torch._dynamo.reset()
     monkeypatch.setattr(torch._dynamo.config, "cache_size_limit", 1)
-    # widths of whole 128-blocks, as sf-train pads them (torch 2.13's compiled CPU flex gets
-    # some rows wrong below one block, T=8; eager flex and the GPU are right there)
+    compiled = torch.compile(flex_attention, backend="aot_eager")
     q = torch.randn(1, 2, 128, 16)
     with torch.no_grad():
-        out = tree_attention(q, q, q, [100], 0, backend="flex")
+        out = tree_attention(q, q, q, [100], 0, backend="flex", compiled=compiled)
         torch.testing.assert_close(out, tree_attention(q, q, q, [100], 0, backend="sdpa"), atol=1e-5, rtol=1e-5)
         wider = torch.randn(1, 2, 256, 16)
         with pytest.raises(ta.TooManyShapesError, match=r"pad-multiple .*--attention sdpa"):
-            tree_attention(wider, wider, wider, [200], 0, backend="flex")
+            tree_attention(wider, wider, wider, [200], 0, backend="flex", compiled=compiled)
     torch._dynamo.reset()
