@@ -15,7 +15,7 @@ import torch
 
 from specfoundry.common.target import Target
 from specfoundry.featureset import fp8
-from specfoundry.featureset.store import encode_state
+from specfoundry.featureset.store import encode_state, stored_states
 from specfoundry.featureset.teacher import topk_teacher
 
 
@@ -133,8 +133,8 @@ class HFCaptureRunner:
             arrays = {"teacher_ids": ids.view(b, t, -1), "teacher_probs": probs.view(b, t, -1)}
         if self.storage is None:
             return {"aux_hidden": aux, **({"final_hidden": final} if self.teacher_k is None else arrays)}
-        for state, x, layers, dtype in (("aux", aux, len(self.aux_layers), self.storage[0]),
-                                        ("final", final, 1, self.storage[1]))[: 1 if self.teacher_k else 2]:
+        for state, x, layers, dtype in stored_states((("aux", aux, len(self.aux_layers), self.storage[0]),
+                                                      ("final", final, 1, self.storage[1])), self.teacher_k is not None):
             arrays[f"{state}_hidden"], scale = encode_state(x, dtype, layers)
             if scale is not None:
                 arrays[f"{state}_scale"] = scale  # [B, T, layers] float32

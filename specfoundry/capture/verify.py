@@ -21,6 +21,7 @@ from specfoundry.featureset.store import (
     is_finite,
     relative_error,
     stored_row,
+    stored_states,
     token_counts_problem,
 )
 
@@ -33,7 +34,7 @@ def expected_arrays(manifest: dict, n: int) -> dict[str, tuple[tuple[int, ...], 
     out = {"input_ids": ((n,), torch.int32), "loss_mask": ((n,), torch.uint8)}
     teacher_k = stored_topk(manifest)
     states = (("aux", k, manifest["storage_dtype"]), ("final", 1, manifest["final_storage_dtype"]))
-    for state, layers, dtype in states[: 1 if teacher_k else 2]:
+    for state, layers, dtype in stored_states(states, bool(teacher_k)):
         out[f"{state}_hidden"] = ((n, layers * stored_row(dtype, h)), BIT_PATTERNS.get(dtype, TORCH_DTYPES[dtype]))
         if dtype in SCALED:
             out[f"{state}_scale"] = ((n, layers), torch.float32)
@@ -214,8 +215,8 @@ def recompute_samples(root: Path, manifest: dict, k: int, device: str | None) ->
             # float16 rounds a probability to 2^-11 of itself; a fresh prefill's own rounding adds a little
             if (got - want).abs().max() > 1e-2 or (s.teacher_ids.long() != fresh["teacher_ids"].long())[apart].any():
                 problems.append(f"sample {i}: the stored top-{teacher_k} teacher differs from a fresh prefill's")
-        for name, dtype in (("aux_hidden", manifest["storage_dtype"]),
-                            ("final_hidden", manifest["final_storage_dtype"]))[: 1 if teacher_k else 2]:
+        for name, dtype in stored_states((("aux_hidden", manifest["storage_dtype"]),
+                                          ("final_hidden", manifest["final_storage_dtype"])), bool(teacher_k)):
             got, want = getattr(s, name).float(), fresh[name].float()
             err = (got - want).norm() / want.norm()
             # bf16 storage rounding is ~3e-3 relative; float8's at most 2^-4 per value, packed codes'

@@ -193,6 +193,12 @@ def stored_state(sample: dict, state: str, dtype: str, layers: int | None = None
     return encode_state(x, dtype, layers)
 
 
+def stored_states(entries: tuple, teacher: bool) -> tuple:
+    """entries: one entry per state, the aux layers' then the final state's; those a shard stores:
+    both, or the aux layers' alone where a top-k teacher takes the final state's place."""
+    return entries[:1] if teacher else entries
+
+
 def write_shard_file(path: Path, samples: list[dict], codec: str, dtype: str, final_dtype: str | None = None,
                      layers: int | None = None) -> str:
     """Write samples ({input_ids, loss_mask, aux_hidden, final_hidden} tensors, with
@@ -210,7 +216,7 @@ def write_shard_file(path: Path, samples: list[dict], codec: str, dtype: str, fi
     }
     scales = {}  # after the hidden states, so a set without float8 has the layout it always had
     teacher = bool(samples) and "teacher_ids" in samples[0]
-    for state, state_dtype in (("aux", dtype), ("final", final_dtype or dtype))[: 1 if teacher else 2]:
+    for state, state_dtype in stored_states((("aux", dtype), ("final", final_dtype or dtype)), teacher):
         encoded = [stored_state(s, state, state_dtype, layers) for s in samples]
         blocks[f"{state}_hidden"] = [to_storage(values, state_dtype) for values, _ in encoded]
         if state_dtype in SCALED:
