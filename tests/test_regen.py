@@ -34,7 +34,7 @@ def rows(out):
 
 def test_greedy_regen_equals_model_generate(tmp_path, chat_file, backend):
     cfg = RegenConfig(output=str(tmp_path / "out"), source=str(chat_file), shard_size=4,
-                      sampling=SamplingConfig(temperature=0.0, max_new_tokens=24))
+                      sampling=SamplingConfig(temperature=0.0, max_new_tokens=16))
     manifest = run_regen(cfg, backend, silent=True)
     assert manifest["complete"] and manifest["totals"]["conversations_written"] == len(CHAT)
     model, tok = backend.model, backend.tokenizer
@@ -45,7 +45,7 @@ def test_greedy_regen_equals_model_generate(tmp_path, chat_file, backend):
         for m in row["messages"]:
             if m["role"] == "assistant":
                 ids = torch.tensor([backend.render(Request(tag=0, seed=0, messages=tuple(history)))])
-                ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
+                ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
                                      eos_token_id=backend.stop_ids, pad_token_id=backend.pad_id)
                 ref_new = ref[0, ids.shape[1]:].tolist()
                 if ref_new and ref_new[-1] in backend.stop_ids:
