@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,20 @@ def test_capture_roundtrip_within_bf16_rounding(tmp_path, chat_file, target, cod
     counts = fs.token_counts()
     assert counts.sum().item() == manifest["counts"]["loss_tokens"] > 0
     assert verify_featureset(tmp_path / "fs") == []
+
+
+def test_a_finished_capture_rerun_placed_otherwise_keeps_the_sets_identity(tmp_path, chat_file, smollm2_target):
+    """Placement is not a setting of the output: rerunning a finished capture with another --device
+    and writer count rewrites its manifest, whose hash sf-train's resume compares with its
+    checkpoint's, so that hash must not move (it did: the manifest copied the device)."""
+    from specfoundry.featureset.manifest import manifest_sha256
+
+    cfg = CaptureConfig(source=str(chat_file), output=str(tmp_path / "fs"), shard_size=4, device="cpu", writers=1)
+    run_capture(cfg, silent=True, target=smollm2_target)
+    before = manifest_sha256(tmp_path / "fs")
+    run_capture(replace(cfg, device=None, writers=2), silent=True, target=smollm2_target)
+    assert json.loads((tmp_path / "fs" / "capture_config.json").read_text())["device"] is None  # the run's own record
+    assert manifest_sha256(tmp_path / "fs") == before
 
 
 # the default run keeps tests/test_faults.py's SIGKILL-and-rerun of sf-capture

@@ -341,7 +341,10 @@ def plan_capture(cfg: CaptureConfig, tokenizer, identity) -> CapturePlan:
         counts={"skipped_untrainable": skipped, "bad_inputs": len(bad)},
         modes=dict(modes),  # {mode JSON: samples}: the chat-template arguments and reasoning they render in
         bad_inputs=[asdict(b) for b in bad],
-        capture_config=config_dict(cfg))
+        # the settings that decide the features, not how this run was placed or where it wrote: the
+        # manifest's hash is the set's identity (sf-train's resume compares it), and a rerun of a
+        # finished capture on another device or placement rewrites the manifest
+        capture_config=config_dict(cfg, resume_only=True))
     num_shards = (len(samples) + cfg.shard_size - 1) // cfg.shard_size
     plan = CapturePlan(cfg, samples, num_shards, base, identity.vocab_size)
     # a finished shard made from other tokens than the source now gives (an edited record, the same

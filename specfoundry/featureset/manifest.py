@@ -73,7 +73,8 @@ class FeatureSetError(ValueError):
 
 
 CAPTURE_RECORD = "capture_config.json"
-"""Beside the manifest: the capture's resolved settings (the manifest holds a copy, capture_config)."""
+"""Beside the manifest: the capture's resolved settings (the manifest holds a copy of those that decide
+the features, capture_config: not the device, placement or output folder)."""
 
 
 def record_disagreements(root: Path, manifest: dict) -> list[str]:
