@@ -18,7 +18,7 @@ from specfoundry.conversations.regen_format import FORMAT_VERSION
 from specfoundry.generate.backends.hf import HFBackend
 from specfoundry.generate.backends.interface import Generation, Request, SamplingConfig
 from specfoundry.generate.cli import main as regen_cli
-from specfoundry.generate.regen import RegenConfig, run_regen
+from specfoundry.generate.regen import RegenConfig, RegenError, run_regen
 from specfoundry.generate.repetition import loop_cut
 from tests.conftest import CHAT, write_jsonl
 
@@ -95,6 +95,21 @@ def test_synthesised_prompts_begin_with_their_openings(tmp_path, backend):
     # the openings are part of the settings: another list does not resume into this folder
     with pytest.raises(ValueError, match="prompt_starters"):
         run_regen(replace(cfg, prompt_starters=("How",)), backend, silent=True)
+
+
+def test_what_synthesis_needs_is_one_line_before_anything_is_written(tmp_path, backend):
+    """A target rendered as plain completion has no user turn to synthesise from, and a chat-template
+    argument the template never reads is a typo: each is refused in one line, the folder left without
+    a record, so that the corrected command runs into it."""
+    out = tmp_path / "o"
+    result = CliRunner().invoke(regen_cli, ["run", "--synthesize", "2", "--chat-template", "completion", "-o", str(out)])
+    assert result.exit_code == 2 and "prompt synthesis needs a chat template" in result.output, result.output
+    assert "Traceback" not in result.output and not (out / "regen_config.json").exists()
+    cfg = RegenConfig(output=str(out), synthesize=2, chat_template_kwargs={"enable_thinkng": False},
+                      sampling=SamplingConfig(temperature=0.8, max_new_tokens=4))
+    with pytest.raises(RegenError, match="reads no 'enable_thinkng'"):
+        run_regen(cfg, backend, silent=True)
+    assert not (out / "regen_config.json").exists() and not (out / "manifest.json").exists()
 
 
 def test_prompt_starters_option(tmp_path):

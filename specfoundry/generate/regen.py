@@ -213,6 +213,7 @@ class Regenerator:
         if cfg.synthesize:
             if cfg.source:
                 raise RegenError("give either a source or --synthesize N, not both")
+            self.check_synthesis()
             return None, [], math.ceil(cfg.synthesize / cfg.shard_size)
         if not cfg.source:
             raise RegenError("no source given: pass a conversation file/folder or --synthesize N")
@@ -242,6 +243,21 @@ class Regenerator:
         self.shards.made_from, self.shards.source = self.made_from(conversations, num_shards), cfg.source
         return conversations, bad, num_shards
 
+    def check_synthesis(self) -> None:
+        """What prompt synthesis needs, checked before anything is written (so the corrected command
+        runs into the same folder): the target's tokenizer, a chat template with a user turn, and
+        chat-template arguments that the template reads (the answers are rendered with them)."""
+        tokenizer = self.backend.tokenizer
+        if tokenizer is None:
+            raise RegenError("--synthesize needs the target's tokenizer (pass --target)")
+        try:
+            user_turn_prefix(tokenizer)
+        except ValueError as e:
+            raise RegenError(str(e)) from e
+        problem = unread_template_kwargs(tokenizer, self.cfg.chat_template_kwargs)
+        if problem:
+            raise RegenError(problem)
+
     def made_from(self, conversations: list[Conversation], num_shards: int) -> dict[str, str]:
         """Per shard, the hash of the records of its whole group: what a shard holds depends on the
         requests generated beside it, so a changed record has its group written again."""
@@ -265,9 +281,7 @@ class Regenerator:
     def synthesise(self, shards: list[int], counts: dict[int, ShardCounts]) -> dict[int, list[Conversation]]:
         """The synthesised prompts of `shards`, written by the target in one call."""
         cfg = self.cfg
-        if self.backend.tokenizer is None:
-            raise RegenError("--synthesize needs the target's tokenizer (pass --target)")
-        prefix = user_turn_prefix(self.backend.tokenizer)
+        prefix = user_turn_prefix(self.backend.tokenizer)  # (check_synthesis made sure there is one)
         index = [(shard, i) for shard in shards
                  for i in range(min(cfg.shard_size, cfg.synthesize - shard * cfg.shard_size))]
         starters = [starter_for(cfg.prompt_starters, shard * cfg.shard_size + i) for shard, i in index]
