@@ -163,7 +163,8 @@ def hide_transformers_bars() -> None:
 
 def silent_option(fn):
     return click.option("--silent", is_flag=True, default=False, show_default=True,
-                        help="No progress bars.")(fn)
+                        help="No progress bars, nor the progress lines a long run prints (sf-train's "
+                        "step log among them); errors still print.")(fn)
 
 
 # ---- config from options and recipe ------------------------------------------------------------

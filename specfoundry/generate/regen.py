@@ -109,8 +109,8 @@ class RegenConfig(Settings):
     backend: str = setting("hf", choices=BACKENDS, help="hf: transformers in this process; openai: "
                            "OpenAI-compatible servers; sglang: offline sglang.Engine.")
     synthesize: int = setting(0, valid=Range(0, MAX_TOKENS, zero="read SOURCE"),
-                              help="No dataset: synthesise this many user prompts from the target (Magpie) "
-                              "instead of reading SOURCE.")
+                              help="No dataset: synthesise this many user prompts from the target (Magpie), each "
+                              "within --max-new-tokens (one unfinished there is dropped).")
     prompt_temperature: float | None = setting(
         None, shown="--temperature, or 1.0 when greedy", valid=Range(0, min_open=True),
         help="Temperature of synthesised prompts (greedy prompts would all be the same text).")
