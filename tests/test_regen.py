@@ -112,6 +112,14 @@ def test_what_synthesis_needs_is_one_line_before_anything_is_written(tmp_path, b
     assert not (out / "regen_config.json").exists() and not (out / "manifest.json").exists()
 
 
+def test_a_missing_source_is_named_before_the_target_loads(tmp_path, monkeypatch):
+    import specfoundry.generate.regen as regen
+
+    monkeypatch.setattr(regen, "make_backend", lambda cfg: pytest.fail("the target loaded first"))
+    with pytest.raises(RegenError, match="no such file or folder: .*missing.jsonl"):
+        run_regen(RegenConfig(output=str(tmp_path / "o"), source=str(tmp_path / "missing.jsonl")))
+
+
 def test_prompt_starters_option(tmp_path):
     from specfoundry.generate.synth import DEFAULT_STARTERS, read_starters
 

@@ -51,7 +51,7 @@ from specfoundry.conversations.regen_format import (
     shard_path,
     write_shard,
 )
-from specfoundry.conversations.sources import load_conversations
+from specfoundry.conversations.sources import data_files, load_conversations
 from specfoundry.conversations.templates import (
     template_bad_input,
     tools_template_problem,
@@ -407,6 +407,11 @@ def run_regen(cfg: RegenConfig, backend: Backend | None = None, silent: bool = F
                          "no source given: pass a conversation file/folder or --synthesize N")
     check_output_folder(Path(cfg.output), "regen", cfg)  # before loading the target
     check_resumable_format(Path(cfg.output))
+    if cfg.source:  # the source too: loading a large target takes minutes
+        try:
+            data_files(cfg.source)
+        except (ConversationFormatError, FileNotFoundError) as e:
+            raise RegenError(str(e)) from e
     if backend is None:
         try:
             backend = make_backend(cfg)
