@@ -372,6 +372,25 @@ def test_a_missing_draft_or_source_is_named_before_the_target_loads(tmp_path, mo
         assert result.exit_code != 0 and said in result.output, (result.output, result.exception)
 
 
+def test_sf_eval_run_says_where_the_report_went_or_that_it_went_nowhere(tmp_path, monkeypatch):
+    """Without -o sf-eval run prints its table and writes nothing: said in its last line, so that
+    a missing -o is not found out only after a long run."""
+    from click.testing import CliRunner
+
+    import specfoundry.eval.cli as eval_cli
+    from specfoundry.cli import sf_eval
+
+    monkeypatch.setattr(eval_cli, "run_eval", lambda cfg, silent=False: {})  # the decoding is not what is checked
+    monkeypatch.setattr(eval_cli, "format_table", lambda report: "the table")
+    said = {}
+    for name, extra in (("without", []), ("with", ["-o", str(tmp_path / "e")])):
+        result = CliRunner().invoke(sf_eval, ["run", str(tmp_path), *extra])
+        assert result.exit_code == 0, (result.output, result.exception)
+        said[name] = result.output.splitlines()
+    assert said["without"] == ["the table", "wrote nothing: -o DIR keeps the report (eval.json, eval.txt, acceptance.png)"]
+    assert said["with"] == ["the table", f"wrote {tmp_path / 'e'}/eval.json, eval.txt, acceptance.png"]
+
+
 def test_bad_prompt_set_and_draft_fail_clearly(tmp_path, smollm2_dir):
     from specfoundry.common.target import load_tokenizer
 

@@ -33,6 +33,8 @@ def run(recipe, silent, **options):
     click.echo(format_table(report))
     if cfg.output:
         click.echo(f"wrote {cfg.output}/eval.json, eval.txt, acceptance.png")
+    else:  # said, so that a missing -o is not found out after a long run
+        click.echo("wrote nothing: -o DIR keeps the report (eval.json, eval.txt, acceptance.png)")
 
 
 @stage_command(None, "sweep", SweepConfig, *FAILURES)
