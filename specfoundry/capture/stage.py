@@ -36,7 +36,6 @@ from specfoundry.common.settings import (
     TEMPLATE_KWARGS_HELP,
     Range,
     Settings,
-    config_dict,
     parse_template_kwargs,
     resume_settings,
     setting,
@@ -344,7 +343,7 @@ def plan_capture(cfg: CaptureConfig, tokenizer, identity) -> CapturePlan:
         # the settings that decide the features, not how this run was placed or where it wrote: the
         # manifest's hash is the set's identity (sf-train's resume compares it), and a rerun of a
         # finished capture on another device or placement rewrites the manifest
-        capture_config=config_dict(cfg, resume_only=True))
+        capture_config=resume_settings(cfg))
     num_shards = (len(samples) + cfg.shard_size - 1) // cfg.shard_size
     plan = CapturePlan(cfg, samples, num_shards, base, identity.vocab_size)
     # a finished shard made from other tokens than the source now gives (an edited record, the same
