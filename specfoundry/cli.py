@@ -8,10 +8,8 @@ sweep beside the gate, which drives every stage. Where no console script can be 
 
 from __future__ import annotations
 
-import click
-
 from specfoundry.capture.cli import main as sf_capture
-from specfoundry.common.cli import CONTEXT
+from specfoundry.common.cli import CONTEXT, ToolGroup
 from specfoundry.eval.cli import run as eval_run
 from specfoundry.eval.cli import sweep as eval_sweep
 from specfoundry.gate import gate
@@ -19,7 +17,7 @@ from specfoundry.generate.cli import main as sf_regen
 from specfoundry.train.cli import export_main as sf_export
 from specfoundry.train.cli import main as sf_train
 
-sf_eval = click.Group("sf-eval", commands=[eval_run, eval_sweep, gate], context_settings=CONTEXT,
+sf_eval = ToolGroup("sf-eval", commands=[eval_run, eval_sweep, gate], context_settings=CONTEXT,
                       help="Evaluate drafts against their target by real speculative decoding.")
 
 TOOLS = {"sf-regen": sf_regen, "sf-capture": sf_capture, "sf-train": sf_train, "sf-export": sf_export,
@@ -27,4 +25,4 @@ TOOLS = {"sf-regen": sf_regen, "sf-capture": sf_capture, "sf-train": sf_train, "
 """The console scripts by name, as pyproject.toml declares them."""
 
 if __name__ == "__main__":
-    click.Group("python -m specfoundry.cli", commands=TOOLS, context_settings=CONTEXT)()
+    ToolGroup("python -m specfoundry.cli", commands=TOOLS, context_settings=CONTEXT)()

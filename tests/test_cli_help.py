@@ -172,6 +172,20 @@ def test_an_option_without_a_default_is_marked_required_and_the_others_not():
     assert ("sf-train run", "-o") in marked and ("sf-eval run", "-o") not in marked
 
 
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_ctrl_c_ends_a_command_with_status_130_and_one_line(monkeypatch, name):
+    """128 + SIGINT, as the shell reports an interrupted program: a scheduler or a script reads it as
+    stopped, not failed (click alone says 'Aborted!' and exits 1)."""
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(COMMANDS[name].commands, "probe", click.Command("probe", callback=interrupted))
+    result = CliRunner().invoke(COMMANDS[name], ["probe"], prog_name=name)
+    assert result.exit_code == 130, (result.output, result.exception)
+    assert result.output.strip().splitlines() == [f"{name} probe: interrupted (Ctrl-C)"]
+
+
 @pytest.mark.parametrize("argv, words", [
     (["sf-train", "run", "/nonexistent/fs", "-o", "OUT"], "/nonexistent/fs does not exist"),
     (["sf-eval", "run", "/nonexistent/draft"], "/nonexistent/draft does not exist"),

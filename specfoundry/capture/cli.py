@@ -10,6 +10,7 @@ from specfoundry.common.cli import (
     CONTEXT,
     CommandError,
     IntIn,
+    ToolGroup,
     expected_failures,
     given_on_command_line,
     hide_transformers_bars,
@@ -29,7 +30,7 @@ FAILURES = (CaptureError, FeatureSetError, OutputFolderError, ConversationFormat
             PlacementError, FileNotFoundError)
 
 
-@click.group(context_settings=CONTEXT)
+@click.group(cls=ToolGroup, context_settings=CONTEXT)
 def main():
     """Capture the target's hidden states (chosen layers + the final state) into a feature set."""
 

@@ -43,6 +43,24 @@ class CommandError(click.ClickException):
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "show_default": True, "max_content_width": 110}
 
+
+INTERRUPTED = 130
+"""The exit status of a command stopped by Ctrl-C: 128 + SIGINT, the shell's own, which scripts and
+schedulers read as interrupted rather than failed (click's default is 1, a failure's)."""
+
+
+class ToolGroup(click.Group):
+    """A command group of a console script: Ctrl-C ends its command with INTERRUPTED and one line
+    on stderr instead of click's 'Aborted!' and status 1."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            command = " ".join(filter(None, (ctx.command_path, ctx.invoked_subcommand)))
+            click.echo(f"\n{command}: interrupted (Ctrl-C)", err=True)
+            ctx.exit(INTERRUPTED)
+
 RECIPE_SECTIONS = ("regen", "capture", "train", "export", "eval", "gate")
 
 

@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import click
 
-from specfoundry.common.cli import CONTEXT, CommandError, given_on_command_line, resolve_config, stage_command
+from specfoundry.common.cli import (
+    CONTEXT,
+    CommandError,
+    ToolGroup,
+    given_on_command_line,
+    resolve_config,
+    stage_command,
+)
 from specfoundry.common.placement import launch_env
 from specfoundry.common.shards import OutputFolderError
 from specfoundry.conversations.records import ConversationFormatError
 from specfoundry.generate.regen import RegenConfig, RegenError, run_regen
 
 
-@click.group(context_settings=CONTEXT)
+@click.group(cls=ToolGroup, context_settings=CONTEXT)
 def main():
     """Regenerate training conversations with the target itself, so the draft learns its text."""
 

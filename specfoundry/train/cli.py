@@ -8,6 +8,7 @@ import click
 from specfoundry.common.cli import (
     CONTEXT,
     CommandError,
+    ToolGroup,
     given_on_command_line,
     resolve_config,
     stage_command,
@@ -23,7 +24,7 @@ from specfoundry.train.export import ExportConfig, run_export
 from specfoundry.train.trainer import TrainConfig, run_train
 
 
-@click.group(context_settings=CONTEXT)
+@click.group(cls=ToolGroup, context_settings=CONTEXT)
 def main():
     """Train speculative-decoding drafts of any family (--family) from a feature set."""
 
@@ -70,7 +71,7 @@ def refuse_other_families_options(family: str) -> None:
                                f"{' and '.join(read)}'s options")
 
 
-@click.group(context_settings=CONTEXT)
+@click.group(cls=ToolGroup, context_settings=CONTEXT)
 def export_main():
     """Write drafts in the layout a serving engine loads: SGLang's, or vLLM's speculators format."""
 
