@@ -98,6 +98,20 @@ def test_a_conversation_opening_with_a_greeting_is_one_bad_input_not_a_lost_run(
     assert load_conversations(write_jsonl(tmp_path / "s.jsonl", [with_system])).bad == []  # it has a prompt
 
 
+def test_sf_capture_s_summary_counts_the_bad_inputs_it_left_out(tmp_path, tiny_llama_dir):
+    """The last line once said "0 skipped" under a bad input's report, as though nothing was left out."""
+    from specfoundry.capture.cli import main as capture_main
+
+    src = write_jsonl(tmp_path / "chat.jsonl", [GREETING, CHAT[0]])
+    result = CliRunner().invoke(capture_main, ["run", str(src), "-o", str(tmp_path / "fs"), "--target",
+                                               str(tiny_llama_dir), "--max-length", "256", "--silent"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    *_, report, summary = result.output.strip().splitlines()
+    assert report == f"bad input: {src}:1: starts_on_assistant: " + report.split("starts_on_assistant: ")[1]
+    assert summary.startswith(f"feature set {tmp_path / 'fs'}: 1 samples, ")
+    assert summary.endswith("loss tokens; left out: 1 bad inputs (above)")
+
+
 # ---- item 17: an empty answer is named as one, not as a template problem ---------------------------
 
 def test_an_empty_assistant_message_is_reported_as_such(tmp_path, tokenizer):

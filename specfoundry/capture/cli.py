@@ -51,8 +51,11 @@ def run(recipe, silent, **options):
         for bad in manifest.get("bad_inputs", []):
             click.echo(f"bad input: {bad['location']}: {bad['kind']}: {bad['detail']}", err=True)
         c = manifest["counts"]
+        left_out = [f"{n} {what}" for n, what in ((c.get("bad_inputs", 0), "bad inputs (above)"),
+                                                   (c["skipped_untrainable"], "with no assistant token within "
+                                                    f"--max-length {cfg.max_length}")) if n]
         click.echo(f"feature set {cfg.output}: {c['samples']} samples, {c['tokens']} tokens, "
-                   f"{c['loss_tokens']} loss tokens, {c['skipped_untrainable']} skipped")
+                   f"{c['loss_tokens']} loss tokens" + (f"; left out: {', '.join(left_out)}" if left_out else ""))
 
 
 @main.command("verify", context_settings=CONTEXT)
