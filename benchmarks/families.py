@@ -17,7 +17,8 @@ report has it (prefill and the draft's start, ms a prompt; the rest, ms a round)
 `accept_length` maps each draft to {set: accept length}, its `tokens_per_s` each draft to {set:
 tokens/s with the draft} plus `target_alone` {set: tokens/s} (the first report that decoded the
 target alone on that set), its `accept_rate_by_position` each draft to {set: [the share of the
-rounds reaching draft position j whose token was accepted, j = 1..k]}.
+rounds reaching draft position j whose token was accepted, j = 1..k]}, its `train_steps` each draft to
+the optimizer steps its sf-train run recorded (where RUN holds that run's folder).
 
 Several RUN folders join into one table when they read the same features: each holds the digest
 `scripts/measure_gpu.sh` wrote of its capture's arrays (features.sha256, a sha256sum listing), and
@@ -49,9 +50,10 @@ def gather(run: Path, prefix: str = ACCEPTANCE) -> list[dict]:
         if "family" not in report:  # never guessed: a draft of another family would be mislabelled
             raise SystemExit(f"{report_path}: names no draft family (rerun its sf-eval command)")
         draft = folder.name[len(prefix):]
+        steps = report.get("draft_steps") or train_steps(run, report["config"].get("draft"), draft)
         for name, entry in report["sets"].items():
             s = entry["trained"]
-            rows.append({"draft": draft, "family": report["family"],
+            rows.append({"draft": draft, "family": report["family"], "train_steps": steps,
                          "shape": report["config"]["tree"] or f"k={report['config']['k']}", "set": name,
                          "prompts": s["prompts"], "accept_length": s["accept_length"],
                          "draft_ms_per_round": s.get("draft_ms_per_round"),
@@ -67,6 +69,18 @@ def gather(run: Path, prefix: str = ACCEPTANCE) -> list[dict]:
     if not rows and prefix == ACCEPTANCE:
         raise SystemExit(f"{run}: no {prefix}<draft> folder with an eval.json")
     return rows
+
+
+def train_steps(run: Path, evaluated: str | None, draft: str) -> int | None:
+    """The optimizer steps of a draft whose report predates its `draft_steps`: its sf-train run folder
+    in RUN (the plan keeps them side by side) records them in train_summary.json. The folder is found
+    by the name it had where it was evaluated, else by the draft's name in the table (a folder renamed
+    since); None where neither is there."""
+    for name in (Path(evaluated or "").name, draft):
+        summary = run / name / "train_summary.json"
+        if name and summary.is_file():
+            return json.loads(summary.read_text()).get("steps")
+    return None
 
 
 DIGEST = "features.sha256"
@@ -125,6 +139,17 @@ def gather_runs(runs: list[Path], prefix: str = ACCEPTANCE) -> list[dict]:
     return rows
 
 
+def evaluated_on(runs: list[Path]) -> dict | None:
+    """The environment (python, torch, gpu) the first of the runs' reports records: where the table's
+    figures were measured, which may be another machine than the one gathering them."""
+    for run in runs:
+        for report in sorted(run.glob(f"{ACCEPTANCE}*/eval.json")):
+            environment = json.loads(report.read_text()).get("environment")
+            if environment:
+                return environment
+    return None
+
+
 def _gather_any(run: Path, prefix: str) -> list[dict]:
     """gather() that lets one of several runs hold no eval folder (the others may)."""
     return gather(run, prefix) if any(p.is_dir() for p in run.glob(f"{prefix}*")) else []
@@ -134,9 +159,11 @@ def summary(accept_rows: list[dict], timing_rows: list[dict], each_alone: bool =
     """accept_length and accept_rate_by_position from the acceptance runs; tokens_per_s (and
     target_alone) from the timing runs where there are any, else from the acceptance runs."""
     speed_rows = timing_rows or accept_rows
-    accept, by_position, speed = {}, {}, {}
+    accept, by_position, speed, steps = {}, {}, {}, {}
     for r in accept_rows:
         accept.setdefault(r["draft"], {})[r["set"]] = r["accept_length"]
+        if r.get("train_steps") is not None:
+            steps[r["draft"]] = r["train_steps"]
         by_position.setdefault(r["draft"], {})[r["set"]] = r["accept_rate_by_position"]
     for r in speed_rows:
         speed.setdefault(r["draft"], {})[r["set"]] = r["tokens_per_s"]
@@ -145,7 +172,7 @@ def summary(accept_rows: list[dict], timing_rows: list[dict], each_alone: bool =
     source = ("timing (each draft alone)" if timing_rows else
               "acceptance runs (each draft alone)" if each_alone else "acceptance runs (side by side)")
     return {"accept_length": accept, "accept_rate_by_position": by_position, "tokens_per_s": speed,
-            "tokens_per_s_from": source}
+            "tokens_per_s_from": source, "train_steps": steps}
 
 
 def main() -> None:
@@ -163,15 +190,18 @@ def main() -> None:
     if args.each_alone and timing:
         raise SystemExit(f"{', '.join(map(str, args.runs))}: --each-alone, but timing_<draft> folders are there "
                          "too: which speeds are the table's?")
-    columns = ["draft", "shape", "set", "prompts", "accept_length", "draft_ms_per_round", "target_ms_per_round",
+    columns = ["draft", "train_steps", "shape", "set", "prompts", "accept_length", "draft_ms_per_round", "target_ms_per_round",
                "tokens_per_s", "alone_tokens_per_s", "speedup", "greedy_equal"]
     print("acceptance (the eval runs' prompts):")
     print_table(rows, columns)
     if timing:
         print("timing (each draft alone):")
         print_table(timing, columns)
-    path = write_result(args.out, rows, {"timing_rows": timing, "features_sha256": digest,
-                                         "summary": summary(rows, timing, args.each_alone)})
+    extra = {"timing_rows": timing, "features_sha256": digest, "summary": summary(rows, timing, args.each_alone)}
+    machine = evaluated_on(args.runs)
+    if machine:  # the card the reports decoded on (one, gather_runs checked), not the machine gathering them
+        extra["machine"] = machine
+    path = write_result(args.out, rows, extra)
     print(f"wrote {path}")
 
 

@@ -16,15 +16,22 @@ LISTING = "0620  ./shards/shard-000000.safetensors\n"
 
 
 def eval_folder(run: Path, draft: str, accept: float, *, alone: float | None = None, gpu: str = "NVIDIA H100",
-                limit: int | None = None) -> None:
-    """An sf-eval output folder as benchmarks.families reads it: one set, the keys it takes."""
+                limit: int | None = None, steps: int | None = None, evaluated_as: str | None = None,
+                draft_steps: int | None = None) -> None:
+    """An sf-eval output folder as benchmarks.families reads it: one set, the keys it takes; `steps`:
+    the draft's sf-train run beside it, as the plan leaves it, recording that many steps; `evaluated_as`:
+    the folder's name where it was evaluated (renamed since); `draft_steps`: the report's own record."""
     folder = run / f"eval_{draft}"
     folder.mkdir(parents=True)
     entry = {"trained": {"prompts": 2, "accept_length": accept, "tokens_per_s": 100.0 * accept}}
     if alone is not None:
         entry["target_alone_tokens_per_s"] = alone
-    report = {"family": draft.split("_")[0], "config": {"tree": None, "k": 15, "limit": limit, "dtype": "bfloat16"},
-              "environment": {"gpu": gpu}, "sets": {"chat": entry}}
+    report = {"family": draft.split("_")[0], "config": {"tree": None, "k": 15, "limit": limit, "dtype": "bfloat16",
+                                                        "draft": f"/elsewhere/run/{evaluated_as or draft}"},
+              "environment": {"gpu": gpu}, "sets": {"chat": entry}, "draft_steps": draft_steps}
+    if steps is not None:
+        (run / draft).mkdir()
+        (run / draft / "train_summary.json").write_text(json.dumps({"steps": steps}))
     (folder / "eval.json").write_text(json.dumps(report))
 
 
@@ -33,9 +40,10 @@ def capture_listing(run: Path, text: str = LISTING) -> None:
 
 
 def two_runs_of_one_capture(tmp_path) -> tuple[Path, Path]:
-    """Run a (DFlash2, the target alone beside it) and run b (Domino), their captures' listings equal."""
+    """Run a (DFlash2 with its training run, the target alone beside it) and run b (Domino), their
+    captures' listings equal."""
     first, second = tmp_path / "a", tmp_path / "b"
-    eval_folder(first, "dflash2_b16", 1.7, alone=640.0)
+    eval_folder(first, "dflash2_b16", 1.7, alone=640.0, steps=678)
     eval_folder(second, "domino_b16", 1.6)
     for run in (first, second):
         capture_listing(run)
@@ -60,7 +68,16 @@ def test_runs_of_one_capture_join_and_the_result_names_its_digest(tmp_path):
     summary = result["summary"]
     assert summary["accept_length"] == {"dflash2_b16": {"chat": 1.7}, "domino_b16": {"chat": 1.6}}
     assert summary["tokens_per_s"]["target_alone"] == {"chat": 640.0}
+    assert summary["train_steps"] == {"dflash2_b16": 678}  # Domino's run folder is not there: unknown
+    assert result["machine"]["gpu"] == "NVIDIA H100"  # where the reports decoded, not where they were gathered
     assert result["features_sha256"] == hashlib.sha256(LISTING.encode()).hexdigest()
+    # the steps: the report's own record first, else the run folder by either name
+    steps = tmp_path / "s"
+    eval_folder(steps, "eagle3", 1.8, steps=678, draft_steps=500)
+    eval_folder(steps, "dflash_b16", 1.5, steps=600, evaluated_as="dflash_b16_before")
+    done, result = table(tmp_path, steps)
+    assert done.returncode == 0, done.stderr
+    assert result["summary"]["train_steps"] == {"eagle3": 500, "dflash_b16": 600}
     # one run needs no digest (a table of one machine's drafts)
     single = tmp_path / "c"
     eval_folder(single, "dflash_b16", 1.5)
