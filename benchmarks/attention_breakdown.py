@@ -25,13 +25,13 @@ import functools
 import torch
 
 from benchmarks.common import (
-    FlexArgsAttention,
     cuda_time_ms_interleaved,
     peak_memory_gib,
     print_table,
     wall,
     write_result,
 )
+from benchmarks.flex_args import FlexArgsAttention
 from benchmarks.flex_tuning import CHOICES
 from benchmarks.kernels import STEPS, attention_block_run
 from specfoundry.families.eagle3.model import Eagle3Draft

@@ -15,8 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 RESULTS = Path(__file__).parent / "results"
 # the reference GPU's (one H200) measured rates: the denominators of MFU and of bandwidth shares
 MATMUL_TFLOPS = 790.0  # bf16 8192^3 matmul
@@ -33,6 +31,8 @@ def cuda_time_ms_interleaved(fns: dict, warmup: int = 3, iters: int = 15, host_m
     drift of the card's clock during the run (seen as +-10% between runs of the same kernel)
     falls on all of them alike and their ratio stays fair. `host_ms`, if given, gets each fn's
     median host time: from the call until it returns, the device idle at the call."""
+    import torch
+
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -57,6 +57,8 @@ def cuda_time_ms_interleaved(fns: dict, warmup: int = 3, iters: int = 15, host_m
 def call_ms(fn, cuda: bool | None = None) -> float:
     """One call of fn, in ms: CUDA-event device time between synchronisations on a GPU (`cuda`:
     whether fn runs on one; default: whether one is there), the host's time elsewhere."""
+    import torch
+
     if not (torch.cuda.is_available() if cuda is None else cuda):
         t = time.perf_counter()
         fn()
@@ -75,6 +77,8 @@ def cuda_time_ms_back_to_back(fn, calls: int = 10, repeats: int = 5) -> float:
     between them; after one warm-up call), the median of `repeats`: the device's time per call when
     the host runs ahead. cuda_time_ms_interleaved synchronises after each call, so its figure also
     holds whatever part of the host's launch the device waits for."""
+    import torch
+
     fn()
     torch.cuda.synchronize()
     times = []
@@ -91,6 +95,8 @@ def cuda_time_ms_back_to_back(fn, calls: int = 10, repeats: int = 5) -> float:
 
 def peak_memory_gib(fn) -> float:
     """Peak allocated memory during one fn() call, above what was allocated before it."""
+    import torch
+
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -101,6 +107,8 @@ def peak_memory_gib(fn) -> float:
 
 
 def wall(fn) -> float:
+    import torch
+
     t = time.perf_counter()
     fn()
     if torch.cuda.is_available():
@@ -109,20 +117,21 @@ def wall(fn) -> float:
 
 
 def machine() -> dict:
-    info = {"python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform()}
-    try:
-        import triton
+    """The versions (from the installed packages' metadata, nothing imported for them) and, where
+    this process has used torch, its GPU: a benchmark that only gathers reports into a table never
+    imports torch, and records no GPU of its own."""
+    from importlib.metadata import PackageNotFoundError, version
 
-        info["triton"] = triton.__version__
-    except ImportError:
-        pass
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
+    info = {"python": sys.version.split()[0], "platform": platform.platform()}
+    for package in ("torch", "triton", "transformers"):
+        try:
+            info[package] = version(package)
+        except PackageNotFoundError:
+            pass
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        info["torch"] = torch.__version__  # the build loaded (another may sit beside it in metadata)
+    if torch is not None and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
         info["gpus"] = torch.cuda.device_count()
     return info
@@ -147,14 +156,28 @@ def command() -> str:
     return " ".join([head, *sys.argv[1:]])
 
 
-def write_result(name: str, rows: list[dict], extra: dict | None = None) -> Path:
+def reports_environment(*runs: Path) -> dict | None:
+    """The environment (python, torch, gpu) that the first sf-eval report under the runs records
+    (eval.json, at any depth): where a gathered table's figures were measured, which may be another
+    machine than the one gathering them; None where no report records one."""
+    for run in runs:
+        for report in sorted(Path(run).rglob("eval.json")):
+            environment = json.loads(report.read_text()).get("environment")
+            if environment:
+                return environment
+    return None
+
+
+def write_result(name: str, rows: list[dict], extra: dict | None = None, measured_on: dict | None = None) -> Path:
     """results/<name>.json: the rows with the commit, machine and versions, command and date; a
     new run replaces the file (git keeps the old one). `name` may end in .json and may be a path
-    (absolute, or relative to results/)."""
+    (absolute, or relative to results/). `measured_on`: the machine of the figures where this
+    process only gathers them (reports_environment), else this one's."""
     name = name.removesuffix(".json")
     path = RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": Path(name).name, "command": command(), "commit": commit(), "machine": machine(),
+    payload = {"benchmark": Path(name).name, "command": command(), "commit": commit(),
+               "machine": measured_on or machine(),
                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows, **(extra or {})}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
@@ -220,38 +243,3 @@ def fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
     return "" if v is None else str(v)
-
-
-class FlexArgsAttention(torch.nn.Module):
-    """Eagle3Attention's training path (TTT steps through a TTTCache), same weights, with
-    tree_attention's launch settings passed in (kernel_options=, compiled=, mask_mod=): the
-    model's attention takes none, so a benchmark that varies them puts this in the draft's place.
-    separate_qkv: q, k and v from three projections instead of one GEMM over the cached
-    concatenated weight (in backward three dX GEMMs and two adds instead of one)."""
-
-    def __init__(self, attn, separate_qkv: bool = False, **flex):
-        super().__init__()
-        self.attn, self.separate_qkv, self.flex = attn, separate_qkv, flex
-
-    def forward(self, x, cos, sin, cache, lengths, step: int, attention: str) -> torch.Tensor:
-        from specfoundry.families.eagle3.model import apply_rotary_pos_emb
-        from specfoundry.kernels.tree_attention import tree_attention
-
-        a = self.attn
-        b, t, _ = x.shape
-        if self.separate_qkv:
-            q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
-        else:
-            q, k, v = torch.nn.functional.linear(x, cache.fused_qkv(a)).split(
-                [a.nh * a.hd, a.nkv * a.hd, a.nkv * a.hd], dim=-1)
-            v = v.contiguous()  # as the model: a view would keep the whole fused output alive
-        q = q.view(b, t, a.nh, a.hd).transpose(1, 2)  # [B, nh, T, hd]
-        k = k.view(b, t, a.nkv, a.hd).transpose(1, 2)  # [B, nkv, T, hd]
-        v = v.view(b, t, a.nkv, a.hd).transpose(1, 2)
-        q, k = a.call(apply_rotary_pos_emb, q, k, cos, sin)
-        cache.kv.append((k, v))
-        keys = torch.cat([c[0] for c in cache.kv], dim=2)  # [B, nkv, T*(step+1), hd]
-        values = torch.cat([c[1] for c in cache.kv], dim=2)
-        backend = {"flex": "flex", "sdpa": "sdpa"}.get(attention, "auto")
-        out = tree_attention(q, keys, values, lengths, step, backend=backend, **self.flex)
-        return a.o_proj(out.transpose(1, 2).reshape(b, t, a.nh * a.hd))

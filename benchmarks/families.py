@@ -34,7 +34,7 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks.common import print_table, write_result
+from benchmarks.common import print_table, reports_environment, write_result
 
 ACCEPTANCE, TIMING = "eval_", "timing_"
 
@@ -139,17 +139,6 @@ def gather_runs(runs: list[Path], prefix: str = ACCEPTANCE) -> list[dict]:
     return rows
 
 
-def evaluated_on(runs: list[Path]) -> dict | None:
-    """The environment (python, torch, gpu) the first of the runs' reports records: where the table's
-    figures were measured, which may be another machine than the one gathering them."""
-    for run in runs:
-        for report in sorted(run.glob(f"{ACCEPTANCE}*/eval.json")):
-            environment = json.loads(report.read_text()).get("environment")
-            if environment:
-                return environment
-    return None
-
-
 def _gather_any(run: Path, prefix: str) -> list[dict]:
     """gather() that lets one of several runs hold no eval folder (the others may)."""
     return gather(run, prefix) if any(p.is_dir() for p in run.glob(f"{prefix}*")) else []
@@ -197,11 +186,9 @@ def main() -> None:
     if timing:
         print("timing (each draft alone):")
         print_table(timing, columns)
-    extra = {"timing_rows": timing, "features_sha256": digest, "summary": summary(rows, timing, args.each_alone)}
-    machine = evaluated_on(args.runs)
-    if machine:  # the card the reports decoded on (one, gather_runs checked), not the machine gathering them
-        extra["machine"] = machine
-    path = write_result(args.out, rows, extra)
+    path = write_result(args.out, rows, {"timing_rows": timing, "features_sha256": digest,
+                                         "summary": summary(rows, timing, args.each_alone)},
+                        measured_on=reports_environment(*args.runs))  # one card: gather_runs checked
     print(f"wrote {path}")
 
 

@@ -30,7 +30,8 @@ import time
 
 import torch
 
-from benchmarks.common import FlexArgsAttention, print_table, write_result
+from benchmarks.common import print_table, write_result
+from benchmarks.flex_args import FlexArgsAttention
 from specfoundry.families.eagle3.config import Eagle3Config
 from specfoundry.families.eagle3.shapes import SMOL_DRAFT, random_ttt_module
 from specfoundry.featureset.batch import Batch

@@ -19,7 +19,7 @@ import argparse
 import re
 from pathlib import Path
 
-from benchmarks.common import print_table, write_result
+from benchmarks.common import print_table, reports_environment, write_result
 from benchmarks.families import gather
 
 SET_AND_MODE = re.compile(r"^(?P<set>.+) \[(?P<mode>[^\]]+)\]$")
@@ -65,7 +65,7 @@ def main():
              for t, modes in summary["accept_length"].items() for m, a in modes.items()]
     print_table(table, ["trained", "evaluated", *sets, "mean"])
     print("acceptance in the trained mode against the other (%):", summary["matched_gain_pct"])
-    print(write_result(args.out, rows, {"summary": summary}))
+    print(write_result(args.out, rows, {"summary": summary}, measured_on=reports_environment(args.run)))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import re
 import shutil
 from pathlib import Path
 
-from benchmarks.common import print_table, write_result
+from benchmarks.common import print_table, reports_environment, write_result
 from benchmarks.families import gather
 
 SEED = re.compile(r"_seed\d+$")
@@ -158,7 +158,7 @@ def main():
     print("best LK variant:", summary["best_lk"])
     if summary["curve"]:
         print("curve:", summary["curve"]["points"], "kept:", summary["curve"]["kept"])
-    print(write_result(args.out, rows, {"summary": summary}))
+    print(write_result(args.out, rows, {"summary": summary}, measured_on=reports_environment(args.run)))
 
 
 if __name__ == "__main__":

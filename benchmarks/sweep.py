@@ -31,7 +31,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.common import print_table, write_result
+from benchmarks.common import print_table, reports_environment, write_result
 
 CHAIN_K7 = "S7_K1_N8"
 DYNAMIC_MOST = 64  # the most tokens a round (N, SGLang's --speculative-num-draft-tokens) of the dynamic
@@ -124,7 +124,7 @@ def main() -> None:
     for draft, b in result["best"].items():
         print(f"{draft}: best {b['setting']}; SGLang {b['serve']['sglang']}; vLLM {b['serve']['vllm']}")
     print(json.dumps({k: v for k, v in result.items() if k != "best"}, indent=1))
-    print(f"wrote {write_result(args.out, rows, {'summary': result})}")
+    print(f"wrote {write_result(args.out, rows, {'summary': result}, measured_on=reports_environment(args.run))}")
 
 
 if __name__ == "__main__":
