@@ -588,6 +588,52 @@ def test_an_edited_manifest_is_caught_by_verify_and_refused_by_readers(features,
     assert any("sample lengths" in p for p in verify_featureset(fs)), verify_featureset(fs)
 
 
+def swapped_lengths(m):
+    lengths = m["shards"][0]["sample_lengths"]
+    m["shards"][0]["sample_lengths"] = [lengths[1], lengths[0], *lengths[2:]]
+
+
+def one_sample_fewer(m):  # a record edited to agree with itself and with the set's counts
+    entry = m["shards"][0]
+    dropped = entry["sample_lengths"].pop()
+    entry["num_samples"] -= 1
+    entry["num_tokens"] -= dropped
+    m["counts"]["samples"] -= 1
+    m["counts"]["tokens"] -= dropped
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda m: m["shards"][0].update(num_samples=m["shards"][0]["num_samples"] + 1), "records 4 samples, 3 sample"),
+    (lambda m: m["shards"][0].update(num_samples=str(m["shards"][0]["num_samples"])), "are not whole numbers"),
+    (lambda m: m["shards"].pop(), "counts samples=6, its shard records hold 3"),
+    (lambda m: m["shards"][0].update(sample_lengths=[200, *m["shards"][0]["sample_lengths"][1:]]), "summing to"),
+    (swapped_lengths, "its samples' lengths is not what manifest.json records"),
+    (one_sample_fewer, "its samples' lengths is not what manifest.json records"),
+    (lambda m: m.update(hidden_size=m["hidden_size"] - 64), "its aux_hidden, final_hidden shape is not what"),
+])
+def test_sf_train_refuses_a_hand_edited_manifest_in_one_line(features, tmp_path, edit, words):
+    """A manifest edited by hand crashed sf-train (an IndexError or a TypeError traceback) or trained on
+    what sf-capture verify calls damaged: shards dropped, counts and lengths changed, hidden_size.
+    sf-train now refuses each in one line naming the manifest, before its first step (the records
+    among themselves when the set opens, each shard against its record in the run's checksum pass),
+    and sf-capture verify finds each too."""
+    from specfoundry.capture.verify import verify_featureset
+    from specfoundry.train.cli import main as train_main
+
+    fs, manifest = copy_set(features, tmp_path)
+    assert manifest["counts"]["samples"] == 6 and [e["num_samples"] for e in manifest["shards"]] == [3, 3]
+    edit(manifest)
+    (fs / MANIFEST).write_text(json.dumps(manifest))
+    assert verify_featureset(fs)
+    result = CliRunner().invoke(train_main, ["run", str(fs), "-o", str(tmp_path / "run"), "--max-steps", "2",
+                                             "--num-workers", "0", "--eval-fraction", "0", "--silent"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert "Traceback" not in result.output and len(errors) == 1, result.output
+    assert errors[0].startswith(f"Error: {fs}") and words in errors[0], result.output
+    assert not (tmp_path / "run" / "export").exists()
+
+
 def test_an_input_folder_spelled_relative_or_absolute_is_the_same_setting(features, tmp_path, monkeypatch):
     """A rerun that names the feature set relative to another directory, or absolute, resumes;
     so does a run whose record holds the path relative (recorded before paths were made

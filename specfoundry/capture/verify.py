@@ -11,36 +11,19 @@ from specfoundry.common.files import checksum
 from specfoundry.common.progress import Progress
 from specfoundry.featureset.manifest import FeatureSetError, read_manifest, record_disagreements, stored_topk
 from specfoundry.featureset.store import (
-    BIT_PATTERNS,
-    SCALED,
-    TORCH_DTYPES,
     FeatureSet,
     ShardReader,
     decode_state,
+    expected_arrays,
     impossible_scales,
     is_finite,
     relative_error,
-    stored_row,
+    shard_records_problem,
     stored_states,
     token_counts_problem,
 )
 
 CHUNK = 8192  # tokens decoded at once by the NaN/Inf check
-
-
-def expected_arrays(manifest: dict, n: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Array name -> (shape, torch dtype as read from disk) of a shard of n tokens."""
-    h, k = manifest["hidden_size"], len(manifest["aux_layer_ids"])
-    out = {"input_ids": ((n,), torch.int32), "loss_mask": ((n,), torch.uint8)}
-    teacher_k = stored_topk(manifest)
-    states = (("aux", k, manifest["storage_dtype"]), ("final", 1, manifest["final_storage_dtype"]))
-    for state, layers, dtype in stored_states(states, bool(teacher_k)):
-        out[f"{state}_hidden"] = ((n, layers * stored_row(dtype, h)), BIT_PATTERNS.get(dtype, TORCH_DTYPES[dtype]))
-        if dtype in SCALED:
-            out[f"{state}_scale"] = ((n, layers), torch.float32)
-    if teacher_k:
-        out["teacher_ids"], out["teacher_probs"] = ((n, teacher_k), torch.int32), ((n, teacher_k), torch.float16)
-    return out
 
 
 def teacher_problem(r: ShardReader, n: int, vocab_size: int) -> str | None:
@@ -165,6 +148,8 @@ def verify_featureset(root: str | Path, recompute: int = 0, device: str | None =
     root = Path(root)
     manifest = read_manifest(root)
     problems = record_disagreements(root, manifest)
+    if records := shard_records_problem(root, manifest):  # each shard's record would be misread: restore first
+        return [*problems, records]
     if not manifest.get("complete"):
         problems.append(f"{root}: the capture is not complete (rerun the same sf-capture command to finish)")
     elif problem := token_counts_problem(root, manifest):

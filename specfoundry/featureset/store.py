@@ -35,6 +35,7 @@ import torch
 from specfoundry.common.files import checksum
 from specfoundry.featureset import blockfp, fp8
 from specfoundry.featureset.manifest import (
+    MANIFEST,
     TOKEN_COUNTS,
     FeatureSetError,
     read_manifest,
@@ -293,6 +294,51 @@ def _write_zarr(path: Path, arrays: dict[str, np.ndarray]) -> None:
             group[name][...] = a
 
 
+def expected_arrays(manifest: dict, n: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Array name -> (shape, torch dtype as read from disk) of a shard of n tokens."""
+    h, k = manifest["hidden_size"], len(manifest["aux_layer_ids"])
+    out = {"input_ids": ((n,), torch.int32), "loss_mask": ((n,), torch.uint8)}
+    teacher_k = stored_topk(manifest)
+    states = (("aux", k, manifest["storage_dtype"]), ("final", 1, manifest["final_storage_dtype"]))
+    for state, layers, dtype in stored_states(states, bool(teacher_k)):
+        out[f"{state}_hidden"] = ((n, layers * stored_row(dtype, h)), BIT_PATTERNS.get(dtype, TORCH_DTYPES[dtype]))
+        if dtype in SCALED:
+            out[f"{state}_scale"] = ((n, layers), torch.float32)
+    if teacher_k:
+        out["teacher_ids"], out["teacher_probs"] = ((n, teacher_k), torch.int32), ((n, teacher_k), torch.float16)
+    return out
+
+
+def shard_records_problem(root: Path, manifest: dict) -> str | None:
+    """What makes the manifest's shard records disagree with one another, in one line naming the
+    first, or None: a count that is not a whole number, a shard whose sample lengths are not
+    num_samples whole numbers summing to its num_tokens, or totals not the set's counts. A
+    hand-edited manifest (shards dropped, counts changed) is refused here, before a shard is read;
+    sf-capture verify and check_shard compare each record with its shard."""
+    where = Path(root) / MANIFEST
+    totals = {"samples": 0, "tokens": 0}
+    for entry in manifest.get("shards", []):
+        name, n, lengths = entry.get("path"), entry.get("num_samples"), entry.get("sample_lengths")
+        if not whole(n) or not isinstance(lengths, list) or not all(whole(x) and x > 0 for x in lengths):
+            return f"{where}: shard {name}: num_samples and sample_lengths are not whole numbers (an edited manifest)"
+        if len(lengths) != n or ("num_tokens" in entry and sum(lengths) != entry["num_tokens"]):
+            return (f"{where}: shard {name} records {n} samples, {len(lengths)} sample lengths summing to "
+                    f"{sum(lengths)} and {entry.get('num_tokens')} tokens (an edited manifest: restore it, or recapture)")
+        totals["samples"] += n
+        totals["tokens"] += sum(lengths)
+    counts = manifest.get("counts", {})
+    for key, held in totals.items():
+        if manifest.get("complete") and key in counts and counts[key] != held:
+            return (f"{where}: counts {key}={counts[key]}, its shard records hold {held} (an edited manifest: "
+                    "restore it, or recapture)")
+    return None
+
+
+def whole(x) -> bool:
+    """A JSON whole number at least 0 (not a bool, not a string of digits)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 class ShardReader:
     """Random access to one shard's samples without reading the rest of the shard."""
 
@@ -372,6 +418,8 @@ class FeatureSet:
         edited = record_disagreements(self.root, self.manifest)
         if edited:
             raise FeatureSetError(edited[0])
+        if problem := shard_records_problem(self.root, self.manifest):
+            raise FeatureSetError(problem)
         self.codec = self.manifest["codec"]
         self.dtype = self.manifest["storage_dtype"]
         self.final_dtype = self.manifest["final_storage_dtype"]
@@ -397,12 +445,21 @@ class FeatureSet:
         return path
 
     def check_shard(self, shard: int) -> None:
-        """Shard `shard` is on disk and its checksum is the manifest's (one read of it);
-        FeatureSetError naming it otherwise."""
+        """Shard `shard` is on disk, its checksum is the manifest's (one read of it), and its samples'
+        lengths and arrays' shapes are what the manifest records (a manifest edited to agree with
+        itself); FeatureSetError naming it otherwise."""
         entry = self.shards[shard]
         if checksum(self.shard_path(shard)) != entry["sha256"]:
             raise FeatureSetError(f"{self.root}: shard {entry['path']} is damaged or truncated (checksum "
                                   "mismatch); recapture it (rerun the sf-capture command after deleting it)")
+        r = ShardReader(self.shard_path(shard), self.codec, self.dtype, self.final_dtype, self.teacher_k)
+        lengths = np.diff(r.offsets).tolist()  # [samples]
+        expected = expected_arrays(self.manifest, int(r.offsets[-1]))
+        wrong = [name for name, (shape, _) in expected.items() if r.shape(name) != shape]
+        if lengths != entry["sample_lengths"] or wrong:
+            what = f"its {', '.join(wrong)} shape" if wrong else "its samples' lengths"
+            raise FeatureSetError(f"{self.root}: shard {entry['path']}: {what} is not what {MANIFEST} records "
+                                  "(an edited manifest: restore it, or recapture)")
 
     def check_shards(self, shards: list[int], threads: int = 8) -> Iterator[int]:
         """check_shard over `shards`, `threads` at a time (hashlib and file reads release the GIL),
