@@ -708,7 +708,7 @@ def test_an_exports_files_get_the_permissions_open_gives(features, tmp_path):
 def test_a_training_that_learnt_nothing_is_an_error_and_exports_nothing(features, tmp_path):
     """issue 61 item 1: with --max-length 1 no micro-batch holds a position to train (every one is
     skipped, every loss 0): sf-train ended "trained N steps; exported", exit 0. Now one line, exit 2,
-    and no export; a run where most micro-batches were skipped says so in its last line."""
+    no export and no checkpoint; a run where most micro-batches were skipped says so in its last line."""
     from click.testing import CliRunner
 
     from specfoundry.train.cli import main
@@ -716,11 +716,13 @@ def test_a_training_that_learnt_nothing_is_an_error_and_exports_nothing(features
     out = tmp_path / "run"
     result = CliRunner().invoke(main, ["run", str(features), "-o", str(out), "--max-length", "1", "--max-steps", "2",
                                        "--draft-vocab-size", "256", "--eval-fraction", "0", "--num-workers", "0",
-                                       "--loss-kernel", "reference", "--silent"])
+                                       "--loss-kernel", "reference", "--save-every", "1", "--silent"])
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert result.exit_code == 2 and len(errors) == 1, result.output
     assert "every one of the run's 2 micro-batches had no position to train" in errors[0], errors
     assert not (out / "export").exists()
+    # its checkpoints hold the draft as it began: sf-eval once offered the newest as the draft to evaluate
+    assert not (out / "checkpoints").exists() and "checkpoints, the draft as it began, removed" in errors[0]
     from specfoundry.train.trainer import skipped_report
 
     assert skipped_report(0, 8) is None and skipped_report(4, 8) is None

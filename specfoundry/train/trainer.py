@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -186,11 +187,12 @@ def skipped_report(skipped: int, micro_batches: int) -> str | None:
     """What the run's end says of its micro-batches with nothing to learn (over every rank): an error
     (NothingLearnedError) where none of them had a trainable position, a warning where most had none,
     else None."""
-    why = ("no supervised token within --max-length, or none the draft's vocabulary holds: raise --max-length "
-           "or --draft-vocab-size, or check the feature set's loss mask")
+    why = ("no supervised token within --max-length, or none where the draft's vocabulary holds the target's own "
+           "next token: raise --max-length or --draft-vocab-size, have the target write the answers (sf-regen), "
+           "or check the feature set's loss mask")
     if micro_batches and skipped >= micro_batches:
         raise NothingLearnedError(f"every one of the run's {micro_batches} micro-batches had no position to train "
-                                  f"({why}); nothing exported")
+                                  f"({why}); nothing exported, and its checkpoints, the draft as it began, removed")
     if skipped * 2 > micro_batches:
         return f"{skipped} of {micro_batches} micro-batches had no position to train ({why})"
     return None
@@ -350,8 +352,9 @@ class Trainer:
         if coverage is None:
             return
         if self.accel.is_main_process and not self.silent:
-            print(f"sf-train: the draft vocabulary holds {100 * coverage:.1f}% of the feature set's supervised tokens",
-                  file=sys.stderr)
+            print(f"sf-train: the draft vocabulary holds {100 * coverage:.1f}% of the feature set's supervised tokens "
+                  "(a position trains where it holds the target's own next token: the same where the target wrote "
+                  "the answers)", file=sys.stderr)
         if coverage == 0:
             where = f"--init-from {self.cfg.init_from}'s" if self.cfg.init_from else "the draft's"
             raise FeatureSetError(f"{where} vocabulary holds none of feature set {self.cfg.featureset}'s supervised "
@@ -528,7 +531,12 @@ class Trainer:
         state_bytes = torch.tensor([optimizer_state_bytes(self.optimizer)], device=accel.device)
         per_rank = accel.gather(state_bytes).tolist()
         counts = accel.gather(torch.tensor([[self.skipped, self.step * self.cfg.grad_accum]], device=accel.device))
-        skipped_warning = skipped_report(*counts.view(-1, 2).sum(0).tolist())  # (raises where nothing was learnt)
+        try:
+            skipped_warning = skipped_report(*counts.view(-1, 2).sum(0).tolist())
+        except NothingLearnedError:  # a checkpoint would be offered to sf-eval as a trained draft
+            if accel.is_main_process:
+                shutil.rmtree(self.out / "checkpoints", ignore_errors=True)
+            raise
         draft_state = self.draft_state()
         try:  # weights a finite loss did not read can still have gone non-finite: never exported
             check_finite(draft_state, f"sf-train: the draft after step {self.step}")
