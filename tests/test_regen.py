@@ -120,6 +120,17 @@ def test_a_missing_source_is_named_before_the_target_loads(tmp_path, monkeypatch
         run_regen(RegenConfig(output=str(tmp_path / "o"), source=str(tmp_path / "missing.jsonl")))
 
 
+def test_an_empty_source_is_refused_before_the_target_loads_and_writes_nothing(tmp_path, monkeypatch):
+    """An empty file once gave an output whose manifest said complete, then 'no conversation written'."""
+    import specfoundry.generate.regen as regen
+
+    monkeypatch.setattr(regen, "make_backend", lambda cfg: pytest.fail("the target loaded first"))
+    (tmp_path / "empty.jsonl").touch()
+    with pytest.raises(RegenError, match=r"empty.jsonl: empty: no conversation to regenerate$"):
+        run_regen(RegenConfig(output=str(tmp_path / "o"), source=str(tmp_path / "empty.jsonl")))
+    assert not (tmp_path / "o" / "manifest.json").exists()
+
+
 def test_prompt_starters_option(tmp_path):
     from specfoundry.generate.synth import DEFAULT_STARTERS, read_starters
 

@@ -409,9 +409,12 @@ def run_regen(cfg: RegenConfig, backend: Backend | None = None, silent: bool = F
     check_resumable_format(Path(cfg.output))
     if cfg.source:  # the source too: loading a large target takes minutes
         try:
-            data_files(cfg.source)
+            files = data_files(cfg.source)
         except (ConversationFormatError, FileNotFoundError) as e:
             raise RegenError(str(e)) from e
+        if all(f.stat().st_size == 0 for f in files):  # else an empty output marked complete, then an error
+            raise RegenError(f"{cfg.source}: {'empty' if len(files) == 1 else 'every file empty'}: no conversation "
+                             "to regenerate")
     if backend is None:
         try:
             backend = make_backend(cfg)
