@@ -202,6 +202,7 @@ def test_ctrl_c_ends_a_command_with_status_130_and_one_line(monkeypatch, name):
     (["sf-regen", "run", "-o", "OUT", "--synthesize", "2", "--device", "cuda:99"], "--device': 'cuda:99'"),
     (["sf-eval", "run", "/nonexistent/draft", "--device", "cuda:99"], "--device': 'cuda:99'"),
     (["sf-train", "run", "SRC", "-o", "OUT", "--max-steps", "3", "--epochs", "1"], "--max-steps and --epochs"),
+    (["sf-eval", "run", "/nonexistent/draft", "-k", "5", "--tree", "2,1"], "-k drafts a chain, --tree a tree"),
     (["sf-export", "run", "/nonexistent/draft", "-o", "OUT", "-k", "6"], "written only into a speculators export"),
 ])
 def test_expected_failures_are_one_line_errors_with_status_2(tmp_path, argv, words):
