@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -527,9 +528,21 @@ def test_sf_eval_sweep_decodes_each_setting_names_the_best_and_its_flags(gate_ru
     assert json.loads((tmp_path / "s" / "sweep.json").read_text())["best"] == summary["best"]
     assert (tmp_path / "s" / "sweep.png").stat().st_size > 0
     assert "SGLang: --speculative-algorithm EAGLE3" in format_sweep(summary)
+    assert summary["measured_earlier"] == []
     monkeypatch.setattr(sweep_module, "run_eval", lambda *a, **k: pytest.fail("a finished setting ran again"))
     assert run_sweep(cfg, silent=True, target=smollm2_target)["rows"] == summary["rows"]
+    # a rerun that finishes an interrupted sweep says which settings' speeds come from the earlier run
+    second = json.loads((tmp_path / "s" / "S3_K2_N6" / "eval.json").read_text())
+    shutil.rmtree(tmp_path / "s" / "S3_K2_N6")
+    monkeypatch.setattr(sweep_module, "run_eval", lambda *a, **k: second)
+    resumed = run_sweep(cfg, silent=True, target=smollm2_target)
+    assert resumed["measured_earlier"] == ["S3_K1_N4"]
+    assert "note: S3_K1_N4 measured in an earlier run of this sweep (resumed)" in format_sweep(resumed)
     monkeypatch.undo()
+    slower = {**summary, "best_mean_tokens_per_s": 5.0, "target_alone_tokens_per_s": {"chat": 9.0, "code": 11.0}}
+    assert ("note: the best setting decodes slower than the target alone (5.0 against 10.0 tokens/s on average)"
+            in format_sweep(slower))
+    assert "slower than the target alone" not in format_sweep({**slower, "best_mean_tokens_per_s": 10.5})
     with pytest.raises(EvalError, match="an EAGLE-3 setting is S,K,N"):
         run_sweep(replace(cfg, settings=("7",)), silent=True, target=smollm2_target)
 

@@ -117,11 +117,12 @@ def run_sweep(cfg: SweepConfig, silent: bool = False, target: Target | None = No
     common = dict(draft=cfg.draft, target=cfg.target, chat_template=cfg.chat_template, prompt_sets=cfg.prompt_sets,
                   max_new_tokens=cfg.max_new_tokens, limit=cfg.limit, seed=cfg.seed,
                   compile_target=cfg.compile_target, device=cfg.device, dtype=cfg.dtype)
-    reports = {}
+    reports, earlier = {}, []
     for i, (name, fields) in enumerate(options):
         folder = out / name
         if (folder / "eval.json").is_file():
             reports[name] = json.loads((folder / "eval.json").read_text())
+            earlier.append(name)
             continue
         run_cfg = EvalConfig(**common, **fields, baseline=i == 0, output=str(folder))
         if target is None:  # loaded once, as the first run would load it
@@ -129,7 +130,7 @@ def run_sweep(cfg: SweepConfig, silent: bool = False, target: Target | None = No
                                  chat_template=cfg.chat_template, command="sf-eval sweep")
         # --compile-target: one compile shared by all the widths the settings verify at, not one per width
         reports[name] = run_eval(run_cfg, silent=silent, target=target, dynamic=True)
-    summary = summarise(reports, options, ref)
+    summary = {**summarise(reports, options, ref), "measured_earlier": earlier if len(earlier) < len(options) else []}
     atomic_write_json(out / "sweep.json", {"config": {k: getattr(cfg, k) for k in ("draft", "target", "settings")},
                                           **summary})
     plot_sweep(summary, ref.provider.name, out / "sweep.png")
@@ -245,6 +246,15 @@ def format_sweep(summary: dict) -> str:
     serve = summary["serve"]
     lines.append(f"SGLang: {serve['sglang'] or 'serves no such draft'}")
     lines.append(f"vLLM: {serve['vllm'] or 'serves no such draft or setting (of an EAGLE-3 tree: a chain only, K = 1)'}")
+    alone_mean = (sum(summary["target_alone_tokens_per_s"].values()) / len(summary["target_alone_tokens_per_s"])
+                  if summary["target_alone_tokens_per_s"] else None)
+    if alone_mean is not None and summary["best_mean_tokens_per_s"] < alone_mean:
+        lines.append(f"note: the best setting decodes slower than the target alone ({summary['best_mean_tokens_per_s']:.1f} "
+                     f"against {alone_mean:.1f} tokens/s on average): serving this draft would slow decoding here")
+    if summary.get("measured_earlier"):
+        lines.append(f"note: {', '.join(summary['measured_earlier'])} measured in an earlier run of this sweep (resumed): "
+                     "their tokens/s compare with the others only where the machine was as idle; delete their "
+                     "folders to measure every setting in one run")
     lines.append("one sequence at a time: a server under load gains otherwise (docs/serving.md)")
     return "\n".join(lines)
 
