@@ -171,8 +171,8 @@ def test_server_urls_from_options_and_a_file(tmp_path):
     f.write_text("http://a:1/v1\nb:2/v1\n")
     with pytest.raises(ValueError, match=rf"^{f}:2: 'b:2/v1' is not an http:// or https:// URL$"):
         server_urls((), str(f))
-    source = tmp_path / "x.jsonl"  # (a source that exists: a missing one is named before the servers)
-    source.write_text("")
+    source = tmp_path / "x.jsonl"  # (a source with a conversation: a missing or empty one is named first)
+    source.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
     result = CliRunner().invoke(regen_cli, ["run", str(source), "-o", str(tmp_path / "o"), "--backend", "openai",
                                             "--openai-urls-file", str(f)])
     assert result.exit_code == 2 and f"Error: {f}:2: 'b:2/v1' is not an http" in result.output
