@@ -729,6 +729,26 @@ def test_a_training_that_learnt_nothing_is_an_error_and_exports_nothing(features
     assert skipped_report(5, 8).startswith("5 of 8 micro-batches had no position to train")
 
 
+def test_a_resumed_run_counts_each_ranks_own_skips(features, tmp_path):
+    """The nothing-learnt check sums every rank's skipped micro-batches: a resume gave every rank the
+    main rank's count from the history, so a run in which rank 0 skipped all and rank 1 learnt would,
+    resumed, have counted everything skipped and removed a trained run's checkpoints. Each rank's own
+    count now travels in the checkpoint beside its loader state (gathered from every rank)."""
+    from specfoundry.train.trainer import Trainer
+
+    first = Trainer(tiny_cfg(features, tmp_path / "run", max_steps=2), silent=True).build()
+    first.resume()
+    first.train_step([next(iter(first.loader))])
+    first.skipped = 3  # as if this rank had skipped three micro-batches
+    first.checkpoint()
+    (state,) = json.loads((tmp_path / "run" / "checkpoints" / "step-0000001" / "trainer_state.json").read_text())[
+        "loader"]
+    assert state["skipped_micro_batches"] == 3
+    second = Trainer(tiny_cfg(features, tmp_path / "run", max_steps=2), silent=True).build()
+    second.resume()
+    assert (second.step, second.skipped) == (1, 3)
+
+
 @pytest.mark.parametrize("how", ["target alone", "chain", "tree", "block"])
 def test_non_finite_target_logits_stop_the_decode_naming_where(how):
     """issue 61 item 5: a target whose logits are NaN made an untrained draft look perfect (sf-eval

@@ -64,6 +64,7 @@ from specfoundry.featureset.manifest import (
 from specfoundry.featureset.store import FeatureSet
 from specfoundry.kernels.lk_loss import TOKEN_LOSSES, TokenLoss
 from specfoundry.train.checkpoints import (
+    BEST,
     check_process_count,
     check_random_states,
     newest_complete_checkpoint,
@@ -421,9 +422,13 @@ class Trainer:
                                   f"manifest hash {recorded[:12]}, now {str(now)[:12]}: recaptured since?); resuming "
                                   "would train on both: restore it, or train into a new folder")
         self.step = state["step"]
-        self.loader.load_state_dict(state["loader"][accel.process_index])
+        own = state["loader"][accel.process_index]  # this rank's: where its loader stood, what it skipped
+        self.loader.load_state_dict(own)
         self.history = state.get("history", [])  # so history.json covers the whole run, not the last leg
-        self.skipped = self.history[-1].get("skipped_micro_batches", 0) if self.history else 0
+        # (a checkpoint from before the ranks' own counts: the main rank's, from the history, on it alone,
+        # which can only undercount the run's skips)
+        recorded = self.history[-1].get("skipped_micro_batches", 0) if self.history and accel.is_main_process else 0
+        self.skipped = own.get("skipped_micro_batches", recorded)
         if accel.is_main_process and not self.silent:
             print(f"sf-train: resuming from {newest.name} (step {self.step})", file=sys.stderr)
 
@@ -497,7 +502,8 @@ class Trainer:
 
     def checkpoint(self) -> Path:
         """Write checkpoints/step-N whole (checkpoints.py write_checkpoint); keep the newest keep_last."""
-        return write_checkpoint(self.accel, self.out, self.step, self.loader.state_dict(),
+        rank_state = {**self.loader.state_dict(), "skipped_micro_batches": self.skipped}  # gathered from every rank
+        return write_checkpoint(self.accel, self.out, self.step, rank_state,
                                 {"train_config": config_dict(self.cfg), "history": self.history,
                                  "featureset_sha256": manifest_sha256(self.cfg.featureset)}, self.cfg.keep_last)
 
@@ -533,9 +539,10 @@ class Trainer:
         counts = accel.gather(torch.tensor([[self.skipped, self.step * self.cfg.grad_accum]], device=accel.device))
         try:
             skipped_warning = skipped_report(*counts.view(-1, 2).sum(0).tolist())
-        except NothingLearnedError:  # a checkpoint would be offered to sf-eval as a trained draft
+        except NothingLearnedError:  # a checkpoint (or best/) would be offered to sf-eval as a trained draft
             if accel.is_main_process:
-                shutil.rmtree(self.out / "checkpoints", ignore_errors=True)
+                for folder in ("checkpoints", BEST):
+                    shutil.rmtree(self.out / folder, ignore_errors=True)
             raise
         draft_state = self.draft_state()
         try:  # weights a finite loss did not read can still have gone non-finite: never exported
