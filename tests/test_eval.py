@@ -538,6 +538,7 @@ def test_sf_eval_sweep_decodes_each_setting_names_the_best_and_its_flags(gate_ru
     resumed = run_sweep(cfg, silent=True, target=smollm2_target)
     assert resumed["measured_earlier"] == ["S3_K1_N4"]
     assert "note: S3_K1_N4 measured in an earlier run of this sweep (resumed)" in format_sweep(resumed)
+    assert run_sweep(cfg, silent=True, target=smollm2_target)["measured_earlier"] == ["S3_K1_N4"]  # a rerun keeps it
     monkeypatch.undo()
     slower = {**summary, "best_mean_tokens_per_s": 5.0, "target_alone_tokens_per_s": {"chat": 9.0, "code": 11.0}}
     assert ("note: the best setting decodes slower than the target alone (5.0 against 10.0 tokens/s on average)"

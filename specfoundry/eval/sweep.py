@@ -130,7 +130,10 @@ def run_sweep(cfg: SweepConfig, silent: bool = False, target: Target | None = No
                                  chat_template=cfg.chat_template, command="sf-eval sweep")
         # --compile-target: one compile shared by all the widths the settings verify at, not one per width
         reports[name] = run_eval(run_cfg, silent=silent, target=target, dynamic=True)
-    summary = {**summarise(reports, options, ref), "measured_earlier": earlier if len(earlier) < len(options) else []}
+    if len(earlier) == len(options):  # nothing decoded now: the sweep.json before holds which runs they came from
+        before = out / "sweep.json"
+        earlier = json.loads(before.read_text()).get("measured_earlier", []) if before.is_file() else []
+    summary = {**summarise(reports, options, ref), "measured_earlier": earlier}
     atomic_write_json(out / "sweep.json", {"config": {k: getattr(cfg, k) for k in ("draft", "target", "settings")},
                                           **summary})
     plot_sweep(summary, ref.provider.name, out / "sweep.png")
