@@ -609,7 +609,8 @@ def one_sample_fewer(m):  # a record edited to agree with itself and with the se
     (lambda m: m["shards"][0].update(sample_lengths=[200, *m["shards"][0]["sample_lengths"][1:]]), "summing to"),
     (swapped_lengths, "its samples' lengths is not what manifest.json records"),
     (one_sample_fewer, "its samples' lengths is not what manifest.json records"),
-    (lambda m: m.update(hidden_size=m["hidden_size"] - 64), "its aux_hidden, final_hidden shape is not what"),
+    (lambda m: m.update(hidden_size=m["hidden_size"] - 64), "its aux_hidden, final_hidden shape or dtype is not"),
+    (lambda m: m.update(hidden_size=None), "cannot be read as manifest.json describes it (TypeError"),
 ])
 def test_sf_train_refuses_a_hand_edited_manifest_in_one_line(features, tmp_path, edit, words):
     """A manifest edited by hand crashed sf-train (an IndexError or a TypeError traceback) or trained on

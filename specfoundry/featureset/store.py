@@ -452,12 +452,19 @@ class FeatureSet:
         if checksum(self.shard_path(shard)) != entry["sha256"]:
             raise FeatureSetError(f"{self.root}: shard {entry['path']} is damaged or truncated (checksum "
                                   "mismatch); recapture it (rerun the sf-capture command after deleting it)")
-        r = ShardReader(self.shard_path(shard), self.codec, self.dtype, self.final_dtype, self.teacher_k)
-        lengths = np.diff(r.offsets).tolist()  # [samples]
-        expected = expected_arrays(self.manifest, int(r.offsets[-1]))
-        wrong = [name for name, (shape, _) in expected.items() if r.shape(name) != shape]
+        try:
+            r = ShardReader(self.shard_path(shard), self.codec, self.dtype, self.final_dtype, self.teacher_k)
+            lengths = np.diff(r.offsets).tolist()  # [samples]
+            expected = expected_arrays(self.manifest, int(r.offsets[-1]))
+            wrong = [name for name, (shape, dtype) in expected.items()
+                     if (r.shape(name), torch.from_numpy(r.rows(name, 0, 0)).dtype) != (shape, dtype)]
+        except FeatureSetError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a manifest value the reader cannot use: one line, on every rank
+            raise FeatureSetError(f"{self.root}: shard {entry['path']} cannot be read as {MANIFEST} describes it "
+                                  f"({type(e).__name__}: {e}): restore the manifest, or recapture") from None
         if lengths != entry["sample_lengths"] or wrong:
-            what = f"its {', '.join(wrong)} shape" if wrong else "its samples' lengths"
+            what = f"its {', '.join(wrong)} shape or dtype" if wrong else "its samples' lengths"
             raise FeatureSetError(f"{self.root}: shard {entry['path']}: {what} is not what {MANIFEST} records "
                                   "(an edited manifest: restore it, or recapture)")
 
