@@ -156,12 +156,12 @@ def command() -> str:
     return " ".join([head, *sys.argv[1:]])
 
 
-def reports_environment(*runs: Path) -> dict | None:
-    """The environment (python, torch, gpu) that the first sf-eval report under the runs records
-    (eval.json, at any depth): where a gathered table's figures were measured, which may be another
-    machine than the one gathering them; None where no report records one."""
+def reports_environment(*runs: Path, reports: str = "eval_*/eval.json") -> dict | None:
+    """The environment (python, torch, gpu) that the first of the gathered sf-eval reports records
+    (`reports`: their paths in each run, a glob): where a gathered table's figures were measured,
+    which may be another machine than the one gathering them; None where no report records one."""
     for run in runs:
-        for report in sorted(Path(run).rglob("eval.json")):
+        for report in sorted(Path(run).glob(reports)):
             environment = json.loads(report.read_text()).get("environment")
             if environment:
                 return environment

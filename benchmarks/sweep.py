@@ -124,7 +124,8 @@ def main() -> None:
     for draft, b in result["best"].items():
         print(f"{draft}: best {b['setting']}; SGLang {b['serve']['sglang']}; vLLM {b['serve']['vllm']}")
     print(json.dumps({k: v for k, v in result.items() if k != "best"}, indent=1))
-    print(f"wrote {write_result(args.out, rows, {'summary': result}, measured_on=reports_environment(args.run))}")
+    measured_on = reports_environment(args.run, reports="sweep_*/*/eval.json")  # each setting's sf-eval run
+    print(f"wrote {write_result(args.out, rows, {'summary': result}, measured_on=measured_on)}")
 
 
 if __name__ == "__main__":

@@ -168,3 +168,12 @@ def test_the_sweep_table_compares_the_best_with_the_chain_and_the_static_tree_wi
     assert summary["wall_s"]["eagle3"] == {"settings": 3, "settings_runs_s": 30.0, "step_s": 300.0}
     assert summary["wall_s"]["dflash_b16"]["step_s"] is None
     assert summary["unfinished"] == ["peagle_k7"] and "peagle_k7" not in summary["best"]
+
+
+def test_the_table_gatherers_never_import_torch():
+    """They only read reports (their results record the reports' machine): importing torch cost each
+    of these subprocesses about two seconds of the test run."""
+    code = ("import sys, benchmarks.families, benchmarks.sweep, benchmarks.objectives, benchmarks.modes; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout, done.stderr)
