@@ -129,6 +129,12 @@ def test_an_empty_source_is_refused_before_the_target_loads_and_writes_nothing(t
     with pytest.raises(RegenError, match=r"empty.jsonl: empty: no conversation to regenerate$"):
         run_regen(RegenConfig(output=str(tmp_path / "o"), source=str(tmp_path / "empty.jsonl")))
     assert not (tmp_path / "o" / "manifest.json").exists()
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("\n  \n")  # blank lines only
+    (folder / "b.jsonl").touch()
+    with pytest.raises(RegenError, match=r"data: every file empty: no conversation to regenerate$"):
+        run_regen(RegenConfig(output=str(tmp_path / "o"), source=str(folder)))
 
 
 def test_prompt_starters_option(tmp_path):

@@ -396,6 +396,17 @@ class Regenerator:
         return manifest
 
 
+def may_hold_records(path: Path) -> bool:
+    """Whether a data file may hold a record: not an empty file, nor a .jsonl of blank lines only (read
+    until its first other line). Other formats are read whole only by the run itself."""
+    if path.stat().st_size == 0:
+        return False
+    if path.suffix != ".jsonl":
+        return True
+    with path.open("rb") as f:
+        return any(line.strip() for line in f)
+
+
 def run_regen(cfg: RegenConfig, backend: Backend | None = None, silent: bool = False) -> dict:
     """Run (or resume) a regen into cfg.output and return the final manifest. `backend`: an
     already built backend (tests, the gate); by default the one cfg names is loaded."""
@@ -412,7 +423,7 @@ def run_regen(cfg: RegenConfig, backend: Backend | None = None, silent: bool = F
             files = data_files(cfg.source)
         except (ConversationFormatError, FileNotFoundError) as e:
             raise RegenError(str(e)) from e
-        if all(f.stat().st_size == 0 for f in files):  # else an empty output marked complete, then an error
+        if not any(may_hold_records(f) for f in files):  # else an empty output marked complete, then an error
             raise RegenError(f"{cfg.source}: {'empty' if len(files) == 1 else 'every file empty'}: no conversation "
                              "to regenerate")
     if backend is None:
