@@ -213,6 +213,37 @@ def test_a_version_3_set_reads_as_one_that_stores_the_final_state(tmp_path):
         FeatureSet(tmp_path / "fs")
 
 
+@pytest.mark.parametrize("damage", ["halved", "shifted"])
+def test_verify_recompute_finds_aux_states_wrong_at_every_token_but_the_first(topk_features, tmp_path, damage):
+    """SmolLM2's first token has states tens of times any other's: one relative error over the whole
+    sample let every other token's states be halved, or be the next token's, and still pass. Each
+    token's error per layer, its median over the sample, finds both."""
+
+    def wrong(rows, manifest):
+        aux = rows[1]["aux_hidden"]  # [T, L*H]
+        if damage == "halved":
+            aux[1:] = aux[1:] / 2
+        else:  # each token's states those of the token after it (the first token's kept)
+            aux[1:-1] = aux[2:].clone()
+
+    fs, _ = damaged_copy(topk_features, tmp_path, 0, wrong)
+    assert verify_featureset(fs) == []  # sound shards: only a fresh prefill can tell
+    (problem,) = verify_featureset(fs, recompute=2)
+    assert problem.startswith("sample 1: stored aux_hidden differs from a fresh prefill (layer "), problem
+
+
+def test_the_median_row_error_is_not_hidden_by_one_massive_row():
+    from specfoundry.featureset.store import median_row_error
+
+    want = torch.randn(9, 2 * 16)
+    want[0] *= 100  # the first token's massive activations
+    got = want.clone()
+    got[1:, 16:] /= 2  # the second layer halved at every token but the first
+    whole = ((got - want).norm() / want.norm()).item()
+    assert whole < 0.01  # what the sample-wide error saw
+    torch.testing.assert_close(median_row_error(got, want, 2), torch.tensor([0.0, 0.5]))
+
+
 def test_verify_recompute_compares_the_stored_teacher_with_a_fresh_prefills(topk_features, tmp_path):
     """--recompute reruns the target: a sound set agrees; probabilities halved at one token (still a
     descending row of mass below 1, so the shard's own checks pass) are named."""

@@ -17,6 +17,7 @@ from specfoundry.featureset.store import (
     expected_arrays,
     impossible_scales,
     is_finite,
+    median_row_error,
     relative_error,
     shard_records_problem,
     stored_states,
@@ -202,12 +203,14 @@ def recompute_samples(root: Path, manifest: dict, k: int, device: str | None) ->
                 problems.append(f"sample {i}: the stored top-{teacher_k} teacher differs from a fresh prefill's")
         for name, dtype in stored_states((("aux_hidden", manifest["storage_dtype"]),
                                           ("final_hidden", manifest["final_storage_dtype"])), bool(teacher_k)):
-            got, want = getattr(s, name).float(), fresh[name].float()
-            err = (got - want).norm() / want.norm()
+            layers = len(manifest["aux_layer_ids"]) if name == "aux_hidden" else 1
+            errors = median_row_error(getattr(s, name), fresh[name], layers)  # [layers]
             # bf16 storage rounding is ~3e-3 relative; float8's at most 2^-4 per value, packed codes'
             # a share of their block's absmax (store.relative_error)
-            if err > 1e-2 + relative_error(dtype):
-                problems.append(f"sample {i}: stored {name} differs from a fresh prefill (rel err {err:.2e})")
+            if errors.max() > 1e-2 + relative_error(dtype):
+                where = manifest["aux_layer_ids"][int(errors.argmax())] if name == "aux_hidden" else "final"
+                problems.append(f"sample {i}: stored {name} differs from a fresh prefill (layer {where}: median "
+                                f"relative error a token {errors.max():.2e})")
     return problems
 
 

@@ -18,7 +18,7 @@ from specfoundry.decoding.rounds import DecodeResult
 from specfoundry.decoding.sampler import Sampler
 from specfoundry.decoding.target import TargetRunner
 from specfoundry.families.folders import complete_checkpoints, find_draft_files, locate_draft
-from specfoundry.featureset.store import FeatureSet
+from specfoundry.featureset.store import FeatureSet, median_row_error
 
 
 @dataclass
@@ -56,13 +56,17 @@ def check_features(target: TargetRunner, fs: FeatureSet, sample, name: str = "fe
     target.reset()
     _, aux, final = target.forward(sample.input_ids.tolist(), want_hidden=True)
     worst = 0.0
-    for kind, got, stored in (("aux", aux, sample.aux_hidden), ("final", final, sample.final_hidden)):
-        err = ((got.float().cpu() - stored.float()).abs().max() / stored.float().abs().max().clamp(min=1e-6)).item()
+    for kind, got, stored, layers in (("aux", aux, sample.aux_hidden, held), ("final", final, sample.final_hidden,
+                                                                               ["final"])):
+        errors = median_row_error(got.cpu(), stored, len(layers))  # [layers]: each token's error, its median
+        err, where = errors.max().item(), layers[int(errors.argmax())]
         worst = max(worst, err)
         if err > 0.03:  # stored in bf16 (2^-8 relative) and maybe by another dtype/kernel: allow a little more
-            return Check(name, False, f"the target's {kind} hidden states now differ from the feature set's by "
-                         f"{err:.3f} (relative to the largest): another model, layers or chat template?")
-    return Check(name, True, f"layers {held}; stored features match the target's (max rel err {worst:.4f})")
+            return Check(name, False, f"the target's {kind} hidden states now differ from the feature set's at "
+                         f"layer {where} by {err:.3f} (a token's relative error, the median): another model, "
+                         "layers or chat template?")
+    return Check(name, True, f"layers {held}; stored features match the target's (median rel err a token at most "
+                 f"{worst:.4f})")
 
 
 def check_trained_setting(name: str, field: str, exported, trained) -> Check:

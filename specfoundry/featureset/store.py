@@ -71,6 +71,17 @@ def relative_error(dtype: str) -> float:
     return fp8.RELATIVE_ERROR if dtype in SCALED else 0.0
 
 
+def median_row_error(got: torch.Tensor, want: torch.Tensor, layers: int) -> torch.Tensor:
+    """The median over tokens of each layer's relative L2 error, ||got_t - want_t|| / ||want_t||:
+    [layers], from got, want [T, layers * H]. Per token and per layer because a few tokens' massive
+    activations (the first token's states are tens of times any other's) dominate a norm or a maximum
+    over the whole sample, which then misses features wrong at every other token or in one layer."""
+    t = want.shape[0]
+    got, want = got.float().reshape(t, layers, -1), want.float().reshape(t, layers, -1)  # [T, L, H]
+    errors = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-6)  # [T, L]
+    return errors.median(dim=0).values
+
+
 @dataclass
 class Sample:
     input_ids: torch.Tensor  # [T] int64
