@@ -50,7 +50,7 @@ def gather(run: Path, prefix: str = ACCEPTANCE) -> list[dict]:
         if "family" not in report:  # never guessed: a draft of another family would be mislabelled
             raise SystemExit(f"{report_path}: names no draft family (rerun its sf-eval command)")
         draft = folder.name[len(prefix):]
-        steps = report.get("draft_steps") or train_steps(run, report["config"].get("draft"), draft)
+        steps = report.get("draft_training_steps") or train_steps(run, report["config"].get("draft"), draft)
         for name, entry in report["sets"].items():
             s = entry["trained"]
             rows.append({"draft": draft, "family": report["family"], "train_steps": steps,
@@ -72,7 +72,7 @@ def gather(run: Path, prefix: str = ACCEPTANCE) -> list[dict]:
 
 
 def train_steps(run: Path, evaluated: str | None, draft: str) -> int | None:
-    """The optimizer steps of a draft whose report predates its `draft_steps`: its sf-train run folder
+    """The optimizer steps of a draft whose report predates its `draft_training_steps`: its sf-train run folder
     in RUN (the plan keeps them side by side) records them in train_summary.json. The folder is found
     by the name it had where it was evaluated, else by the draft's name in the table (a folder renamed
     since); None where neither is there."""

@@ -191,7 +191,7 @@ def run_checks(cfg: GateConfig, export: Path, target: Target | None = None) -> l
     vocab = getattr(ref.config, "draft_vocab_size", None)  # (EAGLE-3's, P-EAGLE's; the block drafters use the target's)
     if vocab is not None and vocab != cfg.draft_vocab_size:  # its checks would compare tensors of other shapes
         return [Check("export", False, f"{export} has a draft vocabulary of {vocab} tokens, the gate's run "
-                                       f"{cfg.draft_vocab_size}: pass --draft-vocab-size {vocab} to gate it")]
+                                       f"{cfg.draft_vocab_size}: pass --draft-vocab-size {vocab} and a new -o folder to gate it")]
     target = target or load_gate_target(cfg)
     fs = FeatureSet(Path(cfg.output) / "features")
     ref = ref.for_target(target.config.num_hidden_layers)

@@ -17,10 +17,10 @@ LISTING = "0620  ./shards/shard-000000.safetensors\n"
 
 def eval_folder(run: Path, draft: str, accept: float, *, alone: float | None = None, gpu: str = "NVIDIA H100",
                 limit: int | None = None, steps: int | None = None, evaluated_as: str | None = None,
-                draft_steps: int | None = None) -> None:
+                draft_training_steps: int | None = None) -> None:
     """An sf-eval output folder as benchmarks.families reads it: one set, the keys it takes; `steps`:
     the draft's sf-train run beside it, as the plan leaves it, recording that many steps; `evaluated_as`:
-    the folder's name where it was evaluated (renamed since); `draft_steps`: the report's own record."""
+    the folder's name where it was evaluated (renamed since); `draft_training_steps`: the report's own record."""
     folder = run / f"eval_{draft}"
     folder.mkdir(parents=True)
     entry = {"trained": {"prompts": 2, "accept_length": accept, "tokens_per_s": 100.0 * accept}}
@@ -28,7 +28,7 @@ def eval_folder(run: Path, draft: str, accept: float, *, alone: float | None = N
         entry["target_alone_tokens_per_s"] = alone
     report = {"family": draft.split("_")[0], "config": {"tree": None, "k": 15, "limit": limit, "dtype": "bfloat16",
                                                         "draft": f"/elsewhere/run/{evaluated_as or draft}"},
-              "environment": {"gpu": gpu}, "sets": {"chat": entry}, "draft_steps": draft_steps}
+              "environment": {"gpu": gpu}, "sets": {"chat": entry}, "draft_training_steps": draft_training_steps}
     if steps is not None:
         (run / draft).mkdir()
         (run / draft / "train_summary.json").write_text(json.dumps({"steps": steps}))
@@ -73,7 +73,7 @@ def test_runs_of_one_capture_join_and_the_result_names_its_digest(tmp_path):
     assert result["features_sha256"] == hashlib.sha256(LISTING.encode()).hexdigest()
     # the steps: the report's own record first, else the run folder by either name
     steps = tmp_path / "s"
-    eval_folder(steps, "eagle3", 1.8, steps=678, draft_steps=500)
+    eval_folder(steps, "eagle3", 1.8, steps=678, draft_training_steps=500)
     eval_folder(steps, "dflash_b16", 1.5, steps=600, evaluated_as="dflash_b16_before")
     done, result = table(tmp_path, steps)
     assert done.returncode == 0, done.stderr

@@ -64,7 +64,7 @@ def test_sf_eval_run_decodes_a_dflash_draft_in_blocks(dflash_gate_run, tmp_path,
     report = run_eval(EvalConfig(draft=str(export), output=str(tmp_path / "eval"), prompt_sets=("chat",), limit=2,
                                  max_new_tokens=12, device="cpu", dtype="float32"), silent=True, target=smollm2_target)
     assert report["family"] == "dflash" and report["config"]["k"] == cfg.k  # block k+1: k proposals per round
-    assert report["draft_steps"] == cfg.max_steps  # from the export's training record
+    assert report["draft_training_steps"] == cfg.max_steps  # from the export's training record
     chat = report["sets"]["chat"]["trained"]
     assert chat["identical_to_target"] == "2/2" and len(chat["accept_rate_by_position"]) == cfg.k
     assert (tmp_path / "eval" / "eval.json").is_file()

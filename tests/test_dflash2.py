@@ -608,7 +608,7 @@ def test_sf_eval_decodes_a_dflash2_export_as_the_target_does(tiny_llama_dir, tmp
                                  prompt_sets=("chat",), limit=2, max_new_tokens=12, device="cpu", dtype="float32"),
                       silent=True)
     assert report["family"] == "dflash2" and report["config"]["k"] == dcfg.block_size - 1
-    assert report["draft_steps"] is None  # an export no training wrote
+    assert report["draft_training_steps"] is None  # an export no training wrote
     chat = report["sets"]["chat"]["trained"]
     assert chat["identical_to_target"] == "2/2" and len(chat["accept_rate_by_position"]) == dcfg.block_size - 1
 

@@ -171,6 +171,11 @@ def test_a_run_that_writes_no_conversation_fails_naming_why(tmp_path, monkeypatc
     assert result.exit_code == 2 and f"{out}: no conversation written: see the counts above" in result.output
     totals["conversations_written"] = 2
     assert CliRunner().invoke(regen_cli, args).exit_code == 0
+    # answers whose reasoning never closed: counted among the truncated, the reason said in a line of its own
+    totals.update(conversations_written=0, turns_truncated=2, turns_reasoning_unclosed=2)
+    result = CliRunner().invoke(regen_cli, args)
+    assert ("2 answers' reasoning never closed (cut by --max-new-tokens 12, or the turn ended in it): those turns "
+            "were dropped") in result.output and result.exit_code == 2
 
 
 def test_greedy_answers_still_get_sampled_prompts(tmp_path, backend):

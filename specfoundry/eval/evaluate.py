@@ -434,7 +434,7 @@ def run_eval(cfg: EvalConfig, silent: bool = False, target: Target | None = None
                                              compiled=cfg.compile_draft)
     report = {"config": config_dict(cfg), "convention": "accept_length = mean tokens per target verify forward, "
               "counting the target's own token (k+1 at most); the prompt's first token is not counted",
-              "family": family.name, "draft_steps": (training_record(ref) or {}).get("step"),  # its training's length
+              "family": family.name, "draft_training_steps": (training_record(ref) or {}).get("step"),  # optimizer steps
               "aux_layer_ids": aux, "device": str(device),
               "modes": {mode_label(m): m for m in modes}, "modes_from": mode_from,
               "dtype": str(dtype), "placement": config_dict(target.placement)}

@@ -99,8 +99,8 @@ def decode_check(bar: float, result: DecodeResult, shape: str) -> Check:
     ok = length >= bar
     return Check("decode", ok, f"acceptance length {length:.2f} at {shape} over {result.rounds} rounds "
                  f"({'>=' if ok else '<'} the bar {bar:.2f})"
-                 + ("" if ok else ": every earlier check agrees, so the draft's steps past the first (positions, "
-                    "its own states) disagree with training"))
+                 + ("" if ok else ": where every check before it passed, the draft's steps past the first "
+                    "(positions, its own states) disagree with training"))
 
 
 def decode_prompt(gate, target, decoder, runner_target: TargetRunner, sample, shape: str) -> Check:

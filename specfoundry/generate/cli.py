@@ -53,6 +53,9 @@ def run(greedy, recipe, silent, **options):
         f"loops trimmed {t.get('turns_loop_trimmed', 0)}, "
         f"failed {t.get('turns_failed', 0)}; bad inputs {len(manifest['bad_inputs'])}{synthesised})"
     )
+    if t.get("turns_reasoning_unclosed", 0):  # the counts above do not say why these turns were lost
+        click.echo(f"{t['turns_reasoning_unclosed']} answers' reasoning never closed (cut by --max-new-tokens "
+                   f"{cfg.sampling.max_new_tokens}, or the turn ended in it): those turns were dropped", err=True)
     if not t.get("conversations_written", 0):  # nothing a later stage could train on: never a success
         no_prompt = cfg.synthesize and not t.get("conversations_in", 0) and t.get("synthetic_prompts_empty", 0)
         hint = (f"no synthesised prompt ended within --max-new-tokens ({cfg.sampling.max_new_tokens})" if no_prompt
