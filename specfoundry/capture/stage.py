@@ -68,7 +68,7 @@ from specfoundry.featureset.manifest import (
     tokenizer_hashes,
 )
 from specfoundry.featureset.store import CODECS, bytes_per_value, shard_name, write_shard_file
-from specfoundry.featureset.teacher import parse_teacher
+from specfoundry.featureset.teacher import MAX_K, parse_teacher
 
 
 class CaptureError(ValueError):
@@ -147,7 +147,7 @@ class CaptureConfig(Settings):
              "--storage-dtype.")
     teacher_storage: str = setting("final", before="final", parse=lambda v: str(v).strip(),
                            help="What the teacher is stored as: final (the final state, H values a token) or "
-                                "topk:K (its K most probable next tokens, 6K bytes a token; docs/featureset.md).")
+                                f"topk:K (its K most probable next tokens, K from 1 to {MAX_K}, 6K bytes a token; docs/featureset.md).")
     strict: bool = shared("strict", False)
     partial: bool = setting(False, help="Take the finished shards of an incomplete sf-regen run instead of "
                             "refusing it.")
