@@ -106,10 +106,19 @@ def test_sf_capture_s_summary_counts_the_bad_inputs_it_left_out(tmp_path, tiny_l
     result = CliRunner().invoke(capture_main, ["run", str(src), "-o", str(tmp_path / "fs"), "--target",
                                                str(tiny_llama_dir), "--max-length", "256", "--silent"])
     assert result.exit_code == 0, (result.output, result.exception)
-    *_, report, summary = result.output.strip().splitlines()
+    (report,) = [line for line in result.output.splitlines() if line.startswith("bad input: ")]
+    (summary,) = [line for line in result.output.splitlines() if line.startswith("feature set ")]
     assert report == f"bad input: {src}:1: starts_on_assistant: " + report.split("starts_on_assistant: ")[1]
     assert summary.startswith(f"feature set {tmp_path / 'fs'}: 1 samples, ")
     assert summary.endswith("loss tokens; left out: 1 bad inputs (above)")
+    long_question = {"id": "long", "conversations": [{"from": "human", "value": "Why? " * 200},
+                                                     {"from": "gpt", "value": "Because."}]}
+    src = write_jsonl(tmp_path / "long.jsonl", [long_question, CHAT[0]])
+    result = CliRunner().invoke(capture_main, ["run", str(src), "-o", str(tmp_path / "fs2"), "--target",
+                                               str(tiny_llama_dir), "--max-length", "256", "--silent"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    (summary,) = [line for line in result.output.splitlines() if line.startswith("feature set ")]
+    assert summary.endswith("loss tokens; left out: 1 with no assistant token within --max-length 256"), summary
 
 
 # ---- item 17: an empty answer is named as one, not as a template problem ---------------------------
