@@ -13,8 +13,8 @@ from specfoundry.featureset.manifest import FeatureSetError, read_manifest, reco
 from specfoundry.featureset.store import (
     FeatureSet,
     ShardReader,
+    arrays_off_record,
     decode_state,
-    expected_arrays,
     impossible_scales,
     is_finite,
     median_row_error,
@@ -99,22 +99,18 @@ def check_shard(root: Path, manifest: dict, entry: dict) -> tuple[list[str], dic
         r = ShardReader(path, manifest["codec"], manifest["storage_dtype"], manifest["final_storage_dtype"],
                         stored_topk(manifest))
         n = int(r.offsets[-1])
-        expect = expected_arrays(manifest, n)
-        found = {name: (r.shape(name), torch.from_numpy(r.rows(name, 0, 0)).dtype) for name in expect}
+        off_record = arrays_off_record(r, manifest)
         mask = r.rows("loss_mask", 0, n)
     except FeatureSetError as e:  # the shard is sound, but not what the manifest says
         return [str(e)], {}
     except Exception as e:  # noqa: BLE001 - any read failure is a damaged shard
         return [f"{entry['path']}: unreadable ({type(e).__name__}: {e})"], {}
-    problems = []
-    for name, (shape, dtype) in expect.items():
-        got = found[name]
-        if got != (shape, dtype):
-            problems.append(f"{entry['path']}: {name} is {got[1]} {got[0]}, expected {dtype} {shape}")
+    problems = [f"{entry['path']}: {name} is {got[1]} {got[0]}, expected {dtype} {shape}"
+                for name, (got, (shape, dtype)) in off_record.items()]
     if len(r) != entry["num_samples"] or n != entry["num_tokens"]:
         problems.append(f"{entry['path']}: holds {len(r)} samples / {n} tokens, manifest says "
                         f"{entry['num_samples']} / {entry['num_tokens']}")
-    elif [int(b - a) for a, b in zip(r.offsets[:-1], r.offsets[1:], strict=True)] != list(entry["sample_lengths"]):
+    elif r.sample_lengths() != list(entry["sample_lengths"]):
         problems.append(f"{entry['path']}: the manifest's sample lengths are not the shard's (an edited manifest: "
                         "restore it, or recapture)")
     if not problems and stored_topk(manifest):

@@ -61,6 +61,7 @@ class ToolGroup(click.Group):
             click.echo(f"\n{command}: interrupted (Ctrl-C)", err=True)
             ctx.exit(INTERRUPTED)
 
+
 RECIPE_SECTIONS = ("regen", "capture", "train", "export", "eval", "gate")
 
 

@@ -320,6 +320,14 @@ def expected_arrays(manifest: dict, n: int) -> dict[str, tuple[tuple[int, ...], 
     return out
 
 
+def arrays_off_record(r: ShardReader, manifest: dict) -> dict[str, tuple[tuple, tuple]]:
+    """The shard's arrays whose (shape, dtype) on disk are not what the manifest describes for its
+    tokens (expected_arrays): name -> (found, expected), each (shape, torch dtype)."""
+    expected = expected_arrays(manifest, int(r.offsets[-1]))
+    found = {name: (r.shape(name), torch.from_numpy(r.rows(name, 0, 0)).dtype) for name in expected}
+    return {name: (found[name], want) for name, want in expected.items() if found[name] != want}
+
+
 def shard_records_problem(root: Path, manifest: dict) -> str | None:
     """What makes the manifest's shard records disagree with one another, in one line naming the
     first, or None: a count that is not a whole number, a shard whose sample lengths are not
@@ -381,6 +389,10 @@ class ShardReader:
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
+
+    def sample_lengths(self) -> list[int]:
+        """Each sample's tokens, in order: what the manifest records as the shard's sample_lengths."""
+        return np.diff(self.offsets).tolist()
 
     def shape(self, name: str) -> tuple[int, ...]:
         """An array's shape, from the shard's metadata alone."""
@@ -465,16 +477,13 @@ class FeatureSet:
                                   "mismatch); recapture it (rerun the sf-capture command after deleting it)")
         try:
             r = ShardReader(self.shard_path(shard), self.codec, self.dtype, self.final_dtype, self.teacher_k)
-            lengths = np.diff(r.offsets).tolist()  # [samples]
-            expected = expected_arrays(self.manifest, int(r.offsets[-1]))
-            wrong = [name for name, (shape, dtype) in expected.items()
-                     if (r.shape(name), torch.from_numpy(r.rows(name, 0, 0)).dtype) != (shape, dtype)]
+            wrong = list(arrays_off_record(r, self.manifest))
         except FeatureSetError:
             raise
         except Exception as e:  # noqa: BLE001 - a manifest value the reader cannot use: one line, on every rank
             raise FeatureSetError(f"{self.root}: shard {entry['path']} cannot be read as {MANIFEST} describes it "
                                   f"({type(e).__name__}: {e}): restore the manifest, or recapture") from None
-        if lengths != entry["sample_lengths"] or wrong:
+        if r.sample_lengths() != entry["sample_lengths"] or wrong:
             what = f"its {', '.join(wrong)} shape or dtype" if wrong else "its samples' lengths"
             raise FeatureSetError(f"{self.root}: shard {entry['path']}: {what} is not what {MANIFEST} records "
                                   "(an edited manifest: restore it, or recapture)")
