@@ -8,11 +8,9 @@ from specfoundry.capture.stage import CaptureConfig, CaptureError, run_capture
 from specfoundry.capture.verify import verify_featureset
 from specfoundry.common.cli import (
     CONTEXT,
-    CommandError,
     IntIn,
     ToolGroup,
     expected_failures,
-    given_on_command_line,
     hide_transformers_bars,
     resolve_config,
     shared_option,
@@ -42,9 +40,6 @@ def run(recipe, silent, **options):
 
     Under `torchrun` each copy of the target (one process, or --tp N processes) takes its share
     of the shards. Rerunning the same command resumes."""
-    if given_on_command_line("aux_layers") and given_on_command_line("families"):
-        raise CommandError("--aux-layers names the layers stored, --families picks them from families' defaults: "
-                           "give one")
     cfg = resolve_config(CaptureConfig, "capture", recipe, options)
     manifest = run_capture(cfg, silent=silent)
     if launch_env()[0] == 0:

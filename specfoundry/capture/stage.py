@@ -112,7 +112,8 @@ def stored_layers(cfg: CaptureConfig, num_layers: int) -> list[int]:
 class CaptureConfig(Settings):
     """Settings of one sf-capture run (recorded in capture_config.json and the manifest)."""
 
-    DECIDED_TOGETHER: ClassVar = (("aux_layers", "families"),)  # the layers stored: the command line's
+    DECIDED_TOGETHER: ClassVar = {("aux_layers", "families"): "--aux-layers names the layers stored, --families picks "
+                                  "them from families' defaults: give one"}
 
     source: str = setting(argument=True, help="Conversation file or folder, or an sf-regen output folder.")
     output: str = shared("output", resume=False)

@@ -331,7 +331,9 @@ def resolve_config(cls, section: str, recipe: str | None, options: dict, *, deci
                    **fixed):
     """cls built from its defaults, then the recipe's `section`, then the options given on the
     command line, then `fixed`. Unknown recipe keys, missing required settings and values a
-    setting cannot take are one-line errors naming the option, or the recipe file and key;
+    setting cannot take are one-line errors naming the option, or the recipe file and key. cls's
+    DECIDED_TOGETHER maps settings that decide one thing to the line that refuses them both on the
+    command line (None: the command judges them itself); from the recipe, the command line's one wins.
     `decided_here` names keys of the section that the command sets itself (sf-eval sweep's serving
     settings, which it varies over the section's k or tree): they are left out, not refused.
     Inside a command, the output folder is then held for the command's life (hold_output)."""
@@ -341,7 +343,9 @@ def resolve_config(cls, section: str, recipe: str | None, options: dict, *, deci
     ctx = click.get_current_context(silent=True)
     given = {k: v for k, v in options.items()
              if ctx is None or ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, None)}
-    for group in getattr(cls, "DECIDED_TOGETHER", ()):  # the command line decides, not the recipe's partner
+    for group, why in getattr(cls, "DECIDED_TOGETHER", {}).items():  # the command line's, not the recipe's partner
+        if why and sum(k in given for k in group) > 1:  # both on the command line: one would be dropped unsaid
+            raise CommandError(why)
         in_recipe = [k for k in group if k in values]
         if len(in_recipe) > 1 and not any(k in given for k in group):  # one would be dropped unsaid
             raise CommandError(f"{recipe}: {section}: {' and '.join(in_recipe)} both decide one thing (one replaces the "

@@ -7,7 +7,6 @@ import click
 
 from specfoundry.common.cli import (
     CommandError,
-    given_on_command_line,
     read_recipe,
     resolve_config,
     stage_command,
@@ -32,8 +31,6 @@ def run(recipe, silent, **options):
     """Decode each prompt with DRAFT (an exported folder, an sf-train run folder, or one of its
     checkpoints/step-N) proposing and the target verifying, and report acceptance length. With
     --tp N, launch it under `torchrun --nproc-per-node N` (one copy of the target)."""
-    if given_on_command_line("k") and given_on_command_line("tree"):  # one would be dropped unsaid
-        raise CommandError("-k drafts a chain, --tree a tree (its depth is its k): give one")
     cfg = resolve_config(EvalConfig, "eval", recipe, options)
     report = run_eval(cfg, silent=silent)
     if launch_env()[0] != 0:  # under torchrun (--tp), rank 0 reports

@@ -100,7 +100,7 @@ CHAIN_K = 4
 class EvalConfig(Settings):
     """Settings of one sf-eval run (recorded in eval_config.json and in eval.json)."""
 
-    DECIDED_TOGETHER: ClassVar = (("k", "tree"),)  # a chain of k or a tree: the command line's, over the recipe's
+    DECIDED_TOGETHER: ClassVar = {("k", "tree"): "-k drafts a chain, --tree a tree (its depth is its k): give one"}
 
     draft: str = setting(argument=True, help="An exported draft folder, an sf-train run folder, or one of its "
                          "checkpoints/step-N.")

@@ -93,7 +93,9 @@ def parse_starters(spec) -> tuple[str, ...]:
 class RegenConfig(Settings):
     """Settings of one sf-regen run (recorded in regen_config.json beside its output)."""
 
-    DECIDED_TOGETHER: ClassVar = (("source", "synthesize"),)  # what is answered: the command line's
+    # what is answered: the command line's, over the recipe's; both given are judged by value in run_regen
+    # (--synthesize 0 beside a SOURCE reads the SOURCE), so no refusal here
+    DECIDED_TOGETHER: ClassVar = {("source", "synthesize"): None}
 
     source: str | None = setting(None, argument=True, help="Conversation file or folder (jsonl/json/parquet, "
                                  "ShareGPT or OpenAI shaped); none when prompts are synthesised.")

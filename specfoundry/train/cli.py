@@ -46,9 +46,6 @@ def run_help() -> str:
 def run(recipe, silent, **options):
     """sf-train run (its help: run_help, generated from the catalogue)."""
     cfg = resolve_config(TrainConfig, "train", recipe, options)
-    if given_on_command_line("max_steps") and given_on_command_line("epochs"):  # one would be dropped unsaid
-        raise CommandError("--max-steps and --epochs both set how long to train: give one (--epochs, when given, "
-                           "replaces --max-steps)")
     refuse_other_families_options(cfg.family)
     result = run_train(cfg, silent=silent)
     last = result["history"][-1] if result["history"] else {}

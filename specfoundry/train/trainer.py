@@ -96,7 +96,8 @@ class TrainConfig(Settings):
     `layers`, one field per registered family (families/__init__.py) holds its options group: eagle3,
     dflash, ...; every option name is unique across the groups (unique_options, at import)."""
 
-    DECIDED_TOGETHER: ClassVar = (("max_steps", "epochs"),)  # how long: the command line's, over the recipe's
+    DECIDED_TOGETHER: ClassVar = {("max_steps", "epochs"): "--max-steps and --epochs both set how long to train: give "
+                                  "one (--epochs, when given, replaces --max-steps)"}  # the command line's, over the recipe's
 
     def unread_groups(self) -> set[str]:
         """The option groups of the families this run's family does not extend: a change to their
